@@ -1,0 +1,26 @@
+# Two commands for a fresh machine: `make run` (the main job) and `make test`.
+# Each creates .venv itself on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[test,bench]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/cpjax demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/shard_batch.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

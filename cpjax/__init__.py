@@ -1,0 +1,21 @@
+"""cpjax: context-parallel training for JAX.
+
+Batch preparation (pad and shard the token streams over a named ``cp`` mesh
+axis, contiguous or load-balanced) and ring attention, as pure functions.
+"""
+
+from cpjax.batch import attention_mask_to_padding_mask as attention_mask_to_padding_mask
+from cpjax.batch import next_token_labels as next_token_labels
+from cpjax.batch import normalize_batch as normalize_batch
+from cpjax.batch import synthesize_document_ids as synthesize_document_ids
+from cpjax.batch import vision_group_ids as vision_group_ids
+from cpjax.layout import ShardLayout as ShardLayout
+from cpjax.layout import local_token_indices as local_token_indices
+from cpjax.layout import padded_length as padded_length
+from cpjax.layout import rank_order as rank_order
+from cpjax.sharding import ContextParallelSharder as ContextParallelSharder
+from cpjax.sharding import shard_batch as shard_batch
+from cpjax.sharding import shard_sequence as shard_sequence
+from cpjax.sharding import unshard_batch as unshard_batch
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from cpjax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,291 @@
+"""Pure batch normalisation: masks, document ids, vision groups, labels.
+
+Every function returns a new dict and never mutates its input; all of them
+trace under ``jax.jit``. Batch conventions follow Hugging Face:
+
+=====================  ==================  =====================================
+key                    shape               meaning
+=====================  ==================  =====================================
+``input_ids``          [B, S] int          tokens (primary stream)
+``inputs_embeds``      [B, S, E]           alternative primary stream
+``labels``             [B, S] int          shifted targets, ``-100`` = ignored
+``position_ids``       [B, S] / [1, S] /   RoPE positions (mRoPE: sequence is
+                       [3, B, S] int       dim 2)
+``attention_mask``     [B, S] / [B,1,S,S]  HF mask, replaced by ``padding_mask``
+``padding_mask``       [B, S] bool         True = pad
+``loss_mask``          [B, S]              1 = token counts in the loss
+``_packed_seq_ids``    [B, S] int          document id 1..n, 0 = pad
+``mm_token_type_ids``  [B, S] int          0 text, 1 image, 2 other modality
+``pixel_values``       [N, ...]            images, never sequence-sharded
+=====================  ==================  =====================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "DOCUMENT_IDS_KEY",
+    "IGNORE_INDEX",
+    "attention_mask_to_padding_mask",
+    "next_token_labels",
+    "normalize_batch",
+    "primary_key",
+    "primary_length",
+    "synthesize_document_ids",
+    "vision_group_ids",
+]
+
+DOCUMENT_IDS_KEY = "_packed_seq_ids"
+IGNORE_INDEX = -100
+PRIMARY_KEYS = ("input_ids", "inputs_embeds")
+_INTEGER_KEYS = ("input_ids", "labels", "position_ids", DOCUMENT_IDS_KEY,
+                 "mm_token_type_ids")
+
+
+def _is_integer(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.integer)
+
+
+def primary_key(batch: Mapping) -> str:
+  """The name of the batch's primary stream, ``input_ids`` or ``inputs_embeds``.
+
+  Raises:
+    KeyError: when neither or both are present.
+  """
+  present = [k for k in PRIMARY_KEYS if k in batch]
+  if len(present) != 1:
+    raise KeyError(
+        "batch must hold exactly one of 'input_ids' / 'inputs_embeds', got "
+        f"{present or 'neither'} (keys: {sorted(batch)})")
+  return present[0]
+
+
+def primary_length(batch: Mapping) -> int:
+  """Sequence length ``S`` of the primary stream (dim 1)."""
+  return jnp.shape(batch[primary_key(batch)])[1]
+
+
+def attention_mask_to_padding_mask(batch: Mapping) -> dict:
+  """Replace a Hugging Face ``attention_mask`` by a bool ``padding_mask``.
+
+  ``attention_mask`` is always removed. When ``padding_mask`` is absent it is
+  derived as in the original: a 2-D mask [B, S] (1 = real) gives
+  ``~mask``; a 4-D mask [B, 1, S, S] gives its diagonal ``d = mask[:, 0]``'s
+  ``~d`` when bool and ``d != 0`` when additive (0 = allowed, -inf = masked).
+
+  Example:
+    >>> import numpy as np
+    >>> out = attention_mask_to_padding_mask({"attention_mask": np.array([[1, 1, 0]])})
+    >>> sorted(out), np.asarray(out["padding_mask"]).tolist()
+    (['padding_mask'], [[False, False, True]])
+  """
+  out = dict(batch)
+  mask = out.pop("attention_mask", None)
+  if mask is None or "padding_mask" in out:
+    return out
+  mask = jnp.asarray(mask)
+  if mask.ndim == 2:
+    out["padding_mask"] = ~mask.astype(bool)
+  elif mask.ndim == 4:
+    diag = jnp.diagonal(mask[:, 0], axis1=-2, axis2=-1)
+    out["padding_mask"] = ~diag if mask.dtype == jnp.bool_ else diag != 0
+  else:
+    raise ValueError(
+        "attention_mask must be 2-D [B, S] or 4-D [B, 1, S, S], got shape "
+        f"{tuple(mask.shape)}")
+  return out
+
+
+def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
+  """Add the trivial single-document ``_packed_seq_ids`` map when absent.
+
+  As the original's ``_synthesize_single_document_seq_ids``: a no-op when
+  ``_packed_seq_ids`` exists; else 1 where real and 0 where pad when
+  ``padding_mask`` exists (``seq_len`` unused); else all ones [B, seq_len]
+  (B from the primary stream, 1 without one).
+
+  Example:
+    >>> import numpy as np
+    >>> pad = np.array([[0, 0, 0, 0, 1, 1]], bool)
+    >>> ids = synthesize_document_ids({"padding_mask": pad}, 6)["_packed_seq_ids"]
+    >>> np.asarray(ids).tolist()
+    [[1, 1, 1, 1, 0, 0]]
+  """
+  out = dict(batch)
+  if DOCUMENT_IDS_KEY in out:
+    return out
+  if "padding_mask" in out:
+    pad = jnp.asarray(out["padding_mask"]).astype(bool)
+    out[DOCUMENT_IDS_KEY] = jnp.where(pad, 0, 1).astype(jnp.int32)
+    return out
+  present = [k for k in PRIMARY_KEYS if k in out]
+  batch_size = jnp.shape(out[present[0]])[0] if present else 1
+  out[DOCUMENT_IDS_KEY] = jnp.ones((batch_size, seq_len), jnp.int32)
+  return out
+
+
+def vision_group_ids(mm_token_type_ids) -> jax.Array:
+  """Id of the contiguous vision span each token belongs to; -1 for text.
+
+  A token is vision when its type is 1 (image) or 2 (other modality); a group
+  starts where a vision token follows a non-vision one (or starts the row).
+  Computed over the FULL row, so slice it afterwards.
+
+  Args:
+    mm_token_type_ids: int[B, S].
+
+  Returns:
+    int32[B, S].
+
+  Example:
+    >>> import numpy as np
+    >>> np.asarray(vision_group_ids(np.array([[0, 1, 1, 0, 2, 2]]))).tolist()
+    [[-1, 0, 0, -1, 1, 1]]
+  """
+  types = jnp.asarray(mm_token_type_ids)
+  if types.ndim != 2 or not _is_integer(types):
+    raise ValueError(
+        "mm_token_type_ids must be an integer [B, S] array, got "
+        f"{types.dtype}{list(types.shape)}")
+  vision = (types == 1) | (types == 2)
+  prev = jnp.pad(vision[:, :-1], ((0, 0), (1, 0)))
+  starts = vision & ~prev
+  groups = jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1
+  return jnp.where(vision, groups, -1).astype(jnp.int32)
+
+
+def next_token_labels(input_ids, document_ids=None, ignore_index: int = IGNORE_INDEX):
+  """Shifted next-token labels, made *before* sharding.
+
+  ``labels[t] = input_ids[t + 1]`` when tokens t and t + 1 belong to the same
+  (non-pad) document; the last token of every document, every pad token
+  (document id 0) and the last position get ``ignore_index``. Since the shift
+  happens on the full row, no label crosses a document or a shard boundary.
+
+  Args:
+    input_ids: int[B, S].
+    document_ids: optional int[B, S], ``_packed_seq_ids`` (0 = pad).
+    ignore_index: label of positions that do not count.
+
+  Returns:
+    int32[B, S].
+
+  Example:
+    >>> import numpy as np
+    >>> ids = np.array([[5, 6, 7, 8, 9, 0]])
+    >>> docs = np.array([[1, 1, 2, 2, 2, 0]])
+    >>> np.asarray(next_token_labels(ids, docs)).tolist()
+    [[6, -100, 8, 9, -100, -100]]
+  """
+  ids = jnp.asarray(input_ids)
+  if ids.ndim != 2 or not _is_integer(ids):
+    raise ValueError(
+        f"input_ids must be an integer [B, S] array, got {ids.dtype}{list(ids.shape)}")
+  nxt = jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))
+  valid = jnp.ones(ids.shape, bool).at[:, -1].set(False)
+  if document_ids is not None:
+    docs = jnp.asarray(document_ids)
+    if docs.shape != ids.shape or not _is_integer(docs):
+      raise ValueError(
+          "document_ids must be an integer array shaped like input_ids "
+          f"{list(ids.shape)}, got {docs.dtype}{list(docs.shape)}")
+    nxt_doc = jnp.pad(docs[:, 1:], ((0, 0), (0, 1)))
+    valid &= (docs > 0) & (docs == nxt_doc)
+  return jnp.where(valid, nxt, ignore_index).astype(jnp.int32)
+
+
+def _seq_dim(key: str, x) -> int:
+  return 2 if key == "position_ids" and jnp.ndim(x) == 3 else 1
+
+
+def normalize_batch(batch: Mapping, *, loss_mask=None) -> dict:
+  """Bring a batch to the canonical form every cpjax sharder works on.
+
+  * exactly one primary stream (``input_ids`` or ``inputs_embeds``);
+  * ``attention_mask`` converted to a bool ``padding_mask``
+    (:func:`attention_mask_to_padding_mask`); without either, an all-False
+    ``padding_mask`` is added so padding added later is always marked;
+  * ``position_ids`` defaulted to ``arange(S)`` and broadcast to [B, S]
+    (a [1, S] or [3, 1, S] input is broadcast over the batch);
+  * ``labels`` taken from ``loss_mask`` when missing (as the original; the
+    ``loss_mask`` key is then not emitted); still none is a ``KeyError``.
+
+  Shapes and dtypes are validated here, before any compute. Keys it does not
+  know are passed through untouched.
+
+  Raises:
+    KeyError: no primary stream / both, or no labels.
+    ValueError: sequence lengths or batch sizes that disagree, bad ranks.
+    TypeError: non-integer ids, labels or positions.
+  """
+  if not isinstance(batch, Mapping):
+    raise TypeError(f"batch must be a mapping of arrays, got {type(batch).__name__}")
+  key = primary_key(batch)
+  primary = batch[key]
+  want_ndim = 2 if key == "input_ids" else 3
+  if jnp.ndim(primary) != want_ndim:
+    raise ValueError(
+        f"{key} must be {want_ndim}-D ([B, S{', E' if want_ndim == 3 else ''}]), "
+        f"got shape {tuple(jnp.shape(primary))}")
+  batch_size, seq_len = jnp.shape(primary)[:2]
+
+  out = attention_mask_to_padding_mask(batch)
+  for k in (*PRIMARY_KEYS, *_INTEGER_KEYS, "loss_mask", "padding_mask"):
+    if k in out:
+      out[k] = jnp.asarray(out[k])
+  for k in _INTEGER_KEYS:
+    if k in out and not _is_integer(out[k]):
+      raise TypeError(f"{k} must have an integer dtype, got {jnp.result_type(out[k])}")
+
+  if "labels" not in out:
+    if loss_mask is None:
+      raise KeyError(
+          "batch has no 'labels' and no loss_mask argument was given; make labels"
+          " with cpjax.next_token_labels or pass loss_mask=")
+    labels = jnp.asarray(loss_mask)
+    out["labels"] = labels.astype(jnp.int32) if labels.dtype == jnp.bool_ else labels
+    out.pop("loss_mask", None)
+    if not _is_integer(out["labels"]):
+      raise TypeError(f"labels (from loss_mask) must be integer or bool, got {labels.dtype}")
+
+  if "padding_mask" not in out:
+    out["padding_mask"] = jnp.zeros((batch_size, seq_len), bool)
+  else:
+    out["padding_mask"] = jnp.asarray(out["padding_mask"]).astype(bool)
+
+  pos = out.get("position_ids")
+  if pos is None:
+    pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch_size, seq_len))
+  else:
+    pos = jnp.asarray(pos)
+    if pos.ndim == 2 and pos.shape[0] == 1 and batch_size != 1:
+      pos = jnp.broadcast_to(pos, (batch_size, seq_len))
+    elif pos.ndim == 3 and pos.shape[1] == 1 and batch_size != 1:
+      pos = jnp.broadcast_to(pos, (pos.shape[0], batch_size, seq_len))
+    elif pos.ndim not in (2, 3):
+      raise ValueError(
+          "position_ids must be [B, S], [1, S] or mRoPE [3, B, S], got shape "
+          f"{tuple(pos.shape)}")
+  out["position_ids"] = pos
+
+  for k in ("labels", "loss_mask", "padding_mask", DOCUMENT_IDS_KEY,
+            "mm_token_type_ids", "position_ids"):
+    if k not in out:
+      continue
+    shape = jnp.shape(out[k])
+    dim = _seq_dim(k, out[k])
+    bdim = dim - 1
+    if len(shape) <= dim or shape[dim] != seq_len:
+      raise ValueError(
+          f"{k} must have sequence length {seq_len} (that of {key}) on dim {dim}, "
+          f"got shape {tuple(shape)}")
+    if shape[bdim] != batch_size:
+      raise ValueError(
+          f"{k} must have batch size {batch_size} (that of {key}) on dim {bdim}, "
+          f"got shape {tuple(shape)}")
+  return out

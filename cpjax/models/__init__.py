@@ -1,0 +1,1 @@
+"""Models with a context-parallel forward."""

@@ -1,0 +1,76 @@
+"""Gemma4's aux-only contiguous CP batch preparation, under the seed's names.
+
+Gemma4 embeds, splices vision features, builds per-layer inputs and vision
+group ids on the FULL row inside its forward and slices them there with
+:func:`cpjax.shard_sequence`; the dispatch-time sharder therefore touches only
+the auxiliary streams. The one Gemma4-specific piece is the document map
+``_packed_seq_ids``: its pad zeros depend on the global pad tail, which a rank
+holding only its slice cannot reconstruct, so it is synthesized on the full
+pre-pad batch and sharded here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jax.sharding import Mesh
+
+from cpjax import batch as batch_lib
+from cpjax.layout import ShardLayout
+from cpjax.sharding import shard_batch
+
+__all__ = ["make_contiguous_aux_only_shard_cp_batch", "synthesize_single_document_seq_ids"]
+
+
+def synthesize_single_document_seq_ids(batch: Mapping, seq_len: int) -> dict:
+  """The original's ``_synthesize_single_document_seq_ids``, returning a new dict.
+
+  See :func:`cpjax.synthesize_document_ids`.
+
+  >>> import numpy as np
+  >>> out = synthesize_single_document_seq_ids({"input_ids": np.zeros((2, 3), int)}, 3)
+  >>> np.asarray(out["_packed_seq_ids"]).tolist()
+  [[1, 1, 1], [1, 1, 1]]
+  """
+  return batch_lib.synthesize_document_ids(batch, seq_len)
+
+
+def make_contiguous_aux_only_shard_cp_batch(
+    mesh: Mesh,
+    batch: Mapping[str, Any],
+    *,
+    axis_name: str = "cp",
+    loss_mask=None,
+    padding_token_id: int = 0,
+    extra_seq_keys: Mapping[str, int] | None = None,
+    extra_pad_values: Mapping[str, Any] | None = None,
+) -> tuple[dict, ShardLayout]:
+  """Aux-only contiguous CP shard for Gemma4's in-forward ("sunk") pre-embed.
+
+  Converts ``attention_mask``, synthesizes ``_packed_seq_ids`` from the full
+  pre-pad ``padding_mask``, then shards ``labels`` / ``position_ids`` /
+  ``loss_mask`` / ``padding_mask`` / ``_packed_seq_ids`` (padded with 0) and
+  the extra keys contiguously over ``axis_name``, leaving ``input_ids`` /
+  ``inputs_embeds``, ``mm_token_type_ids`` and ``pixel_values`` full length
+  and replicated for the model to slice.
+
+  Returns:
+    ``(sharded_batch, layout)`` as :func:`cpjax.shard_batch`.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    >>> batch = {"input_ids": np.arange(6)[None], "labels": np.arange(6)[None],
+    ...          "attention_mask": np.array([[1, 1, 1, 1, 0, 0]])}
+    >>> out, lay = make_contiguous_aux_only_shard_cp_batch(mesh, batch)
+    >>> np.asarray(out["_packed_seq_ids"]).tolist(), out["input_ids"].shape
+    ([[1, 1, 1, 1, 0, 0, 0, 0]], (1, 6))
+  """
+  batch = batch_lib.attention_mask_to_padding_mask(batch)
+  seq_len = batch_lib.primary_length(batch)
+  batch = synthesize_single_document_seq_ids(batch, seq_len)
+  return shard_batch(
+      batch, mesh, axis_name=axis_name, layout="contiguous", aux_only=True,
+      loss_mask=loss_mask, padding_token_id=padding_token_id,
+      extra_seq_keys=extra_seq_keys, extra_pad_values=extra_pad_values)

@@ -1,0 +1,385 @@
+"""Shard a batch's sequence streams over the named ``cp`` mesh axis, and back.
+
+* :func:`shard_batch` normalises a batch, pads every sequence stream on the
+  right and returns global ``jax.Array`` s sharded on the sequence dimension
+  over ``axis_name`` (through ``jax.shard_map``), in **rank order**:
+  ``out[k][:, r*L:(r+1)*L]`` is what rank r holds.
+* :func:`unshard_batch` is its exact inverse.
+* :func:`shard_sequence` is the in-forward half: inside ``shard_map`` a model
+  that holds a full-length stream (embeddings, vision group ids, ...) takes
+  this rank's part of it, differentiably.
+
+Shape letters: ``B`` batch, ``S`` original length, ``Sp`` padded length,
+``L`` local length, ``E`` embedding width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cpjax import batch as batch_lib
+from cpjax.layout import LAYOUT_KINDS, ShardLayout, local_token_indices, padded_length, rank_order
+
+__all__ = [
+    "ContextParallelSharder",
+    "shard_batch",
+    "shard_sequence",
+    "unshard_batch",
+]
+
+# Auxiliary (no-grad) streams and their right-pad values; the primary
+# streams follow. ``position_ids`` is special: it keeps counting.
+_AUX_PAD_VALUES = {
+    "labels": batch_lib.IGNORE_INDEX,
+    "loss_mask": 0,
+    "padding_mask": True,
+    batch_lib.DOCUMENT_IDS_KEY: 0,
+}
+_PRIMARY_STREAMS = ("input_ids", "inputs_embeds", "mm_token_type_ids")
+_REPLICATED_ALWAYS = ("pixel_values",)
+
+
+def _mesh_axis_size(mesh: Mesh, name: str, argument: str) -> int:
+  if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if name not in mesh.axis_names:
+    raise ValueError(
+        f"{argument}={name!r} is not an axis of the mesh; mesh axes are "
+        f"{tuple(mesh.axis_names)}")
+  return dict(mesh.shape)[name]
+
+
+def _place(x, mesh: Mesh, spec: P):
+  """Give ``x`` the sharding ``spec`` names, on Explicit and Auto meshes alike."""
+  sharding = NamedSharding(mesh, spec)
+  named = {a for part in spec if part is not None
+           for a in (part if isinstance(part, tuple) else (part,))}
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if named and all(types[a] == jax.sharding.AxisType.Auto for a in named):
+    return jax.lax.with_sharding_constraint(x, sharding)
+  return jax.reshard(x, sharding)
+
+
+def _spec(ndim: int, *, seq_dim: int | None, axis_name: str | None,
+          batch_dim: int | None, batch_axis: str | None) -> P:
+  parts = [None] * ndim
+  if batch_axis is not None and batch_dim is not None:
+    parts[batch_dim] = batch_axis
+  if seq_dim is not None and axis_name is not None:
+    parts[seq_dim] = axis_name
+  return P(*parts)
+
+
+def _pad_stream(key: str, x, seq_dim: int, pad_len: int, pad_value):
+  if pad_len == 0:
+    return x
+  if key == "position_ids":
+    # Positions keep counting past the last real token of every row.
+    last = jax.lax.index_in_dim(x, -1, axis=seq_dim, keepdims=True)
+    shape = [1] * x.ndim
+    shape[seq_dim] = pad_len
+    step = jnp.arange(1, pad_len + 1, dtype=x.dtype).reshape(shape)
+    return jnp.concatenate([x, last + step], axis=seq_dim)
+  widths = [(0, 0)] * x.ndim
+  widths[seq_dim] = (0, pad_len)
+  return jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
+
+
+def _check_extra_keys(batch: Mapping, extra_seq_keys, extra_pad_values):
+  extra = dict(extra_seq_keys or {})
+  for key, dim in extra.items():
+    if key not in batch:
+      raise KeyError(f"extra_seq_keys names {key!r}, which is not in the batch "
+                     f"(keys: {sorted(batch)})")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+      raise TypeError(f"extra_seq_keys[{key!r}] must be an int dimension, got {dim!r}")
+    if not 1 <= dim < jnp.ndim(batch[key]):
+      raise ValueError(
+          f"extra_seq_keys[{key!r}] = {dim} is not a sequence dimension of an array "
+          f"of shape {tuple(jnp.shape(batch[key]))}; expected 1 <= dim < "
+          f"{jnp.ndim(batch[key])} (dim 0 is the batch)")
+  unknown = set(extra_pad_values or {}) - set(extra)
+  if unknown:
+    raise KeyError(f"extra_pad_values names {sorted(unknown)}, which are not in "
+                   f"extra_seq_keys {sorted(extra)}")
+  return extra
+
+
+def _sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int]):
+  """{key: seq_dim} of every stream that is padded and sharded."""
+  streams = {}
+  for key in (*_AUX_PAD_VALUES, "position_ids"):
+    if key in batch:
+      streams[key] = 2 if key == "position_ids" and jnp.ndim(batch[key]) == 3 else 1
+  if not aux_only:
+    for key in _PRIMARY_STREAMS:
+      if key in batch:
+        streams[key] = 1
+  streams.update(extra)
+  return streams
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "mesh", "layout", "axis_name", "batch_axis", "dims", "pad_values"))
+def _pad_and_shard(streams, *, mesh, layout, axis_name, batch_axis, dims, pad_values):
+  """Pad every stream and keep each rank's tokens, as one compiled program."""
+  dims, pad_values = dict(dims), dict(pad_values)
+  padded = {k: _pad_stream(k, x, dims[k], layout.pad_len, pad_values[k])
+            for k, x in streams.items()}
+  in_specs = {k: _spec(x.ndim, seq_dim=None, axis_name=None, batch_dim=dims[k] - 1,
+                       batch_axis=batch_axis) for k, x in padded.items()}
+  out_specs = {k: _spec(x.ndim, seq_dim=dims[k], axis_name=axis_name,
+                        batch_dim=dims[k] - 1, batch_axis=batch_axis)
+               for k, x in padded.items()}
+
+  def take_local(full):
+    idx = local_token_indices(layout, jax.lax.axis_index(axis_name))
+    return {k: jnp.take(x, idx, axis=dims[k]) for k, x in full.items()}
+
+  placed = {k: _place(x, mesh, in_specs[k]) for k, x in padded.items()}
+  return jax.shard_map(take_local, mesh=mesh, in_specs=(in_specs,),
+                       out_specs=out_specs)(placed)
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    mesh: Mesh,
+    *,
+    axis_name: str = "cp",
+    layout: str = "load_balanced",
+    aux_only: bool = False,
+    loss_mask=None,
+    padding_token_id: int = 0,
+    extra_seq_keys: Mapping[str, int] | None = None,
+    extra_pad_values: Mapping[str, Any] | None = None,
+    pad_multiple: int = 1,
+    batch_axis: str | None = None,
+) -> tuple[dict, ShardLayout]:
+  """Normalise, pad and shard a batch's sequence streams over ``axis_name``.
+
+  The batch is normalised (:func:`cpjax.normalize_batch`), every sequence
+  stream is right-padded to a multiple of ``cp * max(pad_multiple, 2)`` with
+  its pad value (``labels`` -100, ``loss_mask`` 0, ``padding_mask`` True,
+  ``_packed_seq_ids`` 0, ``input_ids`` ``padding_token_id``,
+  ``inputs_embeds`` / ``mm_token_type_ids`` 0, extra keys
+  ``extra_pad_values.get(key, 0)``; ``position_ids`` continue counting) and
+  sharded on its sequence dimension (dim 2 for mRoPE [3, B, S] positions).
+
+  Args:
+    batch: dict of [B, S, ...] arrays (see :mod:`cpjax.batch`).
+    mesh: a mesh with an ``axis_name`` axis (other axes are allowed).
+    axis_name: the context-parallel mesh axis.
+    layout: ``"load_balanced"`` (default) or ``"contiguous"``.
+    aux_only: shard only the auxiliary streams; ``input_ids`` /
+      ``inputs_embeds``, ``mm_token_type_ids`` and ``pixel_values`` are
+      returned full length, unpadded and replicated, for a model that slices
+      them itself with :func:`shard_sequence`.
+    loss_mask: labels to use when the batch has none (as the original).
+    padding_token_id: pad value of ``input_ids``.
+    extra_seq_keys: ``{key: seq_dim}`` of further streams to shard.
+    extra_pad_values: ``{key: pad_value}`` for those (default 0).
+    pad_multiple: extra padding granularity (>= 1).
+    batch_axis: optional mesh axis to shard the batch dimension over.
+
+  Returns:
+    ``(sharded_batch, layout)``: global arrays in rank order, and the
+    :class:`cpjax.ShardLayout` they follow. Unknown keys pass through.
+
+  Example:
+    >>> import jax, numpy as np, cpjax
+    >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    >>> batch = {"input_ids": np.arange(6)[None], "labels": np.arange(6)[None]}
+    >>> out, lay = cpjax.shard_batch(batch, mesh, layout="contiguous")
+    >>> lay.padded_seq_len, np.asarray(out["labels"]).tolist()
+    (8, [[0, 1, 2, 3, 4, 5, -100, -100]])
+  """
+  cp_size = _mesh_axis_size(mesh, axis_name, "axis_name")
+  if batch_axis is not None:
+    if batch_axis == axis_name:
+      raise ValueError(f"batch_axis must differ from axis_name, both are {axis_name!r}")
+    dp_size = _mesh_axis_size(mesh, batch_axis, "batch_axis")
+  if layout not in LAYOUT_KINDS:
+    raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
+  if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
+    raise ValueError(f"pad_multiple must be an int >= 1, got {pad_multiple!r}")
+
+  norm = batch_lib.normalize_batch(batch, loss_mask=loss_mask)
+  extra = _check_extra_keys(norm, extra_seq_keys, extra_pad_values)
+  primary = batch_lib.primary_key(norm)
+  batch_size, seq_len = jnp.shape(norm[primary])[:2]
+  for key, dim in extra.items():
+    if jnp.shape(norm[key])[dim] != seq_len or jnp.shape(norm[key])[0] != batch_size:
+      raise ValueError(
+          f"extra key {key!r} must have batch size {batch_size} on dim 0 and "
+          f"sequence length {seq_len} on dim {dim}, got shape {tuple(jnp.shape(norm[key]))}")
+  if batch_axis is not None and batch_size % dp_size:
+    raise ValueError(
+        f"batch size {batch_size} must be divisible by the size {dp_size} of "
+        f"batch_axis={batch_axis!r}")
+
+  padded = padded_length(seq_len, cp_size, kind=layout, pad_multiple=pad_multiple)
+  streams = _sequence_streams(norm, aux_only=aux_only, extra=extra)
+  replicated = tuple(k for k in (*_PRIMARY_STREAMS, *_REPLICATED_ALWAYS)
+                     if k in norm and k not in streams)
+  shard_layout = ShardLayout(seq_len, padded, cp_size, layout, replicated_keys=replicated)
+
+  pad_values = {**_AUX_PAD_VALUES, "input_ids": padding_token_id,
+                "inputs_embeds": 0, "mm_token_type_ids": 0, "position_ids": None}
+  pad_values.update({k: (extra_pad_values or {}).get(k, 0) for k in extra})
+  sharded = _pad_and_shard(
+      {k: jnp.asarray(norm[k]) for k in streams},
+      mesh=mesh, layout=shard_layout, axis_name=axis_name, batch_axis=batch_axis,
+      dims=tuple(streams.items()),
+      pad_values=tuple((k, pad_values[k]) for k in streams))
+
+  out = dict(norm)
+  out.update(sharded)
+  for key in replicated:
+    x = jnp.asarray(norm[key])
+    bdim = 0 if key in _PRIMARY_STREAMS else None
+    out[key] = _place(x, mesh, _spec(x.ndim, seq_dim=None, axis_name=None,
+                                     batch_dim=bdim, batch_axis=batch_axis))
+  return out, shard_layout
+
+
+def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
+                  extra_seq_keys: Mapping[str, int] | None = None) -> dict:
+  """Inverse of :func:`shard_batch`: restore global token order, strip padding.
+
+  Every sharded stream (the known keys not in ``layout.replicated_keys``, plus
+  ``extra_seq_keys``) must have ``layout.padded_seq_len`` on its sequence
+  dimension; the result has ``layout.original_seq_len`` there. Other keys are
+  returned as they are.
+
+  Example:
+    >>> import jax, numpy as np, cpjax
+    >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    >>> batch = {"input_ids": np.arange(6)[None], "labels": np.arange(6)[None]}
+    >>> back = cpjax.unshard_batch(*cpjax.shard_batch(batch, mesh))
+    >>> np.asarray(back["labels"]).tolist()
+    [[0, 1, 2, 3, 4, 5]]
+  """
+  if not isinstance(layout, ShardLayout):
+    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
+  extra = _check_extra_keys(batch, extra_seq_keys, None)
+  streams = _sequence_streams(batch, aux_only=False, extra=extra)
+  streams = {k: d for k, d in streams.items() if k not in layout.replicated_keys}
+  for key, dim in streams.items():
+    if jnp.shape(batch[key])[dim] != layout.padded_seq_len:
+      raise ValueError(
+          f"{key} must have the padded length {layout.padded_seq_len} on dim {dim}, "
+          f"got shape {tuple(jnp.shape(batch[key]))}")
+  out = dict(batch)
+  out.update(_restore_order({k: jnp.asarray(batch[k]) for k in streams},
+                            layout=layout, dims=tuple(streams.items())))
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "dims"))
+def _restore_order(streams, *, layout, dims):
+  """Global token order and original length for every stream, compiled once."""
+  dims = dict(dims)
+  inverse = jnp.asarray(np.argsort(rank_order(layout)), jnp.int32)
+  out = {}
+  for key, x in streams.items():
+    x = _gather_dim(x, dims[key])
+    if layout.kind != "contiguous":
+      x = jnp.take(x, inverse, axis=dims[key])
+    out[key] = jax.lax.slice_in_dim(x, 0, layout.original_seq_len, axis=dims[key])
+  return out
+
+
+def _gather_dim(x, dim: int):
+  """Un-shard dimension ``dim`` of ``x`` (other dimensions keep their sharding).
+
+  On an Explicit mesh a permuting gather along a sharded dimension has no
+  unambiguous output sharding, so the dimension is made whole first.
+  """
+  sharding = jax.typeof(x).sharding
+  spec = getattr(sharding, "spec", None)
+  if spec is None or dim >= len(spec) or spec[dim] is None:
+    return x
+  parts = list(spec)
+  parts[dim] = None
+  return jax.reshard(x, NamedSharding(sharding.mesh, P(*parts)))
+
+
+def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
+                   seq_axis: int = 1, pad_value=0):
+  """This rank's part of a full-length stream, called inside ``shard_map``.
+
+  Pads ``x`` on the right along ``seq_axis`` to ``layout.padded_seq_len`` with
+  ``pad_value`` and takes the positions ``local_token_indices(layout, rank)``.
+  Differentiable: the gradient reaches exactly the owned positions. At
+  ``cp_size == 1`` no collective or axis is needed and it only pads (the
+  identity when ``x`` is already ``padded_seq_len`` long).
+
+  Args:
+    x: [..., S or Sp, ...] full-length stream (``S`` on ``seq_axis``).
+    layout: the :class:`ShardLayout` the batch was sharded with.
+    axis_name: the context-parallel mesh axis.
+    seq_axis: the sequence dimension of ``x``.
+    pad_value: value of padded positions.
+
+  Returns:
+    [..., L, ...], same dtype.
+
+  Example:
+    >>> import jax, numpy as np, cpjax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    >>> lay = cpjax.ShardLayout(6, 8, 2, "load_balanced")
+    >>> f = jax.shard_map(lambda x: cpjax.shard_sequence(x, lay), mesh=mesh,
+    ...                   in_specs=P(), out_specs=P(None, "cp"))
+    >>> np.asarray(f(np.arange(1, 7)[None])).tolist()
+    [[1, 2, 0, 0, 3, 4, 5, 6]]
+  """
+  if not isinstance(layout, ShardLayout):
+    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
+  x = jnp.asarray(x)
+  seq_axis = seq_axis % max(x.ndim, 1)
+  length = x.shape[seq_axis] if x.ndim else None
+  if length not in (layout.original_seq_len, layout.padded_seq_len):
+    raise ValueError(
+        f"x must have length {layout.original_seq_len} (or the padded "
+        f"{layout.padded_seq_len}) on seq_axis={seq_axis}, got shape {tuple(x.shape)}")
+  widths = [(0, 0)] * x.ndim
+  widths[seq_axis] = (0, layout.padded_seq_len - length)
+  x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
+  if layout.cp_size == 1:
+    return x
+  idx = local_token_indices(layout, jax.lax.axis_index(axis_name))
+  return jnp.take(x, idx, axis=seq_axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallelSharder:
+  """What a model hands the training loop to say how its batches are sharded.
+
+  Attributes:
+    shard_batch: ``(batch, mesh, **kw) -> (sharded_batch, ShardLayout)``,
+      e.g. :func:`cpjax.shard_batch` or the Gemma4 aux-only sharder.
+    local_token_indices: ``(layout, rank) -> int32[L]`` global token indices.
+
+  Example:
+    >>> import cpjax
+    >>> sharder = cpjax.ContextParallelSharder(cpjax.shard_batch)
+    >>> sharder.local_token_indices is cpjax.local_token_indices
+    True
+  """
+
+  shard_batch: Callable[..., tuple[dict, ShardLayout]]
+  local_token_indices: Callable[[ShardLayout, Any], jax.Array] = local_token_indices
+
+  def __post_init__(self):
+    for name in ("shard_batch", "local_token_indices"):
+      if not callable(getattr(self, name)):
+        raise TypeError(f"{name} must be callable, got {getattr(self, name)!r}")
