@@ -13,6 +13,11 @@ from cpjax.layout import ShardLayout as ShardLayout
 from cpjax.layout import local_token_indices as local_token_indices
 from cpjax.layout import padded_length as padded_length
 from cpjax.layout import rank_order as rank_order
+from cpjax.masks import MaskSpec as MaskSpec
+from cpjax.reference import reference_attention as reference_attention
+from cpjax.ring_attention import RingPlan as RingPlan
+from cpjax.ring_attention import ring_attention as ring_attention
+from cpjax.ring_attention import ring_plan as ring_plan
 from cpjax.sharding import ContextParallelSharder as ContextParallelSharder
 from cpjax.sharding import shard_batch as shard_batch
 from cpjax.sharding import shard_sequence as shard_sequence

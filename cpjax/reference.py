@@ -1,0 +1,72 @@
+"""Dense float32 attention: the oracle every fast path is tested against.
+
+Deliberately plain: the full [B, H, S, S] mask and score matrix are built
+from the formula in :mod:`cpjax.masks`' docstring, written out again here so
+a bug in the ring's mask code cannot hide in the reference. Use it for
+sequences up to a few thousand tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["reference_attention"]
+
+
+def reference_attention(q, k, v, *, causal: bool = True, sliding_window: int | None = None,
+                        segment_ids=None, padding_mask=None, vision_group_ids=None,
+                        scale: float | None = None, logits_soft_cap: float | None = None):
+  """Masked softmax attention over full, unsharded sequences, in float32.
+
+  Args:
+    q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] with Hq a multiple of Hkv (query
+      head h reads KV head ``h // (Hq // Hkv)``).
+    causal, sliding_window, segment_ids [B, S], padding_mask [B, S] (True =
+      pad), vision_group_ids [B, S]: the mask (see :mod:`cpjax.masks`).
+    scale: logit scale, default ``1 / sqrt(D)``.
+    logits_soft_cap: ``c`` for ``c * tanh(logits / c)``.
+
+  Returns:
+    [B, S, Hq, D] in q's dtype; rows with nothing allowed are 0.
+
+  Example:
+    >>> import numpy as np
+    >>> q = k = np.zeros((1, 2, 1, 1), np.float32)
+    >>> v = np.array([1.0, 3.0], np.float32).reshape(1, 2, 1, 1)
+    >>> reference_attention(q, k, v).ravel().tolist()   # token 1 averages both
+    [1.0, 2.0]
+  """
+  b, s, hq, d = q.shape
+  hkv = k.shape[2]
+  qf, kf, vf = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+  kf = jnp.repeat(kf, hq // hkv, axis=2)
+  vf = jnp.repeat(vf, hq // hkv, axis=2)
+  scale = d ** -0.5 if scale is None else scale
+  logits = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision=jax.lax.Precision.HIGHEST) * scale
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+
+  i = jnp.arange(s)[:, None]
+  j = jnp.arange(s)[None, :]
+  allowed = jnp.broadcast_to(j <= i if causal else True, (b, s, s))
+  if sliding_window is not None:
+    near = (i - j < sliding_window) if causal else (jnp.abs(i - j) < sliding_window)
+    allowed = allowed & near
+  if vision_group_ids is not None:
+    vg = jnp.asarray(vision_group_ids)
+    allowed = allowed | ((vg[:, :, None] == vg[:, None, :]) & (vg[:, :, None] >= 0))
+  if segment_ids is not None:
+    seg = jnp.asarray(segment_ids)
+    allowed = allowed & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+  if padding_mask is not None:
+    allowed = allowed & ~jnp.asarray(padding_mask, bool)[:, None, :]
+  allowed = allowed[:, None]
+
+  # A finite fill keeps fully masked rows (and their gradients) free of NaN;
+  # such rows are zeroed explicitly below.
+  logits = jnp.where(allowed, logits, -1e30)
+  weights = jax.nn.softmax(logits, axis=-1)
+  weights = jnp.where(allowed, weights, 0.0)
+  out = jnp.einsum("bhqk,bkhd->bqhd", weights, vf, precision=jax.lax.Precision.HIGHEST)
+  return out.astype(q.dtype)

@@ -1,0 +1,494 @@
+"""Ring attention over a named mesh axis: ppermute K/V, flash-style online softmax.
+
+Inside ``jax.shard_map`` every rank holds ``L`` query and key/value tokens of a
+sequence sharded by a :class:`cpjax.ShardLayout`. K/V chunks (only the
+``Hkv`` heads, with the per-token mask metadata) travel around a
+``lax.ppermute`` ring; each rank folds every visiting chunk into float32
+online-softmax statistics, one ``block_q x block_kv`` tile at a time, and
+skips tiles the mask leaves empty. The backward pass (``jax.custom_vjp``)
+replays the ring from the saved log-sum-exp, rotating K/V together with their
+dK/dV accumulators so every gradient arrives home: per-device memory is O(L).
+
+Which hops are taken is static (:func:`ring_plan`): the whole ring in one
+direction by default; with a sliding window (and no vision groups, which
+override the window) only the hops that can reach the window, in one
+direction for a causal contiguous layout and in both directions otherwise
+(in a load-balanced layout a chunk's neighbours sit on both sides).
+
+Shape letters: ``B`` batch, ``L`` local tokens, ``Hq``/``Hkv`` query and
+key/value heads, ``G = Hq // Hkv``, ``D`` head dim, ``bq``/``bk`` tile sizes.
+Internally tensors are head-major: q [B, Hkv, G, L, D], k/v [B, Hkv, L, D].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from cpjax.layout import ShardLayout, local_token_indices
+from cpjax.masks import MaskSpec, TokenInfo, blocks_nonempty, summarize_blocks, token_mask
+
+__all__ = ["RingPlan", "default_block_size", "ring_attention", "ring_plan"]
+
+DEFAULT_BLOCK = 512
+
+
+class RingPlan(NamedTuple):
+  """Static hop counts: K/V received from ``r - 1 .. r - forward_hops`` and
+  from ``r + 1 .. r + backward_hops`` (modulo cp), besides the own chunk."""
+
+  forward_hops: int
+  backward_hops: int
+
+  @property
+  def num_chunks(self) -> int:
+    """K/V chunks each rank attends to (own chunk included)."""
+    return 1 + self.forward_hops + self.backward_hops
+
+
+def ring_plan(layout: ShardLayout, *, causal: bool = True, sliding_window: int | None = None,
+              has_vision_groups: bool = False) -> RingPlan:
+  """Which ring hops can reach allowed keys.
+
+  A window of ``W`` tokens reaches at most ``ceil((W - 1) / C)`` chunks of
+  ``C = layout.chunk_len`` tokens back (and forward when not causal).
+  Vision groups override the window, so they need the whole ring.
+
+  Example:
+    >>> lay = ShardLayout(8192, 8192, 8, "contiguous")
+    >>> ring_plan(lay), ring_plan(lay, sliding_window=512)
+    (RingPlan(forward_hops=7, backward_hops=0), RingPlan(forward_hops=1, backward_hops=0))
+    >>> ring_plan(ShardLayout(8192, 8192, 8, "load_balanced"), sliding_window=512)
+    RingPlan(forward_hops=1, backward_hops=1)
+  """
+  cp = layout.cp_size
+  full = RingPlan(cp - 1, 0)
+  if cp == 1 or sliding_window is None or has_vision_groups:
+    return full
+  reach = -(-(sliding_window - 1) // layout.chunk_len)
+  if causal and layout.kind == "contiguous":
+    return RingPlan(reach, 0) if reach < cp - 1 else full
+  # Both directions: cheaper than the full ring only while 2 * reach < cp - 1.
+  return RingPlan(reach, reach) if 2 * reach < cp - 1 else full
+
+
+def default_block_size(chunk_len: int, target: int = DEFAULT_BLOCK) -> int:
+  """Largest divisor of ``chunk_len`` not above ``target``.
+
+  Tiles never straddle a chunk, so every tile is a run of consecutive global
+  positions and the block-skip test is exact for causal and window masks.
+  A chunk length with no divisor near the target (a large prime) is used
+  whole; choose ``pad_multiple`` in :func:`cpjax.shard_batch` to avoid that.
+
+  >>> default_block_size(1024), default_block_size(96), default_block_size(1031)
+  (512, 96, 1031)
+  """
+  if chunk_len <= target:
+    return chunk_len
+  best = max(d for d in range(1, target + 1) if chunk_len % d == 0)
+  return best if best * 8 >= target else chunk_len
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Everything static about one ring-attention call (hashable)."""
+
+  layout: ShardLayout
+  axis_name: str
+  mask: MaskSpec
+  plan: RingPlan
+  scale: float
+  soft_cap: float | None
+  block_q: int
+  block_kv: int
+
+
+class _Meta(NamedTuple):
+  """Per-token mask metadata of the local tokens ([B, L] each, or None)."""
+
+  segment_ids: jax.Array | None
+  padding_mask: jax.Array | None
+  vision_group_ids: jax.Array | None
+
+
+# ------------------------------------------------------------------ helpers
+def _varying_axes(x) -> frozenset:
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return getattr(mat, "varying", frozenset())
+
+
+def _vary_like(x, ref):
+  """Make ``x`` varying over the mesh axes ``ref`` varies over (check_vma)."""
+  missing = tuple(sorted(_varying_axes(ref) - _varying_axes(x)))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _shift(tree, cfg: _Config, offset: int):
+  """Send every leaf from rank i to rank i + offset on the ring."""
+  cp = cfg.layout.cp_size
+  if offset % cp == 0:
+    return tree
+  perm = [(i, (i + offset) % cp) for i in range(cp)]
+  return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
+
+
+def _token_info(cfg: _Config, rank, meta: _Meta) -> TokenInfo:
+  return TokenInfo(local_token_indices(cfg.layout, rank), *meta)
+
+
+def _logits(cfg: _Config, q, k):
+  """f32[B, Hkv, G, bq, bk] scaled (and soft-capped) scores."""
+  s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32) * cfg.scale
+  if cfg.soft_cap is not None:
+    s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+  return s
+
+
+def _tile_mask(cfg: _Config, q_info: TokenInfo, k_info: TokenInfo, i, j):
+  """bool[B or 1, 1, 1, bq, bk] mask of tile (i, j)."""
+  qi = q_info.slice(i * cfg.block_q, cfg.block_q)
+  kj = k_info.slice(j * cfg.block_kv, cfg.block_kv)
+  return token_mask(cfg.mask, qi, kj)[:, None, None]
+
+
+def _tiles_to_visit(cfg: _Config, q_info: TokenInfo, k_info: TokenInfo, active):
+  """bool[nq, nk]: the tiles of this (query, key-chunk) pair worth computing."""
+  q_sum = summarize_blocks(q_info, cfg.block_q)
+  k_sum = summarize_blocks(k_info, cfg.block_kv)
+  return blocks_nonempty(cfg.mask, q_sum, k_sum) & active
+
+
+def _cut(x, axis, start, size):
+  return lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+# ------------------------------------------------------------------ forward
+class _Stats(NamedTuple):
+  """Online-softmax state of all local queries (float32)."""
+
+  m: jax.Array    # [B, Hkv, G, L] running max of the logits (-inf: none yet)
+  l: jax.Array    # [B, Hkv, G, L] running sum of exp(logit - m)
+  acc: jax.Array  # [B, Hkv, G, L, D] running sum of exp(logit - m) * v
+
+
+def _attend_chunk(cfg: _Config, q, q_info: TokenInfo, stats: _Stats, kv, k_meta: _Meta,
+                  src_rank, active=True) -> _Stats:
+  """Fold one K/V chunk (owned by ``src_rank``) into the statistics."""
+  k, v = kv
+  k_info = _token_info(cfg, src_rank, k_meta)
+  visit = _tiles_to_visit(cfg, q_info, k_info, active)
+  bq, bk = cfg.block_q, cfg.block_kv
+  nq, nk = visit.shape
+
+  def q_tile(i, stats):
+    qi = _cut(q, 3, i * bq, bq)
+    carry = (_cut(stats.m, 3, i * bq, bq), _cut(stats.l, 3, i * bq, bq),
+             _cut(stats.acc, 3, i * bq, bq))
+
+    def kv_tile(j, carry):
+      m, l, acc = carry
+      kj, vj = _cut(k, 2, j * bk, bk), _cut(v, 2, j * bk, bk)
+      mask = _tile_mask(cfg, q_info, k_info, i, j)
+      s = _logits(cfg, qi, kj)
+      m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
+      # A row that has seen nothing keeps m = -inf; subtracting a finite
+      # stand-in avoids inf - inf, and the mask zeroes its p exactly.
+      m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+      p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+      alpha = jnp.exp(m - m_safe)
+      l = alpha * l + jnp.sum(p, axis=-1)
+      pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vj.dtype), vj,
+                      preferred_element_type=jnp.float32)
+      return m_new, l, alpha[..., None] * acc + pv
+
+    def maybe(j, carry):
+      return lax.cond(visit[i, j], functools.partial(kv_tile, j), lambda c: c, carry)
+
+    m, l, acc = lax.fori_loop(0, nk, maybe, carry)
+    return _Stats(lax.dynamic_update_slice_in_dim(stats.m, m, i * bq, 3),
+                  lax.dynamic_update_slice_in_dim(stats.l, l, i * bq, 3),
+                  lax.dynamic_update_slice_in_dim(stats.acc, acc, i * bq, 3))
+
+  return lax.cond(jnp.any(visit), lambda s: lax.fori_loop(0, nq, q_tile, s),
+                  lambda s: s, stats)
+
+
+def _rank(cfg: _Config):
+  if cfg.layout.cp_size == 1:
+    return jnp.int32(0)
+  return lax.axis_index(cfg.axis_name)
+
+
+def _forward(cfg: _Config, q, k, v, meta: _Meta):
+  """Returns out [B, Hkv, G, L, D] (q's dtype) and lse f32[B, Hkv, G, L]."""
+  cp = cfg.layout.cp_size
+  rank = _rank(cfg)
+  q_info = _token_info(cfg, rank, meta)
+  stats = _Stats(_vary_like(jnp.full(q.shape[:-1], -jnp.inf, jnp.float32), q),
+                 _vary_like(jnp.zeros(q.shape[:-1], jnp.float32), q),
+                 _vary_like(jnp.zeros(q.shape, jnp.float32), q))
+  travel = ((k, v), meta)
+  attend = functools.partial(_attend_chunk, cfg, q, q_info)
+  hops, back = cfg.plan
+
+  if back == 0:
+    def step(h, carry):
+      stats, here = carry
+      nxt = _shift(here, cfg, +1)  # independent of this step's compute: overlaps
+      return attend(stats, *here, (rank - h) % cp), nxt
+
+    stats, here = lax.fori_loop(0, hops, step, (stats, travel))
+    stats = attend(stats, *here, (rank - hops) % cp)
+  else:
+    def step(h, carry):
+      stats, fwd, bwd = carry
+      nxt_f, nxt_b = _shift(fwd, cfg, +1), _shift(bwd, cfg, -1)
+      stats = attend(stats, *fwd, (rank - h) % cp)
+      stats = attend(stats, *bwd, (rank + h) % cp, active=h > 0)  # h = 0: own chunk, done
+      return stats, nxt_f, nxt_b
+
+    stats, fwd, bwd = lax.fori_loop(0, hops, step, (stats, travel, travel))
+    stats = attend(stats, *fwd, (rank - hops) % cp)
+    stats = attend(stats, *bwd, (rank + hops) % cp)
+
+  seen = stats.l > 0
+  l_safe = jnp.where(seen, stats.l, 1.0)
+  out = jnp.where(seen[..., None], stats.acc / l_safe[..., None], 0.0)
+  # +inf for rows with nothing allowed: exp(s - lse) is then exactly 0.
+  lse = jnp.where(seen, stats.m + jnp.log(l_safe), jnp.inf)
+  return out.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------- backward
+def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: TokenInfo, dq, kv, dkv, k_meta: _Meta,
+                src_rank, active=True):
+  """Add one K/V chunk's contributions to dq (local) and dk/dv (travelling)."""
+  k, v = kv
+  k_info = _token_info(cfg, src_rank, k_meta)
+  visit = _tiles_to_visit(cfg, q_info, k_info, active)
+  bq, bk = cfg.block_q, cfg.block_kv
+  nq, nk = visit.shape
+
+  def q_tile(i, carry):
+    dq, (dk, dv) = carry
+    qi, doi = _cut(q, 3, i * bq, bq), _cut(do, 3, i * bq, bq)
+    lse_i, delta_i = _cut(lse, 3, i * bq, bq), _cut(delta, 3, i * bq, bq)
+
+    def kv_tile(j, carry):
+      dqi, dk, dv = carry
+      kj, vj = _cut(k, 2, j * bk, bk), _cut(v, 2, j * bk, bk)
+      mask = _tile_mask(cfg, q_info, k_info, i, j)
+      s = _logits(cfg, qi, kj)
+      p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
+      dv_j = jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi,
+                        preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
+      ds = p * (dp - delta_i[..., None])
+      if cfg.soft_cap is not None:
+        ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))  # d(c*tanh(x/c))/dx
+      ds = (ds * cfg.scale).astype(qi.dtype)
+      dqi = dqi + jnp.einsum("bhgqk,bhkd->bhgqd", ds, kj, preferred_element_type=jnp.float32)
+      dk_j = jnp.einsum("bhgqk,bhgqd->bhkd", ds, qi, preferred_element_type=jnp.float32)
+      dk = lax.dynamic_update_slice_in_dim(dk, _cut(dk, 2, j * bk, bk) + dk_j, j * bk, 2)
+      dv = lax.dynamic_update_slice_in_dim(dv, _cut(dv, 2, j * bk, bk) + dv_j, j * bk, 2)
+      return dqi, dk, dv
+
+    def maybe(j, carry):
+      return lax.cond(visit[i, j], functools.partial(kv_tile, j), lambda c: c, carry)
+
+    dqi, dk, dv = lax.fori_loop(0, nk, maybe, (_cut(dq, 3, i * bq, bq), dk, dv))
+    return lax.dynamic_update_slice_in_dim(dq, dqi, i * bq, 3), (dk, dv)
+
+  return lax.cond(jnp.any(visit), lambda c: lax.fori_loop(0, nq, q_tile, c),
+                  lambda c: c, (dq, dkv))
+
+
+def _backward(cfg: _Config, q, k, v, meta: _Meta, out, lse, do):
+  cp = cfg.layout.cp_size
+  rank = _rank(cfg)
+  q_info = _token_info(cfg, rank, meta)
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  grad = functools.partial(_grad_chunk, cfg, q, do, lse, delta, q_info)
+  dq = _vary_like(jnp.zeros(q.shape, jnp.float32), q)
+  zero_kv = _vary_like(jnp.zeros(k.shape, jnp.float32), k)
+  travel = ((k, v), meta)
+  hops, back = cfg.plan
+
+  if back == 0:
+    def step(h, carry):
+      dq, here, dkv = carry
+      dq, dkv = grad(dq, *here[:1], dkv, here[1], (rank - h) % cp)
+      # The accumulators ride with their chunk towards its next visitor.
+      here, dkv = _shift((here, dkv), cfg, +1)
+      return dq, here, dkv
+
+    dq, here, dkv = lax.fori_loop(0, hops, step, (dq, travel, (zero_kv, zero_kv)))
+    dq, dkv = grad(dq, here[0], dkv, here[1], (rank - hops) % cp)
+    dk, dv = _shift(dkv, cfg, -hops)  # home: the chunk here is owned by rank - hops
+  else:
+    def step(h, carry):
+      dq, fwd, dkv_f, bwd, dkv_b = carry
+      dq, dkv_f = grad(dq, fwd[0], dkv_f, fwd[1], (rank - h) % cp)
+      dq, dkv_b = grad(dq, bwd[0], dkv_b, bwd[1], (rank + h) % cp, active=h > 0)
+      fwd, dkv_f = _shift((fwd, dkv_f), cfg, +1)
+      bwd, dkv_b = _shift((bwd, dkv_b), cfg, -1)
+      return dq, fwd, dkv_f, bwd, dkv_b
+
+    zeros = (zero_kv, zero_kv)
+    dq, fwd, dkv_f, bwd, dkv_b = lax.fori_loop(0, hops, step, (dq, travel, zeros, travel, zeros))
+    dq, dkv_f = grad(dq, fwd[0], dkv_f, fwd[1], (rank - hops) % cp)
+    dq, dkv_b = grad(dq, bwd[0], dkv_b, bwd[1], (rank + hops) % cp)
+    dkv_f, dkv_b = _shift(dkv_f, cfg, -hops), _shift(dkv_b, cfg, +hops)
+    dk, dv = dkv_f[0] + dkv_b[0], dkv_f[1] + dkv_b[1]
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: _Config, q, k, v, meta: _Meta):
+  return _forward(cfg, q, k, v, meta)[0]
+
+
+def _ring_fwd(cfg: _Config, q, k, v, meta: _Meta):
+  out, lse = _forward(cfg, q, k, v, meta)
+  return out, (q, k, v, meta, out, lse)
+
+
+def _ring_bwd(cfg: _Config, residuals, do):
+  q, k, v, meta, out, lse = residuals
+  dq, dk, dv = _backward(cfg, q, k, v, meta, out, lse, do)
+  return dq, dk, dv, jax.tree.map(lambda _: None, meta)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ------------------------------------------------------------------ public
+def _check_meta(name: str, x, shape: tuple[int, int], kind: str):
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.shape != shape:
+    raise ValueError(f"{name} must have shape [B, L] = {list(shape)} like q's first two "
+                     f"dimensions, got {list(x.shape)}")
+  if kind == "int" and not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+  if kind == "bool":
+    if x.dtype != jnp.bool_:
+      raise TypeError(f"{name} must be bool (True = pad), got {x.dtype}")
+  return x.astype(jnp.int32) if kind == "int" else x
+
+
+def _axis_size(axis_name: str) -> int | None:
+  try:
+    return lax.axis_size(axis_name)
+  except (NameError, ValueError, KeyError):
+    return None
+
+
+def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp", causal: bool = True,
+                   sliding_window: int | None = None, segment_ids=None, padding_mask=None,
+                   vision_group_ids=None, scale: float | None = None,
+                   logits_soft_cap: float | None = None, block_q: int | None = None,
+                   block_kv: int | None = None):
+  """Exact attention over a sequence sharded on ``axis_name``, inside ``shard_map``.
+
+  Local position i of rank r is global token ``local_token_indices(layout,
+  r)[i]``; the mask (see :mod:`cpjax.masks`) is defined on global indices, so
+  contiguous and load-balanced layouts give the same result.
+
+  Args:
+    q: [B, L, Hq, D] local queries.
+    k, v: [B, L, Hkv, D] local keys and values; Hq a multiple of Hkv (query
+      head h reads KV head ``h // (Hq // Hkv)``); only these Hkv heads travel.
+    layout: the :class:`cpjax.ShardLayout` the sequence was sharded with.
+    axis_name: the context-parallel mesh axis (unused when cp_size is 1).
+    causal: mask keys after the query.
+    sliding_window: W >= 1, keys with ``q - k < W`` (``|q - k| < W`` when not
+      causal); shortens the ring (:func:`ring_plan`).
+    segment_ids: int[B, L] document ids; 0 = pad, attends to nothing.
+    padding_mask: bool[B, L], True = pad key.
+    vision_group_ids: int[B, L]; tokens of one group (>= 0) attend to each
+      other bidirectionally, overriding causal and window.
+    scale: logit scale, default ``1 / sqrt(D)``.
+    logits_soft_cap: ``c`` for ``c * tanh(logits / c)``.
+    block_q, block_kv: tile sizes; must divide ``layout.chunk_len``
+      (default :func:`default_block_size`).
+
+  Returns:
+    [B, L, Hq, D] in q's dtype. Rows with nothing allowed are 0, with zero
+    gradient.
+
+  Example:
+    >>> import jax, numpy as np, cpjax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4])
+    >>> lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
+    >>> x = np.random.default_rng(0).standard_normal((1, 32, 2, 8), np.float32)
+    >>> order = cpjax.rank_order(lay)   # global arrays in rank order, as shard_batch gives
+    >>> xs = jax.device_put(x[:, order], jax.NamedSharding(mesh, P(None, "cp")))
+    >>> ring = jax.shard_map(lambda q, k, v: cpjax.ring_attention(q, k, v, layout=lay),
+    ...                      mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+    >>> out = np.asarray(ring(xs, xs, xs))[:, np.argsort(order)]
+    >>> bool(np.allclose(out, cpjax.reference_attention(x, x, x), atol=1e-5))
+    True
+  """
+  if not isinstance(layout, ShardLayout):
+    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if jnp.ndim(x) != 4:
+      raise ValueError(f"{name} must be 4-D [B, L, H, D], got shape {tuple(jnp.shape(x))}")
+  b, l, hq, d = q.shape
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+  if k.shape[:2] != (b, l) or k.shape[3] != d:
+    raise ValueError(f"k/v must have shape [B, L, Hkv, D] = [{b}, {l}, Hkv, {d}] to match q, "
+                     f"got {list(k.shape)}")
+  hkv = k.shape[2]
+  if hq % hkv:
+    raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+  if l != layout.local_seq_len:
+    raise ValueError(f"q must hold layout.local_seq_len = {layout.local_seq_len} tokens on dim 1, "
+                     f"got {l}")
+  mask = MaskSpec(causal=bool(causal), sliding_window=sliding_window)
+  meta = _Meta(_check_meta("segment_ids", segment_ids, (b, l), "int"),
+               _check_meta("padding_mask", padding_mask, (b, l), "bool"),
+               _check_meta("vision_group_ids", vision_group_ids, (b, l), "int"))
+  size = _axis_size(axis_name)
+  if size is None and layout.cp_size != 1:
+    raise ValueError(f"ring_attention with layout.cp_size={layout.cp_size} must run inside "
+                     f"shard_map over a mesh axis {axis_name!r}; that axis is not bound")
+  if size is not None and size != layout.cp_size:
+    raise ValueError(f"layout.cp_size ({layout.cp_size}) must equal the size of mesh axis "
+                     f"{axis_name!r} ({size})")
+  if logits_soft_cap is not None and not logits_soft_cap > 0:
+    raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
+  blocks = []
+  for name, blk in (("block_q", block_q), ("block_kv", block_kv)):
+    blk = default_block_size(layout.chunk_len) if blk is None else blk
+    if isinstance(blk, bool) or not isinstance(blk, int) or blk < 1 or layout.chunk_len % blk:
+      raise ValueError(f"{name} must be a positive divisor of layout.chunk_len "
+                       f"({layout.chunk_len}), got {blk!r}")
+    blocks.append(blk)
+
+  cfg = _Config(
+      layout=layout, axis_name=axis_name, mask=mask,
+      plan=ring_plan(layout, causal=mask.causal, sliding_window=sliding_window,
+                     has_vision_groups=vision_group_ids is not None),
+      scale=float(d ** -0.5 if scale is None else scale),
+      soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+      block_q=blocks[0], block_kv=blocks[1])
+  if cfg.layout.cp_size > 1:
+    # Metadata rides the ring, so it must vary over the axis like K/V do.
+    meta = jax.tree.map(lambda x: _vary_like(x, k), meta)
+  g = hq // hkv
+  qh = q.reshape(b, l, hkv, g, d).transpose(0, 2, 3, 1, 4)
+  kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  out = _ring(cfg, qh, kh, vh, meta)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, l, hq, d)

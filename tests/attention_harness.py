@@ -1,0 +1,90 @@
+"""Run ring_attention on full (padded) arrays through shard_map, and the reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cpjax
+from tests.helpers import cp_mesh
+
+META_KEYS = ("segment_ids", "padding_mask", "vision_group_ids")
+
+
+def make_inputs(rng, *, b=2, s=64, hq=4, hkv=2, d=8, dtype=np.float32):
+  q = rng.standard_normal((b, s, hq, d)).astype(np.float32)
+  k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+  v = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+  w = rng.standard_normal((b, s, hq, d)).astype(np.float32)  # cotangent weights
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v)) + (jnp.asarray(w, jnp.float32),)
+
+
+def packed_metadata(rng, b, s, *, pad_from=None, vision=False, n_docs=3):
+  """Document ids with id-0 padding from ``pad_from``, matching padding mask,
+  and (optionally) vision groups made from random image spans."""
+  meta = {}
+  pad_from = s if pad_from is None else pad_from
+  seg = np.zeros((b, s), np.int32)
+  for row in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, pad_from), n_docs - 1, replace=False))
+    seg[row, :pad_from] = 1 + np.searchsorted(cuts, np.arange(pad_from), side="right")
+  meta["segment_ids"] = seg
+  meta["padding_mask"] = seg == 0
+  if vision:
+    types = np.zeros((b, s), np.int32)
+    for row in range(b):
+      for _ in range(2):
+        start = int(rng.integers(0, max(pad_from - 6, 1)))
+        types[row, start:start + int(rng.integers(3, 12))] = 1
+    types[seg == 0] = 0
+    meta["vision_group_ids"] = np.asarray(cpjax.vision_group_ids(types))
+  return meta
+
+
+def ring(q, k, v, w, *, cp: int, kind: str, meta=None, grads=True, mesh=None,
+         batch_axis=None, **kw):
+  """Ring attention of full-sequence arrays; returns (out, (dq, dk, dv)) in global order.
+
+  The loss for gradients is ``sum(out * w)``.
+  """
+  meta = {k_: v_ for k_, v_ in (meta or {}).items() if v_ is not None}
+  s = q.shape[1]
+  layout = cpjax.ShardLayout(s, s, cp, kind)
+  order = cpjax.rank_order(layout)
+  inverse = np.argsort(order)
+  mesh = cp_mesh(cp) if mesh is None else mesh
+  spec = P(batch_axis, "cp")
+
+  def place(x):
+    return jax.device_put(jnp.asarray(x)[:, order], NamedSharding(mesh, spec))
+
+  def local(q, k, v, meta):
+    return cpjax.ring_attention(q, k, v, layout=layout, **meta, **kw)
+
+  attn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec)
+  args = [place(x) for x in (q, k, v)] + [{k_: place(v_) for k_, v_ in meta.items()}]
+  w_r = place(w)
+
+  @jax.jit
+  def run(q, k, v, meta, w):
+    out = attn(q, k, v, meta)
+    if not grads:
+      return out, None
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v, meta).astype(jnp.float32) * w)
+    return out, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  with jax.set_mesh(mesh):
+    out, g = run(*args, w_r)
+  unorder = lambda x: np.asarray(jnp.asarray(x, jnp.float32))[:, inverse]
+  return unorder(out), (None if g is None else tuple(unorder(x) for x in g))
+
+
+def reference(q, k, v, w, *, meta=None, grads=True, **kw):
+  meta = {k_: v_ for k_, v_ in (meta or {}).items() if v_ is not None}
+  f = lambda q, k, v: cpjax.reference_attention(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **meta, **kw)
+  out = f(q, k, v)
+  g = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v) if grads else None
+  return np.asarray(out), (None if g is None else tuple(np.asarray(x, np.float32) for x in g))
