@@ -453,13 +453,6 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp", causa
   hkv = k.shape[2]
   if hq % hkv:
     raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-  if l != layout.local_seq_len:
-    raise ValueError(f"q must hold layout.local_seq_len = {layout.local_seq_len} tokens on dim 1, "
-                     f"got {l}")
-  mask = MaskSpec(causal=bool(causal), sliding_window=sliding_window)
-  meta = _Meta(_check_meta("segment_ids", segment_ids, (b, l), "int"),
-               _check_meta("padding_mask", padding_mask, (b, l), "bool"),
-               _check_meta("vision_group_ids", vision_group_ids, (b, l), "int"))
   size = _axis_size(axis_name)
   if size is None and layout.cp_size != 1:
     raise ValueError(f"ring_attention with layout.cp_size={layout.cp_size} must run inside "
@@ -467,6 +460,13 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp", causa
   if size is not None and size != layout.cp_size:
     raise ValueError(f"layout.cp_size ({layout.cp_size}) must equal the size of mesh axis "
                      f"{axis_name!r} ({size})")
+  if l != layout.local_seq_len:
+    raise ValueError(f"q must hold layout.local_seq_len = {layout.local_seq_len} tokens on dim 1, "
+                     f"got {l}")
+  mask = MaskSpec(causal=bool(causal), sliding_window=sliding_window)
+  meta = _Meta(_check_meta("segment_ids", segment_ids, (b, l), "int"),
+               _check_meta("padding_mask", padding_mask, (b, l), "bool"),
+               _check_meta("vision_group_ids", vision_group_ids, (b, l), "int"))
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
   blocks = []
