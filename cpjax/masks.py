@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BlockSummary", "MaskSpec", "TokenInfo", "blocks_nonempty", "summarize_blocks",
-           "token_mask"]
+__all__ = ["BlockSummary", "MaskSpec", "TokenInfo", "blocks_full", "blocks_nonempty",
+           "summarize_blocks", "token_mask"]
 
 _BIG = np.iinfo(np.int32).max
 
@@ -106,17 +106,20 @@ class BlockSummary(NamedTuple):
 
   Fields (``n`` blocks): ``pos_lo``/``pos_hi`` int32[n] global position range;
   ``seg_lo``/``seg_hi`` int32[B, n] range of non-zero document ids (empty
-  range lo > hi when none); ``vg_lo``/``vg_hi`` likewise for vision groups
-  >= 0; ``real`` bool[B, n] whether any token is not padding.
+  range lo > hi when none) and ``seg_pure`` bool[B, n] whether every token has
+  that one non-zero id; ``vg_lo``/``vg_hi`` the range of vision groups >= 0;
+  ``real`` / ``pad_free`` bool[B, n] whether any / every token is not padding.
   """
 
   pos_lo: jax.Array
   pos_hi: jax.Array
   seg_lo: jax.Array | None
   seg_hi: jax.Array | None
+  seg_pure: jax.Array | None
   vg_lo: jax.Array | None
   vg_hi: jax.Array | None
   real: jax.Array | None
+  pad_free: jax.Array | None
 
 
 def _range(ids, valid, n: int, size: int):
@@ -135,15 +138,20 @@ def summarize_blocks(info: TokenInfo, size: int) -> BlockSummary:
     raise ValueError(f"block size {size} must divide the token count {t}")
   n = t // size
   pos = info.positions.reshape(n, size)
-  seg_lo = seg_hi = vg_lo = vg_hi = real = None
+  seg_lo = seg_hi = seg_pure = vg_lo = vg_hi = real = pad_free = None
   if info.segment_ids is not None:
-    seg_lo, seg_hi = _range(info.segment_ids, info.segment_ids > 0, n, size)
+    seg = info.segment_ids
+    seg_lo, seg_hi = _range(seg, seg > 0, n, size)
+    all_set = jnp.all((seg > 0).reshape(seg.shape[0], n, size), axis=-1)
+    seg_pure = all_set & (seg_lo == seg_hi)
   if info.vision_group_ids is not None:
     vg_lo, vg_hi = _range(info.vision_group_ids, info.vision_group_ids >= 0, n, size)
   if info.padding_mask is not None:
-    b = info.padding_mask.shape[0]
-    real = jnp.any(~info.padding_mask.reshape(b, n, size), axis=-1)
-  return BlockSummary(pos.min(-1), pos.max(-1), seg_lo, seg_hi, vg_lo, vg_hi, real)
+    pad = info.padding_mask.reshape(info.padding_mask.shape[0], n, size)
+    real = jnp.any(~pad, axis=-1)
+    pad_free = ~jnp.any(pad, axis=-1)
+  return BlockSummary(pos.min(-1), pos.max(-1), seg_lo, seg_hi, seg_pure, vg_lo, vg_hi,
+                      real, pad_free)
 
 
 def _overlap(a_lo, a_hi, b_lo, b_hi):
@@ -173,3 +181,26 @@ def blocks_nonempty(spec: MaskSpec, q: BlockSummary, k: BlockSummary) -> jax.Arr
   if k.real is not None:
     ok &= k.real[:, None, :]
   return jnp.any(ok, axis=0)
+
+
+def blocks_full(spec: MaskSpec, q: BlockSummary, k: BlockSummary) -> jax.Array:
+  """bool[nq, nk]: is every pair of the two blocks allowed (in every batch row)?
+
+  Conservative the other way: "True" guarantees no masking is needed, so the
+  tile can skip building its mask. Vision groups only add pairs, so they
+  cannot make a full tile partial.
+  """
+  q_lo, q_hi = q.pos_lo[:, None], q.pos_hi[:, None]
+  k_lo, k_hi = k.pos_lo[None, :], k.pos_hi[None, :]
+  full = (k_hi <= q_lo) if spec.causal else jnp.ones((q_lo.shape[0], k_lo.shape[1]), bool)
+  if spec.sliding_window is not None:
+    full &= (q_hi - k_lo) < spec.sliding_window
+    if not spec.causal:
+      full &= (k_hi - q_lo) < spec.sliding_window
+  full = full[None]
+  if q.seg_lo is not None:
+    same = (q.seg_lo[:, :, None] == k.seg_lo[:, None, :])
+    full &= q.seg_pure[:, :, None] & k.seg_pure[:, None, :] & same
+  if k.pad_free is not None:
+    full &= k.pad_free[:, None, :]
+  return jnp.all(full, axis=0)

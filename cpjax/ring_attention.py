@@ -17,7 +17,10 @@ direction for a causal contiguous layout and in both directions otherwise
 
 Shape letters: ``B`` batch, ``L`` local tokens, ``Hq``/``Hkv`` query and
 key/value heads, ``G = Hq // Hkv``, ``D`` head dim, ``bq``/``bk`` tile sizes.
-Internally tensors are head-major: q [B, Hkv, G, L, D], k/v [B, Hkv, L, D].
+Internally tensors are head-major with the G query heads sharing a KV head
+folded into the rows: q [B, Hkv, N = L*G, D] (row ``t*G + g`` is token t, head
+g), k/v [B, Hkv, L, D]. A query tile is then ``bq*G`` consecutive rows and
+every tile product is a plain 4-D matmul, with no layout copies on CPU.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ import numpy as np
 from jax import lax
 
 from cpjax.layout import ShardLayout, local_token_indices
-from cpjax.masks import MaskSpec, TokenInfo, blocks_nonempty, summarize_blocks, token_mask
+from cpjax.masks import (MaskSpec, TokenInfo, blocks_full, blocks_nonempty, summarize_blocks,
+                         token_mask)
 
 __all__ = ["RingPlan", "default_block_size", "ring_attention", "ring_plan"]
 
-DEFAULT_BLOCK = 512
+DEFAULT_BLOCK = 128
 
 
 class RingPlan(NamedTuple):
@@ -88,7 +92,7 @@ def default_block_size(chunk_len: int, target: int = DEFAULT_BLOCK) -> int:
   whole; choose ``pad_multiple`` in :func:`cpjax.shard_batch` to avoid that.
 
   >>> default_block_size(1024), default_block_size(96), default_block_size(1031)
-  (512, 96, 1031)
+  (128, 96, 1031)
   """
   if chunk_len <= target:
     return chunk_len
@@ -108,6 +112,12 @@ class _Config:
   soft_cap: float | None
   block_q: int
   block_kv: int
+  groups: int  # G = Hq // Hkv
+
+  @property
+  def tile_rows(self) -> int:
+    """Query rows per tile: ``block_q`` tokens times ``G`` heads."""
+    return self.block_q * self.groups
 
 
 class _Meta(NamedTuple):
@@ -143,26 +153,47 @@ def _token_info(cfg: _Config, rank, meta: _Meta) -> TokenInfo:
   return TokenInfo(local_token_indices(cfg.layout, rank), *meta)
 
 
-def _logits(cfg: _Config, q, k):
-  """f32[B, Hkv, G, bq, bk] scaled (and soft-capped) scores."""
-  s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32) * cfg.scale
+def _scaled(cfg: _Config, q):
+  """q * scale, once per call, so no tile multiplies its scores (or, in the
+  backward, its score gradients) by the scale; exact for power-of-two scales."""
+  return q if cfg.scale == 1.0 else (q * cfg.scale).astype(q.dtype)
+
+
+def _soft_cap(cfg: _Config, s):
   if cfg.soft_cap is not None:
     s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
   return s
 
 
-def _tile_mask(cfg: _Config, q_info: TokenInfo, k_info: TokenInfo, i, j):
-  """bool[B or 1, 1, 1, bq, bk] mask of tile (i, j)."""
+def _tile_mask(cfg: _Config, q_info: TokenInfo, k_info: TokenInfo, i, j, *, keys_first=False):
+  """bool[B or 1, 1, bq*G, bk] mask of tile (i, j) ([.., bk, bq*G] if keys_first)."""
   qi = q_info.slice(i * cfg.block_q, cfg.block_q)
   kj = k_info.slice(j * cfg.block_kv, cfg.block_kv)
-  return token_mask(cfg.mask, qi, kj)[:, None, None]
+  mask = token_mask(cfg.mask, qi, kj)                      # [B', bq, bk]
+  b = mask.shape[0]
+  if keys_first:
+    mask = jnp.swapaxes(mask, 1, 2)                         # [B', bk, bq]
+    mask = jnp.broadcast_to(mask[..., None], mask.shape + (cfg.groups,))
+    return mask.reshape(b, 1, cfg.block_kv, cfg.tile_rows)
+  mask = jnp.broadcast_to(mask[:, :, None], (b, cfg.block_q, cfg.groups, cfg.block_kv))
+  return mask.reshape(b, 1, cfg.tile_rows, cfg.block_kv)
 
 
-def _tiles_to_visit(cfg: _Config, q_info: TokenInfo, k_info: TokenInfo, active):
-  """bool[nq, nk]: the tiles of this (query, key-chunk) pair worth computing."""
+def _tile_schedule(cfg: _Config, q_info: TokenInfo, k_info: TokenInfo, active):
+  """The tiles worth computing for one (local queries, key chunk) pair.
+
+  Returns ``(tiles, count, full)``: ``tiles`` int32[nq * nk] flat tile ids
+  (``i * nk + j``) of the non-empty tiles first, in row-major order; ``count``
+  how many there are; ``full`` bool[nq, nk] tiles needing no mask at all.
+  Looping over ``tiles[:count]`` visits only work the mask leaves, with no
+  per-tile branch around the big accumulators.
+  """
   q_sum = summarize_blocks(q_info, cfg.block_q)
   k_sum = summarize_blocks(k_info, cfg.block_kv)
-  return blocks_nonempty(cfg.mask, q_sum, k_sum) & active
+  visit = (blocks_nonempty(cfg.mask, q_sum, k_sum) & active).ravel()
+  tiles = jnp.nonzero(visit, size=visit.shape[0], fill_value=0)[0].astype(jnp.int32)
+  count = jnp.sum(visit, dtype=jnp.int32)
+  return tiles, count, blocks_full(cfg.mask, q_sum, k_sum)
 
 
 def _cut(x, axis, start, size):
@@ -173,9 +204,9 @@ def _cut(x, axis, start, size):
 class _Stats(NamedTuple):
   """Online-softmax state of all local queries (float32)."""
 
-  m: jax.Array    # [B, Hkv, G, L] running max of the logits (-inf: none yet)
-  l: jax.Array    # [B, Hkv, G, L] running sum of exp(logit - m)
-  acc: jax.Array  # [B, Hkv, G, L, D] running sum of exp(logit - m) * v
+  m: jax.Array    # [B, Hkv, N] running max of the logits (-inf: none yet)
+  l: jax.Array    # [B, Hkv, N] running sum of exp(logit - m)
+  acc: jax.Array  # [B, Hkv, N, D] running sum of exp(logit - m) * v
 
 
 def _attend_chunk(cfg: _Config, q, q_info: TokenInfo, stats: _Stats, kv, k_meta: _Meta,
@@ -183,41 +214,42 @@ def _attend_chunk(cfg: _Config, q, q_info: TokenInfo, stats: _Stats, kv, k_meta:
   """Fold one K/V chunk (owned by ``src_rank``) into the statistics."""
   k, v = kv
   k_info = _token_info(cfg, src_rank, k_meta)
-  visit = _tiles_to_visit(cfg, q_info, k_info, active)
+  tiles, count, full = _tile_schedule(cfg, q_info, k_info, active)
   bq, bk = cfg.block_q, cfg.block_kv
-  nq, nk = visit.shape
+  nk = full.shape[1]
 
-  def q_tile(i, stats):
-    qi = _cut(q, 3, i * bq, bq)
-    carry = (_cut(stats.m, 3, i * bq, bq), _cut(stats.l, 3, i * bq, bq),
-             _cut(stats.acc, 3, i * bq, bq))
+  rq = cfg.tile_rows
 
-    def kv_tile(j, carry):
-      m, l, acc = carry
-      kj, vj = _cut(k, 2, j * bk, bk), _cut(v, 2, j * bk, bk)
+  def tile(i, j, carry, *, masked: bool):
+    m, l, acc = carry
+    qi, kj, vj = _cut(q, 2, i * rq, rq), _cut(k, 2, j * bk, bk), _cut(v, 2, j * bk, bk)
+    s = _soft_cap(cfg, jnp.einsum("bhnd,bhkd->bhnk", qi, kj, preferred_element_type=jnp.float32))
+    if masked:
       mask = _tile_mask(cfg, q_info, k_info, i, j)
-      s = _logits(cfg, qi, kj)
       m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
       # A row that has seen nothing keeps m = -inf; subtracting a finite
       # stand-in avoids inf - inf, and the mask zeroes its p exactly.
       m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
       p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-      alpha = jnp.exp(m - m_safe)
-      l = alpha * l + jnp.sum(p, axis=-1)
-      pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vj.dtype), vj,
-                      preferred_element_type=jnp.float32)
-      return m_new, l, alpha[..., None] * acc + pv
+    else:
+      # Every pair allowed: m_new is finite and there is no mask to build.
+      m_new = m_safe = jnp.maximum(m, jnp.max(s, axis=-1))
+      p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    l = alpha * l + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bhnk,bhkd->bhnd", p.astype(vj.dtype), vj,
+                    preferred_element_type=jnp.float32)
+    return m_new, l, alpha[..., None] * acc + pv
 
-    def maybe(j, carry):
-      return lax.cond(visit[i, j], functools.partial(kv_tile, j), lambda c: c, carry)
+  def step(t, stats):
+    i, j = tiles[t] // nk, tiles[t] % nk
+    rows = tuple(_cut(x, 2, i * rq, rq) for x in stats)
+    rows = lax.cond(full[i, j], functools.partial(tile, masked=False),
+                    functools.partial(tile, masked=True), i, j, rows)
+    return _Stats(*(lax.dynamic_update_slice_in_dim(x, r, i * rq, 2)
+                    for x, r in zip(stats, rows)))
 
-    m, l, acc = lax.fori_loop(0, nk, maybe, carry)
-    return _Stats(lax.dynamic_update_slice_in_dim(stats.m, m, i * bq, 3),
-                  lax.dynamic_update_slice_in_dim(stats.l, l, i * bq, 3),
-                  lax.dynamic_update_slice_in_dim(stats.acc, acc, i * bq, 3))
-
-  return lax.cond(jnp.any(visit), lambda s: lax.fori_loop(0, nq, q_tile, s),
-                  lambda s: s, stats)
+  return lax.fori_loop(0, count, step, stats)
 
 
 def _rank(cfg: _Config):
@@ -227,15 +259,16 @@ def _rank(cfg: _Config):
 
 
 def _forward(cfg: _Config, q, k, v, meta: _Meta):
-  """Returns out [B, Hkv, G, L, D] (q's dtype) and lse f32[B, Hkv, G, L]."""
+  """Returns out [B, Hkv, N, D] (q's dtype) and lse f32[B, Hkv, N]."""
   cp = cfg.layout.cp_size
   rank = _rank(cfg)
   q_info = _token_info(cfg, rank, meta)
+  qs = _scaled(cfg, q)
   stats = _Stats(_vary_like(jnp.full(q.shape[:-1], -jnp.inf, jnp.float32), q),
                  _vary_like(jnp.zeros(q.shape[:-1], jnp.float32), q),
                  _vary_like(jnp.zeros(q.shape, jnp.float32), q))
   travel = ((k, v), meta)
-  attend = functools.partial(_attend_chunk, cfg, q, q_info)
+  attend = functools.partial(_attend_chunk, cfg, qs, q_info)
   hops, back = cfg.plan
 
   if back == 0:
@@ -272,42 +305,50 @@ def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: TokenInfo, dq, kv, dkv,
   """Add one K/V chunk's contributions to dq (local) and dk/dv (travelling)."""
   k, v = kv
   k_info = _token_info(cfg, src_rank, k_meta)
-  visit = _tiles_to_visit(cfg, q_info, k_info, active)
+  tiles, count, full = _tile_schedule(cfg, q_info, k_info, active)
   bq, bk = cfg.block_q, cfg.block_kv
-  nq, nk = visit.shape
+  nk = full.shape[1]
 
-  def q_tile(i, carry):
+  rq = cfg.tile_rows
+  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+
+  def tile(i, j, *, masked: bool):
+    """(dq_i, dk_j, dv_j) contributions of tile (i, j), float32.
+
+    Scores are built keys-first ([bk, bq*G]) so that dV = P^T dO and
+    dK = dS^T Q are plain matmuls; only dQ contracts over the leading axis.
+    """
+    qi, doi = _cut(q, 2, i * rq, rq), _cut(do, 2, i * rq, rq)
+    lse_i, delta_i = _cut(lse, 2, i * rq, rq), _cut(delta, 2, i * rq, rq)
+    kj, vj = _cut(k, 2, j * bk, bk), _cut(v, 2, j * bk, bk)
+    s = _soft_cap(cfg, f32("bhkd,bhnd->bhkn", kj, qi))
+    p = jnp.exp(s - lse_i[:, :, None, :])
+    if masked:
+      p = jnp.where(_tile_mask(cfg, q_info, k_info, i, j, keys_first=True), p, 0.0)
+    dv_j = f32("bhkn,bhnd->bhkd", p.astype(doi.dtype), doi)
+    dp = f32("bhkd,bhnd->bhkn", vj, doi)
+    ds = p * (dp - delta_i[:, :, None, :])
+    if cfg.soft_cap is not None:
+      ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))  # d(c*tanh(x/c))/dx
+    ds = ds.astype(qi.dtype)
+    # qi is pre-scaled, so dk_j already carries the scale; dq gets it once
+    # at the end (_backward).
+    dk_j = f32("bhkn,bhnd->bhkd", ds, qi)
+    dq_i = f32("bhkn,bhkd->bhnd", ds, kj)
+    return dq_i, dk_j, dv_j
+
+  def add(x, delta, start, axis):
+    return lax.dynamic_update_slice_in_dim(
+        x, _cut(x, axis, start, delta.shape[axis]) + delta, start, axis)
+
+  def step(t, carry):
     dq, (dk, dv) = carry
-    qi, doi = _cut(q, 3, i * bq, bq), _cut(do, 3, i * bq, bq)
-    lse_i, delta_i = _cut(lse, 3, i * bq, bq), _cut(delta, 3, i * bq, bq)
+    i, j = tiles[t] // nk, tiles[t] % nk
+    dq_i, dk_j, dv_j = lax.cond(full[i, j], functools.partial(tile, masked=False),
+                                functools.partial(tile, masked=True), i, j)
+    return add(dq, dq_i, i * rq, 2), (add(dk, dk_j, j * bk, 2), add(dv, dv_j, j * bk, 2))
 
-    def kv_tile(j, carry):
-      dqi, dk, dv = carry
-      kj, vj = _cut(k, 2, j * bk, bk), _cut(v, 2, j * bk, bk)
-      mask = _tile_mask(cfg, q_info, k_info, i, j)
-      s = _logits(cfg, qi, kj)
-      p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
-      dv_j = jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi,
-                        preferred_element_type=jnp.float32)
-      dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
-      ds = p * (dp - delta_i[..., None])
-      if cfg.soft_cap is not None:
-        ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))  # d(c*tanh(x/c))/dx
-      ds = (ds * cfg.scale).astype(qi.dtype)
-      dqi = dqi + jnp.einsum("bhgqk,bhkd->bhgqd", ds, kj, preferred_element_type=jnp.float32)
-      dk_j = jnp.einsum("bhgqk,bhgqd->bhkd", ds, qi, preferred_element_type=jnp.float32)
-      dk = lax.dynamic_update_slice_in_dim(dk, _cut(dk, 2, j * bk, bk) + dk_j, j * bk, 2)
-      dv = lax.dynamic_update_slice_in_dim(dv, _cut(dv, 2, j * bk, bk) + dv_j, j * bk, 2)
-      return dqi, dk, dv
-
-    def maybe(j, carry):
-      return lax.cond(visit[i, j], functools.partial(kv_tile, j), lambda c: c, carry)
-
-    dqi, dk, dv = lax.fori_loop(0, nk, maybe, (_cut(dq, 3, i * bq, bq), dk, dv))
-    return lax.dynamic_update_slice_in_dim(dq, dqi, i * bq, 3), (dk, dv)
-
-  return lax.cond(jnp.any(visit), lambda c: lax.fori_loop(0, nq, q_tile, c),
-                  lambda c: c, (dq, dkv))
+  return lax.fori_loop(0, count, step, (dq, dkv))
 
 
 def _backward(cfg: _Config, q, k, v, meta: _Meta, out, lse, do):
@@ -315,7 +356,7 @@ def _backward(cfg: _Config, q, k, v, meta: _Meta, out, lse, do):
   rank = _rank(cfg)
   q_info = _token_info(cfg, rank, meta)
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  grad = functools.partial(_grad_chunk, cfg, q, do, lse, delta, q_info)
+  grad = functools.partial(_grad_chunk, cfg, _scaled(cfg, q), do, lse, delta, q_info)
   dq = _vary_like(jnp.zeros(q.shape, jnp.float32), q)
   zero_kv = _vary_like(jnp.zeros(k.shape, jnp.float32), k)
   travel = ((k, v), meta)
@@ -347,7 +388,7 @@ def _backward(cfg: _Config, q, k, v, meta: _Meta, out, lse, do):
     dq, dkv_b = grad(dq, bwd[0], dkv_b, bwd[1], (rank + hops) % cp)
     dkv_f, dkv_b = _shift(dkv_f, cfg, -hops), _shift(dkv_b, cfg, +hops)
     dk, dv = dkv_f[0] + dkv_b[0], dkv_f[1] + dkv_b[1]
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return (dq * cfg.scale).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -483,12 +524,12 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp", causa
                      has_vision_groups=vision_group_ids is not None),
       scale=float(d ** -0.5 if scale is None else scale),
       soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-      block_q=blocks[0], block_kv=blocks[1])
+      block_q=blocks[0], block_kv=blocks[1], groups=hq // hkv)
   if cfg.layout.cp_size > 1:
     # Metadata rides the ring, so it must vary over the axis like K/V do.
     meta = jax.tree.map(lambda x: _vary_like(x, k), meta)
   g = hq // hkv
-  qh = q.reshape(b, l, hkv, g, d).transpose(0, 2, 3, 1, 4)
+  qh = q.reshape(b, l, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, l * g, d)
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   out = _ring(cfg, qh, kh, vh, meta)
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, l, hq, d)
+  return out.reshape(b, hkv, l, g, d).transpose(0, 2, 1, 3, 4).reshape(b, l, hq, d)
