@@ -20,7 +20,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[peers]"
 	$(BIN)/python benchmarks/shard_batch.py
+	$(BIN)/python benchmarks/ring_attention.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
