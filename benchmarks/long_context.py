@@ -56,7 +56,7 @@ else:
   ctx = contextlib.nullcontext()
 with ctx:
   t0 = time.perf_counter()
-  compiled = step.jitted.lower(params, state, batch).compile()
+  compiled = step.compile(params, state, batch)
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   out = {"scratch_mib": mem.temp_size_in_bytes / 2**20, "compile_s": compile_s}

@@ -1,10 +1,73 @@
-"""The ``cpjax`` command line: ``cpjax demo``."""
+"""The ``cpjax`` command line.
+
+    cpjax train [--seq-len N] [--cp N] [--layout KIND] [--steps N] [--seed N] [--dtype T]
+    cpjax demo  [--cp N] [--seq-len N]
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+
+
+class _Parser(argparse.ArgumentParser):
+  """Bad flags: one line on stderr, exit code 2."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+  return value
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+  return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog="cpjax", description="Context-parallel training for JAX.")
+  sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+  train = sub.add_parser(
+      "train", help="train the tiny Gemma4-style model with context parallelism",
+      description="Train the tiny Gemma4-style model on synthetic packed multimodal data "
+                  "(documents of random lengths, image spans, padding) with its sequence "
+                  "split over a cp mesh axis; checks the first step against the "
+                  "single-device model and prints a summary. On CPU it emulates the devices.")
+  train.add_argument("--seq-len", type=_positive, default=1024,
+                     help="tokens per row before padding (default 1024)")
+  train.add_argument("--cp", type=_positive, default=8,
+                     help="context-parallel size, i.e. devices on the cp axis (default 8)")
+  train.add_argument("--layout", choices=("load_balanced", "contiguous"), default="load_balanced",
+                     help="how the sequence is split over the ranks (default load_balanced)")
+  train.add_argument("--steps", type=_positive, default=20, help="optimizer steps (default 20)")
+  train.add_argument("--seed", type=int, default=0, help="seed for data and init (default 0)")
+  train.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                     help="activation dtype; parameters stay float32 (default float32)")
+  train.add_argument("--batch-size", type=_positive, default=2, help="rows per step (default 2)")
+  train.add_argument("--lr", type=_positive_float, default=3e-3,
+                     help="AdamW learning rate (default 3e-3)")
+  train.add_argument("--no-parity-check", action="store_true",
+                     help="skip the first-step comparison with the single-device model")
+
+  demo = sub.add_parser("demo", help="shard a packed multimodal batch and print each rank's part")
+  demo.add_argument("--cp", type=_positive, default=8, help="context-parallel size (default 8)")
+  demo.add_argument("--seq-len", type=_positive, default=22, help="tokens in the row (default 22)")
+  return parser
 
 
 def _use_cpu_devices(n: int) -> None:
@@ -15,32 +78,31 @@ def _use_cpu_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
-def _positive(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-  return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="cpjax", description=__doc__)
-  sub = parser.add_subparsers(dest="command", required=True)
-  demo = sub.add_parser("demo", help="shard a packed multimodal batch and print each rank's part")
-  demo.add_argument("--cp", type=_positive, default=8, help="context-parallel size (default 8)")
-  demo.add_argument("--seq-len", type=_positive, default=22, help="tokens in the row (default 22)")
-  return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args = parser.parse_args(argv)
   if args.command == "demo":
     if args.seq_len < 6:
-      print("cpjax demo: error: --seq-len must be >= 6", file=sys.stderr)
-      return 2
+      parser.exit(2, "cpjax demo: error: --seq-len must be >= 6\n")
     _use_cpu_devices(max(args.cp, 8))
     from cpjax.demo import run_demo
 
     print(run_demo(args.cp, args.seq_len))
+    return 0
+
+  if args.seq_len < 32:
+    parser.exit(2, f"cpjax train: error: --seq-len must be >= 32, got {args.seq_len}\n")
+  _use_cpu_devices(max(args.cp, 8))
+  from cpjax.train_job import TrainJob, run_train_job
+
+  job = TrainJob(seq_len=args.seq_len, cp=args.cp, layout=args.layout, steps=args.steps,
+                 seed=args.seed, dtype=args.dtype, batch_size=args.batch_size,
+                 learning_rate=args.lr, parity_check=not args.no_parity_check)
+  try:
+    run_train_job(job)
+  except ValueError as err:
+    print(f"cpjax train: error: {err}", file=sys.stderr)
+    return 2
   return 0
 
 

@@ -1,8 +1,13 @@
-"""Gemma4-style model pieces with the in-forward context-parallel path."""
+"""Gemma4-style model with the in-forward context-parallel path."""
 
+from cpjax.models.gemma4.config import Gemma4Config as Gemma4Config
 from cpjax.models.gemma4.cp_batch import (
     make_contiguous_aux_only_shard_cp_batch as make_contiguous_aux_only_shard_cp_batch,
 )
+from cpjax.models.gemma4.cp_batch import prepare_batch as prepare_batch
+from cpjax.models.gemma4.cp_batch import shard_aux_only_cp_batch as shard_aux_only_cp_batch
 from cpjax.models.gemma4.cp_batch import (
     synthesize_single_document_seq_ids as synthesize_single_document_seq_ids,
 )
+from cpjax.models.gemma4.model import CPContext as CPContext
+from cpjax.models.gemma4.model import Gemma4 as Gemma4

@@ -14,13 +14,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jax.sharding import Mesh
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cpjax import batch as batch_lib
 from cpjax.layout import ShardLayout
+from cpjax.models.gemma4.model import IMAGE_OFFSET_KEY, image_token_offsets
 from cpjax.sharding import shard_batch
 
-__all__ = ["make_contiguous_aux_only_shard_cp_batch", "synthesize_single_document_seq_ids"]
+__all__ = ["make_contiguous_aux_only_shard_cp_batch", "prepare_batch", "shard_aux_only_cp_batch",
+           "synthesize_single_document_seq_ids"]
 
 
 def synthesize_single_document_seq_ids(batch: Mapping, seq_len: int) -> dict:
@@ -36,6 +39,48 @@ def synthesize_single_document_seq_ids(batch: Mapping, seq_len: int) -> dict:
   return batch_lib.synthesize_document_ids(batch, seq_len)
 
 
+def shard_aux_only_cp_batch(
+    mesh: Mesh,
+    batch: Mapping[str, Any],
+    *,
+    layout: str = "contiguous",
+    axis_name: str = "cp",
+    loss_mask=None,
+    padding_token_id: int = 0,
+    extra_seq_keys: Mapping[str, int] | None = None,
+    extra_pad_values: Mapping[str, Any] | None = None,
+    pad_multiple: int = 1,
+    batch_axis: str | None = None,
+) -> tuple[dict, ShardLayout]:
+  """Gemma4's aux-only CP shard in either layout.
+
+  Converts ``attention_mask``, synthesizes ``_packed_seq_ids`` from the full
+  pre-pad ``padding_mask`` (its pad zeros depend on the global pad tail,
+  which a rank holding only its slice cannot reconstruct), then shards
+  ``labels`` / ``position_ids`` / ``loss_mask`` / ``padding_mask`` /
+  ``_packed_seq_ids`` (padded with 0) and the extra keys over ``axis_name``,
+  leaving ``input_ids`` / ``inputs_embeds``, ``mm_token_type_ids`` and
+  ``pixel_values`` full length and replicated for the model to slice.
+
+  Returns:
+    ``(sharded_batch, layout)`` as :func:`cpjax.shard_batch`.
+  """
+  batch = batch_lib.attention_mask_to_padding_mask(batch)
+  seq_len = batch_lib.primary_length(batch)
+  batch = synthesize_single_document_seq_ids(batch, seq_len)
+  out, shard_layout = shard_batch(
+      batch, mesh, axis_name=axis_name, layout=layout, aux_only=True,
+      loss_mask=loss_mask, padding_token_id=padding_token_id,
+      extra_seq_keys=extra_seq_keys, extra_pad_values=extra_pad_values,
+      pad_multiple=pad_multiple, batch_axis=batch_axis)
+  if "mm_token_type_ids" in batch:
+    # A data-parallel shard sees only its rows but must know which images are
+    # theirs: record each row's first image-token slot over the global batch.
+    offsets = image_token_offsets(batch["mm_token_type_ids"])
+    out[IMAGE_OFFSET_KEY] = jax.device_put(offsets, NamedSharding(mesh, P(batch_axis)))
+  return out, shard_layout
+
+
 def make_contiguous_aux_only_shard_cp_batch(
     mesh: Mesh,
     batch: Mapping[str, Any],
@@ -48,15 +93,8 @@ def make_contiguous_aux_only_shard_cp_batch(
 ) -> tuple[dict, ShardLayout]:
   """Aux-only contiguous CP shard for Gemma4's in-forward ("sunk") pre-embed.
 
-  Converts ``attention_mask``, synthesizes ``_packed_seq_ids`` from the full
-  pre-pad ``padding_mask``, then shards ``labels`` / ``position_ids`` /
-  ``loss_mask`` / ``padding_mask`` / ``_packed_seq_ids`` (padded with 0) and
-  the extra keys contiguously over ``axis_name``, leaving ``input_ids`` /
-  ``inputs_embeds``, ``mm_token_type_ids`` and ``pixel_values`` full length
-  and replicated for the model to slice.
-
-  Returns:
-    ``(sharded_batch, layout)`` as :func:`cpjax.shard_batch`.
+  The seed's function under its familiar name:
+  :func:`shard_aux_only_cp_batch` with ``layout="contiguous"``.
 
   Example:
     >>> import jax, numpy as np
@@ -67,10 +105,20 @@ def make_contiguous_aux_only_shard_cp_batch(
     >>> np.asarray(out["_packed_seq_ids"]).tolist(), out["input_ids"].shape
     ([[1, 1, 1, 1, 0, 0, 0, 0]], (1, 6))
   """
+  return shard_aux_only_cp_batch(
+      mesh, batch, layout="contiguous", axis_name=axis_name, loss_mask=loss_mask,
+      padding_token_id=padding_token_id, extra_seq_keys=extra_seq_keys,
+      extra_pad_values=extra_pad_values)
+
+
+def prepare_batch(batch: Mapping[str, Any], *, loss_mask=None) -> dict:
+  """The single-device counterpart: the same normalisation, no padding, no sharding.
+
+  >>> import numpy as np
+  >>> out = prepare_batch({"input_ids": np.ones((1, 3), np.int32), "labels": np.ones((1, 3), np.int32)})
+  >>> sorted(out)
+  ['_packed_seq_ids', 'input_ids', 'labels', 'padding_mask', 'position_ids']
+  """
   batch = batch_lib.attention_mask_to_padding_mask(batch)
-  seq_len = batch_lib.primary_length(batch)
-  batch = synthesize_single_document_seq_ids(batch, seq_len)
-  return shard_batch(
-      batch, mesh, axis_name=axis_name, layout="contiguous", aux_only=True,
-      loss_mask=loss_mask, padding_token_id=padding_token_id,
-      extra_seq_keys=extra_seq_keys, extra_pad_values=extra_pad_values)
+  batch = synthesize_single_document_seq_ids(batch, batch_lib.primary_length(batch))
+  return batch_lib.normalize_batch(batch, loss_mask=loss_mask)

@@ -1,0 +1,69 @@
+"""Synthetic packed, padded, multimodal batches for the training job and tests.
+
+Each row packs documents of random lengths; every document is an arithmetic
+sequence of token ids (a learnable signal: the next token is the previous one
+plus a per-document stride), some rows carry image spans whose tokens are
+replaced by the vision encoder's soft tokens, and the row ends in padding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cpjax.batch import next_token_labels
+
+__all__ = ["synthetic_batch"]
+
+
+def synthetic_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int, vocab_size: int,
+                    tokens_per_image: int, image_shape: tuple[int, int, int],
+                    images_per_row: int = 1, max_docs: int = 4, pad_fraction: float = 0.1) -> dict:
+  """A dict of numpy arrays in Hugging Face conventions (see :mod:`cpjax.batch`).
+
+  Keys: ``input_ids``, ``labels`` (next token within a document, -100 on the
+  last token of each document, on image tokens and on padding),
+  ``position_ids`` (restarting in every document), ``_packed_seq_ids``,
+  ``attention_mask``, ``mm_token_type_ids`` and ``pixel_values``
+  [batch_size * images_per_row, C, H, W].
+
+  >>> b = synthetic_batch(np.random.default_rng(0), batch_size=2, seq_len=32, vocab_size=50,
+  ...                     tokens_per_image=4, image_shape=(3, 8, 8))
+  >>> b["input_ids"].shape, b["pixel_values"].shape, int((b["mm_token_type_ids"] == 1).sum())
+  ((2, 32), (2, 3, 8, 8), 8)
+  """
+  b, s = batch_size, seq_len
+  pad = int(rng.integers(0, max(int(s * pad_fraction), 0) + 1))
+  real = s - pad
+  ids = np.zeros((b, s), np.int32)
+  docs = np.zeros((b, s), np.int32)
+  pos = np.zeros((b, s), np.int32)
+  types = np.zeros((b, s), np.int32)
+  for r in range(b):
+    n_docs = int(rng.integers(1, max_docs + 1))
+    n_docs = min(n_docs, max(real // 4, 1))
+    cuts = np.sort(rng.choice(np.arange(1, real), n_docs - 1, replace=False)) if n_docs > 1 else []
+    bounds = [0, *cuts, real]
+    for d, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]), start=1):
+      docs[r, lo:hi] = d
+      pos[r, lo:hi] = np.arange(hi - lo)
+      start, stride = rng.integers(1, vocab_size), rng.integers(1, 4)
+      ids[r, lo:hi] = 1 + (start + stride * np.arange(hi - lo)) % (vocab_size - 1)
+    free = real - tokens_per_image * images_per_row
+    if free < 0:
+      raise ValueError(f"seq_len {s} with {pad} padding cannot hold {images_per_row} image(s) "
+                       f"of {tokens_per_image} tokens")
+    starts = np.sort(rng.choice(np.arange(free + 1), images_per_row, replace=False))
+    for k, st in enumerate(starts):
+      st = st + k * tokens_per_image
+      types[r, st:st + tokens_per_image] = 1
+  labels = np.array(next_token_labels(ids, docs))
+  labels[types == 1] = -100
+  return {
+      "input_ids": ids,
+      "labels": labels,
+      "position_ids": pos,
+      "_packed_seq_ids": docs,
+      "attention_mask": (docs > 0).astype(np.int32),
+      "mm_token_type_ids": types,
+      "pixel_values": rng.standard_normal((b * images_per_row, *image_shape)).astype(np.float32),
+  }
