@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/cpjax demo
+	$(BIN)/cpjax train
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
@@ -23,6 +23,7 @@ bench: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[peers]"
 	$(BIN)/python benchmarks/shard_batch.py
 	$(BIN)/python benchmarks/ring_attention.py
+	$(BIN)/python benchmarks/long_context.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

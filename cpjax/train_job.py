@@ -85,13 +85,19 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     loss = float(metrics["loss"])
     times.append(time.perf_counter() - start)
     if i == 0 and job.parity_check:
-      tol = 1e-4 if job.dtype == "float32" else 3e-2
       rel_loss = abs(loss - float(ref_loss)) / abs(float(ref_loss))
       rel_norm = abs(float(metrics["grad_norm"]) - ref_norm) / ref_norm
+      # float32: the CP step must match the single-device one to summation
+      # order. bfloat16 activations round differently on each path; at this
+      # size their gradients differ from float32 by ~20% on either path, so
+      # only the loss is held to a (bf16-sized) tolerance there.
+      tol = 1e-4 if job.dtype == "float32" else 1e-2
+      ok = rel_loss <= tol and (job.dtype != "float32" or rel_norm <= tol)
       summary["parity"] = {"rel_loss": rel_loss, "rel_grad_norm": rel_norm, "tolerance": tol}
+      checked = "loss and grad norm" if job.dtype == "float32" else "loss"
       bar.write(f"parity with the single-device model at step 1: |dloss|/loss = {rel_loss:.1e}, "
-                f"|dgrad_norm|/grad_norm = {rel_norm:.1e} (tolerance {tol:g})")
-      if not (rel_loss <= tol and rel_norm <= tol):
+                f"|dgrad_norm|/grad_norm = {rel_norm:.1e} ({checked} within {tol:g})")
+      if not ok:
         raise RuntimeError(f"CP and single-device steps disagree: {summary['parity']}")
     losses.append(loss)
     real_tokens += int(np.sum(batch["attention_mask"]))
@@ -106,13 +112,13 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   summary.update({
       "loss_first": losses[0], "loss_last": losses[-1],
       "tokens_per_s": tokens_per_step / float(np.median(steady)),
-      "compile_and_first_step_s": times[0],
+      "first_step_s": times[0],
       "scratch_mib_per_device": mem.temp_size_in_bytes / 2**20,
       "arguments_mib_per_device": mem.argument_size_in_bytes / 2**20,
   })
   log(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {job.steps} steps; "
       f"{summary['tokens_per_s']:.0f} real tokens/s after the first step "
-      f"(first step with compile {times[0]:.1f} s)")
+      f"(first step {times[0]:.1f} s)")
   log(f"per-device memory of the compiled step: scratch {summary['scratch_mib_per_device']:.1f} MiB, "
       f"arguments {summary['arguments_mib_per_device']:.1f} MiB")
   return summary

@@ -243,13 +243,14 @@ class Gemma4(nnx.Module):
   def __init__(self, cfg: Gemma4Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
     self.cfg = cfg
     self.dtype = dtype
-    self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), 1.0)
+    # Unit-scale inputs after the sqrt(d_model) multiplier; tied logits start O(1).
+    self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.d_model ** -0.5)
     self.vision = VisionEncoder(cfg, rngs)
     self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
     if cfg.per_layer_dim:
       width = cfg.num_layers * cfg.per_layer_dim
-      self.pl_embed = _normal(rngs, (cfg.vocab_size, width), 1.0)
+      self.pl_embed = _normal(rngs, (cfg.vocab_size, width), cfg.per_layer_dim ** -0.5)
       self.pl_proj = Dense(rngs, cfg.d_model, width)
       self.pl_proj_norm = RMSNorm(cfg.per_layer_dim, cfg.rms_norm_eps)
 
