@@ -23,7 +23,6 @@ backward (recomputation not counted), against a 2048^3 matmul in this run.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import subprocess
 import sys

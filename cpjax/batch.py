@@ -26,7 +26,6 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = [
     "DOCUMENT_IDS_KEY",

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from cpjax.layout import ShardLayout, local_token_indices
@@ -215,7 +213,7 @@ def _attend_chunk(cfg: _Config, q, q_info: TokenInfo, stats: _Stats, kv, k_meta:
   k, v = kv
   k_info = _token_info(cfg, src_rank, k_meta)
   tiles, count, full = _tile_schedule(cfg, q_info, k_info, active)
-  bq, bk = cfg.block_q, cfg.block_kv
+  bk = cfg.block_kv
   nk = full.shape[1]
 
   rq = cfg.tile_rows
@@ -306,7 +304,7 @@ def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: TokenInfo, dq, kv, dkv,
   k, v = kv
   k_info = _token_info(cfg, src_rank, k_meta)
   tiles, count, full = _tile_schedule(cfg, q_info, k_info, active)
-  bq, bk = cfg.block_q, cfg.block_kv
+  bk = cfg.block_kv
   nk = full.shape[1]
 
   rq = cfg.tile_rows
