@@ -1,6 +1,7 @@
 """The ``cpjax`` command line.
 
     cpjax train [--seq-len N] [--cp N] [--layout KIND] [--steps N] [--seed N] [--dtype T]
+                [--coordinator-address HOST:PORT --num-processes N --process-id I]
     cpjax demo  [--cp N] [--seq-len N]
 """
 
@@ -63,6 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="AdamW learning rate (default 3e-3)")
   train.add_argument("--no-parity-check", action="store_true",
                      help="skip the first-step comparison with the single-device model")
+  cluster = train.add_argument_group(
+      "cluster", "run as one process of a multi-process JAX cluster (every process runs the "
+                 "same command with its own --process-id)")
+  cluster.add_argument("--coordinator-address", metavar="HOST:PORT",
+                       help="address of process 0's coordinator, e.g. 127.0.0.1:12355")
+  cluster.add_argument("--num-processes", type=_positive, default=1,
+                       help="processes in the cluster (default 1: no cluster)")
+  cluster.add_argument("--process-id", type=int, default=0, help="this process's index (default 0)")
+  cluster.add_argument("--auto-cluster", action="store_true",
+                       help="let jax.distributed.initialize() detect the cluster (Cloud TPU "
+                            "slices, SLURM) instead of the three flags above")
 
   demo = sub.add_parser("demo", help="shard a packed multimodal batch and print each rank's part")
   demo.add_argument("--cp", type=_positive, default=8, help="context-parallel size (default 8)")
@@ -70,12 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _use_cpu_devices(n: int) -> None:
-  """Emulate ``n`` CPU devices; must run before JAX initialises a backend."""
+def _use_cpu_devices(n: int, *, collectives: str | None = None) -> None:
+  """Emulate ``n`` CPU devices (per process); must run before JAX initialises.
+
+  Only when JAX is restricted to the CPU (``JAX_PLATFORMS=cpu``, the default
+  here): on a TPU or GPU machine set ``JAX_PLATFORMS`` to use the chips.
+  """
   if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
     import jax
 
     jax.config.update("jax_num_cpu_devices", n)
+    if collectives:
+      jax.config.update("jax_cpu_collectives_implementation", collectives)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +110,26 @@ def main(argv: list[str] | None = None) -> int:
 
   if args.seq_len < 32:
     parser.exit(2, f"cpjax train: error: --seq-len must be >= 32, got {args.seq_len}\n")
-  _use_cpu_devices(max(args.cp, 8))
+  if args.num_processes > 1:
+    if not args.coordinator_address:
+      parser.exit(2, "cpjax train: error: --num-processes > 1 needs --coordinator-address\n")
+    if not 0 <= args.process_id < args.num_processes:
+      parser.exit(2, f"cpjax train: error: --process-id must be in [0, {args.num_processes}), "
+                     f"got {args.process_id}\n")
+    if args.cp % args.num_processes:
+      parser.exit(2, f"cpjax train: error: --cp {args.cp} must be a multiple of "
+                     f"--num-processes {args.num_processes}\n")
+    _use_cpu_devices(args.cp // args.num_processes, collectives="gloo")
+    import jax
+
+    jax.distributed.initialize(coordinator_address=args.coordinator_address,
+                               num_processes=args.num_processes, process_id=args.process_id)
+  elif args.auto_cluster:
+    import jax
+
+    jax.distributed.initialize()
+  else:
+    _use_cpu_devices(max(args.cp, 8))
   from cpjax.train_job import TrainJob, run_train_job
 
   job = TrainJob(seq_len=args.seq_len, cp=args.cp, layout=args.layout, steps=args.steps,

@@ -33,8 +33,17 @@ def _compute_dtype(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
+def _host(x) -> float:
+  """A replicated scalar's value, also when the array spans other processes."""
+  return float(np.asarray(x.addressable_data(0)))
+
+
 def run_train_job(job: TrainJob, *, log=print) -> dict:
-  """Train and return a summary dict (what the closing lines print)."""
+  """Train and return a summary dict (what the closing lines print).
+
+  In a multi-process cluster every process runs this with the same job;
+  only process 0 logs.
+  """
   import jax
   import optax
   from flax import nnx
@@ -45,6 +54,8 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   from cpjax.models import gemma4
 
   cfg = gemma4.Gemma4Config()
+  if jax.process_index() != 0:
+    log = lambda *_: None  # noqa: E731
   devices = jax.devices()
   if len(devices) < job.cp:
     raise ValueError(f"--cp {job.cp} needs {job.cp} devices, found {len(devices)}")
@@ -62,9 +73,10 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
                            image_shape=(cfg.num_channels, cfg.image_size, cfg.image_size),
                            max_docs=6)
 
+  procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
   log(f"cpjax train: Gemma4-style {cfg.num_layers} layers d={cfg.d_model}, "
       f"S={job.seq_len} B={job.batch_size}, cp={job.cp} {job.layout} on "
-      f"{job.cp} {devices[0].platform.upper()} devices, {job.dtype}")
+      f"{job.cp} {devices[0].platform.upper()} devices{procs}, {job.dtype}")
   batch = next_batch()
   sharded, layout = sharder.shard_batch(batch, mesh)
   step = train.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout)
@@ -78,15 +90,16 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     ref_norm = float(optax.tree.norm(ref_grads))
 
   losses, real_tokens, times = [], 0, []
-  bar = tqdm(range(job.steps), desc="train", unit="step", leave=True)
+  bar = tqdm(range(job.steps), desc="train", unit="step", leave=True,
+             disable=jax.process_index() != 0)
   for i in bar:
     start = time.perf_counter()
     params, opt_state, metrics = step(params, opt_state, sharded)
-    loss = float(metrics["loss"])
+    loss = _host(metrics["loss"])
     times.append(time.perf_counter() - start)
     if i == 0 and job.parity_check:
       rel_loss = abs(loss - float(ref_loss)) / abs(float(ref_loss))
-      rel_norm = abs(float(metrics["grad_norm"]) - ref_norm) / ref_norm
+      rel_norm = abs(_host(metrics["grad_norm"]) - ref_norm) / ref_norm
       # float32: the CP step must match the single-device one to summation
       # order. bfloat16 activations round differently on each path; at this
       # size their gradients differ from float32 by ~20% on either path, so
@@ -95,7 +108,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
       ok = rel_loss <= tol and (job.dtype != "float32" or rel_norm <= tol)
       summary["parity"] = {"rel_loss": rel_loss, "rel_grad_norm": rel_norm, "tolerance": tol}
       checked = "loss and grad norm" if job.dtype == "float32" else "loss"
-      bar.write(f"parity with the single-device model at step 1: |dloss|/loss = {rel_loss:.1e}, "
+      log(f"parity with the single-device model at step 1: |dloss|/loss = {rel_loss:.1e}, "
                 f"|dgrad_norm|/grad_norm = {rel_norm:.1e} ({checked} within {tol:g})")
       if not ok:
         raise RuntimeError(f"CP and single-device steps disagree: {summary['parity']}")

@@ -3,11 +3,9 @@
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from cpjax import cli
-from cpjax.train_job import TrainJob, run_train_job
 
 
 def _run(*args, timeout=600):
@@ -22,6 +20,11 @@ def _run(*args, timeout=600):
     (["train", "--steps", "two"], "argument --steps: expected an integer >= 1, got 'two'"),
     (["train", "--seq-len", "16"], "--seq-len must be >= 32, got 16"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "--num-processes", "2"], "--num-processes > 1 needs --coordinator-address"),
+    (["train", "--num-processes", "2", "--coordinator-address", "h:1", "--process-id", "2"],
+     "--process-id must be in [0, 2), got 2"),
+    (["train", "--num-processes", "3", "--coordinator-address", "h:1"],
+     "--cp 8 must be a multiple of --num-processes 3"),
 ])
 def test_bad_flags_one_line_exit_two(args, message, capsys):
   with pytest.raises(SystemExit) as exc:
@@ -36,14 +39,6 @@ def test_help_documents_every_flag():
   text = cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()
   for flag in ("--seq-len", "--cp", "--layout", "--steps", "--seed", "--dtype"):
     assert flag in text
-
-
-def test_train_job_in_process():
-  """Two steps on 4 devices: the parity check passes and the loss is finite."""
-  summary = run_train_job(TrainJob(seq_len=96, cp=4, steps=3, layout="contiguous"),
-                          log=lambda *_: None)
-  assert summary["parity"]["rel_loss"] <= 1e-4
-  assert np.isfinite(summary["loss_last"]) and summary["tokens_per_s"] > 0
 
 
 def test_console_entry_point_runs_the_job():

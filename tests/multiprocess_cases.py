@@ -1,0 +1,76 @@
+"""The computations the multi-process test runs, identically in 1 and 2 processes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cpjax
+from cpjax import train
+from cpjax.data import synthetic_batch
+from cpjax.models import gemma4
+
+CFG = gemma4.Gemma4Config(num_layers=2, full_every=2, sliding_window=8, vocab_size=64,
+                          d_model=32, mlp_hidden=48)
+
+
+def _global(mesh, x, spec):
+  """A global array from a host value every process holds in full."""
+  x = np.asarray(x)
+  sharding = NamedSharding(mesh, spec)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def run_all(mesh) -> dict:
+  """Shard a batch, ring attention forward + backward, three training steps.
+
+  Returns fully replicated or sharded global arrays (gather them to compare).
+  """
+  out = {}
+  rng = np.random.default_rng(0)
+  batch = synthetic_batch(rng, batch_size=2, seq_len=60, vocab_size=CFG.vocab_size,
+                          tokens_per_image=CFG.tokens_per_image, image_shape=(3, 8, 8))
+  sharded, layout = cpjax.shard_batch(batch, mesh, layout="load_balanced")
+  for key in ("labels", "position_ids", "_packed_seq_ids", "padding_mask"):
+    out[f"shard/{key}"] = sharded[key]
+
+  # Ring attention on the sharded document ids, forward and backward.
+  s = layout.padded_seq_len
+  q, k, v = (rng.standard_normal((2, s, 4, 8)).astype(np.float32) for _ in range(3))
+  spec = P(None, "cp")
+  q, k, v = (_global(mesh, x, spec) for x in (q, k, v))
+
+  def attend(q, k, v, seg, pad):
+    return cpjax.ring_attention(q, k, v, layout=layout, segment_ids=seg, padding_mask=pad,
+                                sliding_window=12)
+
+  f = jax.shard_map(attend, mesh=mesh, in_specs=spec, out_specs=spec)
+  seg, pad = sharded["_packed_seq_ids"], sharded["padding_mask"]
+  with jax.set_mesh(mesh):
+    out["ring/out"] = jax.jit(f)(q, k, v, seg, pad)
+    # Global arrays of a multi-process mesh must be arguments, never closed over.
+    grads = jax.jit(jax.grad(lambda q, k, v, seg, pad: jnp.sum(f(q, k, v, seg, pad) ** 2),
+                             argnums=(0, 1, 2)))(q, k, v, seg, pad)
+  for name, g in zip("qkv", grads):
+    out[f"ring/d{name}"] = g
+
+  # Three training steps of the Gemma4-style model.
+  model = gemma4.Gemma4(CFG, rngs=nnx.Rngs(0))
+  sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
+  graphdef, params = nnx.split(model)
+  opt = optax.sgd(0.1, momentum=0.9)
+  opt_state = opt.init(params)
+  step = None
+  for i in range(3):
+    b = synthetic_batch(np.random.default_rng(10 + i), batch_size=2, seq_len=60,
+                        vocab_size=CFG.vocab_size, tokens_per_image=CFG.tokens_per_image,
+                        image_shape=(3, 8, 8))
+    sb, lay = sharder.shard_batch(b, mesh)
+    step = step or train.make_train_step(graphdef, opt, mesh=mesh, layout=lay)
+    params, opt_state, metrics = step(params, opt_state, sb)
+    out[f"train/loss{i}"] = metrics["loss"]
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    out["params" + jax.tree_util.keystr(path)] = leaf
+  return out

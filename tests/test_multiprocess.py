@@ -1,0 +1,65 @@
+"""2 processes x 4 CPU devices over loopback equal 1 process x 8 devices."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from tests import multiprocess_cases as cases
+from tests.helpers import cp_mesh
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 420
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _run_cluster(tmp_path, nproc=2):
+  """Start the workers; kill them all and fail if any fails or hangs."""
+  port, out = _free_port(), tmp_path / "cluster.npz"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+  env.pop("XLA_FLAGS", None)
+  procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"),
+                             str(port), str(i), str(nproc), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+           for i in range(nproc)]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    pytest.fail(f"cluster did not finish within {TIMEOUT_S} s")
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  codes = [p.returncode for p in procs]
+  assert codes == [0] * nproc, f"exit codes {codes}:\n" + "\n----\n".join(l[-3000:] for l in logs)
+  return dict(np.load(out))
+
+
+def test_two_processes_equal_one(tmp_path):
+  cluster = _run_cluster(tmp_path)
+  mesh = cp_mesh(8)
+  single = {k: np.asarray(v) for k, v in cases.run_all(mesh).items()}
+  assert cluster.keys() == single.keys()
+  for key in single:
+    if key.startswith("shard/"):
+      chex.assert_trees_all_equal(cluster[key], single[key], custom_message=key)
+    else:
+      # Same program on the same 8-device mesh: the collectives only cross a
+      # process boundary, so results agree to float32 reduction order.
+      chex.assert_trees_all_close(cluster[key], single[key], rtol=1e-5, atol=1e-6,
+                                  custom_message=key)
