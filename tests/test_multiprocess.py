@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import chex
-import jax
 import numpy as np
 import pytest
 

@@ -1,6 +1,5 @@
 """The notebooks run top to bottom, headless, on 8 CPU devices with small sizes."""
 
-import os
 from pathlib import Path
 
 import pytest
