@@ -3,6 +3,7 @@
     python benchmarks/plot.py      # writes benchmarks/results/*.png
 
 * ``ring_speedup.png``: forward+backward time per case and method (ring benchmark);
+* ``speedup_vs_peers.png``: cpjax's speedup over each peer, per case;
 * ``memory_vs_seq_len.png``: per-device scratch memory against S (ring attention
   alone, and the whole training step of the long-context benchmark);
 * ``step_time_vs_seq_len.png``: training-step time against S, cp=8 vs one device.
@@ -43,6 +44,41 @@ def plot_ring(plt, ring):
   ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   fig.savefig(RESULTS / "ring_speedup.png", dpi=120)
+
+
+def plot_speedups(plt, ring):
+  """cpjax's forward+backward speedup over each peer, per case (one run)."""
+  def t(case, method, layout):
+    for r in ring["rows"]:
+      if (r["case"], r["method"], r["layout"]) == (case, method, layout) and "fwd_bwd_s" in r:
+        return r["fwd_bwd_s"]
+    return None
+
+  window = next(r["case"] for r in ring["rows"] if r["case"].startswith("window"))
+  pairs = [
+      ("causal vs ringattention", t("causal", "ringattention", "contiguous"),
+       t("causal", "cpjax", "load_balanced")),
+      ("causal vs all-gather KV", t("causal", "all-gather KV", "contiguous"),
+       t("causal", "cpjax", "load_balanced")),
+      ("causal vs dense 1 device", t("causal", "dense 1 device", "-"),
+       t("causal", "cpjax", "load_balanced")),
+      ("16 docs vs ringattention", t("16 docs", "ringattention", "contiguous"),
+       t("16 docs", "cpjax", "load_balanced")),
+      ("GQA vs ringattention", t("GQA Hkv=2", "ringattention", "contiguous"),
+       t("GQA Hkv=2", "cpjax", "load_balanced")),
+      (f"{window} vs no window", t("no window", "cpjax", "load_balanced"),
+       t(window, "cpjax", "load_balanced")),
+  ]
+  pairs = [(name, peer / ours) for name, peer, ours in pairs if peer and ours]
+  fig, ax = plt.subplots(figsize=(8, 4))
+  bars = ax.barh([p[0] for p in pairs], [p[1] for p in pairs], color="tab:blue")
+  ax.bar_label(bars, fmt="%.1fx", fontsize=8)
+  ax.axvline(1.0, color="k", lw=0.8)
+  ax.set_xscale("log")
+  ax.set_xlabel("speedup of cpjax (load-balanced), forward+backward (log)")
+  ax.set_title("cpjax against its peers, same run")
+  fig.tight_layout()
+  fig.savefig(RESULTS / "speedup_vs_peers.png", dpi=120)
 
 
 def plot_memory(plt, ring, long_ctx):
@@ -101,6 +137,7 @@ def main():
     sys.exit("no benchmark JSON under benchmarks/results: run the benchmarks first")
   if ring:
     plot_ring(plt, ring)
+    plot_speedups(plt, ring)
   plot_memory(plt, ring, long_ctx)
   if long_ctx:
     plot_step_time(plt, long_ctx)

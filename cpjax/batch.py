@@ -217,6 +217,13 @@ def normalize_batch(batch: Mapping, *, loss_mask=None) -> dict:
   Shapes and dtypes are validated here, before any compute. Keys it does not
   know are passed through untouched.
 
+  Example:
+    >>> import numpy as np
+    >>> out = normalize_batch({"input_ids": np.zeros((2, 3), np.int32)},
+    ...                       loss_mask=np.ones((2, 3), bool))
+    >>> sorted(out), out["position_ids"].tolist()
+    (['input_ids', 'labels', 'padding_mask', 'position_ids'], [[0, 1, 2], [0, 1, 2]])
+
   Raises:
     KeyError: no primary stream / both, or no labels.
     ValueError: sequence lengths or batch sizes that disagree, bad ranks.

@@ -170,6 +170,9 @@ def rank_order(layout: ShardLayout) -> np.ndarray:
 
   ``x_rank_ordered = x_global[..., rank_order(layout)]``; its inverse
   permutation (``np.argsort``) restores global order.
+
+  >>> rank_order(ShardLayout(8, 8, 2, "load_balanced")).tolist()
+  [0, 1, 6, 7, 2, 3, 4, 5]
   """
   c = layout.chunk_len
   chunks = [ch for r in range(layout.cp_size) for ch in layout.rank_chunks(r)]

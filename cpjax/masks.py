@@ -40,6 +40,11 @@ class MaskSpec:
   Attributes:
     causal: keys after the query are masked.
     sliding_window: ``W`` >= 1 (the window includes the query itself), or None.
+
+  >>> MaskSpec(sliding_window=0)
+  Traceback (most recent call last):
+  ...
+  ValueError: sliding_window must be an int >= 1 or None, got 0
   """
 
   causal: bool = True
@@ -132,7 +137,13 @@ def _range(ids, valid, n: int, size: int):
 
 
 def summarize_blocks(info: TokenInfo, size: int) -> BlockSummary:
-  """Per-block ranges of ``info`` cut into blocks of ``size`` tokens."""
+  """Per-block ranges of ``info`` cut into blocks of ``size`` tokens.
+
+  >>> import numpy as np
+  >>> s = summarize_blocks(TokenInfo(np.arange(4), segment_ids=np.array([[1, 1, 1, 2]])), 2)
+  >>> s.pos_lo.tolist(), s.seg_lo.tolist(), s.seg_hi.tolist(), s.seg_pure.tolist()
+  ([0, 2], [[1, 1]], [[1, 2]], [[True, False]])
+  """
   t = info.positions.shape[0]
   if t % size:
     raise ValueError(f"block size {size} must divide the token count {t}")
@@ -165,6 +176,11 @@ def blocks_nonempty(spec: MaskSpec, q: BlockSummary, k: BlockSummary) -> jax.Arr
 
   Conservative: a block it calls empty has no allowed pair; a block it calls
   non-empty may still turn out fully masked (e.g. interleaved document ids).
+
+  >>> import numpy as np
+  >>> blocks = summarize_blocks(TokenInfo(np.arange(4)), 2)       # causal: upper tile empty
+  >>> blocks_nonempty(MaskSpec(), blocks, blocks).tolist()
+  [[True, False], [True, True]]
   """
   q_lo, q_hi = q.pos_lo[:, None], q.pos_hi[:, None]
   k_lo, k_hi = k.pos_lo[None, :], k.pos_hi[None, :]
@@ -189,6 +205,11 @@ def blocks_full(spec: MaskSpec, q: BlockSummary, k: BlockSummary) -> jax.Array:
   Conservative the other way: "True" guarantees no masking is needed, so the
   tile can skip building its mask. Vision groups only add pairs, so they
   cannot make a full tile partial.
+
+  >>> import numpy as np
+  >>> blocks = summarize_blocks(TokenInfo(np.arange(4)), 2)       # diagonal tiles are partial
+  >>> blocks_full(MaskSpec(), blocks, blocks).tolist()
+  [[False, False], [True, False]]
   """
   q_lo, q_hi = q.pos_lo[:, None], q.pos_hi[:, None]
   k_lo, k_hi = k.pos_lo[None, :], k.pos_hi[None, :]

@@ -45,7 +45,13 @@ def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
 
 def batch_specs(batch: Mapping[str, Any], layout: ShardLayout, *, axis_name: str = "cp",
                 batch_axis: str | None = None) -> dict:
-  """``shard_map`` in_specs of a batch from the aux-only sharder."""
+  """``shard_map`` in_specs of a batch from the aux-only sharder.
+
+  >>> from cpjax.layout import ShardLayout
+  >>> lay = ShardLayout(6, 8, 2, replicated_keys=("input_ids",))
+  >>> batch_specs({"input_ids": 0, "labels": 0, "pixel_values": 0}, lay, batch_axis="dp")
+  {'input_ids': P('dp',), 'labels': P('dp', 'cp'), 'pixel_values': P()}
+  """
   specs = {}
   for key in batch:
     if key == "pixel_values":
@@ -65,6 +71,16 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
   unsharded batch (:func:`cpjax.models.gemma4.prepare_batch`); with it, inside
   ``shard_map`` on a batch from the model's aux-only sharder (``layout`` is
   the one the sharder returned).
+
+  >>> import numpy as np
+  >>> from cpjax import next_token_labels
+  >>> from cpjax.models.gemma4 import Gemma4, Gemma4Config, prepare_batch
+  >>> graphdef, params = nnx.split(Gemma4(Gemma4Config(num_layers=1), rngs=nnx.Rngs(0)))
+  >>> ids = np.arange(8, dtype=np.int32)[None]
+  >>> batch = prepare_batch({"input_ids": ids, "labels": next_token_labels(ids)})
+  >>> ce_sum, count = make_loss_fn(graphdef)(params, batch)
+  >>> float(count), bool(4.0 < ce_sum / count < 7.0)   # 7 shifted labels; about log(256) at init
+  (7.0, True)
   """
   if mesh is None:
     def single(params, batch):

@@ -43,6 +43,11 @@ class Gemma4Config:
       (Hugging Face), or ``"none"``.
     final_logit_soft_cap: ``c * tanh(logits / c)`` on the output logits, or None.
     rms_norm_eps: RMSNorm epsilon.
+
+  Example:
+    >>> cfg = Gemma4Config()
+    >>> [cfg.is_full(i) for i in range(cfg.num_layers)], cfg.tokens_per_image
+    ([False, False, False, False, False, True], 4)
   """
 
   vocab_size: int = 256

@@ -64,6 +64,14 @@ def shard_aux_only_cp_batch(
 
   Returns:
     ``(sharded_batch, layout)`` as :func:`cpjax.shard_batch`.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    >>> batch = {"input_ids": np.arange(6)[None], "labels": np.arange(6)[None]}
+    >>> out, lay = shard_aux_only_cp_batch(mesh, batch, layout="load_balanced")
+    >>> lay.kind, np.asarray(out["position_ids"]).tolist(), out["input_ids"].shape
+    ('load_balanced', [[0, 1, 6, 7, 2, 3, 4, 5]], (1, 6))
   """
   batch = batch_lib.attention_mask_to_padding_mask(batch)
   seq_len = batch_lib.primary_length(batch)
