@@ -12,7 +12,7 @@ import hypothesis  # noqa: E402
 # Each drawn shape is a fresh XLA compile: keep the default profile small and
 # offer a long one (CPJAX_HYPOTHESIS_PROFILE=thorough) for soak runs.
 hypothesis.settings.register_profile(
-    "default", max_examples=10, deadline=None, derandomize=True,
+    "default", max_examples=8, deadline=None, derandomize=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 hypothesis.settings.register_profile(
     "thorough", max_examples=200, deadline=None,

@@ -177,21 +177,36 @@ def _tile_mask(cfg: _Config, q_info: TokenInfo, k_info: TokenInfo, i, j, *, keys
   return mask.reshape(b, 1, cfg.tile_rows, cfg.block_kv)
 
 
-def _tile_schedule(cfg: _Config, q_info: TokenInfo, k_info: TokenInfo, active):
+class _Schedule(NamedTuple):
   """The tiles worth computing for one (local queries, key chunk) pair.
 
-  Returns ``(tiles, count, full)``: ``tiles`` int32[nq * nk] flat tile ids
-  (``i * nk + j``) of the non-empty tiles first, in row-major order; ``count``
-  how many there are; ``full`` bool[nq, nk] tiles needing no mask at all.
-  Looping over ``tiles[:count]`` visits only work the mask leaves, with no
+  ``tiles`` int32[nq * nk] holds the flat ids (``i * nk + j``) of the
+  non-empty tiles first, in row-major order, and ``count`` how many there
+  are; ``full`` bool[nq, nk] marks tiles that need no mask at all. Looping
+  over ``tiles[:count]`` visits only the work the mask leaves, with no
   per-tile branch around the big accumulators.
   """
+
+  k_info: TokenInfo
+  tiles: jax.Array
+  count: jax.Array
+  full: jax.Array
+
+  def tile(self, t):
+    """(i, j) of the t-th non-empty tile."""
+    nk = self.full.shape[1]
+    return self.tiles[t] // nk, self.tiles[t] % nk
+
+
+def _tile_schedule(cfg: _Config, q_info: TokenInfo, src_rank, k_meta: _Meta, active) -> _Schedule:
+  """Schedule the tiles of the local queries against the chunk of ``src_rank``."""
+  k_info = _token_info(cfg, src_rank, k_meta)
   q_sum = summarize_blocks(q_info, cfg.block_q)
   k_sum = summarize_blocks(k_info, cfg.block_kv)
   visit = (blocks_nonempty(cfg.mask, q_sum, k_sum) & active).ravel()
   tiles = jnp.nonzero(visit, size=visit.shape[0], fill_value=0)[0].astype(jnp.int32)
-  count = jnp.sum(visit, dtype=jnp.int32)
-  return tiles, count, blocks_full(cfg.mask, q_sum, k_sum)
+  return _Schedule(k_info, tiles, jnp.sum(visit, dtype=jnp.int32),
+                   blocks_full(cfg.mask, q_sum, k_sum))
 
 
 def _cut(x, axis, start, size):
@@ -211,19 +226,15 @@ def _attend_chunk(cfg: _Config, q, q_info: TokenInfo, stats: _Stats, kv, k_meta:
                   src_rank, active=True) -> _Stats:
   """Fold one K/V chunk (owned by ``src_rank``) into the statistics."""
   k, v = kv
-  k_info = _token_info(cfg, src_rank, k_meta)
-  tiles, count, full = _tile_schedule(cfg, q_info, k_info, active)
-  bk = cfg.block_kv
-  nk = full.shape[1]
-
-  rq = cfg.tile_rows
+  plan = _tile_schedule(cfg, q_info, src_rank, k_meta, active)
+  bk, rq = cfg.block_kv, cfg.tile_rows
 
   def tile(i, j, carry, *, masked: bool):
     m, l, acc = carry
     qi, kj, vj = _cut(q, 2, i * rq, rq), _cut(k, 2, j * bk, bk), _cut(v, 2, j * bk, bk)
     s = _soft_cap(cfg, jnp.einsum("bhnd,bhkd->bhnk", qi, kj, preferred_element_type=jnp.float32))
     if masked:
-      mask = _tile_mask(cfg, q_info, k_info, i, j)
+      mask = _tile_mask(cfg, q_info, plan.k_info, i, j)
       m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
       # A row that has seen nothing keeps m = -inf; subtracting a finite
       # stand-in avoids inf - inf, and the mask zeroes its p exactly.
@@ -240,14 +251,14 @@ def _attend_chunk(cfg: _Config, q, q_info: TokenInfo, stats: _Stats, kv, k_meta:
     return m_new, l, alpha[..., None] * acc + pv
 
   def step(t, stats):
-    i, j = tiles[t] // nk, tiles[t] % nk
+    i, j = plan.tile(t)
     rows = tuple(_cut(x, 2, i * rq, rq) for x in stats)
-    rows = lax.cond(full[i, j], functools.partial(tile, masked=False),
+    rows = lax.cond(plan.full[i, j], functools.partial(tile, masked=False),
                     functools.partial(tile, masked=True), i, j, rows)
     return _Stats(*(lax.dynamic_update_slice_in_dim(x, r, i * rq, 2)
                     for x, r in zip(stats, rows)))
 
-  return lax.fori_loop(0, count, step, stats)
+  return lax.fori_loop(0, plan.count, step, stats)
 
 
 def _rank(cfg: _Config):
@@ -302,12 +313,8 @@ def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: TokenInfo, dq, kv, dkv,
                 src_rank, active=True):
   """Add one K/V chunk's contributions to dq (local) and dk/dv (travelling)."""
   k, v = kv
-  k_info = _token_info(cfg, src_rank, k_meta)
-  tiles, count, full = _tile_schedule(cfg, q_info, k_info, active)
-  bk = cfg.block_kv
-  nk = full.shape[1]
-
-  rq = cfg.tile_rows
+  plan = _tile_schedule(cfg, q_info, src_rank, k_meta, active)
+  bk, rq = cfg.block_kv, cfg.tile_rows
   f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
 
   def tile(i, j, *, masked: bool):
@@ -322,7 +329,7 @@ def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: TokenInfo, dq, kv, dkv,
     s = _soft_cap(cfg, f32("bhkd,bhnd->bhkn", kj, qi))
     p = jnp.exp(s - lse_i[:, :, None, :])
     if masked:
-      p = jnp.where(_tile_mask(cfg, q_info, k_info, i, j, keys_first=True), p, 0.0)
+      p = jnp.where(_tile_mask(cfg, q_info, plan.k_info, i, j, keys_first=True), p, 0.0)
     dv_j = f32("bhkn,bhnd->bhkd", p.astype(doi.dtype), doi)
     dp = f32("bhkd,bhnd->bhkn", vj, doi)
     ds = p * (dp - delta_i[:, :, None, :])
@@ -341,12 +348,12 @@ def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: TokenInfo, dq, kv, dkv,
 
   def step(t, carry):
     dq, (dk, dv) = carry
-    i, j = tiles[t] // nk, tiles[t] % nk
-    dq_i, dk_j, dv_j = lax.cond(full[i, j], functools.partial(tile, masked=False),
+    i, j = plan.tile(t)
+    dq_i, dk_j, dv_j = lax.cond(plan.full[i, j], functools.partial(tile, masked=False),
                                 functools.partial(tile, masked=True), i, j)
     return add(dq, dq_i, i * rq, 2), (add(dk, dk_j, j * bk, 2), add(dv, dv_j, j * bk, 2))
 
-  return lax.fori_loop(0, count, step, (dq, dkv))
+  return lax.fori_loop(0, plan.count, step, (dq, dkv))
 
 
 def _backward(cfg: _Config, q, k, v, meta: _Meta, out, lse, do):

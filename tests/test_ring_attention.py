@@ -45,7 +45,7 @@ def test_packed_padded(inputs, cp, kind, causal):
   check(*inputs, cp=cp, kind=kind, meta=meta, causal=causal)
 
 
-@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("cp", [2, 8])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("window_vs_local", ["smaller", "equal", "larger"])
 def test_sliding_window(inputs, cp, kind, window_vs_local):
@@ -63,7 +63,7 @@ def test_bidirectional_window(inputs, cp, kind, window):
 
 @pytest.mark.parametrize("cp", [2, 8])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("causal, window", [(True, None), (True, 6), (False, None)])
+@pytest.mark.parametrize("causal, window", [(True, 6), (False, None)])
 def test_vision_groups_straddling_ranks(inputs, cp, kind, causal, window):
   rng = np.random.default_rng(2)
   meta = H.packed_metadata(rng, 2, 64, pad_from=58, vision=True, n_docs=2)
