@@ -82,7 +82,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   step = train.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout)
   step = step.compile(params, opt_state, sharded)  # once; every step reuses it
 
-  summary = {"layout": dataclasses.asdict(job)}
+  summary = {"job": dataclasses.asdict(job)}
   if job.parity_check:
     single = train.make_loss_fn(graphdef)
     objective = lambda p: (lambda s, n: s / n)(*single(p, gemma4.prepare_batch(batch)))
