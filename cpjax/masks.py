@@ -1,46 +1,403 @@
-"""The attention mask as a pure function of global token indices.
+"""The attention mask as an object: rules on global token indices and per-token ids.
 
-For query token q and key token k (global, padded indices)::
+A mask rule answers three questions, and each rule class is the ONE place
+that answers them for its rule:
 
-    allowed = (k <= q) if causal else True
-    if sliding_window W: allowed &= (q - k) < W      (non-causal: |q - k| < W)
-    if vision_group_ids vg: allowed |= (vg[q] == vg[k]) & (vg[q] >= 0)
-    if segment_ids doc:     allowed &= (doc[q] == doc[k]) & (doc[q] > 0)
-    if padding_mask pad:    allowed &= ~pad[k]
+* ``allowed(q, k)``: the token-level predicate, bool[B', Q, K];
+* ``classify(q, k, block_q, block_kv)``: the conservative tri-state block map
+  (empty / partial / full, as splash attention's ``MaskInfo``): a block called
+  empty has no allowed pair, a block called full has no masked pair;
+* ``reach()``: how far, in global tokens, an allowed key can sit behind or
+  ahead of its query, which tells the ring how many hops it needs.
 
-Because the mask only sees global indices and per-token ids, any layout
-(contiguous, load-balanced) and any ring step uses it unchanged. Besides the
-token-level mask this module gives the *block-level* question a ring step asks
-before doing any work: "is anything allowed between these two blocks?",
-answered conservatively (never "no" when something is allowed) from per-block
-index ranges.
+Rules compose with ``&`` (both allow) and ``|`` (either allows), and every
+question composes with them. The standard cpjax mask (:meth:`AttentionMask.create`)
+is, for query token q and key token k::
 
-Shape letters: ``B`` batch, ``Q`` query tokens, ``K`` key tokens, ``n`` blocks.
+    (LocalWindow | SameVisionGroup) & SameSegment & KeyNotPadding
+
+    LocalWindow(left, right):  q - left <= k <= q + right   (None: unbounded)
+        causal = (None, 0); causal window W = (W-1, 0); bidirectional W = (W-1, W-1)
+    SameVisionGroup:  vg[q] == vg[k] and vg[q] >= 0          (images attend both ways)
+    SameSegment:      doc[q] == doc[k] and doc[q] > 0         (documents; 0 = pad)
+    KeyNotPadding:    not pad[k]
+
+Rules only see global indices and per-token arrays, so any layout
+(contiguous, load-balanced) and any ring hop uses them unchanged. An
+:class:`AttentionMask` pairs a static, hashable rule with the per-token arrays
+it reads: a pytree whose leaves are those arrays.
+
+Adding a rule is one class: subclass :class:`MaskRule`, declare the per-token
+arrays it reads in ``arrays``, and write the three methods.
+
+Shape letters: ``B`` batch (``B'`` is B or 1), ``Q``/``K`` query and key
+tokens, ``nq``/``nk`` query and key blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BlockSummary", "MaskSpec", "TokenInfo", "blocks_full", "blocks_nonempty",
-           "summarize_blocks", "token_mask"]
+__all__ = [
+    "AllOf", "AnyOf", "AttentionMask", "BlockMap", "KeyNotPadding", "LocalWindow", "MaskRule",
+    "MaskSpec", "Reach", "SameSegment", "SameVisionGroup", "Tokens", "resolve_mask",
+]
 
 _BIG = np.iinfo(np.int32).max
+ARRAY_KINDS = ("int", "bool")
+
+
+# --------------------------------------------------------------- the inputs
+class Tokens(NamedTuple):
+  """What a rule may know about a set of tokens.
+
+  Fields:
+    positions: int32[T] global (padded) token indices.
+    arrays: {name: [B, T]} per-token arrays (document ids, padding, ...).
+  """
+
+  positions: jax.Array
+  arrays: Mapping[str, jax.Array]
+
+  def slice(self, start, size: int) -> "Tokens":
+    """Tokens ``[start, start + size)`` (``start`` may be traced)."""
+    cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, size, axis)  # noqa: E731
+    return Tokens(cut(self.positions, 0), {n: cut(x, 1) for n, x in self.arrays.items()})
+
+  def blocks(self, size: int) -> jax.Array:
+    """int32[n, size]: the positions cut into blocks of ``size`` tokens."""
+    t = self.positions.shape[0]
+    if t % size:
+      raise ValueError(f"block size {size} must divide the token count {t}")
+    return jnp.asarray(self.positions).reshape(t // size, size)
+
+  def array_blocks(self, name: str, size: int) -> jax.Array:
+    """[B, n, size]: per-token array ``name`` cut into blocks."""
+    x = jnp.asarray(self.arrays[name])
+    return x.reshape(x.shape[0], x.shape[1] // size, size)
+
+
+class BlockMap(NamedTuple):
+  """Tri-state classification of (query block, key block) pairs.
+
+  Fields (bool[B', nq, nk]): ``any`` False means *empty* (no allowed pair);
+  ``all`` True means *full* (no masked pair); otherwise *partial*. Both are
+  conservative: ``any`` may say True for an empty block, ``all`` may say False
+  for a full one, never the other way round.
+  """
+
+  any: jax.Array
+  all: jax.Array
+
+  def states(self) -> jax.Array:
+    """int8[B', nq, nk]: 0 empty, 1 partial, 2 full."""
+    return jnp.where(self.all, 2, jnp.where(self.any, 1, 0)).astype(jnp.int8)
+
+
+class Reach(NamedTuple):
+  """How far an allowed key can be from its query, in global tokens.
+
+  ``behind``: the largest ``q - k``; ``ahead``: the largest ``k - q``;
+  ``None`` means unbounded.
+  """
+
+  behind: int | None
+  ahead: int | None
+
+
+def _min_reach(a, b):
+  return b if a is None else a if b is None else min(a, b)
+
+
+def _max_reach(a, b):
+  return None if a is None or b is None else max(a, b)
+
+
+def _id_ranges(ids, valid):
+  """(lo, hi) int32[B, n] of the valid ids of each block (lo > hi: none)."""
+  lo = jnp.min(jnp.where(valid, ids, _BIG), axis=-1)
+  hi = jnp.max(jnp.where(valid, ids, -1), axis=-1)
+  return lo, hi
+
+
+def _group_blocks(q_ids, q_valid, k_ids, k_valid) -> BlockMap:
+  """Block map of ``ids[q] == ids[k] and valid[q]`` from per-block id ranges.
+
+  Some pair can match only where the query block's range of valid ids meets
+  the key block's; every pair matches only where both blocks hold one single
+  valid id, the same one.
+  """
+  q_lo, q_hi = _id_ranges(q_ids, q_valid)
+  k_lo, k_hi = _id_ranges(k_ids, k_valid)
+  overlap = (jnp.maximum(q_lo[:, :, None], k_lo[:, None, :])
+             <= jnp.minimum(q_hi[:, :, None], k_hi[:, None, :]))
+  q_pure = jnp.all(q_valid, axis=-1) & (q_lo == q_hi)
+  k_pure = jnp.all(k_valid, axis=-1) & (k_lo == k_hi)
+  same = q_pure[:, :, None] & k_pure[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
+  return BlockMap(overlap, same)
+
+
+# ---------------------------------------------------------------- the rules
+class MaskRule:
+  """A rule on (query token, key token) pairs; subclasses are frozen dataclasses.
+
+  Class attribute ``arrays``: ``{name: "int" | "bool"}``, the per-token
+  arrays the rule reads from :class:`Tokens`.
+  """
+
+  arrays: ClassVar[Mapping[str, str]] = {}
+
+  def array_kinds(self) -> dict[str, str]:
+    """``{name: kind}`` of every per-token array this rule (tree) reads."""
+    return dict(self.arrays)
+
+  def allowed(self, q: Tokens, k: Tokens) -> jax.Array:
+    """bool, broadcastable to [B', Q, K]: may query q attend to key k?"""
+    raise NotImplementedError
+
+  def classify(self, q: Tokens, k: Tokens, block_q: int, block_kv: int) -> BlockMap:
+    """Conservative tri-state map of the blocks of ``block_q`` x ``block_kv`` tokens."""
+    raise NotImplementedError
+
+  def reach(self) -> Reach:
+    """The farthest an allowed key can be from its query."""
+    raise NotImplementedError
+
+  def __and__(self, other: "MaskRule") -> "AllOf":
+    return AllOf(self, other)
+
+  def __or__(self, other: "MaskRule") -> "AnyOf":
+    return AnyOf(self, other)
+
+
+def _check_reach(name: str, value) -> None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                            or value < 0):
+    raise ValueError(f"{name} must be an int >= 0 or None (unbounded), got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
+class LocalWindow(MaskRule):
+  """Keys within ``left`` tokens behind and ``right`` tokens ahead of the query.
+
+  ``LocalWindow(None, 0)`` is causal, ``LocalWindow(W - 1, 0)`` a causal
+  sliding window of W tokens (the query included), ``LocalWindow(None, None)``
+  no restriction at all.
+
+  >>> q = Tokens(np.arange(3), {})
+  >>> np.asarray(LocalWindow(1, 0).allowed(q, q)[0]).astype(int).tolist()
+  [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+  >>> np.asarray(LocalWindow(None, 0).classify(Tokens(np.arange(4), {}), Tokens(np.arange(4), {}),
+  ...                                          2, 2).states()[0]).tolist()   # causal
+  [[1, 0], [2, 1]]
+  """
+
+  left: int | None = None
+  right: int | None = 0
+
+  def __post_init__(self):
+    _check_reach("left", self.left)
+    _check_reach("right", self.right)
+
+  def allowed(self, q, k):
+    d = jnp.asarray(q.positions)[:, None] - jnp.asarray(k.positions)[None, :]   # q - k
+    ok = jnp.ones(d.shape, bool)
+    if self.left is not None:
+      ok &= d <= self.left
+    if self.right is not None:
+      ok &= -d <= self.right
+    return ok[None]
+
+  def classify(self, q, k, block_q, block_kv):
+    qb, kb = q.blocks(block_q), k.blocks(block_kv)
+    q_lo, q_hi = qb.min(-1)[:, None], qb.max(-1)[:, None]
+    k_lo, k_hi = kb.min(-1)[None, :], kb.max(-1)[None, :]
+    some = jnp.ones((qb.shape[0], kb.shape[0]), bool)
+    every = some
+    if self.left is not None:          # q - k <= left
+      some, every = some & (q_lo - k_hi <= self.left), every & (q_hi - k_lo <= self.left)
+    if self.right is not None:         # k - q <= right
+      some, every = some & (k_lo - q_hi <= self.right), every & (k_hi - q_lo <= self.right)
+    return BlockMap(some[None], every[None])
+
+  def reach(self):
+    return Reach(self.left, self.right)
+
+
+@dataclasses.dataclass(frozen=True)
+class SameSegment(MaskRule):
+  """Tokens of one packed document: ``segment_ids[q] == segment_ids[k] > 0`` (0 = pad).
+
+  >>> t = Tokens(np.arange(3), {"segment_ids": np.array([[1, 1, 2]])})
+  >>> np.asarray(SameSegment().allowed(t, t)[0]).astype(int).tolist()
+  [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
+  """
+
+  arrays: ClassVar[Mapping[str, str]] = {"segment_ids": "int"}
+
+  def allowed(self, q, k):
+    sq, sk = q.arrays["segment_ids"][:, :, None], k.arrays["segment_ids"][:, None, :]
+    return (sq == sk) & (sq > 0)
+
+  def classify(self, q, k, block_q, block_kv):
+    qs, ks = q.array_blocks("segment_ids", block_q), k.array_blocks("segment_ids", block_kv)
+    return _group_blocks(qs, qs > 0, ks, ks > 0)
+
+  def reach(self):
+    return Reach(None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyNotPadding(MaskRule):
+  """Keys that are not padding: ``not padding_mask[k]`` (True = pad).
+
+  >>> t = Tokens(np.arange(3), {"padding_mask": np.array([[False, False, True]])})
+  >>> np.asarray(KeyNotPadding().allowed(t, t)).astype(int).tolist()
+  [[[1, 1, 0]]]
+  """
+
+  arrays: ClassVar[Mapping[str, str]] = {"padding_mask": "bool"}
+
+  def allowed(self, q, k):
+    return ~k.arrays["padding_mask"][:, None, :]
+
+  def classify(self, q, k, block_q, block_kv):
+    pad = k.array_blocks("padding_mask", block_kv)
+    return BlockMap(jnp.any(~pad, axis=-1)[:, None, :], ~jnp.any(pad, axis=-1)[:, None, :])
+
+  def reach(self):
+    return Reach(None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SameVisionGroup(MaskRule):
+  """Tokens of one image: ``vision_group_ids[q] == vision_group_ids[k] >= 0`` (-1 = text).
+
+  Combined with ``|``, it lets an image attend to itself in both directions.
+
+  >>> t = Tokens(np.arange(3), {"vision_group_ids": np.array([[-1, 0, 0]])})
+  >>> np.asarray(SameVisionGroup().allowed(t, t)[0]).astype(int).tolist()
+  [[0, 0, 0], [0, 1, 1], [0, 1, 1]]
+  """
+
+  arrays: ClassVar[Mapping[str, str]] = {"vision_group_ids": "int"}
+
+  def allowed(self, q, k):
+    gq, gk = q.arrays["vision_group_ids"][:, :, None], k.arrays["vision_group_ids"][:, None, :]
+    return (gq == gk) & (gq >= 0)
+
+  def classify(self, q, k, block_q, block_kv):
+    qg = q.array_blocks("vision_group_ids", block_q)
+    kg = k.array_blocks("vision_group_ids", block_kv)
+    return _group_blocks(qg, qg >= 0, kg, kg >= 0)
+
+  def reach(self):
+    return Reach(None, None)
+
+
+def _flatten(cls, rules):
+  out = []
+  for rule in rules:
+    if not isinstance(rule, MaskRule):
+      raise TypeError(f"{cls.__name__} takes MaskRule objects, got {type(rule).__name__}")
+    out.extend(rule.rules if isinstance(rule, cls) else (rule,))
+  return tuple(out)
+
+
+class _Combination(MaskRule):
+  rules: tuple[MaskRule, ...]
+
+  def __init__(self, *rules: MaskRule):
+    if not rules:
+      raise ValueError(f"{type(self).__name__} needs at least one rule")
+    object.__setattr__(self, "rules", _flatten(type(self), rules))
+
+  def __eq__(self, other):
+    return type(self) is type(other) and self.rules == other.rules
+
+  def __hash__(self):
+    return hash((type(self).__name__, self.rules))
+
+  def __setattr__(self, name, value):
+    raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+  def __repr__(self):
+    return f"{type(self).__name__}({', '.join(map(repr, self.rules))})"
+
+  def array_kinds(self):
+    kinds: dict[str, str] = {}
+    for rule in self.rules:
+      for name, kind in rule.array_kinds().items():
+        if kinds.setdefault(name, kind) != kind:
+          raise ValueError(f"rules disagree on per-token array {name!r}: {kinds[name]} and {kind}")
+    return kinds
+
+
+class AllOf(_Combination):
+  """A pair is allowed when every rule allows it (``a & b``)."""
+
+  def allowed(self, q, k):
+    out = self.rules[0].allowed(q, k)
+    for rule in self.rules[1:]:
+      out = out & rule.allowed(q, k)
+    return out
+
+  def classify(self, q, k, block_q, block_kv):
+    maps = [r.classify(q, k, block_q, block_kv) for r in self.rules]
+    some, every = maps[0]
+    for m in maps[1:]:
+      some, every = some & m.any, every & m.all
+    return BlockMap(some, every)
+
+  def reach(self):
+    reaches = [r.reach() for r in self.rules]
+    behind, ahead = reaches[0]
+    for r in reaches[1:]:
+      behind, ahead = _min_reach(behind, r.behind), _min_reach(ahead, r.ahead)
+    return Reach(behind, ahead)
+
+
+class AnyOf(_Combination):
+  """A pair is allowed when some rule allows it (``a | b``)."""
+
+  def allowed(self, q, k):
+    out = self.rules[0].allowed(q, k)
+    for rule in self.rules[1:]:
+      out = out | rule.allowed(q, k)
+    return out
+
+  def classify(self, q, k, block_q, block_kv):
+    maps = [r.classify(q, k, block_q, block_kv) for r in self.rules]
+    some, every = maps[0]
+    for m in maps[1:]:
+      some, every = some | m.any, every | m.all
+    return BlockMap(some, every)
+
+  def reach(self):
+    reaches = [r.reach() for r in self.rules]
+    behind, ahead = reaches[0]
+    for r in reaches[1:]:
+      behind, ahead = _max_reach(behind, r.behind), _max_reach(ahead, r.ahead)
+    return Reach(behind, ahead)
+
+
+# ------------------------------------------------------------ the mask object
+@dataclasses.dataclass(frozen=True)
 class MaskSpec:
-  """The static part of the mask.
+  """The static part of the standard mask: ``causal`` and ``sliding_window``.
 
   Attributes:
     causal: keys after the query are masked.
     sliding_window: ``W`` >= 1 (the window includes the query itself), or None.
 
+  >>> MaskSpec(sliding_window=4).rule()
+  LocalWindow(left=3, right=0)
   >>> MaskSpec(sliding_window=0)
   Traceback (most recent call last):
   ...
@@ -54,174 +411,149 @@ class MaskSpec:
     w = self.sliding_window
     if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1):
       raise ValueError(f"sliding_window must be an int >= 1 or None, got {w!r}")
+    if not isinstance(self.causal, (bool, np.bool_)):
+      raise TypeError(f"causal must be a bool, got {type(self.causal).__name__} ({self.causal!r})")
+
+  def rule(self) -> LocalWindow:
+    """The :class:`LocalWindow` these two fields describe."""
+    w = None if self.sliding_window is None else int(self.sliding_window) - 1
+    return LocalWindow(w, 0 if self.causal else w)
 
 
-class TokenInfo(NamedTuple):
-  """What the mask needs to know about a set of tokens.
-
-  Fields:
-    positions: int32[T] global token indices.
-    segment_ids: int32[B, T] document ids (0 = pad) or None.
-    padding_mask: bool[B, T] (True = pad) or None.
-    vision_group_ids: int32[B, T] (-1 = text) or None.
-  """
-
-  positions: jax.Array
-  segment_ids: jax.Array | None = None
-  padding_mask: jax.Array | None = None
-  vision_group_ids: jax.Array | None = None
-
-  def slice(self, start, size: int) -> "TokenInfo":
-    """Tokens ``[start, start + size)`` (``start`` may be traced)."""
-    def cut(x, axis):
-      return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis)
-    return TokenInfo(cut(self.positions, 0), cut(self.segment_ids, 1),
-                     cut(self.padding_mask, 1), cut(self.vision_group_ids, 1))
+_STANDARD_RULES = (("segment_ids", SameSegment()), ("padding_mask", KeyNotPadding()))
 
 
-def token_mask(spec: MaskSpec, q: TokenInfo, k: TokenInfo) -> jax.Array:
-  """bool[B or 1, Q, K]: which (query, key) pairs may attend.
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+  """A mask rule and the per-token arrays it reads: a pytree (the arrays are its leaves).
+
+  Build the standard mask with :meth:`create`, or any rule with
+  ``AttentionMask(rule, {name: array})``. Arrays are [B, T]: [B, S] for global
+  arrays, [B, L] (this rank's tokens) inside ``shard_map``.
+
+  Attributes:
+    rule: a static, hashable :class:`MaskRule` (a tree of them).
+    arrays: ``{name: [B, T] array}``, exactly the arrays ``rule`` reads.
 
   Example:
-    >>> import numpy as np
-    >>> m = token_mask(MaskSpec(sliding_window=2), TokenInfo(np.arange(3)), TokenInfo(np.arange(3)))
-    >>> np.asarray(m[0]).astype(int).tolist()
-    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
-  """
-  qp = jnp.asarray(q.positions)[:, None]
-  kp = jnp.asarray(k.positions)[None, :]
-  allowed = (kp <= qp) if spec.causal else jnp.ones(qp.shape[:1] + kp.shape[1:], bool)
-  if spec.sliding_window is not None:
-    dist = (qp - kp) if spec.causal else jnp.abs(qp - kp)
-    allowed &= dist < spec.sliding_window
-  allowed = allowed[None]
-  if q.vision_group_ids is not None:
-    qv = q.vision_group_ids[:, :, None]
-    allowed |= (qv == k.vision_group_ids[:, None, :]) & (qv >= 0)
-  if q.segment_ids is not None:
-    qs = q.segment_ids[:, :, None]
-    allowed &= (qs == k.segment_ids[:, None, :]) & (qs > 0)
-  if k.padding_mask is not None:
-    allowed &= ~k.padding_mask[:, None, :]
-  return allowed
-
-
-class BlockSummary(NamedTuple):
-  """Index ranges of each block of ``size`` consecutive local tokens.
-
-  Fields (``n`` blocks): ``pos_lo``/``pos_hi`` int32[n] global position range;
-  ``seg_lo``/``seg_hi`` int32[B, n] range of non-zero document ids (empty
-  range lo > hi when none) and ``seg_pure`` bool[B, n] whether every token has
-  that one non-zero id; ``vg_lo``/``vg_hi`` the range of vision groups >= 0;
-  ``real`` / ``pad_free`` bool[B, n] whether any / every token is not padding.
+    >>> m = AttentionMask.create(sliding_window=2, segment_ids=np.array([[1, 1, 1, 2]]))
+    >>> m.rule
+    AllOf(LocalWindow(left=1, right=0), SameSegment())
+    >>> np.asarray(m.allowed()[0]).astype(int).tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]]
+    >>> [x.shape for x in jax.tree.leaves(m)]
+    [(1, 4)]
   """
 
-  pos_lo: jax.Array
-  pos_hi: jax.Array
-  seg_lo: jax.Array | None
-  seg_hi: jax.Array | None
-  seg_pure: jax.Array | None
-  vg_lo: jax.Array | None
-  vg_hi: jax.Array | None
-  real: jax.Array | None
-  pad_free: jax.Array | None
+  rule: MaskRule
+  arrays: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if not isinstance(self.rule, MaskRule):
+      raise TypeError(f"rule must be a MaskRule, got {type(self.rule).__name__}")
+    if not isinstance(self.arrays, Mapping):
+      raise TypeError(f"arrays must be a mapping of name to array, got "
+                      f"{type(self.arrays).__name__}")
+    need, have = set(self.rule.array_kinds()), set(self.arrays)
+    if need != have:
+      raise KeyError(f"the rule reads per-token arrays {sorted(need)}, got arrays "
+                     f"{sorted(have)} (missing {sorted(need - have)}, unused {sorted(have - need)})")
+    object.__setattr__(self, "arrays", dict(sorted(self.arrays.items())))
+
+  @classmethod
+  def create(cls, *, causal: bool = True, sliding_window: int | None = None, segment_ids=None,
+             padding_mask=None, vision_group_ids=None) -> "AttentionMask":
+    """The standard mask ``(window | vision groups) & documents & key padding``.
+
+    Args:
+      causal: mask keys after the query.
+      sliding_window: W >= 1, keys with ``q - k < W`` (``|q - k| < W`` when
+        not causal).
+      segment_ids: int[B, T] document ids; 0 = pad, attends to nothing.
+      padding_mask: bool[B, T], True = pad key.
+      vision_group_ids: int[B, T]; tokens of one group (>= 0) attend to each
+        other both ways, overriding causal and window.
+    """
+    rule: MaskRule = MaskSpec(causal=causal, sliding_window=sliding_window).rule()
+    arrays = {}
+    if vision_group_ids is not None:
+      rule = rule | SameVisionGroup()
+      arrays["vision_group_ids"] = vision_group_ids
+    for name, extra in _STANDARD_RULES:
+      value = {"segment_ids": segment_ids, "padding_mask": padding_mask}[name]
+      if value is not None:
+        rule = rule & extra
+        arrays[name] = value
+    return cls(rule, arrays)
+
+  def validate(self, batch: int, length: int, *, where: str = "[B, S]") -> "AttentionMask":
+    """Check every array is ``[batch, length]`` of its kind; ints become int32.
+
+    Raises ``ValueError`` (shape) or ``TypeError`` (dtype) naming the array.
+    """
+    out = {}
+    for name, kind in self.rule.array_kinds().items():
+      x = self.arrays[name]
+      shape = tuple(jnp.shape(x))
+      if shape != (batch, length):
+        raise ValueError(f"mask array {name} must have shape {where} = {[batch, length]}, "
+                         f"got {list(shape)}")
+      dtype = jnp.result_type(x)
+      if kind == "int":
+        if not jnp.issubdtype(dtype, jnp.integer):
+          raise TypeError(f"mask array {name} must have an integer dtype, got {dtype}")
+        x = jnp.asarray(x, jnp.int32)
+      elif dtype != jnp.bool_:
+        raise TypeError(f"mask array {name} must be bool (True = pad), got {dtype}")
+      out[name] = jnp.asarray(x)
+    return AttentionMask(self.rule, out)
+
+  def tokens(self, positions) -> Tokens:
+    """The :class:`Tokens` of these arrays at global ``positions`` int[T]."""
+    return Tokens(jnp.asarray(positions, jnp.int32), dict(self.arrays))
+
+  def allowed(self, positions=None) -> jax.Array:
+    """bool[B', T, T], the dense mask of tokens at ``positions`` (default ``arange(T)``)."""
+    if positions is None:
+      lengths = {jnp.shape(x)[1] for x in self.arrays.values()}
+      if len(lengths) != 1:
+        raise ValueError("pass positions: the mask has no per-token array to take T from"
+                         if not lengths else f"mask arrays disagree on T: {sorted(lengths)}")
+      positions = jnp.arange(lengths.pop())
+    t = self.tokens(positions)
+    allowed = self.rule.allowed(t, t)
+    n = t.positions.shape[0]
+    return jnp.broadcast_to(allowed, (allowed.shape[0], n, n))
+
+  def reach(self) -> Reach:
+    """The rule's :class:`Reach`."""
+    return self.rule.reach()
 
 
-def _range(ids, valid, n: int, size: int):
-  b = ids.shape[0]
-  ids = ids.reshape(b, n, size)
-  valid = valid.reshape(b, n, size)
-  lo = jnp.min(jnp.where(valid, ids, _BIG), axis=-1)
-  hi = jnp.max(jnp.where(valid, ids, -1), axis=-1)
-  return lo, hi
+jax.tree_util.register_dataclass(AttentionMask, data_fields=["arrays"], meta_fields=["rule"])
+
+MASK_KEYWORDS = ("causal", "sliding_window", "segment_ids", "padding_mask", "vision_group_ids")
 
 
-def summarize_blocks(info: TokenInfo, size: int) -> BlockSummary:
-  """Per-block ranges of ``info`` cut into blocks of ``size`` tokens.
+def resolve_mask(mask: AttentionMask | None = None, **keywords) -> AttentionMask:
+  """``mask``, or the standard mask the keywords of :meth:`AttentionMask.create` describe.
 
-  >>> import numpy as np
-  >>> s = summarize_blocks(TokenInfo(np.arange(4), segment_ids=np.array([[1, 1, 1, 2]])), 2)
-  >>> s.pos_lo.tolist(), s.seg_lo.tolist(), s.seg_hi.tolist(), s.seg_pure.tolist()
-  ([0, 2], [[1, 1]], [[1, 2]], [[True, False]])
+  Keywords left at None take :meth:`AttentionMask.create`'s defaults; giving
+  ``mask`` and a keyword together is ambiguous and a ``ValueError``.
+
+  >>> resolve_mask(sliding_window=3).rule
+  LocalWindow(left=2, right=0)
   """
-  t = info.positions.shape[0]
-  if t % size:
-    raise ValueError(f"block size {size} must divide the token count {t}")
-  n = t // size
-  pos = info.positions.reshape(n, size)
-  seg_lo = seg_hi = seg_pure = vg_lo = vg_hi = real = pad_free = None
-  if info.segment_ids is not None:
-    seg = info.segment_ids
-    seg_lo, seg_hi = _range(seg, seg > 0, n, size)
-    all_set = jnp.all((seg > 0).reshape(seg.shape[0], n, size), axis=-1)
-    seg_pure = all_set & (seg_lo == seg_hi)
-  if info.vision_group_ids is not None:
-    vg_lo, vg_hi = _range(info.vision_group_ids, info.vision_group_ids >= 0, n, size)
-  if info.padding_mask is not None:
-    pad = info.padding_mask.reshape(info.padding_mask.shape[0], n, size)
-    real = jnp.any(~pad, axis=-1)
-    pad_free = ~jnp.any(pad, axis=-1)
-  return BlockSummary(pos.min(-1), pos.max(-1), seg_lo, seg_hi, seg_pure, vg_lo, vg_hi,
-                      real, pad_free)
-
-
-def _overlap(a_lo, a_hi, b_lo, b_hi):
-  """bool[B, nq, nk]: do the id ranges of query and key blocks intersect?"""
-  return (jnp.maximum(a_lo[:, :, None], b_lo[:, None, :])
-          <= jnp.minimum(a_hi[:, :, None], b_hi[:, None, :]))
-
-
-def blocks_nonempty(spec: MaskSpec, q: BlockSummary, k: BlockSummary) -> jax.Array:
-  """bool[nq, nk]: may any pair of the two blocks attend (for any batch row)?
-
-  Conservative: a block it calls empty has no allowed pair; a block it calls
-  non-empty may still turn out fully masked (e.g. interleaved document ids).
-
-  >>> import numpy as np
-  >>> blocks = summarize_blocks(TokenInfo(np.arange(4)), 2)       # causal: upper tile empty
-  >>> blocks_nonempty(MaskSpec(), blocks, blocks).tolist()
-  [[True, False], [True, True]]
-  """
-  q_lo, q_hi = q.pos_lo[:, None], q.pos_hi[:, None]
-  k_lo, k_hi = k.pos_lo[None, :], k.pos_hi[None, :]
-  ok = (k_lo <= q_hi) if spec.causal else jnp.ones((q_lo.shape[0], k_lo.shape[1]), bool)
-  if spec.sliding_window is not None:
-    ok &= (q_lo - k_hi) < spec.sliding_window
-    if not spec.causal:
-      ok &= (k_lo - q_hi) < spec.sliding_window
-  ok = ok[None]
-  if q.vg_lo is not None:
-    ok |= _overlap(q.vg_lo, q.vg_hi, k.vg_lo, k.vg_hi)
-  if q.seg_lo is not None:
-    ok &= _overlap(q.seg_lo, q.seg_hi, k.seg_lo, k.seg_hi)
-  if k.real is not None:
-    ok &= k.real[:, None, :]
-  return jnp.any(ok, axis=0)
-
-
-def blocks_full(spec: MaskSpec, q: BlockSummary, k: BlockSummary) -> jax.Array:
-  """bool[nq, nk]: is every pair of the two blocks allowed (in every batch row)?
-
-  Conservative the other way: "True" guarantees no masking is needed, so the
-  tile can skip building its mask. Vision groups only add pairs, so they
-  cannot make a full tile partial.
-
-  >>> import numpy as np
-  >>> blocks = summarize_blocks(TokenInfo(np.arange(4)), 2)       # diagonal tiles are partial
-  >>> blocks_full(MaskSpec(), blocks, blocks).tolist()
-  [[False, False], [True, False]]
-  """
-  q_lo, q_hi = q.pos_lo[:, None], q.pos_hi[:, None]
-  k_lo, k_hi = k.pos_lo[None, :], k.pos_hi[None, :]
-  full = (k_hi <= q_lo) if spec.causal else jnp.ones((q_lo.shape[0], k_lo.shape[1]), bool)
-  if spec.sliding_window is not None:
-    full &= (q_hi - k_lo) < spec.sliding_window
-    if not spec.causal:
-      full &= (k_hi - q_lo) < spec.sliding_window
-  full = full[None]
-  if q.seg_lo is not None:
-    same = (q.seg_lo[:, :, None] == k.seg_lo[:, None, :])
-    full &= q.seg_pure[:, :, None] & k.seg_pure[:, None, :] & same
-  if k.pad_free is not None:
-    full &= k.pad_free[:, None, :]
-  return jnp.all(full, axis=0)
+  unknown = sorted(set(keywords) - set(MASK_KEYWORDS))
+  if unknown:
+    raise TypeError(f"unexpected mask keyword(s) {unknown}; the mask keywords are "
+                    f"{list(MASK_KEYWORDS)}")
+  given = {name: value for name, value in keywords.items() if value is not None}
+  if mask is None:
+    return AttentionMask.create(**given)
+  if not isinstance(mask, AttentionMask):
+    raise TypeError(f"mask must be a cpjax.AttentionMask, got {type(mask).__name__}")
+  if given:
+    raise ValueError(f"pass either mask= or the mask keywords, not both; got mask and "
+                     f"{sorted(given)}")
+  return mask

@@ -2,7 +2,9 @@
 
 Deliberately plain: the full [B, H, S, S] mask and score matrix are built
 from the formula in :mod:`cpjax.masks`' docstring, written out again here so
-a bug in the ring's mask code cannot hide in the reference. Use it for
+a bug in the mask rules cannot hide in the reference when it is called with
+the mask keywords. Given an :class:`cpjax.AttentionMask` instead, it uses that
+mask's token predicate (the only definition a custom rule has). Use it for
 sequences up to a few thousand tokens.
 """
 
@@ -11,19 +13,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from cpjax.masks import AttentionMask, MaskSpec, resolve_mask
+
 __all__ = ["reference_attention"]
 
 
-def reference_attention(q, k, v, *, causal: bool = True, sliding_window: int | None = None,
-                        segment_ids=None, padding_mask=None, vision_group_ids=None,
-                        scale: float | None = None, logits_soft_cap: float | None = None):
+def reference_attention(q, k, v, *, mask: AttentionMask | None = None, causal: bool | None = None,
+                        sliding_window: int | None = None, segment_ids=None, padding_mask=None,
+                        vision_group_ids=None, scale: float | None = None,
+                        logits_soft_cap: float | None = None):
   """Masked softmax attention over full, unsharded sequences, in float32.
 
   Args:
     q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] with Hq a multiple of Hkv (query
       head h reads KV head ``h // (Hq // Hkv)``).
-    causal, sliding_window, segment_ids [B, S], padding_mask [B, S] (True =
-      pad), vision_group_ids [B, S]: the mask (see :mod:`cpjax.masks`).
+    mask: a :class:`cpjax.AttentionMask` with [B, S] arrays in natural
+      order; or, instead of it, the keywords:
+    causal (default True), sliding_window, segment_ids [B, S], padding_mask
+      [B, S] (True = pad), vision_group_ids [B, S]: the standard mask (see
+      :mod:`cpjax.masks`).
     scale: logit scale, default ``1 / sqrt(D)``.
     logits_soft_cap: ``c`` for ``c * tanh(logits / c)``.
 
@@ -47,6 +55,28 @@ def reference_attention(q, k, v, *, causal: bool = True, sliding_window: int | N
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
 
+  if mask is not None:
+    resolve_mask(mask, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
+                 padding_mask=padding_mask, vision_group_ids=vision_group_ids)
+    allowed = jnp.broadcast_to(mask.validate(b, s).allowed(jnp.arange(s)), (b, s, s))
+  else:
+    allowed = _standard_mask(b, s, causal=True if causal is None else causal,
+                             sliding_window=sliding_window, segment_ids=segment_ids,
+                             padding_mask=padding_mask, vision_group_ids=vision_group_ids)
+  allowed = allowed[:, None]
+
+  # A finite fill keeps fully masked rows (and their gradients) free of NaN;
+  # such rows are zeroed explicitly below.
+  logits = jnp.where(allowed, logits, -1e30)
+  weights = jax.nn.softmax(logits, axis=-1)
+  weights = jnp.where(allowed, weights, 0.0)
+  out = jnp.einsum("bhqk,bkhd->bqhd", weights, vf, precision=jax.lax.Precision.HIGHEST)
+  return out.astype(q.dtype)
+
+
+def _standard_mask(b, s, *, causal, sliding_window, segment_ids, padding_mask, vision_group_ids):
+  """bool[B, S, S], the standard mask written out from its formula."""
+  MaskSpec(causal=causal, sliding_window=sliding_window)  # validates the two fields
   i = jnp.arange(s)[:, None]
   j = jnp.arange(s)[None, :]
   allowed = jnp.broadcast_to(j <= i if causal else True, (b, s, s))
@@ -61,12 +91,4 @@ def reference_attention(q, k, v, *, causal: bool = True, sliding_window: int | N
     allowed = allowed & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
   if padding_mask is not None:
     allowed = allowed & ~jnp.asarray(padding_mask, bool)[:, None, :]
-  allowed = allowed[:, None]
-
-  # A finite fill keeps fully masked rows (and their gradients) free of NaN;
-  # such rows are zeroed explicitly below.
-  logits = jnp.where(allowed, logits, -1e30)
-  weights = jax.nn.softmax(logits, axis=-1)
-  weights = jnp.where(allowed, weights, 0.0)
-  out = jnp.einsum("bhqk,bkhd->bqhd", weights, vf, precision=jax.lax.Precision.HIGHEST)
-  return out.astype(q.dtype)
+  return allowed

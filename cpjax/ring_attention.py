@@ -9,9 +9,11 @@ skips tiles the mask leaves empty. The backward pass (``jax.custom_vjp``)
 replays the ring from the saved log-sum-exp, rotating K/V together with their
 dK/dV accumulators so every gradient arrives home: per-device memory is O(L).
 
-Which hops are taken is static (:func:`ring_plan`): the whole ring in one
-direction by default; with a sliding window (and no vision groups, which
-override the window) only the hops that can reach the window, in one
+The mask is a :class:`cpjax.AttentionMask`: its rule says which tiles are
+empty, partial or full, and how far allowed keys reach. Which hops are taken
+is static (:func:`ring_plan`, from that reach): the whole ring in one
+direction by default; with a bounded reach (a sliding window and no vision
+groups, which override the window) only the hops that can reach it, in one
 direction for a causal contiguous layout and in both directions otherwise
 (in a load-balanced layout a chunk's neighbours sit on both sides).
 
@@ -34,8 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cpjax.layout import ShardLayout, local_token_indices
-from cpjax.masks import (MaskSpec, TokenInfo, blocks_full, blocks_nonempty, summarize_blocks,
-                         token_mask)
+from cpjax.masks import AttentionMask, MaskRule, MaskSpec, Reach, Tokens, resolve_mask
 
 __all__ = ["RingPlan", "default_block_size", "ring_attention", "ring_plan"]
 
@@ -56,12 +57,16 @@ class RingPlan(NamedTuple):
 
 
 def ring_plan(layout: ShardLayout, *, causal: bool = True, sliding_window: int | None = None,
-              has_vision_groups: bool = False) -> RingPlan:
+              has_vision_groups: bool = False, mask: AttentionMask | MaskRule | None = None
+              ) -> RingPlan:
   """Which ring hops can reach allowed keys.
 
-  A window of ``W`` tokens reaches at most ``ceil((W - 1) / C)`` chunks of
-  ``C = layout.chunk_len`` tokens back (and forward when not causal).
-  Vision groups override the window, so they need the whole ring.
+  The mask's :class:`cpjax.masks.Reach` bounds how far (in tokens) an allowed
+  key sits behind or ahead of its query; ``t`` tokens reach at most
+  ``ceil(t / C)`` chunks of ``C = layout.chunk_len`` tokens. A window of
+  ``W`` tokens reaches ``W - 1`` tokens back (and forward when not causal);
+  vision groups are unbounded, so they need the whole ring. Pass ``mask``
+  (an :class:`cpjax.AttentionMask` or a rule) or the keywords.
 
   Example:
     >>> lay = ShardLayout(8192, 8192, 8, "contiguous")
@@ -70,15 +75,26 @@ def ring_plan(layout: ShardLayout, *, causal: bool = True, sliding_window: int |
     >>> ring_plan(ShardLayout(8192, 8192, 8, "load_balanced"), sliding_window=512)
     RingPlan(forward_hops=1, backward_hops=1)
   """
+  if mask is None:
+    reach = MaskSpec(causal=causal, sliding_window=sliding_window).rule().reach()
+    if has_vision_groups:
+      reach = Reach(None, None)
+  elif isinstance(mask, (AttentionMask, MaskRule)):
+    reach = mask.reach() if isinstance(mask, MaskRule) else mask.rule.reach()
+  else:
+    raise TypeError(f"mask must be an AttentionMask or a MaskRule, got {type(mask).__name__}")
   cp = layout.cp_size
   full = RingPlan(cp - 1, 0)
-  if cp == 1 or sliding_window is None or has_vision_groups:
+  if cp == 1:
     return full
-  reach = -(-(sliding_window - 1) // layout.chunk_len)
-  if causal and layout.kind == "contiguous":
-    return RingPlan(reach, 0) if reach < cp - 1 else full
+  hops = lambda t: cp if t is None else -(-t // layout.chunk_len)  # noqa: E731
+  behind, ahead = hops(reach.behind), hops(reach.ahead)
+  if ahead == 0 and layout.kind == "contiguous":
+    # Keys only behind, and every earlier token sits on an earlier rank.
+    return RingPlan(behind, 0) if behind < cp - 1 else full
   # Both directions: cheaper than the full ring only while 2 * reach < cp - 1.
-  return RingPlan(reach, reach) if 2 * reach < cp - 1 else full
+  hop = max(behind, ahead)
+  return RingPlan(hop, hop) if 2 * hop < cp - 1 else full
 
 
 def default_block_size(chunk_len: int, target: int = DEFAULT_BLOCK) -> int:
@@ -104,7 +120,7 @@ class _Config:
 
   layout: ShardLayout
   axis_name: str
-  mask: MaskSpec
+  rule: MaskRule
   plan: RingPlan
   scale: float
   soft_cap: float | None
@@ -116,14 +132,6 @@ class _Config:
   def tile_rows(self) -> int:
     """Query rows per tile: ``block_q`` tokens times ``G`` heads."""
     return self.block_q * self.groups
-
-
-class _Meta(NamedTuple):
-  """Per-token mask metadata of the local tokens ([B, L] each, or None)."""
-
-  segment_ids: jax.Array | None
-  padding_mask: jax.Array | None
-  vision_group_ids: jax.Array | None
 
 
 # ------------------------------------------------------------------ helpers
@@ -147,8 +155,9 @@ def _shift(tree, cfg: _Config, offset: int):
   return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
 
 
-def _token_info(cfg: _Config, rank, meta: _Meta) -> TokenInfo:
-  return TokenInfo(local_token_indices(cfg.layout, rank), *meta)
+def _tokens(cfg: _Config, rank, arrays) -> Tokens:
+  """The tokens rank ``rank`` holds: global positions and the mask's arrays."""
+  return Tokens(local_token_indices(cfg.layout, rank), arrays)
 
 
 def _scaled(cfg: _Config, q):
@@ -163,12 +172,13 @@ def _soft_cap(cfg: _Config, s):
   return s
 
 
-def _tile_mask(cfg: _Config, q_info: TokenInfo, k_info: TokenInfo, i, j, *, keys_first=False):
+def _tile_mask(cfg: _Config, q_info: Tokens, k_info: Tokens, i, j, *, keys_first=False):
   """bool[B or 1, 1, bq*G, bk] mask of tile (i, j) ([.., bk, bq*G] if keys_first)."""
   qi = q_info.slice(i * cfg.block_q, cfg.block_q)
   kj = k_info.slice(j * cfg.block_kv, cfg.block_kv)
-  mask = token_mask(cfg.mask, qi, kj)                      # [B', bq, bk]
+  mask = cfg.rule.allowed(qi, kj)
   b = mask.shape[0]
+  mask = jnp.broadcast_to(mask, (b, cfg.block_q, cfg.block_kv))
   if keys_first:
     mask = jnp.swapaxes(mask, 1, 2)                         # [B', bk, bq]
     mask = jnp.broadcast_to(mask[..., None], mask.shape + (cfg.groups,))
@@ -187,7 +197,7 @@ class _Schedule(NamedTuple):
   per-tile branch around the big accumulators.
   """
 
-  k_info: TokenInfo
+  k_info: Tokens
   tiles: jax.Array
   count: jax.Array
   full: jax.Array
@@ -198,15 +208,15 @@ class _Schedule(NamedTuple):
     return self.tiles[t] // nk, self.tiles[t] % nk
 
 
-def _tile_schedule(cfg: _Config, q_info: TokenInfo, src_rank, k_meta: _Meta, active) -> _Schedule:
+def _tile_schedule(cfg: _Config, q_info: Tokens, src_rank, k_arrays, active) -> _Schedule:
   """Schedule the tiles of the local queries against the chunk of ``src_rank``."""
-  k_info = _token_info(cfg, src_rank, k_meta)
-  q_sum = summarize_blocks(q_info, cfg.block_q)
-  k_sum = summarize_blocks(k_info, cfg.block_kv)
-  visit = (blocks_nonempty(cfg.mask, q_sum, k_sum) & active).ravel()
+  k_info = _tokens(cfg, src_rank, k_arrays)
+  blocks = cfg.rule.classify(q_info, k_info, cfg.block_q, cfg.block_kv)
+  # One schedule serves every batch row: visit a tile if any row needs it,
+  # skip its mask only if no row masks anything in it.
+  visit = (jnp.any(blocks.any, axis=0) & active).ravel()
   tiles = jnp.nonzero(visit, size=visit.shape[0], fill_value=0)[0].astype(jnp.int32)
-  return _Schedule(k_info, tiles, jnp.sum(visit, dtype=jnp.int32),
-                   blocks_full(cfg.mask, q_sum, k_sum))
+  return _Schedule(k_info, tiles, jnp.sum(visit, dtype=jnp.int32), jnp.all(blocks.all, axis=0))
 
 
 def _cut(x, axis, start, size):
@@ -222,11 +232,11 @@ class _Stats(NamedTuple):
   acc: jax.Array  # [B, Hkv, N, D] running sum of exp(logit - m) * v
 
 
-def _attend_chunk(cfg: _Config, q, q_info: TokenInfo, stats: _Stats, kv, k_meta: _Meta,
+def _attend_chunk(cfg: _Config, q, q_info: Tokens, stats: _Stats, kv, k_arrays,
                   src_rank, active=True) -> _Stats:
   """Fold one K/V chunk (owned by ``src_rank``) into the statistics."""
   k, v = kv
-  plan = _tile_schedule(cfg, q_info, src_rank, k_meta, active)
+  plan = _tile_schedule(cfg, q_info, src_rank, k_arrays, active)
   bk, rq = cfg.block_kv, cfg.tile_rows
 
   def tile(i, j, carry, *, masked: bool):
@@ -267,16 +277,16 @@ def _rank(cfg: _Config):
   return lax.axis_index(cfg.axis_name)
 
 
-def _forward(cfg: _Config, q, k, v, meta: _Meta):
+def _forward(cfg: _Config, q, k, v, arrays):
   """Returns out [B, Hkv, N, D] (q's dtype) and lse f32[B, Hkv, N]."""
   cp = cfg.layout.cp_size
   rank = _rank(cfg)
-  q_info = _token_info(cfg, rank, meta)
+  q_info = _tokens(cfg, rank, arrays)
   qs = _scaled(cfg, q)
   stats = _Stats(_vary_like(jnp.full(q.shape[:-1], -jnp.inf, jnp.float32), q),
                  _vary_like(jnp.zeros(q.shape[:-1], jnp.float32), q),
                  _vary_like(jnp.zeros(q.shape, jnp.float32), q))
-  travel = ((k, v), meta)
+  travel = ((k, v), arrays)
   attend = functools.partial(_attend_chunk, cfg, qs, q_info)
   hops, back = cfg.plan
 
@@ -309,11 +319,11 @@ def _forward(cfg: _Config, q, k, v, meta: _Meta):
 
 
 # ----------------------------------------------------------------- backward
-def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: TokenInfo, dq, kv, dkv, k_meta: _Meta,
+def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: Tokens, dq, kv, dkv, k_arrays,
                 src_rank, active=True):
   """Add one K/V chunk's contributions to dq (local) and dk/dv (travelling)."""
   k, v = kv
-  plan = _tile_schedule(cfg, q_info, src_rank, k_meta, active)
+  plan = _tile_schedule(cfg, q_info, src_rank, k_arrays, active)
   bk, rq = cfg.block_kv, cfg.tile_rows
   f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
 
@@ -356,15 +366,15 @@ def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: TokenInfo, dq, kv, dkv,
   return lax.fori_loop(0, plan.count, step, (dq, dkv))
 
 
-def _backward(cfg: _Config, q, k, v, meta: _Meta, out, lse, do):
+def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
   cp = cfg.layout.cp_size
   rank = _rank(cfg)
-  q_info = _token_info(cfg, rank, meta)
+  q_info = _tokens(cfg, rank, arrays)
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   grad = functools.partial(_grad_chunk, cfg, _scaled(cfg, q), do, lse, delta, q_info)
   dq = _vary_like(jnp.zeros(q.shape, jnp.float32), q)
   zero_kv = _vary_like(jnp.zeros(k.shape, jnp.float32), k)
-  travel = ((k, v), meta)
+  travel = ((k, v), arrays)
   hops, back = cfg.plan
 
   if back == 0:
@@ -397,40 +407,25 @@ def _backward(cfg: _Config, q, k, v, meta: _Meta, out, lse, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: _Config, q, k, v, meta: _Meta):
-  return _forward(cfg, q, k, v, meta)[0]
+def _ring(cfg: _Config, q, k, v, arrays):
+  return _forward(cfg, q, k, v, arrays)[0]
 
 
-def _ring_fwd(cfg: _Config, q, k, v, meta: _Meta):
-  out, lse = _forward(cfg, q, k, v, meta)
-  return out, (q, k, v, meta, out, lse)
+def _ring_fwd(cfg: _Config, q, k, v, arrays):
+  out, lse = _forward(cfg, q, k, v, arrays)
+  return out, (q, k, v, arrays, out, lse)
 
 
 def _ring_bwd(cfg: _Config, residuals, do):
-  q, k, v, meta, out, lse = residuals
-  dq, dk, dv = _backward(cfg, q, k, v, meta, out, lse, do)
-  return dq, dk, dv, jax.tree.map(lambda _: None, meta)
+  q, k, v, arrays, out, lse = residuals
+  dq, dk, dv = _backward(cfg, q, k, v, arrays, out, lse, do)
+  return dq, dk, dv, jax.tree.map(lambda _: None, arrays)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 # ------------------------------------------------------------------ public
-def _check_meta(name: str, x, shape: tuple[int, int], kind: str):
-  if x is None:
-    return None
-  x = jnp.asarray(x)
-  if x.shape != shape:
-    raise ValueError(f"{name} must have shape [B, L] = {list(shape)} like q's first two "
-                     f"dimensions, got {list(x.shape)}")
-  if kind == "int" and not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
-  if kind == "bool":
-    if x.dtype != jnp.bool_:
-      raise TypeError(f"{name} must be bool (True = pad), got {x.dtype}")
-  return x.astype(jnp.int32) if kind == "int" else x
-
-
 def _axis_size(axis_name: str) -> int | None:
   try:
     return lax.axis_size(axis_name)
@@ -438,7 +433,8 @@ def _axis_size(axis_name: str) -> int | None:
     return None
 
 
-def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp", causal: bool = True,
+def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
+                   mask: AttentionMask | None = None, causal: bool | None = None,
                    sliding_window: int | None = None, segment_ids=None, padding_mask=None,
                    vision_group_ids=None, scale: float | None = None,
                    logits_soft_cap: float | None = None, block_q: int | None = None,
@@ -455,7 +451,10 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp", causa
       head h reads KV head ``h // (Hq // Hkv)``); only these Hkv heads travel.
     layout: the :class:`cpjax.ShardLayout` the sequence was sharded with.
     axis_name: the context-parallel mesh axis (unused when cp_size is 1).
-    causal: mask keys after the query.
+    mask: a :class:`cpjax.AttentionMask` whose arrays are [B, L] (this rank's
+      tokens); or, instead of it, the keywords of
+      :meth:`cpjax.AttentionMask.create`:
+    causal: mask keys after the query (default True).
     sliding_window: W >= 1, keys with ``q - k < W`` (``|q - k| < W`` when not
       causal); shortens the ring (:func:`ring_plan`).
     segment_ids: int[B, L] document ids; 0 = pad, attends to nothing.
@@ -509,10 +508,10 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp", causa
   if l != layout.local_seq_len:
     raise ValueError(f"q must hold layout.local_seq_len = {layout.local_seq_len} tokens on dim 1, "
                      f"got {l}")
-  mask = MaskSpec(causal=bool(causal), sliding_window=sliding_window)
-  meta = _Meta(_check_meta("segment_ids", segment_ids, (b, l), "int"),
-               _check_meta("padding_mask", padding_mask, (b, l), "bool"),
-               _check_meta("vision_group_ids", vision_group_ids, (b, l), "int"))
+  mask = resolve_mask(mask, causal=causal, sliding_window=sliding_window,
+                      segment_ids=segment_ids, padding_mask=padding_mask,
+                      vision_group_ids=vision_group_ids)
+  mask = mask.validate(b, l, where="[B, L] (q's first two dimensions)")
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
   blocks = []
@@ -524,17 +523,16 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp", causa
     blocks.append(blk)
 
   cfg = _Config(
-      layout=layout, axis_name=axis_name, mask=mask,
-      plan=ring_plan(layout, causal=mask.causal, sliding_window=sliding_window,
-                     has_vision_groups=vision_group_ids is not None),
+      layout=layout, axis_name=axis_name, rule=mask.rule, plan=ring_plan(layout, mask=mask),
       scale=float(d ** -0.5 if scale is None else scale),
       soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       block_q=blocks[0], block_kv=blocks[1], groups=hq // hkv)
+  arrays = mask.arrays
   if cfg.layout.cp_size > 1:
-    # Metadata rides the ring, so it must vary over the axis like K/V do.
-    meta = jax.tree.map(lambda x: _vary_like(x, k), meta)
+    # The mask's arrays ride the ring, so they must vary over the axis like K/V do.
+    arrays = jax.tree.map(lambda x: _vary_like(x, k), arrays)
   g = hq // hkv
   qh = q.reshape(b, l, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, l * g, d)
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  out = _ring(cfg, qh, kh, vh, meta)
+  out = _ring(cfg, qh, kh, vh, arrays)
   return out.reshape(b, hkv, l, g, d).transpose(0, 2, 1, 3, 4).reshape(b, l, hq, d)
