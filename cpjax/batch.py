@@ -213,6 +213,8 @@ def normalize_batch(batch: Mapping, *, loss_mask=None) -> dict:
     (a [1, S] or [3, 1, S] input is broadcast over the batch);
   * ``labels`` taken from ``loss_mask`` when missing (as the original; the
     ``loss_mask`` key is then not emitted); still none is a ``KeyError``.
+    With labels present, ``loss_mask`` becomes the batch's ``loss_mask``
+    stream (a batch that already has one and the argument is a ``ValueError``).
 
   Shapes and dtypes are validated here, before any compute. Keys it does not
   know are passed through untouched.
@@ -248,6 +250,12 @@ def normalize_batch(batch: Mapping, *, loss_mask=None) -> dict:
     if k in out and not _is_integer(out[k]):
       raise TypeError(f"{k} must have an integer dtype, got {jnp.result_type(out[k])}")
 
+  if "labels" in out and loss_mask is not None:
+    # As the original: with labels present, loss_mask= becomes the loss_mask stream.
+    if "loss_mask" in out:
+      raise ValueError("the batch has a 'loss_mask' key and a loss_mask argument was given; "
+                       "pass one of them")
+    out["loss_mask"] = jnp.asarray(loss_mask)
   if "labels" not in out:
     if loss_mask is None:
       raise KeyError(

@@ -29,6 +29,7 @@ from cpjax import batch as batch_lib
 from cpjax.layout import LAYOUT_KINDS, ShardLayout, local_token_indices, padded_length, rank_order
 
 __all__ = [
+    "CPContext",
     "ContextParallelSharder",
     "shard_batch",
     "shard_sequence",
@@ -101,16 +102,34 @@ def _check_extra_keys(batch: Mapping, extra_seq_keys, extra_pad_values):
                      f"(keys: {sorted(batch)})")
     if isinstance(dim, bool) or not isinstance(dim, int):
       raise TypeError(f"extra_seq_keys[{key!r}] must be an int dimension, got {dim!r}")
-    if not 1 <= dim < jnp.ndim(batch[key]):
+    ndim = jnp.ndim(batch[key])
+    if not -ndim <= dim < ndim:
       raise ValueError(
-          f"extra_seq_keys[{key!r}] = {dim} is not a sequence dimension of an array "
-          f"of shape {tuple(jnp.shape(batch[key]))}; expected 1 <= dim < "
-          f"{jnp.ndim(batch[key])} (dim 0 is the batch)")
+          f"extra_seq_keys[{key!r}] = {dim} is not a dimension of an array of shape "
+          f"{tuple(jnp.shape(batch[key]))}; expected {-ndim} <= dim < {ndim}")
+    extra[key] = dim % ndim
   unknown = set(extra_pad_values or {}) - set(extra)
   if unknown:
     raise KeyError(f"extra_pad_values names {sorted(unknown)}, which are not in "
                    f"extra_seq_keys {sorted(extra)}")
   return extra
+
+
+def _batch_dims(batch: Mapping, streams: Mapping[str, int], extra: Mapping[str, int],
+                batch_size: int) -> dict:
+  """{key: batch dim or None} of the sharded streams.
+
+  A known stream has its batch just before its sequence dimension. An extra
+  key has one there only when that dimension has the batch size; otherwise it
+  holds no batch dimension and is replicated over ``batch_axis``.
+  """
+  dims = {}
+  for key, seq_dim in streams.items():
+    bdim = seq_dim - 1 if seq_dim >= 1 else None
+    if key in extra and bdim is not None and jnp.shape(batch[key])[bdim] != batch_size:
+      bdim = None
+    dims[key] = bdim
+  return dims
 
 
 def _sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int]):
@@ -128,16 +147,16 @@ def _sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "mesh", "layout", "axis_name", "batch_axis", "dims", "pad_values"))
-def _pad_and_shard(streams, *, mesh, layout, axis_name, batch_axis, dims, pad_values):
+    "mesh", "layout", "axis_name", "batch_axis", "dims", "batch_dims", "pad_values"))
+def _pad_and_shard(streams, *, mesh, layout, axis_name, batch_axis, dims, batch_dims, pad_values):
   """Pad every stream and keep each rank's tokens, as one compiled program."""
-  dims, pad_values = dict(dims), dict(pad_values)
+  dims, batch_dims, pad_values = dict(dims), dict(batch_dims), dict(pad_values)
   padded = {k: _pad_stream(k, x, dims[k], layout.pad_len, pad_values[k])
             for k, x in streams.items()}
-  in_specs = {k: _spec(x.ndim, seq_dim=None, axis_name=None, batch_dim=dims[k] - 1,
+  in_specs = {k: _spec(x.ndim, seq_dim=None, axis_name=None, batch_dim=batch_dims[k],
                        batch_axis=batch_axis) for k, x in padded.items()}
   out_specs = {k: _spec(x.ndim, seq_dim=dims[k], axis_name=axis_name,
-                        batch_dim=dims[k] - 1, batch_axis=batch_axis)
+                        batch_dim=batch_dims[k], batch_axis=batch_axis)
                for k, x in padded.items()}
 
   def take_local(full):
@@ -182,9 +201,15 @@ def shard_batch(
       ``inputs_embeds``, ``mm_token_type_ids`` and ``pixel_values`` are
       returned full length, unpadded and replicated, for a model that slices
       them itself with :func:`shard_sequence`.
-    loss_mask: labels to use when the batch has none (as the original).
+    loss_mask: [B, S]; labels to use when the batch has none (as the
+      original: no ``loss_mask`` key is then emitted); with labels, it is
+      sharded as the ``loss_mask`` stream (padded with 0).
     padding_token_id: pad value of ``input_ids``.
-    extra_seq_keys: ``{key: seq_dim}`` of further streams to shard.
+    extra_seq_keys: ``{key: seq_dim}`` of further streams to shard: dimension
+      ``seq_dim`` of ``batch[key]`` must have the sequence length S, any
+      other dimension may have any size (e.g. [2, B, S] with ``seq_dim=2``).
+      With ``batch_axis``, the dimension before ``seq_dim`` is sharded over
+      it when it has the batch size; otherwise the key is replicated there.
     extra_pad_values: ``{key: pad_value}`` for those (default 0).
     pad_multiple: extra padding granularity (>= 1).
     batch_axis: optional mesh axis to shard the batch dimension over.
@@ -216,10 +241,10 @@ def shard_batch(
   primary = batch_lib.primary_key(norm)
   batch_size, seq_len = jnp.shape(norm[primary])[:2]
   for key, dim in extra.items():
-    if jnp.shape(norm[key])[dim] != seq_len or jnp.shape(norm[key])[0] != batch_size:
+    if jnp.shape(norm[key])[dim] != seq_len:
       raise ValueError(
-          f"extra key {key!r} must have batch size {batch_size} on dim 0 and "
-          f"sequence length {seq_len} on dim {dim}, got shape {tuple(jnp.shape(norm[key]))}")
+          f"extra key {key!r} must have the sequence length {seq_len} on dim {dim} "
+          f"(extra_seq_keys[{key!r}]), got shape {tuple(jnp.shape(norm[key]))}")
   if batch_axis is not None and batch_size % dp_size:
     raise ValueError(
         f"batch size {batch_size} must be divisible by the size {dp_size} of "
@@ -238,6 +263,7 @@ def shard_batch(
       {k: jnp.asarray(norm[k]) for k in streams},
       mesh=mesh, layout=shard_layout, axis_name=axis_name, batch_axis=batch_axis,
       dims=tuple(streams.items()),
+      batch_dims=tuple(_batch_dims(norm, streams, extra, batch_size).items()),
       pad_values=tuple((k, pad_values[k]) for k in streams))
 
   out = dict(norm)
@@ -358,6 +384,24 @@ def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
     return x
   idx = local_token_indices(layout, jax.lax.axis_index(axis_name))
   return jnp.take(x, idx, axis=seq_axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class CPContext:
+  """Where a forward runs: inside ``shard_map`` over ``axis_name``, on a batch
+  sharded by ``layout``. The training step hands it to the model's forward.
+
+  >>> import cpjax
+  >>> cpjax.CPContext(cpjax.ShardLayout(6, 8, 2)).axis_name
+  'cp'
+  """
+
+  layout: ShardLayout
+  axis_name: str = "cp"
+
+  def __post_init__(self):
+    if not isinstance(self.layout, ShardLayout):
+      raise TypeError(f"layout must be a ShardLayout, got {type(self.layout).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,5 +9,5 @@ from cpjax.models.gemma4.cp_batch import shard_aux_only_cp_batch as shard_aux_on
 from cpjax.models.gemma4.cp_batch import (
     synthesize_single_document_seq_ids as synthesize_single_document_seq_ids,
 )
-from cpjax.models.gemma4.model import CPContext as CPContext
+from cpjax.sharding import CPContext as CPContext  # the model's CP context: cpjax's own
 from cpjax.models.gemma4.model import Gemma4 as Gemma4

@@ -17,13 +17,29 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import jax.numpy as jnp
+
 from cpjax import batch as batch_lib
 from cpjax.layout import ShardLayout
-from cpjax.models.gemma4.model import IMAGE_OFFSET_KEY, image_token_offsets
 from cpjax.sharding import shard_batch
 
-__all__ = ["make_contiguous_aux_only_shard_cp_batch", "prepare_batch", "shard_aux_only_cp_batch",
-           "synthesize_single_document_seq_ids"]
+__all__ = ["IMAGE_OFFSET_KEY", "image_token_offsets", "make_contiguous_aux_only_shard_cp_batch",
+           "prepare_batch", "shard_aux_only_cp_batch", "synthesize_single_document_seq_ids"]
+
+# Per-row count of image tokens in the global rows before it (see
+# image_token_offsets): how a data-parallel shard finds its images.
+IMAGE_OFFSET_KEY = "_image_token_offset"
+
+
+def image_token_offsets(mm_token_type_ids) -> jax.Array:
+  """int32[B]: image tokens (type 1) in the rows before each row.
+
+  >>> import numpy as np
+  >>> image_token_offsets(np.array([[1, 1, 0], [0, 0, 0], [0, 1, 0]])).tolist()
+  [0, 2, 2]
+  """
+  counts = jnp.sum(jnp.asarray(mm_token_type_ids) == 1, axis=1, dtype=jnp.int32)
+  return jnp.cumsum(counts) - counts
 
 
 def synthesize_single_document_seq_ids(batch: Mapping, seq_len: int) -> dict:

@@ -16,7 +16,6 @@ model width, ``H``/``K`` query/KV heads, ``D`` head width, ``V`` vocabulary,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -27,31 +26,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cpjax.batch import DOCUMENT_IDS_KEY, vision_group_ids
-from cpjax.layout import ShardLayout
+from cpjax.masks import AttentionMask
 from cpjax.models.gemma4.config import Gemma4Config
+from cpjax.models.gemma4.cp_batch import IMAGE_OFFSET_KEY, image_token_offsets, shard_aux_only_cp_batch
 from cpjax.reference import reference_attention
 from cpjax.ring_attention import ring_attention
-from cpjax.sharding import ContextParallelSharder, shard_sequence
+from cpjax.sharding import ContextParallelSharder, CPContext, shard_sequence
 
-__all__ = ["CPContext", "Gemma4", "IMAGE_OFFSET_KEY", "image_token_offsets"]
-
-
-IMAGE_OFFSET_KEY = "_image_token_offset"
-
-
-def image_token_offsets(mm_token_type_ids) -> jax.Array:
-  """int32[B]: image tokens (type 1) in the rows before each row."""
-  counts = jnp.sum(jnp.asarray(mm_token_type_ids) == 1, axis=1, dtype=jnp.int32)
-  return jnp.cumsum(counts) - counts
-
-
-@dataclasses.dataclass(frozen=True)
-class CPContext:
-  """Where the forward runs: inside ``shard_map`` over ``axis_name``, with the
-  batch sharded by ``layout``."""
-
-  layout: ShardLayout
-  axis_name: str = "cp"
+__all__ = ["Gemma4"]
 
 
 class _Tokens(NamedTuple):
@@ -135,13 +117,15 @@ class Attention(nnx.Module):
     k = rope(k, tokens.positions, theta=theta, rotary_dim=rotary)
     bidirectional = cfg.vision_bidirectional == "all" or (
         cfg.vision_bidirectional == "sliding" and not self.full)
-    mask = dict(causal=True, sliding_window=None if self.full else cfg.sliding_window,
-                segment_ids=tokens.segment_ids, padding_mask=tokens.padding_mask,
-                vision_group_ids=tokens.vision_group_ids if bidirectional else None, scale=1.0)
+    mask = AttentionMask.create(
+        causal=True, sliding_window=None if self.full else cfg.sliding_window,
+        segment_ids=tokens.segment_ids, padding_mask=tokens.padding_mask,
+        vision_group_ids=tokens.vision_group_ids if bidirectional else None)
     if cp is None:
-      out = reference_attention(q, k, v, **mask)
+      out = reference_attention(q, k, v, mask=mask, scale=1.0)
     else:
-      out = ring_attention(q, k, v, layout=cp.layout, axis_name=cp.axis_name, **mask)
+      out = ring_attention(q, k, v, layout=cp.layout, axis_name=cp.axis_name, mask=mask,
+                           scale=1.0)
     b, l = x.shape[:2]
     return self.o_proj(out.astype(x.dtype).reshape(b, l, -1))
 
@@ -326,8 +310,6 @@ class Gemma4(nnx.Module):
     """``{"cp_sharder": ContextParallelSharder}`` whose ``shard_batch`` is the
     aux-only sharder (``layout`` ``"contiguous"`` as the original, or
     ``"load_balanced"``): the CP dispatch calls it instead of a generic one."""
-    from cpjax.models.gemma4.cp_batch import shard_aux_only_cp_batch
-
     del batch  # the sharder is the same for every batch of this model
     return {"cp_sharder": ContextParallelSharder(
         shard_batch=functools.partial(_sharder_call, shard_aux_only_cp_batch, layout))}

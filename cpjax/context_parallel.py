@@ -1,0 +1,202 @@
+"""Context-parallel attention on global arrays: no ``shard_map`` in user code.
+
+:func:`context_parallel_attention` takes GLOBAL arrays in the rank order that
+:func:`cpjax.shard_batch` returns (``x[:, r*L:(r+1)*L]`` is what rank r
+holds), runs :func:`cpjax.ring_attention` inside its own ``jax.shard_map`` over
+the ``cp`` axis (and, optionally, a batch and a head axis) and returns the
+global output in the same order. It composes with ``jax.jit`` and
+``jax.grad`` like any other function of global arrays.
+
+:func:`to_rank_order` and :func:`from_rank_order` move any array between
+natural token order and rank order along any axis.
+
+Shape letters: ``B`` batch, ``S`` padded global length, ``H``/``Hkv`` query
+and key/value heads, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from cpjax.layout import ShardLayout, rank_order
+from cpjax.masks import AttentionMask, resolve_mask
+from cpjax.ring_attention import ring_attention
+from cpjax.sharding import _gather_dim, _mesh_axis_size, _place
+
+__all__ = ["context_parallel_attention", "from_rank_order", "to_rank_order"]
+
+
+def _check_layout(layout) -> None:
+  if not isinstance(layout, ShardLayout):
+    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
+
+
+def _axis(x, axis: int) -> int:
+  ndim = jnp.ndim(x)
+  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+    raise ValueError(f"axis must be an int in [{-ndim}, {ndim}) for an array of shape "
+                     f"{tuple(jnp.shape(x))}, got {axis!r}")
+  return int(axis) % ndim
+
+
+def to_rank_order(x, layout: ShardLayout, *, axis: int = 1, pad_value=0) -> jax.Array:
+  """Natural token order -> rank order, along ``axis``.
+
+  ``x`` has ``layout.original_seq_len`` tokens on ``axis`` (it is then
+  right-padded with ``pad_value``) or already ``layout.padded_seq_len``.
+  Differentiable; works under ``jit``. On a mesh, a sharded ``axis`` is
+  gathered first: the result is ready for :func:`jax.device_put` or
+  ``jax.reshard`` onto the ``cp`` axis.
+
+  Args:
+    x: [..., S or original length, ...].
+    layout: the :class:`cpjax.ShardLayout`.
+    axis: the token axis.
+    pad_value: value of padded tokens.
+
+  Returns:
+    [..., S, ...], same dtype.
+
+  Example:
+    >>> import numpy as np, cpjax
+    >>> lay = cpjax.ShardLayout(6, 8, 2, "load_balanced")
+    >>> cpjax.to_rank_order(np.arange(1, 7)[None], lay).tolist()
+    [[1, 2, 0, 0, 3, 4, 5, 6]]
+  """
+  _check_layout(layout)
+  x = jnp.asarray(x)
+  axis = _axis(x, axis)
+  length = x.shape[axis]
+  if length not in (layout.original_seq_len, layout.padded_seq_len):
+    raise ValueError(f"x must have layout.original_seq_len = {layout.original_seq_len} (or "
+                     f"layout.padded_seq_len = {layout.padded_seq_len}) tokens on axis {axis}, "
+                     f"got shape {tuple(x.shape)}")
+  if length != layout.padded_seq_len:
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, layout.padded_seq_len - length)
+    x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
+  if layout.kind == "contiguous":
+    return x
+  return jnp.take(_gather_dim(x, axis), jnp.asarray(rank_order(layout), jnp.int32), axis=axis)
+
+
+def from_rank_order(x, layout: ShardLayout, *, axis: int = 1) -> jax.Array:
+  """Rank order -> natural token order, along ``axis``; padding is kept.
+
+  The inverse of :func:`to_rank_order`: slice ``[:layout.original_seq_len]``
+  on ``axis`` to drop the padded tail.
+
+  Args:
+    x: [..., S, ...] in rank order (``layout.padded_seq_len`` on ``axis``).
+    layout: the :class:`cpjax.ShardLayout`.
+    axis: the token axis.
+
+  Returns:
+    [..., S, ...] in natural order, same dtype.
+
+  Example:
+    >>> import numpy as np, cpjax
+    >>> lay = cpjax.ShardLayout(6, 8, 2, "load_balanced")
+    >>> cpjax.from_rank_order(np.array([[1, 2, 0, 0, 3, 4, 5, 6]]), lay).tolist()
+    [[1, 2, 3, 4, 5, 6, 0, 0]]
+  """
+  _check_layout(layout)
+  x = jnp.asarray(x)
+  axis = _axis(x, axis)
+  if x.shape[axis] != layout.padded_seq_len:
+    raise ValueError(f"x must have layout.padded_seq_len = {layout.padded_seq_len} tokens on "
+                     f"axis {axis}, got shape {tuple(x.shape)}")
+  if layout.kind == "contiguous":
+    return x
+  inverse = jnp.asarray(np.argsort(rank_order(layout)), jnp.int32)
+  return jnp.take(_gather_dim(x, axis), inverse, axis=axis)
+
+
+def context_parallel_attention(q, k, v, *, mesh: Mesh, layout: ShardLayout, axis_name: str = "cp",
+                               batch_axis: str | None = None, head_axis: str | None = None,
+                               mask: AttentionMask | None = None, scale: float | None = None,
+                               logits_soft_cap: float | None = None, block_q: int | None = None,
+                               block_kv: int | None = None, **mask_keywords):
+  """Ring attention of global, rank-ordered arrays; calls ``shard_map`` itself.
+
+  Equals :func:`cpjax.reference_attention` of the same arrays in natural
+  order (:func:`from_rank_order`), values and gradients.
+
+  Args:
+    q: [B, S, H, D] queries, S = ``layout.padded_seq_len``, in rank order.
+    k, v: [B, S, Hkv, D] keys and values; H a multiple of Hkv.
+    mesh: a mesh with an ``axis_name`` axis of size ``layout.cp_size``.
+    layout: the :class:`cpjax.ShardLayout` the arrays follow (from
+      :func:`cpjax.shard_batch`).
+    axis_name: the context-parallel mesh axis.
+    batch_axis: optional mesh axis the batch is sharded over (B divisible by
+      its size).
+    head_axis: optional mesh axis the heads are sharded over (tensor
+      parallelism; Hkv divisible by its size).
+    mask: a :class:`cpjax.AttentionMask` whose arrays are [B, S] in rank
+      order; or, instead of it, the keywords ``causal``, ``sliding_window``,
+      ``segment_ids``, ``padding_mask``, ``vision_group_ids`` of
+      :meth:`cpjax.AttentionMask.create` (arrays [B, S] in rank order).
+    scale, logits_soft_cap, block_q, block_kv: as :func:`cpjax.ring_attention`.
+
+  Returns:
+    [B, S, H, D] in q's dtype and rank order, sharded like q's in_spec
+    ``P(batch_axis, axis_name, head_axis)``.
+
+  Example:
+    >>> import jax, numpy as np, cpjax
+    >>> mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4])
+    >>> lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
+    >>> x = np.random.default_rng(0).standard_normal((1, 32, 2, 8), np.float32)
+    >>> docs = np.repeat([[1, 2]], 16, axis=1)                  # two documents
+    >>> xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
+    >>> out = cpjax.context_parallel_attention(xr, xr, xr, mesh=mesh, layout=lay, segment_ids=dr)
+    >>> ref = cpjax.reference_attention(x, x, x, segment_ids=docs)
+    >>> bool(np.allclose(cpjax.from_rank_order(out, lay), ref, atol=1e-5))
+    True
+  """
+  _check_layout(layout)
+  cp_size = _mesh_axis_size(mesh, axis_name, "axis_name")
+  if cp_size != layout.cp_size:
+    raise ValueError(f"layout.cp_size ({layout.cp_size}) must equal the size of mesh axis "
+                     f"{axis_name!r} ({cp_size})")
+  axes = {"axis_name": axis_name}
+  for name, axis in (("batch_axis", batch_axis), ("head_axis", head_axis)):
+    if axis is None:
+      continue
+    _mesh_axis_size(mesh, axis, name)
+    if axis in axes.values():
+      raise ValueError(f"{name}={axis!r} must differ from the other axes {axes}")
+    axes[name] = axis
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if jnp.ndim(x) != 4:
+      raise ValueError(f"{name} must be 4-D [B, S, H, D], got shape {tuple(jnp.shape(x))}")
+  b, s = jnp.shape(q)[:2]
+  if s != layout.padded_seq_len:
+    raise ValueError(f"q must hold layout.padded_seq_len = {layout.padded_seq_len} tokens on "
+                     f"dim 1 (global arrays in rank order), got shape {tuple(jnp.shape(q))}")
+  sizes = dict(mesh.shape)
+  if batch_axis is not None and b % sizes[batch_axis]:
+    raise ValueError(f"batch size {b} must be divisible by the size {sizes[batch_axis]} of "
+                     f"batch_axis={batch_axis!r}")
+  if head_axis is not None and jnp.shape(k)[2] % sizes[head_axis]:
+    raise ValueError(f"key/value heads ({jnp.shape(k)[2]}) must be divisible by the size "
+                     f"{sizes[head_axis]} of head_axis={head_axis!r}, so that every query "
+                     "head finds its key/value head on the same device")
+  mask = resolve_mask(mask, **mask_keywords).validate(b, s, where="[B, S] (q's first two "
+                                                     "dimensions, rank order)")
+  x_spec = P(batch_axis, axis_name, head_axis)
+  mask_spec = jax.tree.map(lambda _: P(batch_axis, axis_name), mask)
+
+  def local(q, k, v, mask):
+    return ring_attention(q, k, v, layout=layout, axis_name=axis_name, mask=mask, scale=scale,
+                          logits_soft_cap=logits_soft_cap, block_q=block_q, block_kv=block_kv)
+
+  ring = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, mask_spec),
+                       out_specs=x_spec)
+  q, k, v = (_place(jnp.asarray(x), mesh, x_spec) for x in (q, k, v))
+  mask = jax.tree.map(lambda x: _place(x, mesh, P(batch_axis, axis_name)), mask)
+  return ring(q, k, v, mask)
