@@ -48,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
       description="Train the tiny Gemma4-style model on synthetic packed multimodal data "
                   "(documents of random lengths, image spans, padding) with its sequence "
                   "split over a cp mesh axis; checks the first step against the "
-                  "single-device model and prints a summary. On CPU it emulates the devices.")
+                  "single-device model and prints a summary. It runs on JAX's default "
+                  "backend (the TPU or GPU chips when JAX finds them); only when that "
+                  "backend is the CPU (JAX_PLATFORMS=cpu, or no accelerator) does it emulate "
+                  "max(--cp, 8) CPU devices.")
   train.add_argument("--seq-len", type=_positive, default=1024,
                      help="tokens per row before padding (default 1024)")
   train.add_argument("--cp", type=_positive, default=8,
@@ -69,12 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
                  "same command with its own --process-id)")
   cluster.add_argument("--coordinator-address", metavar="HOST:PORT",
                        help="address of process 0's coordinator, e.g. 127.0.0.1:12355")
-  cluster.add_argument("--num-processes", type=_positive, default=1,
+  cluster.add_argument("--num-processes", type=_positive, default=None,
                        help="processes in the cluster (default 1: no cluster)")
-  cluster.add_argument("--process-id", type=int, default=0, help="this process's index (default 0)")
+  cluster.add_argument("--process-id", type=int, default=None,
+                       help="this process's index (default 0)")
   cluster.add_argument("--auto-cluster", action="store_true",
                        help="let jax.distributed.initialize() detect the cluster (Cloud TPU "
-                            "slices, SLURM) instead of the three flags above")
+                            "slices, SLURM) instead of the three flags above; not together "
+                            "with them")
 
   demo = sub.add_parser("demo", help="shard a packed multimodal batch and print each rank's part")
   demo.add_argument("--cp", type=_positive, default=8, help="context-parallel size (default 8)")
@@ -85,10 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _use_cpu_devices(n: int, *, collectives: str | None = None) -> None:
   """Emulate ``n`` CPU devices (per process); must run before JAX initialises.
 
-  Only when JAX is restricted to the CPU (``JAX_PLATFORMS=cpu``, the default
-  here): on a TPU or GPU machine set ``JAX_PLATFORMS`` to use the chips.
+  The setting only shapes the CPU backend: when JAX finds TPU or GPU chips it
+  uses them and ignores it (``JAX_PLATFORMS=cpu`` forces the CPU).
   """
-  if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+  if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
     import jax
 
     jax.config.update("jax_num_cpu_devices", n)
@@ -110,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
 
   if args.seq_len < 32:
     parser.exit(2, f"cpjax train: error: --seq-len must be >= 32, got {args.seq_len}\n")
+  explicit = [flag for flag, value in (("--coordinator-address", args.coordinator_address),
+                                       ("--num-processes", args.num_processes),
+                                       ("--process-id", args.process_id)) if value is not None]
+  if args.auto_cluster and explicit:
+    parser.exit(2, f"cpjax train: error: --auto-cluster detects the cluster itself; it cannot "
+                   f"be combined with {', '.join(explicit)}\n")
+  args.num_processes = 1 if args.num_processes is None else args.num_processes
+  args.process_id = 0 if args.process_id is None else args.process_id
   if args.num_processes > 1:
     if not args.coordinator_address:
       parser.exit(2, "cpjax train: error: --num-processes > 1 needs --coordinator-address\n")
@@ -130,16 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     jax.distributed.initialize()
   else:
     _use_cpu_devices(max(args.cp, 8))
+  import jax
+
+  if jax.device_count() < args.cp:
+    parser.exit(2, f"cpjax train: error: --cp {args.cp} needs {args.cp} devices, found "
+                   f"{jax.device_count()} {jax.devices()[0].platform.upper()} devices\n")
   from cpjax.train_job import TrainJob, run_train_job
 
   job = TrainJob(seq_len=args.seq_len, cp=args.cp, layout=args.layout, steps=args.steps,
                  seed=args.seed, dtype=args.dtype, batch_size=args.batch_size,
                  learning_rate=args.lr, parity_check=not args.no_parity_check)
-  try:
-    run_train_job(job)
-  except ValueError as err:
-    print(f"cpjax train: error: {err}", file=sys.stderr)
-    return 2
+  # Anything raised from here on is a crash, not a usage error: let it
+  # propagate with its traceback (exit status 1).
+  run_train_job(job)
   return 0
 
 

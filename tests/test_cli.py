@@ -25,14 +25,41 @@ def _run(*args, timeout=600):
      "--process-id must be in [0, 2), got 2"),
     (["train", "--num-processes", "3", "--coordinator-address", "h:1"],
      "--cp 8 must be a multiple of --num-processes 3"),
+    (["train", "--auto-cluster", "--process-id", "0"],
+     "--auto-cluster detects the cluster itself; it cannot be combined with --process-id"),
+    (["train", "--auto-cluster", "--coordinator-address", "h:1", "--num-processes", "2"],
+     "cannot be combined with --coordinator-address, --num-processes"),
+    (["train", "--cp", "16"], "--cp 16 needs 16 devices, found 8 CPU devices"),
 ])
-def test_bad_flags_one_line_exit_two(args, message, capsys):
+def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
+  # JAX is already up with 8 CPU devices in this process: keep it as it is.
+  monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
   with pytest.raises(SystemExit) as exc:
     cli.main(args)
   assert exc.value.code == 2
   err = capsys.readouterr().err
   assert message in err
   assert len(err.strip().splitlines()) == 1, err
+
+
+def test_errors_during_training_are_crashes_not_usage_errors(monkeypatch):
+  """A ValueError raised by the job propagates (traceback, exit status 1)."""
+  import cpjax.train_job
+
+  def broken(job):
+    raise ValueError("something inside the step")
+
+  monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(cpjax.train_job, "run_train_job", broken)
+  with pytest.raises(ValueError, match="something inside the step"):
+    cli.main(["train", "--cp", "2", "--seq-len", "64"])
+
+
+def test_help_does_not_claim_cpu_is_the_default():
+  text = cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+  text = " ".join(text.split())
+  assert "TPU or GPU chips when JAX finds them" in text
+  assert "only when that backend is the CPU" in text
 
 
 def test_help_documents_every_flag():

@@ -143,8 +143,12 @@ def test_dp_cp_mesh_and_batch_axis(inputs):
        window=st.sampled_from([None, 1, 4, 11, 40]), docs=st.booleans(),
        pad_from=st.sampled_from([None, 45, 20]), vision=st.booleans(),
        cap=st.sampled_from([None, 3.0]), gqa=st.sampled_from([1, 2]),
+       block_q=st.sampled_from([None, 2, 4]), block_kv=st.sampled_from([None, 1, 4]),
        seed=st.integers(0, 1000))
-def test_random_combinations(cp, kind, causal, window, docs, pad_from, vision, cap, gqa, seed):
+def test_random_combinations(cp, kind, causal, window, docs, pad_from, vision, cap, gqa,
+                             block_q, block_kv, seed):
+  """Every chunk here is >= 4 tokens, so drawn tiles split it into several
+  tiles per chunk, with partial and skipped tiles inside one hop."""
   rng = np.random.default_rng(seed)
   inputs = H.make_inputs(rng, hq=2 * gqa, hkv=2)
   meta = H.packed_metadata(rng, 2, 64, pad_from=pad_from, vision=vision)
@@ -153,7 +157,25 @@ def test_random_combinations(cp, kind, causal, window, docs, pad_from, vision, c
   if pad_from is None:
     meta.pop("padding_mask")
   check(*inputs, cp=cp, kind=kind, meta=meta, causal=causal, sliding_window=window,
-        logits_soft_cap=cap)
+        logits_soft_cap=cap, block_q=block_q, block_kv=block_kv)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mask_object_equals_keywords(inputs, kind):
+  """The same mask given as an AttentionMask and as keywords: identical output."""
+  meta = H.packed_metadata(np.random.default_rng(8), 2, 64, pad_from=50, vision=True)
+  keywords, _ = H.ring(*inputs, cp=4, kind=kind, meta=meta, sliding_window=5, grads=False)
+  lay = cpjax.ShardLayout(64, 64, 4, kind)
+  order = cpjax.rank_order(lay)
+  mesh = cp_mesh(4)
+  spec = jax.NamedSharding(mesh, P(None, "cp"))
+  mask = cpjax.AttentionMask.create(
+      sliding_window=5, **{n: jax.device_put(x[:, order], spec) for n, x in meta.items()})
+  ring = jax.shard_map(lambda q, k, v, m: cpjax.ring_attention(q, k, v, layout=lay, mask=m),
+                       mesh=mesh, in_specs=(P(None, "cp"),) * 3 + (P(None, "cp"),),
+                       out_specs=P(None, "cp"))
+  out = ring(*(jax.device_put(x[:, order], spec) for x in inputs[:3]), mask)
+  chex.assert_trees_all_equal(np.asarray(out)[:, np.argsort(order)], keywords)
 
 
 # ------------------------------------------------------------------- the plan
@@ -215,7 +237,10 @@ KV = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)
       jax.ShapeDtypeStruct((1, 16, 2, 4), jnp.float32)), {}, ValueError, "k/v must have shape"),
     ((Q, KV, KV), {"sliding_window": 0}, ValueError, "sliding_window must be an int >= 1"),
     ((Q, KV, KV), {"segment_ids": np.zeros((1, 6), np.int32)}, ValueError,
-     r"segment_ids must have shape \[B, L\] = \[1, 8\] like q.s first two dimensions, got \[1, 6\]"),
+     r"mask array segment_ids must have shape \[B, L\] \(q's first two dimensions\) = "
+     r"\[1, 8\], got \[1, 6\]"),
+    ((Q, KV, KV), {"mask": cpjax.AttentionMask.create(), "sliding_window": 4}, ValueError,
+     r"pass either mask= or the mask keywords, not both; got mask and \['sliding_window'\]"),
     ((Q, KV, KV), {"lay": cpjax.ShardLayout(16, 16, 4)}, ValueError,
      r"layout.cp_size \(4\) must equal the size of mesh axis 'cp' \(2\)"),
     ((Q, KV, KV), {"lay": cpjax.ShardLayout(32, 32, 2)}, ValueError,
@@ -229,9 +254,9 @@ def test_bad_input(args, kw, err, match):
 
 
 def test_bad_metadata_dtypes():
-  with pytest.raises(TypeError, match="segment_ids must have an integer dtype, got float32"):
+  with pytest.raises(TypeError, match="mask array segment_ids must have an integer dtype, got float32"):
     _call(Q, KV, KV, segment_ids=np.zeros((1, 8), np.float32))
-  with pytest.raises(TypeError, match=r"padding_mask must be bool \(True = pad\), got int32"):
+  with pytest.raises(TypeError, match=r"mask array padding_mask must be bool \(True = pad\), got int32"):
     _call(Q, KV, KV, padding_mask=np.zeros((1, 8), np.int32))
 
 

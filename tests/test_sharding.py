@@ -197,8 +197,13 @@ def test_shard_matches_numpy_and_round_trips(p):
                                extra_pad_values={"token_weights": -1.0} if extra else None,
                                pad_multiple=p["pad_multiple"], padding_token_id=3)
   padded, s, cp, kind = lay.padded_seq_len, p["s"], p["cp"], p["kind"]
-  assert padded % (cp * 2) == 0 and padded % p["pad_multiple"] == 0
-  assert padded - s < cp * 2 * p["pad_multiple"]
+  # The original pads to a multiple of cp * max(pad_multiple, 2); the
+  # load-balanced layout also needs 2 * cp chunks (they differ for odd
+  # pad_multiple > 2: contiguous 5 tokens, cp 2, pad_multiple 3 -> 6).
+  multiple = cp * max(p["pad_multiple"], 2)
+  if kind == "load_balanced":
+    multiple = np.lcm(multiple, 2 * cp)
+  assert padded % multiple == 0 and s <= padded < s + multiple
   pad_values = {"labels": -100, "loss_mask": 0, "padding_mask": True, "_packed_seq_ids": 0,
                 "input_ids": 3, "inputs_embeds": 0, "mm_token_type_ids": 0,
                 "token_weights": -1.0}
@@ -274,12 +279,64 @@ def test_shard_sequence_gradient_is_owned_indicator(cp, kind):
   chex.assert_trees_all_close(grad, expected[:, :s], rtol=0, atol=0)
 
 
-def test_shard_sequence_identity_at_cp_one():
-  lay = cpjax.ShardLayout(8, 8, 1)
+def test_shard_sequence_at_cp_one_only_pads():
   x = jnp.arange(16.0).reshape(2, 8)
-  assert cpjax.shard_sequence(x, lay) is x or np.array_equal(cpjax.shard_sequence(x, lay), x)
+  chex.assert_trees_all_equal(cpjax.shard_sequence(x, cpjax.ShardLayout(8, 8, 1)), x)
   chex.assert_trees_all_equal(cpjax.shard_sequence(jnp.ones((2, 7)), cpjax.ShardLayout(7, 8, 1)),
                               jnp.array([[1.0] * 7 + [0.0]] * 2))
+
+
+def test_padded_length_hand_worked():
+  assert cpjax.padded_length(5, 2, pad_multiple=3) == 6                 # contiguous: 2 * 3
+  assert cpjax.padded_length(5, 2, kind="load_balanced", pad_multiple=3) == 12  # lcm(6, 4)
+  assert cpjax.padded_length(6, 2) == 8 and cpjax.padded_length(9, 4, pad_multiple=4) == 16
+
+
+@pytest.mark.parametrize("sharder", ["shard_batch", "aux_only"])
+def test_loss_mask_with_labels_is_a_sharded_stream(sharder):
+  """As the original: labels present and loss_mask= given -> a loss_mask stream,
+  padded with 0 and sliced like labels."""
+  mesh = cp_mesh(2)
+  batch = {"input_ids": np.arange(1, 7, dtype=np.int32)[None],
+           "labels": np.arange(11, 17, dtype=np.int32)[None]}
+  m = np.array([[1, 1, 0, 1, 1, 0]], np.int32)
+  if sharder == "aux_only":
+    out, lay = gemma4.make_contiguous_aux_only_shard_cp_batch(mesh, batch, loss_mask=m)
+  else:
+    out, lay = cpjax.shard_batch(batch, mesh, layout="contiguous", loss_mask=m)
+  assert np.asarray(out["loss_mask"]).tolist() == [[1, 1, 0, 1, 1, 0, 0, 0]]
+  assert out["loss_mask"].sharding.spec == out["labels"].sharding.spec == P(None, "cp")
+  assert np.asarray(out["labels"]).tolist() == [[11, 12, 13, 14, 15, 16, -100, -100]]
+  # Without labels: labels = loss_mask and no loss_mask key, as before.
+  out, _ = gemma4.make_contiguous_aux_only_shard_cp_batch(
+      mesh, {"input_ids": batch["input_ids"]}, loss_mask=m)
+  assert "loss_mask" not in out
+  assert np.asarray(out["labels"]).tolist() == [[1, 1, 0, 1, 1, 0, -100, -100]]
+  with pytest.raises(ValueError, match="has a 'loss_mask' key and a loss_mask argument"):
+    cpjax.shard_batch({**batch, "loss_mask": m}, mesh, loss_mask=m)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extra_key_with_batch_not_on_dim_zero(kind):
+  """An extra key [2, B, S] with seq_dim=2, and one [S, 3] with seq_dim=0."""
+  mesh = cp_mesh(2, ("dp", 2))
+  rng = np.random.default_rng(0)
+  batch = make_batch(rng, 2, 7)
+  batch["pair"] = rng.integers(0, 9, (2, 2, 7)).astype(np.int32)
+  batch["per_token"] = rng.standard_normal((7, 3)).astype(np.float32)
+  extra = {"pair": 2, "per_token": 0}
+  out, lay = cpjax.shard_batch(batch, mesh, layout=kind, extra_seq_keys=extra,
+                               extra_pad_values={"pair": -1}, batch_axis="dp")
+  np.testing.assert_array_equal(out["pair"], np_shard(batch["pair"], 2, 8, 2, kind, -1))
+  np.testing.assert_array_equal(out["per_token"], np_shard(batch["per_token"], 0, 8, 2, kind, 0))
+  assert out["pair"].sharding.spec == P(None, "dp", "cp")
+  assert out["per_token"].sharding.spec == P("cp", None)
+  back = cpjax.unshard_batch(out, lay, extra_seq_keys=extra)
+  for key in extra:
+    np.testing.assert_array_equal(back[key], batch[key], err_msg=key)
+  aux, _ = gemma4.shard_aux_only_cp_batch(mesh, batch, layout=kind, extra_seq_keys=extra,
+                                          batch_axis="dp")
+  np.testing.assert_array_equal(aux["pair"], np_shard(batch["pair"], 2, 8, 2, kind, 0))
 
 
 def test_dp_cp_mesh_with_batch_axis():
@@ -326,9 +383,11 @@ def _ok():
     (lambda b: b, {"layout": "zigzag"}, ValueError, "layout must be one of"),
     (lambda b: b, {"extra_seq_keys": {"nope": 1}}, KeyError, "extra_seq_keys names 'nope'"),
     (lambda b: {**b, "w": np.zeros((2, 6))}, {"extra_seq_keys": {"w": 2}}, ValueError,
-     r"extra_seq_keys\['w'\] = 2 is not a sequence dimension"),
+     r"extra_seq_keys\['w'\] = 2 is not a dimension of an array of shape \(2, 6\); "
+     r"expected -2 <= dim < 2"),
     (lambda b: {**b, "w": np.zeros((2, 5))}, {"extra_seq_keys": {"w": 1}}, ValueError,
-     "extra key 'w' must have batch size 2 on dim 0 and sequence length 6"),
+     r"extra key 'w' must have the sequence length 6 on dim 1 \(extra_seq_keys\['w'\]\), "
+     r"got shape \(2, 5\)"),
     (lambda b: {k: v[:1] if k == "input_ids" else v for k, v in b.items()}, {}, ValueError,
      "labels must have batch size 1"),
 ])
