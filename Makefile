@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run test soak bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# Every property test with 200 examples each (not in CI: about an hour on 2 cores).
+soak: $(STAMP)
+	CPJAX_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -m hypothesis -p no:cacheprovider tests
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[peers]"

@@ -79,11 +79,11 @@ print("unshard_batch restores the batch:",
     ("markdown", "## One ring step\n\nAt ring step h, rank r holds the keys of rank "
                  "(r - h) mod cp. Each panel is the causal, packed-document mask between "
                  "rank r's queries and those keys; grey tiles are skipped without any work."),
-    ("code", r'''from cpjax import masks
+    ("code", r'''from cpjax.masks import Tokens
 
 sharded, layout = cpjax.shard_batch(batch, mesh, layout="load_balanced")
 docs = np.asarray(sharded["_packed_seq_ids"])          # rank order: rank r at [r*L, (r+1)*L)
-spec = masks.MaskSpec(causal=True)
+rule = cpjax.AttentionMask.create(causal=True, segment_ids=docs).rule
 colours = matplotlib.colors.ListedColormap(["#dddddd", "#30307a", "#f5c400"])
 step = 1
 block = layout.chunk_len // 2 if layout.chunk_len % 2 == 0 else layout.chunk_len
@@ -91,11 +91,11 @@ fig, axes = plt.subplots(1, cp, figsize=(2 * cp, 2.4))
 for r, ax in enumerate(axes):
     src = (r - step) % cp
     L = layout.local_seq_len
-    q = masks.TokenInfo(cpjax.local_token_indices(layout, r), docs[:, r * L:(r + 1) * L])
-    k = masks.TokenInfo(cpjax.local_token_indices(layout, src), docs[:, src * L:(src + 1) * L])
-    allowed = np.asarray(masks.token_mask(spec, q, k))[0]
-    visit = np.asarray(masks.blocks_nonempty(spec, masks.summarize_blocks(q, block),
-                                              masks.summarize_blocks(k, block)))
+    q = Tokens(cpjax.local_token_indices(layout, r), {"segment_ids": docs[:, r * L:(r + 1) * L]})
+    k = Tokens(cpjax.local_token_indices(layout, src),
+               {"segment_ids": docs[:, src * L:(src + 1) * L]})
+    allowed = np.asarray(rule.allowed(q, k))[0]                   # the token predicate
+    visit = np.asarray(rule.classify(q, k, block, block).any)[0]  # the block map: non-empty
     skipped = np.kron(~visit, np.ones((block, block), bool))
     ax.imshow(np.where(skipped, 0, np.where(allowed, 2, 1)), cmap=colours, vmin=0, vmax=2,
               interpolation="nearest")
@@ -124,6 +124,25 @@ for kind in ("contiguous", "load_balanced"):
     ref = np.asarray(cpjax.reference_attention(q, k, v, segment_ids=seg, sliding_window=S // 3))
     print(f"{kind:>13}: max |ring - dense| = {np.abs(out - ref).max():.2e}")
     assert np.allclose(out, ref, atol=1e-4)'''),
+    ("markdown", "## Without shard_map: global arrays and a mask object\n\n"
+                 "`context_parallel_attention` takes global arrays in rank order and runs the "
+                 "ring itself; `to_rank_order` / `from_rank_order` move arrays between natural "
+                 "and rank order. The mask is an `AttentionMask`: a rule (here Gemma 4's "
+                 "sliding-layer vision rule, built from rules) and the per-token arrays it reads."),
+    ("code", r'''layout = cpjax.ShardLayout(S, S, cp, "load_balanced")
+to = lambda x: cpjax.to_rank_order(x, layout)
+types = np.zeros((1, S), np.int32); types[:, S // 4:S // 2] = 1       # one image
+groups = np.asarray(cpjax.vision_group_ids(types))
+rule = (cpjax.LocalWindow(S // 8, None)                                # window behind ...
+        & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup())      # ... causal, or same image
+        & cpjax.SameSegment())
+print(rule, "reach:", rule.reach(), "plan:", cpjax.ring_plan(layout, mask=rule))
+mask = cpjax.AttentionMask(rule, {"segment_ids": to(seg), "vision_group_ids": to(groups)})
+out = cpjax.context_parallel_attention(to(q), to(k), to(v), mesh=mesh, layout=layout, mask=mask)
+ref = cpjax.reference_attention(q, k, v, mask=cpjax.AttentionMask(
+    rule, {"segment_ids": seg, "vision_group_ids": groups}))
+print(f"max |ring - dense| = {np.abs(cpjax.from_rank_order(out, layout) - ref).max():.2e}")
+assert np.allclose(cpjax.from_rank_order(out, layout), ref, atol=1e-4)'''),
 ]
 
 TRAINING = [
