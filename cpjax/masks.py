@@ -37,6 +37,7 @@ tokens, ``nq``/``nk`` query and key blocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import ClassVar, NamedTuple
 
@@ -330,6 +331,21 @@ class _Combination(MaskRule):
   def __repr__(self):
     return f"{type(self).__name__}({', '.join(map(repr, self.rules))})"
 
+  def allowed(self, q, k):
+    return functools.reduce(self._join, (r.allowed(q, k) for r in self.rules))
+
+  def classify(self, q, k, block_q, block_kv):
+    # Both fields combine with the rule's own connective: it is exact for
+    # "allowed" and stays conservative for "any" and "all".
+    maps = [r.classify(q, k, block_q, block_kv) for r in self.rules]
+    return BlockMap(functools.reduce(self._join, (m.any for m in maps)),
+                    functools.reduce(self._join, (m.all for m in maps)))
+
+  def reach(self):
+    reaches = [r.reach() for r in self.rules]
+    return Reach(functools.reduce(self._reach, (r.behind for r in reaches)),
+                 functools.reduce(self._reach, (r.ahead for r in reaches)))
+
   def array_kinds(self):
     kinds: dict[str, str] = {}
     for rule in self.rules:
@@ -340,51 +356,25 @@ class _Combination(MaskRule):
 
 
 class AllOf(_Combination):
-  """A pair is allowed when every rule allows it (``a & b``)."""
+  """A pair is allowed when every rule allows it (``a & b``).
 
-  def allowed(self, q, k):
-    out = self.rules[0].allowed(q, k)
-    for rule in self.rules[1:]:
-      out = out & rule.allowed(q, k)
-    return out
+  Block maps: empty if any rule's is, full if every rule's is; reach: the
+  smallest.
+  """
 
-  def classify(self, q, k, block_q, block_kv):
-    maps = [r.classify(q, k, block_q, block_kv) for r in self.rules]
-    some, every = maps[0]
-    for m in maps[1:]:
-      some, every = some & m.any, every & m.all
-    return BlockMap(some, every)
-
-  def reach(self):
-    reaches = [r.reach() for r in self.rules]
-    behind, ahead = reaches[0]
-    for r in reaches[1:]:
-      behind, ahead = _min_reach(behind, r.behind), _min_reach(ahead, r.ahead)
-    return Reach(behind, ahead)
+  _join = staticmethod(jnp.logical_and)
+  _reach = staticmethod(_min_reach)
 
 
 class AnyOf(_Combination):
-  """A pair is allowed when some rule allows it (``a | b``)."""
+  """A pair is allowed when some rule allows it (``a | b``).
 
-  def allowed(self, q, k):
-    out = self.rules[0].allowed(q, k)
-    for rule in self.rules[1:]:
-      out = out | rule.allowed(q, k)
-    return out
+  Block maps: empty if every rule's is, full if any rule's is; reach: the
+  largest.
+  """
 
-  def classify(self, q, k, block_q, block_kv):
-    maps = [r.classify(q, k, block_q, block_kv) for r in self.rules]
-    some, every = maps[0]
-    for m in maps[1:]:
-      some, every = some | m.any, every | m.all
-    return BlockMap(some, every)
-
-  def reach(self):
-    reaches = [r.reach() for r in self.rules]
-    behind, ahead = reaches[0]
-    for r in reaches[1:]:
-      behind, ahead = _max_reach(behind, r.behind), _max_reach(ahead, r.ahead)
-    return Reach(behind, ahead)
+  _join = staticmethod(jnp.logical_or)
+  _reach = staticmethod(_max_reach)
 
 
 # ------------------------------------------------------------ the mask object
