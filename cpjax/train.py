@@ -91,7 +91,7 @@ def batch_specs(batch: Mapping[str, Any]) -> dict:
   >>> batch, _ = cpjax.shard_batch({"input_ids": np.zeros((1, 6), np.int32),
   ...                               "labels": np.zeros((1, 6), np.int32)}, mesh, aux_only=True)
   >>> batch_specs(batch)["input_ids"], batch_specs(batch)["labels"]
-  (PartitionSpec(), PartitionSpec(None, 'cp'))
+  (P(None, None), P(None, 'cp'))
   """
   def spec(x):
     sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
@@ -128,15 +128,18 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     batch_specs: in_specs of the batch (a dict, or a function of the batch);
       default: :func:`cpjax.train.batch_specs`, the arrays' own shardings.
 
-  >>> import numpy as np
-  >>> from cpjax import next_token_labels
-  >>> from cpjax.models.gemma4 import Gemma4, Gemma4Config, prepare_batch
-  >>> graphdef, params = nnx.split(Gemma4(Gemma4Config(num_layers=1), rngs=nnx.Rngs(0)))
-  >>> ids = np.arange(8, dtype=np.int32)[None]
-  >>> batch = prepare_batch({"input_ids": ids, "labels": next_token_labels(ids)})
-  >>> ce_sum, count = make_loss_fn(graphdef)(params, batch)
-  >>> float(count), bool(4.0 < ce_sum / count < 7.0)   # 7 shifted labels; about log(256) at init
-  (7.0, True)
+  Example (any NNX model; the default ``forward`` calls ``model(batch)``):
+    >>> import numpy as np
+    >>> class Bigram(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.table = nnx.Embed(16, 16, rngs=rngs)
+    ...   def __call__(self, batch):
+    ...     return self.table(batch["input_ids"])
+    >>> graphdef, params = nnx.split(Bigram(nnx.Rngs(0)))
+    >>> batch = {"input_ids": np.arange(8)[None], "labels": np.array([[1, 2, 3, 4, 5, 6, 7, -100]])}
+    >>> ce_sum, count = make_loss_fn(graphdef)(params, batch)
+    >>> float(count)                     # the -100 label is not counted
+    7.0
   """
   if mesh is None:
     def single(params, batch):
@@ -174,17 +177,20 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
   :func:`make_loss_fn`.
 
   Example:
-    >>> import numpy as np, optax
-    >>> from flax import nnx
-    >>> from cpjax.models.gemma4 import Gemma4, Gemma4Config, prepare_batch
-    >>> graphdef, params = nnx.split(Gemma4(Gemma4Config(num_layers=1), rngs=nnx.Rngs(0)))
-    >>> opt = optax.adam(1e-3)
+    >>> import numpy as np
+    >>> class Bigram(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.table = nnx.Embed(16, 16, rngs=rngs)
+    ...   def __call__(self, batch):
+    ...     return self.table(batch["input_ids"])
+    >>> graphdef, params = nnx.split(Bigram(nnx.Rngs(0)))
+    >>> opt = optax.sgd(1.0)
     >>> step = make_train_step(graphdef, opt)
-    >>> ids = np.arange(8, dtype=np.int32)[None]
-    >>> batch = prepare_batch({"input_ids": ids, "labels": ids})
-    >>> params, state, metrics = step(params, opt.init(params), batch)
-    >>> float(metrics["tokens"])
-    8.0
+    >>> batch = {"input_ids": np.arange(8)[None], "labels": np.arange(1, 9)[None] % 8}
+    >>> params, state, first = step(params, opt.init(params), batch)
+    >>> params, state, second = step(params, state, batch)
+    >>> float(first["tokens"]), bool(second["loss"] < first["loss"])
+    (8.0, True)
   """
   loss_sums = make_loss_fn(graphdef, mesh=mesh, layout=layout, axis_name=axis_name,
                            batch_axis=batch_axis, forward=forward, batch_specs=batch_specs)

@@ -30,7 +30,8 @@ def test_hand_worked_maps():
   assert cpjax.padded_length(6, 2) == 8          # the original's 6 -> 8 case
   assert cpjax.padded_length(8, 2) == 8
   assert cpjax.padded_length(9, 4, pad_multiple=4) == 16
-  assert cpjax.padded_length(5, 2, kind="load_balanced", pad_multiple=3) == 12
+  assert cpjax.padded_length(5, 2, kind="load_balanced", pad_multiple=3) == 12  # lcm(6, 4)
+  assert cpjax.padded_length(5, 2, pad_multiple=3) == 6    # contiguous: 2 * 3, not a multiple of 4
 
 
 @given(cp=st.sampled_from([1, 2, 3, 4, 8]), kind=st.sampled_from(cpjax.layout.LAYOUT_KINDS),

@@ -18,8 +18,6 @@ def test_notebook_executes(name, monkeypatch):
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
   assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
       "commit notebooks with outputs cleared"
+  # execute() raises CellExecutionError on the first cell that fails.
   nbclient.NotebookClient(nb, kernel_name="python3", timeout=600,
                           resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
-  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-            if o.output_type == "error"]
-  assert not errors

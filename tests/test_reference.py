@@ -106,3 +106,17 @@ def test_fully_masked_rows_are_zero_with_zero_gradient():
   grad = jax.grad(lambda q: jnp.sum(f(q)))(q)
   chex.assert_tree_all_finite(grad)
   chex.assert_trees_all_equal(grad[0, 2:], jnp.zeros((2, 1, 2)))
+
+
+def test_mask_object_equals_the_keywords():
+  """AttentionMask.create goes through the rule objects; the keywords through
+  the formula written out in reference.py: the two must agree."""
+  rng = np.random.default_rng(2)
+  q, k, v = (rng.standard_normal((2, 10, 2, 4)).astype(np.float32) for _ in range(3))
+  meta = {"segment_ids": np.array([[1] * 6 + [2] * 3 + [0], [1] * 10], np.int32),
+          "padding_mask": np.array([[False] * 9 + [True], [False] * 8 + [True] * 2]),
+          "vision_group_ids": np.array([[-1, 0, 0, 0, -1, -1, 1, 1, -1, -1], [-1] * 10], np.int32)}
+  for causal, window in ((True, 3), (False, None), (False, 2)):
+    want = cpjax.reference_attention(q, k, v, causal=causal, sliding_window=window, **meta)
+    mask = cpjax.AttentionMask.create(causal=causal, sliding_window=window, **meta)
+    chex.assert_trees_all_equal(cpjax.reference_attention(q, k, v, mask=mask), want)

@@ -286,12 +286,6 @@ def test_shard_sequence_at_cp_one_only_pads():
                               jnp.array([[1.0] * 7 + [0.0]] * 2))
 
 
-def test_padded_length_hand_worked():
-  assert cpjax.padded_length(5, 2, pad_multiple=3) == 6                 # contiguous: 2 * 3
-  assert cpjax.padded_length(5, 2, kind="load_balanced", pad_multiple=3) == 12  # lcm(6, 4)
-  assert cpjax.padded_length(6, 2) == 8 and cpjax.padded_length(9, 4, pad_multiple=4) == 16
-
-
 @pytest.mark.parametrize("sharder", ["shard_batch", "aux_only"])
 def test_loss_mask_with_labels_is_a_sharded_stream(sharder):
   """As the original: labels present and loss_mask= given -> a loss_mask stream,
