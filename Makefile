@@ -19,7 +19,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# Every property test with 200 examples each (not in CI: about an hour on 2 cores).
+# Every property test with 200 examples each (not in CI: about 15 minutes on 2 cores).
 soak: $(STAMP)
 	CPJAX_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -m hypothesis -p no:cacheprovider tests
 
