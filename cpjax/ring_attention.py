@@ -416,9 +416,21 @@ def _ring_fwd(cfg: _Config, q, k, v, arrays):
   return out, (q, k, v, arrays, out, lse)
 
 
+def _sum_over_replicas(grad, primal):
+  """The cotangent of ``primal``: summed over the mesh axes it is replicated on.
+
+  An input that does not vary over an axis (e.g. a model's activations at
+  cp_size 1, sliced without ``axis_index``) was used by every rank of it, so
+  its gradient is the sum of theirs (check_vma leaves this psum to us).
+  """
+  extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
+  return lax.psum(grad, extra) if extra else grad
+
+
 def _ring_bwd(cfg: _Config, residuals, do):
   q, k, v, arrays, out, lse = residuals
-  dq, dk, dv = _backward(cfg, q, k, v, arrays, out, lse, do)
+  grads = _backward(cfg, q, k, v, arrays, out, lse, do)
+  dq, dk, dv = (_sum_over_replicas(g, x) for g, x in zip(grads, (q, k, v)))
   return dq, dk, dv, jax.tree.map(lambda _: None, arrays)
 
 
