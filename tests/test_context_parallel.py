@@ -1,5 +1,7 @@
 """context_parallel_attention on global rank-ordered arrays against the dense reference."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -164,3 +166,42 @@ def test_bad_axes_sizes():
     cpjax.from_rank_order(np.zeros((1, 12)), lay)
   with pytest.raises(ValueError, match=r"axis must be an int in \[-2, 2\) .* got 2"):
     cpjax.to_rank_order(np.zeros((1, 16)), lay, axis=2)
+
+
+# ------------------------------------------------- a rule written by a user
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLM(cpjax.MaskRule):
+  """A user's rule, one class: tokens of the first ``prefix`` attend both ways."""
+
+  prefix: int
+
+  def allowed(self, q, k):
+    return ((q.positions[:, None] < self.prefix) & (k.positions[None, :] < self.prefix))[None]
+
+  def classify(self, q, k, block_q, block_kv):
+    qb, kb = q.blocks(block_q), k.blocks(block_kv)
+    some = (qb.min(-1)[:, None] < self.prefix) & (kb.min(-1)[None, :] < self.prefix)
+    every = (qb.max(-1)[:, None] < self.prefix) & (kb.max(-1)[None, :] < self.prefix)
+    return cpjax.masks.BlockMap(some[None], every[None])
+
+  def reach(self):
+    return cpjax.masks.Reach(self.prefix - 1, self.prefix - 1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rule_written_by_a_user(kind):
+  """Prefix LM = causal | PrefixLM(p), through the ring, against a dense mask
+  written out here."""
+  s, p = 64, 21
+  q, k, v, w = H.make_inputs(np.random.default_rng(9), s=s)
+  rule = cpjax.LocalWindow(None, 0) | PrefixLM(p)
+  i, j = np.arange(s)[:, None], np.arange(s)[None]
+  dense = (j <= i) | ((i < p) & (j < p))
+  np.testing.assert_array_equal(np.asarray(cpjax.AttentionMask(rule).allowed(np.arange(s)))[0],
+                                dense)
+  lay = cpjax.ShardLayout(s, s, 8, kind)
+  got = run(q, k, v, w, mesh=cp_mesh(8), lay=lay, block_q=2, block_kv=4,
+            mask_fn=lambda to: {"mask": cpjax.AttentionMask(rule)})
+  # The rule's predicate equals the dense mask above; the reference applies it.
+  check(got, H.reference(q, k, v, w, mask=cpjax.AttentionMask(rule)))
