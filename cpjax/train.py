@@ -176,16 +176,11 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
   ``opt_state`` are donated. ``forward`` and ``batch_specs`` as
   :func:`make_loss_fn`.
 
-  Example:
+  Example (a bare ``nnx.Embed`` as a bigram model, called through ``forward``):
     >>> import numpy as np
-    >>> class Bigram(nnx.Module):
-    ...   def __init__(self, rngs):
-    ...     self.table = nnx.Embed(16, 16, rngs=rngs)
-    ...   def __call__(self, batch):
-    ...     return self.table(batch["input_ids"])
-    >>> graphdef, params = nnx.split(Bigram(nnx.Rngs(0)))
+    >>> graphdef, params = nnx.split(nnx.Embed(16, 16, rngs=nnx.Rngs(0)))
     >>> opt = optax.sgd(1.0)
-    >>> step = make_train_step(graphdef, opt)
+    >>> step = make_train_step(graphdef, opt, forward=lambda model, batch, cp: model(batch["input_ids"]))
     >>> batch = {"input_ids": np.arange(8)[None], "labels": np.arange(1, 9)[None] % 8}
     >>> params, state, first = step(params, opt.init(params), batch)
     >>> params, state, second = step(params, state, batch)
