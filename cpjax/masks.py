@@ -410,9 +410,6 @@ class MaskSpec:
     return LocalWindow(w, 0 if self.causal else w)
 
 
-_STANDARD_RULES = (("segment_ids", SameSegment()), ("padding_mask", KeyNotPadding()))
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionMask:
   """A mask rule and the per-token arrays it reads: a pytree (the arrays are its leaves).
@@ -444,7 +441,11 @@ class AttentionMask:
     if not isinstance(self.arrays, Mapping):
       raise TypeError(f"arrays must be a mapping of name to array, got "
                       f"{type(self.arrays).__name__}")
-    need, have = set(self.rule.array_kinds()), set(self.arrays)
+    kinds = self.rule.array_kinds()
+    bad = {name: kind for name, kind in kinds.items() if kind not in ARRAY_KINDS}
+    if bad:
+      raise ValueError(f"per-token array kinds must be one of {ARRAY_KINDS}, got {bad}")
+    need, have = set(kinds), set(self.arrays)
     if need != have:
       raise KeyError(f"the rule reads per-token arrays {sorted(need)}, got arrays "
                      f"{sorted(have)} (missing {sorted(need - have)}, unused {sorted(have - need)})")
@@ -469,11 +470,12 @@ class AttentionMask:
     if vision_group_ids is not None:
       rule = rule | SameVisionGroup()
       arrays["vision_group_ids"] = vision_group_ids
-    for name, extra in _STANDARD_RULES:
-      value = {"segment_ids": segment_ids, "padding_mask": padding_mask}[name]
-      if value is not None:
-        rule = rule & extra
-        arrays[name] = value
+    if segment_ids is not None:
+      rule = rule & SameSegment()
+      arrays["segment_ids"] = segment_ids
+    if padding_mask is not None:
+      rule = rule & KeyNotPadding()
+      arrays["padding_mask"] = padding_mask
     return cls(rule, arrays)
 
   def validate(self, batch: int, length: int, *, where: str = "[B, S]") -> "AttentionMask":

@@ -177,6 +177,10 @@ def test_bad_masks():
     cpjax.AttentionMask(cpjax.LocalWindow(), {"padding_mask": np.zeros((1, 4), bool)})
   with pytest.raises(TypeError, match="rule must be a MaskRule, got str"):
     cpjax.AttentionMask("causal")
+  class FloatRule(cpjax.SameSegment):
+    arrays = {"weights": "float"}
+  with pytest.raises(ValueError, match=r"kinds must be one of \('int', 'bool'\), got \{'weights'"):
+    cpjax.AttentionMask(FloatRule(), {"weights": np.zeros((1, 4))})
   with pytest.raises(ValueError, match="left must be an int >= 0 or None"):
     cpjax.LocalWindow(-1, 0)
   with pytest.raises(TypeError, match="AllOf takes MaskRule objects, got int"):
