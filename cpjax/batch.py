@@ -202,7 +202,7 @@ def _seq_dim(key: str, x) -> int:
   return 2 if key == "position_ids" and jnp.ndim(x) == 3 else 1
 
 
-def normalize_batch(batch: Mapping, *, loss_mask=None) -> dict:
+def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = True) -> dict:
   """Bring a batch to the canonical form every cpjax sharder works on.
 
   * exactly one primary stream (``input_ids`` or ``inputs_embeds``);
@@ -212,7 +212,8 @@ def normalize_batch(batch: Mapping, *, loss_mask=None) -> dict:
   * ``position_ids`` defaulted to ``arange(S)`` and broadcast to [B, S]
     (a [1, S] or [3, 1, S] input is broadcast over the batch);
   * ``labels`` taken from ``loss_mask`` when missing (as the original; the
-    ``loss_mask`` key is then not emitted); still none is a ``KeyError``.
+    ``loss_mask`` key is then not emitted); still none is a ``KeyError``
+    unless ``require_labels=False`` (an evaluation batch).
     With labels present, ``loss_mask`` becomes the batch's ``loss_mask``
     stream (a batch that already has one and the argument is a ``ValueError``).
 
@@ -256,7 +257,7 @@ def normalize_batch(batch: Mapping, *, loss_mask=None) -> dict:
       raise ValueError("the batch has a 'loss_mask' key and a loss_mask argument was given; "
                        "pass one of them")
     out["loss_mask"] = jnp.asarray(loss_mask)
-  if "labels" not in out:
+  if "labels" not in out and (loss_mask is not None or require_labels):
     if loss_mask is None:
       raise KeyError(
           "batch has no 'labels' and no loss_mask argument was given; make labels"

@@ -2,8 +2,8 @@
 
 Each row packs documents of random lengths; every document is an arithmetic
 sequence of token ids (a learnable signal: the next token is the previous one
-plus a per-document stride), some rows carry image spans whose tokens are
-replaced by the vision encoder's soft tokens, and the row ends in padding.
+plus a per-document stride), every row carries image spans whose placeholders
+the vision tower's soft tokens replace, and the row ends in padding.
 """
 
 from __future__ import annotations
@@ -16,21 +16,30 @@ __all__ = ["synthetic_batch"]
 
 
 def synthetic_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int, vocab_size: int,
-                    tokens_per_image: int, image_shape: tuple[int, int, int],
-                    images_per_row: int = 1, max_docs: int = 4, pad_fraction: float = 0.1) -> dict:
-  """A dict of numpy arrays in Hugging Face conventions (see :mod:`cpjax.batch`).
+                    image_token_id: int, patch_size: int, pooling_kernel_size: int,
+                    image_grid: tuple[int, int] = (6, 6), images_per_row: int = 1,
+                    max_docs: int = 4, pad_fraction: float = 0.1) -> dict:
+  """A dict of numpy arrays as Gemma 4's processor and a packing collator make them.
 
-  Keys: ``input_ids``, ``labels`` (next token within a document, -100 on the
-  last token of each document, on image tokens and on padding),
-  ``position_ids`` (restarting in every document), ``_packed_seq_ids``,
-  ``attention_mask``, ``mm_token_type_ids`` and ``pixel_values``
-  [batch_size * images_per_row, C, H, W].
+  Keys: ``input_ids`` (image placeholders are ``image_token_id``),
+  ``labels`` (next token within a document, -100 on the last token of each
+  document, on image tokens and on padding), ``position_ids`` (restarting
+  in every document), ``_packed_seq_ids``, ``attention_mask``,
+  ``mm_token_type_ids`` (1 on image tokens), ``pixel_values`` [N, P, 3 p^2]
+  and ``image_position_ids`` int[N, P, 2] with ``N = batch_size *
+  images_per_row`` images of ``image_grid = (columns, rows)`` patches, each
+  yielding ``columns * rows / k^2`` soft tokens.
 
   >>> b = synthetic_batch(np.random.default_rng(0), batch_size=2, seq_len=32, vocab_size=50,
-  ...                     tokens_per_image=4, image_shape=(3, 8, 8))
-  >>> b["input_ids"].shape, b["pixel_values"].shape, int((b["mm_token_type_ids"] == 1).sum())
-  ((2, 32), (2, 3, 8, 8), 8)
+  ...                     image_token_id=99, patch_size=4, pooling_kernel_size=3)
+  >>> b["input_ids"].shape, b["pixel_values"].shape, int((b["input_ids"] == 99).sum())
+  ((2, 32), (2, 36, 48), 8)
   """
+  cols, rows = image_grid
+  k = pooling_kernel_size
+  if cols % k or rows % k:
+    raise ValueError(f"image_grid {image_grid} must be multiples of pooling_kernel_size {k}")
+  tokens_per_image = cols * rows // (k * k)
   b, s = batch_size, seq_len
   pad = int(rng.integers(0, max(int(s * pad_fraction), 0) + 1))
   real = s - pad
@@ -53,11 +62,14 @@ def synthetic_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int, 
       raise ValueError(f"seq_len {s} with {pad} padding cannot hold {images_per_row} image(s) "
                        f"of {tokens_per_image} tokens")
     starts = np.sort(rng.choice(np.arange(free + 1), images_per_row, replace=False))
-    for k, st in enumerate(starts):
-      st = st + k * tokens_per_image
+    for i, st in enumerate(starts):
+      st = st + i * tokens_per_image
       types[r, st:st + tokens_per_image] = 1
   labels = np.array(next_token_labels(ids, docs))
+  ids[types == 1] = image_token_id
   labels[types == 1] = -100
+  n_images = b * images_per_row
+  grid = np.array([(x, y) for y in range(rows) for x in range(cols)], np.int32)
   return {
       "input_ids": ids,
       "labels": labels,
@@ -65,5 +77,6 @@ def synthetic_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int, 
       "_packed_seq_ids": docs,
       "attention_mask": (docs > 0).astype(np.int32),
       "mm_token_type_ids": types,
-      "pixel_values": rng.standard_normal((b * images_per_row, *image_shape)).astype(np.float32),
+      "pixel_values": rng.random((n_images, cols * rows, 3 * patch_size ** 2), np.float32),
+      "image_position_ids": np.broadcast_to(grid, (n_images, *grid.shape)).copy(),
   }

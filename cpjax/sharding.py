@@ -45,7 +45,7 @@ _AUX_PAD_VALUES = {
     batch_lib.DOCUMENT_IDS_KEY: 0,
 }
 _PRIMARY_STREAMS = ("input_ids", "inputs_embeds", "mm_token_type_ids")
-_REPLICATED_ALWAYS = ("pixel_values",)
+_REPLICATED_ALWAYS = ("pixel_values", "image_position_ids")
 
 
 def _mesh_axis_size(mesh: Mesh, name: str, argument: str) -> int:

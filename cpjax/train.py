@@ -110,7 +110,8 @@ def default_forward(model, batch: Mapping[str, Any], cp: CPContext | None):
 def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | None = None,
                  axis_name: str = "cp", batch_axis: str | None = None,
                  forward: Callable = default_forward,
-                 batch_specs: Mapping[str, P] | Callable | None = None) -> Callable:
+                 batch_specs: Mapping[str, P] | Callable | None = None,
+                 frozen=None) -> Callable:
   """``loss_sums(params, batch) -> (ce_sum, count)`` of a split NNX model.
 
   Without ``mesh`` the model runs on one device (``forward(model, batch,
@@ -127,6 +128,8 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
       None). ``batch["labels"]`` holds the labels.
     batch_specs: in_specs of the batch (a dict, or a function of the batch);
       default: :func:`cpjax.train.batch_specs`, the arrays' own shardings.
+    frozen: state merged with ``params`` but not trained (e.g. the buffers
+      of ``graphdef, params, frozen = nnx.split(model, nnx.Param, ...)``).
 
   Example (any NNX model; the default ``forward`` calls ``model(batch)``):
     >>> import numpy as np
@@ -141,10 +144,12 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     >>> float(count)                     # the -100 label is not counted
     7.0
   """
+  def merge(params):
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
   if mesh is None:
     def single(params, batch):
-      return token_cross_entropy(forward(nnx.merge(graphdef, params), batch, None),
-                                 batch["labels"])
+      return token_cross_entropy(forward(merge(params), batch, None), batch["labels"])
     return single
   if layout is None:
     raise ValueError("layout is required with a mesh: pass the ShardLayout the sharder returned")
@@ -153,7 +158,7 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
   specs_of = _own_specs if batch_specs is None else batch_specs
 
   def local(params, batch):
-    logits = forward(nnx.merge(graphdef, params), batch, context)
+    logits = forward(merge(params), batch, context)
     return cross_entropy_sums(logits, batch["labels"], axis_names=axes)
 
   def sharded(params, batch):
@@ -167,14 +172,15 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
                     mesh: Mesh | None = None, layout: ShardLayout | None = None,
                     axis_name: str = "cp", batch_axis: str | None = None,
                     forward: Callable = default_forward,
-                    batch_specs: Mapping[str, P] | Callable | None = None) -> "TrainStep":
+                    batch_specs: Mapping[str, P] | Callable | None = None,
+                    frozen=None) -> "TrainStep":
   """One compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
   ``metrics`` holds ``loss`` (token mean), ``tokens`` (counted labels) and
   ``grad_norm``. The step is compiled once per batch shape: calling it for
   every step with same-shaped batches never recompiles. ``params`` and
-  ``opt_state`` are donated. ``forward`` and ``batch_specs`` as
-  :func:`make_loss_fn`.
+  ``opt_state`` are donated. ``forward``, ``batch_specs`` and ``frozen``
+  (untrained state, e.g. buffers) as :func:`make_loss_fn`.
 
   Example (a bare ``nnx.Embed`` as a bigram model, called through ``forward``):
     >>> import numpy as np
@@ -188,7 +194,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     (8.0, True)
   """
   loss_sums = make_loss_fn(graphdef, mesh=mesh, layout=layout, axis_name=axis_name,
-                           batch_axis=batch_axis, forward=forward, batch_specs=batch_specs)
+                           batch_axis=batch_axis, forward=forward, batch_specs=batch_specs,
+                           frozen=frozen)
 
   def step(params, opt_state, batch):
     def objective(p):

@@ -1,6 +1,10 @@
-"""Gemma4-style model with the in-forward context-parallel path."""
+"""Gemma 4 (transformers' ``Gemma4ForConditionalGeneration``) with the
+in-forward context-parallel path, Hugging Face checkpoints and CP evaluation."""
 
+from cpjax.models.gemma4.config import PRESETS as PRESETS
 from cpjax.models.gemma4.config import Gemma4Config as Gemma4Config
+from cpjax.models.gemma4.config import Gemma4TextConfig as Gemma4TextConfig
+from cpjax.models.gemma4.config import Gemma4VisionConfig as Gemma4VisionConfig
 from cpjax.models.gemma4.cp_batch import (
     make_contiguous_aux_only_shard_cp_batch as make_contiguous_aux_only_shard_cp_batch,
 )
@@ -11,3 +15,5 @@ from cpjax.models.gemma4.cp_batch import (
 )
 from cpjax.sharding import CPContext as CPContext  # the model's CP context: cpjax's own
 from cpjax.models.gemma4.model import Gemma4 as Gemma4
+from cpjax.models.gemma4.model import gemma4_masks as gemma4_masks
+from cpjax.models.gemma4.model import cp_logits as cp_logits

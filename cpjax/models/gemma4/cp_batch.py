@@ -23,7 +23,7 @@ from cpjax import batch as batch_lib
 from cpjax.layout import ShardLayout
 from cpjax.sharding import shard_batch
 
-__all__ = ["IMAGE_OFFSET_KEY", "image_token_offsets", "make_contiguous_aux_only_shard_cp_batch",
+__all__ = ["IMAGE_OFFSET_KEY", "documents_from_positions", "image_token_offsets", "make_contiguous_aux_only_shard_cp_batch",
            "prepare_batch", "shard_aux_only_cp_batch", "synthesize_single_document_seq_ids"]
 
 # Per-row count of image tokens in the global rows before it (see
@@ -31,14 +31,20 @@ __all__ = ["IMAGE_OFFSET_KEY", "image_token_offsets", "make_contiguous_aux_only_
 IMAGE_OFFSET_KEY = "_image_token_offset"
 
 
-def image_token_offsets(mm_token_type_ids) -> jax.Array:
-  """int32[B]: image tokens (type 1) in the rows before each row.
+def image_token_offsets(is_image) -> jax.Array:
+  """int32[B]: image tokens in the rows before each row.
+
+  ``is_image`` bool[B, S] marks the image placeholders (an int array is read
+  as ``mm_token_type_ids``: type 1 is an image).
 
   >>> import numpy as np
   >>> image_token_offsets(np.array([[1, 1, 0], [0, 0, 0], [0, 1, 0]])).tolist()
   [0, 2, 2]
   """
-  counts = jnp.sum(jnp.asarray(mm_token_type_ids) == 1, axis=1, dtype=jnp.int32)
+  is_image = jnp.asarray(is_image)
+  if is_image.dtype != jnp.bool_:
+    is_image = is_image == 1
+  counts = jnp.sum(is_image, axis=1, dtype=jnp.int32)
   return jnp.cumsum(counts) - counts
 
 
@@ -67,6 +73,7 @@ def shard_aux_only_cp_batch(
     extra_pad_values: Mapping[str, Any] | None = None,
     pad_multiple: int = 1,
     batch_axis: str | None = None,
+    image_token_id: int | None = None,
 ) -> tuple[dict, ShardLayout]:
   """Gemma4's aux-only CP shard in either layout.
 
@@ -76,7 +83,11 @@ def shard_aux_only_cp_batch(
   ``labels`` / ``position_ids`` / ``loss_mask`` / ``padding_mask`` /
   ``_packed_seq_ids`` (padded with 0) and the extra keys over ``axis_name``,
   leaving ``input_ids`` / ``inputs_embeds``, ``mm_token_type_ids`` and
-  ``pixel_values`` full length and replicated for the model to slice.
+  ``pixel_values`` / ``image_position_ids`` full length and replicated for
+  the model to slice. With images, each row's count of earlier image
+  placeholders over the global batch is added as ``IMAGE_OFFSET_KEY``
+  (placeholders are ``input_ids == image_token_id``, or
+  ``mm_token_type_ids == 1`` without ``image_token_id``).
 
   Returns:
     ``(sharded_batch, layout)`` as :func:`cpjax.shard_batch`.
@@ -97,10 +108,16 @@ def shard_aux_only_cp_batch(
       loss_mask=loss_mask, padding_token_id=padding_token_id,
       extra_seq_keys=extra_seq_keys, extra_pad_values=extra_pad_values,
       pad_multiple=pad_multiple, batch_axis=batch_axis)
-  if "mm_token_type_ids" in batch:
+  if image_token_id is not None and "input_ids" in batch:
+    is_image = jnp.asarray(batch["input_ids"]) == image_token_id
+  elif "mm_token_type_ids" in batch:
+    is_image = jnp.asarray(batch["mm_token_type_ids"]) == 1
+  else:
+    is_image = None
+  if is_image is not None:
     # A data-parallel shard sees only its rows but must know which images are
     # theirs: record each row's first image-token slot over the global batch.
-    offsets = image_token_offsets(batch["mm_token_type_ids"])
+    offsets = image_token_offsets(is_image)
     out[IMAGE_OFFSET_KEY] = jax.device_put(offsets, NamedSharding(mesh, P(batch_axis)))
   return out, shard_layout
 
@@ -135,14 +152,104 @@ def make_contiguous_aux_only_shard_cp_batch(
       extra_pad_values=extra_pad_values)
 
 
-def prepare_batch(batch: Mapping[str, Any], *, loss_mask=None) -> dict:
-  """The single-device counterpart: the same normalisation, no padding, no sharding.
+def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> dict:
+  """A batch as users have it -> the model's single-device input.
+
+  Accepts the Gemma 4 processor's keys (``input_ids``, ``attention_mask``,
+  ``position_ids``, ``mm_token_type_ids``, ``pixel_values`` [N, P, 3 p^2],
+  ``image_position_ids`` int[N, P, 2]) and NeMo's (``_packed_seq_ids``,
+  ``padding_mask``, ``labels``, ``loss_mask``). ``attention_mask`` becomes
+  ``padding_mask``. ``_packed_seq_ids`` gives the document boundaries and
+  ``position_ids`` the positions (default ``arange(S)``, also under left
+  padding, as transformers). Without ``_packed_seq_ids``: a batch with
+  ``position_ids`` and no ``attention_mask`` / ``padding_mask`` is packed
+  the way transformers reads it (a document starts wherever the position
+  does not follow the previous one: :func:`documents_from_positions`);
+  otherwise every row is one document (0 on padding). Labels are optional here (an evaluation batch
+  has none). Vision groups come only from ``mm_token_type_ids``, as in
+  transformers.
+
+  With ``config`` (a :class:`Gemma4Config`) the images are checked before
+  any compute: ``image_position_ids`` present and shaped like
+  ``pixel_values``, the patch width, and the number of image placeholders
+  (``input_ids == image_token_id``) equal to the soft tokens the images
+  yield; a mismatch is a ``ValueError`` giving both counts.
+
+  Example:
+    >>> import numpy as np
+    >>> out = prepare_batch({"input_ids": np.ones((1, 3), np.int32), "labels": np.ones((1, 3), np.int32)})
+    >>> sorted(out)
+    ['_packed_seq_ids', 'input_ids', 'labels', 'padding_mask', 'position_ids']
+  """
+  for key in ("input_features", "input_features_mask", "pixel_values_videos"):
+    if batch.get(key) is not None:
+      raise ValueError(f"batch key {key!r} is not supported: cpjax ports Gemma 4's text decoder "
+                       f"and vision tower (no audio tower; pass video frames as images)")
+  if config is not None:
+    _check_images(batch, config)
+  out = batch_lib.attention_mask_to_padding_mask(batch)
+  if (batch_lib.DOCUMENT_IDS_KEY not in out and "padding_mask" not in out
+      and out.get("position_ids") is not None):
+    out[batch_lib.DOCUMENT_IDS_KEY] = documents_from_positions(out["position_ids"])
+  out = synthesize_single_document_seq_ids(out, batch_lib.primary_length(out))
+  out = batch_lib.normalize_batch(out, loss_mask=loss_mask, require_labels=False)
+  if out.get("pixel_values") is not None:
+    out["pixel_values"] = jnp.asarray(out["pixel_values"], jnp.float32)
+    out["image_position_ids"] = jnp.asarray(out["image_position_ids"], jnp.int32)
+  return out
+
+
+def documents_from_positions(position_ids) -> jax.Array:
+  """int32[B, S] document ids (from 1) of a packed row: a document starts
+  wherever a position is not the previous one plus 1 (transformers' rule for
+  packed sequences without an attention mask).
 
   >>> import numpy as np
-  >>> out = prepare_batch({"input_ids": np.ones((1, 3), np.int32), "labels": np.ones((1, 3), np.int32)})
-  >>> sorted(out)
-  ['_packed_seq_ids', 'input_ids', 'labels', 'padding_mask', 'position_ids']
+  >>> documents_from_positions(np.array([[0, 1, 2, 0, 1, 0]])).tolist()
+  [[1, 1, 1, 2, 2, 3]]
   """
-  batch = batch_lib.attention_mask_to_padding_mask(batch)
-  batch = synthesize_single_document_seq_ids(batch, batch_lib.primary_length(batch))
-  return batch_lib.normalize_batch(batch, loss_mask=loss_mask)
+  pos = jnp.asarray(position_ids)
+  if pos.ndim != 2:
+    raise ValueError(f"position_ids must be [B, S] to find packed documents, got shape "
+                     f"{tuple(pos.shape)}")
+  starts = jnp.diff(pos, axis=1, prepend=pos[:, :1] - 1) != 1
+  return 1 + jnp.cumsum(starts, axis=1, dtype=jnp.int32)   # 0 would mean padding
+
+
+def _check_images(batch: Mapping[str, Any], config) -> None:
+  """Shapes of the image inputs and placeholder/soft-token agreement (host side)."""
+  import numpy as np
+
+  from cpjax.models.gemma4.vision import soft_token_counts
+
+  ids = np.asarray(batch["input_ids"])
+  placeholders = int(np.sum(ids == config.image_token_id))
+  pixels = batch.get("pixel_values")
+  if pixels is None:
+    if placeholders:
+      raise ValueError(f"input_ids hold {placeholders} image placeholder tokens "
+                       f"(id {config.image_token_id}) but the batch has no pixel_values")
+    return
+  if config.vision is None:
+    raise ValueError("the batch has pixel_values but this Gemma 4 has no vision tower")
+  if batch.get("image_position_ids") is None:
+    raise KeyError("the batch has pixel_values but no 'image_position_ids' (int[N, P, 2], "
+                   "the processor's patch (x, y) positions)")
+  v = config.vision
+  pix_shape = tuple(np.shape(pixels))
+  pos = np.asarray(batch["image_position_ids"])
+  if len(pix_shape) != 3 or pix_shape[2] != v.patch_features:
+    raise ValueError(f"pixel_values must be [N, P, 3 * patch_size**2 = {v.patch_features}] "
+                     f"patches, got shape {pix_shape}")
+  if pos.shape != pix_shape[:2] + (2,):
+    raise ValueError(f"image_position_ids must have shape {pix_shape[:2] + (2,)} (that of "
+                     f"pixel_values [N, P] plus 2), got {pos.shape}")
+  k2 = v.pooling_kernel_size ** 2
+  if pix_shape[1] % k2:
+    raise ValueError(f"patches per image ({pix_shape[1]}) must be a multiple of "
+                     f"pooling_kernel_size**2 = {k2}")
+  soft = int(np.sum(soft_token_counts(pos, v.pooling_kernel_size)))
+  if soft != placeholders:
+    raise ValueError(f"image placeholders and soft tokens disagree: input_ids hold "
+                     f"{placeholders} image tokens (id {config.image_token_id}) but the "
+                     f"{pix_shape[0]} images in pixel_values yield {soft} soft tokens")

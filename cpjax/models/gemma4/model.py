@@ -1,292 +1,256 @@
-"""A Gemma4-style decoder in Flax NNX with the in-forward ("sunk") CP path.
+"""Gemma 4 (transformers' ``Gemma4ForConditionalGeneration``) in Flax NNX,
+with the in-forward ("sunk") context-parallel path.
+
+Parameter paths are Hugging Face's checkpoint keys (``model.language_model.
+layers.3.self_attn.q_proj.weight`` ...), so loading and saving is a rename
+of nothing (:mod:`cpjax.models.gemma4.checkpoint`).
 
 Under context parallelism the model runs inside ``jax.shard_map``: it embeds
-the FULL ``input_ids``, splices the vision encoder's soft tokens into image
-positions, builds per-layer inputs and vision group ids on the full row, and
-only then keeps this rank's tokens with :func:`cpjax.shard_sequence`. Every
-attention layer calls :func:`cpjax.ring_attention` with the sharded document
-ids, padding mask and vision groups. Without a :class:`CPContext` the same
-model runs on one device with dense attention (:func:`cpjax.reference_attention`)
-and no collective at all.
+the FULL ``input_ids``, runs the vision tower on whole images and scatters
+their soft tokens, builds the per-layer inputs and vision groups on the full
+row, and only then keeps this rank's tokens with :func:`cpjax.shard_sequence`.
+Every attention layer calls :func:`cpjax.ring_attention` with Gemma 4's mask
+for its layer type; a K/V-sharing ``reuse`` layer hands the ring the local
+K/V shards its ``store`` layer computed (no projection is recomputed).
+Without a :class:`CPContext` the same model runs on one device with dense
+attention (:func:`cpjax.reference_attention`).
 
-Shape letters: ``B`` batch, ``S`` full length, ``L`` local length, ``d``
-model width, ``H``/``K`` query/KV heads, ``D`` head width, ``V`` vocabulary,
-``N`` images, ``T`` soft tokens per image.
+Shape letters: ``B`` batch, ``S`` full length, ``L`` tokens here, ``D``
+model width, ``V`` vocabulary, ``N`` images, ``M`` pooled bins per image.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cpjax.batch import DOCUMENT_IDS_KEY, vision_group_ids
-from cpjax.masks import AttentionMask
-from cpjax.models.gemma4.config import Gemma4Config
+from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameSegment, SameVisionGroup
+from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from cpjax.models.gemma4.cp_batch import IMAGE_OFFSET_KEY, image_token_offsets, shard_aux_only_cp_batch
+from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles
+from cpjax.models.gemma4.text import DecoderLayer, embed_scale
+from cpjax.models.gemma4.vision import MultimodalEmbedder, VisionTower
 from cpjax.reference import reference_attention
 from cpjax.ring_attention import ring_attention
 from cpjax.sharding import ContextParallelSharder, CPContext, shard_sequence
 
-__all__ = ["Gemma4"]
+__all__ = ["Gemma4", "cp_logits", "gemma4_masks"]
+
+UNSUPPORTED_INPUTS = {
+    "input_features": "audio inputs: cpjax ports Gemma 4's text decoder and vision tower, not "
+                      "the audio tower",
+    "pixel_values_videos": "video inputs: pass video frames as images (pixel_values) instead",
+}
 
 
-class _Tokens(NamedTuple):
-  """Per-token streams of the tokens this device computes ([B, L] each)."""
-
-  positions: jax.Array
-  segment_ids: jax.Array
-  padding_mask: jax.Array
-  vision_group_ids: jax.Array | None
+class Embedding(nnx.Module):
+  def __init__(self, vocab: int, width: int, *, rngs: nnx.Rngs | None):
+    init = (jax.random.normal(rngs.params(), (vocab, width)) * width ** -0.5
+            if rngs is not None else jnp.zeros((vocab, width)))
+    self.weight = nnx.Param(init.astype(jnp.float32))
 
 
-def _normal(rngs: nnx.Rngs, shape, scale: float):
-  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * scale)
+class LanguageModel(nnx.Module):
+  """``model.language_model``: embeddings, per-layer inputs, layers, final norm."""
+
+  def __init__(self, cfg: Gemma4Config, *, rngs):
+    t = cfg.text
+    self.embed_tokens = Embedding(t.vocab_size, t.hidden_size, rngs=rngs)
+    if t.hidden_size_per_layer_input:
+      width = t.num_hidden_layers * t.hidden_size_per_layer_input
+      self.embed_tokens_per_layer = Embedding(t.vocab_size_per_layer_input, width, rngs=rngs)
+      self.per_layer_model_projection = Linear(t.hidden_size, width, rngs=rngs)
+      self.per_layer_projection_norm = RMSNorm(t.hidden_size_per_layer_input, eps=t.rms_norm_eps)
+    self.layers = nnx.List([DecoderLayer(t, i, rngs=rngs) for i in range(t.num_hidden_layers)])
+    self.norm = RMSNorm(t.hidden_size, eps=t.rms_norm_eps)
 
 
-class RMSNorm(nnx.Module):
-  """Gemma's RMSNorm: ``x / rms(x) * (1 + scale)``, scale initialised at 0."""
+class Gemma4Model(nnx.Module):
+  """``model``: language model, vision tower and ``embed_vision``."""
 
-  def __init__(self, dim: int, eps: float):
-    self.scale = nnx.Param(jnp.zeros((dim,), jnp.float32))
-    self.eps = eps
-
-  def __call__(self, x):
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return (y * (1.0 + self.scale[...])).astype(x.dtype)
+  def __init__(self, cfg: Gemma4Config, *, rngs):
+    self.language_model = LanguageModel(cfg, rngs=rngs)
+    if cfg.vision is not None:
+      self.vision_tower = VisionTower(cfg.vision, rngs=rngs)
+      self.embed_vision = MultimodalEmbedder(cfg.vision.hidden_size, cfg.text.hidden_size,
+                                             eps=cfg.vision.rms_norm_eps, rngs=rngs)
 
 
-class Dense(nnx.Module):
-  """A bias-free projection ``x @ W`` (W: [in, *out])."""
+def gemma4_masks(cfg: Gemma4Config, *, segment_ids, padding_mask,
+                 vision_group_ids=None) -> dict[str, AttentionMask]:
+  """Gemma 4's attention mask of each layer type, as transformers builds them.
 
-  def __init__(self, rngs: nnx.Rngs, d_in: int, *d_out: int):
-    self.w = _normal(rngs, (d_in, *d_out), d_in ** -0.5)
+  * full: causal (``k <= q``); sliding: ``q - W < k <= q``;
+  * sliding with vision groups (``use_bidirectional_attention == "vision"``
+    and ``mm_token_type_ids`` given): ``k > q - W and (k <= q or same
+    group)``: later tokens of the same image are visible without limit,
+    earlier ones only within the window. Full layers stay causal;
+  * ``"all"``: full layers see every key, sliding ``|q - k| <= W // 2 + 1``;
 
-  def __call__(self, x):
-    w = self.w[...].astype(x.dtype)
-    return jnp.tensordot(x, w, axes=1)
+  and always: keys of the same document (``segment_ids``), not padding.
 
-
-def rope(x, positions, *, theta: float, rotary_dim: int):
-  """Rotary embedding of the first ``rotary_dim`` features (half-split pairs).
-
-  x: [B, L, H, D]; positions: int[B, L] global token positions.
+  >>> import numpy as np
+  >>> from cpjax.models.gemma4 import Gemma4Config
+  >>> cfg = Gemma4Config.preset("tiny-moe")
+  >>> masks = gemma4_masks(cfg, segment_ids=np.ones((1, 4), np.int32),
+  ...                      padding_mask=np.zeros((1, 4), bool),
+  ...                      vision_group_ids=np.array([[-1, 0, 0, -1]]))
+  >>> np.asarray(masks["sliding_attention"].allowed(np.arange(4))[0]).astype(int).tolist()
+  [[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
   """
-  half = rotary_dim // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = positions.astype(jnp.float32)[..., None, None] * freq       # [B, L, 1, half]
-  cos, sin = jnp.cos(angle), jnp.sin(angle)
-  xf = x.astype(jnp.float32)
-  x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
-  return out.astype(x.dtype)
-
-
-class Attention(nnx.Module):
-  """GQA attention with q/k RMSNorm before RoPE and attention scale 1.0."""
-
-  def __init__(self, cfg: Gemma4Config, layer: int, rngs: nnx.Rngs):
-    self.full = cfg.is_full(layer)
-    self.cfg = cfg
-    self.kv_heads = cfg.full_num_kv_heads if self.full else cfg.num_kv_heads
-    self.head_dim = cfg.full_head_dim if self.full else cfg.head_dim
-    self.q_proj = Dense(rngs, cfg.d_model, cfg.num_heads, self.head_dim)
-    self.k_proj = Dense(rngs, cfg.d_model, self.kv_heads, self.head_dim)
-    self.v_proj = Dense(rngs, cfg.d_model, self.kv_heads, self.head_dim)
-    self.o_proj = Dense(rngs, cfg.num_heads * self.head_dim, cfg.d_model)
-    self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-    self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-
-  def __call__(self, x, tokens: _Tokens, cp: CPContext | None):
-    cfg = self.cfg
-    q = self.q_norm(self.q_proj(x))
-    k = self.k_norm(self.k_proj(x))
-    v = self.v_proj(x)
-    if self.full:
-      theta = cfg.rope_theta_full
-      rotary = 2 * max(int(self.head_dim * cfg.partial_rotary_full) // 2, 1)
-    else:
-      theta, rotary = cfg.rope_theta_sliding, self.head_dim
-    q = rope(q, tokens.positions, theta=theta, rotary_dim=rotary)
-    k = rope(k, tokens.positions, theta=theta, rotary_dim=rotary)
-    bidirectional = cfg.vision_bidirectional == "all" or (
-        cfg.vision_bidirectional == "sliding" and not self.full)
-    mask = AttentionMask.create(
-        causal=True, sliding_window=None if self.full else cfg.sliding_window,
-        segment_ids=tokens.segment_ids, padding_mask=tokens.padding_mask,
-        vision_group_ids=tokens.vision_group_ids if bidirectional else None)
-    if cp is None:
-      out = reference_attention(q, k, v, mask=mask, scale=1.0)
-    else:
-      out = ring_attention(q, k, v, layout=cp.layout, axis_name=cp.axis_name, mask=mask,
-                           scale=1.0)
-    b, l = x.shape[:2]
-    return self.o_proj(out.astype(x.dtype).reshape(b, l, -1))
-
-
-class GatedMLP(nnx.Module):
-  def __init__(self, rngs: nnx.Rngs, d: int, hidden: int):
-    self.gate = Dense(rngs, d, hidden)
-    self.up = Dense(rngs, d, hidden)
-    self.down = Dense(rngs, hidden, d)
-
-  def __call__(self, x):
-    return self.down(jax.nn.gelu(self.gate(x), approximate=True) * self.up(x))
-
-
-class MixtureOfExperts(nnx.Module):
-  """Top-k routed gated experts (all experts computed densely: exact, small)."""
-
-  def __init__(self, cfg: Gemma4Config, rngs: nnx.Rngs):
-    d, h, e = cfg.d_model, cfg.expert_hidden, cfg.num_experts
-    self.top_k = cfg.experts_top_k
-    self.router = Dense(rngs, d, e)
-    self.w_gate = _normal(rngs, (e, d, h), d ** -0.5)
-    self.w_up = _normal(rngs, (e, d, h), d ** -0.5)
-    self.w_down = _normal(rngs, (e, h, d), h ** -0.5)
-
-  def __call__(self, x):
-    logits = self.router(x).astype(jnp.float32)                    # [B, L, E]
-    top, idx = jax.lax.top_k(logits, self.top_k)
-    weights = jax.nn.softmax(top, axis=-1)
-    gates = jnp.sum(jax.nn.one_hot(idx, logits.shape[-1]) * weights[..., None], axis=-2)
-    dt = x.dtype
-    hidden = (jax.nn.gelu(jnp.einsum("bld,edh->bleh", x, self.w_gate[...].astype(dt)),
-                          approximate=True)
-              * jnp.einsum("bld,edh->bleh", x, self.w_up[...].astype(dt)))
-    out = jnp.einsum("bleh,ehd->bled", hidden, self.w_down[...].astype(dt))
-    return jnp.einsum("bled,ble->bld", out, gates.astype(dt))
-
-
-class DecoderLayer(nnx.Module):
-  """Sandwich-normed attention and FFN, then the per-layer input."""
-
-  def __init__(self, cfg: Gemma4Config, layer: int, rngs: nnx.Rngs):
-    eps = cfg.rms_norm_eps
-    self.attn = Attention(cfg, layer, rngs)
-    self.pre_attn_norm, self.post_attn_norm = RMSNorm(cfg.d_model, eps), RMSNorm(cfg.d_model, eps)
-    self.pre_ffw_norm, self.post_ffw_norm = RMSNorm(cfg.d_model, eps), RMSNorm(cfg.d_model, eps)
-    self.mlp = GatedMLP(rngs, cfg.d_model, cfg.mlp_hidden)
-    self.moe = MixtureOfExperts(cfg, rngs) if cfg.num_experts else None
-    if cfg.per_layer_dim:
-      self.pl_gate = Dense(rngs, cfg.d_model, cfg.per_layer_dim)
-      self.pl_up = Dense(rngs, cfg.per_layer_dim, cfg.d_model)
-      self.pl_norm = RMSNorm(cfg.d_model, eps)
-
-  def __call__(self, x, tokens: _Tokens, per_layer, cp: CPContext | None):
-    x = x + self.post_attn_norm(self.attn(self.pre_attn_norm(x), tokens, cp))
-    h = self.pre_ffw_norm(x)
-    ffw = self.mlp(h)
-    if self.moe is not None:
-      ffw = ffw + self.moe(h)
-    x = x + self.post_ffw_norm(ffw)
-    if per_layer is not None:
-      gated = jax.nn.gelu(self.pl_gate(x), approximate=True) * per_layer
-      x = x + self.pl_norm(self.pl_up(gated))
-    return x
-
-
-class VisionEncoder(nnx.Module):
-  """Patches -> soft tokens: [N, C, H, W] -> [N, T, d]."""
-
-  def __init__(self, cfg: Gemma4Config, rngs: nnx.Rngs):
-    self.cfg = cfg
-    self.patch_proj = Dense(rngs, cfg.patch_features, cfg.d_model)
-    self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-    self.mlp = GatedMLP(rngs, cfg.d_model, cfg.d_model)
-
-  def __call__(self, pixels):
-    n, c, hgt, wid = pixels.shape
-    p = self.cfg.patch_size
-    patches = pixels.reshape(n, c, hgt // p, p, wid // p, p).transpose(0, 2, 4, 1, 3, 5)
-    patches = patches.reshape(n, (hgt // p) * (wid // p), c * p * p)
-    x = self.norm(self.patch_proj(patches))
-    return x + self.mlp(x)
+  t = cfg.text
+  w = t.effective_sliding_window
+  common = SameSegment() & KeyNotPadding()
+  arrays = {"segment_ids": segment_ids, "padding_mask": padding_mask}
+  if t.use_bidirectional_attention == "all":
+    rules = {FULL: LocalWindow(None, None), SLIDING: LocalWindow(w, w)}
+  elif vision_group_ids is not None and t.use_bidirectional_attention == "vision":
+    rules = {FULL: LocalWindow(None, 0),
+             SLIDING: LocalWindow(w - 1, None) & (LocalWindow(None, 0) | SameVisionGroup())}
+  else:
+    rules = {FULL: LocalWindow(None, 0), SLIDING: LocalWindow(w - 1, 0)}
+  out = {}
+  for kind, rule in rules.items():
+    uses_groups = "vision_group_ids" in rule.array_kinds()
+    extra = {"vision_group_ids": vision_group_ids} if uses_groups else {}
+    out[kind] = AttentionMask(rule & common, {**arrays, **extra})
+  return out
 
 
 class Gemma4(nnx.Module):
-  """Gemma4-style decoder: ``logits = model(batch, cp=...)``.
+  """Gemma 4: ``logits = model(batch, cp=...)``.
+
+  Args:
+    cfg: the :class:`Gemma4Config`.
+    rngs: initialisation randomness (None: zeros, for loading over).
+    dtype: activation dtype.
+    param_dtype: dtype the parameters are stored in.
+    remat: rematerialise each decoder layer in the backward pass.
 
   Example:
     >>> import numpy as np
-    >>> from flax import nnx
     >>> from cpjax.models.gemma4 import Gemma4, Gemma4Config, prepare_batch
-    >>> model = Gemma4(Gemma4Config(num_layers=2), rngs=nnx.Rngs(0))
-    >>> batch = prepare_batch({"input_ids": np.ones((1, 8), np.int32),
-    ...                        "labels": np.ones((1, 8), np.int32)})
+    >>> cfg = Gemma4Config.preset("tiny")
+    >>> model = Gemma4(cfg, rngs=nnx.Rngs(0))
+    >>> batch = prepare_batch({"input_ids": np.ones((1, 8), np.int32)}, cfg)
     >>> model(batch).shape
-    (1, 8, 256)
+    (1, 8, 512)
   """
 
-  def __init__(self, cfg: Gemma4Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(self, cfg: Gemma4Config, *, rngs: nnx.Rngs | None, dtype=jnp.float32,
+               param_dtype=jnp.float32, remat: bool = False):
+    if not isinstance(cfg, Gemma4Config):
+      raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")
     self.cfg = cfg
     self.dtype = dtype
-    # Unit-scale inputs after the sqrt(d_model) multiplier; tied logits start O(1).
-    self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.d_model ** -0.5)
-    self.vision = VisionEncoder(cfg, rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-    if cfg.per_layer_dim:
-      width = cfg.num_layers * cfg.per_layer_dim
-      self.pl_embed = _normal(rngs, (cfg.vocab_size, width), cfg.per_layer_dim ** -0.5)
-      self.pl_proj = Dense(rngs, cfg.d_model, width)
-      self.pl_proj_norm = RMSNorm(cfg.per_layer_dim, cfg.rms_norm_eps)
+    self.remat = remat
+    self.model = Gemma4Model(cfg, rngs=rngs)
+    if not cfg.text.tie_word_embeddings:
+      self.lm_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, rngs=rngs)
+    if param_dtype != jnp.float32:
+      for _, var in nnx.iter_graph(self):
+        if isinstance(var, (nnx.Param, Buffer)):
+          var.value = var.value.astype(param_dtype)
+
+  # ------------------------------------------------------------ checkpoints
+  @classmethod
+  def from_pretrained(cls, path, *, dtype=jnp.float32, mesh=None, sharding=None,
+                      remat: bool = False) -> "Gemma4":
+    """Load a Hugging Face checkpoint directory (``config.json`` plus
+    ``model.safetensors`` or a sharded ``model.safetensors.index.json``).
+
+    Strict and streaming (see :mod:`cpjax.models.gemma4.checkpoint`).
+    ``dtype`` is the parameter and activation dtype; ``mesh`` places every
+    tensor as it is read, replicated or per ``sharding(key, shape) ->
+    PartitionSpec``.
+    """
+    from cpjax.models.gemma4.checkpoint import load_pretrained
+
+    return load_pretrained(cls, path, dtype=dtype, mesh=mesh, sharding=sharding, remat=remat)
+
+  def save_pretrained(self, path, *, max_shard_bytes: int = 4 << 30) -> list[str]:
+    """Write a checkpoint transformers' ``Gemma4ForConditionalGeneration.
+    from_pretrained`` loads; ``from_pretrained`` reads it back bit for bit."""
+    from cpjax.models.gemma4.checkpoint import save_pretrained
+
+    return save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
   # -------------------------------------------------------- full-row inputs
   def embed_full_row(self, batch: Mapping[str, Any]):
-    """Embeddings [B, S, d], per-layer inputs [B, S, layers, P] and vision
-    group ids [B, S], all built on the FULL row (before any slicing)."""
-    cfg = self.cfg
+    """Embeddings [B, S, D], per-layer inputs [B, S, layers, P] (or None) and
+    vision group ids [B, S] (or None), all on the FULL row."""
+    for key, why in UNSUPPORTED_INPUTS.items():
+      if batch.get(key) is not None:
+        raise ValueError(f"batch key {key!r} is not supported: {why}")
+    cfg, t, dt = self.cfg, self.cfg.text, self.dtype
+    lm = self.model.language_model
     ids = jnp.asarray(batch["input_ids"])
-    x = jnp.take(self.embed[...], ids, axis=0) * math.sqrt(cfg.d_model)
-    types = batch.get("mm_token_type_ids")
-    groups = None
-    if types is not None:
-      types = jnp.asarray(types)
-      groups = vision_group_ids(types)
-      if batch.get("pixel_values") is not None:
-        x = self._splice_images(x, types, jnp.asarray(batch["pixel_values"]),
-                                batch.get(IMAGE_OFFSET_KEY))
+    placeholder = jnp.isin(ids, jnp.asarray(cfg.placeholder_token_ids))
+    text_ids = jnp.where(placeholder, t.pad_token_id, ids)
+    x = lm.embed_tokens.weight[...].astype(dt)[text_ids] * embed_scale(t.hidden_size, dt)
+    if batch.get("pixel_values") is not None:
+      x = self._scatter_images(x, ids, batch)
     per_layer = None
-    if cfg.per_layer_dim:
+    if t.hidden_size_per_layer_input:
       b, s = ids.shape
-      table = jnp.take(self.pl_embed[...], ids, axis=0) * math.sqrt(cfg.per_layer_dim)
-      proj = self.pl_proj(x) * cfg.d_model ** -0.5
-      shape = (b, s, cfg.num_layers, cfg.per_layer_dim)
-      per_layer = (self.pl_proj_norm(proj.reshape(shape)) + table.reshape(shape)) * 2 ** -0.5
-    return x.astype(self.dtype), per_layer, groups
+      p = t.hidden_size_per_layer_input
+      shape = (b, s, t.num_hidden_layers, p)
+      token = (lm.embed_tokens_per_layer.weight[...].astype(dt)[text_ids]
+               * embed_scale(p, dt)).reshape(shape)
+      context = lm.per_layer_model_projection(x) * jnp.asarray(t.hidden_size ** -0.5, dt)
+      context = lm.per_layer_projection_norm(context.reshape(shape))
+      per_layer = (context + token) * jnp.asarray(2 ** -0.5, dt)
+    groups = None
+    types = batch.get("mm_token_type_ids")
+    if types is not None and t.use_bidirectional_attention == "vision":
+      groups = vision_group_ids(jnp.asarray(types))
+    return x, per_layer, groups
 
-  def _splice_images(self, x, types, pixels, row_offset=None):
-    """Put image n's T soft tokens at the n-th run of T image positions.
+  def image_features(self, pixel_values, image_position_ids):
+    """Soft tokens of every image: ([N, M, D] in the activation dtype, bool[N, M])."""
+    if self.cfg.vision is None:
+      raise ValueError("this Gemma 4 has no vision tower (vision_config is null) but the batch "
+                       "has pixel_values")
+    pooled, valid = self.model.vision_tower(jnp.asarray(pixel_values),
+                                            jnp.asarray(image_position_ids), self.dtype)
+    return self.model.embed_vision(pooled).astype(self.dtype), valid
 
-    Image tokens are numbered row-major over the *global* batch. A
-    data-parallel shard holds only some rows, so it needs ``row_offset``
-    int[B]: the image tokens in the global rows before each of its rows
-    (:func:`image_token_offsets`); without it the rows here are the batch.
-    """
-    soft = self.vision(pixels).reshape(-1, self.cfg.d_model)       # [N*T, d]
-    is_image = types == 1
-    if row_offset is None:
-      row_offset = image_token_offsets(types)
-    slot = jnp.asarray(row_offset)[:, None] + jnp.cumsum(is_image, axis=1) - 1
-    slot = jnp.clip(slot, 0, soft.shape[0] - 1)
-    return jnp.where(is_image[..., None], soft[slot], x)
+  def _scatter_images(self, x, ids, batch):
+    """Soft tokens, numbered row-major over the GLOBAL batch, replace the
+    image placeholders. A data-parallel shard holds only some rows:
+    ``batch[IMAGE_OFFSET_KEY]`` int[B] says how many image tokens precede
+    each of its rows (:func:`image_token_offsets`)."""
+    soft, valid = self.image_features(batch["pixel_values"], batch["image_position_ids"])
+    n, m, d = soft.shape
+    soft, valid = soft.reshape(n * m, d), valid.reshape(n * m)
+    # Real bins in order: the k-th real bin lives at flat index where_real[k].
+    rank = jnp.cumsum(valid) - 1
+    where_real = jnp.zeros((n * m,), jnp.int32).at[jnp.where(valid, rank, n * m)].set(
+        jnp.arange(n * m, dtype=jnp.int32), mode="drop")
+    is_image = ids == self.cfg.image_token_id
+    offsets = batch.get(IMAGE_OFFSET_KEY)
+    if offsets is None:
+      offsets = image_token_offsets(is_image)
+    slot = jnp.asarray(offsets)[:, None] + jnp.cumsum(is_image, axis=1) - 1
+    source = where_real[jnp.clip(slot, 0, n * m - 1)]
+    return jnp.where(is_image[..., None], soft[source], x)
 
   # ---------------------------------------------------------------- forward
   def __call__(self, batch: Mapping[str, Any], *, cp: CPContext | None = None):
-    """Logits [B, L, V] of this device's tokens (all S tokens without ``cp``).
+    """Logits float32[B, L, V] of this device's tokens (all S without ``cp``).
 
     ``batch`` holds the full-length primary streams (``input_ids``,
-    ``mm_token_type_ids``, ``pixel_values``) and the per-token streams of the
-    tokens computed here (``position_ids``, ``padding_mask``,
-    ``_packed_seq_ids``): local parts under CP, as the aux-only sharder
-    produces them.
+    ``mm_token_type_ids``, ``pixel_values``, ``image_position_ids``) and the
+    per-token streams of the tokens computed here (``position_ids``,
+    ``padding_mask``, ``_packed_seq_ids``): local parts under CP, as the
+    model's sharder (:meth:`prepare_model_inputs_for_cp`) produces them.
     """
     x, per_layer, groups = self.embed_full_row(batch)
     if cp is not None:
@@ -294,15 +258,47 @@ class Gemma4(nnx.Module):
       x = cut(x)
       per_layer = None if per_layer is None else cut(per_layer)
       groups = None if groups is None else cut(groups, pad_value=-1)
-    tokens = _Tokens(jnp.asarray(batch["position_ids"]), jnp.asarray(batch[DOCUMENT_IDS_KEY]),
-                     jnp.asarray(batch["padding_mask"]), groups)
-    for i, layer in enumerate(self.layers):
-      pl = None if per_layer is None else per_layer[:, :, i].astype(x.dtype)
-      x = layer(x, tokens, pl, cp)
-    x = self.final_norm(x)
-    logits = jnp.einsum("bld,vd->blv", x, self.embed[...].astype(x.dtype),
-                        preferred_element_type=jnp.float32)
-    cap = self.cfg.final_logit_soft_cap
+    return self.logits_from_embeddings(x, per_layer, groups, batch, cp)
+
+  def logits_from_embeddings(self, x, per_layer, groups, batch, cp: CPContext | None):
+    """The decoder on this device's tokens: x [B, L, D] -> logits [B, L, V]."""
+    t = self.cfg.text
+    positions = jnp.asarray(batch["position_ids"])
+    masks = gemma4_masks(self.cfg, segment_ids=jnp.asarray(batch[DOCUMENT_IDS_KEY]),
+                         padding_mask=jnp.asarray(batch["padding_mask"]), vision_group_ids=groups)
+    ropes = {}
+    for i, kind in enumerate(t.layer_types):
+      if kind not in ropes:
+        ropes[kind] = rope_angles(positions, t.rope_inv_freq(i), x.dtype)
+
+    def attend(q, k, v, layer):
+      mask = masks[t.layer_types[layer]]
+      if cp is None:
+        return reference_attention(q, k, v, mask=mask, scale=1.0)
+      return ring_attention(q, k, v, layout=cp.layout, axis_name=cp.axis_name, mask=mask,
+                            scale=1.0)
+
+    shared_kv: dict = {}
+    for i, layer in enumerate(self.model.language_model.layers):
+      kind = t.layer_types[i]
+      pl = None if per_layer is None else per_layer[:, :, i]
+      run = functools.partial(_run_layer, rope=ropes[kind], attend=attend)
+      if self.remat:
+        graphdef, state = nnx.split(layer)
+        x, kv = jax.checkpoint(
+            lambda st, x, pl, kv: _run_layer(nnx.merge(graphdef, st), x, pl, kv, rope=ropes[kind],
+                                             attend=attend))(state, x, pl, dict(shared_kv))
+      else:
+        x, kv = run(layer, x, pl, shared_kv)
+      if t.kv_sharing_modes[i] == "store":
+        shared_kv[kind] = kv
+    x = self.model.language_model.norm(x)
+    if t.tie_word_embeddings:
+      head = self.model.language_model.embed_tokens.weight[...]
+    else:
+      head = self.lm_head.weight[...]
+    logits = jnp.einsum("bld,vd->blv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    cap = t.final_logit_softcapping
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
   def prepare_model_inputs_for_cp(self, batch: Mapping[str, Any] | None = None, *,
@@ -311,10 +307,58 @@ class Gemma4(nnx.Module):
     aux-only sharder (``layout`` ``"contiguous"`` as the original, or
     ``"load_balanced"``): the CP dispatch calls it instead of a generic one."""
     del batch  # the sharder is the same for every batch of this model
-    return {"cp_sharder": ContextParallelSharder(
-        shard_batch=functools.partial(_sharder_call, shard_aux_only_cp_batch, layout))}
+    return {"cp_sharder": ContextParallelSharder(shard_batch=functools.partial(
+        _sharder_call, layout=layout, image_token_id=self.cfg.image_token_id))}
 
 
-def _sharder_call(fn, layout, batch, mesh, **kw):
-  """``shard_batch(batch, mesh, **kw)`` argument order for the Gemma4 sharder."""
-  return fn(mesh, batch, layout=layout, **kw)
+def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "load_balanced",
+              axis_name: str = "cp", batch_axis: str | None = None) -> jax.Array:
+  """Full logits float32[B, S, V] of a :func:`prepare_batch` batch, computed
+  with context parallelism over ``axis_name`` of ``mesh`` (and the batch
+  over ``batch_axis``, if given) through the model's own sharder, gathered
+  back into natural token order without padding.
+
+  Evaluates sequences too long for one device; equals ``model(batch)``.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from cpjax.models import gemma4
+    >>> cfg = gemma4.Gemma4Config.preset("tiny")
+    >>> model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
+    >>> batch = gemma4.prepare_batch({"input_ids": np.arange(1, 11)[None]}, cfg)
+    >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    >>> logits = gemma4.cp_logits(model, batch, mesh)
+    >>> logits.shape, bool(np.allclose(logits, model(batch), atol=1e-4))
+    ((1, 10, 512), True)
+  """
+  from cpjax.context_parallel import from_rank_order
+  from cpjax.train import batch_specs
+
+  batch = dict(batch)
+  if "labels" not in batch:   # the sharder carries labels; these are never read
+    batch["labels"] = jnp.full(jnp.shape(batch["input_ids"]), -100, jnp.int32)
+  sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
+  sharded, shard_layout = sharder.shard_batch(batch, mesh, axis_name=axis_name,
+                                              batch_axis=batch_axis)
+  graphdef, state = nnx.split(model)
+  context = CPContext(shard_layout, axis_name)
+  specs = batch_specs(sharded)
+
+  def local(state, local_batch):
+    return nnx.merge(graphdef, state)(local_batch, cp=context)
+
+  run = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs), out_specs=P(batch_axis, axis_name))
+  with jax.set_mesh(mesh):
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    logits = jax.jit(run)(state, sharded)
+  return from_rank_order(logits, shard_layout)[:, :shard_layout.original_seq_len]
+
+
+def _run_layer(layer, x, per_layer_input, shared_kv, *, rope, attend):
+  return layer(x, per_layer_input, rope, attend, shared_kv)
+
+
+def _sharder_call(batch, mesh, *, layout, image_token_id, **kw):
+  """``shard_batch(batch, mesh, **kw)`` argument order for the Gemma 4 sharder."""
+  return shard_aux_only_cp_batch(mesh, batch, layout=layout, image_token_id=image_token_id, **kw)
+

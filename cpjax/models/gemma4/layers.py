@@ -1,0 +1,113 @@
+"""Gemma 4's building blocks, numerically as transformers computes them.
+
+Parameters keep Hugging Face's names and layouts (``Linear.weight`` is
+[out, in]), so a module's path in the NNX state IS its checkpoint key.
+Buffers (transformers' ``nn.Buffer``: ``layer_scalar``, clip bounds,
+``std_bias``/``std_scale``) are :class:`Buffer` variables: loaded and saved
+like parameters, never trained.
+
+Shape letters: ``B`` batch, ``S`` tokens, ``H`` heads, ``D`` head width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["Buffer", "ClippableLinear", "Linear", "RMSNorm", "apply_rope", "gelu", "rope_angles"]
+
+
+class Buffer(nnx.Variable):
+  """A checkpoint tensor that is not trained (transformers' ``nn.Buffer``)."""
+
+
+def gelu(x):
+  """GELU, tanh approximation (``gelu_pytorch_tanh``)."""
+  return jax.nn.gelu(x, approximate=True)
+
+
+def _init(rngs: nnx.Rngs | None, shape, scale: float, value: float | None = None):
+  if value is not None or rngs is None:
+    return jnp.full(shape, 1.0 if value is None else value, jnp.float32)
+  return jax.random.normal(rngs.params(), shape, jnp.float32) * scale
+
+
+class Linear(nnx.Module):
+  """A bias-free ``y = x @ W.T`` with ``W`` [out, in], computed in ``x``'s dtype."""
+
+  def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs | None):
+    self.weight = nnx.Param(_init(rngs, (d_out, d_in), d_in ** -0.5))
+
+  def __call__(self, x):
+    return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+
+
+class ClippableLinear(nnx.Module):
+  """The vision tower's linear: with ``clipped``, the input and output are
+  clamped to bounds stored in the checkpoint (``input_min`` ... as buffers)."""
+
+  def __init__(self, d_in: int, d_out: int, *, clipped: bool, rngs: nnx.Rngs | None):
+    self.linear = Linear(d_in, d_out, rngs=rngs)
+    self.clipped = clipped
+    if clipped:
+      self.input_min = Buffer(jnp.asarray(-jnp.inf, jnp.float32))
+      self.input_max = Buffer(jnp.asarray(jnp.inf, jnp.float32))
+      self.output_min = Buffer(jnp.asarray(-jnp.inf, jnp.float32))
+      self.output_max = Buffer(jnp.asarray(jnp.inf, jnp.float32))
+
+  def __call__(self, x):
+    if self.clipped:
+      x = jnp.clip(x, self.input_min[...].astype(x.dtype), self.input_max[...].astype(x.dtype))
+    y = self.linear(x)
+    if self.clipped:
+      y = jnp.clip(y, self.output_min[...].astype(y.dtype), self.output_max[...].astype(y.dtype))
+    return y
+
+
+def rms_normalize(x, eps: float):
+  """``x * (mean(x^2) + eps)^-0.5`` in float32 (transformers uses a pow, not rsqrt)."""
+  xf = x.astype(jnp.float32)
+  return xf * jnp.power(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps, -0.5)
+
+
+class RMSNorm(nnx.Module):
+  """Gemma 4's RMSNorm: ``RMS(x) * w`` (plain ``w``, not Gemma 1-3's ``1 + w``)
+  in float32, cast back to ``x``'s dtype. ``with_scale=False`` has no weight."""
+
+  def __init__(self, dim: int, *, eps: float, with_scale: bool = True,
+               rngs: nnx.Rngs | None = None):
+    self.eps = eps
+    self.with_scale = with_scale
+    if with_scale:
+      self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+
+  def __call__(self, x):
+    y = rms_normalize(x, self.eps)
+    if self.with_scale:
+      y = y * self.weight[...].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope_angles(positions, inv_freq, dtype):
+  """(cos, sin) [..., 2F] of ``positions [...] * inv_freq [F]``.
+
+  Computed in float32, duplicated ``[f, f]`` and then cast to the
+  activation dtype, as transformers does.
+  """
+  freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def _rotate_half(x):
+  half = x.shape[-1] // 2
+  return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x, cos, sin):
+  """Half-split RoPE: ``x * cos + rotate_half(x) * sin``.
+
+  x: [B, S, H, D]; cos, sin: [B, S, D] (broadcast over heads).
+  """
+  return x * cos[..., None, :] + _rotate_half(x) * sin[..., None, :]

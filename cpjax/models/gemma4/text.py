@@ -1,0 +1,179 @@
+"""Gemma 4's text decoder layers: attention with K/V sharing, MLP, MoE, PLE.
+
+Attention itself is not computed here: a layer hands its queries, keys and
+values to an ``attend(q, k, v, layer)`` callable from the model, which
+applies the layer's mask either densely on one device or as a ring over the
+``cp`` axis. What a layer computes per token (projections, norms, RoPE,
+MLP, MoE, per-layer inputs) does not depend on where its tokens live.
+
+Shape letters: ``B`` batch, ``S`` tokens here (all, or this rank's), ``D``
+model width, ``H``/``K`` query/KV heads, ``d`` head width, ``E`` experts,
+``P`` per-layer input width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cpjax.models.gemma4.config import Gemma4TextConfig
+from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, apply_rope, gelu, rms_normalize
+
+__all__ = ["DecoderLayer"]
+
+
+class TextAttention(nnx.Module):
+  """q/k RMSNorm before RoPE, weightless v norm, scale 1.0, GQA.
+
+  A ``reuse`` layer (K/V sharing) has only ``q_proj``/``q_norm``/``o_proj``:
+  it attends to the keys and values of its type's ``store`` layer. With
+  ``attention_k_eq_v`` a full layer has no ``v_proj``: ``v = RMS0(k_raw)``.
+  """
+
+  def __init__(self, cfg: Gemma4TextConfig, layer: int, *, rngs):
+    self.layer = layer
+    self.kind = cfg.layer_types[layer]
+    self.mode = cfg.kv_sharing_modes[layer]
+    self.heads, self.kv_heads = cfg.num_attention_heads, cfg.kv_heads(layer)
+    self.head_dim = d = cfg.layer_head_dim(layer)
+    eps = cfg.rms_norm_eps
+    self.q_proj = Linear(cfg.hidden_size, self.heads * d, rngs=rngs)
+    self.q_norm = RMSNorm(d, eps=eps)
+    self.o_proj = Linear(self.heads * d, cfg.hidden_size, rngs=rngs)
+    self.k_eq_v = cfg.attention_k_eq_v and cfg.is_full(layer)
+    self.eps = eps
+    if self.mode != "reuse":
+      self.k_proj = Linear(cfg.hidden_size, self.kv_heads * d, rngs=rngs)
+      self.k_norm = RMSNorm(d, eps=eps)
+      if not self.k_eq_v:
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * d, rngs=rngs)
+
+  def __call__(self, h, rope, attend, shared_kv: dict):
+    """h: [B, S, D] normed input; rope: (cos, sin) [B, S, d]."""
+    b, s, _ = h.shape
+    d = self.head_dim
+    q = apply_rope(self.q_norm(self.q_proj(h).reshape(b, s, self.heads, d)), *rope)
+    if self.mode == "reuse":
+      k, v = shared_kv[self.kind]
+    else:
+      k_raw = self.k_proj(h).reshape(b, s, self.kv_heads, d)
+      v_raw = k_raw if self.k_eq_v else self.v_proj(h).reshape(b, s, self.kv_heads, d)
+      k = apply_rope(self.k_norm(k_raw), *rope)
+      v = rms_normalize(v_raw, self.eps).astype(v_raw.dtype)
+    out = attend(q, k, v, self.layer)
+    return self.o_proj(out.astype(h.dtype).reshape(b, s, -1)), (k, v)
+
+
+class TextMLP(nnx.Module):
+  def __init__(self, d: int, hidden: int, *, rngs):
+    self.gate_proj = Linear(d, hidden, rngs=rngs)
+    self.up_proj = Linear(d, hidden, rngs=rngs)
+    self.down_proj = Linear(hidden, d, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down_proj(gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nnx.Module):
+  """Top-k routing on the RAW residual (transformers; Google's library
+  routes on the pre-FFW-normed one): ``softmax(RMS0(r) * scale / sqrt(D) @
+  W.T)`` in float32, top-k, renormalised, times ``per_expert_scale``."""
+
+  def __init__(self, cfg: Gemma4TextConfig, *, rngs):
+    self.proj = Linear(cfg.hidden_size, cfg.num_experts, rngs=rngs)
+    self.scale = nnx.Param(jnp.ones((cfg.hidden_size,), jnp.float32))
+    self.per_expert_scale = nnx.Param(jnp.ones((cfg.num_experts,), jnp.float32))
+    self.top_k, self.eps = cfg.top_k_experts, cfg.rms_norm_eps
+    self.root = cfg.hidden_size ** -0.5
+
+  def __call__(self, r):
+    """r: [T, D] -> (weights float32[T, k], expert ids int32[T, k])."""
+    z = rms_normalize(r, self.eps).astype(r.dtype)
+    z = z * self.scale[...].astype(r.dtype) * jnp.asarray(self.root, r.dtype)
+    probs = jax.nn.softmax(self.proj(z).astype(jnp.float32), axis=-1)
+    top, idx = jax.lax.top_k(probs, self.top_k)
+    top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top * self.per_expert_scale[...].astype(jnp.float32)[idx], idx
+
+
+class Experts(nnx.Module):
+  """E gated experts as raw [E, out, in] tensors (``gate_up_proj`` stacks
+  gate then up). Tokens are grouped by expert and run through
+  ``jax.lax.ragged_dot``: each token costs its k experts, not all E."""
+
+  def __init__(self, cfg: Gemma4TextConfig, *, rngs):
+    e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    normal = (lambda shape, fan_in: jax.random.normal(rngs.params(), shape) * fan_in ** -0.5
+              if rngs is not None else jnp.zeros(shape))
+    self.gate_up_proj = nnx.Param(normal((e, 2 * i, d), d).astype(jnp.float32))
+    self.down_proj = nnx.Param(normal((e, d, i), i).astype(jnp.float32))
+    self.num_experts, self.hidden = e, i
+
+  def __call__(self, x, weights, idx):
+    """x: [T, D]; weights float32[T, k]; idx int32[T, k] -> [T, D]."""
+    t, k = idx.shape
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                    # (token, slot) pairs by expert
+    token = order // k
+    sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+    dt = x.dtype
+    gate_up = jnp.swapaxes(self.gate_up_proj[...], 1, 2).astype(dt)       # [E, D, 2I]
+    down = jnp.swapaxes(self.down_proj[...], 1, 2).astype(dt)             # [E, I, D]
+    gu = jax.lax.ragged_dot(x[token], gate_up, sizes)
+    hidden = gelu(gu[:, :self.hidden]) * gu[:, self.hidden:]
+    y = jax.lax.ragged_dot(hidden, down, sizes).astype(jnp.float32)
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(y).astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+  """One Gemma 4 layer: sandwich-normed attention, dense MLP (plus MoE),
+  the per-layer input, and ``layer_scalar`` on the whole residual."""
+
+  def __init__(self, cfg: Gemma4TextConfig, layer: int, *, rngs):
+    eps, d = cfg.rms_norm_eps, cfg.hidden_size
+    self.self_attn = TextAttention(cfg, layer, rngs=rngs)
+    self.mlp = TextMLP(d, cfg.mlp_size(layer), rngs=rngs)
+    self.input_layernorm = RMSNorm(d, eps=eps)
+    self.post_attention_layernorm = RMSNorm(d, eps=eps)
+    self.pre_feedforward_layernorm = RMSNorm(d, eps=eps)
+    self.post_feedforward_layernorm = RMSNorm(d, eps=eps)
+    self.layer_scalar = Buffer(jnp.ones((1,), jnp.float32))
+    self.moe = cfg.enable_moe_block
+    if self.moe:
+      self.router = Router(cfg, rngs=rngs)
+      self.experts = Experts(cfg, rngs=rngs)
+      self.post_feedforward_layernorm_1 = RMSNorm(d, eps=eps)
+      self.post_feedforward_layernorm_2 = RMSNorm(d, eps=eps)
+      self.pre_feedforward_layernorm_2 = RMSNorm(d, eps=eps)
+    self.ple = cfg.hidden_size_per_layer_input
+    if self.ple:
+      self.per_layer_input_gate = Linear(d, self.ple, rngs=rngs)
+      self.per_layer_projection = Linear(self.ple, d, rngs=rngs)
+      self.post_per_layer_input_norm = RMSNorm(d, eps=eps)
+
+  def __call__(self, x, per_layer_input, rope, attend, shared_kv: dict):
+    """x: [B, S, D]; per_layer_input: [B, S, P] or None. Returns (x, (k, v))."""
+    attn, kv = self.self_attn(self.input_layernorm(x), rope, attend, shared_kv)
+    x = x + self.post_attention_layernorm(attn)
+    residual = x
+    ffw = self.mlp(self.pre_feedforward_layernorm(x))
+    if self.moe:
+      flat = residual.reshape(-1, residual.shape[-1])
+      weights, idx = self.router(flat)
+      experts = self.experts(self.pre_feedforward_layernorm_2(flat), weights, idx)
+      ffw = (self.post_feedforward_layernorm_1(ffw)
+             + self.post_feedforward_layernorm_2(experts.reshape(residual.shape)))
+    x = residual + self.post_feedforward_layernorm(ffw)
+    if self.ple:
+      gated = gelu(self.per_layer_input_gate(x)) * per_layer_input
+      x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+    return x * self.layer_scalar[...].astype(x.dtype), kv
+
+
+def embed_scale(width: int, dtype) -> jax.Array:
+  """``sqrt(width)`` rounded to ``dtype`` first (bf16: sqrt(1536) -> 39.25)."""
+  return jnp.asarray(math.sqrt(width), dtype)
