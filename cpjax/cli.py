@@ -1,6 +1,7 @@
 """The ``cpjax`` command line.
 
-    cpjax train [--seq-len N] [--cp N] [--layout KIND] [--steps N] [--seed N] [--dtype T]
+    cpjax train [--model NAME | --checkpoint DIR] [--remat] [--save DIR]
+                [--seq-len N] [--cp N] [--layout KIND] [--steps N] [--seed N] [--dtype T]
                 [--coordinator-address HOST:PORT --num-processes N --process-id I]
     cpjax demo  [--cp N] [--seq-len N]
 """
@@ -44,14 +45,26 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
   train = sub.add_parser(
-      "train", help="train the tiny Gemma4-style model with context parallelism",
-      description="Train the tiny Gemma4-style model on synthetic packed multimodal data "
+      "train", help="train Gemma 4 with context parallelism",
+      description="Train Gemma 4 (a tiny real-architecture model by default, a published "
+                  "size with --model, or a Hugging Face checkpoint with --checkpoint) on "
+                  "synthetic packed multimodal data "
                   "(documents of random lengths, image spans, padding) with its sequence "
                   "split over a cp mesh axis; checks the first step against the "
                   "single-device model and prints a summary. It runs on JAX's default "
                   "backend (the TPU or GPU chips when JAX finds them); only when that "
                   "backend is the CPU (JAX_PLATFORMS=cpu, or no accelerator) does it emulate "
                   "max(--cp, 8) CPU devices.")
+  train.add_argument("--model", choices=("tiny", "e2b", "e4b", "a4b", "31b"), default=None,
+                     help="architecture preset, randomly initialised (default tiny); a4b is "
+                          "26B-A4B")
+  train.add_argument("--checkpoint", metavar="DIR", default=None,
+                     help="fine-tune this Hugging Face Gemma 4 checkpoint directory "
+                          "(config.json + safetensors) instead of --model")
+  train.add_argument("--remat", action="store_true",
+                     help="rematerialise every decoder layer in the backward pass")
+  train.add_argument("--save", metavar="DIR", default=None,
+                     help="write the trained model as a Hugging Face checkpoint at the end")
   train.add_argument("--seq-len", type=_positive, default=1024,
                      help="tokens per row before padding (default 1024)")
   train.add_argument("--cp", type=_positive, default=8,
@@ -113,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     print(run_demo(args.cp, args.seq_len))
     return 0
 
+  if args.model is not None and args.checkpoint is not None:
+    parser.exit(2, "cpjax train: error: --model and --checkpoint exclude each other\n")
+  if args.checkpoint is not None and not os.path.isfile(os.path.join(args.checkpoint,
+                                                                     "config.json")):
+    parser.exit(2, f"cpjax train: error: --checkpoint {args.checkpoint} has no config.json\n")
   if args.seq_len < 32:
     parser.exit(2, f"cpjax train: error: --seq-len must be >= 32, got {args.seq_len}\n")
   explicit = [flag for flag, value in (("--coordinator-address", args.coordinator_address),
@@ -152,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 
   job = TrainJob(seq_len=args.seq_len, cp=args.cp, layout=args.layout, steps=args.steps,
                  seed=args.seed, dtype=args.dtype, batch_size=args.batch_size,
-                 learning_rate=args.lr, parity_check=not args.no_parity_check)
+                 learning_rate=args.lr, parity_check=not args.no_parity_check,
+                 model=args.model or "tiny", checkpoint=args.checkpoint, remat=args.remat,
+                 save=args.save)
   # Anything raised from here on is a crash, not a usage error: let it
   # propagate with its traceback (exit status 1).
   run_train_job(job)

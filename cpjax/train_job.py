@@ -1,4 +1,7 @@
-"""The main job: train the tiny Gemma4-style model with context parallelism.
+"""The main job: train Gemma 4 with context parallelism.
+
+A tiny real-architecture Gemma 4 by default (``--model`` picks a preset, or
+``--checkpoint`` fine-tunes a Hugging Face checkpoint).
 
 Synthetic packed multimodal data, a progress bar, a parity check of the first
 step against the single-device model, and a closing summary.
@@ -25,6 +28,10 @@ class TrainJob:
   batch_size: int = 2
   learning_rate: float = 3e-3
   parity_check: bool = True
+  model: str = "tiny"
+  checkpoint: str | None = None
+  remat: bool = False
+  save: str | None = None
 
 
 def _compute_dtype(name: str):
@@ -50,42 +57,50 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   from tqdm.auto import tqdm
 
   from cpjax import train
-  from cpjax.data import synthetic_batch
   from cpjax.models import gemma4
 
-  cfg = gemma4.Gemma4Config()
   if jax.process_index() != 0:
     log = lambda *_: None  # noqa: E731
   devices = jax.devices()
   if len(devices) < job.cp:
     raise ValueError(f"--cp {job.cp} needs {job.cp} devices, found {len(devices)}")
   mesh = jax.make_mesh((job.cp,), ("cp",), devices=devices[:job.cp])
-  model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(job.seed), dtype=_compute_dtype(job.dtype))
+  compute = _compute_dtype(job.dtype)
+  if job.checkpoint:
+    # Parameters stay float32 for the optimizer; activations in job.dtype.
+    model = gemma4.Gemma4.from_pretrained(job.checkpoint, remat=job.remat)
+    model.dtype = compute
+    what = f"Gemma 4 from {job.checkpoint}"
+  else:
+    model = gemma4.Gemma4(gemma4.Gemma4Config.preset(job.model), rngs=nnx.Rngs(job.seed),
+                          dtype=compute, remat=job.remat)
+    what = f"Gemma 4 {job.model!r} (random init)"
+  cfg = model.cfg
   sharder = model.prepare_model_inputs_for_cp(layout=job.layout)["cp_sharder"]
-  graphdef, params = nnx.split(model)
+  # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   optimizer = optax.adamw(job.learning_rate, weight_decay=0.01)
   opt_state = optimizer.init(params)
   rng = np.random.default_rng(job.seed)
 
   def next_batch():
-    return synthetic_batch(rng, batch_size=job.batch_size, seq_len=job.seq_len,
-                           vocab_size=cfg.vocab_size, tokens_per_image=cfg.tokens_per_image,
-                           image_shape=(cfg.num_channels, cfg.image_size, cfg.image_size),
-                           max_docs=6)
+    return gemma4.synthetic_batch(rng, cfg, batch_size=job.batch_size, seq_len=job.seq_len,
+                                  max_docs=6)
 
   procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-  log(f"cpjax train: Gemma4-style {cfg.num_layers} layers d={cfg.d_model}, "
+  t = cfg.text
+  log(f"cpjax train: {what}: {t.num_hidden_layers} layers d={t.hidden_size}, "
       f"S={job.seq_len} B={job.batch_size}, cp={job.cp} {job.layout} on "
       f"{job.cp} {devices[0].platform.upper()} devices{procs}, {job.dtype}")
   batch = next_batch()
   sharded, layout = sharder.shard_batch(batch, mesh)
-  step = train.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout)
+  step = train.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=buffers)
   step = step.compile(params, opt_state, sharded)  # once; every step reuses it
 
   summary = {"job": dataclasses.asdict(job)}
   if job.parity_check:
-    single = train.make_loss_fn(graphdef)
-    objective = lambda p: (lambda s, n: s / n)(*single(p, gemma4.prepare_batch(batch)))
+    single = train.make_loss_fn(graphdef, frozen=buffers)
+    objective = lambda p: (lambda s, n: s / n)(*single(p, gemma4.prepare_batch(batch, cfg)))
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(objective))(params)
     ref_norm = float(optax.tree.norm(ref_grads))
 
@@ -132,6 +147,11 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   log(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {job.steps} steps; "
       f"{summary['tokens_per_s']:.0f} real tokens/s after the first step "
       f"(first step {times[0]:.1f} s)")
+  if job.save:
+    trained = nnx.merge(graphdef, jax.device_get(params), buffers)
+    files = trained.save_pretrained(job.save)
+    summary["saved"] = files
+    log(f"saved a Hugging Face checkpoint to {job.save} ({len(files)} safetensors file(s))")
   log(f"per-device memory of the compiled step: scratch {summary['scratch_mib_per_device']:.1f} MiB, "
       f"arguments {summary['arguments_mib_per_device']:.1f} MiB")
   return summary

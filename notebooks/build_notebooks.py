@@ -50,12 +50,12 @@ QUICKSTART = [
 import matplotlib.pyplot as plt
 import numpy as np
 import cpjax
-from cpjax.data import synthetic_batch
+from cpjax.models import gemma4
 
 cp = mesh.shape["cp"]
 seq_len = 10 * cp if SMALL else 40 * cp
-batch = synthetic_batch(np.random.default_rng(0), batch_size=1, seq_len=seq_len, vocab_size=100,
-                        tokens_per_image=4, image_shape=(3, 8, 8), max_docs=4)
+batch = gemma4.synthetic_batch(np.random.default_rng(0), gemma4.Gemma4Config.preset("tiny"),
+                               batch_size=1, seq_len=seq_len, max_docs=4)
 print({k: v.shape for k, v in batch.items()})'''),
     ("markdown", "## Which tokens does each rank hold?\n\nContiguous: rank r owns one "
                  "block. Load-balanced: the padded row is cut into 2*cp chunks and rank r "
@@ -146,7 +146,7 @@ assert np.allclose(cpjax.from_rank_order(out, layout), ref, atol=1e-4)'''),
 ]
 
 TRAINING = [
-    ("markdown", "# Training with context parallelism\n\nTrain the tiny Gemma4-style model a "
+    ("markdown", "# Training with context parallelism\n\nTrain a tiny real-architecture Gemma 4 a "
                  "few dozen steps with CP and on a single device, plot both loss curves, and "
                  "show per-device memory against sequence length."),
     ("code", SETUP),
@@ -156,25 +156,23 @@ import numpy as np
 import optax
 from flax import nnx
 from cpjax import train
-from cpjax.data import synthetic_batch
 from cpjax.models import gemma4
 
 cp = mesh.shape["cp"]
 steps = 6 if SMALL else 40
 seq_len = 16 * cp if SMALL else 128 * cp
-cfg = gemma4.Gemma4Config(num_layers=2, full_every=2) if SMALL else gemma4.Gemma4Config()
+cfg = gemma4.Gemma4Config.preset("tiny-moe" if SMALL else "tiny")
 rng = np.random.default_rng(0)
-batches = [synthetic_batch(rng, batch_size=2, seq_len=seq_len, vocab_size=cfg.vocab_size,
-                           tokens_per_image=cfg.tokens_per_image, image_shape=(3, 8, 8))
-           for _ in range(steps)]
+batches = [gemma4.synthetic_batch(rng, cfg, batch_size=2, seq_len=seq_len) for _ in range(steps)]
 model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
 sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
-graphdef, params0 = nnx.split(model)
+# Buffers (layer_scalar, clip bounds) are not trained: they ride along as `frozen`.
+graphdef, params0, buffers = nnx.split(model, nnx.Param, ...)
 opt = optax.adamw(3e-3)'''),
     ("code", r'''# With CP: the aux streams are sharded, the model slices its own streams.
 sharded = [sharder.shard_batch(b, mesh) for b in batches]
 layout = sharded[0][1]
-cp_step = train.make_train_step(graphdef, opt, mesh=mesh, layout=layout)
+cp_step = train.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers)
 params, state = jax.tree.map(lambda x: x.copy(), params0), opt.init(params0)
 cp_losses = []
 for sb, _ in sharded:
@@ -182,12 +180,12 @@ for sb, _ in sharded:
     cp_losses.append(float(np.asarray(m["loss"].addressable_data(0))))
 
 # Single device, dense attention, the same batches.
-single_step = train.make_train_step(graphdef, opt)
+single_step = train.make_train_step(graphdef, opt, frozen=buffers)
 p1 = jax.device_put(jax.tree.map(lambda x: x.copy(), params0), single_device)
 s1 = jax.device_put(opt.init(params0), single_device)
 single_losses = []
 for b in batches:
-    p1, s1, m = single_step(p1, s1, jax.device_put(gemma4.prepare_batch(b), single_device))
+    p1, s1, m = single_step(p1, s1, jax.device_put(gemma4.prepare_batch(b, cfg), single_device))
     single_losses.append(float(m["loss"]))
 
 plt.plot(single_losses, "o-", label="single device (dense attention)")
@@ -200,12 +198,12 @@ print("largest |loss difference|:", max(abs(a - b) for a, b in zip(cp_losses, si
     ("code", r'''lengths = [8 * cp, 16 * cp] if SMALL else [128 * cp, 256 * cp, 512 * cp]
 rows = []
 for s in lengths:
-    b = synthetic_batch(np.random.default_rng(1), batch_size=1, seq_len=s, vocab_size=cfg.vocab_size,
-                        tokens_per_image=cfg.tokens_per_image, image_shape=(3, 8, 8))
+    b = gemma4.synthetic_batch(np.random.default_rng(1), cfg, batch_size=1, seq_len=s)
     sb, lay = sharder.shard_batch(b, mesh)
-    st = train.make_train_step(graphdef, opt, mesh=mesh, layout=lay)
+    st = train.make_train_step(graphdef, opt, mesh=mesh, layout=lay, frozen=buffers)
     cp_mib = st.compile(params0, opt.init(params0), sb).memory_analysis().temp_size_in_bytes / 2**20
-    dense = train.make_train_step(graphdef, opt).compile(params0, opt.init(params0), gemma4.prepare_batch(b))
+    dense = train.make_train_step(graphdef, opt, frozen=buffers).compile(
+        params0, opt.init(params0), gemma4.prepare_batch(b, cfg))
     rows.append((s, cp_mib, dense.memory_analysis().temp_size_in_bytes / 2**20))
 s_, cp_m, dense_m = zip(*rows)
 plt.loglog(s_, cp_m, "o-", base=2, label=f"cp={cp} (per device)")

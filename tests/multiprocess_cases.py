@@ -9,11 +9,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cpjax
 from cpjax import train
-from cpjax.data import synthetic_batch
 from cpjax.models import gemma4
 
-CFG = gemma4.Gemma4Config(num_layers=2, full_every=2, sliding_window=8, vocab_size=64,
-                          d_model=32, mlp_hidden=48)
+CFG = gemma4.Gemma4Config.preset("tiny-moe")
 
 
 def _global(mesh, x, spec):
@@ -30,8 +28,7 @@ def run_all(mesh) -> dict:
   """
   out = {}
   rng = np.random.default_rng(0)
-  batch = synthetic_batch(rng, batch_size=2, seq_len=60, vocab_size=CFG.vocab_size,
-                          tokens_per_image=CFG.tokens_per_image, image_shape=(3, 8, 8))
+  batch = gemma4.synthetic_batch(rng, CFG, batch_size=2, seq_len=60)
   sharded, layout = cpjax.shard_batch(batch, mesh, layout="load_balanced")
   for key in ("labels", "position_ids", "_packed_seq_ids", "padding_mask"):
     out[f"shard/{key}"] = sharded[key]
@@ -56,19 +53,17 @@ def run_all(mesh) -> dict:
   for name, g in zip("qkv", grads):
     out[f"ring/d{name}"] = g
 
-  # Three training steps of the Gemma4-style model.
+  # Three training steps of a tiny Gemma 4 (MoE, k_eq_v, vision groups).
   model = gemma4.Gemma4(CFG, rngs=nnx.Rngs(0))
   sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
-  graphdef, params = nnx.split(model)
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   opt = optax.sgd(0.1, momentum=0.9)
   opt_state = opt.init(params)
   step = None
   for i in range(3):
-    b = synthetic_batch(np.random.default_rng(10 + i), batch_size=2, seq_len=60,
-                        vocab_size=CFG.vocab_size, tokens_per_image=CFG.tokens_per_image,
-                        image_shape=(3, 8, 8))
+    b = gemma4.synthetic_batch(np.random.default_rng(10 + i), CFG, batch_size=2, seq_len=60)
     sb, lay = sharder.shard_batch(b, mesh)
-    step = step or train.make_train_step(graphdef, opt, mesh=mesh, layout=lay)
+    step = step or train.make_train_step(graphdef, opt, mesh=mesh, layout=lay, frozen=buffers)
     params, opt_state, metrics = step(params, opt_state, sb)
     out[f"train/loss{i}"] = metrics["loss"]
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):

@@ -59,6 +59,9 @@ def test_two_processes_equal_one(tmp_path):
       chex.assert_trees_all_equal(cluster[key], single[key], custom_message=key)
     else:
       # Same program on the same 8-device mesh: the collectives only cross a
-      # process boundary, so results agree to float32 reduction order.
-      chex.assert_trees_all_close(cluster[key], single[key], rtol=1e-5, atol=1e-6,
+      # process boundary, so results agree to float32 reduction order: within
+      # 1e-5 of each array's scale (as the gradient parity tests judge leaves;
+      # three momentum steps of an MoE model leave ~1e-6 on a few elements).
+      scale = max(float(np.max(np.abs(single[key]))), 1e-30)
+      chex.assert_trees_all_close(cluster[key], single[key], rtol=0, atol=1e-5 * scale,
                                   custom_message=key)

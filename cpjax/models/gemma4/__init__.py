@@ -10,6 +10,7 @@ from cpjax.models.gemma4.cp_batch import (
 )
 from cpjax.models.gemma4.cp_batch import prepare_batch as prepare_batch
 from cpjax.models.gemma4.cp_batch import shard_aux_only_cp_batch as shard_aux_only_cp_batch
+from cpjax.models.gemma4.cp_batch import synthetic_batch as synthetic_batch
 from cpjax.models.gemma4.cp_batch import (
     synthesize_single_document_seq_ids as synthesize_single_document_seq_ids,
 )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -48,9 +47,9 @@ class Gemma4TextConfig:
   (:attr:`effective_sliding_window`).
 
   Example:
-    >>> cfg = Gemma4TextConfig(num_hidden_layers=7, num_kv_shared_layers=2)
-    >>> cfg.layer_types[-2:], cfg.kv_sharing_modes
-    (('full_attention', 'full_attention'), (None, None, None, 'store', None, 'reuse', 'reuse'))
+    >>> cfg = Gemma4TextConfig(num_hidden_layers=8, num_kv_shared_layers=2)
+    >>> cfg.layer_types[5], cfg.layer_types[7], cfg.kv_sharing_modes[4:]
+    ('full_attention', 'full_attention', ('store', 'store', 'reuse', 'reuse'))
   """
 
   vocab_size: int = 262144
@@ -195,7 +194,7 @@ class Gemma4TextConfig:
 
     >>> cfg = Gemma4TextConfig(num_hidden_layers=1, global_head_dim=16)
     >>> [round(float(f), 4) for f in cfg.rope_inv_freq(0)]
-    [1.0, 0.0178, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    [1.0, 0.1778, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     """
     import numpy as np
 
@@ -402,7 +401,9 @@ def _check_common(raw: dict, where: str):
 def _text_from_hf(raw: dict) -> Gemma4TextConfig:
   _check_common(raw, "text_config")
   fields = {f.name for f in dataclasses.fields(Gemma4TextConfig)}
-  kw = {k: v for k, v in raw.items() if k in fields}
+  # The full-layer overrides are decided below, as transformers decides them.
+  kw = {k: v for k, v in raw.items()
+        if k in fields and k not in ("global_head_dim", "num_global_key_value_heads")}
   if kw.get("layer_types") is not None:
     kw["layer_types"] = tuple(kw["layer_types"])
   rope = raw.get("rope_parameters") or {}
@@ -429,7 +430,9 @@ def _text_from_hf(raw: dict) -> Gemma4TextConfig:
     if set(full) != want or len(dims) != 1 or len(heads) != 1:
       raise ValueError(f"text_config.per_layer_config must give every full layer {sorted(want)} "
                        f"the same head_dim and num_key_value_heads, got {per_layer}")
-    kw["global_head_dim"], kw["num_global_key_value_heads"] = dims.pop(), heads.pop()
+    kw["global_head_dim"], heads = dims.pop(), heads.pop()
+    # None: "as the sliding layers" (the canonical spelling of no override).
+    kw["num_global_key_value_heads"] = None if heads == base.num_key_value_heads else heads
   else:
     kw["global_head_dim"] = raw.get("global_head_dim", 512)
     # transformers applies the full-layer KV-head override only with k_eq_v.

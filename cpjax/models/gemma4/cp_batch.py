@@ -23,7 +23,7 @@ from cpjax import batch as batch_lib
 from cpjax.layout import ShardLayout
 from cpjax.sharding import shard_batch
 
-__all__ = ["IMAGE_OFFSET_KEY", "documents_from_positions", "image_token_offsets", "make_contiguous_aux_only_shard_cp_batch",
+__all__ = ["IMAGE_OFFSET_KEY", "documents_from_positions", "synthetic_batch", "image_token_offsets", "make_contiguous_aux_only_shard_cp_batch",
            "prepare_batch", "shard_aux_only_cp_batch", "synthesize_single_document_seq_ids"]
 
 # Per-row count of image tokens in the global rows before it (see
@@ -253,3 +253,31 @@ def _check_images(batch: Mapping[str, Any], config) -> None:
     raise ValueError(f"image placeholders and soft tokens disagree: input_ids hold "
                      f"{placeholders} image tokens (id {config.image_token_id}) but the "
                      f"{pix_shape[0]} images in pixel_values yield {soft} soft tokens")
+
+
+def synthetic_batch(rng, config, *, batch_size: int, seq_len: int, images_per_row: int = 1,
+                    max_docs: int = 4, image_grid: tuple[int, int] | None = None) -> dict:
+  """:func:`cpjax.data.synthetic_batch` for a :class:`Gemma4Config`: its
+  vocabulary, image token and patch size (a text-only model gets no images).
+
+  >>> import numpy as np
+  >>> from cpjax.models.gemma4 import Gemma4Config
+  >>> b = synthetic_batch(np.random.default_rng(0), Gemma4Config.preset("tiny"), batch_size=1,
+  ...                     seq_len=16)
+  >>> b["pixel_values"].shape, int((b["input_ids"] == 258880).sum())
+  ((1, 36, 48), 4)
+  """
+  from cpjax.data import synthetic_batch as generic
+
+  v = config.vision
+  if v is None:
+    images_per_row = 0
+  k = v.pooling_kernel_size if v else 3
+  out = generic(rng, batch_size=batch_size, seq_len=seq_len, vocab_size=config.text.vocab_size,
+                image_token_id=config.image_token_id, patch_size=v.patch_size if v else 1,
+                pooling_kernel_size=k, image_grid=image_grid or (2 * k, 2 * k),
+                images_per_row=images_per_row, max_docs=max_docs)
+  if images_per_row == 0:
+    for key in ("pixel_values", "image_position_ids", "mm_token_type_ids"):
+      out.pop(key)
+  return out

@@ -1,0 +1,155 @@
+"""Gemma 4 configs and checkpoints: config.json in both styles, presets,
+strict streaming loads, bit-exact round trips, batch validation; and, when
+torch and transformers are installed, transformers itself loading what
+cpjax saves."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cpjax.models import gemma4
+from cpjax.models.gemma4.checkpoint import checkpoint_keys
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4")
+
+
+def states_equal(a, b):
+  ka, kb = checkpoint_keys(a), checkpoint_keys(b)
+  assert sorted(ka) == sorted(kb)
+  for key in ka:
+    x, y = np.asarray(ka[key].value), np.asarray(kb[key].value)
+    assert x.dtype == y.dtype and x.shape == y.shape, key
+    np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8),
+                                  err_msg=key)
+
+
+def test_hub_style_and_saved_style_configs_agree():
+  """moe_k_eq_v_vision's config.json is in the Hub's style (global_head_dim,
+  num_global_key_value_heads); to_hf writes transformers 5.24's
+  per_layer_config; both read back to the same config."""
+  hub = gemma4.Gemma4Config.from_hf(os.path.join(FIXTURES, "moe_k_eq_v_vision"))
+  assert "per_layer_config" not in json.load(
+      open(os.path.join(FIXTURES, "moe_k_eq_v_vision", "config.json")))["text_config"]
+  assert (hub.text.global_head_dim, hub.text.num_global_key_value_heads) == (32, 1)
+  assert gemma4.Gemma4Config.from_hf(hub.to_hf()) == hub
+  saved = gemma4.Gemma4Config.from_hf(os.path.join(FIXTURES, "ple_kv_sharing"))
+  assert gemma4.Gemma4Config.from_hf(saved.to_hf()) == saved
+
+
+def test_hub_style_kv_override_needs_k_eq_v():
+  """transformers applies num_global_key_value_heads only with attention_k_eq_v."""
+  text = {"num_hidden_layers": 2, "num_key_value_heads": 2, "num_global_key_value_heads": 1,
+          "global_head_dim": 64}
+  off = gemma4.Gemma4Config.from_hf({"model_type": "gemma4_text", **text})
+  on = gemma4.Gemma4Config.from_hf({"model_type": "gemma4_text", **text, "attention_k_eq_v": True})
+  assert off.text.kv_heads(1) == 2 and on.text.kv_heads(1) == 1
+  assert off.vision is None
+
+
+@pytest.mark.parametrize("name,stores,hidden", [
+    ("e2b", (13, 14), 1536), ("e4b", (22, 23), 2560), ("a4b", (), 2816), ("31b", (), 5376)])
+def test_published_presets(name, stores, hidden):
+  cfg = gemma4.Gemma4Config.preset(name)
+  t = cfg.text
+  assert t.hidden_size == hidden and t.final_logit_softcapping == 30.0
+  assert tuple(i for i, m in enumerate(t.kv_sharing_modes) if m == "store") == stores
+  assert t.layer_types[-1] == "full_attention"
+  # Proportional RoPE on full layers: 64 of 256 frequency pairs rotate.
+  full = t.layer_types.index("full_attention")
+  assert int(np.count_nonzero(t.rope_inv_freq(full))) == 64
+  assert gemma4.Gemma4Config.from_hf(cfg.to_hf()).text == t
+
+
+def test_bad_configs_are_value_errors():
+  with pytest.raises(ValueError, match="hidden_activation"):
+    gemma4.Gemma4Config.from_hf({"model_type": "gemma4_text", "hidden_activation": "relu"})
+  with pytest.raises(ValueError, match="model_type"):
+    gemma4.Gemma4Config.from_hf({"model_type": "llama"})
+  with pytest.raises(ValueError, match="num_attention_heads"):
+    gemma4.Gemma4TextConfig(num_attention_heads=6, num_key_value_heads=4)
+  with pytest.raises(KeyError, match="unknown Gemma 4 preset"):
+    gemma4.Gemma4Config.preset("7b")
+
+
+@pytest.fixture
+def checkpoint_copy(tmp_path):
+  path = tmp_path / "ckpt"
+  shutil.copytree(os.path.join(FIXTURES, "moe_k_eq_v_vision"), path)
+  return path
+
+
+def _edit(path, fn):
+  from safetensors.numpy import load_file, save_file
+  file = os.path.join(path, "model.safetensors")
+  tensors = fn(load_file(file))
+  save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_missing_unexpected_and_misshapen_keys_are_errors(checkpoint_copy):
+  key = "model.language_model.layers.0.mlp.up_proj.weight"
+  _edit(checkpoint_copy, lambda t: {**t, key: t[key][:, :-1]})
+  with pytest.raises(ValueError, match=r"layers\.0\.mlp\.up_proj\.weight.*\[48, 63\].*\[48, 64\]"):
+    gemma4.Gemma4.from_pretrained(checkpoint_copy)
+  _edit(checkpoint_copy, lambda t: {k: v for k, v in t.items() if k != key})
+  with pytest.raises(ValueError, match=r"missing keys \['model\.language_model\.layers\.0\.mlp"):
+    gemma4.Gemma4.from_pretrained(checkpoint_copy)
+  _edit(checkpoint_copy, lambda t: {**t, key: np.zeros((48, 64), np.float32),
+                                    "model.extra.weight": np.zeros(2, np.float32)})
+  with pytest.raises(ValueError, match=r"unexpected keys \['model\.extra\.weight'\]"):
+    gemma4.Gemma4.from_pretrained(checkpoint_copy)
+
+
+def test_reuse_layer_kv_weights_are_ignored_as_transformers_does():
+  from safetensors import safe_open
+  path = os.path.join(FIXTURES, "ple_kv_sharing")
+  with safe_open(os.path.join(path, "model.safetensors"), framework="numpy") as f:
+    assert "model.language_model.layers.4.self_attn.k_proj.weight" in f.keys()
+  model = gemma4.Gemma4.from_pretrained(path)
+  assert "model.language_model.layers.4.self_attn.k_proj.weight" not in checkpoint_keys(model)
+
+
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+  for dtype in (jnp.float32, jnp.bfloat16):
+    model = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, "ple_kv_sharing"), dtype=dtype)
+    model.save_pretrained(tmp_path / str(dtype.dtype))
+    states_equal(model, gemma4.Gemma4.from_pretrained(tmp_path / str(dtype.dtype), dtype=dtype))
+
+
+def test_sharded_save_with_index_and_placement_on_a_mesh(tmp_path):
+  model = gemma4.Gemma4(gemma4.Gemma4Config.preset("tiny"), rngs=nnx.Rngs(3))
+  files = model.save_pretrained(tmp_path, max_shard_bytes=100_000)
+  assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+  mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+  spec = lambda key, shape: jax.P("fsdp") if len(shape) == 2 and shape[0] % 4 == 0 else jax.P()
+  loaded = gemma4.Gemma4.from_pretrained(tmp_path, mesh=mesh, sharding=spec)
+  states_equal(model, loaded)
+  emb = checkpoint_keys(loaded)["model.language_model.embed_tokens.weight"].value
+  assert emb.sharding.spec == jax.P("fsdp")
+
+
+def test_prepare_batch_validates_images_before_compute():
+  cfg = gemma4.Gemma4Config.preset("tiny")
+  batch = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=2, seq_len=40)
+  gemma4.prepare_batch(batch, cfg)                        # consistent: fine
+  short = dict(batch, input_ids=batch["input_ids"].copy())
+  short["input_ids"][0, np.flatnonzero(batch["input_ids"][0] == cfg.image_token_id)[0]] = 5
+  with pytest.raises(ValueError, match=r"input_ids hold 7 image tokens .* yield 8 soft tokens"):
+    gemma4.prepare_batch(short, cfg)
+  with pytest.raises(KeyError, match="image_position_ids"):
+    gemma4.prepare_batch({k: v for k, v in batch.items() if k != "image_position_ids"}, cfg)
+  with pytest.raises(ValueError, match=r"pixel_values must be \[N, P, 3 \* patch_size\*\*2 = 48\]"):
+    gemma4.prepare_batch(dict(batch, pixel_values=batch["pixel_values"][..., :40]), cfg)
+  with pytest.raises(ValueError, match="'input_features' is not supported"):
+    gemma4.prepare_batch(dict(batch, input_features=np.zeros((1, 10, 128))), cfg)
+
+
+def test_packed_documents_from_position_ids_as_transformers_reads_them():
+  out = gemma4.prepare_batch({"input_ids": np.ones((1, 6), np.int32),
+                              "position_ids": np.array([[0, 1, 2, 0, 1, 0]])})
+  assert np.asarray(out["_packed_seq_ids"]).tolist() == [[1, 1, 1, 2, 2, 3]]
