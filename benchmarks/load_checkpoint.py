@@ -56,7 +56,7 @@ def write_checkpoint(path: str, hidden: int, layers: int, shard_bytes: int) -> i
       global_head_dim=hidden // 4, hidden_size_per_layer_input=0,
       final_logit_softcapping=30.0)
   cfg = gemma4.Gemma4Config(text=text, vision=None)
-  shapes = {k: v.value.shape for k, v in checkpoint_keys(
+  shapes = {k: v.get_value().shape for k, v in checkpoint_keys(
       nnx.eval_shape(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)))).items()}
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:

@@ -23,7 +23,7 @@ def states_equal(a, b):
   ka, kb = checkpoint_keys(a), checkpoint_keys(b)
   assert sorted(ka) == sorted(kb)
   for key in ka:
-    x, y = np.asarray(ka[key].value), np.asarray(kb[key].value)
+    x, y = np.asarray(ka[key].get_value()), np.asarray(kb[key].get_value())
     assert x.dtype == y.dtype and x.shape == y.shape, key
     np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8),
                                   err_msg=key)
@@ -129,7 +129,7 @@ def test_sharded_save_with_index_and_placement_on_a_mesh(tmp_path):
   spec = lambda key, shape: jax.P("fsdp") if len(shape) == 2 and shape[0] % 4 == 0 else jax.P()
   loaded = gemma4.Gemma4.from_pretrained(tmp_path, mesh=mesh, sharding=spec)
   states_equal(model, loaded)
-  emb = checkpoint_keys(loaded)["model.language_model.embed_tokens.weight"].value
+  emb = checkpoint_keys(loaded)["model.language_model.embed_tokens.weight"].get_value()
   assert emb.sharding.spec == jax.P("fsdp")
 
 

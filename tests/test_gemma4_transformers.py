@@ -30,8 +30,8 @@ def test_transformers_loads_what_cpjax_saves(tmp_path, name):
   model = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name))
   # Perturb every tensor so the saved weights are cpjax's, not the fixture's.
   for i, var in enumerate(checkpoint_keys(model).values()):
-    noise = jax.random.normal(jax.random.key(i), var.value.shape) * 0.01
-    var.value = var.value + noise * jnp.abs(var.value).mean()
+    noise = jax.random.normal(jax.random.key(i), var.get_value().shape) * 0.01
+    var.set_value(var.get_value() + noise * jnp.abs(var.get_value()).mean())
   model.save_pretrained(tmp_path)
   hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(
       tmp_path, dtype=torch.float32).eval()

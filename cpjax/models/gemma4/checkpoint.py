@@ -123,18 +123,18 @@ def load_pretrained(cls, path, *, dtype=jnp.float32, mesh: Mesh | None = None,
                      f"({len(missing)}), unexpected keys {unexpected[:8]}"
                      f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})")
   for key, var in wanted.items():
-    if shapes[key] != tuple(var.value.shape):
+    if shapes[key] != tuple(var.get_value().shape):
       raise ValueError(f"checkpoint tensor {key!r} has shape {list(shapes[key])}, the model "
-                       f"expects {list(var.value.shape)}")
+                       f"expects {list(var.get_value().shape)}")
   for key, var in wanted.items():
-    host = _read(weight_map[key], key).astype(var.value.dtype)
+    host = _read(weight_map[key], key).astype(var.get_value().dtype)
     if mesh is not None:
       spec = P() if sharding is None else sharding(key, host.shape)
       value = jax.device_put(host, NamedSharding(mesh, spec))
     else:
       value = jnp.asarray(host)
     del host
-    var.value = value
+    var.set_value(value)
   return model
 
 
@@ -155,7 +155,7 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 4 << 30) -> list[str]
   groups: list[list[str]] = [[]]
   size = 0
   for key, var in keys.items():
-    nbytes = var.value.size * var.value.dtype.itemsize
+    nbytes = var.get_value().size * var.get_value().dtype.itemsize
     if groups[-1] and size + nbytes > max_shard_bytes:
       groups.append([])
       size = 0
@@ -165,7 +165,7 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 4 << 30) -> list[str]
            [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
   weight_map, total = {}, 0
   for name, group in zip(names, groups):
-    tensors = {k: np.asarray(jax.device_get(keys[k].value)) for k in group}
+    tensors = {k: np.asarray(jax.device_get(keys[k].get_value())) for k in group}
     save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
     total += sum(t.nbytes for t in tensors.values())
     weight_map.update({k: name for k in group})

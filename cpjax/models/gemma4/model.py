@@ -157,7 +157,7 @@ class Gemma4(nnx.Module):
     if param_dtype != jnp.float32:
       for _, var in nnx.iter_graph(self):
         if isinstance(var, (nnx.Param, Buffer)):
-          var.value = var.value.astype(param_dtype)
+          var.set_value(var.get_value().astype(param_dtype))
 
   # ------------------------------------------------------------ checkpoints
   @classmethod
