@@ -138,10 +138,13 @@ def single_device(name):
   return jax.jit(jax.value_and_grad(objective))(params)
 
 
+# Every cp size and layout, each model at least twice, and a (dp, cp) mesh.
 @pytest.mark.parametrize("name,cp,layout,dp", [
-    ("ple_kv_sharing", 4, "load_balanced", 1), ("ple_kv_sharing", 8, "contiguous", 1),
-    ("moe_k_eq_v_vision", 2, "contiguous", 1), ("moe_k_eq_v_vision", 4, "load_balanced", 2),
-    ("bidirectional_all", 8, "load_balanced", 1)])
+    ("ple_kv_sharing", 2, "load_balanced", 1), ("ple_kv_sharing", 8, "contiguous", 1),
+    ("ple_kv_sharing", 4, "contiguous", 2),
+    ("moe_k_eq_v_vision", 2, "contiguous", 1), ("moe_k_eq_v_vision", 8, "load_balanced", 1),
+    ("moe_k_eq_v_vision", 4, "load_balanced", 2),
+    ("bidirectional_all", 4, "contiguous", 1), ("bidirectional_all", 4, "load_balanced", 1)])
 def test_cp_loss_and_gradients_equal_single_device(name, cp, layout, dp):
   model, batch = training_batch(name)
   ref_loss, ref_grads = single_device(name)

@@ -249,12 +249,6 @@ class Gemma4VisionConfig:
     return 3 * self.patch_size ** 2
 
 
-# Token ids of the multimodal placeholders (transformers' Gemma4Config defaults).
-_TOKEN_IDS = {"image_token_id": 258880, "boi_token_id": 255999, "eoi_token_id": 258882,
-              "video_token_id": 258884, "audio_token_id": 258881, "boa_token_id": 256000,
-              "eoa_token_index": 258883}
-
-
 @dataclasses.dataclass(frozen=True)
 class Gemma4Config:
   """Gemma 4 (transformers' ``Gemma4Config``): text decoder plus vision tower.
@@ -388,6 +382,11 @@ class Gemma4Config:
         "attention_bias": False,
     }
     return out
+
+
+# The multimodal token ids, as transformers' Gemma4Config defaults them.
+_TOKEN_IDS = {f.name: f.default for f in dataclasses.fields(Gemma4Config)
+              if f.name.endswith(("_token_id", "_token_index"))}
 
 
 def _check_common(raw: dict, where: str):
