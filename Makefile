@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/shard_batch.py
 	$(BIN)/python benchmarks/ring_attention.py
 	$(BIN)/python benchmarks/long_context.py
+	$(BIN)/python benchmarks/data_pipeline.py
+	$(BIN)/python benchmarks/load_checkpoint.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,6 +1,6 @@
 """The ``cpjax`` command line.
 
-    cpjax train [--model NAME | --checkpoint DIR] [--remat] [--save DIR]
+    cpjax train [--model NAME | --checkpoint DIR] [--data PATH] [--remat] [--save DIR]
                 [--seq-len N] [--cp N] [--layout KIND] [--steps N] [--seed N] [--dtype T]
                 [--coordinator-address HOST:PORT --num-processes N --process-id I]
     cpjax demo  [--cp N] [--seq-len N]
@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--checkpoint", metavar="DIR", default=None,
                      help="fine-tune this Hugging Face Gemma 4 checkpoint directory "
                           "(config.json + safetensors) instead of --model")
+  train.add_argument("--data", metavar="PATH", default=None,
+                     help="train on pre-tokenized documents (an ArrayRecord file or a directory "
+                          "of them, see cpjax.corpus), packed into rows of --seq-len, instead "
+                          "of synthetic data")
   train.add_argument("--remat", action="store_true",
                      help="rematerialise every decoder layer in the backward pass")
   train.add_argument("--save", metavar="DIR", default=None,
@@ -131,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.checkpoint is not None and not os.path.isfile(os.path.join(args.checkpoint,
                                                                      "config.json")):
     parser.exit(2, f"cpjax train: error: --checkpoint {args.checkpoint} has no config.json\n")
+  if args.data is not None and not os.path.exists(args.data):
+    parser.exit(2, f"cpjax train: error: --data {args.data} does not exist\n")
   if args.seq_len < 32:
     parser.exit(2, f"cpjax train: error: --seq-len must be >= 32, got {args.seq_len}\n")
   explicit = [flag for flag, value in (("--coordinator-address", args.coordinator_address),
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                  seed=args.seed, dtype=args.dtype, batch_size=args.batch_size,
                  learning_rate=args.lr, parity_check=not args.no_parity_check,
                  model=args.model or "tiny", checkpoint=args.checkpoint, remat=args.remat,
-                 save=args.save)
+                 save=args.save, data=args.data)
   # Anything raised from here on is a crash, not a usage error: let it
   # propagate with its traceback (exit status 1).
   run_train_job(job)

@@ -32,6 +32,7 @@ class TrainJob:
   checkpoint: str | None = None
   remat: bool = False
   save: str | None = None
+  data: str | None = None
 
 
 def _compute_dtype(name: str):
@@ -83,12 +84,29 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   opt_state = optimizer.init(params)
   rng = np.random.default_rng(job.seed)
 
-  def next_batch():
-    return gemma4.synthetic_batch(rng, cfg, batch_size=job.batch_size, seq_len=job.seq_len,
-                                  max_docs=6)
+  if job.data:
+    from cpjax.corpus import packed_batches
+
+    # Every process feeds the same global batch (the sharder places each
+    # process's part), so every process reads the whole corpus here.
+    rows = iter(packed_batches(job.data, batch_size=job.batch_size, seq_len=job.seq_len,
+                               seed=job.seed, process_index=0, process_count=1))
+
+    def next_batch():
+      batch = next(rows)
+      top = int(batch["input_ids"].max())
+      if top >= cfg.text.vocab_size:
+        raise ValueError(f"--data {job.data} holds token id {top}, outside the model's "
+                         f"vocabulary of {cfg.text.vocab_size}")
+      return batch
+  else:
+    def next_batch():
+      return gemma4.synthetic_batch(rng, cfg, batch_size=job.batch_size, seq_len=job.seq_len,
+                                    max_docs=6)
 
   procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
   t = cfg.text
+  what += f", data {job.data}" if job.data else ", synthetic multimodal data"
   log(f"cpjax train: {what}: {t.num_hidden_layers} layers d={t.hidden_size}, "
       f"S={job.seq_len} B={job.batch_size}, cp={job.cp} {job.layout} on "
       f"{job.cp} {devices[0].platform.upper()} devices{procs}, {job.dtype}")

@@ -30,6 +30,10 @@ def _run(*args, timeout=600):
     (["train", "--auto-cluster", "--coordinator-address", "h:1", "--num-processes", "2"],
      "cannot be combined with --coordinator-address, --num-processes"),
     (["train", "--cp", "16"], "--cp 16 needs 16 devices, found 8 CPU devices"),
+    (["train", "--model", "tiny", "--checkpoint", "x"], "--model and --checkpoint exclude each other"),
+    (["train", "--checkpoint", "/nonexistent"], "--checkpoint /nonexistent has no config.json"),
+    (["train", "--data", "/nonexistent.array_record"], "--data /nonexistent.array_record does not exist"),
+    (["train", "--model", "7b"], "argument --model: invalid choice: '7b'"),
 ])
 def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
   # JAX is already up with 8 CPU devices in this process: keep it as it is.
@@ -70,7 +74,8 @@ def test_help_does_not_claim_cpu_is_the_default(capsys):
 
 def test_help_documents_every_flag(capsys):
   text = train_help(capsys)
-  for flag in ("--seq-len", "--cp", "--layout", "--steps", "--seed", "--dtype"):
+  for flag in ("--seq-len", "--cp", "--layout", "--steps", "--seed", "--dtype", "--model",
+               "--checkpoint", "--data", "--remat", "--save"):
     assert flag in text
 
 
@@ -79,3 +84,25 @@ def test_console_entry_point_runs_the_job():
   assert proc.returncode == 0, proc.stderr
   assert "parity with the single-device model at step 1" in proc.stdout + proc.stderr
   assert "loss " in proc.stdout and "->" in proc.stdout
+
+
+def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
+  """--checkpoint + --data + --remat + --save end to end; the saved model loads."""
+  import os
+
+  from cpjax.models import gemma4
+
+  here = os.path.dirname(__file__)
+  proc = _run("train", "--checkpoint", os.path.join(here, "fixtures", "gemma4", "ple_kv_sharing"),
+              "--data", os.path.join(here, "data", "tiny_corpus.array_record"), "--remat",
+              "--save", str(tmp_path / "out"), "--seq-len", "64", "--steps", "2", "--cp", "2")
+  # The fixture model's vocabulary is 256 and the corpus uses ids up to 511.
+  assert proc.returncode == 1
+  assert "holds token id" in proc.stderr and "vocabulary of 256" in proc.stderr
+  proc = _run("train", "--model", "tiny", "--data",
+              os.path.join(here, "data", "tiny_corpus.array_record"), "--remat",
+              "--save", str(tmp_path / "out"), "--seq-len", "64", "--steps", "2", "--cp", "2")
+  assert proc.returncode == 0, proc.stderr
+  assert "parity with the single-device model at step 1" in proc.stdout + proc.stderr
+  saved = gemma4.Gemma4.from_pretrained(tmp_path / "out")
+  assert saved.cfg == gemma4.Gemma4Config.preset("tiny")
