@@ -1,6 +1,7 @@
 """The ``cpjax`` command line.
 
     cpjax train [--model NAME | --checkpoint DIR] [--data PATH] [--remat] [--save DIR]
+                [--state-dir DIR --save-every N | --resume DIR [--force-resume]]
                 [--seq-len N] [--cp N] [--layout KIND] [--steps N] [--seed N] [--dtype T]
                 [--coordinator-address HOST:PORT --num-processes N --process-id I]
     cpjax demo  [--cp N] [--seq-len N]
@@ -65,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="train on pre-tokenized documents (an ArrayRecord file or a directory "
                           "of them, see cpjax.corpus), packed into rows of --seq-len, instead "
                           "of synthetic data")
+  state = train.add_argument_group(
+      "resumable runs", "save the train state (parameters, optimizer state, data position) with "
+                        "orbax, and continue a run from it")
+  state.add_argument("--state-dir", metavar="DIR", default=None,
+                     help="where to save the train state (see --save-every); also saved after "
+                          "the last step")
+  state.add_argument("--save-every", type=_positive, default=None, metavar="N",
+                     help="save the train state every N steps (needs --state-dir or --resume)")
+  state.add_argument("--resume", metavar="DIR", default=None,
+                     help="continue the run saved in DIR up to --steps, saving there")
+  state.add_argument("--force-resume", action="store_true",
+                     help="resume even with a different --batch-size or --seq-len")
   train.add_argument("--remat", action="store_true",
                      help="rematerialise every decoder layer in the backward pass")
   train.add_argument("--save", metavar="DIR", default=None,
@@ -135,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
   if args.checkpoint is not None and not os.path.isfile(os.path.join(args.checkpoint,
                                                                      "config.json")):
     parser.exit(2, f"cpjax train: error: --checkpoint {args.checkpoint} has no config.json\n")
+  if args.resume is not None and args.state_dir is not None:
+    parser.exit(2, "cpjax train: error: --resume DIR saves into DIR; do not add --state-dir\n")
+  if args.save_every is not None and args.resume is None and args.state_dir is None:
+    parser.exit(2, "cpjax train: error: --save-every needs --state-dir (or --resume)\n")
+  if args.resume is not None and not os.path.isdir(args.resume):
+    parser.exit(2, f"cpjax train: error: --resume {args.resume} is not a directory\n")
   if args.data is not None and not os.path.exists(args.data):
     parser.exit(2, f"cpjax train: error: --data {args.data} does not exist\n")
   if args.seq_len < 32:
@@ -178,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                  seed=args.seed, dtype=args.dtype, batch_size=args.batch_size,
                  learning_rate=args.lr, parity_check=not args.no_parity_check,
                  model=args.model or "tiny", checkpoint=args.checkpoint, remat=args.remat,
-                 save=args.save, data=args.data)
+                 save=args.save, data=args.data, state_dir=args.resume or args.state_dir,
+                 save_every=args.save_every or 0, resume=args.resume is not None,
+                 force_resume=args.force_resume)
   # Anything raised from here on is a crash, not a usage error: let it
   # propagate with its traceback (exit status 1).
   run_train_job(job)

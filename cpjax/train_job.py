@@ -33,6 +33,10 @@ class TrainJob:
   remat: bool = False
   save: str | None = None
   data: str | None = None
+  state_dir: str | None = None
+  save_every: int = 0
+  resume: bool = False
+  force_resume: bool = False
 
 
 def _compute_dtype(name: str):
@@ -92,6 +96,12 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     rows = iter(packed_batches(job.data, batch_size=job.batch_size, seq_len=job.seq_len,
                                seed=job.seed, process_index=0, process_count=1))
 
+    def data_state():
+      return {"grain": rows.get_state()}
+
+    def set_data_state(state):
+      rows.set_state(state["grain"])
+
     def next_batch():
       batch = next(rows)
       top = int(batch["input_ids"].max())
@@ -100,9 +110,38 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
                          f"vocabulary of {cfg.text.vocab_size}")
       return batch
   else:
+    def data_state():
+      return {"numpy_bit_generator": rng.bit_generator.state}
+
+    def set_data_state(state):
+      rng.bit_generator.state = state["numpy_bit_generator"]
+
     def next_batch():
       return gemma4.synthetic_batch(rng, cfg, batch_size=job.batch_size, seq_len=job.seq_len,
                                     max_docs=6)
+
+  # What a resumed run must share with the saved one (see checkpointing).
+  run = {"model_config": cfg.to_hf(), "batch_size": job.batch_size, "seq_len": job.seq_len,
+         "data": job.data, "seed": job.seed}
+  first_step = 0
+  checkpointer = None
+  if job.state_dir:
+    from cpjax.checkpointing import TrainCheckpointer, check_run_matches
+
+    checkpointer = TrainCheckpointer(job.state_dir, save_every=job.save_every)
+    if job.resume:
+      first_step, restored = checkpointer.restore(params_like=params, opt_state_like=opt_state)
+      check_run_matches(restored["run"], run, force=job.force_resume)
+      params, opt_state = restored["params"], restored["opt_state"]
+      set_data_state(restored["data_state"])
+      log(f"resumed from {job.state_dir} after step {first_step}")
+    elif checkpointer.latest_step() is not None:
+      raise ValueError(f"{job.state_dir} already holds a checkpoint (step "
+                       f"{checkpointer.latest_step()}); resume it with --resume or choose "
+                       f"another directory")
+  if first_step >= job.steps:
+    raise ValueError(f"the checkpoint is after step {first_step}; --steps {job.steps} leaves "
+                     f"nothing to train")
 
   procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
   t = cfg.text
@@ -123,7 +162,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     ref_norm = float(optax.tree.norm(ref_grads))
 
   losses, real_tokens, times = [], 0, []
-  bar = tqdm(range(job.steps), desc="train", unit="step", leave=True,
+  bar = tqdm(range(first_step, job.steps), desc="train", unit="step", leave=True,
              disable=jax.process_index() != 0)
   for i in bar:
     start = time.perf_counter()
@@ -147,6 +186,10 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
         raise RuntimeError(f"CP and single-device steps disagree: {summary['parity']}")
     losses.append(loss)
     real_tokens += int(np.sum(batch["attention_mask"]))
+    if checkpointer is not None:
+      # The data state BEFORE the next fetch: a resumed run fetches that batch.
+      checkpointer.maybe_save(i + 1, params=params, opt_state=opt_state,
+                              data_state=data_state(), run=run, force=i + 1 == job.steps)
     bar.set_postfix(loss=f"{loss:.3f}")
     batch = next_batch()
     sharded, lay = sharder.shard_batch(batch, mesh)
@@ -155,7 +198,12 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   mem = step.memory_analysis()
   steady = times[1:] or times
   tokens_per_step = real_tokens / len(times)
+  if checkpointer is not None:
+    checkpointer.wait()
+    checkpointer.close()
+    log(f"train state after step {job.steps} saved to {job.state_dir}")
   summary.update({
+      "losses": losses, "first_step": first_step,
       "loss_first": losses[0], "loss_last": losses[-1],
       "tokens_per_s": tokens_per_step / float(np.median(steady)),
       "first_step_s": times[0],

@@ -34,6 +34,9 @@ def _run(*args, timeout=600):
     (["train", "--checkpoint", "/nonexistent"], "--checkpoint /nonexistent has no config.json"),
     (["train", "--data", "/nonexistent.array_record"], "--data /nonexistent.array_record does not exist"),
     (["train", "--model", "7b"], "argument --model: invalid choice: '7b'"),
+    (["train", "--resume", "/tmp", "--state-dir", "/tmp"], "--resume DIR saves into DIR"),
+    (["train", "--save-every", "5"], "--save-every needs --state-dir (or --resume)"),
+    (["train", "--resume", "/nonexistent"], "--resume /nonexistent is not a directory"),
 ])
 def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
   # JAX is already up with 8 CPU devices in this process: keep it as it is.
@@ -75,7 +78,8 @@ def test_help_does_not_claim_cpu_is_the_default(capsys):
 def test_help_documents_every_flag(capsys):
   text = train_help(capsys)
   for flag in ("--seq-len", "--cp", "--layout", "--steps", "--seed", "--dtype", "--model",
-               "--checkpoint", "--data", "--remat", "--save"):
+               "--checkpoint", "--data", "--remat", "--save", "--state-dir", "--save-every",
+               "--resume", "--force-resume"):
     assert flag in text
 
 

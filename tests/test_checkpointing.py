@@ -1,0 +1,75 @@
+"""Resumable training: bit-identical resume, run mismatch errors, and a
+process killed in the middle of a save."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from cpjax.checkpointing import TrainCheckpointer, check_run_matches
+from cpjax.train_job import TrainJob, run_train_job
+
+CORPUS = os.path.join(os.path.dirname(__file__), "data", "tiny_corpus.array_record")
+QUIET = {"log": lambda *_: None}
+MODEL = "tiny-bidirectional"   # the smallest real-architecture preset: quick to compile
+
+
+@pytest.mark.parametrize("data", [None, CORPUS], ids=["synthetic", "corpus"])
+def test_resume_continues_with_bit_identical_losses(tmp_path, data):
+  job = TrainJob(seq_len=64, cp=2, steps=6, batch_size=2, parity_check=False, data=data,
+                 model=MODEL)
+  whole = run_train_job(TrainJob(**{**job.__dict__, "state_dir": str(tmp_path / "a"),
+                                    "save_every": 3}), **QUIET)
+  first = run_train_job(TrainJob(**{**job.__dict__, "steps": 3,
+                                    "state_dir": str(tmp_path / "b")}), **QUIET)
+  second = run_train_job(TrainJob(**{**job.__dict__, "state_dir": str(tmp_path / "b"),
+                                     "resume": True}), **QUIET)
+  assert second["first_step"] == 3
+  assert first["losses"] == whole["losses"][:3]
+  assert second["losses"] == whole["losses"][3:]        # bit for bit: floats compared exactly
+
+
+def test_resume_refuses_a_changed_run(tmp_path):
+  job = TrainJob(seq_len=64, cp=2, steps=2, batch_size=2, parity_check=False,
+                 state_dir=str(tmp_path), model=MODEL)
+  run_train_job(job, **QUIET)
+  with pytest.raises(ValueError, match=r"saved with seq_len=64, this run has seq_len=96"):
+    run_train_job(TrainJob(**{**job.__dict__, "seq_len": 96, "steps": 4, "resume": True}),
+                  **QUIET)
+  with pytest.raises(ValueError, match="already holds a checkpoint"):
+    run_train_job(job, **QUIET)
+  with pytest.raises(ValueError, match="different model config"):
+    check_run_matches({"model_config": {"a": 1}}, {"model_config": {"a": 2}}, force=True)
+
+
+CHILD = textwrap.dedent("""
+    import sys, time, numpy as np
+    from cpjax.checkpointing import TrainCheckpointer
+    ckpt = TrainCheckpointer(sys.argv[1])
+    small = {"w": np.arange(4, dtype=np.float32)}
+    ckpt.maybe_save(1, params=small, opt_state=(), data_state={"at": 1}, run={}, force=True)
+    ckpt.wait()
+    big = {"w": np.random.default_rng(0).standard_normal(128 << 20, dtype=np.float32)}
+    ckpt.maybe_save(2, params=big, opt_state=(), data_state={"at": 2}, run={}, force=True)
+    print("saving 2", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_process_killed_while_saving_leaves_the_last_checkpoint_intact(tmp_path):
+  proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE,
+                          text=True)
+  try:
+    assert proc.stdout.readline().strip() == "saving 2"
+    os.kill(proc.pid, signal.SIGKILL)                   # 512 MB still being written
+  finally:
+    proc.wait(timeout=60)
+  ckpt = TrainCheckpointer(tmp_path)
+  assert ckpt.latest_step() == 1
+  step, state = ckpt.restore(params_like={"w": np.zeros(4, np.float32)}, opt_state_like=())
+  assert step == 1 and state["data_state"] == {"at": 1}
+  np.testing.assert_array_equal(state["params"]["w"], np.arange(4, dtype=np.float32))
