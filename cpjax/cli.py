@@ -78,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue the run saved in DIR up to --steps, saving there")
   state.add_argument("--force-resume", action="store_true",
                      help="resume even with a different --batch-size or --seq-len")
-  train.add_argument("--remat", action="store_true",
-                     help="rematerialise every decoder layer in the backward pass")
+  train.add_argument("--remat", nargs="?", const="full", default="none",
+                     choices=("none", "full", "save_attention_out"), metavar="POLICY",
+                     help="per-layer rematerialisation: full (the default when the flag is "
+                          "given: keep only each layer's inputs), save_attention_out (keep the "
+                          "attention output too) or none")
   train.add_argument("--save", metavar="DIR", default=None,
                      help="write the trained model as a Hugging Face checkpoint at the end")
   train.add_argument("--seq-len", type=_positive, default=1024,

@@ -30,7 +30,7 @@ class TrainJob:
   parity_check: bool = True
   model: str = "tiny"
   checkpoint: str | None = None
-  remat: bool = False
+  remat: bool | str = False
   save: str | None = None
   data: str | None = None
   state_dir: str | None = None

@@ -166,16 +166,22 @@ def test_cp_loss_and_gradients_equal_single_device(name, cp, layout, dp):
   assert_grads_close(got_grads, ref_grads)
 
 
-def test_remat_gives_the_same_gradients():
+@pytest.mark.parametrize("policy", ["full", "save_attention_out"])
+def test_remat_policies_give_the_same_gradients(policy):
   model, batch = training_batch("ple_kv_sharing")
   ref_loss, ref_grads = single_device("ple_kv_sharing")
-  model = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, "ple_kv_sharing"), remat=True)
+  model = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, "ple_kv_sharing"), remat=policy)
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   loss = train.make_loss_fn(graphdef, frozen=buffers)
   objective = lambda p: (lambda s, n: s / n)(*loss(p, gemma4.prepare_batch(batch, model.cfg)))
   got_loss, got_grads = jax.jit(jax.value_and_grad(objective))(params)
   assert abs(float(got_loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
   assert_grads_close(got_grads, ref_grads)
+
+
+def test_remat_policy_is_checked():
+  with pytest.raises(ValueError, match="remat must be a bool or one of"):
+    gemma4.Gemma4(gemma4.Gemma4Config.preset("tiny"), rngs=None, remat="selective")
 
 
 def test_buffers_are_not_trained():

@@ -18,3 +18,4 @@ from cpjax.sharding import CPContext as CPContext  # the model's CP context: cpj
 from cpjax.models.gemma4.model import Gemma4 as Gemma4
 from cpjax.models.gemma4.model import gemma4_masks as gemma4_masks
 from cpjax.models.gemma4.model import cp_logits as cp_logits
+from cpjax.models.gemma4.model import REMAT_POLICIES as REMAT_POLICIES

@@ -101,7 +101,7 @@ def _read(file: str, key: str) -> np.ndarray:
 
 def load_pretrained(cls, path, *, dtype=jnp.float32, mesh: Mesh | None = None,
                     sharding: Callable[[str, tuple[int, ...]], P] | None = None,
-                    remat: bool = False):
+                    remat: bool | str = False):
   """``cls`` (a :class:`Gemma4`) with the weights of the checkpoint in ``path``.
 
   ``dtype`` is both the parameter and the activation dtype (transformers'

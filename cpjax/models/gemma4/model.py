@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cpjax.batch import DOCUMENT_IDS_KEY, vision_group_ids
@@ -41,7 +42,13 @@ from cpjax.reference import reference_attention
 from cpjax.ring_attention import ring_attention
 from cpjax.sharding import ContextParallelSharder, CPContext, shard_sequence
 
-__all__ = ["Gemma4", "cp_logits", "gemma4_masks"]
+__all__ = ["Gemma4", "REMAT_POLICIES", "cp_logits", "gemma4_masks"]
+
+# Per-layer rematerialisation: what a decoder layer keeps for the backward pass.
+#   none: everything (no remat); full: only the layer's inputs (recompute all);
+#   save_attention_out: the inputs and the attention output (named
+#   "attention_out"), so the backward recomputes the layer but reuses it.
+REMAT_POLICIES = ("none", "full", "save_attention_out")
 
 UNSUPPORTED_INPUTS = {
     "input_features": "audio inputs: cpjax ports Gemma 4's text decoder and vision tower, not "
@@ -132,7 +139,8 @@ class Gemma4(nnx.Module):
     rngs: initialisation randomness (None: zeros, for loading over).
     dtype: activation dtype.
     param_dtype: dtype the parameters are stored in.
-    remat: rematerialise each decoder layer in the backward pass.
+    remat: per-layer rematerialisation, one of :data:`REMAT_POLICIES`
+      (True means ``"full"``, False ``"none"``).
 
   Example:
     >>> import numpy as np
@@ -145,12 +153,12 @@ class Gemma4(nnx.Module):
   """
 
   def __init__(self, cfg: Gemma4Config, *, rngs: nnx.Rngs | None, dtype=jnp.float32,
-               param_dtype=jnp.float32, remat: bool = False):
+               param_dtype=jnp.float32, remat: bool | str = False):
     if not isinstance(cfg, Gemma4Config):
       raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")
     self.cfg = cfg
     self.dtype = dtype
-    self.remat = remat
+    self.remat = _remat_policy(remat)
     self.model = Gemma4Model(cfg, rngs=rngs)
     if not cfg.text.tie_word_embeddings:
       self.lm_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, rngs=rngs)
@@ -162,7 +170,7 @@ class Gemma4(nnx.Module):
   # ------------------------------------------------------------ checkpoints
   @classmethod
   def from_pretrained(cls, path, *, dtype=jnp.float32, mesh=None, sharding=None,
-                      remat: bool = False) -> "Gemma4":
+                      remat: bool | str = False) -> "Gemma4":
     """Load a Hugging Face checkpoint directory (``config.json`` plus
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``).
 
@@ -274,20 +282,25 @@ class Gemma4(nnx.Module):
     def attend(q, k, v, layer):
       mask = masks[t.layer_types[layer]]
       if cp is None:
-        return reference_attention(q, k, v, mask=mask, scale=1.0)
-      return ring_attention(q, k, v, layout=cp.layout, axis_name=cp.axis_name, mask=mask,
-                            scale=1.0)
+        out = reference_attention(q, k, v, mask=mask, scale=1.0)
+      else:
+        out = ring_attention(q, k, v, layout=cp.layout, axis_name=cp.axis_name, mask=mask,
+                             scale=1.0)
+      return checkpoint_name(out, "attention_out")
 
     shared_kv: dict = {}
     for i, layer in enumerate(self.model.language_model.layers):
       kind = t.layer_types[i]
       pl = None if per_layer is None else per_layer[:, :, i]
       run = functools.partial(_run_layer, rope=ropes[kind], attend=attend)
-      if self.remat:
+      if self.remat != "none":
         graphdef, state = nnx.split(layer)
+        policy = (jax.checkpoint_policies.nothing_saveable if self.remat == "full" else
+                  jax.checkpoint_policies.save_only_these_names("attention_out"))
         x, kv = jax.checkpoint(
             lambda st, x, pl, kv: _run_layer(nnx.merge(graphdef, st), x, pl, kv, rope=ropes[kind],
-                                             attend=attend))(state, x, pl, dict(shared_kv))
+                                             attend=attend),
+            policy=policy)(state, x, pl, dict(shared_kv))
       else:
         x, kv = run(layer, x, pl, shared_kv)
       if t.kv_sharing_modes[i] == "store":
@@ -352,6 +365,14 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
     state = jax.device_put(state, NamedSharding(mesh, P()))
     logits = jax.jit(run)(state, sharded)
   return from_rank_order(logits, shard_layout)[:, :shard_layout.original_seq_len]
+
+
+def _remat_policy(remat: bool | str) -> str:
+  if remat is True or remat is False:
+    return "full" if remat else "none"
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat must be a bool or one of {REMAT_POLICIES}, got {remat!r}")
+  return remat
 
 
 def _run_layer(layer, x, per_layer_input, shared_kv, *, rope, attend):
