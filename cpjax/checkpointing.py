@@ -37,14 +37,17 @@ def check_run_matches(saved: Mapping[str, Any], current: Mapping[str, Any], *,
                       force: bool = False) -> None:
   """Raise ``ValueError`` when a resumed run differs from the saved one.
 
-  The model's config must always match. ``batch_size`` and ``seq_len``
-  must match unless ``force`` (the data stream then continues with the new
-  shapes).
+  The model's config must always match. ``batch_size``, ``seq_len`` and
+  ``microbatches`` must match unless ``force`` (the data stream then
+  continues with the new shapes). The mesh may differ: the state is
+  restored onto the current one.
   """
   if saved.get("model_config") != current.get("model_config"):
     raise ValueError("the checkpoint was saved by a different model config; resume with the "
                      "model it was trained with")
-  for key in ("batch_size", "seq_len"):
+  for key in ("batch_size", "seq_len", "microbatches"):
+    if key not in saved:   # saved before the key existed
+      continue
     if saved.get(key) != current.get(key) and not force:
       raise ValueError(f"the checkpoint was saved with {key}={saved.get(key)}, this run has "
                        f"{key}={current.get(key)}; pass --force-resume to continue anyway")

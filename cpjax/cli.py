@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -39,6 +40,15 @@ def _positive_float(text: str) -> float:
   if not value > 0:
     raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
   return value
+
+
+def _mesh(text: str) -> dict:
+  from cpjax.parallel import parse_mesh   # imports nothing of JAX's backends
+
+  try:
+    return parse_mesh(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,8 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the trained model as a Hugging Face checkpoint at the end")
   train.add_argument("--seq-len", type=_positive, default=1024,
                      help="tokens per row before padding (default 1024)")
-  train.add_argument("--cp", type=_positive, default=8,
+  train.add_argument("--cp", type=_positive, default=None,
                      help="context-parallel size, i.e. devices on the cp axis (default 8)")
+  train.add_argument("--mesh", type=_mesh, default=None, metavar="AXIS=N,...",
+                     help="a training mesh instead of --cp: fsdp (or dp), cp and tp sizes, e.g. "
+                          "fsdp=2,cp=4 or fsdp=2,cp=2,tp=2 (parameters and optimizer state "
+                          "sharded over fsdp and tp, see cpjax.parallel)")
+  train.add_argument("--microbatches", type=_positive, default=1, metavar="K",
+                     help="gradient accumulation: each step sums K microbatches of "
+                          "batch-size/K rows (default 1)")
   train.add_argument("--layout", choices=("load_balanced", "contiguous"), default="load_balanced",
                      help="how the sequence is split over the ranks (default load_balanced)")
   train.add_argument("--steps", type=_positive, default=20, help="optimizer steps (default 20)")
@@ -161,6 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.exit(2, f"cpjax train: error: --data {args.data} does not exist\n")
   if args.seq_len < 32:
     parser.exit(2, f"cpjax train: error: --seq-len must be >= 32, got {args.seq_len}\n")
+  if args.mesh is not None and args.cp is not None:
+    parser.exit(2, "cpjax train: error: --mesh sets the cp size; do not add --cp\n")
+  if args.mesh is not None and args.mesh.get("dp", 1) > 1 and args.mesh.get("fsdp", 1) > 1:
+    parser.exit(2, "cpjax train: error: --mesh splits the batch over dp or fsdp, not both\n")
+  if args.batch_size % args.microbatches:
+    parser.exit(2, f"cpjax train: error: --microbatches {args.microbatches} must divide "
+                   f"--batch-size {args.batch_size}\n")
+  args.cp = 8 if args.cp is None and args.mesh is None else args.cp
+  devices_needed = math.prod(args.mesh.values()) if args.mesh else args.cp
   explicit = [flag for flag, value in (("--coordinator-address", args.coordinator_address),
                                        ("--num-processes", args.num_processes),
                                        ("--process-id", args.process_id)) if value is not None]
@@ -175,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.process_id < args.num_processes:
       parser.exit(2, f"cpjax train: error: --process-id must be in [0, {args.num_processes}), "
                      f"got {args.process_id}\n")
-    if args.cp % args.num_processes:
-      parser.exit(2, f"cpjax train: error: --cp {args.cp} must be a multiple of "
-                     f"--num-processes {args.num_processes}\n")
-    _use_cpu_devices(args.cp // args.num_processes, collectives="gloo")
+    if devices_needed % args.num_processes:
+      parser.exit(2, f"cpjax train: error: the mesh's {devices_needed} devices must be a "
+                     f"multiple of --num-processes {args.num_processes}\n")
+    _use_cpu_devices(devices_needed // args.num_processes, collectives="gloo")
     import jax
 
     jax.distributed.initialize(coordinator_address=args.coordinator_address,
@@ -188,15 +214,18 @@ def main(argv: list[str] | None = None) -> int:
 
     jax.distributed.initialize()
   else:
-    _use_cpu_devices(max(args.cp, 8))
+    _use_cpu_devices(max(devices_needed, 8))
   import jax
 
-  if jax.device_count() < args.cp:
-    parser.exit(2, f"cpjax train: error: --cp {args.cp} needs {args.cp} devices, found "
+  if jax.device_count() < devices_needed:
+    what = "--mesh" if args.mesh else f"--cp {args.cp}"
+    parser.exit(2, f"cpjax train: error: {what} needs {devices_needed} devices, found "
                    f"{jax.device_count()} {jax.devices()[0].platform.upper()} devices\n")
   from cpjax.train_job import TrainJob, run_train_job
 
-  job = TrainJob(seq_len=args.seq_len, cp=args.cp, layout=args.layout, steps=args.steps,
+  mesh = ",".join(f"{k}={v}" for k, v in args.mesh.items()) if args.mesh else None
+  job = TrainJob(seq_len=args.seq_len, cp=args.cp or args.mesh.get("cp", 1), mesh=mesh,
+                 microbatches=args.microbatches, layout=args.layout, steps=args.steps,
                  seed=args.seed, dtype=args.dtype, batch_size=args.batch_size,
                  learning_rate=args.lr, parity_check=not args.no_parity_check,
                  model=args.model or "tiny", checkpoint=args.checkpoint, remat=args.remat,

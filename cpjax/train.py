@@ -16,7 +16,7 @@ single-device loss of the same batch, and so do its gradients.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -30,7 +30,7 @@ from cpjax.layout import ShardLayout
 from cpjax.sharding import CPContext
 
 __all__ = ["TrainStep", "batch_specs", "cross_entropy_sums", "default_forward", "make_loss_fn",
-           "make_train_step", "token_cross_entropy"]
+           "make_train_step", "manual_axes", "stack_microbatches", "token_cross_entropy"]
 
 
 def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
@@ -44,9 +44,15 @@ def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
   (1.3863, 1.0)
   """
   labels = jnp.asarray(labels)
+  logits = jnp.asarray(logits, jnp.float32)
   valid = labels != ignore_index
-  ce = optax.softmax_cross_entropy_with_integer_labels(
-      jnp.asarray(logits, jnp.float32), jnp.where(valid, labels, 0))
+  # The label's logit by a masked sum over V rather than a gather: with the
+  # vocabulary sharded over an Auto mesh axis (an FSDP-sharded head) a gather
+  # trips XLA's SPMD partitioner inside the ring's shard_map, and the masked
+  # sum fuses into one pass over the logits anyway.
+  vocab = jnp.arange(logits.shape[-1], dtype=labels.dtype)
+  picked = jnp.sum(jnp.where(vocab == labels[..., None], logits, 0.0), axis=-1)
+  ce = jax.nn.logsumexp(logits, axis=-1) - picked
   return jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid, dtype=jnp.float32)
 
 
@@ -102,6 +108,23 @@ def batch_specs(batch: Mapping[str, Any]) -> dict:
 _own_specs = batch_specs  # make_loss_fn's argument of the same name shadows it
 
 
+def manual_axes(mesh: Mesh, axis_name: str = "cp") -> frozenset[str]:
+  """The mesh axes the loss's ``shard_map`` is manual over: ``axis_name`` and
+  every axis that is not Auto.
+
+  Auto axes (``fsdp``, ``tp`` and ``dp`` of :func:`cpjax.make_mesh`) stay the
+  SPMD partitioner's: the parameters' and batch's shardings over them flow
+  through the model untouched (see :mod:`cpjax.parallel`).
+
+  >>> from cpjax.parallel import make_mesh
+  >>> sorted(manual_axes(make_mesh(fsdp=2, cp=2, tp=2)))
+  ['cp']
+  """
+  auto = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
+          if kind == jax.sharding.AxisType.Auto}
+  return frozenset(a for a in mesh.axis_names if a == axis_name or a not in auto)
+
+
 def default_forward(model, batch: Mapping[str, Any], cp: CPContext | None):
   """``model(batch, cp=cp)``, or ``model(batch)`` on one device: the logits [B, L, V]."""
   return model(batch) if cp is None else model(batch, cp=cp)
@@ -153,7 +176,8 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     return single
   if layout is None:
     raise ValueError("layout is required with a mesh: pass the ShardLayout the sharder returned")
-  axes = (axis_name,) if batch_axis is None else (batch_axis, axis_name)
+  manual = manual_axes(mesh, axis_name)
+  axes = tuple(a for a in mesh.axis_names if a in manual and a in (batch_axis, axis_name))
   context = CPContext(layout, axis_name)
   specs_of = _own_specs if batch_specs is None else batch_specs
 
@@ -163,8 +187,8 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
 
   def sharded(params, batch):
     specs = specs_of(batch) if callable(specs_of) else dict(specs_of)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs), out_specs=(P(), P()))(
-        params, batch)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs), out_specs=(P(), P()),
+                         axis_names=manual)(params, batch)
   return sharded
 
 
@@ -197,12 +221,33 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
                            batch_axis=batch_axis, forward=forward, batch_specs=batch_specs,
                            frozen=frozen)
 
-  def step(params, opt_state, batch):
-    def objective(p):
-      ce_sum, count = loss_sums(p, batch)
-      return ce_sum / jnp.maximum(count, 1.0), count
+  def sums_and_grads(params, batch):
+    """(CE sum, count) of one batch and the gradient of the CE sum."""
+    (ce_sum, count), grads = jax.value_and_grad(
+        lambda p: loss_sums(p, batch), has_aux=True)(params)
+    return ce_sum, count, grads
 
-    (loss, count), grads = jax.value_and_grad(objective, has_aux=True)(params)
+  def accumulate(params, batches):
+    # Sum CE sums, counts and gradients of sums over the microbatches, one
+    # microbatch's activations alive at a time; dividing once by the total
+    # count makes the result the whole batch's token mean and its gradient.
+    stacked = stack_microbatches(batches)
+
+    def body(carry, batch):
+      ce_sum, count, grads = sums_and_grads(params, batch)
+      return jax.tree.map(jnp.add, carry, (ce_sum, count, grads)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), jnp.float32(0), params))
+    return jax.lax.scan(body, zeros, stacked)[0]
+
+  def step(params, opt_state, batch):
+    if isinstance(batch, Mapping):
+      ce_sum, count, grads = sums_and_grads(params, batch)
+    else:
+      ce_sum, count, grads = accumulate(params, batch)
+    denominator = jnp.maximum(count, 1.0)
+    loss = ce_sum / denominator
+    grads = jax.tree.map(lambda g: g / denominator, grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return params, opt_state, {"loss": loss, "tokens": count,
@@ -211,28 +256,79 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
   return TrainStep(step, mesh)
 
 
+def stack_microbatches(batches: Sequence[Mapping[str, Any]]) -> dict:
+  """One batch with a leading microbatch axis [K, ...] from K same-shaped batches.
+
+  ``ValueError`` (before any compute) when the batches differ in keys,
+  shapes or dtypes: every microbatch must have the one compiled shape.
+
+  >>> import numpy as np
+  >>> stack_microbatches([{"x": np.zeros((2, 3))}, {"x": np.ones((2, 3))}])["x"].shape
+  (2, 2, 3)
+  """
+  batches = list(batches)
+  if not batches or not all(isinstance(b, Mapping) for b in batches):
+    raise TypeError(f"microbatches must be a non-empty sequence of batch dicts, got "
+                    f"{[type(b).__name__ for b in batches]}")
+  first = batches[0]
+  for i, b in enumerate(batches[1:], 1):
+    if set(b) != set(first):
+      raise ValueError(f"microbatch {i} has keys {sorted(b)}, microbatch 0 has {sorted(first)}")
+    for key in first:
+      got, want = (jnp.shape(b[key]), jnp.result_type(b[key])), (jnp.shape(first[key]),
+                                                                 jnp.result_type(first[key]))
+      if got != want:
+        raise ValueError(f"microbatch {i} key {key!r} has shape/dtype {got}, microbatch 0 has "
+                         f"{want}: every microbatch must have the same shape")
+  return {key: jnp.stack([jnp.asarray(b[key]) for b in batches]) for key in first}
+
+
 class TrainStep:
   """A jit-compiled training step that places fresh parameters on its mesh.
 
-  Call it like the step function; ``compile(params, opt_state, batch)``
-  compiles ahead of time and returns a step whose ``memory_analysis()``
-  reports per-device memory, without compiling twice. ``step`` is the
-  uncompiled step function (wrap it, e.g. in ``chex.assert_max_traces``,
-  and pass it to a new ``TrainStep`` to count compilations).
+  Call it like the step function. Parameters and optimizer state keep the
+  shardings they have on the step's mesh (e.g. FSDP / TP from
+  :func:`cpjax.parallel.shard_params`); anything not yet on the mesh is
+  replicated onto it, and the updated state comes back with the same
+  shardings, so step 2 reuses step 1's program. ``compile(params,
+  opt_state, batch)`` compiles ahead of time and returns a step whose
+  ``memory_analysis()`` and ``cost_analysis()`` describe the program,
+  without compiling twice. ``step`` is the uncompiled step function (wrap
+  it, e.g. in ``chex.assert_max_traces``, and pass it to a new
+  ``TrainStep`` to count compilations).
   """
 
   def __init__(self, step: Callable, mesh: Mesh | None, executable=None):
     self.step = step
-    self.jitted = jax.jit(step, donate_argnums=(0, 1))
     self.mesh = mesh
     self._executable = executable
+    self._jitted: dict = {}
 
   def _place(self, params, opt_state):
     if self.mesh is None:
       return params, opt_state
-    # Fresh parameters live on one device, the step's outputs on the whole
-    # mesh: place them like the outputs so step 2 reuses step 1's program.
-    return jax.device_put((params, opt_state), NamedSharding(self.mesh, P()))
+    # Fresh parameters live on one device: replicate them on the mesh.
+    # Leaves already sharded on this mesh stay where they are.
+    replicated = NamedSharding(self.mesh, P())
+
+    def place(x):
+      sharding = getattr(x, "sharding", None)
+      if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
+        return x
+      return jax.device_put(x, replicated)
+    return jax.tree.map(place, (params, opt_state))
+
+  def _jit(self, params, opt_state):
+    if self.mesh is None:
+      key = None
+      kwargs = {}
+    else:
+      state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+      key = tuple(jax.tree.leaves(state_shardings)), jax.tree.structure(state_shardings)
+      kwargs = {"out_shardings": (*state_shardings, NamedSharding(self.mesh, P()))}
+    if key not in self._jitted:
+      self._jitted[key] = jax.jit(self.step, donate_argnums=(0, 1), **kwargs)
+    return self._jitted[key]
 
   def _context(self):
     return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
@@ -240,15 +336,35 @@ class TrainStep:
   def __call__(self, params, opt_state, batch):
     params, opt_state = self._place(params, opt_state)
     with self._context():
-      return (self._executable or self.jitted)(params, opt_state, batch)
+      if self._executable is not None:
+        return self._executable(params, opt_state, batch)
+      return self._jit(params, opt_state)(params, opt_state, batch)
+
+  def lower(self, params, opt_state, batch):
+    """The lowered step; arguments may be ``jax.ShapeDtypeStruct`` s with shardings."""
+    if self.mesh is not None and any(not isinstance(getattr(x, "sharding", None), NamedSharding)
+                                     for x in jax.tree.leaves((params, opt_state))):
+      params, opt_state = self._place(params, opt_state)
+    with self._context():
+      return self._jit(params, opt_state).lower(params, opt_state, batch)
 
   def compile(self, params, opt_state, batch) -> "TrainStep":
-    params, opt_state = self._place(params, opt_state)
-    with self._context():
-      executable = self.jitted.lower(params, opt_state, batch).compile()
+    executable = self.lower(params, opt_state, batch).compile()
     return TrainStep(self.step, self.mesh, executable)
 
   def memory_analysis(self):
+    return self._compiled().memory_analysis()
+
+  def cost_analysis(self):
+    return self._compiled().cost_analysis()
+
+  @property
+  def input_shardings(self):
+    """The compiled program's shardings of ``(params, opt_state, batch)``."""
+    return self._compiled().input_shardings[0]
+
+  def _compiled(self):
     if self._executable is None:
-      raise ValueError("memory_analysis needs a compiled step: call .compile(...) first")
-    return self._executable.memory_analysis()
+      raise ValueError("memory_analysis and cost_analysis need a compiled step: call "
+                       ".compile(...) first")
+    return self._executable

@@ -37,6 +37,8 @@ class TrainJob:
   save_every: int = 0
   resume: bool = False
   force_resume: bool = False
+  mesh: str | None = None        # e.g. "fsdp=2,cp=4"; None: cp only
+  microbatches: int = 1          # gradient accumulation: batch_size // microbatches rows each
 
 
 def _compute_dtype(name: str):
@@ -66,10 +68,17 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
 
   if jax.process_index() != 0:
     log = lambda *_: None  # noqa: E731
-  devices = jax.devices()
-  if len(devices) < job.cp:
-    raise ValueError(f"--cp {job.cp} needs {job.cp} devices, found {len(devices)}")
-  mesh = jax.make_mesh((job.cp,), ("cp",), devices=devices[:job.cp])
+  from cpjax import parallel
+  from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
+
+  sizes = parallel.parse_mesh(job.mesh) if job.mesh else {"cp": job.cp}
+  mesh = parallel.make_mesh(**sizes)
+  devices = list(mesh.devices.flat)
+  batch_axis = parallel.batch_axis_of(mesh)
+  if job.batch_size % job.microbatches:
+    raise ValueError(f"--microbatches {job.microbatches} does not divide --batch-size "
+                     f"{job.batch_size}")
+  rows = job.batch_size // job.microbatches
   compute = _compute_dtype(job.dtype)
   if job.checkpoint:
     # Parameters stay float32 for the optimizer; activations in job.dtype.
@@ -81,11 +90,16 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
                           dtype=compute, remat=job.remat)
     what = f"Gemma 4 {job.model!r} (random init)"
   cfg = model.cfg
+  check_mesh(cfg, mesh, batch_size=rows)
   sharder = model.prepare_model_inputs_for_cp(layout=job.layout)["cp_sharder"]
   # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   optimizer = optax.adamw(job.learning_rate, weight_decay=0.01)
-  opt_state = optimizer.init(params)
+  # FSDP / TP: each device keeps its shard of the parameters and of Adam's moments.
+  specs = parallel.param_specs(params, mesh, rule=partition_rule(cfg, tp=sizes.get("tp", 1)))
+  reference_params = params if job.parity_check else None
+  params = parallel.shard_params(params, mesh, specs)
+  opt_state = parallel.shard_like_params(optimizer.init(params), params)
   rng = np.random.default_rng(job.seed)
 
   if job.data:
@@ -93,17 +107,17 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
 
     # Every process feeds the same global batch (the sharder places each
     # process's part), so every process reads the whole corpus here.
-    rows = iter(packed_batches(job.data, batch_size=job.batch_size, seq_len=job.seq_len,
-                               seed=job.seed, process_index=0, process_count=1))
+    stream = iter(packed_batches(job.data, batch_size=rows, seq_len=job.seq_len,
+                                 seed=job.seed, process_index=0, process_count=1))
 
     def data_state():
-      return {"grain": rows.get_state()}
+      return {"grain": stream.get_state()}
 
     def set_data_state(state):
-      rows.set_state(state["grain"])
+      stream.set_state(state["grain"])
 
     def next_batch():
-      batch = next(rows)
+      batch = next(stream)
       top = int(batch["input_ids"].max())
       if top >= cfg.text.vocab_size:
         raise ValueError(f"--data {job.data} holds token id {top}, outside the model's "
@@ -117,11 +131,12 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
       rng.bit_generator.state = state["numpy_bit_generator"]
 
     def next_batch():
-      return gemma4.synthetic_batch(rng, cfg, batch_size=job.batch_size, seq_len=job.seq_len,
+      return gemma4.synthetic_batch(rng, cfg, batch_size=rows, seq_len=job.seq_len,
                                     max_docs=6)
 
   # What a resumed run must share with the saved one (see checkpointing).
   run = {"model_config": cfg.to_hf(), "batch_size": job.batch_size, "seq_len": job.seq_len,
+         "microbatches": job.microbatches,
          "data": job.data, "seed": job.seed}
   first_step = 0
   checkpointer = None
@@ -146,19 +161,38 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
   t = cfg.text
   what += f", data {job.data}" if job.data else ", synthetic multimodal data"
+  mesh_text = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+  accum = f" in {job.microbatches} microbatches" if job.microbatches > 1 else ""
   log(f"cpjax train: {what}: {t.num_hidden_layers} layers d={t.hidden_size}, "
-      f"S={job.seq_len} B={job.batch_size}, cp={job.cp} {job.layout} on "
-      f"{job.cp} {devices[0].platform.upper()} devices{procs}, {job.dtype}")
-  batch = next_batch()
-  sharded, layout = sharder.shard_batch(batch, mesh)
+      f"S={job.seq_len} B={job.batch_size}{accum}, mesh {mesh_text} ({job.layout}) on "
+      f"{len(devices)} {devices[0].platform.upper()} devices{procs}, {job.dtype}")
+
+  def next_step_batches():
+    """The step's rows (as microbatches) and their sharded form."""
+    parts = [next_batch() for _ in range(job.microbatches)]
+    placed = [sharder.shard_batch(b, mesh, batch_axis=batch_axis) for b in parts]
+    layouts = {lay for _, lay in placed}
+    assert len(layouts) == 1, "every batch has the same padded shape"
+    sharded = placed[0][0] if job.microbatches == 1 else [b for b, _ in placed]
+    return parts, sharded, placed[0][1]
+
+  batches, sharded, layout = next_step_batches()
   step = train.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=buffers)
   step = step.compile(params, opt_state, sharded)  # once; every step reuses it
 
   summary = {"job": dataclasses.asdict(job)}
-  if job.parity_check:
-    single = train.make_loss_fn(graphdef, frozen=buffers)
-    objective = lambda p: (lambda s, n: s / n)(*single(p, gemma4.prepare_batch(batch, cfg)))
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(objective))(params)
+  if job.parity_check and first_step == 0:
+    # The same rows on one device, unsharded parameters: sum the microbatches'
+    # CE sums and gradients, divide once by the whole step's token count.
+    single = jax.jit(jax.value_and_grad(train.make_loss_fn(graphdef, frozen=buffers),
+                                        has_aux=True))
+    ce_sum, count, ref_grads = 0.0, 0.0, None
+    for b in batches:
+      (s, n), g = single(reference_params, gemma4.prepare_batch(b, cfg))
+      ce_sum, count = ce_sum + s, count + n
+      ref_grads = g if ref_grads is None else jax.tree.map(jax.numpy.add, ref_grads, g)
+    ref_loss = ce_sum / count
+    ref_grads = jax.tree.map(lambda g: g / count, ref_grads)
     ref_norm = float(optax.tree.norm(ref_grads))
 
   losses, real_tokens, times = [], 0, []
@@ -185,14 +219,13 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
       if not ok:
         raise RuntimeError(f"CP and single-device steps disagree: {summary['parity']}")
     losses.append(loss)
-    real_tokens += int(np.sum(batch["attention_mask"]))
+    real_tokens += sum(int(np.sum(b["attention_mask"])) for b in batches)
     if checkpointer is not None:
       # The data state BEFORE the next fetch: a resumed run fetches that batch.
       checkpointer.maybe_save(i + 1, params=params, opt_state=opt_state,
                               data_state=data_state(), run=run, force=i + 1 == job.steps)
     bar.set_postfix(loss=f"{loss:.3f}")
-    batch = next_batch()
-    sharded, lay = sharder.shard_batch(batch, mesh)
+    batches, sharded, lay = next_step_batches()
     assert lay == layout, "every batch has the same padded shape"
 
   mem = step.memory_analysis()

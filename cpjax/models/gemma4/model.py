@@ -38,6 +38,7 @@ from cpjax.models.gemma4.cp_batch import IMAGE_OFFSET_KEY, image_token_offsets, 
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles
 from cpjax.models.gemma4.text import DecoderLayer, embed_scale
 from cpjax.models.gemma4.vision import MultimodalEmbedder, VisionTower
+from cpjax.parallel import gathered
 from cpjax.reference import reference_attention
 from cpjax.ring_attention import ring_attention
 from cpjax.sharding import ContextParallelSharder, CPContext, shard_sequence
@@ -202,7 +203,7 @@ class Gemma4(nnx.Module):
     ids = jnp.asarray(batch["input_ids"])
     placeholder = jnp.isin(ids, jnp.asarray(cfg.placeholder_token_ids))
     text_ids = jnp.where(placeholder, t.pad_token_id, ids)
-    x = lm.embed_tokens.weight[...].astype(dt)[text_ids] * embed_scale(t.hidden_size, dt)
+    x = gathered(lm.embed_tokens.weight[...]).astype(dt)[text_ids] * embed_scale(t.hidden_size, dt)
     if batch.get("pixel_values") is not None:
       x = self._scatter_images(x, ids, batch)
     per_layer = None
@@ -210,7 +211,7 @@ class Gemma4(nnx.Module):
       b, s = ids.shape
       p = t.hidden_size_per_layer_input
       shape = (b, s, t.num_hidden_layers, p)
-      token = (lm.embed_tokens_per_layer.weight[...].astype(dt)[text_ids]
+      token = (gathered(lm.embed_tokens_per_layer.weight[...]).astype(dt)[text_ids]
                * embed_scale(p, dt)).reshape(shape)
       context = lm.per_layer_model_projection(x) * jnp.asarray(t.hidden_size ** -0.5, dt)
       context = lm.per_layer_projection_norm(context.reshape(shape))
@@ -248,7 +249,7 @@ class Gemma4(nnx.Module):
       offsets = image_token_offsets(is_image)
     slot = jnp.asarray(offsets)[:, None] + jnp.cumsum(is_image, axis=1) - 1
     source = where_real[jnp.clip(slot, 0, n * m - 1)]
-    return jnp.where(is_image[..., None], soft[source], x)
+    return jnp.where(is_image[..., None], gathered(soft)[source], x)
 
   # ---------------------------------------------------------------- forward
   def __call__(self, batch: Mapping[str, Any], *, cp: CPContext | None = None):

@@ -21,6 +21,7 @@ from flax import nnx
 
 from cpjax.models.gemma4.config import Gemma4TextConfig
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, apply_rope, gelu, rms_normalize
+from cpjax.parallel import gather_safe
 
 __all__ = ["DecoderLayer"]
 
@@ -162,7 +163,7 @@ class DecoderLayer(nnx.Module):
     residual = x
     ffw = self.mlp(self.pre_feedforward_layernorm(x))
     if self.moe:
-      flat = residual.reshape(-1, residual.shape[-1])
+      flat = gather_safe(residual.reshape(-1, residual.shape[-1]))
       weights, idx = self.router(flat)
       experts = self.experts(self.pre_feedforward_layernorm_2(flat), weights, idx)
       ffw = (self.post_feedforward_layernorm_1(ffw)

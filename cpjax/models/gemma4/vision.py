@@ -24,6 +24,7 @@ from flax import nnx
 from cpjax.models.gemma4.config import Gemma4VisionConfig
 from cpjax.models.gemma4.layers import (Buffer, ClippableLinear, Linear, RMSNorm, apply_rope, gelu,
                                         rope_angles)
+from cpjax.parallel import gathered
 
 __all__ = ["VisionTower", "MultimodalEmbedder", "soft_token_counts"]
 
@@ -147,7 +148,7 @@ class VisionTower(nnx.Module):
     padding = jnp.all(pos == -1, axis=-1)                                   # [N, P]
     # 1. Patch embedding: pixels rescaled to [-1, 1], plus x and y tables.
     x = self.patch_embedder.input_proj((2.0 * (pixel_values - 0.5)).astype(dtype))
-    table = self.patch_embedder.position_embedding_table[...]
+    table = gathered(self.patch_embedder.position_embedding_table[...])
     clamped = jnp.maximum(pos, 0)
     pe = table[0][clamped[..., 0]] + table[1][clamped[..., 1]]
     x = x + jnp.where(padding[..., None], 0.0, pe).astype(dtype)

@@ -1,0 +1,81 @@
+"""How Gemma 4's parameters split over a ``tp`` mesh axis, and which meshes fit the model.
+
+Megatron's split, written as shardings (see :mod:`cpjax.parallel`): the
+query, key, value, gate and up projections are split by output rows (heads,
+hidden units), the output and down projections by input columns, so each
+``tp`` rank computes whole heads and whole hidden units and one all-reduce
+closes each block. MoE experts split over ``tp`` by expert. Key/value
+projections whose head count ``tp`` does not divide (Gemma 4's full layers
+often have 1 to 4 KV heads) stay replicated over ``tp``, as in Megatron's
+GQA. Everything else (embeddings, norms, router, vision tower) is split only
+over ``fsdp``, by :func:`cpjax.parallel.param_specs`.
+
+>>> from cpjax.models.gemma4 import Gemma4Config
+>>> rule = partition_rule(Gemma4Config.preset("tiny"), tp=2)
+>>> rule(("model", "language_model", "layers", "0", "self_attn", "o_proj", "weight"), (64, 64))
+P(None, 'tp')
+"""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh, PartitionSpec as P
+
+from cpjax.models.gemma4.config import Gemma4Config
+from cpjax.parallel import PartitionRule, batch_axis_of
+
+__all__ = ["check_mesh", "partition_rule"]
+
+_ROWS = ("q_proj", "gate_proj", "up_proj")     # [out = heads x head_dim or hidden, in]
+_COLUMNS = ("o_proj", "down_proj")             # [out, in = heads x head_dim or hidden]
+
+
+def partition_rule(cfg: Gemma4Config, *, tp: int) -> PartitionRule:
+  """``rule(path, shape) -> PartitionSpec`` placing ``"tp"`` on Gemma 4's text decoder."""
+  t = cfg.text
+
+  def rule(path, shape):
+    if tp == 1 or len(path) < 6 or path[:3] != ("model", "language_model", "layers"):
+      return P()
+    layer, block, name = int(path[3]), path[4], path[5]
+    if block == "experts":              # gate_up_proj [E, 2I, D], down_proj [E, D, I]
+      return P("tp")
+    if block not in ("self_attn", "mlp"):
+      return P()
+    if name in ("k_proj", "v_proj"):
+      return P("tp", None) if t.kv_heads(layer) % tp == 0 else P()
+    if name in _ROWS:
+      return P("tp", None)
+    if name in _COLUMNS:
+      return P(None, "tp")
+    return P()
+
+  return rule
+
+
+def check_mesh(cfg: Gemma4Config, mesh: Mesh, *, seq_len: int | None = None,
+               batch_size: int | None = None) -> None:
+  """``ValueError`` naming the axis and the sizes when ``mesh`` cannot run ``cfg``.
+
+  ``tp`` must divide the query heads, every layer's MLP width and the number
+  of experts; the batch axis must divide ``batch_size``; and ``cp`` must
+  divide ``seq_len`` (the sharder pads a row to a multiple of ``2 * cp``;
+  a planned length must not need padding).
+  """
+  t = cfg.text
+  tp = int(mesh.shape["tp"]) if "tp" in mesh.axis_names else 1
+  if t.num_attention_heads % tp:
+    raise ValueError(f"mesh axis 'tp' of size {tp} does not divide the "
+                     f"{t.num_attention_heads} attention heads")
+  for i in range(t.num_hidden_layers):
+    if t.mlp_size(i) % tp:
+      raise ValueError(f"mesh axis 'tp' of size {tp} does not divide layer {i}'s MLP width "
+                       f"{t.mlp_size(i)}")
+  if t.enable_moe_block and t.num_experts % tp:
+    raise ValueError(f"mesh axis 'tp' of size {tp} does not divide the {t.num_experts} experts")
+  batch_axis = batch_axis_of(mesh)
+  if batch_size is not None and batch_axis is not None and batch_size % mesh.shape[batch_axis]:
+    raise ValueError(f"mesh axis {batch_axis!r} of size {mesh.shape[batch_axis]} does not "
+                     f"divide the batch size {batch_size}")
+  if seq_len is not None and "cp" in mesh.axis_names and seq_len % mesh.shape["cp"]:
+    raise ValueError(f"mesh axis 'cp' of size {mesh.shape['cp']} does not divide the "
+                     f"sequence length {seq_len}")

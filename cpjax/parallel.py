@@ -1,0 +1,229 @@
+"""Training meshes: data or fully-sharded data parallel x context parallel x tensor parallel.
+
+One mesh holds up to three kinds of axis:
+
+* ``"dp"`` or ``"fsdp"``: rows of the batch. Under ``"fsdp"`` every parameter
+  and its optimizer state is also sharded over the axis (ZeRO-3): each device
+  stores 1/fsdp of it, and the compiler gathers a weight where it is used.
+* ``"cp"``: the sequence. The ring runs over it.
+* ``"tp"``: attention heads and MLP hidden units (Megatron's column / row
+  split), where the head counts allow.
+
+Design: ``shard_map`` is manual over ``cp`` only, inside a ``jit`` that
+shards the rest. The ring needs manual control (``ppermute`` hops, the
+per-hop mask metadata, a custom VJP), so it lives in ``shard_map``; FSDP and
+TP need none: they are shardings of the weights, and XLA's SPMD partitioner
+inserts the all-gathers, reduce-scatters and all-reduces and schedules them
+against compute. That keeps every model unaware of FSDP and TP (the same
+Gemma 4 code runs on one device, under CP alone, or on a 3-D mesh), and the
+parallelism of a weight is a one-line :class:`~jax.sharding.PartitionSpec`
+that a user can change. :func:`make_mesh` therefore marks ``cp`` Explicit
+(the batch's shardings say which streams are sequence-sharded) and the
+other axes Auto (the partitioner's to decide).
+
+Example:
+  >>> import jax, numpy as np
+  >>> mesh = make_mesh(fsdp=2, cp=2, tp=2)
+  >>> dict(mesh.shape)
+  {'fsdp': 2, 'cp': 2, 'tp': 2}
+  >>> params = {"w": np.zeros((8, 6), np.float32), "b": np.zeros((3,), np.float32)}
+  >>> specs = param_specs(params, mesh, rule=lambda path, shape: P("tp", None) if shape == (8, 6) else P())
+  >>> specs["w"], specs["b"]       # tp from the rule, fsdp on the largest free dim it divides
+  (P('tp', 'fsdp'), P())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+__all__ = ["BATCH_AXES", "batch_axis_of", "bytes_per_device", "gather_safe", "gathered",
+           "make_mesh", "param_specs", "parse_mesh", "shard_params", "shard_like_params"]
+
+# Mesh axes that split the rows of the batch (one of them per mesh).
+BATCH_AXES = ("dp", "fsdp")
+_AXIS_ORDER = ("dp", "fsdp", "cp", "tp")
+
+# rule(path, shape) -> PartitionSpec naming "tp" (or nothing) per dimension.
+PartitionRule = Callable[[tuple[str, ...], tuple[int, ...]], P]
+
+
+def make_mesh(*, cp: int = 1, fsdp: int = 1, dp: int = 1, tp: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A training mesh with axes ``dp`` or ``fsdp`` (when > 1), ``cp`` (always), ``tp`` (when > 1).
+
+  Uses the first ``dp * fsdp * cp * tp`` of ``devices`` (default: all), with
+  ``tp`` innermost so that its collectives stay on the nearest devices.
+  ``cp`` is Explicit and the other axes Auto (see the module docstring).
+
+  >>> make_mesh(fsdp=4, cp=2).axis_names
+  ('fsdp', 'cp')
+  """
+  sizes = {"dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
+  for name, size in sizes.items():
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+      raise ValueError(f"mesh axis {name!r} must be a positive int, got {size!r}")
+  if dp > 1 and fsdp > 1:
+    raise ValueError(f"a mesh splits the batch over one axis: got dp={dp} and fsdp={fsdp}; "
+                     f"use fsdp alone (it is dp that also shards the parameters)")
+  devices = list(jax.devices() if devices is None else devices)
+  need = dp * fsdp * cp * tp
+  if need > len(devices):
+    raise ValueError(f"mesh dp={dp} fsdp={fsdp} cp={cp} tp={tp} needs {need} devices, "
+                     f"{len(devices)} available")
+  names = tuple(n for n in _AXIS_ORDER if sizes[n] > 1 or n == "cp")
+  types = tuple(AxisType.Explicit if n == "cp" else AxisType.Auto for n in names)
+  return jax.make_mesh(tuple(sizes[n] for n in names), names, axis_types=types,
+                       devices=devices[:need])
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """``"fsdp=2,cp=4"`` -> ``{"fsdp": 2, "cp": 4}`` (the ``--mesh`` flag's format).
+
+  >>> parse_mesh("fsdp=2,cp=2,tp=2")
+  {'fsdp': 2, 'cp': 2, 'tp': 2}
+  """
+  sizes: dict[str, int] = {}
+  for part in text.split(","):
+    name, eq, value = part.strip().partition("=")
+    if not eq or name not in _AXIS_ORDER:
+      raise ValueError(f"mesh {text!r}: expected comma-separated AXIS=SIZE with AXIS in "
+                       f"{_AXIS_ORDER}, got {part.strip()!r}")
+    if name in sizes:
+      raise ValueError(f"mesh {text!r} names axis {name!r} twice")
+    if not value.isdigit() or int(value) < 1:
+      raise ValueError(f"mesh {text!r}: axis {name!r} needs a positive integer size, got "
+                       f"{value!r}")
+    sizes[name] = int(value)
+  return sizes
+
+
+def batch_axis_of(mesh: Mesh) -> str | None:
+  """The mesh's batch axis (``"dp"`` or ``"fsdp"``), or None."""
+  found = [a for a in mesh.axis_names if a in BATCH_AXES]
+  if len(found) > 1:
+    raise ValueError(f"a mesh splits the batch over one axis, this one has {found}")
+  return found[0] if found else None
+
+
+def _axis_size(mesh: Mesh, name: str) -> int:
+  return int(mesh.shape[name]) if name in mesh.axis_names else 1
+
+
+def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
+  """A ``PartitionSpec`` per parameter leaf (same tree as ``params``).
+
+  ``rule(path, shape)`` gives the tensor-parallel part (``"tp"`` on the
+  dimensions whose computation splits; default: none); ``path`` is the
+  leaf's key path as strings. Without a ``tp`` axis in ``mesh`` the rule's
+  ``"tp"`` entries are dropped. Storage is then split further, ZeRO-3 style:
+  ``fsdp`` goes on the leaf's largest dimension whose shard it divides, and
+  ``tp`` too when the rule did not use it (embeddings, norms, the vision
+  tower), so every device stores about ``1 / (fsdp * tp)`` of the model. A
+  leaf that no free dimension divides (an odd-width norm scale) stays
+  replicated over that axis.
+  """
+  has_tp = "tp" in mesh.axis_names
+
+  def spec(path, leaf):
+    shape = tuple(np.shape(leaf))
+    keys = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    parts = list(rule(keys, shape)) if rule is not None else []
+    if len(parts) > len(shape):
+      raise ValueError(f"partition rule for {'.'.join(keys)} names {len(parts)} dimensions, "
+                       f"the parameter has shape {shape}")
+    axes = [[p] if (p == "tp" and has_tp) else [] for p in parts]
+    axes += [[] for _ in range(len(shape) - len(axes))]
+    for name in ("fsdp", "tp"):
+      size = _axis_size(mesh, name)
+      if size == 1 or any(name in a for a in axes):
+        continue
+      shard = [shape[d] // int(np.prod([mesh.shape[a] for a in axes[d]], dtype=int))
+               for d in range(len(shape))]
+      free = [d for d in range(len(shape)) if shard[d] % size == 0]
+      if free:
+        axes[max(free, key=lambda d: (shard[d], -d))].append(name)
+    parts = [None if not a else a[0] if len(a) == 1 else tuple(a) for a in axes]
+    while parts and parts[-1] is None:
+      parts.pop()
+    return P(*parts)
+
+  return jax.tree.map_with_path(spec, params)
+
+
+def shard_params(params, mesh: Mesh, specs):
+  """``params`` placed on ``mesh`` per ``specs`` (from :func:`param_specs`)."""
+  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+
+
+def shard_like_params(tree, params):
+  """Place ``tree`` (an optimizer state) like ``params``: every leaf whose key
+  path ends in a parameter's key path, with that parameter's shape, takes the
+  parameter's sharding (Adam's ``mu``/``nu``); the rest (step counts) is
+  replicated on the parameters' mesh.
+
+  >>> import optax
+  >>> mesh = make_mesh(fsdp=2, cp=1)
+  >>> params = shard_params({"w": np.zeros((4, 2))}, mesh, {"w": P("fsdp")})
+  >>> state = shard_like_params(optax.adam(1e-3).init(params), params)
+  >>> state[0].mu["w"].sharding.spec, state[0].count.sharding.spec
+  (P('fsdp',), P())
+  """
+  by_path = {tuple(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  mesh = next(iter(by_path.values())).sharding.mesh
+
+  def place(path, leaf):
+    path = tuple(path)
+    for start in range(len(path)):
+      param = by_path.get(path[start:])
+      if param is not None and np.shape(param) == np.shape(leaf):
+        return jax.device_put(leaf, param.sharding)
+    return jax.device_put(leaf, NamedSharding(mesh, P()))
+
+  return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def gathered(table: jax.Array) -> jax.Array:
+  """``table`` whole on every device, for a lookup (``table[ids]``).
+
+  A no-op outside a mesh. Under one, a lookup into a table sharded over an
+  Auto axis (``fsdp``) by ids sharded over that same axis (the batch rows)
+  inside the ring's ``shard_map`` makes XLA's SPMD partitioner fail a check
+  when the mesh has a second Auto axis (jax 0.10, CPU; fsdp x cp x tp):
+  asking for the table whole first, as ZeRO-3 gathers any weight before
+  use, gives the partitioner a plain local gather. The gathered table is a
+  temporary, freed after the lookup and its backward.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not any(kind == AxisType.Auto for kind in mesh.axis_types):
+    return table
+  return jax.lax.with_sharding_constraint(table, P())
+
+
+def gather_safe(x: jax.Array) -> jax.Array:
+  """``x`` whole on every device when the mesh has two or more Auto axes, else ``x``.
+
+  For activations entering data-dependent gathers and scatters (MoE
+  dispatch): on an fsdp x cp x tp mesh XLA's SPMD partitioner fails a check
+  on them (see :func:`gathered`), so the dispatch runs on whole activations
+  there, repeated on each fsdp and tp rank. Meshes with one Auto axis keep
+  the partitioned dispatch.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  auto = [n for n, kind in zip(mesh.axis_names, mesh.axis_types)
+          if kind == AxisType.Auto and mesh.shape[n] > 1]
+  return jax.lax.with_sharding_constraint(x, P()) if len(auto) >= 2 else x
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes one device holds of the arrays in ``tree`` (its largest shard per leaf)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else np.shape(x)
+    total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+  return total
+
