@@ -33,6 +33,22 @@ def test_resume_continues_with_bit_identical_losses(tmp_path, data):
   assert second["losses"] == whole["losses"][3:]        # bit for bit: floats compared exactly
 
 
+def test_resume_onto_another_mesh_gives_the_same_next_loss(tmp_path):
+  """Saved on (fsdp 4, cp 2), restored on (fsdp 2, cp 4): orbax reshards the
+  parameters and Adam's moments onto the new mesh, and step 2's loss is the
+  uninterrupted run's (to float32 reduction order: the meshes sum differently)."""
+  import shutil
+
+  job = TrainJob(seq_len=64, steps=2, batch_size=4, parity_check=False, model=MODEL,
+                 mesh="fsdp=4,cp=2", state_dir=str(tmp_path), save_every=1)
+  whole = run_train_job(job, **QUIET)
+  shutil.rmtree(tmp_path / "2")           # as if the run had died after step 1
+  resumed = run_train_job(TrainJob(**{**job.__dict__, "mesh": "fsdp=2,cp=4", "resume": True}),
+                          **QUIET)
+  assert resumed["first_step"] == 1
+  np.testing.assert_allclose(resumed["losses"], whole["losses"][1:], rtol=1e-6)
+
+
 def test_resume_refuses_a_changed_run(tmp_path):
   job = TrainJob(seq_len=64, cp=2, steps=2, batch_size=2, parity_check=False,
                  state_dir=str(tmp_path), model=MODEL)
