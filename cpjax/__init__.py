@@ -27,6 +27,10 @@ from cpjax.masks import MaskRule as MaskRule
 from cpjax.masks import MaskSpec as MaskSpec
 from cpjax.masks import SameSegment as SameSegment
 from cpjax.masks import SameVisionGroup as SameVisionGroup
+from cpjax.parallel import make_mesh as make_mesh
+from cpjax.parallel import param_specs as param_specs
+from cpjax.parallel import shard_like_params as shard_like_params
+from cpjax.parallel import shard_params as shard_params
 from cpjax.reference import reference_attention as reference_attention
 from cpjax.ring_attention import RingPlan as RingPlan
 from cpjax.ring_attention import ring_attention as ring_attention

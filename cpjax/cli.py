@@ -51,6 +51,15 @@ def _mesh(text: str) -> dict:
     raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _memory(text: str) -> int:
+  from cpjax.plan import parse_bytes
+
+  try:
+    return parse_bytes(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = _Parser(prog="cpjax", description="Context-parallel training for JAX.")
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -131,6 +140,29 @@ def build_parser() -> argparse.ArgumentParser:
                             "slices, SLURM) instead of the three flags above; not together "
                             "with them")
 
+  plan = sub.add_parser(
+      "plan", help="per-device memory and FLOPs of a training step, before renting devices",
+      description="Compile the Gemma 4 training step (AdamW, CP ring, FSDP/TP shardings) "
+                  "abstractly for emulated CPU devices: no weights are materialised. Reports "
+                  "per-device parameters, optimizer state, activations and temporaries, FLOPs, "
+                  "and whether it fits --device-memory, beside a closed-form estimate (see "
+                  "cpjax.plan). Without --mesh, finds the fewest-device fsdp x cp mesh that "
+                  "the estimate fits into --device-memory.")
+  plan.add_argument("--model", choices=("e2b", "e4b", "a4b", "31b", "tiny", "tiny-moe"),
+                    required=True, help="architecture preset (a4b is 26B-A4B)")
+  plan.add_argument("--seq-len", type=_positive, required=True, help="tokens per row")
+  plan.add_argument("--mesh", type=_mesh, default=None, metavar="AXIS=N,...",
+                    help="e.g. fsdp=8,cp=16 or fsdp=4,cp=4,tp=2 (default: search with "
+                         "--device-memory)")
+  plan.add_argument("--remat", default="full", choices=("none", "full", "save_attention_out"),
+                    help="per-layer rematerialisation (default full)")
+  plan.add_argument("--batch-size", type=_positive, default=None,
+                    help="rows per step (default: one per batch shard)")
+  plan.add_argument("--device-memory", type=_memory, default=None, metavar="SIZE",
+                    help="memory of one device, e.g. 16GiB (v5e), 95GiB (v5p), 141GiB (H200)")
+  plan.add_argument("--estimate-only", action="store_true",
+                    help="print the closed-form estimate without compiling")
+
   demo = sub.add_parser("demo", help="shard a packed multimodal batch and print each rank's part")
   demo.add_argument("--cp", type=_positive, default=8, help="context-parallel size (default 8)")
   demo.add_argument("--seq-len", type=_positive, default=22, help="tokens in the row (default 22)")
@@ -162,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(run_demo(args.cp, args.seq_len))
     return 0
+
+  if args.command == "plan":
+    return _plan(parser, args)
 
   if args.model is not None and args.checkpoint is not None:
     parser.exit(2, "cpjax train: error: --model and --checkpoint exclude each other\n")
@@ -235,6 +270,44 @@ def main(argv: list[str] | None = None) -> int:
   # Anything raised from here on is a crash, not a usage error: let it
   # propagate with its traceback (exit status 1).
   run_train_job(job)
+  return 0
+
+
+def _plan(parser, args) -> int:
+  from cpjax import plan
+  from cpjax.models.gemma4 import Gemma4Config
+
+  if args.mesh is None and args.device_memory is None:
+    parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
+  cfg = Gemma4Config.preset(args.model)
+  mesh = args.mesh
+  if mesh is None:
+    found = plan.smallest_mesh(cfg, model=args.model, seq_len=args.seq_len,
+                               device_memory=args.device_memory, remat=args.remat)
+    if found is None:
+      print(f"no fsdp x cp mesh up to 4096 devices fits {args.model} at S={args.seq_len} "
+            f"into {args.device_memory / plan.GiB:g} GiB per device (estimate)")
+      return 1
+    mesh = found.mesh
+  devices = math.prod(mesh.values())
+  _use_cpu_devices(devices)
+  rows = [plan.estimate(cfg, model=args.model, seq_len=args.seq_len, mesh=mesh,
+                        remat=args.remat, batch_size=args.batch_size, dtype=dtype)
+          for dtype in ("bfloat16", "float32")]
+  if not args.estimate_only:
+    try:
+      rows.append(plan.compiled_plan(cfg, model=args.model, seq_len=args.seq_len, mesh=mesh,
+                                     remat=args.remat, batch_size=args.batch_size))
+    except ValueError as e:   # a mesh the model cannot use: a usage error, before compiling
+      parser.exit(2, f"cpjax plan: error: {e}\n")
+  print(f"cpjax plan: Gemma 4 {args.model}, S={args.seq_len}, remat {args.remat}, "
+        f"{devices} devices; per device:")
+  for row in rows:
+    fits = ""
+    if args.device_memory is not None:
+      fits = ("  fits " if row.fits(args.device_memory) else "  does NOT fit ") + \
+          f"{args.device_memory / plan.GiB:g} GiB"
+    print(f"  {row.row()} [{row.dtype} activations]{fits}")
   return 0
 
 

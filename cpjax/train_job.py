@@ -79,6 +79,13 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     raise ValueError(f"--microbatches {job.microbatches} does not divide --batch-size "
                      f"{job.batch_size}")
   rows = job.batch_size // job.microbatches
+  auto = [n for n in mesh.axis_names if n != "cp" and mesh.shape[n] > 1]
+  if job.dtype == "bfloat16" and auto and devices[0].platform == "cpu":
+    # jax 0.10's CPU SPMD partitioner aborts the process (a failed check,
+    # not an exception) on bfloat16 weight gradients over an fsdp/tp/dp axis
+    # inside the ring's shard_map; TPU and GPU compile it.
+    raise ValueError(f"--dtype bfloat16 with mesh axes {auto} does not compile on the CPU "
+                     f"(an XLA:CPU partitioner limitation); use --dtype float32 there")
   compute = _compute_dtype(job.dtype)
   if job.checkpoint:
     # Parameters stay float32 for the optimizer; activations in job.dtype.

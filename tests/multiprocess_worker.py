@@ -3,7 +3,8 @@
     python tests/multiprocess_worker.py PORT PROCESS_ID NUM_PROCESSES OUT.npz
 
 Builds one 8-device mesh over both processes, then runs shard_batch,
-ring_attention forward and backward, and three training steps; process 0
+ring_attention forward and backward, three training steps, and three more on
+an (fsdp 2, cp 4) mesh with a save and a resume; process 0
 saves the (gathered) results for the test to compare with a 1-process run.
 """
 
@@ -24,6 +25,7 @@ def main():
   from tests import multiprocess_cases as cases
 
   results = cases.run_all(jax.make_mesh((8,), ("cp",)))
+  results.update(cases.run_fsdp(out_path + ".ckpt"))
   gathered = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
               for k, v in results.items()}
   if pid == 0:

@@ -24,7 +24,7 @@ def _run(*args, timeout=600):
     (["train", "--num-processes", "2", "--coordinator-address", "h:1", "--process-id", "2"],
      "--process-id must be in [0, 2), got 2"),
     (["train", "--num-processes", "3", "--coordinator-address", "h:1"],
-     "--cp 8 must be a multiple of --num-processes 3"),
+     "the mesh's 8 devices must be a multiple of --num-processes 3"),
     (["train", "--auto-cluster", "--process-id", "0"],
      "--auto-cluster detects the cluster itself; it cannot be combined with --process-id"),
     (["train", "--auto-cluster", "--coordinator-address", "h:1", "--num-processes", "2"],

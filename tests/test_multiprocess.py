@@ -1,4 +1,5 @@
-"""2 processes x 4 CPU devices over loopback equal 1 process x 8 devices."""
+"""2 processes x 4 CPU devices over loopback equal 1 process x 8 devices:
+a cp mesh, and an (fsdp 2, cp 4) mesh with an orbax save and resume."""
 
 import os
 import socket
@@ -55,14 +56,20 @@ def test_two_processes_equal_one(tmp_path):
   cluster = _run_cluster(tmp_path)
   mesh = cp_mesh(8)
   single = {k: np.asarray(v) for k, v in cases.run_all(mesh).items()}
+  single.update({k: np.asarray(v) for k, v in cases.run_fsdp(str(tmp_path / "single")).items()})
+  # Resumed after step 1, steps 2 and 3 repeat the uninterrupted losses bit for bit.
+  for run in (cluster, single):
+    for i in (1, 2):
+      assert run[f"resumed/loss{i}"] == run[f"fsdp/loss{i}"], (i, run[f"resumed/loss{i}"])
   assert cluster.keys() == single.keys()
   _, params, _ = nnx.split(cases.gemma4.Gemma4(cases.CFG, rngs=nnx.Rngs(0)), nnx.Param, ...)
-  initial = {"params" + jax.tree_util.keystr(p): np.asarray(v)
-             for p, v in jax.tree_util.tree_leaves_with_path(params)}
+  initial = {prefix + jax.tree_util.keystr(p): np.asarray(v)
+             for p, v in jax.tree_util.tree_leaves_with_path(params)
+             for prefix in ("params", "fsdp_params")}
   for key in single:
     if key.startswith("shard/"):
       chex.assert_trees_all_equal(cluster[key], single[key], custom_message=key)
-    elif key.startswith("params"):
+    elif key.startswith(("params", "fsdp_params")):
       # What three momentum steps changed, judged against its own size as the
       # gradient parity tests judge leaves (1e-4 of the largest change), plus
       # the two float32 ulps the parameter itself is stored in: the

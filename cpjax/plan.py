@@ -1,0 +1,255 @@
+"""Plan before renting: per-device memory and FLOPs of a Gemma 4 training step on a mesh.
+
+Two independent answers for one (model, sequence length, mesh, remat):
+
+* :func:`compiled_plan` builds the real training step (AdamW, CP ring, FSDP
+  and TP shardings) with ``jax.ShapeDtypeStruct`` parameters and compiles it
+  for emulated CPU devices: no weight is materialised. XLA's
+  ``memory_analysis()`` gives the per-device arguments (parameters,
+  optimizer state, batch) and temporaries (activations, gathered weights,
+  gradients); ``cost_analysis()`` the FLOPs.
+* :func:`estimate` is the closed form below, written from the architecture.
+
+Closed form, per device (``N`` parameters, ``s = fsdp * tp`` shards, ``B``
+rows per batch shard, ``L = S / cp`` local tokens, ``a`` activation bytes):
+
+* state: parameters ``4N/s``, Adam moments ``8N/s`` (and a 4-byte step count),
+  gradients ``4N/s``;
+* gathered weights (FSDP/TP gather a weight where it is used): the largest
+  decoder layer, and the embedding table, in float32;
+* full-row inputs (the model embeds the whole row before keeping its
+  slice): ``B * S * (D + layers * P) * a``, twice (value and gradient);
+* saved activations: per layer its input ``B * L * D * a`` with remat (plus
+  the per-layer input slice), or about ``B * L * (4D + 2(H + 2Hkv) Dh + 3I) * a``
+  without;
+* one layer's recompute / backward working set: ``2 * B * L * (2 H Dh +
+  4 Hkv Dh + 3 I) * a`` plus the ring's travelling K/V;
+* logits and their gradient in float32: ``3 * B * L * V * 4``.
+
+FLOPs: ``6 * N_active * tokens`` (plus ``2 * N_active * tokens`` for a full
+remat's recompute) and attention ``4 * S_q * S_k_visible * H * Dh`` per
+layer forward, three times that with the backward.
+
+Where CPU compilation differs from TPU / GPU: XLA:CPU has no
+memory-space assignment or latency-hiding scheduler, so its temporaries are
+a liveness-based upper estimate of what the TPU compiler schedules; it
+keeps whole-program buffers live longer (no rematerialisation pass); and
+on this jax (0.10) the CPU SPMD partitioner aborts on bfloat16 weight
+gradients over an fsdp/tp axis inside the ring's shard_map, so the
+compiled plan uses float32 activations (the estimate reports both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+import numpy as np
+
+__all__ = ["Plan", "compiled_plan", "estimate", "parse_bytes", "smallest_mesh"]
+
+GiB = 2 ** 30
+_UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+
+
+def parse_bytes(text: str) -> int:
+  """``"16GiB"`` -> 17179869184.
+
+  >>> parse_bytes("95GiB") / 2**30, parse_bytes("141 GiB") / 2**30
+  (95.0, 141.0)
+  """
+  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+  if not match or match.group(2).lower() not in _UNITS:
+    raise ValueError(f"device memory must look like 16GiB, 95GiB or 141GiB, got {text!r}")
+  return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Per-device bytes of one training step (and its FLOPs per device)."""
+  model: str
+  seq_len: int
+  mesh: dict
+  remat: str
+  dtype: str
+  params: float
+  optimizer: float
+  activations: float         # everything else: temporaries, gradients, batch
+  total: float
+  flops: float
+  source: str                # "compiled" or "estimate"
+
+  def fits(self, device_memory: int) -> bool:
+    return self.total <= device_memory
+
+  def row(self) -> str:
+    mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
+    return (f"{self.model:>4} S={self.seq_len:<7d} {mesh:<18} {self.source:<8} "
+            f"params {self.params / GiB:7.2f}  optimizer {self.optimizer / GiB:7.2f}  "
+            f"activations+temp {self.activations / GiB:7.2f}  total {self.total / GiB:7.2f} GiB  "
+            f"{self.flops / 1e12:9.1f} TFLOP/device")
+
+
+@functools.lru_cache(maxsize=None)
+def _count(cfg) -> tuple[int, int, int]:
+  """(parameters, matmul parameters per text token, largest decoder layer's parameters)."""
+  import jax
+  from flax import nnx
+
+  from cpjax.models.gemma4 import Gemma4
+
+  model = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
+  params = nnx.state(model, nnx.Param)
+  sizes = {jax.tree_util.keystr(p): int(np.prod(x.shape))
+           for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  total = sum(sizes.values())
+  t = cfg.text
+  layer = [0] * t.num_hidden_layers
+  experts = 0
+  for path, n in sizes.items():
+    m = re.search(r"\['layers'\]\[(\d+)\]", path)
+    if m and "language_model" in path:
+      layer[int(m.group(1))] += n
+      if "'experts'" in path:
+        experts += n
+  # Parameters a text token multiplies by: the decoder layers (only k of the
+  # experts) and the head (the tied embedding, V x D); embedding lookups and
+  # the vision tower (no images in a plan) do no matmul FLOPs.
+  active = sum(layer) - (experts * (1 - t.top_k_experts / t.num_experts)
+                         if t.enable_moe_block else 0)
+  active += t.vocab_size * t.hidden_size
+  per_layer = sum(n for p, n in sizes.items() if "per_layer_model_projection" in p)
+  return total, int(active + per_layer), max(layer)
+
+
+def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
+             batch_size: int | None = None, dtype: str = "bfloat16") -> Plan:
+  """The closed form of the module docstring."""
+  t = cfg.text
+  fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
+  cp, tp = mesh.get("cp", 1), mesh.get("tp", 1)
+  shards = mesh.get("fsdp", 1) * tp
+  rows = (batch_size or fsdp) // fsdp
+  a = 2 if dtype == "bfloat16" else 4
+  n, active, largest = _count(cfg)
+  local = seq_len // cp
+  heads, kv, dh = t.num_attention_heads / tp, max(t.num_key_value_heads / tp, 1), t.head_dim
+  width = max(t.mlp_size(i) for i in range(t.num_hidden_layers)) / tp
+  if t.enable_moe_block:
+    width += t.top_k_experts * t.moe_intermediate_size / tp
+  d, layers, ple = t.hidden_size, t.num_hidden_layers, t.hidden_size_per_layer_input or 0
+  params, optimizer, grads = 4 * n / shards, 8 * n / shards + 4, 4 * n / shards  # + step count
+  gathered = 4 * (largest + t.vocab_size * d)
+  full_row = 2 * rows * seq_len * (d + layers * ple) * a
+  if remat == "none":
+    saved = layers * rows * local * (4 * d + 2 * (heads + 2 * kv) * dh + 3 * width) * a
+  else:
+    saved = layers * rows * local * (d + ple) * a
+    if remat == "save_attention_out":
+      saved += layers * rows * local * heads * dh * a
+  working = 2 * rows * local * (2 * heads * dh + 4 * kv * t.global_head_dim + 3 * width) * a
+  logits = 3 * rows * local * t.vocab_size * 4
+  activations = grads + gathered + full_row + saved + working + logits
+  tokens = rows * local
+  matmul = (8 if remat != "none" else 6) * active * tokens / tp
+  attention = 0.0
+  for i in range(layers):
+    visible = (seq_len / 2 if t.is_full(i) else min(t.effective_sliding_window, seq_len))
+    attention += 4 * tokens * visible * t.num_attention_heads / tp * t.layer_head_dim(i)
+  flops = matmul + attention * (4 if remat != "none" else 3)
+  return Plan(model, seq_len, dict(mesh), remat, dtype, params, optimizer, activations,
+              params + optimizer + activations, flops, "estimate")
+
+
+def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
+                  batch_size: int | None = None, dtype: str = "float32") -> Plan:
+  """Compile the training step abstractly on ``prod(mesh)`` emulated devices.
+
+  The process must have at least that many JAX devices (``cpjax plan`` sets
+  ``jax_num_cpu_devices`` before JAX starts).
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from cpjax import parallel, train
+  from cpjax.models.gemma4 import Gemma4
+  from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
+
+  devices = math.prod(mesh.values())
+  if jax.device_count() < devices:
+    raise ValueError(f"mesh {mesh} needs {devices} devices, this process has "
+                     f"{jax.device_count()}")
+  grid = parallel.make_mesh(**mesh)
+  batch_axis = parallel.batch_axis_of(grid)
+  rows = batch_size or (grid.shape[batch_axis] if batch_axis else 1)
+  check_mesh(cfg, grid, seq_len=seq_len, batch_size=rows)
+  compute = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+  abstract = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat))
+  graphdef, params, buffers = nnx.split(abstract, nnx.Param, ...)
+  # Buffers (layer scalars, clip bounds) are a few numbers: real zeros,
+  # closed over like the train job's.
+  buffers = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), buffers)
+  specs = parallel.param_specs(params, grid, rule=partition_rule(cfg, tp=mesh.get("tp", 1)))
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                          sharding=NamedSharding(grid, s)),
+                        params, specs)
+  optimizer = optax.adamw(1e-4)
+  opt_state = _like_params(jax.eval_shape(optimizer.init, params), params, grid)
+  text = {"input_ids": np.ones((rows, seq_len), np.int32),
+          "labels": np.ones((rows, seq_len), np.int32)}
+  sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout="load_balanced")["cp_sharder"]
+  batch, layout = sharder.shard_batch(text, grid, batch_axis=batch_axis)
+  step = train.make_train_step(graphdef, optimizer, mesh=grid, layout=layout, frozen=buffers)
+  compiled = step.compile(params, opt_state, batch)
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  param_bytes = parallel.bytes_per_device(params)
+  opt_bytes = parallel.bytes_per_device(opt_state)
+  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  return Plan(model, seq_len, dict(mesh), remat, dtype, param_bytes, opt_bytes,
+              total - param_bytes - opt_bytes, total, float(cost.get("flops", 0.0)), "compiled")
+
+
+def _like_params(tree, params, mesh):
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  by_path = {tuple(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
+
+  def place(path, leaf):
+    path = tuple(path)
+    for start in range(len(path)):
+      param = by_path.get(path[start:])
+      if param is not None and param.shape == leaf.shape:
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param.sharding)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, P()))
+
+  return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: str = "full",
+                  dtype: str = "bfloat16", max_devices: int = 4096) -> Plan | None:
+  """The fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``
+  (ties: the one with more memory to spare); None when none up to ``max_devices``."""
+  best = None
+  devices = 1
+  while devices <= max_devices and best is None:
+    for cp_log in range(int(math.log2(devices)) + 1):
+      cp = 2 ** cp_log
+      fsdp = devices // cp
+      if seq_len % (2 * cp) or cfg.text.num_attention_heads == 0:
+        continue
+      mesh = {"fsdp": fsdp, "cp": cp} if fsdp > 1 else {"cp": cp}
+      plan = estimate(cfg, model=model, seq_len=seq_len, mesh=mesh, remat=remat, dtype=dtype)
+      if plan.fits(device_memory) and (best is None or plan.total < best.total):
+        best = plan
+    devices *= 2
+  return best
