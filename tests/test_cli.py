@@ -37,6 +37,15 @@ def _run(*args, timeout=600):
     (["train", "--resume", "/tmp", "--state-dir", "/tmp"], "--resume DIR saves into DIR"),
     (["train", "--save-every", "5"], "--save-every needs --state-dir (or --resume)"),
     (["train", "--resume", "/nonexistent"], "--resume /nonexistent is not a directory"),
+    (["train", "--mesh", "fsdp=2,cp=4", "--cp", "2"], "--mesh sets the cp size; do not add --cp"),
+    (["train", "--mesh", "pp=2"], "expected comma-separated AXIS=SIZE with AXIS in"),
+    (["train", "--mesh", "fsdp=0"], "axis 'fsdp' needs a positive integer size, got '0'"),
+    (["train", "--mesh", "dp=2,fsdp=2"], "--mesh splits the batch over dp or fsdp, not both"),
+    (["train", "--mesh", "fsdp=4,cp=4"], "--mesh needs 16 devices, found 8 CPU devices"),
+    (["train", "--microbatches", "3"], "--microbatches 3 must divide --batch-size 2"),
+    (["plan", "--model", "e2b", "--seq-len", "1024"], "give --mesh, or --device-memory"),
+    (["plan", "--model", "e2b", "--seq-len", "1024", "--device-memory", "lots"],
+     "device memory must look like 16GiB"),
 ])
 def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
   # JAX is already up with 8 CPU devices in this process: keep it as it is.
@@ -79,7 +88,7 @@ def test_help_documents_every_flag(capsys):
   text = train_help(capsys)
   for flag in ("--seq-len", "--cp", "--layout", "--steps", "--seed", "--dtype", "--model",
                "--checkpoint", "--data", "--remat", "--save", "--state-dir", "--save-every",
-               "--resume", "--force-resume"):
+               "--resume", "--force-resume", "--mesh", "--microbatches"):
     assert flag in text
 
 
