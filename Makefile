@@ -19,9 +19,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# Every property test with 200 examples each (not in CI: about 15 minutes on 2 cores).
+# Every property test with 200 examples each, and the slow-marked cases (not in CI:
+# about 20 minutes on 2 cores).
 soak: $(STAMP)
 	CPJAX_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -m hypothesis -p no:cacheprovider tests
+	$(BIN)/python -m pytest -m slow -p no:cacheprovider tests
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[peers]"
