@@ -145,13 +145,17 @@ def single_device(name):
   return jax.jit(jax.value_and_grad(objective))(params)
 
 
-# Every cp size and layout, each model at least twice, and a (dp, cp) mesh.
+# Every cp size and layout, each model at least twice, and a (dp, cp) mesh;
+# in CI every cp size and layout and each model at least once (the rest: make soak).
 @pytest.mark.parametrize("name,cp,layout,dp", [
-    ("ple_kv_sharing", 2, "load_balanced", 1), ("ple_kv_sharing", 8, "contiguous", 1),
+    ("ple_kv_sharing", 2, "load_balanced", 1),
+    pytest.param("ple_kv_sharing", 8, "contiguous", 1, marks=pytest.mark.slow),
     ("ple_kv_sharing", 4, "contiguous", 2),
-    ("moe_k_eq_v_vision", 2, "contiguous", 1), ("moe_k_eq_v_vision", 8, "load_balanced", 1),
+    pytest.param("moe_k_eq_v_vision", 2, "contiguous", 1, marks=pytest.mark.slow),
+    ("moe_k_eq_v_vision", 8, "load_balanced", 1),
     ("moe_k_eq_v_vision", 4, "load_balanced", 2),
-    ("bidirectional_all", 4, "contiguous", 1), ("bidirectional_all", 4, "load_balanced", 1)])
+    ("bidirectional_all", 4, "contiguous", 1),
+    pytest.param("bidirectional_all", 4, "load_balanced", 1, marks=pytest.mark.slow)])
 def test_cp_loss_and_gradients_equal_single_device(name, cp, layout, dp):
   model, batch = training_batch(name)
   ref_loss, ref_grads = single_device(name)
