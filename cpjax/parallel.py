@@ -162,7 +162,9 @@ def shard_like_params(tree, params):
   """Place ``tree`` (an optimizer state) like ``params``: every leaf whose key
   path ends in a parameter's key path, with that parameter's shape, takes the
   parameter's sharding (Adam's ``mu``/``nu``); the rest (step counts) is
-  replicated on the parameters' mesh.
+  replicated on the parameters' mesh. Abstract leaves (``jax.ShapeDtypeStruct``,
+  e.g. from ``jax.eval_shape(optimizer.init, params)``) come back abstract,
+  with the sharding attached.
 
   >>> import optax
   >>> mesh = make_mesh(fsdp=2, cp=1)
@@ -176,11 +178,15 @@ def shard_like_params(tree, params):
 
   def place(path, leaf):
     path = tuple(path)
+    sharding = NamedSharding(mesh, P())
     for start in range(len(path)):
       param = by_path.get(path[start:])
       if param is not None and np.shape(param) == np.shape(leaf):
-        return jax.device_put(leaf, param.sharding)
-    return jax.device_put(leaf, NamedSharding(mesh, P()))
+        sharding = param.sharding
+        break
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    return jax.device_put(leaf, sharding)
 
   return jax.tree_util.tree_map_with_path(place, tree)
 

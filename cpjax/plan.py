@@ -175,7 +175,7 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
   import jax.numpy as jnp
   import optax
   from flax import nnx
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
 
   from cpjax import parallel, train
   from cpjax.models.gemma4 import Gemma4
@@ -200,7 +200,7 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
                                                           sharding=NamedSharding(grid, s)),
                         params, specs)
   optimizer = optax.adamw(1e-4)
-  opt_state = _like_params(jax.eval_shape(optimizer.init, params), params, grid)
+  opt_state = parallel.shard_like_params(jax.eval_shape(optimizer.init, params), params)
   text = {"input_ids": np.ones((rows, seq_len), np.int32),
           "labels": np.ones((rows, seq_len), np.int32)}
   sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout="load_balanced")["cp_sharder"]
@@ -216,23 +216,6 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
   return Plan(model, seq_len, dict(mesh), remat, dtype, param_bytes, opt_bytes,
               total - param_bytes - opt_bytes, total, float(cost.get("flops", 0.0)), "compiled")
-
-
-def _like_params(tree, params, mesh):
-  import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  by_path = {tuple(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
-
-  def place(path, leaf):
-    path = tuple(path)
-    for start in range(len(path)):
-      param = by_path.get(path[start:])
-      if param is not None and param.shape == leaf.shape:
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param.sharding)
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, P()))
-
-  return jax.tree_util.tree_map_with_path(place, tree)
 
 
 def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: str = "full",
