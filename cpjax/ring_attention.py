@@ -9,6 +9,13 @@ skips tiles the mask leaves empty. The backward pass (``jax.custom_vjp``)
 replays the ring from the saved log-sum-exp, rotating K/V together with their
 dK/dV accumulators so every gradient arrives home: per-device memory is O(L).
 
+Each hop's compute has two backends (``implementation``): the portable XLA
+tile loop below (a ``fori_loop`` over the hop's non-empty tiles), or fused
+Pallas kernels for TPU (Mosaic) and GPU (Triton) from :mod:`cpjax.kernels`,
+which fold a visiting chunk into (out, lse) that the ring merges, and take the
+saved global lse for their dq and dk/dv kernels. Both read the same per-hop
+tile schedule from the mask's block map and keep the same ring around them.
+
 The mask is a :class:`cpjax.AttentionMask`: its rule says which tiles are
 empty, partial or full, and how far allowed keys reach. Which hops are taken
 is static (:func:`ring_plan`, from that reach): the whole ring in one
@@ -33,8 +40,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from cpjax.kernels import common as kernel_common
+from cpjax.kernels.common import KernelParams
+from cpjax.kernels.common import vary_like as _vary_like
+from cpjax.kernels.common import varying_axes as _varying_axes
+from cpjax.kernels.targets import TARGETS, platform_guard, resolve_implementation
 from cpjax.layout import ShardLayout, local_token_indices
 from cpjax.masks import AttentionMask, MaskRule, MaskSpec, Reach, Tokens, resolve_mask
 
@@ -127,6 +140,8 @@ class _Config:
   block_q: int
   block_kv: int
   groups: int  # G = Hq // Hkv
+  implementation: str = "xla"
+  kernel: KernelParams | None = None  # the Pallas targets' static parameters
 
   @property
   def tile_rows(self) -> int:
@@ -135,17 +150,6 @@ class _Config:
 
 
 # ------------------------------------------------------------------ helpers
-def _varying_axes(x) -> frozenset:
-  mat = getattr(jax.typeof(x), "manual_axis_type", None)
-  return getattr(mat, "varying", frozenset())
-
-
-def _vary_like(x, ref):
-  """Make ``x`` varying over the mesh axes ``ref`` varies over (check_vma)."""
-  missing = tuple(sorted(_varying_axes(ref) - _varying_axes(x)))
-  return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _shift(tree, cfg: _Config, offset: int):
   """Send every leaf from rank i to rank i + offset on the ring."""
   cp = cfg.layout.cp_size
@@ -277,17 +281,81 @@ def _rank(cfg: _Config):
   return lax.axis_index(cfg.axis_name)
 
 
+def _xla_fold(cfg: _Config, q, q_info: Tokens):
+  """(initial state, attend, finish) of the XLA tile loop."""
+  init = _Stats(_vary_like(jnp.full(q.shape[:-1], -jnp.inf, jnp.float32), q),
+                _vary_like(jnp.zeros(q.shape[:-1], jnp.float32), q),
+                _vary_like(jnp.zeros(q.shape, jnp.float32), q))
+
+  def finish(stats):
+    seen = stats.l > 0
+    l_safe = jnp.where(seen, stats.l, 1.0)
+    out = jnp.where(seen[..., None], stats.acc / l_safe[..., None], 0.0)
+    return out, jnp.where(seen, stats.m + jnp.log(l_safe), -jnp.inf)
+
+  return init, functools.partial(_attend_chunk, cfg, _scaled(cfg, q), q_info), finish
+
+
+def _kernels(cfg: _Config):
+  """The module holding ``cfg.implementation``'s kernels (imported on first use)."""
+  if cfg.implementation == "pallas_tpu":
+    from cpjax.kernels import tpu as module
+  else:
+    from cpjax.kernels import gpu as module
+  return module
+
+
+def _guarded(cfg: _Config, x):
+  """``x``, tied to a lowering-time check that the platform suits the kernels."""
+  return x if cfg.kernel.interpret else platform_guard(x, cfg.implementation)
+
+
+def _kernel_chunk(cfg: _Config, q_info: Tokens, kv, k_arrays, src_rank, active):
+  """(k, v, key metadata, schedule) of one visiting chunk for the kernels."""
+  k_info = _tokens(cfg, src_rank, k_arrays)
+  blocks = cfg.rule.classify(q_info, k_info, cfg.block_q, cfg.block_kv)
+  sched = kernel_common.schedule(blocks, kv[0].shape[0], active)
+  k_meta = kernel_common.metadata(cfg.kernel, k_info.positions, k_info.arrays)
+  # A pallas_call's operands vary over the same mesh axes as its results.
+  k_meta, sched = jax.tree.map(lambda x: _vary_like(x, kv[0]), (k_meta, sched))
+  return kv[0], kv[1], k_meta, sched
+
+
+def _query_metadata(cfg: _Config, q_info: Tokens, q):
+  """Kernel metadata of the local query rows (each token repeated G times)."""
+  meta = kernel_common.metadata(cfg.kernel, q_info.positions, q_info.arrays, repeat=cfg.groups)
+  return jax.tree.map(lambda x: _vary_like(x, q), meta)
+
+
+def _pallas_fold(cfg: _Config, q, q_info: Tokens):
+  """(initial state, attend, finish) of the Pallas kernels: each chunk's
+  (out, lse) merge into the running pair, both float32."""
+  kernels = _kernels(cfg)
+  qs = _scaled(cfg, _guarded(cfg, q))
+  q_meta = _query_metadata(cfg, q_info, q)
+  init = (_vary_like(jnp.zeros(q.shape, jnp.float32), q),
+          _vary_like(jnp.full(q.shape[:-1] + (1,), -jnp.inf, jnp.float32), q))
+
+  def attend(state, kv, k_arrays, src_rank, active=True):
+    k, v, k_meta, sched = _kernel_chunk(cfg, q_info, kv, k_arrays, src_rank, active)
+    out_c, lse_c = kernels.forward(cfg.kernel, qs, k, v, q_meta, k_meta, sched)
+    out, lse = state
+    new = jnp.logaddexp(lse, lse_c)
+    # -inf: nothing allowed yet; a finite stand-in keeps exp() at exactly 0.
+    safe = jnp.where(new == -jnp.inf, 0.0, new)
+    return out * jnp.exp(lse - safe) + out_c * jnp.exp(lse_c - safe), new
+
+  return init, attend, lambda state: (state[0], state[1][..., 0])
+
+
 def _forward(cfg: _Config, q, k, v, arrays):
   """Returns out [B, Hkv, N, D] (q's dtype) and lse f32[B, Hkv, N]."""
   cp = cfg.layout.cp_size
   rank = _rank(cfg)
   q_info = _tokens(cfg, rank, arrays)
-  qs = _scaled(cfg, q)
-  stats = _Stats(_vary_like(jnp.full(q.shape[:-1], -jnp.inf, jnp.float32), q),
-                 _vary_like(jnp.zeros(q.shape[:-1], jnp.float32), q),
-                 _vary_like(jnp.zeros(q.shape, jnp.float32), q))
+  fold = _xla_fold if cfg.kernel is None else _pallas_fold
+  stats, attend, finish = fold(cfg, q, q_info)
   travel = ((k, v), arrays)
-  attend = functools.partial(_attend_chunk, cfg, qs, q_info)
   hops, back = cfg.plan
 
   if back == 0:
@@ -310,12 +378,9 @@ def _forward(cfg: _Config, q, k, v, arrays):
     stats = attend(stats, *fwd, (rank - hops) % cp)
     stats = attend(stats, *bwd, (rank + hops) % cp)
 
-  seen = stats.l > 0
-  l_safe = jnp.where(seen, stats.l, 1.0)
-  out = jnp.where(seen[..., None], stats.acc / l_safe[..., None], 0.0)
+  out, lse = finish(stats)
   # +inf for rows with nothing allowed: exp(s - lse) is then exactly 0.
-  lse = jnp.where(seen, stats.m + jnp.log(l_safe), jnp.inf)
-  return out.astype(q.dtype), lse
+  return out.astype(q.dtype), jnp.where(lse == -jnp.inf, jnp.inf, lse)
 
 
 # ----------------------------------------------------------------- backward
@@ -366,12 +431,26 @@ def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: Tokens, dq, kv, dkv, k_
   return lax.fori_loop(0, plan.count, step, (dq, dkv))
 
 
+def _pallas_grad_chunk(cfg: _Config, q, do, lse, delta, q_info: Tokens, q_meta, dq, kv, dkv,
+                       k_arrays, src_rank, active=True):
+  """:func:`_grad_chunk` with the Pallas kernels; ``lse``/``delta`` f32[B, Hkv, N, 1]."""
+  k, v, k_meta, sched = _kernel_chunk(cfg, q_info, kv, k_arrays, src_rank, active)
+  dq_c, dk_c, dv_c = _kernels(cfg).backward(cfg.kernel, q, k, v, do, lse, delta, q_meta, k_meta,
+                                            sched)
+  return dq + dq_c, (dkv[0] + dk_c, dkv[1] + dv_c)
+
+
 def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
   cp = cfg.layout.cp_size
   rank = _rank(cfg)
   q_info = _tokens(cfg, rank, arrays)
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  grad = functools.partial(_grad_chunk, cfg, _scaled(cfg, q), do, lse, delta, q_info)
+  if cfg.kernel is None:
+    grad = functools.partial(_grad_chunk, cfg, _scaled(cfg, q), do, lse, delta, q_info)
+  else:
+    q_meta = _query_metadata(cfg, q_info, q)
+    grad = functools.partial(_pallas_grad_chunk, cfg, _scaled(cfg, _guarded(cfg, q)), do,
+                             lse[..., None], delta[..., None], q_info, q_meta)
   dq = _vary_like(jnp.zeros(q.shape, jnp.float32), q)
   zero_kv = _vary_like(jnp.zeros(k.shape, jnp.float32), k)
   travel = ((k, v), arrays)
@@ -438,6 +517,54 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 # ------------------------------------------------------------------ public
+def _divisors(n: int, top: int):
+  return [x for x in range(min(n, top), 0, -1) if n % x == 0]
+
+
+def _block_sizes(layout: ShardLayout, implementation: str, head_dim: int, groups: int,
+                 block_q, block_kv) -> tuple[int, int]:
+  """(block_q, block_kv) for this call: checked if given, else the default.
+
+  Tiles never straddle a chunk, so both divide ``layout.chunk_len``; a
+  Pallas target adds its tiling rules and takes its defaults from its tile
+  record. Nothing falls back silently: a shape the target cannot tile is a
+  ValueError that says what would work.
+  """
+  chunk = layout.chunk_len
+  for name, blk in (("block_q", block_q), ("block_kv", block_kv)):
+    if blk is not None and (isinstance(blk, bool) or not isinstance(blk, int) or blk < 1
+                            or chunk % blk):
+      raise ValueError(f"{name} must be a positive divisor of layout.chunk_len ({chunk}), "
+                       f"got {blk!r}")
+  if implementation == "xla":
+    return (default_block_size(chunk) if block_q is None else block_q,
+            default_block_size(chunk) if block_kv is None else block_kv)
+  target = TARGETS[implementation]
+  problem = target.head_dim_problem(head_dim)
+  if problem:
+    raise ValueError(f"implementation={implementation!r} cannot tile head dim {head_dim}: it "
+                     f"must be {problem}; pad the head dim or use implementation='xla'")
+  rows, keys = target.default_tile(head_dim)
+  local = layout.local_seq_len
+
+  def fits(bq, bk):
+    return target.block_problem(bq * groups, bk, local_rows=local * groups, local_len=local)
+
+  q_options = [block_q] if block_q is not None else _divisors(chunk, max(rows // groups, 1))
+  k_options = [block_kv] if block_kv is not None else _divisors(chunk, keys)
+  for bq in q_options:
+    for bk in k_options:
+      if fits(bq, bk) is None:
+        return bq, bk
+  bq, bk = q_options[0], k_options[0]
+  why = fits(bq, bk) or "no divisor of the chunk length fits the tile record"
+  raise ValueError(
+      f"implementation={implementation!r} cannot tile layout.chunk_len={chunk} with G={groups} "
+      f"query heads per KV head (block_q={bq}, block_kv={bk}): {why}. Choose block_q and "
+      f"block_kv dividing the chunk length that meet this (a longer sequence or pad_multiple "
+      f"in shard_batch helps), or use implementation='xla'.")
+
+
 def _axis_size(axis_name: str) -> int | None:
   try:
     return lax.axis_size(axis_name)
@@ -450,7 +577,8 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
                    sliding_window: int | None = None, segment_ids=None, padding_mask=None,
                    vision_group_ids=None, scale: float | None = None,
                    logits_soft_cap: float | None = None, block_q: int | None = None,
-                   block_kv: int | None = None):
+                   block_kv: int | None = None, implementation: str | None = None,
+                   interpret: bool = False):
   """Exact attention over a sequence sharded on ``axis_name``, inside ``shard_map``.
 
   Local position i of rank r is global token ``local_token_indices(layout,
@@ -475,8 +603,14 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
       other bidirectionally, overriding causal and window.
     scale: logit scale, default ``1 / sqrt(D)``.
     logits_soft_cap: ``c`` for ``c * tanh(logits / c)``.
-    block_q, block_kv: tile sizes; must divide ``layout.chunk_len``
-      (default :func:`default_block_size`).
+    block_q, block_kv: tile sizes in tokens; must divide ``layout.chunk_len``
+      (default: :func:`default_block_size` for XLA, the target's tile record
+      for Pallas; see :mod:`cpjax.kernels.targets`).
+    implementation: the per-hop backend: ``"xla"`` (a tile loop, any
+      backend), ``"pallas_tpu"`` or ``"pallas_gpu"`` (fused kernels), or
+      None for the default backend's Pallas target (XLA on CPU).
+    interpret: run the Pallas target's kernels in Pallas' interpreter (any
+      backend; slow, for tests). Ignored by ``"xla"``.
 
   Returns:
     [B, L, Hq, D] in q's dtype. Rows with nothing allowed are 0, with zero
@@ -526,24 +660,26 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
   mask = mask.validate(b, l, where="[B, L] (q's first two dimensions)")
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
-  blocks = []
-  for name, blk in (("block_q", block_q), ("block_kv", block_kv)):
-    blk = default_block_size(layout.chunk_len) if blk is None else blk
-    if isinstance(blk, bool) or not isinstance(blk, int) or blk < 1 or layout.chunk_len % blk:
-      raise ValueError(f"{name} must be a positive divisor of layout.chunk_len "
-                       f"({layout.chunk_len}), got {blk!r}")
-    blocks.append(blk)
-
+  if not isinstance(interpret, (bool, np.bool_)):
+    raise TypeError(f"interpret must be a bool, got {type(interpret).__name__} ({interpret!r})")
+  implementation = resolve_implementation(implementation)
+  g = hq // hkv
+  block_q, block_kv = _block_sizes(layout, implementation, d, g, block_q, block_kv)
+  kernel = None
+  if implementation != "xla":
+    kernel = KernelParams(rule=mask.rule, soft_cap=None if logits_soft_cap is None
+                          else float(logits_soft_cap), block_q=block_q, block_kv=block_kv,
+                          groups=g, interpret=bool(interpret))
   cfg = _Config(
       layout=layout, axis_name=axis_name, rule=mask.rule, plan=ring_plan(layout, mask=mask),
       scale=float(d ** -0.5 if scale is None else scale),
       soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-      block_q=blocks[0], block_kv=blocks[1], groups=hq // hkv)
+      block_q=block_q, block_kv=block_kv, groups=g, implementation=implementation,
+      kernel=kernel)
   arrays = mask.arrays
   if cfg.layout.cp_size > 1:
     # The mask's arrays ride the ring, so they must vary over the axis like K/V do.
     arrays = jax.tree.map(lambda x: _vary_like(x, k), arrays)
-  g = hq // hkv
   qh = q.reshape(b, l, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, l * g, d)
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   out = _ring(cfg, qh, kh, vh, arrays)

@@ -1,0 +1,223 @@
+"""What every per-hop attention kernel shares: the static tile parameters, the
+per-hop tile schedule, the per-token metadata and the float32 tile math.
+
+A ring hop pairs this rank's queries with one visiting K/V chunk. Rows are
+(token, query head) pairs in the ring's head-major layout: q is
+[B, Hkv, N = L*G, D] with row ``t*G + g`` token t and head g, so one tile
+holds ``block_q*G`` rows against ``block_kv`` keys and the G query heads that
+share a KV head load it once (GQA without repeating K/V). The per-token
+metadata is therefore given per row on the query side (each token's values
+repeated G times) and per token on the key side.
+
+Shape letters: ``B`` batch, ``Hkv`` KV heads, ``N`` local rows, ``L`` local
+tokens, ``D`` head dim, ``R = block_q * G`` rows and ``K = block_kv`` keys per
+tile, ``nq``/``nk`` row and key blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cpjax.kernels import interpret as _interpret
+from cpjax.masks import BlockMap, MaskRule, Tokens
+
+__all__ = ["KernelParams", "Metadata", "Schedule", "f32_like", "fold_tile", "grad_tile",
+           "metadata", "schedule", "tile_mask", "vary_like", "varying_axes"]
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return getattr(mat, "varying", frozenset())
+
+
+def vary_like(x, ref):
+  """``x`` made varying over the mesh axes ``ref`` varies over (check_vma)."""
+  missing = tuple(sorted(varying_axes(ref) - varying_axes(x)))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def f32_like(shape, ref) -> jax.ShapeDtypeStruct:
+  """A float32 kernel output of ``shape`` that varies over the mesh axes ``ref`` does."""
+  return jax.ShapeDtypeStruct(shape, jnp.float32,
+                              manual_axis_type=getattr(jax.typeof(ref), "manual_axis_type", None))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParams:
+  """Everything static a kernel needs (hashable)."""
+
+  rule: MaskRule
+  soft_cap: float | None
+  block_q: int      # tokens per query tile
+  block_kv: int     # keys per key tile
+  groups: int       # G = Hq // Hkv
+  interpret: bool
+
+  @property
+  def rows(self) -> int:
+    """R, query rows per tile."""
+    return self.block_q * self.groups
+
+  @property
+  def array_names(self) -> tuple[str, ...]:
+    return tuple(sorted(self.rule.array_kinds()))
+
+
+class Metadata(NamedTuple):
+  """Per-token mask metadata in the kernels' layout (all int32, bool as 0/1).
+
+  Fields:
+    positions: int32[1, T] global token indices.
+    arrays: tuple of int32[B, 1, T], the rule's per-token arrays in
+      :attr:`KernelParams.array_names` order.
+  """
+
+  positions: jax.Array
+  arrays: tuple[jax.Array, ...]
+
+
+def metadata(params: KernelParams, positions, arrays, *, repeat: int = 1) -> Metadata:
+  """Kernel metadata of tokens at ``positions`` int[T] with ``arrays`` {name: [B, T]},
+  each token repeated ``repeat`` times (G for query rows)."""
+  rep = (lambda x: jnp.repeat(x, repeat, axis=-1)) if repeat > 1 else (lambda x: x)  # noqa: E731
+  pos = rep(jnp.asarray(positions, jnp.int32))[None]
+  arrs = tuple(rep(jnp.asarray(arrays[n]).astype(jnp.int32))[:, None] for n in params.array_names)
+  return Metadata(pos, arrs)
+
+
+def tokens(params: KernelParams, positions, arrays) -> Tokens:
+  """The :class:`Tokens` of one tile, from kernel blocks int32[1, T] and [1, T] each."""
+  kinds = params.rule.array_kinds()
+  named = {n: (x != 0 if kinds[n] == "bool" else x) for n, x in zip(params.array_names, arrays)}
+  return Tokens(positions[0], named)
+
+
+def tile_mask(params: KernelParams, q: Tokens, k: Tokens) -> jax.Array:
+  """bool[R, K]: which pairs of the tile the rule allows."""
+  allowed = params.rule.allowed(q, k)
+  return jnp.broadcast_to(allowed, (1, q.positions.shape[0], k.positions.shape[0]))[0]
+
+
+class Schedule(NamedTuple):
+  """The tiles of one hop worth computing, per batch row, in both orders.
+
+  Fields (int32):
+    cols: [B, nq, nk]; ``cols[b, i, :ncols[b, i]]`` are the non-empty key
+      blocks of row block i, ascending; the tail repeats the last of them, so
+      a kernel stepping through it fetches nothing new.
+    ncols: [B, nq].
+    rows, nrows: the same per key block ([B, nk, nq], [B, nk]).
+    full: [B, nq, nk]; 1 where the tile needs no mask.
+  """
+
+  cols: jax.Array
+  ncols: jax.Array
+  rows: jax.Array
+  nrows: jax.Array
+  full: jax.Array
+
+
+def _compact(visit):
+  """Per row of bool[B, n, m]: indices of the True entries first, then the last one repeated."""
+  m = visit.shape[-1]
+  count = jnp.sum(visit, axis=-1, dtype=jnp.int32)
+  order = jnp.argsort(~visit, axis=-1, stable=True).astype(jnp.int32)
+  idx = jnp.minimum(jnp.arange(m, dtype=jnp.int32), jnp.maximum(count - 1, 0)[..., None])
+  return jnp.take_along_axis(order, idx, axis=-1), count
+
+
+def schedule(blocks: BlockMap, batch: int, active) -> Schedule:
+  """The :class:`Schedule` of a hop from its block map (``active`` False: skip all)."""
+  shape = (batch,) + blocks.any.shape[1:]
+  visit = jnp.broadcast_to(blocks.any, shape) & active
+  cols, ncols = _compact(visit)
+  rows, nrows = _compact(jnp.swapaxes(visit, 1, 2))
+  full = jnp.broadcast_to(blocks.all, shape).astype(jnp.int32)
+  return Schedule(cols, ncols, rows, nrows, full)
+
+
+def launch(params: KernelParams, make_call, *args):
+  """Run ``make_call(interpret=...)`` (a partial ``pl.pallas_call``) on ``args``:
+  compiled for its target, or in Pallas' HLO interpreter when
+  ``params.interpret`` (see :mod:`cpjax.kernels.interpret`)."""
+  if not params.interpret:
+    return make_call(interpret=False)(*args)
+  out = make_call.keywords["out_shape"]
+  single = not isinstance(out, (list, tuple))
+  outs = [out] if single else list(out)
+  results = _interpret.run(lambda *a: jax.tree.leaves(make_call(interpret=True)(*a)), *args,
+                           out_shapes=[(o.shape, o.dtype) for o in outs])
+  return results[0] if single else results
+
+
+# ------------------------------------------------------------- tile math
+def _dot_nt(a, b):
+  """a @ b.T, float32 accumulation."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def scores(params: KernelParams, q, k):
+  """f32[R, K] logits of pre-scaled q [R, D] against k [K, D], soft-capped."""
+  s = _dot_nt(q, k)
+  if params.soft_cap is not None:
+    s = params.soft_cap * jnp.tanh(s / params.soft_cap)
+  return s
+
+
+def fold_tile(params: KernelParams, q, k, v, mask, m, l, acc):
+  """One online-softmax step: fold tile (q [R, D], k/v [K, D]) into
+  (m, l f32[R, 1], acc f32[R, D]); ``mask`` bool[R, K] or None (full tile)."""
+  s = scores(params, q, k)
+  if mask is None:
+    m_new = m_safe = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.exp(s - m_safe)
+  else:
+    m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True))
+    # A row that has seen nothing keeps m = -inf; a finite stand-in avoids
+    # inf - inf, and the mask zeroes its p exactly.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.where(mask, jnp.exp(s - m_safe), 0.0)
+  alpha = jnp.exp(m - m_safe)
+  l = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+  acc = alpha * acc + _dot(p.astype(v.dtype), v)
+  return m_new, l, acc
+
+
+def finish(m, l, acc):
+  """(out f32[R, D], lse f32[R, 1]) of the folded state; rows with nothing
+  allowed give out 0 and lse -inf."""
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  out = jnp.where(seen, acc / l_safe, 0.0)
+  return out, jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+
+
+def grad_tile(params: KernelParams, q, k, v, do, lse, delta, mask):
+  """(dq f32[R, D], dk f32[K, D], dv f32[K, D]) of one tile.
+
+  ``lse`` is the global log-sum-exp (+inf for rows with nothing allowed, so
+  their p is exactly 0) and ``delta`` = rowsum(dO * O), both f32[R, 1]. q is
+  pre-scaled, so dk carries the scale and dq gets it once at the end.
+  """
+  s = scores(params, q, k)
+  p = jnp.exp(s - lse)
+  if mask is not None:
+    p = jnp.where(mask, p, 0.0)
+  dv = _dot(p.T.astype(do.dtype), do)
+  dp = _dot_nt(do, v)
+  ds = p * (dp - delta)
+  if params.soft_cap is not None:
+    ds = ds * (1.0 - jnp.square(s / params.soft_cap))  # d(c*tanh(x/c))/dx
+  dk = _dot(ds.T.astype(q.dtype), q)
+  dq = _dot(ds.astype(k.dtype), k)
+  return dq, dk, dv

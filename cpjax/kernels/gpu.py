@@ -1,0 +1,195 @@
+"""Per-hop attention kernels for NVIDIA GPUs (Pallas on Triton).
+
+Why Triton and not Mosaic GPU: the same tile math (:mod:`cpjax.kernels.common`)
+lowers to both Mosaic TPU and Triton as plain block-level ``jnp`` code, it
+runs on Hopper (H100/H200) and Ampere alike, and it lowers for ``cuda`` from a
+CPU-only machine, which is how CI checks it. Mosaic GPU reaches Hopper's
+peak only with warpgroup-level code (TMA, wgmma, explicit pipelining) that
+shares nothing with the TPU kernels and would need its own numerics tests on
+hardware. Pallas' Triton backend is deprecated from JAX 0.11; this module is
+the one place to swap when it goes.
+
+Triton has no sequential grid dimension with scratch memory, so each program
+owns one row block (forward, dq) or one key block (dk/dv) and loops over the
+hop's :class:`cpjax.kernels.common.Schedule` list in the kernel with a
+dynamic trip count: empty tiles cost nothing. Full tiles skip the mask.
+
+Shape letters as in :mod:`cpjax.kernels.common`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from cpjax.kernels import common
+from cpjax.kernels.common import KernelParams, Metadata, Schedule
+
+
+def _compiler_params(params: KernelParams):
+  return pltr.CompilerParams(num_warps=4 if params.rows <= 64 else 8, num_stages=2)
+
+
+def _whole(shape):
+  """The whole array [B, ...] of batch row b (and KV head h when 4-D) in every program."""
+  if len(shape) == 4:
+    return pl.BlockSpec((None, None) + shape[2:], lambda b, h, x: (b, h, 0, 0))
+  if len(shape) == 3:
+    return pl.BlockSpec((None,) + shape[1:], lambda b, h, x: (b, 0, 0))
+  return pl.BlockSpec(shape, lambda b, h, x: (0,) * len(shape))
+
+
+def _meta_specs(meta: Metadata):
+  return [_whole(meta.positions.shape)] + [_whole(a.shape) for a in meta.arrays]
+
+
+def _block_tokens(params: KernelParams, refs, start, size):
+  """:class:`Tokens` of ``size`` tokens from ``start`` of one side's metadata refs."""
+  pos = refs[0][:, pl.ds(start, size)]
+  return common.tokens(params, pos, [r[:, pl.ds(start, size)] for r in refs[1:]])
+
+
+def _split(params: KernelParams, refs):
+  n = 1 + len(params.array_names)
+  return refs[:n], refs[n:2 * n], refs[2 * n:]
+
+
+def _tile(visit_full, step, carry):
+  """``step(carry, masked)`` with the mask only where the tile is not full."""
+  return lax.cond(visit_full, functools.partial(step, masked=False),
+                  functools.partial(step, masked=True), carry)
+
+
+# ------------------------------------------------------------------ forward
+def _forward_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs,
+                    params: KernelParams):
+  q_meta, k_meta, (o_ref, lse_ref) = _split(params, refs)
+  b, i = pl.program_id(0), pl.program_id(2)
+  r, kb = params.rows, params.block_kv
+  q = q_ref[...]
+  q_tok = _block_tokens(params, q_meta, i * r, r)
+
+  def body(t, carry):
+    j = cols_ref[b, i, t]
+
+    def step(carry, masked):
+      k, v = k_ref[pl.ds(j * kb, kb), :], v_ref[pl.ds(j * kb, kb), :]
+      mask = (common.tile_mask(params, q_tok, _block_tokens(params, k_meta, j * kb, kb))
+              if masked else None)
+      return common.fold_tile(params, q, k, v, mask, *carry)
+
+    return _tile(full_ref[b, i, j] != 0, step, carry)
+
+  init = (jnp.full((r, 1), -jnp.inf, jnp.float32), jnp.zeros((r, 1), jnp.float32),
+          jnp.zeros(q.shape, jnp.float32))
+  out, lse = common.finish(*lax.fori_loop(0, ncols_ref[b, i], body, init))
+  o_ref[...] = out
+  lse_ref[...] = lse
+
+
+def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
+            sched: Schedule):
+  """(out f32[B, Hkv, N, D], lse f32[B, Hkv, N, 1]) of q against one K/V chunk."""
+  b, h, n, d = q.shape
+  r = params.rows
+  row = lambda shape: pl.BlockSpec(shape, lambda b_, h_, i: (b_, h_, i, 0))  # noqa: E731
+  tables = (sched.cols, sched.ncols, sched.full)
+  return common.launch(
+      params, functools.partial(
+          pl.pallas_call, functools.partial(_forward_kernel, params=params), grid=(b, h, n // r),
+          in_specs=[pl.no_block_spec] * 3 + [row((None, None, r, d)), _whole(k.shape),
+                                             _whole(v.shape), *_meta_specs(q_meta),
+                                             *_meta_specs(k_meta)],
+          out_specs=[row((None, None, r, d)), row((None, None, r, 1))],
+          out_shape=[common.f32_like((b, h, n, d), q), common.f32_like((b, h, n, 1), q)],
+          compiler_params=_compiler_params(params), name="cpjax_ring_forward"),
+      *tables, q, k, v, q_meta.positions, *q_meta.arrays, k_meta.positions, *k_meta.arrays)
+
+
+# ----------------------------------------------------------------- backward
+def _dq_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               *refs, params: KernelParams):
+  q_meta, k_meta, (dq_ref,) = _split(params, refs)
+  b, i = pl.program_id(0), pl.program_id(2)
+  r, kb = params.rows, params.block_kv
+  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  q_tok = _block_tokens(params, q_meta, i * r, r)
+
+  def body(t, dq):
+    j = cols_ref[b, i, t]
+
+    def step(dq, masked):
+      k, v = k_ref[pl.ds(j * kb, kb), :], v_ref[pl.ds(j * kb, kb), :]
+      mask = (common.tile_mask(params, q_tok, _block_tokens(params, k_meta, j * kb, kb))
+              if masked else None)
+      return dq + common.grad_tile(params, q, k, v, do, lse, delta, mask)[0]
+
+    return _tile(full_ref[b, i, j] != 0, step, dq)
+
+  dq_ref[...] = lax.fori_loop(0, ncols_ref[b, i], body, jnp.zeros(q.shape, jnp.float32))
+
+
+def _dkdv_kernel(rows_ref, nrows_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                 *refs, params: KernelParams):
+  k_meta, q_meta, (dk_ref, dv_ref) = _split(params, refs)
+  b, j = pl.program_id(0), pl.program_id(2)
+  r, kb = params.rows, params.block_kv
+  k, v = k_ref[...], v_ref[...]
+  k_tok = _block_tokens(params, k_meta, j * kb, kb)
+
+  def body(t, carry):
+    i = rows_ref[b, j, t]
+
+    def step(carry, masked):
+      rows = pl.ds(i * r, r)
+      mask = (common.tile_mask(params, _block_tokens(params, q_meta, i * r, r), k_tok)
+              if masked else None)
+      _, dk, dv = common.grad_tile(params, q_ref[rows, :], k, v, do_ref[rows, :],
+                                   lse_ref[rows, :], delta_ref[rows, :], mask)
+      return carry[0] + dk, carry[1] + dv
+
+    return _tile(full_ref[b, i, j] != 0, step, carry)
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, nrows_ref[b, j], body, (zeros, zeros))
+  dk_ref[...] = dk
+  dv_ref[...] = dv
+
+
+def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
+             k_meta: Metadata, sched: Schedule):
+  """(dq f32[B, Hkv, N, D], dk f32[B, Hkv, L, D], dv f32[B, Hkv, L, D]) of one chunk;
+  ``lse``/``delta`` f32[B, Hkv, N, 1]."""
+  b, h, n, d = q.shape
+  length = k.shape[2]
+  r, kb = params.rows, params.block_kv
+  row = lambda shape: pl.BlockSpec(shape, lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
+  dq = common.launch(
+      params, functools.partial(
+          pl.pallas_call, functools.partial(_dq_kernel, params=params), grid=(b, h, n // r),
+          in_specs=[pl.no_block_spec] * 3 + [
+              row((None, None, r, d)), _whole(k.shape), _whole(v.shape), row((None, None, r, d)),
+              row((None, None, r, 1)), row((None, None, r, 1)), *_meta_specs(q_meta),
+              *_meta_specs(k_meta)],
+          out_specs=row((None, None, r, d)),
+          out_shape=common.f32_like((b, h, n, d), q),
+          compiler_params=_compiler_params(params), name="cpjax_ring_dq"),
+      sched.cols, sched.ncols, sched.full, q, k, v, do, lse, delta, q_meta.positions,
+      *q_meta.arrays, k_meta.positions, *k_meta.arrays)
+  dk, dv = common.launch(
+      params, functools.partial(
+          pl.pallas_call, functools.partial(_dkdv_kernel, params=params), grid=(b, h, length // kb),
+          in_specs=[pl.no_block_spec] * 3 + [
+              _whole(q.shape), row((None, None, kb, d)), row((None, None, kb, d)), _whole(do.shape),
+              _whole(lse.shape), _whole(delta.shape), *_meta_specs(k_meta), *_meta_specs(q_meta)],
+          out_specs=[row((None, None, kb, d))] * 2,
+          out_shape=[common.f32_like((b, h, length, d), q)] * 2,
+          compiler_params=_compiler_params(params), name="cpjax_ring_dkdv"),
+      sched.rows, sched.nrows, sched.full, q, k, v, do, lse, delta, k_meta.positions,
+      *k_meta.arrays, q_meta.positions, *q_meta.arrays)
+  return dq, dk, dv

@@ -1,0 +1,144 @@
+"""Which per-hop backend runs, its block sizes, and what it can tile.
+
+``implementation`` names the backend of every ring hop:
+
+* ``"xla"``: the portable tile loop of :mod:`cpjax.ring_attention` (CPU, or
+  any backend);
+* ``"pallas_tpu"``: Mosaic kernels (:mod:`cpjax.kernels.tpu`);
+* ``"pallas_gpu"``: Triton kernels (:mod:`cpjax.kernels.gpu`);
+* ``None``: the Pallas target of the default backend, XLA on CPU.
+
+A Pallas target compiled for another platform fails when the program is
+lowered, before anything runs, with a ``ValueError`` that names the
+platform; ``interpret=True`` runs the kernels in Pallas' interpreter on any
+backend (how the CPU tests check them). Lowering for a named platform from a
+CPU machine (``jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))``)
+works like compiling on that platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax._src import core as jax_core
+from jax._src import dispatch
+from jax._src.interpreters import mlir
+
+__all__ = ["IMPLEMENTATIONS", "KernelTarget", "TARGETS", "resolve_implementation"]
+
+IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
+
+
+def _pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTarget:
+  """One Pallas target: the platforms it compiles for, its tiling rules and
+  its default tile shapes.
+
+  Attributes:
+    name: the ``implementation`` string.
+    platforms: XLA platform names the kernels lower for.
+    tiles: ``((max head dim, rows R, keys K), ...)`` ascending: the default
+      tile for head dims up to that size. ``R = block_q * G`` query rows.
+  """
+
+  name: str
+  platforms: tuple[str, ...]
+  tiles: tuple[tuple[int, int, int], ...]
+
+  def default_tile(self, head_dim: int) -> tuple[int, int]:
+    """(rows, keys) of the tile record for ``head_dim``."""
+    for max_d, rows, keys in self.tiles:
+      if head_dim <= max_d:
+        return rows, keys
+    return self.tiles[-1][1:]
+
+  def head_dim_problem(self, head_dim: int) -> str | None:
+    if self.name == "pallas_gpu" and not (_pow2(head_dim) and head_dim >= 16):
+      return "a power of two >= 16 (Triton tiles are powers of two)"
+    return None
+
+  def block_problem(self, rows: int, keys: int, *, local_rows: int, local_len: int) -> str | None:
+    """Why a tile of ``rows`` x ``keys`` cannot be used, or None."""
+    if self.name == "pallas_tpu":
+      # A block's last dimension is a multiple of the 128 lanes or the whole array.
+      if rows % 128 and rows != local_rows:
+        return f"block_q * G = {rows} rows must be a multiple of 128"
+      if keys % 128 and keys != local_len:
+        return f"block_kv = {keys} must be a multiple of 128"
+    elif self.name == "pallas_gpu":
+      if not (_pow2(rows) and rows >= 16):
+        return f"block_q * G = {rows} rows must be a power of two >= 16"
+      if not (_pow2(keys) and keys >= 16):
+        return f"block_kv = {keys} must be a power of two >= 16"
+    return None
+
+
+# Starting points from the public flash kernels' defaults (splash attention on
+# TPU, the Triton flash tutorial on GPU), scaled so a tile's f32 state stays
+# within on-chip memory for each head dim. They have not been tuned on
+# hardware yet: see benchmarks/accelerator.py.
+TARGETS = {
+    "pallas_tpu": KernelTarget("pallas_tpu", ("tpu",),
+                               ((128, 1024, 512), (256, 512, 512), (512, 256, 512))),
+    "pallas_gpu": KernelTarget("pallas_gpu", ("cuda",),
+                               ((64, 128, 128), (128, 128, 64), (256, 64, 64), (512, 32, 32))),
+}
+
+
+def resolve_implementation(implementation: str | None, *, platform: str | None = None) -> str:
+  """The backend name ``implementation`` stands for.
+
+  None means the Pallas target of ``platform`` ("tpu", "gpu" or "cuda"; "xla"
+  for anything else), by default the platform of ``jax.default_backend()``.
+  A program whose mesh is on other devices than the default backend's (CPU
+  devices on a TPU host) passes that platform, or names the implementation.
+
+  >>> resolve_implementation("xla"), resolve_implementation(None, platform="tpu")
+  ('xla', 'pallas_tpu')
+  >>> resolve_implementation("cuda")
+  Traceback (most recent call last):
+  ...
+  ValueError: implementation must be None or one of ('xla', 'pallas_tpu', 'pallas_gpu'), got 'cuda'
+  """
+  if implementation is None:
+    platform = jax.default_backend() if platform is None else platform
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  return implementation
+
+
+# --------------------------------------------------- the platform guard
+# An identity whose lowering checks the platform, so a Pallas target compiled
+# for the wrong backend is a clear error at lowering time (before anything
+# runs), while lowering for the right platform from any machine still works.
+_guard_p = jax_core.Primitive("cpjax_kernel_platform_guard")
+_guard_p.def_impl(functools.partial(dispatch.apply_primitive, _guard_p))  # eager: lower too
+_guard_p.def_abstract_eval(lambda aval, *, target: aval)
+
+
+def _guard_lowering(ctx, x, *, target: str):
+  allowed = TARGETS[target].platforms
+  wrong = [p for p in ctx.module_context.platforms if p not in allowed]
+  if wrong:
+    raise ValueError(
+        f"implementation={target!r} compiles for {'/'.join(allowed)}, but this program is "
+        f"lowered for the {wrong[0]!r} backend. Pass implementation=None (the default: the "
+        f"backend's own kernels, XLA on CPU) or 'xla', or interpret=True to run the "
+        f"{target} kernels in Pallas' interpreter.")
+  return [x]
+
+
+mlir.register_lowering(_guard_p, _guard_lowering)
+
+
+def platform_guard(x, target: str):
+  """``x`` unchanged; lowering fails unless it is for ``target``'s platforms."""
+  return _guard_p.bind(x, target=target)

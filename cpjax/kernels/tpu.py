@@ -1,0 +1,215 @@
+"""Per-hop attention kernels for TPU (Mosaic, ``jax.experimental.pallas.tpu``).
+
+Each kernel is a grid whose last dimension walks one tile list of the hop's
+:class:`cpjax.kernels.common.Schedule`, which is scalar-prefetched into SMEM:
+the block index maps read it, so a K/V (or Q) block is only fetched for a
+non-empty tile, and the tail of a list repeats its last entry so the
+pipeline fetches nothing there. Statistics live in VMEM scratch across the
+walk; full tiles skip the mask.
+
+* forward: grid (B, Hkv, nq, nk), returns this chunk's (out, lse);
+* dq: the same grid, accumulates dq over the row block's key blocks;
+* dk/dv: grid (B, Hkv, nk, nq), accumulates over the key block's row blocks.
+
+Shape letters as in :mod:`cpjax.kernels.common`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from cpjax.kernels import common
+from cpjax.kernels.common import KernelParams, Metadata, Schedule
+
+_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+
+
+def _compiler_params():
+  return pltpu.CompilerParams(dimension_semantics=_SEMANTICS)
+
+
+def _meta_specs(params: KernelParams, size: int, block_of):
+  """BlockSpecs of one side's :class:`Metadata` with blocks of ``size`` tokens;
+  ``block_of(b, x, y, t, *prefetch)`` gives the block index along the tokens."""
+  pos = pl.BlockSpec((1, size), lambda b, h, x, t, *s: (0, block_of(b, x, t, *s)))
+  arr = pl.BlockSpec((None, 1, size), lambda b, h, x, t, *s: (b, 0, block_of(b, x, t, *s)))
+  return [pos] + [arr] * len(params.array_names)
+
+
+def _split_meta(params: KernelParams, refs):
+  """(first side's tokens, second side's tokens, other refs) from the kernel's refs."""
+  n = 1 + len(params.array_names)
+  q_refs, k_refs = refs[:n], refs[n:2 * n]
+  q = common.tokens(params, q_refs[0][...], [r[...] for r in q_refs[1:]])
+  k = common.tokens(params, k_refs[0][...], [r[...] for r in k_refs[1:]])
+  return q, k, refs[2 * n:]
+
+
+def _visit(visit, full, step):
+  """Run ``step(masked=False)`` on a full tile, ``step(masked=True)`` on a
+  partial one, nothing past the end of the tile list."""
+  pl.when(visit & full)(lambda: step(False))
+  pl.when(visit & jnp.logical_not(full))(lambda: step(True))
+
+
+# ------------------------------------------------------------------ forward
+def _forward_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs,
+                    params: KernelParams):
+  q_tok, k_tok, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _split_meta(params, refs)
+  b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+  @pl.when(t == 0)
+  def _():
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  def step(masked):
+    mask = common.tile_mask(params, q_tok, k_tok) if masked else None
+    m, l, acc = common.fold_tile(params, q_ref[...], k_ref[...], v_ref[...], mask,
+                                 m_sc[...], l_sc[...], acc_sc[...])
+    m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
+
+  _visit(t < ncols_ref[b, i], full_ref[b, i, cols_ref[b, i, t]] != 0, step)
+
+  @pl.when(t == pl.num_programs(3) - 1)
+  def _():
+    out, lse = common.finish(m_sc[...], l_sc[...], acc_sc[...])
+    o_ref[...] = out
+    lse_ref[...] = lse
+
+
+def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
+            sched: Schedule):
+  """(out f32[B, Hkv, N, D], lse f32[B, Hkv, N, 1]) of q against one K/V chunk."""
+  b, h, n, d = q.shape
+  r, kb = params.rows, params.block_kv
+  nq, nk = n // r, k.shape[2] // kb
+  col = lambda b_, i, t, cols, *_: cols[b_, i, t]  # noqa: E731
+  row = lambda b_, i, t, *_: i  # noqa: E731
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=3, grid=(b, h, nq, nk),
+      in_specs=[
+          pl.BlockSpec((None, None, r, d), lambda b_, h_, i, t, *_: (b_, h_, i, 0)),
+          pl.BlockSpec((None, None, kb, d), lambda b_, h_, i, t, c, *_: (b_, h_, c[b_, i, t], 0)),
+          pl.BlockSpec((None, None, kb, d), lambda b_, h_, i, t, c, *_: (b_, h_, c[b_, i, t], 0)),
+          *_meta_specs(params, r, row), *_meta_specs(params, kb, col)],
+      out_specs=[pl.BlockSpec((None, None, r, d), lambda b_, h_, i, t, *_: (b_, h_, i, 0)),
+                 pl.BlockSpec((None, None, r, 1), lambda b_, h_, i, t, *_: (b_, h_, i, 0))],
+      scratch_shapes=[pltpu.VMEM((r, 1), jnp.float32), pltpu.VMEM((r, 1), jnp.float32),
+                      pltpu.VMEM((r, d), jnp.float32)])
+  return common.launch(
+      params, functools.partial(
+          pl.pallas_call, functools.partial(_forward_kernel, params=params), grid_spec=grid_spec,
+          out_shape=[common.f32_like((b, h, n, d), q), common.f32_like((b, h, n, 1), q)],
+          compiler_params=_compiler_params(), name="cpjax_ring_forward"),
+      sched.cols, sched.ncols, sched.full, q, k, v, q_meta.positions, *q_meta.arrays,
+      k_meta.positions, *k_meta.arrays)
+
+
+# ----------------------------------------------------------------- backward
+def _dq_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               *refs, params: KernelParams):
+  q_tok, k_tok, (dq_ref, dq_sc) = _split_meta(params, refs)
+  b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+  @pl.when(t == 0)
+  def _():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  def step(masked):
+    mask = common.tile_mask(params, q_tok, k_tok) if masked else None
+    dq, _, _ = common.grad_tile(params, q_ref[...], k_ref[...], v_ref[...], do_ref[...],
+                                lse_ref[...], delta_ref[...], mask)
+    dq_sc[...] += dq
+
+  _visit(t < ncols_ref[b, i], full_ref[b, i, cols_ref[b, i, t]] != 0, step)
+
+  @pl.when(t == pl.num_programs(3) - 1)
+  def _():
+    dq_ref[...] = dq_sc[...]
+
+
+def _dkdv_kernel(rows_ref, nrows_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                 *refs, params: KernelParams):
+  # The metadata comes key side first here (the fixed block of this grid).
+  k_tok, q_tok, (dk_ref, dv_ref, dk_sc, dv_sc) = _split_meta(params, refs)
+  b, j, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  i = rows_ref[b, j, t]
+
+  @pl.when(t == 0)
+  def _():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  def step(masked):
+    mask = common.tile_mask(params, q_tok, k_tok) if masked else None
+    _, dk, dv = common.grad_tile(params, q_ref[...], k_ref[...], v_ref[...], do_ref[...],
+                                 lse_ref[...], delta_ref[...], mask)
+    dk_sc[...] += dk
+    dv_sc[...] += dv
+
+  _visit(t < nrows_ref[b, j], full_ref[b, i, j] != 0, step)
+
+  @pl.when(t == pl.num_programs(3) - 1)
+  def _():
+    dk_ref[...] = dk_sc[...]
+    dv_ref[...] = dv_sc[...]
+
+
+def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
+             k_meta: Metadata, sched: Schedule):
+  """(dq f32[B, Hkv, N, D], dk f32[B, Hkv, L, D], dv f32[B, Hkv, L, D]) of one chunk;
+  ``lse``/``delta`` f32[B, Hkv, N, 1]."""
+  b, h, n, d = q.shape
+  length = k.shape[2]
+  r, kb = params.rows, params.block_kv
+  nq, nk = n // r, length // kb
+  tables = (sched.cols, sched.ncols, sched.full)
+  by_col = lambda b_, i, t, cols, *_: cols[b_, i, t]  # noqa: E731
+  fixed = lambda b_, x, t, *_: x  # noqa: E731
+  row_blk = lambda shape: pl.BlockSpec(shape, lambda b_, h_, i, t, *_: (b_, h_, i, 0))  # noqa: E731
+  col_blk = lambda shape: pl.BlockSpec(  # noqa: E731
+      shape, lambda b_, h_, i, t, c, *_: (b_, h_, c[b_, i, t], 0))
+  dq = common.launch(
+      params, functools.partial(
+          pl.pallas_call, functools.partial(_dq_kernel, params=params),
+          grid_spec=pltpu.PrefetchScalarGridSpec(
+              num_scalar_prefetch=3, grid=(b, h, nq, nk),
+              in_specs=[row_blk((None, None, r, d)), col_blk((None, None, kb, d)),
+                        col_blk((None, None, kb, d)), row_blk((None, None, r, d)),
+                        row_blk((None, None, r, 1)), row_blk((None, None, r, 1)),
+                        *_meta_specs(params, r, fixed), *_meta_specs(params, kb, by_col)],
+              out_specs=row_blk((None, None, r, d)),
+              scratch_shapes=[pltpu.VMEM((r, d), jnp.float32)]),
+          out_shape=common.f32_like((b, h, n, d), q),
+          compiler_params=_compiler_params(), name="cpjax_ring_dq"),
+      *tables, q, k, v, do, lse, delta, q_meta.positions, *q_meta.arrays, k_meta.positions,
+      *k_meta.arrays)
+
+  # Walk the row blocks of each key block: the schedule's transposed lists.
+  key_blk = lambda shape: pl.BlockSpec(shape, lambda b_, h_, j, t, *_: (b_, h_, j, 0))  # noqa: E731
+  by_row = lambda b_, j, t, rows, *_: rows[b_, j, t]  # noqa: E731
+  q_blk = lambda shape: pl.BlockSpec(  # noqa: E731
+      shape, lambda b_, h_, j, t, rows, *_: (b_, h_, rows[b_, j, t], 0))
+  dk, dv = common.launch(
+      params, functools.partial(
+          pl.pallas_call, functools.partial(_dkdv_kernel, params=params),
+          grid_spec=pltpu.PrefetchScalarGridSpec(
+              num_scalar_prefetch=3, grid=(b, h, nk, nq),
+              in_specs=[q_blk((None, None, r, d)), key_blk((None, None, kb, d)),
+                        key_blk((None, None, kb, d)), q_blk((None, None, r, d)),
+                        q_blk((None, None, r, 1)), q_blk((None, None, r, 1)),
+                        *_meta_specs(params, kb, fixed), *_meta_specs(params, r, by_row)],
+              out_specs=[key_blk((None, None, kb, d)), key_blk((None, None, kb, d))],
+              scratch_shapes=[pltpu.VMEM((kb, d), jnp.float32), pltpu.VMEM((kb, d), jnp.float32)]),
+          out_shape=[common.f32_like((b, h, length, d), q)] * 2,
+          compiler_params=_compiler_params(), name="cpjax_ring_dkdv"),
+      sched.rows, sched.nrows, sched.full, q, k, v, do, lse, delta, k_meta.positions,
+      *k_meta.arrays, q_meta.positions, *q_meta.arrays)
+  return dq, dk, dv

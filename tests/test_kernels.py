@@ -1,0 +1,234 @@
+"""The Pallas per-hop kernels: interpret-mode parity with the dense reference,
+lowering for TPU and GPU from this CPU machine, and their bad input.
+
+Interpret mode runs the very kernels the accelerators compile, block specs,
+scalar-prefetched schedules and all, so the shapes here follow each target's
+tiling rules: 128-row tiles for Mosaic TPU, power-of-two tiles for Triton.
+"""
+
+import collections
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cpjax
+from cpjax.kernels import common, resolve_implementation
+from cpjax.masks import BlockMap
+from tests import attention_harness as H
+from tests.helpers import cp_mesh
+
+F32 = dict(rtol=1e-5, atol=1e-5)
+BF16 = dict(rtol=2e-2, atol=2e-2)  # as the XLA path's bf16 tests (tests/test_ring_attention.py)
+
+
+def check(target, *, cp, kind, s, hq=4, hkv=2, d=32, dtype=np.float32, docs=False, pad_from=None,
+          vision=False, seed=0, tol=F32, **kw):
+  rng = np.random.default_rng(seed)
+  inputs = H.make_inputs(rng, b=2, s=s, hq=hq, hkv=hkv, d=d, dtype=dtype)
+  meta = H.packed_metadata(rng, 2, s, pad_from=pad_from, vision=vision)
+  if not docs:
+    meta.pop("segment_ids")
+  if pad_from is None:
+    meta.pop("padding_mask")
+  out, grads = H.ring(*inputs, cp=cp, kind=kind, meta=meta, implementation=target,
+                      interpret=True, **kw)
+  for ring_only in ("block_q", "block_kv"):
+    kw.pop(ring_only, None)
+  ref_out, ref_grads = H.reference(*inputs, meta=meta, **kw)
+  chex.assert_tree_all_finite((out, grads))
+  chex.assert_trees_all_close(out, ref_out, **tol)
+  for name, got, want in zip("qkv", grads, ref_grads):
+    chex.assert_trees_all_close(got, want, **tol, custom_message=f"d{name}")
+  return out, ref_out
+
+
+# Triton tiles are powers of two >= 16: 16-token tiles (32 rows with G = 2)
+# split every chunk here into several tiles, so each hop has empty, partial
+# and full tiles.
+GPU_CASES = {
+    "cp1-docs-padding": dict(cp=1, kind="contiguous", s=128, docs=True, pad_from=100),
+    "cp2-lb-window": dict(cp=2, kind="load_balanced", s=128, docs=True, sliding_window=20),
+    "cp4-window-softcap": dict(cp=4, kind="contiguous", s=256, sliding_window=40,
+                               logits_soft_cap=3.0),
+    "cp8-lb-vision-gqa4": dict(cp=8, kind="load_balanced", s=256, hq=8, hkv=2, docs=True,
+                               pad_from=230, vision=True),
+    "cp8-bidirectional-window": dict(cp=8, kind="contiguous", s=256, causal=False,
+                                     sliding_window=24),
+    "cp4-lb-bf16": dict(cp=4, kind="load_balanced", s=256, docs=True, dtype=jnp.bfloat16,
+                        tol=BF16),
+}
+
+
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_kernels_interpreted(case):
+  check("pallas_gpu", block_q=16, block_kv=16, **GPU_CASES[case])
+
+
+# Mosaic tiles are multiples of 128 rows and keys: chunks of 128 tokens and
+# more (block_q = 64 tokens makes 128 rows with G = 2).
+TPU_CASES = {
+    "cp1-docs-padding-2x2-tiles": dict(cp=1, kind="contiguous", s=256, docs=True, pad_from=200,
+                                       block_q=64, block_kv=128),
+    "cp2-lb-vision-window-softcap": dict(cp=2, kind="load_balanced", s=512, vision=True,
+                                         sliding_window=100, logits_soft_cap=3.0),
+    "cp4-window-bf16": dict(cp=4, kind="contiguous", s=512, sliding_window=130,
+                            dtype=jnp.bfloat16, tol=BF16),
+    "cp8-lb-docs-padding": dict(cp=8, kind="load_balanced", s=2048, hq=2, hkv=1, d=16,
+                                docs=True, pad_from=1900),
+}
+
+
+@pytest.mark.parametrize("case", TPU_CASES)
+def test_tpu_kernels_interpreted(case):
+  check("pallas_tpu", **TPU_CASES[case])
+
+
+def test_rows_with_nothing_allowed_are_zero_with_zero_gradient():
+  """A fully padded second half: its queries see nothing; output 0, dq 0."""
+  out, ref = check("pallas_gpu", cp=4, kind="load_balanced", s=128, docs=True, pad_from=64,
+                   block_q=16, block_kv=16)
+  np.testing.assert_array_equal(out[:, 64:], 0.0)
+  np.testing.assert_array_equal(ref[:, 64:], 0.0)
+
+
+def test_context_parallel_attention_passes_the_backend_through():
+  lay = cpjax.ShardLayout(128, 128, 4, "load_balanced")
+  mesh = cp_mesh(4)
+  x = np.random.default_rng(1).standard_normal((1, 128, 2, 16), np.float32)
+  docs = np.repeat([[1, 2]], 64, axis=1)
+  xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
+  out = cpjax.context_parallel_attention(xr, xr, xr, mesh=mesh, layout=lay, segment_ids=dr,
+                                         implementation="pallas_gpu", interpret=True,
+                                         block_q=16, block_kv=16)
+  chex.assert_trees_all_close(cpjax.from_rank_order(out, lay),
+                              cpjax.reference_attention(x, x, x, segment_ids=docs), **F32)
+
+
+# ------------------------------------------------------------- the schedule
+def test_schedule_lists_nonempty_tiles_per_row_and_column():
+  """Hand-worked: row 0 visits key blocks 0 and 2, row 1 only 1, row 2 none."""
+  visit = np.array([[[1, 0, 1], [0, 1, 0], [0, 0, 0]]], bool)
+  full = np.array([[[1, 0, 0], [0, 1, 0], [0, 0, 0]]], bool)
+  s = common.schedule(BlockMap(jnp.asarray(visit), jnp.asarray(full)), 2, jnp.bool_(True))
+  np.testing.assert_array_equal(s.ncols, [[2, 1, 0]] * 2)
+  np.testing.assert_array_equal(s.cols[0], [[0, 2, 2], [1, 1, 1], [0, 0, 0]])
+  np.testing.assert_array_equal(s.nrows, [[1, 1, 1]] * 2)
+  np.testing.assert_array_equal(s.rows[0], [[0, 0, 0], [1, 1, 1], [0, 0, 0]])
+  np.testing.assert_array_equal(s.full[1], full[0].astype(np.int32))
+  off = common.schedule(BlockMap(jnp.asarray(visit), jnp.asarray(full)), 1, jnp.bool_(False))
+  np.testing.assert_array_equal(off.ncols, [[0, 0, 0]])
+
+
+# --------------------------------------------------------------- lowering
+def _lowered_ring(target, platform, *, kind="load_balanced", cp=4, s=4096, hq=8, hkv=2, d=128,
+                  **mask):
+  """StableHLO text of the ring's forward and backward, lowered for ``platform``."""
+  lay = cpjax.ShardLayout(s, s, cp, kind)
+  mesh = cp_mesh(cp)
+  spec = P(None, "cp")
+
+  def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+  def loss(q, k, v, seg, vg):
+    ring = jax.shard_map(
+        lambda q, k, v, seg, vg: cpjax.ring_attention(
+            q, k, v, layout=lay, segment_ids=seg, vision_group_ids=vg, implementation=target,
+            **mask),
+        mesh=mesh, in_specs=spec, out_specs=spec)
+    return jnp.sum(ring(q, k, v, seg, vg).astype(jnp.float32))
+
+  args = (sds((1, s, hq, d), jnp.bfloat16), sds((1, s, hkv, d), jnp.bfloat16),
+          sds((1, s, hkv, d), jnp.bfloat16), sds((1, s), jnp.int32), sds((1, s), jnp.int32))
+  traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args)
+  return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("target, platform, custom_call", [
+    ("pallas_tpu", "tpu", "tpu_custom_call"),
+    ("pallas_gpu", "cuda", "__gpu$xla.gpu.triton"),
+])
+@pytest.mark.parametrize("kind, window", [("load_balanced", None), ("contiguous", 512)])
+def test_ring_lowers_with_kernels(target, platform, custom_call, kind, window):
+  """Forward and backward lower to the three kernels plus collective permutes;
+  a silent fallback to the XLA tile loop would show no kernel calls."""
+  text = _lowered_ring(target, platform, kind=kind, sliding_window=window)
+  calls = collections.Counter(re.findall(r"custom_call @([\w$.]+)", text))
+  names = collections.Counter(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text))
+  # The ring's loop body calls each kernel once per chunk visited in a step,
+  # and once more after the loop (two of each with a load-balanced layout,
+  # whose hops run in both directions only when windowed).
+  assert calls[custom_call] >= 3, calls
+  assert {"forward", "dq", "dkdv"} <= set(names), names
+  assert "collective_permute" in text
+  assert "stablehlo.while" in text
+
+
+def test_xla_implementation_has_no_kernel_calls():
+  text = _lowered_ring("xla", "tpu")
+  assert "tpu_custom_call" not in text and "cpjax_ring_" not in text
+
+
+# -------------------------------------------------------------- bad input
+def _ring_call(**kw):
+  lay = cpjax.ShardLayout(256, 256, 1, kw.pop("kind", "contiguous"))
+  d = kw.pop("d", 32)
+  x = jnp.ones((1, lay.padded_seq_len, 2, d), jnp.float32)
+  return jax.jit(lambda x: cpjax.ring_attention(x, x, x, layout=lay, **kw))(x)
+
+
+@pytest.mark.parametrize("target", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_target_on_the_wrong_backend_is_a_value_error(target):
+  with pytest.raises(ValueError, match=rf"implementation='{target}' compiles for .*lowered for "
+                                       r"the 'cpu' backend.*interpret=True"):
+    _ring_call(implementation=target)
+
+
+def test_mismatched_platform_when_lowering_for_another_accelerator():
+  with pytest.raises(ValueError, match=r"'pallas_gpu' compiles for cuda.*'tpu' backend"):
+    _lowered_ring("pallas_gpu", "tpu")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(implementation="pallas_gpu", d=24), r"cannot tile head dim 24: it must be a power "
+                                              r"of two >= 16"),
+    (dict(implementation="pallas_gpu", block_kv=8), r"block_kv = 8 must be a power of two >= 16"),
+    (dict(implementation="pallas_tpu", block_kv=64), r"block_kv = 64 must be a multiple of 128"),
+    (dict(implementation="pallas_tpu", block_q=32), r"block_q \* G = 32 rows must be a multiple "
+                                                    r"of 128"),
+    (dict(implementation="pallas_tpu", kind="load_balanced", block_q=64),
+     r"cannot tile layout.chunk_len=128 .*block_kv=128.*\(a longer sequence"),
+    (dict(implementation="cuda"), r"implementation must be None or one of \('xla', "
+                                  r"'pallas_tpu', 'pallas_gpu'\), got 'cuda'"),
+])
+def test_untileable_shapes_are_value_errors(kw, match):
+  with pytest.raises(ValueError, match=match):
+    _ring_call(interpret=True, **kw)
+
+
+def test_interpret_must_be_a_bool():
+  with pytest.raises(TypeError, match="interpret must be a bool, got str"):
+    _ring_call(implementation="pallas_gpu", interpret="yes")
+
+
+# ---------------------------------------------------------------- defaults
+def test_default_implementation_follows_the_backend(monkeypatch):
+  assert resolve_implementation(None) == "xla"          # these tests run on CPU
+  for backend, want in (("tpu", "pallas_tpu"), ("gpu", "pallas_gpu"), ("cpu", "xla")):
+    monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+    assert resolve_implementation(None) == want
+
+
+def test_default_tiles_come_from_the_target_record():
+  """Gemma 4's head dims: the record's tile, cut to divide the chunk."""
+  from cpjax.ring_attention import _block_sizes
+  lay = cpjax.ShardLayout(32768, 32768, 8, "load_balanced")      # chunks of 2048 tokens
+  assert _block_sizes(lay, "pallas_tpu", 256, 2, None, None) == (256, 512)
+  assert _block_sizes(lay, "pallas_gpu", 512, 1, None, None) == (32, 32)
+  assert _block_sizes(lay, "pallas_gpu", 128, 4, None, None) == (32, 64)
+  assert _block_sizes(lay, "xla", 128, 4, None, None) == (128, 128)
