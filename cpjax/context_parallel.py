@@ -119,7 +119,8 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, layout: ShardLayout, axis
                                batch_axis: str | None = None, head_axis: str | None = None,
                                mask: AttentionMask | None = None, scale: float | None = None,
                                logits_soft_cap: float | None = None, block_q: int | None = None,
-                               block_kv: int | None = None, **mask_keywords):
+                               block_kv: int | None = None, implementation: str | None = None,
+                               interpret: bool = False, **mask_keywords):
   """Ring attention of global, rank-ordered arrays; calls ``shard_map`` itself.
 
   Equals :func:`cpjax.reference_attention` of the same arrays in natural
@@ -140,7 +141,8 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, layout: ShardLayout, axis
       order; or, instead of it, the keywords ``causal``, ``sliding_window``,
       ``segment_ids``, ``padding_mask``, ``vision_group_ids`` of
       :meth:`cpjax.AttentionMask.create` (arrays [B, S] in rank order).
-    scale, logits_soft_cap, block_q, block_kv: as :func:`cpjax.ring_attention`.
+    scale, logits_soft_cap, block_q, block_kv, implementation, interpret: as
+      :func:`cpjax.ring_attention`.
 
   Returns:
     [B, S, H, D] in q's dtype and rank order, sharded like q's in_spec
@@ -193,7 +195,8 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, layout: ShardLayout, axis
 
   def local(q, k, v, mask):
     return ring_attention(q, k, v, layout=layout, axis_name=axis_name, mask=mask, scale=scale,
-                          logits_soft_cap=logits_soft_cap, block_q=block_q, block_kv=block_kv)
+                          logits_soft_cap=logits_soft_cap, block_q=block_q, block_kv=block_kv,
+                          implementation=implementation, interpret=interpret)
 
   ring = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, mask_spec),
                        out_specs=x_spec)

@@ -66,7 +66,9 @@ def current_context() -> CPContext | None:
 
 
 def ring_attention_fn(*, scale: float | None = None, logits_soft_cap: float | None = None,
-                      block_q: int | None = None, block_kv: int | None = None) -> Callable:
+                      block_q: int | None = None, block_kv: int | None = None,
+                      implementation: str | None = None, interpret: bool | None = None
+                      ) -> Callable:
   """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` that runs on the ring.
 
   The returned function takes flax's arguments ``(query [B, L, H, D], key,
@@ -78,6 +80,8 @@ def ring_attention_fn(*, scale: float | None = None, logits_soft_cap: float | No
 
   Args:
     scale, logits_soft_cap, block_q, block_kv: as :func:`cpjax.ring_attention`.
+    implementation, interpret: as :func:`cpjax.ring_attention`; None takes
+      them from the active :class:`cpjax.CPContext` (its defaults outside one).
 
   Example:
     >>> import jax, numpy as np, cpjax
@@ -122,8 +126,13 @@ def ring_attention_fn(*, scale: float | None = None, logits_soft_cap: float | No
     if cp is None:
       length = jnp.shape(query)[-3]
       cp = CPContext(ShardLayout(length, length, 1))
+    options = cp.attention_options()
+    if implementation is not None:
+      options["implementation"] = implementation
+    if interpret is not None:
+      options["interpret"] = interpret
     return ring_attention(query, key, value, layout=cp.layout, axis_name=cp.axis_name,
                           mask=mask, scale=scale, logits_soft_cap=logits_soft_cap,
-                          block_q=block_q, block_kv=block_kv)
+                          block_q=block_q, block_kv=block_kv, **options)
 
   return attention_fn

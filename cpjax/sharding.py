@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cpjax import batch as batch_lib
+from cpjax.kernels.targets import resolve_implementation
 from cpjax.layout import LAYOUT_KINDS, ShardLayout, local_token_indices, padded_length, rank_order
 
 __all__ = [
@@ -389,19 +390,37 @@ def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
 @dataclasses.dataclass(frozen=True)
 class CPContext:
   """Where a forward runs: inside ``shard_map`` over ``axis_name``, on a batch
-  sharded by ``layout``. The training step hands it to the model's forward.
+  sharded by ``layout``, and which per-hop attention backend it uses. The
+  training step hands it to the model's forward.
+
+  Attributes:
+    layout: the batch's :class:`cpjax.ShardLayout`.
+    axis_name: the context-parallel mesh axis.
+    implementation, interpret: the ring's per-hop backend, as
+      :func:`cpjax.ring_attention` takes them (None: the backend's default).
 
   >>> import cpjax
-  >>> cpjax.CPContext(cpjax.ShardLayout(6, 8, 2)).axis_name
-  'cp'
+  >>> cp = cpjax.CPContext(cpjax.ShardLayout(6, 8, 2))
+  >>> cp.axis_name, cp.attention_options()
+  ('cp', {'implementation': None, 'interpret': False})
   """
 
   layout: ShardLayout
   axis_name: str = "cp"
+  implementation: str | None = None
+  interpret: bool = False
 
   def __post_init__(self):
     if not isinstance(self.layout, ShardLayout):
       raise TypeError(f"layout must be a ShardLayout, got {type(self.layout).__name__}")
+    if self.implementation is not None:
+      resolve_implementation(self.implementation)
+    if not isinstance(self.interpret, bool):
+      raise TypeError(f"interpret must be a bool, got {type(self.interpret).__name__}")
+
+  def attention_options(self) -> dict:
+    """The keywords that pass this context's backend to :func:`cpjax.ring_attention`."""
+    return {"implementation": self.implementation, "interpret": self.interpret}
 
 
 @dataclasses.dataclass(frozen=True)

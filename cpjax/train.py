@@ -134,7 +134,8 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
                  axis_name: str = "cp", batch_axis: str | None = None,
                  forward: Callable = default_forward,
                  batch_specs: Mapping[str, P] | Callable | None = None,
-                 frozen=None) -> Callable:
+                 frozen=None, implementation: str | None = None,
+                 interpret: bool = False) -> Callable:
   """``loss_sums(params, batch) -> (ce_sum, count)`` of a split NNX model.
 
   Without ``mesh`` the model runs on one device (``forward(model, batch,
@@ -153,6 +154,8 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
       default: :func:`cpjax.train.batch_specs`, the arrays' own shardings.
     frozen: state merged with ``params`` but not trained (e.g. the buffers
       of ``graphdef, params, frozen = nnx.split(model, nnx.Param, ...)``).
+    implementation, interpret: the ring's per-hop backend, handed to the
+      model in its :class:`cpjax.CPContext` (see :func:`cpjax.ring_attention`).
 
   Example (any NNX model; the default ``forward`` calls ``model(batch)``):
     >>> import numpy as np
@@ -178,7 +181,7 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     raise ValueError("layout is required with a mesh: pass the ShardLayout the sharder returned")
   manual = manual_axes(mesh, axis_name)
   axes = tuple(a for a in mesh.axis_names if a in manual and a in (batch_axis, axis_name))
-  context = CPContext(layout, axis_name)
+  context = CPContext(layout, axis_name, implementation, interpret)
   specs_of = _own_specs if batch_specs is None else batch_specs
 
   def local(params, batch):
@@ -197,14 +200,16 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
                     axis_name: str = "cp", batch_axis: str | None = None,
                     forward: Callable = default_forward,
                     batch_specs: Mapping[str, P] | Callable | None = None,
-                    frozen=None) -> "TrainStep":
+                    frozen=None, implementation: str | None = None,
+                    interpret: bool = False) -> "TrainStep":
   """One compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
   ``metrics`` holds ``loss`` (token mean), ``tokens`` (counted labels) and
   ``grad_norm``. The step is compiled once per batch shape: calling it for
   every step with same-shaped batches never recompiles. ``params`` and
   ``opt_state`` are donated. ``forward``, ``batch_specs`` and ``frozen``
-  (untrained state, e.g. buffers) as :func:`make_loss_fn`.
+  (untrained state, e.g. buffers), ``implementation`` and ``interpret`` (the
+  ring's per-hop backend) as :func:`make_loss_fn`.
 
   Example (a bare ``nnx.Embed`` as a bigram model, called through ``forward``):
     >>> import numpy as np
@@ -219,7 +224,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
   """
   loss_sums = make_loss_fn(graphdef, mesh=mesh, layout=layout, axis_name=axis_name,
                            batch_axis=batch_axis, forward=forward, batch_specs=batch_specs,
-                           frozen=frozen)
+                           frozen=frozen, implementation=implementation, interpret=interpret)
 
   def sums_and_grads(params, batch):
     """(CE sum, count) of one batch and the gradient of the CE sum."""

@@ -38,6 +38,14 @@ else:
              "single-device parts)" if chips else ""))
 mesh = jax.make_mesh((len(cp_devices),), ("cp",), devices=cp_devices)
 print(f"context parallelism over {where}; mesh {dict(mesh.shape)}")
+
+# The ring's per-hop backend on the mesh's devices: fused Pallas kernels on
+# TPU or GPU chips, the XLA tile loop on CPU devices.
+from cpjax.kernels import resolve_implementation
+implementation = resolve_implementation(None, platform=cp_devices[0].platform)
+print(f"ring attention per hop: {implementation}")
+# Mosaic TPU tiles are 128 tokens: give each rank chunks of at least that.
+tokens_per_rank = 256 if implementation == "pallas_tpu" else 40
 '''
 
 QUICKSTART = [
@@ -53,7 +61,7 @@ import cpjax
 from cpjax.models import gemma4
 
 cp = mesh.shape["cp"]
-seq_len = 10 * cp if SMALL else 40 * cp
+seq_len = 10 * cp if SMALL else tokens_per_rank * cp
 batch = gemma4.synthetic_batch(np.random.default_rng(0), gemma4.Gemma4Config.preset("tiny"),
                                batch_size=1, seq_len=seq_len, max_docs=4)
 print({k: v.shape for k, v in batch.items()})'''),
@@ -118,7 +126,8 @@ for kind in ("contiguous", "load_balanced"):
     put = lambda x: jax.device_put(x[:, order], NamedSharding(mesh, P(None, "cp")))
     ring = jax.jit(jax.shard_map(
         lambda q, k, v, s: cpjax.ring_attention(q, k, v, layout=layout, segment_ids=s,
-                                                sliding_window=S // 3),
+                                                sliding_window=S // 3,
+                                                implementation=implementation),
         mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp")))
     out = np.asarray(ring(put(q), put(k), put(v), put(seg)))[:, np.argsort(order)]
     ref = np.asarray(cpjax.reference_attention(q, k, v, segment_ids=seg, sliding_window=S // 3))
@@ -138,7 +147,9 @@ rule = (cpjax.LocalWindow(S // 8, None)                                # window 
         & cpjax.SameSegment())
 print(rule, "reach:", rule.reach(), "plan:", cpjax.ring_plan(layout, mask=rule))
 mask = cpjax.AttentionMask(rule, {"segment_ids": to(seg), "vision_group_ids": to(groups)})
-out = cpjax.context_parallel_attention(to(q), to(k), to(v), mesh=mesh, layout=layout, mask=mask)
+out = cpjax.context_parallel_attention(to(q), to(k), to(v), mesh=mesh, layout=layout, mask=mask,
+                                       implementation=implementation)
+print(f"ran the {implementation} per-hop implementation")
 ref = cpjax.reference_attention(q, k, v, mask=cpjax.AttentionMask(
     rule, {"segment_ids": seg, "vision_group_ids": groups}))
 print(f"max |ring - dense| = {np.abs(cpjax.from_rank_order(out, layout) - ref).max():.2e}")
@@ -159,8 +170,8 @@ from cpjax import train
 from cpjax.models import gemma4
 
 cp = mesh.shape["cp"]
-steps = 6 if SMALL else 40
-seq_len = 16 * cp if SMALL else 128 * cp
+steps = 3 if SMALL else 40
+seq_len = 16 * cp if SMALL else 2 * max(tokens_per_rank, 64) * cp
 cfg = gemma4.Gemma4Config.preset("tiny-moe" if SMALL else "tiny")
 rng = np.random.default_rng(0)
 batches = [gemma4.synthetic_batch(rng, cfg, batch_size=2, seq_len=seq_len) for _ in range(steps)]
@@ -172,7 +183,8 @@ opt = optax.adamw(3e-3)'''),
     ("code", r'''# With CP: the aux streams are sharded, the model slices its own streams.
 sharded = [sharder.shard_batch(b, mesh) for b in batches]
 layout = sharded[0][1]
-cp_step = train.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers)
+cp_step = train.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers,
+                                implementation=implementation)
 params, state = jax.tree.map(lambda x: x.copy(), params0), opt.init(params0)
 cp_losses = []
 for sb, _ in sharded:
@@ -195,12 +207,13 @@ print("largest |loss difference|:", max(abs(a - b) for a, b in zip(cp_losses, si
     ("markdown", "## Per-device memory against sequence length\n\nThe compiled training "
                  "step's scratch memory per device (`memory_analysis()`), with CP and with the "
                  "dense single-device path."),
-    ("code", r'''lengths = [8 * cp, 16 * cp] if SMALL else [128 * cp, 256 * cp, 512 * cp]
+    ("code", r'''lengths = [8 * cp, 16 * cp] if SMALL else [n * max(tokens_per_rank, 64) * cp for n in (2, 4, 8)]
 rows = []
 for s in lengths:
     b = gemma4.synthetic_batch(np.random.default_rng(1), cfg, batch_size=1, seq_len=s)
     sb, lay = sharder.shard_batch(b, mesh)
-    st = train.make_train_step(graphdef, opt, mesh=mesh, layout=lay, frozen=buffers)
+    st = train.make_train_step(graphdef, opt, mesh=mesh, layout=lay, frozen=buffers,
+                               implementation=implementation)
     cp_mib = st.compile(params0, opt.init(params0), sb).memory_analysis().temp_size_in_bytes / 2**20
     dense = train.make_train_step(graphdef, opt, frozen=buffers).compile(
         params0, opt.init(params0), gemma4.prepare_batch(b, cfg))

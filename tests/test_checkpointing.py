@@ -18,7 +18,8 @@ QUIET = {"log": lambda *_: None}
 MODEL = "tiny-bidirectional"   # the smallest real-architecture preset: quick to compile
 
 
-@pytest.mark.parametrize("data", [None, CORPUS], ids=["synthetic", "corpus"])
+@pytest.mark.parametrize("data", [None, pytest.param(CORPUS, marks=pytest.mark.slow)],
+                         ids=["synthetic", "corpus"])  # corpus resume: make soak
 def test_resume_continues_with_bit_identical_losses(tmp_path, data):
   job = TrainJob(seq_len=64, cp=2, steps=6, batch_size=2, parity_check=False, data=data,
                  model=MODEL)

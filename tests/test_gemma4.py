@@ -70,7 +70,7 @@ def test_single_device_logits_equal_transformers(name, kind):
 # |error| within 1.3x of its mean (measured: 0.6x-1.1x), max |error| within
 # 1.5x of its max (measured 0.7x-1.3x; top-k routing flips make the MoE
 # model's max ~6 for both).
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [pytest.param(MODELS[0], marks=pytest.mark.slow), *MODELS[1:]])
 def test_bfloat16_logits_as_accurate_as_transformers_bfloat16(name):
   _, batches, logits = fixture(name)
   model = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name), dtype=jnp.bfloat16)
@@ -153,7 +153,7 @@ def single_device(name):
     ("ple_kv_sharing", 4, "contiguous", 2),
     pytest.param("moe_k_eq_v_vision", 2, "contiguous", 1, marks=pytest.mark.slow),
     ("moe_k_eq_v_vision", 8, "load_balanced", 1),
-    ("moe_k_eq_v_vision", 4, "load_balanced", 2),
+    pytest.param("moe_k_eq_v_vision", 4, "load_balanced", 2, marks=pytest.mark.slow),
     ("bidirectional_all", 4, "contiguous", 1),
     pytest.param("bidirectional_all", 4, "load_balanced", 1, marks=pytest.mark.slow)])
 def test_cp_loss_and_gradients_equal_single_device(name, cp, layout, dp):

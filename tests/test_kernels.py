@@ -97,8 +97,8 @@ def test_rows_with_nothing_allowed_are_zero_with_zero_gradient():
 
 
 def test_context_parallel_attention_passes_the_backend_through():
-  lay = cpjax.ShardLayout(128, 128, 4, "load_balanced")
-  mesh = cp_mesh(4)
+  lay = cpjax.ShardLayout(128, 128, 2, "load_balanced")
+  mesh = cp_mesh(2)
   x = np.random.default_rng(1).standard_normal((1, 128, 2, 16), np.float32)
   docs = np.repeat([[1, 2]], 64, axis=1)
   xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
@@ -107,6 +107,43 @@ def test_context_parallel_attention_passes_the_backend_through():
                                          block_q=16, block_kv=16)
   chex.assert_trees_all_close(cpjax.from_rank_order(out, lay),
                               cpjax.reference_attention(x, x, x, segment_ids=docs), **F32)
+
+
+def test_flax_attention_fn_passes_the_backend_through():
+  """One device, no shard_map: flax's MultiHeadAttention on the GPU kernels."""
+  from flax import nnx
+  x = np.random.default_rng(2).standard_normal((1, 64, 32), np.float32)
+  docs = np.repeat([[1, 2]], 32, axis=1)
+  mask = cpjax.AttentionMask.create(segment_ids=docs)
+  kernels = nnx.MultiHeadAttention(2, 32, decode=False, rngs=nnx.Rngs(0), attention_fn=(
+      cpjax.ring_attention_fn(implementation="pallas_gpu", interpret=True, block_q=16,
+                              block_kv=16)))
+  xla = nnx.MultiHeadAttention(2, 32, decode=False, rngs=nnx.Rngs(0),
+                               attention_fn=cpjax.ring_attention_fn(implementation="xla"))
+  chex.assert_trees_all_close(kernels(x, mask=mask), xla(x, mask=mask), **F32)
+
+
+def test_the_training_loss_of_gemma4_lowers_with_the_tpu_kernels():
+  """make_loss_fn -> CPContext -> the model's every layer: the kernels, no tile loop."""
+  from flax import nnx
+
+  from cpjax import train
+  from cpjax.models import gemma4
+  cfg = gemma4.Gemma4Config.preset("tiny")
+  model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
+  mesh = cp_mesh(2)
+  batch = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=1, seq_len=512)
+  sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
+  sharded, layout = sharder.shard_batch(batch, mesh)
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+  loss = train.make_loss_fn(graphdef, mesh=mesh, layout=layout, frozen=buffers,
+                            implementation="pallas_tpu")
+  grad = jax.jit(jax.grad(lambda p, b: loss(p, b)[0]))
+  with jax.set_mesh(mesh):
+    text = grad.trace(params, sharded).lower(lowering_platforms=("tpu",)).as_text()
+  names = collections.Counter(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text))
+  # Each of the 6 layers lowers its own ring; every ring calls each kernel.
+  assert min(names[k] for k in ("forward", "dq", "dkdv")) >= cfg.text.num_hidden_layers, names
 
 
 # ------------------------------------------------------------- the schedule

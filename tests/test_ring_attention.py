@@ -160,7 +160,7 @@ def test_random_combinations(cp, kind, causal, window, docs, pad_from, vision, c
         logits_soft_cap=cap, block_q=block_q, block_kv=block_kv)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [pytest.param(KINDS[0], marks=pytest.mark.slow), KINDS[1]])
 def test_mask_object_equals_keywords(inputs, kind):
   """The same mask given as an AttentionMask and as keywords: identical output."""
   meta = H.packed_metadata(np.random.default_rng(8), 2, 64, pad_from=50, vision=True)

@@ -286,7 +286,7 @@ class Gemma4(nnx.Module):
         out = reference_attention(q, k, v, mask=mask, scale=1.0)
       else:
         out = ring_attention(q, k, v, layout=cp.layout, axis_name=cp.axis_name, mask=mask,
-                             scale=1.0)
+                             scale=1.0, **cp.attention_options())
       return checkpoint_name(out, "attention_out")
 
     shared_kv: dict = {}
@@ -326,13 +326,16 @@ class Gemma4(nnx.Module):
 
 
 def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "load_balanced",
-              axis_name: str = "cp", batch_axis: str | None = None) -> jax.Array:
+              axis_name: str = "cp", batch_axis: str | None = None,
+              implementation: str | None = None, interpret: bool = False) -> jax.Array:
   """Full logits float32[B, S, V] of a :func:`prepare_batch` batch, computed
   with context parallelism over ``axis_name`` of ``mesh`` (and the batch
   over ``batch_axis``, if given) through the model's own sharder, gathered
   back into natural token order without padding.
 
   Evaluates sequences too long for one device; equals ``model(batch)``.
+  ``implementation`` and ``interpret`` pick the ring's per-hop backend (see
+  :func:`cpjax.ring_attention`).
 
   Example:
     >>> import jax, numpy as np
@@ -355,7 +358,7 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
   sharded, shard_layout = sharder.shard_batch(batch, mesh, axis_name=axis_name,
                                               batch_axis=batch_axis)
   graphdef, state = nnx.split(model)
-  context = CPContext(shard_layout, axis_name)
+  context = CPContext(shard_layout, axis_name, implementation, interpret)
   specs = batch_specs(sharded)
 
   def local(state, local_batch):
