@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from cpjax import validation
 from cpjax.layout import ShardLayout, rank_order
 from cpjax.masks import AttentionMask, resolve_mask
 from cpjax.ring_attention import ring_attention
@@ -173,10 +174,8 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, layout: ShardLayout, axis
     if axis in axes.values():
       raise ValueError(f"{name}={axis!r} must differ from the other axes {axes}")
     axes[name] = axis
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if jnp.ndim(x) != 4:
-      raise ValueError(f"{name} must be 4-D [B, S, H, D], got shape {tuple(jnp.shape(x))}")
-  b, s = jnp.shape(q)[:2]
+  b, s, _, _, _ = validation.attention_inputs(q, k, v, length="S")
+  validation.attention_options(scale=scale, logits_soft_cap=logits_soft_cap)
   if s != layout.padded_seq_len:
     raise ValueError(f"q must hold layout.padded_seq_len = {layout.padded_seq_len} tokens on "
                      f"dim 1 (global arrays in rank order), got shape {tuple(jnp.shape(q))}")

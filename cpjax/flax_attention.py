@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 
 import jax.numpy as jnp
 
+from cpjax.kernels.targets import resolve_implementation
 from cpjax.layout import ShardLayout
 from cpjax.masks import AttentionMask
 from cpjax.ring_attention import ring_attention
@@ -96,6 +97,11 @@ def ring_attention_fn(*, scale: float | None = None, logits_soft_cap: float | No
     >>> bool(np.allclose(out, plain(x, mask=dense), atol=1e-5))
     True
   """
+  if implementation is not None:
+    resolve_implementation(implementation)
+  if interpret is not None and not isinstance(interpret, bool):
+    raise TypeError(f"interpret must be a bool or None, got {type(interpret).__name__}")
+
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
                    dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
                    dtype=None, precision=None, module=None, is_causal: bool = False, **unused):

@@ -45,6 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpjax import validation
+
 __all__ = [
     "AllOf", "AnyOf", "AttentionMask", "BlockMap", "KeyNotPadding", "LocalWindow", "MaskRule",
     "MaskSpec", "Reach", "SameSegment", "SameVisionGroup", "Tokens", "resolve_mask",
@@ -449,6 +451,14 @@ class AttentionMask:
     if need != have:
       raise KeyError(f"the rule reads per-token arrays {sorted(need)}, got arrays "
                      f"{sorted(have)} (missing {sorted(need - have)}, unused {sorted(have - need)})")
+    for name, x in self.arrays.items():
+      # Leaves that are not arrays (a PartitionSpec tree of the same mask,
+      # say) carry no shape to check; validate() checks shapes against B, T.
+      if hasattr(x, "shape") and hasattr(x, "dtype"):
+        _check_array_kind(name, x, kinds[name])
+        if jnp.ndim(x) != 2:
+          raise ValueError(f"mask array {name} must be 2-D [B, T], got shape "
+                           f"{list(jnp.shape(x))}")
     object.__setattr__(self, "arrays", dict(sorted(self.arrays.items())))
 
   @classmethod
@@ -490,13 +500,10 @@ class AttentionMask:
       if shape != (batch, length):
         raise ValueError(f"mask array {name} must have shape {where} = {[batch, length]}, "
                          f"got {list(shape)}")
-      dtype = jnp.result_type(x)
+      _check_array_kind(name, x, kind)
       if kind == "int":
-        if not jnp.issubdtype(dtype, jnp.integer):
-          raise TypeError(f"mask array {name} must have an integer dtype, got {dtype}")
+        validation.fits_int32(f"mask array {name}", x)
         x = jnp.asarray(x, jnp.int32)
-      elif dtype != jnp.bool_:
-        raise TypeError(f"mask array {name} must be bool (True = pad), got {dtype}")
       out[name] = jnp.asarray(x)
     return AttentionMask(self.rule, out)
 
@@ -520,6 +527,14 @@ class AttentionMask:
   def reach(self) -> Reach:
     """The rule's :class:`Reach`."""
     return self.rule.reach()
+
+
+def _check_array_kind(name: str, x, kind: str) -> None:
+  dtype = jnp.result_type(x)
+  if kind == "int" and not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"mask array {name} must have an integer dtype, got {dtype}")
+  if kind == "bool" and dtype != jnp.bool_:
+    raise TypeError(f"mask array {name} must be bool (True = pad), got {dtype}")
 
 
 jax.tree_util.register_dataclass(AttentionMask, data_fields=["arrays"], meta_fields=["rule"])

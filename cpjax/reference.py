@@ -13,7 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cpjax.masks import AttentionMask, MaskSpec, resolve_mask
+from cpjax import validation
+from cpjax.masks import AttentionMask, resolve_mask
 
 __all__ = ["reference_attention"]
 
@@ -45,8 +46,15 @@ def reference_attention(q, k, v, *, mask: AttentionMask | None = None, causal: b
     >>> reference_attention(q, k, v).ravel().tolist()   # token 1 averages both
     [1.0, 2.0]
   """
-  b, s, hq, d = q.shape
-  hkv = k.shape[2]
+  # The same checks as ring_attention: inputs, options, then the mask (its
+  # arrays' shapes, dtypes and the window), before any compute.
+  b, s, hq, hkv, d = validation.attention_inputs(q, k, v, length="S")
+  scale, logits_soft_cap = validation.attention_options(scale=scale,
+                                                        logits_soft_cap=logits_soft_cap)
+  checked = resolve_mask(mask, causal=causal, sliding_window=sliding_window,
+                         segment_ids=segment_ids, padding_mask=padding_mask,
+                         vision_group_ids=vision_group_ids).validate(
+                             b, s, where="[B, S] (q's first two dimensions)")
   qf, kf, vf = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
   kf = jnp.repeat(kf, hq // hkv, axis=2)
   vf = jnp.repeat(vf, hq // hkv, axis=2)
@@ -56,10 +64,10 @@ def reference_attention(q, k, v, *, mask: AttentionMask | None = None, causal: b
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
 
   if mask is not None:
-    resolve_mask(mask, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
-                 padding_mask=padding_mask, vision_group_ids=vision_group_ids)
-    allowed = jnp.broadcast_to(mask.validate(b, s).allowed(jnp.arange(s)), (b, s, s))
+    allowed = jnp.broadcast_to(checked.allowed(jnp.arange(s)), (b, s, s))
   else:
+    # The keywords' mask written out again from its formula, not through the
+    # rule objects, so that a bug in a rule cannot hide in the oracle.
     allowed = _standard_mask(b, s, causal=True if causal is None else causal,
                              sliding_window=sliding_window, segment_ids=segment_ids,
                              padding_mask=padding_mask, vision_group_ids=vision_group_ids)
@@ -76,7 +84,6 @@ def reference_attention(q, k, v, *, mask: AttentionMask | None = None, causal: b
 
 def _standard_mask(b, s, *, causal, sliding_window, segment_ids, padding_mask, vision_group_ids):
   """bool[B, S, S], the standard mask written out from its formula."""
-  MaskSpec(causal=causal, sliding_window=sliding_window)  # validates the two fields
   i = jnp.arange(s)[:, None]
   j = jnp.arange(s)[None, :]
   allowed = jnp.broadcast_to(j <= i if causal else True, (b, s, s))

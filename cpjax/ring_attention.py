@@ -48,6 +48,7 @@ from cpjax.kernels.common import KernelParams
 from cpjax.kernels.common import vary_like as _vary_like
 from cpjax.kernels.common import varying_axes as _varying_axes
 from cpjax.kernels.targets import TARGETS, platform_guard, resolve_implementation
+from cpjax import validation
 from cpjax.layout import ShardLayout, local_token_indices
 from cpjax.masks import AttentionMask, MaskRule, MaskSpec, Reach, Tokens, resolve_mask
 
@@ -88,8 +89,12 @@ def ring_plan(layout: ShardLayout, *, causal: bool = True, sliding_window: int |
     >>> ring_plan(ShardLayout(8192, 8192, 8, "load_balanced"), sliding_window=512)
     RingPlan(forward_hops=1, backward_hops=1)
   """
+  if not isinstance(layout, ShardLayout):
+    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
   if mask is None:
     reach = MaskSpec(causal=causal, sliding_window=sliding_window).rule().reach()
+    if not isinstance(has_vision_groups, (bool, np.bool_)):
+      raise TypeError(f"has_vision_groups must be a bool, got {type(has_vision_groups).__name__}")
     if has_vision_groups:
       reach = Reach(None, None)
   elif isinstance(mask, (AttentionMask, MaskRule)):
@@ -565,13 +570,6 @@ def _block_sizes(layout: ShardLayout, implementation: str, head_dim: int, groups
       f"in shard_batch helps), or use implementation='xla'.")
 
 
-def _axis_size(axis_name: str) -> int | None:
-  try:
-    return lax.axis_size(axis_name)
-  except (NameError, ValueError, KeyError):
-    return None
-
-
 def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
                    mask: AttentionMask | None = None, causal: bool | None = None,
                    sliding_window: int | None = None, segment_ids=None, padding_mask=None,
@@ -632,25 +630,12 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
   """
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if jnp.ndim(x) != 4:
-      raise ValueError(f"{name} must be 4-D [B, L, H, D], got shape {tuple(jnp.shape(x))}")
-  b, l, hq, d = q.shape
-  if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-  if k.shape[:2] != (b, l) or k.shape[3] != d:
-    raise ValueError(f"k/v must have shape [B, L, Hkv, D] = [{b}, {l}, Hkv, {d}] to match q, "
-                     f"got {list(k.shape)}")
-  hkv = k.shape[2]
-  if hq % hkv:
-    raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-  size = _axis_size(axis_name)
-  if size is None and layout.cp_size != 1:
-    raise ValueError(f"ring_attention with layout.cp_size={layout.cp_size} must run inside "
-                     f"shard_map over a mesh axis {axis_name!r}; that axis is not bound")
-  if size is not None and size != layout.cp_size:
-    raise ValueError(f"layout.cp_size ({layout.cp_size}) must equal the size of mesh axis "
-                     f"{axis_name!r} ({size})")
+  if not isinstance(axis_name, str):
+    raise TypeError(f"axis_name must be a mesh axis name (str), got {type(axis_name).__name__}")
+  b, l, hq, hkv, d = validation.attention_inputs(q, k, v)
+  scale, logits_soft_cap = validation.attention_options(scale=scale,
+                                                        logits_soft_cap=logits_soft_cap)
+  validation.cp_axis("ring_attention", axis_name, layout.cp_size)
   if l != layout.local_seq_len:
     raise ValueError(f"q must hold layout.local_seq_len = {layout.local_seq_len} tokens on dim 1, "
                      f"got {l}")
@@ -658,8 +643,6 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
                       segment_ids=segment_ids, padding_mask=padding_mask,
                       vision_group_ids=vision_group_ids)
   mask = mask.validate(b, l, where="[B, L] (q's first two dimensions)")
-  if logits_soft_cap is not None and not logits_soft_cap > 0:
-    raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
   if not isinstance(interpret, (bool, np.bool_)):
     raise TypeError(f"interpret must be a bool, got {type(interpret).__name__} ({interpret!r})")
   implementation = resolve_implementation(implementation)
@@ -667,15 +650,12 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
   block_q, block_kv = _block_sizes(layout, implementation, d, g, block_q, block_kv)
   kernel = None
   if implementation != "xla":
-    kernel = KernelParams(rule=mask.rule, soft_cap=None if logits_soft_cap is None
-                          else float(logits_soft_cap), block_q=block_q, block_kv=block_kv,
-                          groups=g, interpret=bool(interpret))
+    kernel = KernelParams(rule=mask.rule, soft_cap=logits_soft_cap, block_q=block_q,
+                          block_kv=block_kv, groups=g, interpret=bool(interpret))
   cfg = _Config(
       layout=layout, axis_name=axis_name, rule=mask.rule, plan=ring_plan(layout, mask=mask),
-      scale=float(d ** -0.5 if scale is None else scale),
-      soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-      block_q=block_q, block_kv=block_kv, groups=g, implementation=implementation,
-      kernel=kernel)
+      scale=d ** -0.5 if scale is None else scale, soft_cap=logits_soft_cap, block_q=block_q,
+      block_kv=block_kv, groups=g, implementation=implementation, kernel=kernel)
   arrays = mask.arrays
   if cfg.layout.cp_size > 1:
     # The mask's arrays ride the ring, so they must vary over the axis like K/V do.

@@ -1,0 +1,171 @@
+"""Input checks shared by every public function, one per concept.
+
+* attention inputs (:func:`attention_inputs`, :func:`attention_options`): q, k,
+  v and the scalar options of every attention entry point;
+* per-token streams (:func:`token_stream`): [B, S] id, mask and label arrays;
+* integer ids that must survive the int32 conversion (:func:`fits_int32`);
+* scalar arguments (:func:`integer`, :func:`mapping`), and the mesh axis a
+  function must run inside (:func:`cp_axis`).
+
+Each raises before any compute, at trace time, with ``TypeError`` for a
+wrong kind of value and ``ValueError`` for a wrong shape or range; messages
+name the argument, what was expected and what was given. Values are checked
+only where they are concrete: a traced array's contents cannot be seen at
+trace time (see the README's limits).
+
+>>> attention_inputs(np.zeros((1, 4, 2, 8)), np.zeros((1, 4, 1, 8)), np.zeros((1, 4, 1, 8)))
+(1, 4, 2, 1, 8)
+>>> attention_inputs(np.zeros((1, 4, 2, 8), np.int32), np.zeros((1, 4, 1, 8)), np.zeros((1, 4, 1, 8)))
+Traceback (most recent call last):
+...
+TypeError: q must have a floating-point dtype (attention inputs), got int32
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["attention_inputs", "attention_options", "cp_axis", "fits_int32", "integer",
+           "mapping", "token_stream"]
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(jnp.shape(x))
+
+
+def _dtype(x):
+  return jnp.result_type(x)
+
+
+def attention_inputs(q, k, v, *, length: str = "L") -> tuple[int, int, int, int, int]:
+  """Check q [B, T, Hq, D] and k, v [B, T, Hkv, D]; return (B, T, Hq, Hkv, D).
+
+  ``length`` names T in messages (``"L"`` local tokens, ``"S"`` a sequence).
+  """
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if jnp.ndim(x) != 4:
+      raise ValueError(f"{name} must be 4-D [B, {length}, H, D], got shape {_shape(x)}")
+    if not jnp.issubdtype(_dtype(x), jnp.floating):
+      raise TypeError(f"{name} must have a floating-point dtype (attention inputs), "
+                      f"got {_dtype(x)}")
+  b, t, hq, d = _shape(q)
+  if _shape(k) != _shape(v):
+    raise ValueError(f"k and v must have the same shape, got {_shape(k)} and {_shape(v)}")
+  if _shape(k)[:2] != (b, t) or _shape(k)[3] != d:
+    raise ValueError(f"k/v must have shape [B, {length}, Hkv, D] = [{b}, {t}, Hkv, {d}] to "
+                     f"match q, got {list(_shape(k))}")
+  hkv = _shape(k)[2]
+  if hkv == 0 or hq % hkv:
+    raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+  return b, t, hq, hkv, d
+
+
+def _real(name: str, value) -> float:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                    np.floating)):
+    raise TypeError(f"{name} must be a real number or None, got {type(value).__name__} "
+                    f"({value!r})")
+  value = float(value)
+  if not np.isfinite(value):
+    raise ValueError(f"{name} must be finite, got {value}")
+  return value
+
+
+def attention_options(*, scale=None, logits_soft_cap=None) -> tuple[float | None, float | None]:
+  """Check the scalar options; return them as floats (None stays None).
+
+  ``scale`` is any finite number (default ``1/sqrt(D)`` is applied by the
+  caller), ``logits_soft_cap`` a finite number > 0.
+  """
+  scale = None if scale is None else _real("scale", scale)
+  if logits_soft_cap is not None:
+    logits_soft_cap = _real("logits_soft_cap", logits_soft_cap)
+    if not logits_soft_cap > 0:
+      raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
+  return scale, logits_soft_cap
+
+
+def fits_int32(name: str, x) -> None:
+  """A concrete integer array whose values int32 cannot hold is a ValueError
+  (JAX would wrap them silently); traced arrays pass unchecked."""
+  if isinstance(x, jax.core.Tracer):
+    return
+  # The array's own dtype: jnp.result_type would report int64 as int32 already.
+  dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+  if not np.issubdtype(dtype, np.integer) or np.can_cast(dtype, np.int32):
+    return
+  values = np.asarray(x)
+  if values.size and (values.min() < _INT32.min or values.max() > _INT32.max):
+    raise ValueError(f"{name} holds values outside int32 [{_INT32.min}, {_INT32.max}] "
+                     f"(min {values.min()}, max {values.max()}); cpjax computes in int32")
+
+
+def token_stream(name: str, x, *, kind: str, shape: tuple[int, ...] | None = None,
+                 where: str = "[B, S]") -> None:
+  """Check a per-token stream: 2-D (``shape`` if given), of ``kind``.
+
+  ``kind``: ``"int"`` (integer dtype), ``"bool"`` (bool), ``"bool_or_int"``
+  (a 0/1 mask), or ``"any"``.
+  """
+  if not hasattr(x, "shape") and not isinstance(x, (list, tuple)):
+    raise TypeError(f"{name} must be an array {where}, got {type(x).__name__}")
+  got = _shape(x)
+  if len(got) != 2 or (shape is not None and got != tuple(shape)):
+    want = list(shape) if shape is not None else where
+    raise ValueError(f"{name} must have shape {where} = {want}, got {list(got)}"
+                     if shape is not None else f"{name} must be 2-D {where}, got shape "
+                     f"{list(got)}")
+  dtype = _dtype(x)
+  ok = {"int": jnp.issubdtype(dtype, jnp.integer),
+        "bool": dtype == jnp.bool_,
+        "bool_or_int": dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer),
+        "any": True}[kind]
+  if not ok:
+    want = {"int": "an integer", "bool": "a bool", "bool_or_int": "a bool or integer"}[kind]
+    raise TypeError(f"{name} must have {want} dtype, got {dtype}")
+  if kind in ("int", "bool_or_int"):
+    fits_int32(name, x)
+
+
+def _axis_size(axis_name: str) -> int | None:
+  try:
+    return jax.lax.axis_size(axis_name)
+  except (NameError, ValueError, KeyError):
+    return None
+
+
+def cp_axis(caller: str, axis_name: str, cp_size: int) -> None:
+  """``caller`` runs with a layout of ``cp_size`` ranks: inside ``shard_map``
+  over ``axis_name`` of that size (or anywhere when ``cp_size`` is 1)."""
+  size = _axis_size(axis_name)
+  if size is None and cp_size != 1:
+    raise ValueError(f"{caller} with layout.cp_size={cp_size} must run inside shard_map over "
+                     f"a mesh axis {axis_name!r}; that axis is not bound")
+  if size is not None and size != cp_size:
+    raise ValueError(f"layout.cp_size ({cp_size}) must equal the size of mesh axis "
+                     f"{axis_name!r} ({size})")
+
+
+def integer(name: str, value, *, minimum: int | None = None) -> int:
+  """A Python or numpy int (not bool) >= ``minimum``."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}")
+  return int(value)
+
+
+def mapping(name: str, value) -> Mapping:
+  """A mapping (e.g. a batch dict)."""
+  if not isinstance(value, Mapping):
+    raise TypeError(f"{name} must be a mapping of names to arrays, got "
+                    f"{type(value).__name__}")
+  return value
