@@ -26,6 +26,9 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from cpjax import validation
 
 __all__ = [
     "DOCUMENT_IDS_KEY",
@@ -73,9 +76,10 @@ def attention_mask_to_padding_mask(batch: Mapping) -> dict:
   """Replace a Hugging Face ``attention_mask`` by a bool ``padding_mask``.
 
   ``attention_mask`` is always removed. When ``padding_mask`` is absent it is
-  derived as in the original: a 2-D mask [B, S] (1 = real) gives
-  ``~mask``; a 4-D mask [B, 1, S, S] gives its diagonal ``d = mask[:, 0]``'s
-  ``~d`` when bool and ``d != 0`` when additive (0 = allowed, -inf = masked).
+  derived as in the original: a 2-D mask [B, S] (1 = real, 0 = pad; other
+  values are a ``ValueError`` when concrete) gives ``~mask``; a 4-D mask
+  [B, 1, S, S] gives its diagonal ``d = mask[:, 0]``'s ``~d`` when bool and
+  ``d != 0`` when additive float (0 = allowed, -inf = masked).
 
   Example:
     >>> import numpy as np
@@ -83,20 +87,37 @@ def attention_mask_to_padding_mask(batch: Mapping) -> dict:
     >>> sorted(out), np.asarray(out["padding_mask"]).tolist()
     (['padding_mask'], [[False, False, True]])
   """
-  out = dict(batch)
+  out = dict(validation.mapping("batch", batch))
   mask = out.pop("attention_mask", None)
-  if mask is None or "padding_mask" in out:
+  if mask is None:
+    return out
+  shape, dtype = tuple(jnp.shape(mask)), jnp.result_type(mask)
+  if len(shape) == 2:
+    if not jnp.issubdtype(dtype, jnp.number) and dtype != jnp.bool_:
+      raise TypeError(f"a 2-D attention_mask must be bool or numeric (1 = real token), "
+                      f"got {dtype}")
+    if dtype != jnp.bool_ and not isinstance(mask, jax.core.Tracer):
+      # An additive mask (0 / -inf) passed as 2-D would read inverted: refuse it.
+      values = np.unique(np.asarray(mask))
+      if not np.isin(values, (0, 1)).all():
+        raise ValueError(f"a 2-D attention_mask holds 1 (real token) and 0 (pad), got "
+                         f"values {values[:8].tolist()}")
+  elif len(shape) == 4:
+    if shape[1] != 1 or shape[2] != shape[3]:
+      raise ValueError(f"a 4-D attention_mask must be [B, 1, S, S], got shape {shape}")
+    if not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.floating)):
+      raise TypeError(f"a 4-D attention_mask must be bool or additive float (0 = allowed), "
+                      f"got {dtype}")
+  else:
+    raise ValueError(f"attention_mask must be 2-D [B, S] or 4-D [B, 1, S, S], got shape {shape}")
+  if "padding_mask" in out:
     return out
   mask = jnp.asarray(mask)
   if mask.ndim == 2:
     out["padding_mask"] = ~mask.astype(bool)
-  elif mask.ndim == 4:
+  else:
     diag = jnp.diagonal(mask[:, 0], axis1=-2, axis2=-1)
     out["padding_mask"] = ~diag if mask.dtype == jnp.bool_ else diag != 0
-  else:
-    raise ValueError(
-        "attention_mask must be 2-D [B, S] or 4-D [B, 1, S, S], got shape "
-        f"{tuple(mask.shape)}")
   return out
 
 
@@ -105,8 +126,9 @@ def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
 
   As the original's ``_synthesize_single_document_seq_ids``: a no-op when
   ``_packed_seq_ids`` exists; else 1 where real and 0 where pad when
-  ``padding_mask`` exists (``seq_len`` unused); else all ones [B, seq_len]
-  (B from the primary stream, 1 without one).
+  ``padding_mask`` exists; else all ones [B, seq_len] (B from the primary
+  stream, 1 without one). ``seq_len`` must equal the length of every stream
+  the batch already has.
 
   Example:
     >>> import numpy as np
@@ -115,7 +137,12 @@ def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
     >>> np.asarray(ids).tolist()
     [[1, 1, 1, 1, 0, 0]]
   """
-  out = dict(batch)
+  out = dict(validation.mapping("batch", batch))
+  seq_len = validation.integer("seq_len", seq_len, minimum=1)
+  for key in (*PRIMARY_KEYS, "padding_mask", DOCUMENT_IDS_KEY):
+    if key in out and (jnp.ndim(out[key]) < 2 or jnp.shape(out[key])[1] != seq_len):
+      raise ValueError(f"seq_len={seq_len} must be the length of the batch's {key} (dim 1), "
+                       f"got shape {tuple(jnp.shape(out[key]))}")
   if DOCUMENT_IDS_KEY in out:
     return out
   if "padding_mask" in out:
@@ -136,7 +163,9 @@ def vision_group_ids(mm_token_type_ids) -> jax.Array:
   Computed over the FULL row, so slice it afterwards.
 
   Args:
-    mm_token_type_ids: int[B, S].
+    mm_token_type_ids: int[B, S] of 0 (text), 1 (image), 2 (other
+      modality); other codes are a ``ValueError`` (checked when the array is
+      concrete, not while traced).
 
   Returns:
     int32[B, S].
@@ -146,11 +175,14 @@ def vision_group_ids(mm_token_type_ids) -> jax.Array:
     >>> np.asarray(vision_group_ids(np.array([[0, 1, 1, 0, 2, 2]]))).tolist()
     [[-1, 0, 0, -1, 1, 1]]
   """
+  validation.token_stream("mm_token_type_ids", mm_token_type_ids, kind="int")
+  if not isinstance(mm_token_type_ids, jax.core.Tracer):
+    codes = np.unique(np.asarray(mm_token_type_ids))
+    unknown = codes[~np.isin(codes, (0, 1, 2))]
+    if unknown.size:
+      raise ValueError(f"mm_token_type_ids must hold 0 (text), 1 (image) or 2 (other "
+                       f"modality), got {unknown.tolist()}")
   types = jnp.asarray(mm_token_type_ids)
-  if types.ndim != 2 or not _is_integer(types):
-    raise ValueError(
-        "mm_token_type_ids must be an integer [B, S] array, got "
-        f"{types.dtype}{list(types.shape)}")
   vision = (types == 1) | (types == 2)
   prev = jnp.pad(vision[:, :-1], ((0, 0), (1, 0)))
   starts = vision & ~prev
@@ -181,6 +213,8 @@ def next_token_labels(input_ids, document_ids=None, ignore_index: int = IGNORE_I
     >>> np.asarray(next_token_labels(ids, docs)).tolist()
     [[6, -100, 8, 9, -100, -100]]
   """
+  validation.integer("ignore_index", ignore_index)
+  validation.fits_int32("input_ids", input_ids)
   ids = jnp.asarray(input_ids)
   if ids.ndim != 2 or not _is_integer(ids):
     raise ValueError(
@@ -232,8 +266,7 @@ def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = Tr
     ValueError: sequence lengths or batch sizes that disagree, bad ranks.
     TypeError: non-integer ids, labels or positions.
   """
-  if not isinstance(batch, Mapping):
-    raise TypeError(f"batch must be a mapping of arrays, got {type(batch).__name__}")
+  validation.mapping("batch", batch)
   key = primary_key(batch)
   primary = batch[key]
   want_ndim = 2 if key == "input_ids" else 3
@@ -243,13 +276,23 @@ def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = Tr
         f"got shape {tuple(jnp.shape(primary))}")
   batch_size, seq_len = jnp.shape(primary)[:2]
 
+  if "attention_mask" in batch:
+    mask_shape = tuple(jnp.shape(batch["attention_mask"]))
+    if mask_shape not in ((batch_size, seq_len), (batch_size, 1, seq_len, seq_len)):
+      raise ValueError(
+          f"attention_mask must be [B, S] = {[batch_size, seq_len]} or [B, 1, S, S] = "
+          f"{[batch_size, 1, seq_len, seq_len]} (from {key}), got {list(mask_shape)}")
   out = attention_mask_to_padding_mask(batch)
-  for k in (*PRIMARY_KEYS, *_INTEGER_KEYS, "loss_mask", "padding_mask"):
-    if k in out:
-      out[k] = jnp.asarray(out[k])
   for k in _INTEGER_KEYS:
     if k in out and not _is_integer(out[k]):
       raise TypeError(f"{k} must have an integer dtype, got {jnp.result_type(out[k])}")
+    if k in out:
+      validation.fits_int32(k, out[k])
+  if "padding_mask" in out:
+    validation.token_stream("padding_mask", out["padding_mask"], kind="bool_or_int")
+  for k in (*PRIMARY_KEYS, *_INTEGER_KEYS, "loss_mask", "padding_mask"):
+    if k in out:
+      out[k] = jnp.asarray(out[k])
 
   if "labels" in out and loss_mask is not None:
     # As the original: with labels present, loss_mask= becomes the loss_mask stream.
@@ -293,6 +336,9 @@ def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = Tr
     if k not in out:
       continue
     shape = jnp.shape(out[k])
+    if k != "position_ids" and len(shape) != 2:
+      raise ValueError(f"{k} must be 2-D [B, S] = {[batch_size, seq_len]}, got shape "
+                       f"{tuple(shape)}")
     dim = _seq_dim(k, out[k])
     bdim = dim - 1
     if len(shape) <= dim or shape[dim] != seq_len:

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpjax import validation
+
 __all__ = [
     "LAYOUT_KINDS",
     "ShardLayout",
@@ -34,13 +36,6 @@ __all__ = [
 ]
 
 LAYOUT_KINDS = ("contiguous", "load_balanced")
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-  if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 @jax.tree_util.register_static
@@ -75,9 +70,9 @@ class ShardLayout:
   replicated_keys: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
   def __post_init__(self):
-    _check_int("original_seq_len", self.original_seq_len, 1)
-    _check_int("padded_seq_len", self.padded_seq_len, 1)
-    _check_int("cp_size", self.cp_size, 1)
+    validation.integer("original_seq_len", self.original_seq_len, minimum=1)
+    validation.integer("padded_seq_len", self.padded_seq_len, minimum=1)
+    validation.integer("cp_size", self.cp_size, minimum=1)
     if self.kind not in LAYOUT_KINDS:
       raise ValueError(f"kind must be one of {LAYOUT_KINDS}, got {self.kind!r}")
     if self.padded_seq_len < self.original_seq_len:
@@ -128,9 +123,9 @@ def padded_length(seq_len: int, cp_size: int, *, kind: str = "contiguous",
   >>> padded_length(6, 2), padded_length(7, 3, pad_multiple=4)
   (8, 12)
   """
-  _check_int("seq_len", seq_len, 1)
-  _check_int("cp_size", cp_size, 1)
-  _check_int("pad_multiple", pad_multiple, 1)
+  validation.integer("seq_len", seq_len, minimum=1)
+  validation.integer("cp_size", cp_size, minimum=1)
+  validation.integer("pad_multiple", pad_multiple, minimum=1)
   if kind not in LAYOUT_KINDS:
     raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {kind!r}")
   multiple = cp_size * max(pad_multiple, 2)
@@ -144,7 +139,9 @@ def local_token_indices(layout: ShardLayout, rank) -> jax.Array:
 
   Args:
     layout: the :class:`ShardLayout`.
-    rank: a Python int or a traced int scalar (``jax.lax.axis_index("cp")``).
+    rank: an int in ``[0, cp_size)``, or an int32 scalar array; a traced rank
+      (``jax.lax.axis_index("cp")``) cannot be range-checked, and one outside
+      ``[0, cp_size)`` gives indices outside the sequence.
 
   Returns:
     int32[L] global indices, increasing within each chunk.
@@ -154,8 +151,16 @@ def local_token_indices(layout: ShardLayout, rank) -> jax.Array:
     >>> np.asarray(local_token_indices(ShardLayout(8, 8, 2, "load_balanced"), 1))
     array([2, 3, 4, 5], dtype=int32)
   """
-  if isinstance(rank, (int, np.integer)) and not 0 <= rank < layout.cp_size:
-    raise ValueError(f"rank must be in [0, {layout.cp_size}), got {rank}")
+  if not isinstance(layout, ShardLayout):
+    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
+  if isinstance(rank, (bool, np.bool_)) or not (
+      isinstance(rank, (int, np.integer)) or (
+          hasattr(rank, "dtype") and jnp.ndim(rank) == 0
+          and jnp.issubdtype(jnp.result_type(rank), jnp.integer))):
+    raise TypeError(f"rank must be an int or an integer scalar array, got "
+                    f"{type(rank).__name__} ({rank!r})")
+  if not isinstance(rank, jax.core.Tracer) and not 0 <= int(rank) < layout.cp_size:
+    raise ValueError(f"rank must be in [0, {layout.cp_size}), got {int(rank)}")
   c = layout.chunk_len
   offsets = jnp.arange(c, dtype=jnp.int32)
   rank = jnp.asarray(rank, jnp.int32)
@@ -174,6 +179,8 @@ def rank_order(layout: ShardLayout) -> np.ndarray:
   >>> rank_order(ShardLayout(8, 8, 2, "load_balanced")).tolist()
   [0, 1, 6, 7, 2, 3, 4, 5]
   """
+  if not isinstance(layout, ShardLayout):
+    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
   c = layout.chunk_len
   chunks = [ch for r in range(layout.cp_size) for ch in layout.rank_chunks(r)]
   return np.concatenate([np.arange(ch * c, (ch + 1) * c) for ch in chunks])

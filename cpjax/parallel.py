@@ -69,6 +69,9 @@ def make_mesh(*, cp: int = 1, fsdp: int = 1, dp: int = 1, tp: int = 1,
     raise ValueError(f"a mesh splits the batch over one axis: got dp={dp} and fsdp={fsdp}; "
                      f"use fsdp alone (it is dp that also shards the parameters)")
   devices = list(jax.devices() if devices is None else devices)
+  if not all(isinstance(d, jax.Device) for d in devices):
+    raise TypeError(f"devices must be jax.Device objects (jax.devices()), got "
+                    f"{sorted({type(d).__name__ for d in devices})}")
   need = dp * fsdp * cp * tp
   if need > len(devices):
     raise ValueError(f"mesh dp={dp} fsdp={fsdp} cp={cp} tp={tp} needs {need} devices, "
@@ -125,6 +128,11 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
   leaf that no free dimension divides (an odd-width norm scale) stays
   replicated over that axis.
   """
+  if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if rule is not None and not callable(rule):
+    raise TypeError(f"rule must be a function (path, shape) -> PartitionSpec, got "
+                    f"{type(rule).__name__}")
   has_tp = "tp" in mesh.axis_names
 
   def spec(path, leaf):
@@ -155,6 +163,11 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
 
 def shard_params(params, mesh: Mesh, specs):
   """``params`` placed on ``mesh`` per ``specs`` (from :func:`param_specs`)."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if jax.tree.structure(params) != jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)):
+    raise ValueError("specs must have the tree structure of params (one PartitionSpec per "
+                     "leaf, as param_specs gives)")
   return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
 
 
@@ -174,7 +187,11 @@ def shard_like_params(tree, params):
   (P('fsdp',), P())
   """
   by_path = {tuple(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
-  mesh = next(iter(by_path.values())).sharding.mesh
+  shardings = [getattr(x, "sharding", None) for x in by_path.values()]
+  if not by_path or not all(isinstance(s, NamedSharding) for s in shardings):
+    raise TypeError("params must be a non-empty tree of arrays placed on a mesh (from "
+                    "shard_params), got leaves without a NamedSharding")
+  mesh = shardings[0].mesh
 
   def place(path, leaf):
     path = tuple(path)

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cpjax import batch as batch_lib
+from cpjax import validation
 from cpjax.kernels.targets import resolve_implementation
 from cpjax.layout import LAYOUT_KINDS, ShardLayout, local_token_indices, padded_length, rank_order
 
@@ -236,6 +237,10 @@ def shard_batch(
     raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
   if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
     raise ValueError(f"pad_multiple must be an int >= 1, got {pad_multiple!r}")
+  validation.integer("padding_token_id", padding_token_id)
+  if not isinstance(aux_only, (bool, np.bool_)):
+    raise TypeError(f"aux_only must be a bool, got {type(aux_only).__name__} ({aux_only!r})")
+  validation.fits_int32("padding_token_id", np.asarray(padding_token_id))
 
   norm = batch_lib.normalize_batch(batch, loss_mask=loss_mask)
   extra = _check_extra_keys(norm, extra_seq_keys, extra_pad_values)
@@ -286,6 +291,12 @@ def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
   dimension; the result has ``layout.original_seq_len`` there. Other keys are
   returned as they are.
 
+  Pass the very ``layout`` :func:`shard_batch` returned with the batch. A
+  layout of the other kind with the same padded length cannot be told apart
+  from the arrays (both layouts hold the same number of tokens per rank, and
+  a stream's values say nothing about the order they were cut in), so it
+  would return the tokens scrambled without an error.
+
   Example:
     >>> import jax, numpy as np, cpjax
     >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
@@ -294,6 +305,7 @@ def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
     >>> np.asarray(back["labels"]).tolist()
     [[0, 1, 2, 3, 4, 5]]
   """
+  validation.mapping("batch", batch)
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
   extra = _check_extra_keys(batch, extra_seq_keys, None)
@@ -371,13 +383,17 @@ def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
   """
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
+  validation.integer("seq_axis", seq_axis)
   x = jnp.asarray(x)
+  if not -max(x.ndim, 1) <= seq_axis < max(x.ndim, 1):
+    raise ValueError(f"seq_axis={seq_axis} is not a dimension of x, shape {tuple(x.shape)}")
   seq_axis = seq_axis % max(x.ndim, 1)
   length = x.shape[seq_axis] if x.ndim else None
   if length not in (layout.original_seq_len, layout.padded_seq_len):
     raise ValueError(
         f"x must have length {layout.original_seq_len} (or the padded "
         f"{layout.padded_seq_len}) on seq_axis={seq_axis}, got shape {tuple(x.shape)}")
+  validation.cp_axis("shard_sequence", axis_name, layout.cp_size)
   widths = [(0, 0)] * x.ndim
   widths[seq_axis] = (0, layout.padded_seq_len - length)
   x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
@@ -413,6 +429,9 @@ class CPContext:
   def __post_init__(self):
     if not isinstance(self.layout, ShardLayout):
       raise TypeError(f"layout must be a ShardLayout, got {type(self.layout).__name__}")
+    if not isinstance(self.axis_name, str):
+      raise TypeError(f"axis_name must be a mesh axis name (str), got "
+                      f"{type(self.axis_name).__name__} ({self.axis_name!r})")
     if self.implementation is not None:
       resolve_implementation(self.implementation)
     if not isinstance(self.interpret, bool):

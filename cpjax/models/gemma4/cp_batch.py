@@ -18,9 +18,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax.numpy as jnp
+import numpy as np
 
 from cpjax import batch as batch_lib
+from cpjax import validation
 from cpjax.layout import ShardLayout
+from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.sharding import shard_batch
 
 __all__ = ["IMAGE_OFFSET_KEY", "documents_from_positions", "synthetic_batch", "image_token_offsets", "make_contiguous_aux_only_shard_cp_batch",
@@ -173,7 +176,8 @@ def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> d
   any compute: ``image_position_ids`` present and shaped like
   ``pixel_values``, the patch width, and the number of image placeholders
   (``input_ids == image_token_id``) equal to the soft tokens the images
-  yield; a mismatch is a ``ValueError`` giving both counts.
+  yield; a mismatch is a ``ValueError`` giving both counts. So are token
+  ids outside the vocabulary (when ``input_ids`` is concrete).
 
   Example:
     >>> import numpy as np
@@ -181,12 +185,16 @@ def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> d
     >>> sorted(out)
     ['_packed_seq_ids', 'input_ids', 'labels', 'padding_mask', 'position_ids']
   """
+  validation.mapping("batch", batch)
+  if config is not None and not isinstance(config, Gemma4Config):
+    raise TypeError(f"config must be a Gemma4Config or None, got {type(config).__name__}")
   for key in ("input_features", "input_features_mask", "pixel_values_videos"):
     if batch.get(key) is not None:
       raise ValueError(f"batch key {key!r} is not supported: cpjax ports Gemma 4's text decoder "
                        f"and vision tower (no audio tower; pass video frames as images)")
   if config is not None:
     _check_images(batch, config)
+    _check_vocabulary(batch, config)
   out = batch_lib.attention_mask_to_padding_mask(batch)
   if (batch_lib.DOCUMENT_IDS_KEY not in out and "padding_mask" not in out
       and out.get("position_ids") is not None):
@@ -255,6 +263,21 @@ def _check_images(batch: Mapping[str, Any], config) -> None:
                      f"{pix_shape[0]} images in pixel_values yield {soft} soft tokens")
 
 
+def _check_vocabulary(batch: Mapping[str, Any], config) -> None:
+  """Concrete ``input_ids`` must be ids of the model's vocabulary (or its placeholders)."""
+  ids = batch.get("input_ids")
+  if ids is None or isinstance(ids, jax.core.Tracer) or not hasattr(ids, "shape"):
+    return
+  ids = np.asarray(ids)
+  if not np.issubdtype(ids.dtype, np.integer) or ids.size == 0:
+    return
+  known = np.isin(ids, np.asarray(config.placeholder_token_ids))
+  bad = ids[~known & ((ids < 0) | (ids >= config.text.vocab_size))]
+  if bad.size:
+    raise ValueError(f"input_ids holds token ids outside the vocabulary [0, "
+                     f"{config.text.vocab_size}): {np.unique(bad)[:8].tolist()}")
+
+
 def synthetic_batch(rng, config, *, batch_size: int, seq_len: int, images_per_row: int = 1,
                     max_docs: int = 4, image_grid: tuple[int, int] | None = None) -> dict:
   """:func:`cpjax.data.synthetic_batch` for a :class:`Gemma4Config`: its
@@ -269,6 +292,15 @@ def synthetic_batch(rng, config, *, batch_size: int, seq_len: int, images_per_ro
   """
   from cpjax.data import synthetic_batch as generic
 
+  if not isinstance(rng, np.random.Generator):
+    raise TypeError(f"rng must be a numpy Generator (np.random.default_rng(seed)), got "
+                    f"{type(rng).__name__}")
+  if not isinstance(config, Gemma4Config):
+    raise TypeError(f"config must be a Gemma4Config, got {type(config).__name__}")
+  validation.integer("batch_size", batch_size, minimum=1)
+  validation.integer("seq_len", seq_len, minimum=1)
+  validation.integer("images_per_row", images_per_row, minimum=0)
+  validation.integer("max_docs", max_docs, minimum=1)
   v = config.vision
   if v is None:
     images_per_row = 0

@@ -31,6 +31,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from cpjax import validation
 from cpjax.batch import DOCUMENT_IDS_KEY, vision_group_ids
 from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameSegment, SameVisionGroup
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
@@ -130,6 +131,10 @@ def gemma4_masks(cfg: Gemma4Config, *, segment_ids, padding_mask,
     extra = {"vision_group_ids": vision_group_ids} if uses_groups else {}
     out[kind] = AttentionMask(rule & common, {**arrays, **extra})
   return out
+
+
+# What the model reads from every batch (prepare_batch and the sharder add them).
+MODEL_INPUTS = ("input_ids", "position_ids", "padding_mask", DOCUMENT_IDS_KEY)
 
 
 class Gemma4(nnx.Module):
@@ -261,6 +266,14 @@ class Gemma4(nnx.Module):
     ``padding_mask``, ``_packed_seq_ids``): local parts under CP, as the
     model's sharder (:meth:`prepare_model_inputs_for_cp`) produces them.
     """
+    validation.mapping("batch", batch)
+    missing = [k for k in MODEL_INPUTS if k not in batch]
+    if missing:
+      raise KeyError(f"the model's batch lacks {missing}: pass a batch through "
+                     f"gemma4.prepare_batch (one device) or the model's sharder (CP), which "
+                     f"add them; got keys {sorted(batch)}")
+    if cp is not None and not isinstance(cp, CPContext):
+      raise TypeError(f"cp must be a cpjax.CPContext or None, got {type(cp).__name__}")
     x, per_layer, groups = self.embed_full_row(batch)
     if cp is not None:
       cut = functools.partial(shard_sequence, layout=cp.layout, axis_name=cp.axis_name)

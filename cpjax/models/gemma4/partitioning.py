@@ -18,7 +18,9 @@ P(None, 'tp')
 
 from __future__ import annotations
 
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
+
+from cpjax import validation
 
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.parallel import PartitionRule, batch_axis_of
@@ -31,6 +33,9 @@ _COLUMNS = ("o_proj", "down_proj")             # [out, in = heads x head_dim or 
 
 def partition_rule(cfg: Gemma4Config, *, tp: int) -> PartitionRule:
   """``rule(path, shape) -> PartitionSpec`` placing ``"tp"`` on Gemma 4's text decoder."""
+  if not isinstance(cfg, Gemma4Config):
+    raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")
+  validation.integer("tp", tp, minimum=1)
   t = cfg.text
 
   def rule(path, shape):
@@ -61,6 +66,13 @@ def check_mesh(cfg: Gemma4Config, mesh: Mesh, *, seq_len: int | None = None,
   divide ``seq_len`` (the sharder pads a row to a multiple of ``2 * cp``;
   a planned length must not need padding).
   """
+  if not isinstance(cfg, Gemma4Config):
+    raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+    if value is not None:
+      validation.integer(name, value, minimum=1)
   t = cfg.text
   tp = int(mesh.shape["tp"]) if "tp" in mesh.axis_names else 1
   if t.num_attention_heads % tp:
