@@ -411,6 +411,8 @@ def test_gemma4_model_call_names_what_the_batch_lacks():
   with pytest.raises(ValueError, match="layout must be one of"):
     gemma4.cp_logits(model, gemma4.prepare_batch({"input_ids": IDS}, CFG), cp_mesh(2),
                      layout="zigzag")
+  with pytest.raises(ValueError, match=r"layout must be one of \('contiguous', 'load_balanced'\)"):
+    model.prepare_model_inputs_for_cp(layout="zigzag")
 
 
 # ------------------------------------------------------------ edge cases

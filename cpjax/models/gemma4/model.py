@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cpjax import validation
 from cpjax.batch import DOCUMENT_IDS_KEY, vision_group_ids
+from cpjax.layout import LAYOUT_KINDS
 from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameSegment, SameVisionGroup
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from cpjax.models.gemma4.cp_batch import IMAGE_OFFSET_KEY, image_token_offsets, shard_aux_only_cp_batch
@@ -334,6 +335,8 @@ class Gemma4(nnx.Module):
     aux-only sharder (``layout`` ``"contiguous"`` as the original, or
     ``"load_balanced"``): the CP dispatch calls it instead of a generic one."""
     del batch  # the sharder is the same for every batch of this model
+    if layout not in LAYOUT_KINDS:
+      raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
     return {"cp_sharder": ContextParallelSharder(shard_batch=functools.partial(
         _sharder_call, layout=layout, image_token_id=self.cfg.image_token_id))}
 
