@@ -66,13 +66,10 @@ def _tile(visit_full, step, carry):
 
 
 # ------------------------------------------------------------------ forward
-def _forward_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs,
-                    params: KernelParams):
-  q_meta, k_meta, (o_ref, lse_ref) = _split(params, refs)
-  b, i = pl.program_id(0), pl.program_id(2)
-  r, kb = params.rows, params.block_kv
-  q = q_ref[...]
-  q_tok = _block_tokens(params, q_meta, i * r, r)
+def _walk_keys(params: KernelParams, tables, b, i, q_tok, k_ref, v_ref, k_meta, fold, init):
+  """Fold row block i's non-empty key blocks, in order: ``fold(k, v, mask, carry)``."""
+  cols_ref, ncols_ref, full_ref = tables
+  kb = params.block_kv
 
   def body(t, carry):
     j = cols_ref[b, i, t]
@@ -81,13 +78,25 @@ def _forward_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs,
       k, v = k_ref[pl.ds(j * kb, kb), :], v_ref[pl.ds(j * kb, kb), :]
       mask = (common.tile_mask(params, q_tok, _block_tokens(params, k_meta, j * kb, kb))
               if masked else None)
-      return common.fold_tile(params, q, k, v, mask, *carry)
+      return fold(k, v, mask, carry)
 
     return _tile(full_ref[b, i, j] != 0, step, carry)
 
+  return lax.fori_loop(0, ncols_ref[b, i], body, init)
+
+
+def _forward_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs,
+                    params: KernelParams):
+  q_meta, k_meta, (o_ref, lse_ref) = _split(params, refs)
+  b, i = pl.program_id(0), pl.program_id(2)
+  r = params.rows
+  q = q_ref[...]
   init = (jnp.full((r, 1), -jnp.inf, jnp.float32), jnp.zeros((r, 1), jnp.float32),
           jnp.zeros(q.shape, jnp.float32))
-  out, lse = common.finish(*lax.fori_loop(0, ncols_ref[b, i], body, init))
+  state = _walk_keys(params, (cols_ref, ncols_ref, full_ref), b, i,
+                     _block_tokens(params, q_meta, i * r, r), k_ref, v_ref, k_meta,
+                     lambda k, v, mask, c: common.fold_tile(params, q, k, v, mask, *c), init)
+  out, lse = common.finish(*state)
   o_ref[...] = out
   lse_ref[...] = lse
 
@@ -116,22 +125,15 @@ def _dq_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                *refs, params: KernelParams):
   q_meta, k_meta, (dq_ref,) = _split(params, refs)
   b, i = pl.program_id(0), pl.program_id(2)
-  r, kb = params.rows, params.block_kv
+  r = params.rows
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-  q_tok = _block_tokens(params, q_meta, i * r, r)
 
-  def body(t, dq):
-    j = cols_ref[b, i, t]
+  def fold(k, v, mask, dq):
+    return dq + common.grad_tile(params, q, k, v, do, lse, delta, mask)[0]
 
-    def step(dq, masked):
-      k, v = k_ref[pl.ds(j * kb, kb), :], v_ref[pl.ds(j * kb, kb), :]
-      mask = (common.tile_mask(params, q_tok, _block_tokens(params, k_meta, j * kb, kb))
-              if masked else None)
-      return dq + common.grad_tile(params, q, k, v, do, lse, delta, mask)[0]
-
-    return _tile(full_ref[b, i, j] != 0, step, dq)
-
-  dq_ref[...] = lax.fori_loop(0, ncols_ref[b, i], body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = _walk_keys(params, (cols_ref, ncols_ref, full_ref), b, i,
+                           _block_tokens(params, q_meta, i * r, r), k_ref, v_ref, k_meta, fold,
+                           jnp.zeros(q.shape, jnp.float32))
 
 
 def _dkdv_kernel(rows_ref, nrows_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
