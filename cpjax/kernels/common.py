@@ -133,7 +133,16 @@ def _compact(visit):
 
 
 def schedule(blocks: BlockMap, batch: int, active) -> Schedule:
-  """The :class:`Schedule` of a hop from its block map (``active`` False: skip all)."""
+  """The :class:`Schedule` of a hop from its block map (``active`` False: skip all).
+
+  >>> import numpy as np
+  >>> causal = BlockMap(np.tril(np.ones((3, 3), bool))[None], np.eye(3, k=-1, dtype=bool)[None])
+  >>> s = schedule(causal, 1, True)
+  >>> s.cols[0].tolist(), s.ncols[0].tolist()      # row block i visits key blocks 0..i
+  ([[0, 0, 0], [0, 1, 1], [0, 1, 2]], [1, 2, 3])
+  >>> s.rows[0].tolist(), s.nrows[0].tolist()      # key block j is seen by row blocks j..2
+  ([[0, 1, 2], [1, 2, 2], [2, 2, 2]], [3, 2, 1])
+  """
   shape = (batch,) + blocks.any.shape[1:]
   visit = jnp.broadcast_to(blocks.any, shape) & active
   cols, ncols = _compact(visit)

@@ -35,7 +35,8 @@ def _compiler_params():
 
 def _meta_specs(params: KernelParams, size: int, block_of):
   """BlockSpecs of one side's :class:`Metadata` with blocks of ``size`` tokens;
-  ``block_of(b, x, y, t, *prefetch)`` gives the block index along the tokens."""
+  ``block_of(b, x, t, *prefetch)`` gives the block index along the tokens at
+  grid point (b, head, x, t)."""
   pos = pl.BlockSpec((1, size), lambda b, h, x, t, *s: (0, block_of(b, x, t, *s)))
   arr = pl.BlockSpec((None, 1, size), lambda b, h, x, t, *s: (b, 0, block_of(b, x, t, *s)))
   return [pos] + [arr] * len(params.array_names)
@@ -44,10 +45,9 @@ def _meta_specs(params: KernelParams, size: int, block_of):
 def _split_meta(params: KernelParams, refs):
   """(first side's tokens, second side's tokens, other refs) from the kernel's refs."""
   n = 1 + len(params.array_names)
-  q_refs, k_refs = refs[:n], refs[n:2 * n]
-  q = common.tokens(params, q_refs[0][...], [r[...] for r in q_refs[1:]])
-  k = common.tokens(params, k_refs[0][...], [r[...] for r in k_refs[1:]])
-  return q, k, refs[2 * n:]
+  first, second = refs[:n], refs[n:2 * n]
+  return (common.tokens(params, first[0][...], [r[...] for r in first[1:]]),
+          common.tokens(params, second[0][...], [r[...] for r in second[1:]]), refs[2 * n:])
 
 
 def _visit(visit, full, step):
