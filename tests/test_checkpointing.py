@@ -34,6 +34,7 @@ def test_resume_continues_with_bit_identical_losses(tmp_path, data):
   assert second["losses"] == whole["losses"][3:]        # bit for bit: floats compared exactly
 
 
+@pytest.mark.slow   # 40 s: make soak (the 2-process test restores on an fsdp mesh in CI)
 def test_resume_onto_another_mesh_gives_the_same_next_loss(tmp_path):
   """Saved on (fsdp 4, cp 2), restored on (fsdp 2, cp 4): orbax reshards the
   parameters and Adam's moments onto the new mesh, and step 2's loss is the
