@@ -133,6 +133,31 @@ def test_sharded_save_with_index_and_placement_on_a_mesh(tmp_path):
   assert emb.sharding.spec == jax.P("fsdp")
 
 
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, 4096])
+def test_each_device_reads_its_block_in_chunks(tmp_path, monkeypatch, chunk_bytes):
+  """Chunked reads (4 KiB: many chunks per table), sharded over two
+  axes and replicated, give the file's tensors bit for bit, each device
+  holding only its block; a float32 file loads as bfloat16 like numpy's cast."""
+  from cpjax.models.gemma4 import checkpoint
+  from safetensors.numpy import load_file
+
+  monkeypatch.setattr(checkpoint, "CHUNK_BYTES", chunk_bytes)
+  path = os.path.join(FIXTURES, "ple_kv_sharing")
+  stored = load_file(os.path.join(path, "model.safetensors"))
+  mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.devices()[:4])
+  spec = lambda key, shape: (jax.P("tp", "fsdp") if len(shape) == 2 and shape[0] % 2 == 0
+                             and shape[1] % 2 == 0 else jax.P())
+  bits = lambda x: np.asarray(x).reshape(-1).view(np.uint8)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    model = gemma4.Gemma4.from_pretrained(path, mesh=mesh, sharding=spec, dtype=dtype)
+    for key, var in checkpoint_keys(model).items():
+      value, want = var.get_value(), stored[key].astype(dtype)
+      np.testing.assert_array_equal(bits(value), bits(want), err_msg=key)
+      assert value.sharding.spec == spec(key, want.shape), key
+      for shard in value.addressable_shards:
+        np.testing.assert_array_equal(bits(shard.data), bits(want[shard.index]), err_msg=key)
+
+
 def test_prepare_batch_validates_images_before_compute():
   cfg = gemma4.Gemma4Config.preset("tiny")
   batch = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=2, seq_len=40)

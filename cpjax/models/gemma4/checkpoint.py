@@ -10,16 +10,21 @@ files side by side:
   are skipped, as transformers skips them: K/V weights stored for K/V-sharing
   ``reuse`` layers, the audio tower (not ported), and ``lm_head.weight`` of
   a model with tied embeddings;
-* streaming: tensors are read one at a time (each from a freshly opened
-  file, so no mapping of a whole file stays resident), converted to the
-  target dtype, placed, and dropped; the model is built abstractly first,
-  so no random initialisation is ever materialised;
+* streaming: each tensor goes straight to its device(s) without a second
+  whole host copy. Every device reads only its own shard from the
+  safetensors file (a slice, so a sharded table is never read whole), in
+  row chunks of at most :data:`CHUNK_BYTES` written into a preallocated
+  device buffer in place (a donated ``dynamic_update_slice``); the file is
+  reopened per chunk, so no mapping of it stays resident. The model is built
+  abstractly first, so no random initialisation is ever materialised. Peak
+  host memory is the loaded parameters plus about two chunks;
 * saving writes ``config.json`` and safetensors shards (with an index when
   there is more than one) that transformers' ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -92,11 +97,54 @@ def _shapes(weight_map: dict[str, str]) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-def _read(file: str, key: str) -> np.ndarray:
+# Bytes of one host read: a tensor larger than this travels in row chunks.
+CHUNK_BYTES = 64 << 20
+
+
+def _read_slice(file: str, key: str, index: tuple[slice, ...]) -> np.ndarray:
+  """``tensor[index]`` read from ``file`` alone (only those bytes are touched)."""
   from safetensors import safe_open
 
   with safe_open(file, framework="numpy") as f:
-    return f.get_tensor(key)
+    return f.get_slice(key)[index]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_rows(buffer, rows, start):
+  # Donated: XLA writes into ``buffer`` in place, so the shard never exists twice.
+  return jax.lax.dynamic_update_slice_in_dim(buffer, rows, start, axis=0)
+
+
+def _load_shard(file: str, key: str, index: tuple[slice, ...], shape: tuple[int, ...],
+                dtype, device) -> jax.Array:
+  """The block ``index`` of tensor ``key`` (full ``shape``) on ``device``, as ``dtype``."""
+  index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape)) + tuple(
+      slice(0, n) for n in shape[len(index):])
+  block = tuple(s.stop - s.start for s in index)
+  row_bytes = int(np.prod(block[1:], dtype=np.int64)) * max(np.dtype(dtype).itemsize, 4)
+  if not block or block[0] * row_bytes <= CHUNK_BYTES:
+    return jax.device_put(np.asarray(_read_slice(file, key, index), dtype), device)
+  rows = max(1, CHUNK_BYTES // row_bytes)
+  buffer = jnp.zeros(block, dtype, device=device)
+  first = index[0].start
+  for lo in range(0, block[0], rows):
+    hi = min(lo + rows, block[0])
+    part = _read_slice(file, key, (slice(first + lo, first + hi), *index[1:]))
+    buffer = _write_rows(buffer, jax.device_put(np.asarray(part, dtype), device), lo)
+    del part
+  return buffer
+
+
+def _load_tensor(file: str, key: str, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+  """Tensor ``key`` placed per ``sharding``: each addressable device reads only its block.
+
+  ``jax.make_array_from_callback`` would hold every local block on the host
+  at once before placing them; building each device's block in chunks and
+  assembling them keeps one chunk in flight.
+  """
+  blocks = [_load_shard(file, key, index, shape, dtype, device)
+            for device, index in sharding.addressable_devices_indices_map(shape).items()]
+  return jax.make_array_from_single_device_arrays(shape, sharding, blocks)
 
 
 def load_pretrained(cls, path, *, dtype=jnp.float32, mesh: Mesh | None = None,
@@ -126,15 +174,14 @@ def load_pretrained(cls, path, *, dtype=jnp.float32, mesh: Mesh | None = None,
     if shapes[key] != tuple(var.get_value().shape):
       raise ValueError(f"checkpoint tensor {key!r} has shape {list(shapes[key])}, the model "
                        f"expects {list(var.get_value().shape)}")
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   for key, var in wanted.items():
-    host = _read(weight_map[key], key).astype(var.get_value().dtype)
-    if mesh is not None:
-      spec = P() if sharding is None else sharding(key, host.shape)
-      value = jax.device_put(host, NamedSharding(mesh, spec))
+    if mesh is None:
+      target = default
     else:
-      value = jnp.asarray(host)
-    del host
-    var.set_value(value)
+      target = NamedSharding(mesh, P() if sharding is None else sharding(key, shapes[key]))
+    abstract = var.get_value()
+    var.set_value(_load_tensor(weight_map[key], key, shapes[key], abstract.dtype, target))
   return model
 
 
