@@ -15,7 +15,7 @@ key                    shape               meaning
 ``padding_mask``       [B, S] bool         True = pad
 ``loss_mask``          [B, S]              1 = token counts in the loss
 ``_packed_seq_ids``    [B, S] int          document id 1..n, 0 = pad
-``mm_token_type_ids``  [B, S] int          0 text, 1 image, 2 other modality
+``mm_token_type_ids``  [B, S] int          1 image, 2 video (vision); else not
 ``pixel_values``       [N, ...]            images, never sequence-sharded
 =====================  ==================  =====================================
 """
@@ -78,8 +78,9 @@ def attention_mask_to_padding_mask(batch: Mapping) -> dict:
   ``attention_mask`` is always removed. When ``padding_mask`` is absent it is
   derived as in the original: a 2-D mask [B, S] (1 = real, 0 = pad; other
   values are a ``ValueError`` when concrete) gives ``~mask``; a 4-D mask
-  [B, 1, S, S] gives its diagonal ``d = mask[:, 0]``'s ``~d`` when bool and
-  ``d != 0`` when additive float (0 = allowed, -inf = masked).
+  [B, H, S, S] gives the diagonal ``d`` of its first head ``mask[:, 0]``
+  (as the original, whatever ``H``): ``~d`` when bool and ``d != 0`` when
+  additive float (0 = allowed, -inf = masked).
 
   Example:
     >>> import numpy as np
@@ -103,13 +104,13 @@ def attention_mask_to_padding_mask(batch: Mapping) -> dict:
         raise ValueError(f"a 2-D attention_mask holds 1 (real token) and 0 (pad), got "
                          f"values {values[:8].tolist()}")
   elif len(shape) == 4:
-    if shape[1] != 1 or shape[2] != shape[3]:
-      raise ValueError(f"a 4-D attention_mask must be [B, 1, S, S], got shape {shape}")
+    if shape[1] < 1 or shape[2] != shape[3]:
+      raise ValueError(f"a 4-D attention_mask must be [B, H, S, S], got shape {shape}")
     if not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.floating)):
       raise TypeError(f"a 4-D attention_mask must be bool or additive float (0 = allowed), "
                       f"got {dtype}")
   else:
-    raise ValueError(f"attention_mask must be 2-D [B, S] or 4-D [B, 1, S, S], got shape {shape}")
+    raise ValueError(f"attention_mask must be 2-D [B, S] or 4-D [B, H, S, S], got shape {shape}")
   if "padding_mask" in out:
     return out
   mask = jnp.asarray(mask)
@@ -127,8 +128,8 @@ def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
   As the original's ``_synthesize_single_document_seq_ids``: a no-op when
   ``_packed_seq_ids`` exists; else 1 where real and 0 where pad when
   ``padding_mask`` exists; else all ones [B, seq_len] (B from the primary
-  stream, 1 without one). ``seq_len`` must equal the length of every stream
-  the batch already has.
+  stream, 1 without one). As in the original, ``seq_len`` is used only in
+  that last case, whatever the lengths of the batch's streams.
 
   Example:
     >>> import numpy as np
@@ -139,10 +140,10 @@ def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
   """
   out = dict(validation.mapping("batch", batch))
   seq_len = validation.integer("seq_len", seq_len, minimum=1)
-  for key in (*PRIMARY_KEYS, "padding_mask", DOCUMENT_IDS_KEY):
-    if key in out and (jnp.ndim(out[key]) < 2 or jnp.shape(out[key])[1] != seq_len):
-      raise ValueError(f"seq_len={seq_len} must be the length of the batch's {key} (dim 1), "
-                       f"got shape {tuple(jnp.shape(out[key]))}")
+  for key in (*PRIMARY_KEYS, "padding_mask"):
+    if key in out and jnp.ndim(out[key]) < 2:
+      raise ValueError(f"the batch's {key} must be [B, S, ...], got shape "
+                       f"{tuple(jnp.shape(out[key]))}")
   if DOCUMENT_IDS_KEY in out:
     return out
   if "padding_mask" in out:
@@ -158,30 +159,24 @@ def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
 def vision_group_ids(mm_token_type_ids) -> jax.Array:
   """Id of the contiguous vision span each token belongs to; -1 for text.
 
-  A token is vision when its type is 1 (image) or 2 (other modality); a group
+  A token is vision when its type is 1 (image) or 2 (video); a group
   starts where a vision token follows a non-vision one (or starts the row).
   Computed over the FULL row, so slice it afterwards.
 
   Args:
-    mm_token_type_ids: int[B, S] of 0 (text), 1 (image), 2 (other
-      modality); other codes are a ``ValueError`` (checked when the array is
-      concrete, not while traced).
+    mm_token_type_ids: int[B, S]: 1 (image) and 2 (video) are vision;
+      every other code (0 text, 3 audio in transformers' processor, ...) is
+      not, as in the original and transformers.
 
   Returns:
     int32[B, S].
 
   Example:
     >>> import numpy as np
-    >>> np.asarray(vision_group_ids(np.array([[0, 1, 1, 0, 2, 2]]))).tolist()
-    [[-1, 0, 0, -1, 1, 1]]
+    >>> np.asarray(vision_group_ids(np.array([[0, 1, 1, 0, 2, 2, 3]]))).tolist()
+    [[-1, 0, 0, -1, 1, 1, -1]]
   """
   validation.token_stream("mm_token_type_ids", mm_token_type_ids, kind="int")
-  if not isinstance(mm_token_type_ids, jax.core.Tracer):
-    codes = np.unique(np.asarray(mm_token_type_ids))
-    unknown = codes[~np.isin(codes, (0, 1, 2))]
-    if unknown.size:
-      raise ValueError(f"mm_token_type_ids must hold 0 (text), 1 (image) or 2 (other "
-                       f"modality), got {unknown.tolist()}")
   types = jnp.asarray(mm_token_type_ids)
   vision = (types == 1) | (types == 2)
   prev = jnp.pad(vision[:, :-1], ((0, 0), (1, 0)))
@@ -266,7 +261,7 @@ def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = Tr
     ValueError: sequence lengths or batch sizes that disagree, bad ranks.
     TypeError: non-integer ids, labels or positions.
   """
-  validation.mapping("batch", batch)
+  batch = validation.mapping("batch", batch)
   key = primary_key(batch)
   primary = batch[key]
   want_ndim = 2 if key == "input_ids" else 3
@@ -278,10 +273,12 @@ def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = Tr
 
   if "attention_mask" in batch:
     mask_shape = tuple(jnp.shape(batch["attention_mask"]))
-    if mask_shape not in ((batch_size, seq_len), (batch_size, 1, seq_len, seq_len)):
+    four_d = (len(mask_shape) == 4 and mask_shape[0] == batch_size and mask_shape[1] >= 1
+              and mask_shape[2:] == (seq_len, seq_len))
+    if mask_shape != (batch_size, seq_len) and not four_d:
       raise ValueError(
-          f"attention_mask must be [B, S] = {[batch_size, seq_len]} or [B, 1, S, S] = "
-          f"{[batch_size, 1, seq_len, seq_len]} (from {key}), got {list(mask_shape)}")
+          f"attention_mask must be [B, S] = {[batch_size, seq_len]} or [B, H, S, S] = "
+          f"{[batch_size, 'H', seq_len, seq_len]} (from {key}), got {list(mask_shape)}")
   out = attention_mask_to_padding_mask(batch)
   for k in _INTEGER_KEYS:
     if k in out and not _is_integer(out[k]):

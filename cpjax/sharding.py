@@ -305,7 +305,7 @@ def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
     >>> np.asarray(back["labels"]).tolist()
     [[0, 1, 2, 3, 4, 5]]
   """
-  validation.mapping("batch", batch)
+  batch = validation.mapping("batch", batch)
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
   extra = _check_extra_keys(batch, extra_seq_keys, None)

@@ -163,9 +163,24 @@ def integer(name: str, value, *, minimum: int | None = None) -> int:
   return int(value)
 
 
-def mapping(name: str, value) -> Mapping:
-  """A mapping (e.g. a batch dict)."""
+def mapping(name: str, value) -> dict:
+  """A mapping (e.g. a batch dict) as a new dict; list and tuple values
+  become numpy arrays, as ``np.asarray`` takes them (a ragged one is a
+  ``TypeError`` naming its key)."""
   if not isinstance(value, Mapping):
     raise TypeError(f"{name} must be a mapping of names to arrays, got "
                     f"{type(value).__name__}")
-  return value
+  out = dict(value)
+  for key, x in out.items():
+    if isinstance(x, (list, tuple)):
+      try:
+        array = np.asarray(x)
+      except ValueError as e:
+        raise TypeError(f"{name}[{key!r}] is a list that is not a rectangular array of "
+                        f"numbers: {e}") from None
+      if array.dtype == object or not (np.issubdtype(array.dtype, np.number)
+                                       or array.dtype == np.bool_):
+        raise TypeError(f"{name}[{key!r}] is a list that is not a rectangular array of "
+                        f"numbers (numpy reads it as {array.dtype})")
+      out[key] = array
+  return out

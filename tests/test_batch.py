@@ -87,3 +87,37 @@ def test_normalize_is_jittable():
   eager = cpjax.normalize_batch(batch, loss_mask=batch["attention_mask"])
   jitted = jax.jit(lambda b: cpjax.normalize_batch(b, loss_mask=b["attention_mask"]))(batch)
   chex.assert_trees_all_equal(eager, jitted)
+
+
+def test_the_originals_answers_on_inputs_it_accepts():
+  """Four inputs the original accepts, with its answers (replayed from its code):
+  a 4-D mask with several heads reads head 0; mm_token_type_ids codes other
+  than 1 and 2 are not vision; seq_len makes only the all-ones ids; and
+  lists are taken as numpy takes them."""
+  from cpjax.models import gemma4
+
+  head0 = np.tril(np.ones((6, 6), bool)) & (np.arange(6) < 4)
+  mask = np.stack([head0, np.ones((6, 6), bool)])[None]          # head 1 says "no padding"
+  assert np.asarray(cpjax.attention_mask_to_padding_mask({"attention_mask": mask})[
+      "padding_mask"]).tolist() == [[False] * 4 + [True] * 2]
+  batch = {"input_ids": np.arange(6)[None], "labels": np.arange(6)[None], "attention_mask": mask}
+  back = cpjax.unshard_batch(*cpjax.shard_batch(batch, jax.make_mesh((2,), ("cp",),
+                                                                      devices=jax.devices()[:2])))
+  assert np.asarray(back["padding_mask"]).tolist() == [[False] * 4 + [True] * 2]
+
+  # transformers' processor writes 3 on audio tokens: not a vision group.
+  types = np.array([[0, 1, 1, 3, 3, 2, 2, 0, 5]])
+  assert np.asarray(cpjax.vision_group_ids(types)).tolist() == [[-1, 0, 0, -1, -1, 1, 1, -1, -1]]
+
+  for synthesize in (cpjax.synthesize_document_ids, gemma4.synthesize_single_document_seq_ids):
+    ones = synthesize({"input_ids": np.zeros((2, 6), np.int32)}, 8)["_packed_seq_ids"]
+    chex.assert_trees_all_equal(ones, np.ones((2, 8), np.int32))
+    pad = np.array([[False, False, True]])
+    from_pad = synthesize({"input_ids": np.zeros((1, 3), np.int32), "padding_mask": pad}, 8)
+    assert np.asarray(from_pad["_packed_seq_ids"]).tolist() == [[1, 1, 0]]
+
+  as_lists = {"input_ids": [[5, 6, 7, 8]], "labels": [[6, 7, 8, -100]],
+              "attention_mask": [[1, 1, 1, 0]]}
+  as_numpy = {k: np.asarray(v) for k, v in as_lists.items()}
+  chex.assert_trees_all_equal(cpjax.normalize_batch(as_lists), cpjax.normalize_batch(as_numpy))
+  chex.assert_trees_all_equal(gemma4.prepare_batch(as_lists), gemma4.prepare_batch(as_numpy))

@@ -185,7 +185,7 @@ def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> d
     >>> sorted(out)
     ['_packed_seq_ids', 'input_ids', 'labels', 'padding_mask', 'position_ids']
   """
-  validation.mapping("batch", batch)
+  batch = validation.mapping("batch", batch)
   if config is not None and not isinstance(config, Gemma4Config):
     raise TypeError(f"config must be a Gemma4Config or None, got {type(config).__name__}")
   for key in ("input_features", "input_features_mask", "pixel_values_videos"):
