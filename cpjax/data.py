@@ -18,7 +18,8 @@ __all__ = ["synthetic_batch"]
 def synthetic_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int, vocab_size: int,
                     image_token_id: int, patch_size: int, pooling_kernel_size: int,
                     image_grid: tuple[int, int] = (6, 6), images_per_row: int = 1,
-                    max_docs: int = 4, pad_fraction: float = 0.1) -> dict:
+                    max_docs: int = 4, pad_fraction: float = 0.1,
+                    reserved_ids=(0,)) -> dict:
   """A dict of numpy arrays as Gemma 4's processor and a packing collator make them.
 
   Keys: ``input_ids`` (image placeholders are ``image_token_id``),
@@ -29,6 +30,11 @@ def synthetic_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int, 
   and ``image_position_ids`` int[N, P, 2] with ``N = batch_size *
   images_per_row`` images of ``image_grid = (columns, rows)`` patches, each
   yielding ``columns * rows / k^2`` soft tokens.
+
+  Text ids never take a value of ``reserved_ids`` (the pad id by default; a
+  model passes its placeholders and control ids too, so that random text
+  never forges an image token): document ``d``'s ``k``-th id is the
+  ``(start_d + stride_d * k)``-th id of the vocabulary without them.
 
   >>> b = synthetic_batch(np.random.default_rng(0), batch_size=2, seq_len=32, vocab_size=50,
   ...                     image_token_id=99, patch_size=4, pooling_kernel_size=3)
@@ -41,6 +47,9 @@ def synthetic_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int, 
     raise ValueError(f"image_grid {image_grid} must be multiples of pooling_kernel_size {k}")
   tokens_per_image = cols * rows // (k * k)
   b, s = batch_size, seq_len
+  allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(reserved_ids, np.int64))
+  if allowed.size < 2:
+    raise ValueError(f"reserved_ids leave {allowed.size} of the {vocab_size} ids for text")
   pad = int(rng.integers(0, max(int(s * pad_fraction), 0) + 1))
   real = s - pad
   ids = np.zeros((b, s), np.int32)
@@ -55,8 +64,8 @@ def synthetic_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int, 
     for d, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]), start=1):
       docs[r, lo:hi] = d
       pos[r, lo:hi] = np.arange(hi - lo)
-      start, stride = rng.integers(1, vocab_size), rng.integers(1, 4)
-      ids[r, lo:hi] = 1 + (start + stride * np.arange(hi - lo)) % (vocab_size - 1)
+      start, stride = rng.integers(0, allowed.size), rng.integers(1, 4)
+      ids[r, lo:hi] = allowed[(start + stride * np.arange(hi - lo)) % allowed.size]
     free = real - tokens_per_image * images_per_row
     if free < 0:
       raise ValueError(f"seq_len {s} with {pad} padding cannot hold {images_per_row} image(s) "

@@ -89,3 +89,21 @@ def test_parameter_tree_is_transformers_at_full_size(name):
   want = {k: s for k, s in theirs.items() if k not in skipped}
   assert sorted(set(ours) - set(want)) == [] and sorted(set(want) - set(ours)) == []
   assert {k: s for k, s in ours.items() if s != want[k]} == {}
+
+
+@pytest.mark.parametrize("name", ["e2b", "a4b"])
+def test_synthetic_rows_never_forge_a_special_token(name):
+  """At the real vocabulary, random text never draws a placeholder or a
+  control id: image tokens appear exactly in the image spans."""
+  import numpy as np
+
+  cfg = gemma4.Gemma4Config.preset(name)
+  assert {258880, 258881, 258884, 255999, 258882, 0, 1, 2} <= set(cfg.special_token_ids)
+  batch = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=8, seq_len=65536,
+                                 max_docs=6)
+  ids, types = batch["input_ids"], batch["mm_token_type_ids"]
+  real = batch["attention_mask"] == 1
+  np.testing.assert_array_equal(ids == cfg.image_token_id, types == 1)
+  assert not np.isin(ids[real & (types == 0)], cfg.special_token_ids).any()
+  assert ids.max() < cfg.text.vocab_size
+  gemma4.prepare_batch(batch, cfg)       # its image-token count check passes

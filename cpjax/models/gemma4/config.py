@@ -286,6 +286,16 @@ class Gemma4Config:
     """Image, video and audio placeholders: embedded as the pad token."""
     return self.image_token_id, self.video_token_id, self.audio_token_id
 
+  @property
+  def special_token_ids(self) -> tuple[int, ...]:
+    """Every placeholder and control id: image, video, audio, begin / end of
+    image and audio, pad, bos and eos (sorted)."""
+    t = self.text
+    eos = t.eos_token_id if isinstance(t.eos_token_id, tuple) else (t.eos_token_id,)
+    ids = {*self.placeholder_token_ids, self.boi_token_id, self.eoi_token_id, self.boa_token_id,
+           self.eoa_token_index, t.pad_token_id, t.bos_token_id, *eos}
+    return tuple(sorted(ids))
+
   @classmethod
   def preset(cls, name: str, **text_overrides) -> "Gemma4Config":
     """A published size (``e2b``, ``e4b``, ``a4b``, ``31b``) or a tiny test

@@ -282,6 +282,9 @@ def synthetic_batch(rng, config, *, batch_size: int, seq_len: int, images_per_ro
                     max_docs: int = 4, image_grid: tuple[int, int] | None = None) -> dict:
   """:func:`cpjax.data.synthetic_batch` for a :class:`Gemma4Config`: its
   vocabulary, image token and patch size (a text-only model gets no images).
+  Text ids avoid every special id of the config
+  (:attr:`Gemma4Config.special_token_ids`): image tokens appear only in
+  image spans.
 
   >>> import numpy as np
   >>> from cpjax.models.gemma4 import Gemma4Config
@@ -308,7 +311,8 @@ def synthetic_batch(rng, config, *, batch_size: int, seq_len: int, images_per_ro
   out = generic(rng, batch_size=batch_size, seq_len=seq_len, vocab_size=config.text.vocab_size,
                 image_token_id=config.image_token_id, patch_size=v.patch_size if v else 1,
                 pooling_kernel_size=k, image_grid=image_grid or (2 * k, 2 * k),
-                images_per_row=images_per_row, max_docs=max_docs)
+                images_per_row=images_per_row, max_docs=max_docs,
+                reserved_ids=config.special_token_ids)
   if images_per_row == 0:
     for key in ("pixel_values", "image_position_ids", "mm_token_type_ids"):
       out.pop(key)
