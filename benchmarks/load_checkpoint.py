@@ -1,14 +1,21 @@
-"""Loading a Hugging Face Gemma 4 checkpoint: throughput and peak host memory.
+"""Loading a published-size Gemma 4 checkpoint: time and peak host memory.
 
-Writes a synthetic text-only Gemma 4 checkpoint of several GB (random
-float32 tensors, sharded safetensors with an index, as the Hub stores big
-models), then loads it with ``Gemma4.from_pretrained`` in a fresh child
-process and records the wall time, GB/s and the child's peak RSS. The
-process's RSS before loading (Python + JAX) is reported and subtracted: the
-target is that loading adds at most 1.3x the checkpoint's size (the loaded
-parameters themselves are 1.0x on the CPU backend).
+Writes E2B's checkpoint at its real size in bfloat16 without downloading it:
+the published ``config.json`` (tests/fixtures/gemma4/published/e2b) and the
+published key set (every tensor of transformers' ``Gemma4ForConditionalGeneration``,
+the audio tower and the reuse layers' K/V included, built on the meta device),
+as one sparse ``model.safetensors`` of zeros (the header, then a truncate to
+the full size: about 10 GB that take no disk). A fresh child process then
+loads it with ``Gemma4.from_pretrained(dtype=bfloat16)``, on one device and
+with an fsdp mesh over 8 emulated devices, runs a forward pass on a few
+tokens, and reports time and peak RSS. The process's RSS before loading
+(Python + JAX) is subtracted; the target is that loading adds at most
+1.15x the bytes the model holds (one device), or the process's share of
+them (the mesh: shards plus the replicas of small tensors).
 
-    python benchmarks/load_checkpoint.py [--hidden 2048] [--layers 8] [--dir /tmp/ckpt]
+    python benchmarks/load_checkpoint.py [--model e2b] [--dir DIR]
+
+Needs transformers (``pip install -e .[hf]``) for the key set.
 """
 
 from __future__ import annotations
@@ -25,88 +32,129 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = ROOT / "tests" / "fixtures" / "gemma4" / "published"
+TARGET = 1.15
+
 CHILD = r"""
 import json, resource, sys, time
+mesh_size = int(sys.argv[2])
 import jax
+jax.config.update("jax_num_cpu_devices", max(mesh_size, 1))
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from cpjax import parallel
 from cpjax.models import gemma4
+from cpjax.models.gemma4.checkpoint import checkpoint_keys
+from cpjax.models.gemma4.partitioning import partition_rule
+
 path = sys.argv[1]
-jax.numpy.zeros(1).block_until_ready()          # backend up before the baseline
+jnp.zeros(1).block_until_ready()          # backend up before the baseline
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+kw = {}
+if mesh_size > 1:
+  mesh = parallel.make_mesh(fsdp=mesh_size)
+  cfg = gemma4.Gemma4Config.from_hf(path)
+  abstract = nnx.eval_shape(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                   param_dtype=jnp.bfloat16))
+  keys = checkpoint_keys(abstract)
+  shapes = {k: v.get_value() for k, v in keys.items()}
+  specs = parallel.param_specs(shapes, mesh, rule=partition_rule(cfg, tp=1))
+  kw = dict(mesh=mesh, sharding=lambda key, shape: specs[key])
 t0 = time.perf_counter()
-model = gemma4.Gemma4.from_pretrained(path)
-jax.block_until_ready(jax.tree.leaves(jax.tree.map(lambda x: x, __import__("flax").nnx.state(model))))
-seconds = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print("RESULT " + json.dumps({"seconds": seconds, "rss_before": before, "rss_peak": peak}))
+model = gemma4.Gemma4.from_pretrained(path, dtype=jnp.bfloat16, **kw)
+leaves = [v.get_value() for v in checkpoint_keys(model).values()]
+jax.block_until_ready(leaves)
+load_s = time.perf_counter() - t0
+peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
+logical = sum(x.nbytes for x in leaves)
+t0 = time.perf_counter()
+ids = np.array([[2, 818, 5279, 529, 506, 10450, 236761, 107]], np.int32)
+batch = gemma4.prepare_batch({"input_ids": ids}, model.cfg)
+logits = model(batch) if mesh_size == 1 else None
+if logits is not None:
+  logits.block_until_ready()
+forward_s = time.perf_counter() - t0
+print("RESULT " + json.dumps({"load_s": load_s, "forward_s": forward_s, "rss_before": before,
+                              "rss_peak_load": peak_load, "bytes_held": held,
+                              "bytes_logical": logical,
+                              "finite": None if logits is None else bool(np.isfinite(np.asarray(
+                                  logits, np.float32)).all())}))
 """
 
 
-def write_checkpoint(path: str, hidden: int, layers: int, shard_bytes: int) -> int:
-  """A random checkpoint written tensor by tensor; returns its size in bytes."""
-  import numpy as np
-  from flax import nnx
-  from safetensors.numpy import save_file
+def published_key_set(model: str) -> dict[str, tuple[tuple[int, ...], str]]:
+  """{key: (shape, safetensors dtype)} of the published checkpoint, as
+  transformers builds the model (the tied head is not stored)."""
+  import torch
+  import transformers
 
-  from cpjax.models import gemma4
-  from cpjax.models.gemma4.checkpoint import INDEX_FILE, checkpoint_keys
+  cfg = transformers.Gemma4Config.from_pretrained(PUBLISHED / model)
+  with torch.device("meta"):
+    hf = transformers.Gemma4ForConditionalGeneration(cfg)
+  tied = cfg.get_text_config().tie_word_embeddings
+  return {k: (tuple(v.shape), "BF16") for k, v in hf.state_dict().items()
+          if not (tied and k == "lm_head.weight")}
 
-  text = gemma4.Gemma4TextConfig(
-      hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-      num_attention_heads=8, num_key_value_heads=2, head_dim=hidden // 8,
-      global_head_dim=hidden // 4, hidden_size_per_layer_input=0,
-      final_logit_softcapping=30.0)
-  cfg = gemma4.Gemma4Config(text=text, vision=None)
-  shapes = {k: v.get_value().shape for k, v in checkpoint_keys(
-      nnx.eval_shape(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)))).items()}
+
+def write_sparse_checkpoint(path: str, model: str) -> int:
+  """config.json + a sparse model.safetensors of zeros; returns the tensor bytes."""
   os.makedirs(path, exist_ok=True)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(cfg.to_hf(), f)
-  rng = np.random.default_rng(0)
-  groups, size, total = [[]], 0, 0
-  for key, shape in shapes.items():
-    nbytes = 4 * int(np.prod(shape))
-    if groups[-1] and size + nbytes > shard_bytes:
-      groups.append([])
-      size = 0
-    groups[-1].append(key)
-    size += nbytes
-    total += nbytes
-  weight_map = {}
-  for i, group in enumerate(groups):
-    name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-    save_file({k: rng.standard_normal(shapes[k], np.float32) for k in group},
-              os.path.join(path, name), metadata={"format": "pt"})
-    weight_map.update({k: name for k in group})
-  with open(os.path.join(path, INDEX_FILE), "w") as f:
-    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-  return total
+  shutil.copy(PUBLISHED / model / "config.json", os.path.join(path, "config.json"))
+  header, offset = {"__metadata__": {"format": "pt"}}, 0
+  for key, (shape, dtype) in sorted(published_key_set(model).items()):
+    size = 2
+    for n in shape:
+      size *= n
+    header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+    offset += size
+  text = json.dumps(header, separators=(",", ":")).encode()
+  text += b" " * (-len(text) % 8)           # the data starts 8-byte aligned
+  file = os.path.join(path, "model.safetensors")
+  with open(file, "wb") as f:
+    f.write(len(text).to_bytes(8, "little"))
+    f.write(text)
+  os.truncate(file, 8 + len(text) + offset)
+  return offset
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--hidden", type=int, default=2048)
-  parser.add_argument("--layers", type=int, default=8)
-  parser.add_argument("--shard-gb", type=float, default=1.0)
+  parser.add_argument("--model", default="e2b", choices=("e2b", "e4b"),
+                      help="published size (default e2b; e4b needs ~16 GB of RAM per run)")
+  parser.add_argument("--mesh", type=int, nargs="+", default=[1, 8],
+                      help="fsdp sizes to load onto (default 1 8)")
   parser.add_argument("--dir", default=None, help="where to write it (default: a temp dir)")
   args = parser.parse_args(argv)
   path = args.dir or tempfile.mkdtemp(prefix="cpjax-ckpt-")
+  rows = []
   try:
-    size = write_checkpoint(path, args.hidden, args.layers, int(args.shard_gb * 2**30))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True,
-                          env=env, check=True)
-    res = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    size = write_sparse_checkpoint(path, args.model)
+    for n in args.mesh:
+      env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+      proc = subprocess.run([sys.executable, "-c", CHILD, path, str(n)], capture_output=True,
+                            text=True, env=env)
+      if proc.returncode:
+        raise RuntimeError(f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+      res = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+      added = res["rss_peak_load"] - res["rss_before"]
+      rows.append({
+          "devices": n, "file_gb": size / 1e9, "model_gb": res["bytes_logical"] / 1e9,
+          "process_share_gb": res["bytes_held"] / 1e9, "load_s": res["load_s"],
+          "gb_per_s": res["bytes_logical"] / 1e9 / res["load_s"],
+          "rss_before_gb": res["rss_before"] / 1e9, "rss_peak_gb": res["rss_peak_load"] / 1e9,
+          "added_x_share": added / res["bytes_held"], "target": TARGET,
+          "ok": added / res["bytes_held"] <= TARGET, "forward_s": res["forward_s"],
+          "logits_finite": res["finite"]})
   finally:
     if args.dir is None:
       shutil.rmtree(path, ignore_errors=True)
-  added = res["rss_peak"] - res["rss_before"]
-  row = {"checkpoint_gb": size / 1e9, "load_s": res["seconds"],
-         "gb_per_s": size / 1e9 / res["seconds"], "rss_before_gb": res["rss_before"] / 1e9,
-         "rss_peak_gb": res["rss_peak"] / 1e9, "added_rss_x_checkpoint": added / size}
-  print(f"\nload_checkpoint: Gemma4.from_pretrained, text-only d={args.hidden}, "
-        f"{args.layers} layers, float32, {os.cpu_count()} cores")
-  common.print_table([row], list(row))
-  print("wrote", common.write_json("load_checkpoint", {"config": vars(args), "result": row}))
+  print(f"\nload_checkpoint: Gemma4.from_pretrained, published {args.model} key set, bfloat16, "
+        f"sparse single file, {os.cpu_count()} cores")
+  common.print_table(rows, list(rows[0]))
+  print("wrote", common.write_json("load_checkpoint", {"config": vars(args), "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -133,15 +133,19 @@ def test_sharded_save_with_index_and_placement_on_a_mesh(tmp_path):
   assert emb.sharding.spec == jax.P("fsdp")
 
 
-@pytest.mark.parametrize("chunk_bytes", [1 << 30, 4096])
-def test_each_device_reads_its_block_in_chunks(tmp_path, monkeypatch, chunk_bytes):
+@pytest.mark.parametrize("chunk_bytes, host_writes", [(1 << 30, True), (4096, True),
+                                                      (4096, False)])
+def test_each_device_reads_its_block_in_chunks(tmp_path, monkeypatch, chunk_bytes, host_writes):
   """Chunked reads (4 KiB: many chunks per table), sharded over two
   axes and replicated, give the file's tensors bit for bit, each device
-  holding only its block; a float32 file loads as bfloat16 like numpy's cast."""
+  holding only its block; a float32 file loads as bfloat16 like numpy's cast.
+  Chunks land by a copy into the CPU buffer's memory, or by the donated
+  dynamic_update_slice that accelerators use."""
   from cpjax.models.gemma4 import checkpoint
   from safetensors.numpy import load_file
 
   monkeypatch.setattr(checkpoint, "CHUNK_BYTES", chunk_bytes)
+  monkeypatch.setattr(checkpoint, "CPU_HOST_WRITES", host_writes)
   path = os.path.join(FIXTURES, "ple_kv_sharing")
   stored = load_file(os.path.join(path, "model.safetensors"))
   mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.devices()[:4])
