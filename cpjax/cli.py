@@ -4,7 +4,10 @@
                 [--state-dir DIR --save-every N | --resume DIR [--force-resume]]
                 [--seq-len N] [--cp N] [--layout KIND] [--steps N] [--seed N] [--dtype T]
                 [--coordinator-address HOST:PORT --num-processes N --process-id I]
+    cpjax plan  (--model NAME | --checkpoint DIR) --seq-len N [--mesh AXIS=N,...]
+                [--device-memory SIZE] [--estimate-only]
     cpjax demo  [--cp N] [--seq-len N]
+    cpjax --version
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ def _memory(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  from cpjax import __version__
+
   parser = _Parser(prog="cpjax", description="Context-parallel training for JAX.")
+  parser.add_argument("--version", action="version", version=f"cpjax {__version__}")
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
   train = sub.add_parser(
@@ -126,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="AdamW learning rate (default 3e-3)")
   train.add_argument("--no-parity-check", action="store_true",
                      help="skip the first-step comparison with the single-device model")
+  train.add_argument("--skip-memory-check", action="store_true",
+                     help="start even when the plan's closed-form estimate says the run does "
+                          "not fit this machine's memory (see cpjax plan)")
   cluster = train.add_argument_group(
       "cluster", "run as one process of a multi-process JAX cluster (every process runs the "
                  "same command with its own --process-id)")
@@ -148,8 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
                   "and whether it fits --device-memory, beside a closed-form estimate (see "
                   "cpjax.plan). Without --mesh, finds the fewest-device fsdp x cp mesh that "
                   "the estimate fits into --device-memory.")
-  plan.add_argument("--model", choices=("e2b", "e4b", "a4b", "31b", "tiny", "tiny-moe"),
-                    required=True, help="architecture preset (a4b is 26B-A4B)")
+  what = plan.add_mutually_exclusive_group(required=True)
+  what.add_argument("--model", choices=("e2b", "e4b", "a4b", "31b", "tiny", "tiny-moe"),
+                    help="architecture preset (a4b is 26B-A4B)")
+  what.add_argument("--checkpoint", metavar="DIR",
+                    help="a Hugging Face Gemma 4 checkpoint directory: plans from its "
+                         "config.json without reading any weight")
   plan.add_argument("--seq-len", type=_positive, required=True, help="tokens per row")
   plan.add_argument("--mesh", type=_mesh, default=None, metavar="AXIS=N,...",
                     help="e.g. fsdp=8,cp=16 or fsdp=4,cp=4,tp=2 (default: search with "
@@ -256,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     what = "--mesh" if args.mesh else f"--cp {args.cp}"
     parser.exit(2, f"cpjax train: error: {what} needs {devices_needed} devices, found "
                    f"{jax.device_count()} {jax.devices()[0].platform.upper()} devices\n")
-  from cpjax.train_job import TrainJob, run_train_job
+  from cpjax.train_job import JobError, TrainJob, run_train_job
 
+  sizes = dict(args.mesh) if args.mesh else {"cp": args.cp}
+  if not args.skip_memory_check:
+    cfg, name = _plan_config(parser, args)
+    _check_memory(parser, args, cfg, name, sizes)
   mesh = ",".join(f"{k}={v}" for k, v in args.mesh.items()) if args.mesh else None
   job = TrainJob(seq_len=args.seq_len, cp=args.cp or args.mesh.get("cp", 1), mesh=mesh,
                  microbatches=args.microbatches, layout=args.layout, steps=args.steps,
@@ -267,48 +284,118 @@ def main(argv: list[str] | None = None) -> int:
                  save=args.save, data=args.data, state_dir=args.resume or args.state_dir,
                  save_every=args.save_every or 0, resume=args.resume is not None,
                  force_resume=args.force_resume)
-  # Anything raised from here on is a crash, not a usage error: let it
-  # propagate with its traceback (exit status 1).
-  run_train_job(job)
+  # A JobError is a usage error found before any training compute; anything
+  # else raised from here on is a crash: it propagates with its traceback.
+  try:
+    run_train_job(job)
+  except JobError as e:
+    parser.exit(2, f"cpjax train: error: {e}\n")
   return 0
+
+
+def _plan_config(parser, args):
+  """(config, display name) of --model or --checkpoint; a bad config.json is a usage error."""
+  from cpjax.models.gemma4 import Gemma4Config
+
+  if args.checkpoint is None:
+    return Gemma4Config.preset(args.model or "tiny"), args.model or "tiny"
+  if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+    parser.exit(2, f"cpjax {args.command}: error: --checkpoint {args.checkpoint} has no "
+                   f"config.json\n")
+  try:
+    cfg = Gemma4Config.from_hf(args.checkpoint)
+  except (ValueError, KeyError, TypeError) as e:
+    parser.exit(2, f"cpjax {args.command}: error: --checkpoint {args.checkpoint}: {e}\n")
+  return cfg, os.path.basename(os.path.normpath(args.checkpoint))
 
 
 def _plan(parser, args) -> int:
   from cpjax import plan
-  from cpjax.models.gemma4 import Gemma4Config
 
   if args.mesh is None and args.device_memory is None:
     parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
-  cfg = Gemma4Config.preset(args.model)
+  cfg, name = _plan_config(parser, args)
   mesh = args.mesh
   if mesh is None:
-    found = plan.smallest_mesh(cfg, model=args.model, seq_len=args.seq_len,
+    found = plan.smallest_mesh(cfg, model=name, seq_len=args.seq_len,
                                device_memory=args.device_memory, remat=args.remat)
     if found is None:
-      print(f"no fsdp x cp mesh up to 4096 devices fits {args.model} at S={args.seq_len} "
-            f"into {args.device_memory / plan.GiB:g} GiB per device (estimate)")
+      print(f"no fsdp x cp mesh up to 4096 devices fits {name} at S={args.seq_len} "
+            f"into {plan.format_bytes(args.device_memory)} per device (estimate)")
       return 1
     mesh = found.mesh
   devices = math.prod(mesh.values())
   _use_cpu_devices(devices)
-  rows = [plan.estimate(cfg, model=args.model, seq_len=args.seq_len, mesh=mesh,
+  rows = [plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
                         remat=args.remat, batch_size=args.batch_size, dtype=dtype)
           for dtype in ("bfloat16", "float32")]
   if not args.estimate_only:
     try:
-      rows.append(plan.compiled_plan(cfg, model=args.model, seq_len=args.seq_len, mesh=mesh,
+      rows.append(plan.compiled_plan(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
                                      remat=args.remat, batch_size=args.batch_size))
     except ValueError as e:   # a mesh the model cannot use: a usage error, before compiling
       parser.exit(2, f"cpjax plan: error: {e}\n")
-  print(f"cpjax plan: Gemma 4 {args.model}, S={args.seq_len}, remat {args.remat}, "
+  print(f"cpjax plan: Gemma 4 {name}, S={args.seq_len}, remat {args.remat}, "
         f"{devices} devices; per device:")
   for row in rows:
     fits = ""
     if args.device_memory is not None:
       fits = ("  fits " if row.fits(args.device_memory) else "  does NOT fit ") + \
-          f"{args.device_memory / plan.GiB:g} GiB"
+          plan.format_bytes(args.device_memory)
     print(f"  {row.row()} [{row.dtype} activations]{fits}")
   return 0
+
+
+def _machine_memory() -> tuple[int | None, str]:
+  """(bytes one training device may use, what they are): an accelerator's
+  own limit, or on the CPU backend the host's available memory, which every
+  emulated device shares."""
+  import jax
+
+  device = jax.devices()[0]
+  if device.platform != "cpu":
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return (int(limit) if limit else None), f"{device.device_kind} memory"
+  try:
+    with open("/proc/meminfo") as f:
+      info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024, "available host memory"
+  except (OSError, KeyError, ValueError):
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
+    return (pages * os.sysconf("SC_PAGE_SIZE") if pages else None), "available host memory"
+
+
+def _check_memory(parser, args, cfg, name: str, sizes: dict) -> None:
+  """Refuse up front, with the plan's closed-form estimate, a run this machine
+  cannot hold (instead of being killed by the kernel minutes later)."""
+  import jax
+
+  from cpjax import plan
+
+  limit, what = _machine_memory()
+  if limit is None:
+    return
+  est = plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=sizes, remat=args.remat,
+                      batch_size=args.batch_size // args.microbatches, dtype=args.dtype)
+  devices = math.prod(sizes.values())
+  if jax.devices()[0].platform == "cpu":
+    # Emulated devices share the host: each holds its own copy or shard.
+    need = est.total * devices // jax.process_count()
+    if not args.no_parity_check:
+      need += plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh={}, remat=args.remat,
+                            batch_size=args.batch_size // args.microbatches,
+                            dtype=args.dtype).total
+    where = f"{devices // jax.process_count()} emulated CPU devices need"
+  else:
+    need, where = est.total, "one device needs"
+  if need > limit:
+    parser.exit(2, f"cpjax train: error: {name} at --seq-len {args.seq_len} on mesh "
+                   f"{','.join(f'{k}={v}' for k, v in sizes.items())}: {where} about "
+                   f"{plan.format_bytes(need)} (cpjax plan's closed-form estimate: "
+                   f"{plan.format_bytes(est.total)} per device), more than the "
+                   f"{plan.format_bytes(limit)} of {what}; use a larger mesh, a shorter "
+                   f"--seq-len, --remat, or --skip-memory-check\n")
 
 
 if __name__ == "__main__":

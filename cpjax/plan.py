@@ -48,7 +48,7 @@ import re
 
 import numpy as np
 
-__all__ = ["Plan", "compiled_plan", "estimate", "parse_bytes", "smallest_mesh"]
+__all__ = ["Plan", "compiled_plan", "estimate", "format_bytes", "parse_bytes", "smallest_mesh"]
 
 GiB = 2 ** 30
 _UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40,
@@ -65,6 +65,21 @@ def parse_bytes(text: str) -> int:
   if not match or match.group(2).lower() not in _UNITS:
     raise ValueError(f"device memory must look like 16GiB, 95GiB or 141GiB, got {text!r}")
   return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+  """Bytes in the largest binary unit that keeps three significant digits.
+
+  >>> format_bytes(95 * 10**9), format_bytes(95 * 2**30), format_bytes(3.1 * 2**20)
+  ('88.5 GiB', '95 GiB', '3.10 MiB')
+  """
+  for unit, size in (("TiB", 2 ** 40), ("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if abs(n) >= size:
+      value = n / size
+      if value == int(value):
+        return f"{int(value)} {unit}"
+      return f"{value:.{0 if value >= 100 else 1 if value >= 10 else 2}f} {unit}"
+  return f"{n:.0f} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +103,9 @@ class Plan:
   def row(self) -> str:
     mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
     return (f"{self.model:>4} S={self.seq_len:<7d} {mesh:<18} {self.source:<8} "
-            f"params {self.params / GiB:7.2f}  optimizer {self.optimizer / GiB:7.2f}  "
-            f"activations+temp {self.activations / GiB:7.2f}  total {self.total / GiB:7.2f} GiB  "
-            f"{self.flops / 1e12:9.1f} TFLOP/device")
+            f"params {format_bytes(self.params):>9}  optimizer {format_bytes(self.optimizer):>9}"
+            f"  activations+temp {format_bytes(self.activations):>9}  total "
+            f"{format_bytes(self.total):>9}  {self.flops / 1e12:9.3g} TFLOP/device")
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,12 @@ import time
 
 import numpy as np
 
-__all__ = ["TrainJob", "run_train_job"]
+__all__ = ["JobError", "TrainJob", "run_train_job"]
+
+
+class JobError(ValueError):
+  """A job that cannot run as asked, found before any training compute
+  (``cpjax train`` prints it as a one-line usage error, exit status 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +81,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   devices = list(mesh.devices.flat)
   batch_axis = parallel.batch_axis_of(mesh)
   if job.batch_size % job.microbatches:
-    raise ValueError(f"--microbatches {job.microbatches} does not divide --batch-size "
+    raise JobError(f"--microbatches {job.microbatches} does not divide --batch-size "
                      f"{job.batch_size}")
   rows = job.batch_size // job.microbatches
   auto = [n for n in mesh.axis_names if n != "cp" and mesh.shape[n] > 1]
@@ -84,7 +89,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     # jax 0.10's CPU SPMD partitioner aborts the process (a failed check,
     # not an exception) on bfloat16 weight gradients over an fsdp/tp/dp axis
     # inside the ring's shard_map; TPU and GPU compile it.
-    raise ValueError(f"--dtype bfloat16 with mesh axes {auto} does not compile on the CPU "
+    raise JobError(f"--dtype bfloat16 with mesh axes {auto} does not compile on the CPU "
                      f"(an XLA:CPU partitioner limitation); use --dtype float32 there")
   compute = _compute_dtype(job.dtype)
   if job.checkpoint:
@@ -97,7 +102,11 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
                           dtype=compute, remat=job.remat)
     what = f"Gemma 4 {job.model!r} (random init)"
   cfg = model.cfg
-  check_mesh(cfg, mesh, batch_size=rows)
+  try:
+    check_mesh(cfg, mesh, batch_size=rows)
+  except ValueError as e:
+    raise JobError(f"{e} (--batch-size {job.batch_size}, --microbatches {job.microbatches})"
+                   ) from None
   sharder = model.prepare_model_inputs_for_cp(layout=job.layout)["cp_sharder"]
   # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
@@ -153,16 +162,19 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     checkpointer = TrainCheckpointer(job.state_dir, save_every=job.save_every)
     if job.resume:
       first_step, restored = checkpointer.restore(params_like=params, opt_state_like=opt_state)
-      check_run_matches(restored["run"], run, force=job.force_resume)
+      try:
+        check_run_matches(restored["run"], run, force=job.force_resume)
+      except ValueError as e:
+        raise JobError(str(e)) from None
       params, opt_state = restored["params"], restored["opt_state"]
       set_data_state(restored["data_state"])
       log(f"resumed from {job.state_dir} after step {first_step}")
     elif checkpointer.latest_step() is not None:
-      raise ValueError(f"{job.state_dir} already holds a checkpoint (step "
+      raise JobError(f"{job.state_dir} already holds a checkpoint (step "
                        f"{checkpointer.latest_step()}); resume it with --resume or choose "
                        f"another directory")
   if first_step >= job.steps:
-    raise ValueError(f"the checkpoint is after step {first_step}; --steps {job.steps} leaves "
+    raise JobError(f"the checkpoint is after step {first_step}; --steps {job.steps} leaves "
                      f"nothing to train")
 
   procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
@@ -221,8 +233,9 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
       ok = rel_loss <= tol and (job.dtype != "float32" or rel_norm <= tol)
       summary["parity"] = {"rel_loss": rel_loss, "rel_grad_norm": rel_norm, "tolerance": tol}
       checked = "loss and grad norm" if job.dtype == "float32" else "loss"
-      log(f"parity with the single-device model at step 1: |dloss|/loss = {rel_loss:.1e}, "
-                f"|dgrad_norm|/grad_norm = {rel_norm:.1e} ({checked} within {tol:g})")
+      with tqdm.external_write_mode():      # a line of its own, not inside the bar
+        log(f"parity with the single-device model at step 1: |dloss|/loss = {rel_loss:.1e}, "
+            f"|dgrad_norm|/grad_norm = {rel_norm:.1e} ({checked} within {tol:g})")
       if not ok:
         raise RuntimeError(f"CP and single-device steps disagree: {summary['parity']}")
     losses.append(loss)
@@ -250,7 +263,9 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
       "scratch_mib_per_device": mem.temp_size_in_bytes / 2**20,
       "arguments_mib_per_device": mem.argument_size_in_bytes / 2**20,
   })
-  log(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {job.steps} steps; "
+  ran = (f"over {len(losses)} steps" if first_step == 0 else
+         f"over steps {first_step + 1}-{job.steps} ({len(losses)} steps)")
+  log(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} {ran}; "
       f"{summary['tokens_per_s']:.0f} real tokens/s after the first step "
       f"(first step {times[0]:.1f} s)")
   if job.save:

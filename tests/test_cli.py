@@ -46,6 +46,18 @@ def _run(*args, timeout=600):
     (["plan", "--model", "e2b", "--seq-len", "1024"], "give --mesh, or --device-memory"),
     (["plan", "--model", "e2b", "--seq-len", "1024", "--device-memory", "lots"],
      "device memory must look like 16GiB"),
+    (["plan", "--checkpoint", "/nonexistent", "--seq-len", "1024", "--device-memory", "16GiB"],
+     "--checkpoint /nonexistent has no config.json"),
+    (["plan", "--model", "e2b", "--checkpoint", "x", "--seq-len", "8"],
+     "argument --checkpoint: not allowed with argument --model"),
+    # Found by the job before any training compute: still one line, exit 2.
+    (["train", "--mesh", "fsdp=2,cp=4", "--batch-size", "3", "--no-parity-check"],
+     "mesh axis 'fsdp' of size 2 does not divide the batch size 3"),
+    (["train", "--mesh", "fsdp=2,cp=4", "--dtype", "bfloat16"],
+     "--dtype bfloat16 with mesh axes ['fsdp'] does not compile on the CPU"),
+    # A published size on this machine: refused up front with the plan's estimate.
+    (["train", "--model", "e2b"], "cpjax train: error: e2b at --seq-len 1024 on mesh cp=8: 8 "
+                                  "emulated CPU devices need about"),
 ])
 def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
   # JAX is already up with 8 CPU devices in this process: keep it as it is.
@@ -76,6 +88,32 @@ def train_help(capsys) -> str:
     cli.main(["train", "--help"])
   assert exc.value.code == 0
   return " ".join(capsys.readouterr().out.split())
+
+
+def test_version(capsys):
+  import cpjax
+
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["--version"])
+  assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"cpjax {cpjax.__version__}"
+
+
+def test_plan_from_a_checkpoint_directory_reads_no_weight(capsys, monkeypatch, tmp_path):
+  """The published E2B config.json alone (no safetensors) plans as the e2b preset."""
+  import os
+  import shutil
+
+  monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
+  shutil.copy(os.path.join(os.path.dirname(__file__), "fixtures", "gemma4", "published", "e2b",
+                           "config.json"), tmp_path / "config.json")
+  rows = []
+  for what in (["--checkpoint", str(tmp_path)], ["--model", "e2b"]):
+    assert cli.main(["plan", *what, "--seq-len", "32768", "--mesh", "fsdp=2,cp=2",
+                     "--estimate-only", "--device-memory", "95GB"]) == 0
+    rows.append([line.split("S=32768", 1)[1] for line in capsys.readouterr().out.splitlines()
+                 if "S=32768 " in line])
+  assert rows[0] == rows[1] and len(rows[0]) == 2
+  assert all("fit 88.5 GiB" in row for row in rows[0])
 
 
 def test_help_does_not_claim_cpu_is_the_default(capsys):
