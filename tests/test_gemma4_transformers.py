@@ -23,7 +23,8 @@ transformers = pytest.importorskip("transformers", reason="the live test needs t
 def test_transformers_loads_what_cpjax_saves(tmp_path, name):
   """cpjax trains a step's worth of change into the model, saves it, and
   transformers' Gemma4ForConditionalGeneration loads it and computes the
-  same logits as cpjax."""
+  same logits as cpjax, as close to its own float64 logits as its float32
+  logits are."""
   sys.path.insert(0, FIXTURES)
   import make_fixtures
 
@@ -33,11 +34,18 @@ def test_transformers_loads_what_cpjax_saves(tmp_path, name):
     noise = jax.random.normal(jax.random.key(i), var.get_value().shape) * 0.01
     var.set_value(var.get_value() + noise * jnp.abs(var.get_value()).mean())
   model.save_pretrained(tmp_path)
-  hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(
-      tmp_path, dtype=torch.float32).eval()
-  kind = "images"
-  inputs = make_fixtures.batch(kind, 7)
-  want = make_fixtures.hf_logits(hf, inputs, torch.float32)
-  got = np.asarray(model(gemma4.prepare_batch(inputs, model.cfg)))
+  inputs = make_fixtures.batch("images", 7)
   real = inputs["attention_mask"].astype(bool)
-  assert np.abs(got - want)[real].max() <= 1e-4
+  logits = {}
+  for dtype in (torch.float64, torch.float32):
+    # transformers' grouped-matmul experts have no float64 kernel.
+    hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(
+        tmp_path, dtype=dtype, experts_implementation="eager").eval()
+    logits[dtype] = make_fixtures.hf_logits(hf, inputs, dtype)
+  truth = logits[torch.float64]
+  got = np.asarray(model(gemma4.prepare_batch(inputs, model.cfg)))
+  ours, theirs = np.abs(got - truth)[real], np.abs(logits[torch.float32] - truth)[real]
+  # Judged against transformers' float64 run, as a multiple of transformers'
+  # own float32 error (measured: max 1.10x / mean 1.06x at most of the three).
+  assert ours.max() <= 1.5 * theirs.max() and ours.mean() <= 1.3 * theirs.mean(), (
+      ours.max(), theirs.max(), ours.mean(), theirs.mean())
