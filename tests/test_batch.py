@@ -109,6 +109,15 @@ def test_the_originals_answers_on_inputs_it_accepts():
   types = np.array([[0, 1, 1, 3, 3, 2, 2, 0, 5]])
   assert np.asarray(cpjax.vision_group_ids(types)).tolist() == [[-1, 0, 0, -1, -1, 1, 1, -1, -1]]
 
+  # The seed's function takes both, with the same answers.
+  mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+  seed, _ = gemma4.make_contiguous_aux_only_shard_cp_batch(
+      mesh, {"input_ids": np.arange(6)[None], "labels": np.arange(6)[None],
+             "attention_mask": mask, "mm_token_type_ids": np.array([[0, 1, 3, 3, 2, 0]])})
+  # padded to 8 = a multiple of 2 cp
+  assert np.asarray(seed["_packed_seq_ids"]).tolist() == [[1, 1, 1, 1, 0, 0, 0, 0]]
+  assert np.asarray(seed["padding_mask"]).tolist() == [[False] * 4 + [True] * 4]
+
   for synthesize in (cpjax.synthesize_document_ids, gemma4.synthesize_single_document_seq_ids):
     ones = synthesize({"input_ids": np.zeros((2, 6), np.int32)}, 8)["_packed_seq_ids"]
     chex.assert_trees_all_equal(ones, np.ones((2, 8), np.int32))

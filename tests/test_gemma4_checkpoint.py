@@ -182,3 +182,23 @@ def test_packed_documents_from_position_ids_as_transformers_reads_them():
   out = gemma4.prepare_batch({"input_ids": np.ones((1, 6), np.int32),
                               "position_ids": np.array([[0, 1, 2, 0, 1, 0]])})
   assert np.asarray(out["_packed_seq_ids"]).tolist() == [[1, 1, 1, 2, 2, 3]]
+
+
+def test_train_a_checkpoint_whose_special_ids_are_inside_its_vocabulary(tmp_path):
+  """Like every published checkpoint (and transformers' tiny ones): the image,
+  video and audio placeholders and the control ids are ordinary vocabulary
+  rows. Synthetic text must never draw them, or prepare_batch counts more
+  image tokens than the images give (this failed on the first batch)."""
+  import dataclasses
+
+  from cpjax.train_job import TrainJob, run_train_job
+
+  tiny = gemma4.Gemma4Config.preset("tiny")
+  cfg = dataclasses.replace(tiny, image_token_id=500, video_token_id=504, audio_token_id=501,
+                            boi_token_id=499, eoi_token_id=502, boa_token_id=497,
+                            eoa_token_index=503)
+  assert max(cfg.special_token_ids) < cfg.text.vocab_size
+  gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)).save_pretrained(tmp_path)
+  summary = run_train_job(TrainJob(checkpoint=str(tmp_path), seq_len=64, cp=2, steps=2,
+                                   batch_size=2, parity_check=False), log=lambda *a: None)
+  assert len(summary["losses"]) == 2 and np.isfinite(summary["losses"]).all()
