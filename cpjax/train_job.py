@@ -57,6 +57,38 @@ def _host(x) -> float:
   return float(np.asarray(x.addressable_data(0)))
 
 
+def _checkpoint_sharding(cfg, mesh, rule):
+  """``sharding(key, shape)`` for ``Gemma4.from_pretrained``: each parameter as
+  the training step keeps it (:func:`cpjax.parallel.param_specs`); buffers
+  stay off the mesh (the step closes over them, as over the random-init ones)."""
+  from flax import nnx
+
+  from cpjax import parallel
+  from cpjax.models import gemma4
+  from cpjax.models.gemma4.checkpoint import checkpoint_keys
+
+  abstract = nnx.eval_shape(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)))
+  nested: dict = {}
+  for key, var in checkpoint_keys(abstract).items():
+    if isinstance(var, nnx.Param):      # nested by path, as param_specs' rule reads it
+      *parents, leaf = key.split(".")
+      node = nested
+      for name in parents:
+        node = node.setdefault(name, {})
+      node[leaf] = var.get_value()
+  specs = parallel.param_specs(nested, mesh, rule=rule)
+
+  def sharding(key, shape):
+    node = specs
+    for name in key.split("."):
+      if not isinstance(node, dict) or name not in node:
+        return None                     # a buffer (layer_scalar, clip bounds)
+      node = node[name]
+    return node
+
+  return sharding
+
+
 def run_train_job(job: TrainJob, *, log=print) -> dict:
   """Train and return a summary dict (what the closing lines print).
 
@@ -92,28 +124,32 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     raise JobError(f"--dtype bfloat16 with mesh axes {auto} does not compile on the CPU "
                      f"(an XLA:CPU partitioner limitation); use --dtype float32 there")
   compute = _compute_dtype(job.dtype)
-  if job.checkpoint:
-    # Parameters stay float32 for the optimizer; activations in job.dtype.
-    model = gemma4.Gemma4.from_pretrained(job.checkpoint, remat=job.remat)
-    model.dtype = compute
-    what = f"Gemma 4 from {job.checkpoint}"
-  else:
-    model = gemma4.Gemma4(gemma4.Gemma4Config.preset(job.model), rngs=nnx.Rngs(job.seed),
-                          dtype=compute, remat=job.remat)
-    what = f"Gemma 4 {job.model!r} (random init)"
-  cfg = model.cfg
+  cfg = (gemma4.Gemma4Config.from_hf(job.checkpoint) if job.checkpoint
+         else gemma4.Gemma4Config.preset(job.model))
   try:
     check_mesh(cfg, mesh, batch_size=rows)
   except ValueError as e:
     raise JobError(f"{e} (--batch-size {job.batch_size}, --microbatches {job.microbatches})"
                    ) from None
+  rule = partition_rule(cfg, tp=sizes.get("tp", 1))
+  if job.checkpoint:
+    # Each device reads only its shard of each tensor. Parameters stay
+    # float32 for the optimizer; activations in job.dtype.
+    model = gemma4.Gemma4.from_pretrained(job.checkpoint, remat=job.remat, mesh=mesh,
+                                          sharding=_checkpoint_sharding(cfg, mesh, rule))
+    model.dtype = compute
+    what = f"Gemma 4 from {job.checkpoint}"
+  else:
+    model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(job.seed), dtype=compute, remat=job.remat)
+    what = f"Gemma 4 {job.model!r} (random init)"
   sharder = model.prepare_model_inputs_for_cp(layout=job.layout)["cp_sharder"]
   # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   optimizer = optax.adamw(job.learning_rate, weight_decay=0.01)
   # FSDP / TP: each device keeps its shard of the parameters and of Adam's moments.
-  specs = parallel.param_specs(params, mesh, rule=partition_rule(cfg, tp=sizes.get("tp", 1)))
-  reference_params = params if job.parity_check else None
+  specs = parallel.param_specs(params, mesh, rule=rule)
+  # The parity reference runs on one device, as a user's single-device model would.
+  reference_params = jax.device_put(params, devices[0]) if job.parity_check else None
   params = parallel.shard_params(params, mesh, specs)
   opt_state = parallel.shard_like_params(optimizer.init(params), params)
   rng = np.random.default_rng(job.seed)

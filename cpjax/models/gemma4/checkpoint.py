@@ -177,7 +177,8 @@ def load_pretrained(cls, path, *, dtype=jnp.float32, mesh: Mesh | None = None,
 
   ``dtype`` is both the parameter and the activation dtype (transformers'
   ``dtype=``). With ``mesh``, every tensor is placed there as it is read:
-  replicated, or as ``sharding(key, shape)`` says (a ``PartitionSpec``).
+  replicated, or as ``sharding(key, shape)`` says (a ``PartitionSpec``, or
+  None to keep that tensor off the mesh, on the default device).
   """
   path = os.fspath(path)
   cfg = Gemma4Config.from_hf(path)
@@ -199,10 +200,8 @@ def load_pretrained(cls, path, *, dtype=jnp.float32, mesh: Mesh | None = None,
                        f"expects {list(var.get_value().shape)}")
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   for key, var in wanted.items():
-    if mesh is None:
-      target = default
-    else:
-      target = NamedSharding(mesh, P() if sharding is None else sharding(key, shapes[key]))
+    spec = None if mesh is None else P() if sharding is None else sharding(key, shapes[key])
+    target = default if spec is None else NamedSharding(mesh, spec)
     abstract = var.get_value()
     var.set_value(_load_tensor(weight_map[key], key, shapes[key], abstract.dtype, target))
   return model
