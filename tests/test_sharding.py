@@ -405,3 +405,21 @@ def test_unshard_wrong_length_and_shard_sequence_wrong_length():
     cpjax.unshard_batch({"labels": np.zeros((1, 6), np.int32)}, lay)
   with pytest.raises(ValueError, match=r"x must have length 6 \(or the padded 8\) on seq_axis=1"):
     cpjax.shard_sequence(np.zeros((1, 5)), lay)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "load_balanced"])
+@pytest.mark.parametrize("seq_len", [6, 8])
+def test_unshard_an_aux_only_batch(kind, seq_len):
+  """The primary stream stays whole (layout.replicated_keys); unsharding
+  leaves it as it is and puts every sharded stream back in natural order.
+  With seq_len 8 (no padding) a wrong unshard of input_ids would not even
+  change its shape, only scramble it."""
+  mesh = cp_mesh(2)
+  ids = np.arange(10, 10 + seq_len)[None].astype(np.int32)
+  batch = {"input_ids": ids, "labels": ids + 1, "_packed_seq_ids": np.ones_like(ids)}
+  sharded, layout = cpjax.shard_batch(batch, mesh, layout=kind, aux_only=True)
+  assert layout.replicated_keys == ("input_ids",)
+  back = cpjax.unshard_batch(sharded, layout)
+  np.testing.assert_array_equal(np.asarray(back["input_ids"]), ids)
+  np.testing.assert_array_equal(np.asarray(back["labels"]), ids + 1)
+  np.testing.assert_array_equal(np.asarray(back["position_ids"]), np.arange(seq_len)[None])
