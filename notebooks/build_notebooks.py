@@ -203,7 +203,16 @@ for b in batches:
 plt.plot(single_losses, "o-", label="single device (dense attention)")
 plt.plot(cp_losses, "x--", label=f"cp={cp} ring attention, load-balanced")
 plt.xlabel("step"); plt.ylabel("token-mean cross entropy"); plt.legend(); plt.show()
-print("largest |loss difference|:", max(abs(a - b) for a, b in zip(cp_losses, single_losses)))'''),
+rel = np.abs(np.subtract(cp_losses, single_losses)) / np.abs(single_losses)
+print("largest relative |loss difference|:", rel.max())
+# Step 1 starts both runs from the same parameters: on CPU devices the two paths
+# differ only in float32 summation order (7e-8 measured); later steps compound
+# that through Adam (1.1e-5 after the suite's 3 steps). A chip's matmuls run at
+# their own precision, hence the looser bound there.
+on_cpu = single_device.platform == cp_devices[0].platform == "cpu"
+assert rel[0] < (1e-6 if on_cpu else 2e-2), rel
+if SMALL and on_cpu:
+    assert rel.max() < 3e-5, rel'''),
     ("markdown", "## Per-device memory against sequence length\n\nThe compiled training "
                  "step's scratch memory per device (`memory_analysis()`), with CP and with the "
                  "dense single-device path."),

@@ -447,8 +447,10 @@ def test_mixed_float_dtypes_follow_q(entry):
   assert out.dtype == np.float32
   # The reference is the float64 numpy attention of exactly the rounded k and v.
   want = numpy_attention(q, np.asarray(k16, F), np.asarray(v16, F))
-  np.testing.assert_allclose(out, want, rtol=1e-2 if entry == "ring_attention" else 1e-5,
-                             atol=1e-2 if entry == "ring_attention" else 1e-5)
+  # The ring rounds its softmax weights to v's dtype (float16: 2^-11 relative)
+  # before P @ V, as flash kernels do; that alone is its error here (1.7e-4).
+  tol = 4e-4 if entry == "ring_attention" else 1e-5
+  np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
 
 
 def test_batch_edges_shard_and_come_back():

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -18,8 +19,7 @@ QUIET = {"log": lambda *_: None}
 MODEL = "tiny-bidirectional"   # the smallest real-architecture preset: quick to compile
 
 
-@pytest.mark.parametrize("data", [None, pytest.param(CORPUS, marks=pytest.mark.slow)],
-                         ids=["synthetic", "corpus"])  # corpus resume: make soak
+@pytest.mark.parametrize("data", [None, CORPUS], ids=["synthetic", "corpus"])
 def test_resume_continues_with_bit_identical_losses(tmp_path, data):
   job = TrainJob(seq_len=64, cp=2, steps=6, batch_size=2, parity_check=False, data=data,
                  model=MODEL)
@@ -34,7 +34,6 @@ def test_resume_continues_with_bit_identical_losses(tmp_path, data):
   assert second["losses"] == whole["losses"][3:]        # bit for bit: floats compared exactly
 
 
-@pytest.mark.slow   # 40 s: make soak (the 2-process test restores on an fsdp mesh in CI)
 def test_resume_onto_another_mesh_gives_the_same_next_loss(tmp_path):
   """Saved on (fsdp 4, cp 2), restored on (fsdp 2, cp 4): orbax reshards the
   parameters and Adam's moments onto the new mesh, and step 2's loss is the
@@ -58,8 +57,15 @@ def test_resume_refuses_a_changed_run(tmp_path):
   with pytest.raises(ValueError, match=r"saved with seq_len=64, this run has seq_len=96"):
     run_train_job(TrainJob(**{**job.__dict__, "seq_len": 96, "steps": 4, "resume": True}),
                   **QUIET)
+  with pytest.raises(ValueError, match=r"saved with batch_size=2, this run has batch_size=4"):
+    run_train_job(TrainJob(**{**job.__dict__, "batch_size": 4, "steps": 4, "resume": True}),
+                  **QUIET)
   with pytest.raises(ValueError, match="already holds a checkpoint"):
     run_train_job(job, **QUIET)
+  # --force-resume takes the changed length and goes on from step 2.
+  forced = run_train_job(TrainJob(**{**job.__dict__, "seq_len": 96, "steps": 3, "resume": True,
+                                     "force_resume": True}), **QUIET)
+  assert forced["first_step"] == 2 and len(forced["losses"]) == 1
   with pytest.raises(ValueError, match="different model config"):
     check_run_matches({"model_config": {"a": 1}}, {"model_config": {"a": 2}}, force=True)
 
@@ -78,14 +84,37 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _step_dirs(root, step):
+  """(committed dir exists, [orbax temporary dirs of this step])."""
+  return (root / str(step)).exists(), sorted(root.glob(f"{step}.orbax-checkpoint-tmp*"))
+
+
+def _bytes(path):
+  return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def test_a_process_killed_while_saving_leaves_the_last_checkpoint_intact(tmp_path):
   proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE,
                           text=True)
   try:
     assert proc.stdout.readline().strip() == "saving 2"
+    # The save of step 2 is under way: its temporary directory exists (orbax may
+    # create it a moment after save() returns) and it has not been committed.
+    deadline = time.monotonic() + 30
+    while not _step_dirs(tmp_path, 2)[1] and time.monotonic() < deadline:
+      time.sleep(0.01)
+    committed, tmp = _step_dirs(tmp_path, 2)
+    assert tmp and not committed, sorted(p.name for p in tmp_path.iterdir())
     os.kill(proc.pid, signal.SIGKILL)                   # 512 MB still being written
   finally:
     proc.wait(timeout=60)
+  # Died mid-save: step 2's temporary directory is left behind, never renamed,
+  # holding a fraction of the 512 MB and no commit marker (checked before
+  # TrainCheckpointer opens the directory, which may clean temporary dirs up).
+  committed, tmp = _step_dirs(tmp_path, 2)
+  assert not committed and len(tmp) == 1, sorted(p.name for p in tmp_path.iterdir())
+  assert _bytes(tmp[0]) < (512 << 20) // 2, _bytes(tmp[0])
+  assert not list(tmp[0].rglob("commit_success.txt"))
   ckpt = TrainCheckpointer(tmp_path)
   assert ckpt.latest_step() == 1
   step, state = ckpt.restore(params_like={"w": np.zeros(4, np.float32)}, opt_state_like=())

@@ -58,6 +58,7 @@ def _run(*args, timeout=600):
     # A published size on this machine: refused up front with the plan's estimate.
     (["train", "--model", "e2b"], "cpjax train: error: e2b at --seq-len 1024 on mesh cp=8: 8 "
                                   "emulated CPU devices need about"),
+    (["train", "--model", "e2b"], "GiB per device), more than the "),
 ])
 def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
   # JAX is already up with 8 CPU devices in this process: keep it as it is.
@@ -88,6 +89,27 @@ def train_help(capsys) -> str:
     cli.main(["train", "--help"])
   assert exc.value.code == 0
   return " ".join(capsys.readouterr().out.split())
+
+
+def test_skip_memory_check_starts_the_job(monkeypatch):
+  """With --skip-memory-check the e2b run that is otherwise refused reaches the job."""
+  import cpjax.train_job
+
+  monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
+  started = []
+  monkeypatch.setattr(cpjax.train_job, "run_train_job", lambda job, **kw: started.append(job))
+  assert cli.main(["train", "--model", "e2b", "--skip-memory-check"]) == 0
+  assert started and started[0].model == "e2b"
+
+
+def test_demo_prints_each_ranks_part(capsys, monkeypatch):
+  monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
+  assert cli.main(["demo", "--cp", "2", "--seq-len", "12"]) == 0
+  out = capsys.readouterr().out
+  # Rank 1's global positions, hand-worked: contiguous [6, 12); load-balanced
+  # chunks 1 and 2 of four 3-token chunks.
+  assert "1  [6, 7, 8, 9, 10, 11]" in out and "1  [3, 4, 5, 6, 7, 8]" in out
+  assert out.count("unshard_batch restores the batch bit-exactly: True") == 2
 
 
 def test_version(capsys):

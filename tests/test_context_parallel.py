@@ -91,12 +91,32 @@ def test_batch_and_head_axes():
 
 
 def test_output_sharding_and_rank_order():
+  """Rank r's shard of the output holds exactly the tokens local_token_indices(layout, r)
+  names, and from_rank_order restores natural order (distinct random tokens, so any
+  mix-up of ranks or chunks shows)."""
   mesh = cp_mesh(4)
   lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
-  x = jnp.ones((1, 32, 2, 8))
-  out = cpjax.context_parallel_attention(x, x, x, mesh=mesh, layout=lay)
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((1, 32, 2, 8)).astype(np.float32) for _ in range(3))
+  ref = np.asarray(cpjax.reference_attention(q, k, v))             # natural order, causal
+  to = lambda x: cpjax.to_rank_order(x, lay)                        # noqa: E731
+  out = cpjax.context_parallel_attention(to(q), to(k), to(v), mesh=mesh, layout=lay)
   assert out.sharding.spec == jax.sharding.PartitionSpec(None, "cp", None)
   chex.assert_shape(out, (1, 32, 2, 8))
+  np.testing.assert_allclose(np.asarray(cpjax.from_rank_order(out, lay)), ref,
+                             rtol=1e-5, atol=1e-5)
+  # Each device's shard: the rank is the position of its device on the mesh's cp axis.
+  rank_of = {d: r for r, d in enumerate(mesh.devices.reshape(-1))}
+  local = lay.local_seq_len
+  assert len(out.addressable_shards) == 4
+  for shard in out.addressable_shards:
+    r = rank_of[shard.device]
+    assert shard.index[1] == slice(r * local, (r + 1) * local)
+    np.testing.assert_allclose(np.asarray(shard.data),
+                               ref[:, np.asarray(cpjax.local_token_indices(lay, r))],
+                               rtol=1e-5, atol=1e-5, err_msg=f"rank {r}")
+  # The rank-ordered output is not the natural-order one (the check above can fail).
+  assert not np.allclose(np.asarray(out), ref, atol=1e-3)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -205,3 +225,19 @@ def test_a_rule_written_by_a_user(kind):
             mask_fn=lambda to: {"mask": cpjax.AttentionMask(rule)})
   # The rule's predicate equals the dense mask above; the reference applies it.
   check(got, H.reference(q, k, v, w, mask=cpjax.AttentionMask(rule)))
+
+
+def test_grad_outside_jit_under_set_mesh_equals_jit():
+  """As the README says: outside jit, an Explicit mesh goes in as context."""
+  mesh = cp_mesh(4)
+  lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.standard_normal((1, 32, 2, 8)).astype(np.float32) for _ in range(3))
+  to = lambda x: cpjax.to_rank_order(x, lay)                        # noqa: E731
+  f = lambda q: jnp.sum(cpjax.context_parallel_attention(to(q), to(k), to(v), mesh=mesh,  # noqa: E731
+                                                         layout=lay) ** 2)
+  with jax.set_mesh(mesh):
+    eager = jax.grad(f)(q)
+  chex.assert_trees_all_close(eager, jax.jit(jax.grad(f))(q), rtol=1e-6, atol=1e-6)
+  ref = jax.grad(lambda q: jnp.sum(cpjax.reference_attention(q, k, v) ** 2))(q)
+  chex.assert_trees_all_close(eager, ref, rtol=1e-4, atol=1e-5)

@@ -105,6 +105,16 @@ def test_missing_unexpected_and_misshapen_keys_are_errors(checkpoint_copy):
     gemma4.Gemma4.from_pretrained(checkpoint_copy)
 
 
+def test_audio_tower_weights_are_skipped(checkpoint_copy):
+  """E2B and E4B ship an audio tower that cpjax does not port: its weights load
+  as nothing, and everything else loads as before."""
+  before = gemma4.Gemma4.from_pretrained(checkpoint_copy)
+  _edit(checkpoint_copy, lambda t: {**t, "model.audio_tower.layers.0.weight": np.ones(3, np.float32),
+                                    "model.embed_audio.embedding_projection.weight":
+                                        np.ones((2, 2), np.float32)})
+  states_equal(before, gemma4.Gemma4.from_pretrained(checkpoint_copy))
+
+
 def test_reuse_layer_kv_weights_are_ignored_as_transformers_does():
   from safetensors import safe_open
   path = os.path.join(FIXTURES, "ple_kv_sharing")

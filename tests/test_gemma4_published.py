@@ -42,6 +42,7 @@ def test_published_keys_that_change_the_mathematics_are_errors():
       (("text_config", "sliding_window_pattern"), 6, r"text_config has keys cpjax does not "
                                                      r"know: \['sliding_window_pattern'\]"),
       (("text_config", "attention_dropout"), 0.1, r"text_config\.attention_dropout must be 0\.0"),
+      (("text_config", "attention_bias"), True, r"text_config\.attention_bias must be False"),
       (("vision_config", "hidden_activation"), "gelu", r"vision_config\.hidden_activation"),
       (("vision_config", "global_head_dim"), 128, r"vision_config\.global_head_dim \(128\)"),
       ((None, "eoa_token_id"), 7, r"eoa_token_id \(7\) and eoa_token_index \(258883\)"),

@@ -44,7 +44,7 @@ def check(target, *, cp, kind, s, hq=4, hkv=2, d=32, dtype=np.float32, docs=Fals
   chex.assert_trees_all_close(out, ref_out, **tol)
   for name, got, want in zip("qkv", grads, ref_grads):
     chex.assert_trees_all_close(got, want, **tol, custom_message=f"d{name}")
-  return out, ref_out
+  return out, ref_out, grads
 
 
 # Triton tiles are powers of two >= 16: 16-token tiles (32 rows with G = 2)
@@ -80,6 +80,14 @@ TPU_CASES = {
                             dtype=jnp.bfloat16, tol=BF16),
     "cp8-lb-docs-padding": dict(cp=8, kind="load_balanced", s=2048, hq=2, hkv=1, d=16,
                                 docs=True, pad_from=1900),
+    # Bidirectional masks with G = 4: block_q = 32 tokens makes 128-row tiles;
+    # hops hold empty, partial and full tiles.
+    "cp2-bidirectional-window-gqa4": dict(cp=2, kind="contiguous", s=512, hq=8, hkv=2,
+                                          causal=False, sliding_window=200, block_q=32,
+                                          block_kv=128),
+    "cp2-lb-bidirectional-vision-gqa4": dict(cp=2, kind="load_balanced", s=512, hq=8, hkv=2,
+                                             causal=False, vision=True, docs=True, block_q=32,
+                                             block_kv=128),
 }
 
 
@@ -88,12 +96,18 @@ def test_tpu_kernels_interpreted(case):
   check("pallas_tpu", **TPU_CASES[case])
 
 
-def test_rows_with_nothing_allowed_are_zero_with_zero_gradient():
-  """A fully padded second half: its queries see nothing; output 0, dq 0."""
-  out, ref = check("pallas_gpu", cp=4, kind="load_balanced", s=128, docs=True, pad_from=64,
-                   block_q=16, block_kv=16)
-  np.testing.assert_array_equal(out[:, 64:], 0.0)
-  np.testing.assert_array_equal(ref[:, 64:], 0.0)
+@pytest.mark.parametrize("target, shape", [
+    ("pallas_gpu", dict(cp=4, kind="load_balanced", s=128, pad_from=64, block_q=16, block_kv=16)),
+    ("pallas_tpu", dict(cp=2, kind="load_balanced", s=512, pad_from=256)),
+])
+def test_rows_with_nothing_allowed_are_zero_with_zero_gradient(target, shape):
+  """A fully padded second half: its queries see nothing and its keys are never
+  seen, so out, dq, dk and dv are exactly 0 there (not merely within 1e-5)."""
+  out, ref, (dq, dk, dv) = check(target, docs=True, **shape)
+  half = shape["pad_from"]
+  np.testing.assert_array_equal(ref[:, half:], 0.0)
+  for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+    np.testing.assert_array_equal(x[:, half:], 0.0, err_msg=name)
 
 
 def test_context_parallel_attention_passes_the_backend_through():

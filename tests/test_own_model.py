@@ -165,6 +165,10 @@ def test_attention_fn_rejects_what_the_ring_cannot_do():
   with pytest.raises(ValueError, match="has no attention dropout"):
     cpjax.ring_attention_fn()(x[..., None], x[..., None], x[..., None], dropout_rate=0.1,
                               deterministic=False)
+  with pytest.raises(ValueError, match="sow_weights=True is not supported"):
+    attn_sow = nnx.MultiHeadAttention(2, 8, decode=False, attention_fn=cpjax.ring_attention_fn(),
+                                      rngs=nnx.Rngs(0))
+    attn_sow(x, sow_weights=True)
   with pytest.raises(TypeError, match=r"cp must be a cpjax.CPContext or None, got ShardLayout"):
     with cpjax.context_parallel(cpjax.ShardLayout(4, 4, 1)):
       pass

@@ -12,7 +12,6 @@ from cpjax.models import gemma4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow   # 40 s: make soak (CI checks the closed form and the CLI)
 def test_compiled_plan_state_equals_the_closed_form():
   cfg = gemma4.Gemma4Config.preset("tiny")
   mesh = {"fsdp": 2, "cp": 4}

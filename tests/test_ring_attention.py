@@ -67,11 +67,14 @@ def test_bidirectional_window(inputs, cp, kind, window):
 def test_vision_groups_straddling_ranks(inputs, cp, kind, causal, window):
   rng = np.random.default_rng(2)
   meta = H.packed_metadata(rng, 2, 64, pad_from=58, vision=True, n_docs=2)
-  # Force one image across a rank boundary in both layouts: tokens 28..37.
+  # One image over tokens 12..37: it straddles a rank boundary in both layouts
+  # (load-balanced cp=2 puts 16..47 on rank 1, so an image inside them would not).
   types = np.zeros((2, 64), np.int32)
-  types[:, 28:38] = 1
+  types[:, 12:38] = 1
   types[:, 3:5] = 2
   meta["vision_group_ids"] = np.asarray(cpjax.vision_group_ids(types))
+  ranks = owner_ranks(cpjax.ShardLayout(64, 64, cp, kind))
+  assert len(set(ranks[12:38])) >= 2, "the image must straddle ranks"
   check(*inputs, cp=cp, kind=kind, meta=meta, causal=causal, sliding_window=window)
 
 
@@ -112,18 +115,26 @@ def test_output_dtype_follows_q():
   assert out.dtype == jnp.bfloat16 and out.shape == inputs[0].shape
 
 
+def owner_ranks(lay):
+  """int[S]: the rank holding each global (padded) token."""
+  return np.argsort(cpjax.rank_order(lay)) // lay.local_seq_len
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_fully_padded_ranks_are_finite_and_zero(inputs, kind):
-  """The last 40% of the sequence is padding: whole ranks hold nothing real."""
+  """Everything from token 22 on is padding: ranks 3-7 (contiguous) and 6-7
+  (load-balanced, whose head chunk r must be padding too) hold nothing real."""
   q, k, v, w = inputs
-  pad_from = 38
+  pad_from = 22
+  lay = cpjax.ShardLayout(64, 64, 8, kind)
+  padded = [r for r in range(8) if (owner_ranks(lay) == r)[:pad_from].sum() == 0]
+  assert padded == {"contiguous": [3, 4, 5, 6, 7], "load_balanced": [6, 7]}[kind]
   meta = H.packed_metadata(np.random.default_rng(6), 2, 64, pad_from=pad_from)
   out, (dq, dk, dv) = check(q, k, v, w, cp=8, kind=kind, meta=meta)
-  chex.assert_trees_all_equal(out[:, pad_from:], np.zeros_like(out[:, pad_from:]))
-  chex.assert_trees_all_equal(dq[:, pad_from:], np.zeros_like(dq[:, pad_from:]))
-  # Padded keys are never attended to: no gradient reaches them.
-  chex.assert_trees_all_equal(dk[:, pad_from:], np.zeros_like(dk[:, pad_from:]))
-  chex.assert_trees_all_equal(dv[:, pad_from:], np.zeros_like(dv[:, pad_from:]))
+  # Padded queries see nothing; padded keys are never attended to: exact zeros.
+  for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+    chex.assert_trees_all_equal(x[:, pad_from:], np.zeros_like(x[:, pad_from:]),
+                                custom_message=name)
 
 
 def test_everything_masked_is_zero_not_nan(inputs):
