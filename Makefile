@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test soak bench clean
+.PHONY: run test soak mutants bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +19,16 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# Every property test with 200 examples each, and the slow-marked cases (not in CI:
-# about 20 minutes on 2 cores).
-soak: $(STAMP)
+# Every property test with 200 examples each, the slow-marked cases and the
+# mutation check (not in CI: about 30 minutes on 2 cores).
+soak: $(STAMP) mutants
 	CPJAX_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -m hypothesis -p no:cacheprovider tests
 	$(BIN)/python -m pytest -m slow -p no:cacheprovider tests
+
+# One-line mutants of the core functions, each against the tests that must catch
+# it (tests/mutants.py); fails if any survives.
+mutants: $(STAMP)
+	$(BIN)/python tests/mutants.py
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[peers]"

@@ -1,0 +1,167 @@
+"""A mutation check that stays: one-line mutants of the core functions, each
+with the tests that must fail when it is applied.
+
+``make mutants`` (part of ``make soak``, not CI) copies the tracked tree to a
+scratch folder per mutant, applies the mutant there, runs its tests, and
+reports every mutant that survives (its tests still pass). Exit status 1 if
+any survives, or if a mutant's text no longer occurs exactly once in its
+file (the list must follow the code).
+
+    python tests/mutants.py [--only NAME ...] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  name: str
+  file: str                  # relative to the repository root
+  old: str                   # occurs exactly once in ``file``
+  new: str
+  tests: tuple[str, ...]     # pytest node ids / paths that must fail
+
+
+TILES = "tests/test_tile_schedule.py"
+
+MUTANTS = (
+    # --- the five of the review that found them surviving
+    Mutant("train: the loss picks the logit of labels + 1", "cpjax/train.py",
+           "vocab == labels[..., None]", "vocab == labels[..., None] + 1",
+           ("tests/test_loss.py",)),
+    Mutant("ring: the tile loop never skips", "cpjax/ring_attention.py",
+           "  visit = (jnp.any(blocks.any, axis=0) & active).ravel()",
+           "  visit = jnp.broadcast_to(active, blocks.any.shape[1:]).ravel()", (TILES,)),
+    Mutant("masks: SameSegment.classify calls no block empty or full", "cpjax/masks.py",
+           "    return _group_blocks(qs, qs > 0, ks, ks > 0)",
+           "    blocks = _group_blocks(qs, qs > 0, ks, ks > 0)\n"
+           "    return BlockMap(jnp.ones_like(blocks.any), jnp.zeros_like(blocks.all))", (TILES,)),
+    Mutant("sharding: unshard_batch ignores layout.replicated_keys", "cpjax/sharding.py",
+           "  streams = {k: d for k, d in streams.items() if k not in layout.replicated_keys}\n",
+           "", ("tests/test_sharding.py::test_unshard_an_aux_only_batch",)),
+    Mutant("masks: LocalWindow.classify, the wrong query bound for full", "cpjax/masks.py",
+           "every & (q_hi - k_lo <= self.left)", "every & (q_lo - k_lo <= self.left)", (TILES,)),
+    # --- one or more per core module
+    Mutant("kernels common: the per-row schedule never skips", "cpjax/kernels/common.py",
+           "  visit = jnp.broadcast_to(blocks.any, shape) & active",
+           "  visit = jnp.broadcast_to(active, shape)", (TILES,)),
+    Mutant("layout: the load-balanced tail chunk", "cpjax/layout.py",
+           "  tail = 2 * layout.cp_size - 1 - rank", "  tail = 2 * layout.cp_size - 2 - rank",
+           ("tests/test_layout.py",)),
+    Mutant("sharding: labels padded with 0", "cpjax/sharding.py",
+           '    "labels": batch_lib.IGNORE_INDEX,', '    "labels": 0,',
+           ("tests/test_sharding.py",)),
+    Mutant("masks: the window admits one key too many", "cpjax/masks.py",
+           "      ok &= d <= self.left", "      ok &= d <= self.left + 1",
+           ("tests/test_masks.py",)),
+    Mutant("ring: a tile forgets to rescale the running sum", "cpjax/ring_attention.py",
+           "    l = alpha * l + jnp.sum(p, axis=-1)", "    l = l + jnp.sum(p, axis=-1)",
+           ("tests/test_ring_attention.py",)),
+    Mutant("gemma4: embeddings unscaled", "cpjax/models/gemma4/text.py",
+           "  return jnp.asarray(math.sqrt(width), dtype)", "  return jnp.asarray(1.0, dtype)",
+           ("tests/test_gemma4.py::test_single_device_logits_equal_transformers",)),
+    Mutant("gemma4 checkpoint: chunks land one row late", "cpjax/models/gemma4/checkpoint.py",
+           "      host[lo:hi] = part", "      host[lo + 1:hi + 1] = part[:host.shape[0] - lo - 1]",
+           ("tests/test_gemma4_checkpoint.py::test_each_device_reads_its_block_in_chunks",)),
+    Mutant("checkpointing: the data position is not saved", "cpjax/checkpointing.py",
+           "        data_state=ocp.args.JsonSave(dict(data_state)),",
+           "        data_state=ocp.args.JsonSave({k: None for k in data_state}),",
+           ("tests/test_checkpointing.py::test_resume_continues_with_bit_identical_losses",)),
+    Mutant("batch: a 4-D mask read from its last head", "cpjax/batch.py",
+           "    diag = jnp.diagonal(mask[:, 0], axis1=-2, axis2=-1)",
+           "    diag = jnp.diagonal(mask[:, -1], axis1=-2, axis2=-1)",
+           ("tests/test_batch.py",)),
+    Mutant("data: synthetic text may draw a special id", "cpjax/data.py",
+           "  allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(reserved_ids, np.int64))",
+           "  allowed = np.arange(vocab_size)",
+           ("tests/test_gemma4_published.py::test_synthetic_rows_never_forge_a_special_token",)),
+    Mutant("gemma4 config: the vision rope type goes unchecked", "cpjax/models/gemma4/config.py",
+           '    _check_rope(rope, "vision_config.rope_parameters", ("default", "axial"))',
+           '    _check_rope(rope, "vision_config.rope_parameters", ("default", "axial", "linear"))',
+           ("tests/test_gemma4_published.py",)),
+)
+
+
+def scratch_copy() -> str:
+  """The tracked tree (and untracked, not ignored files) in a new folder."""
+  files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                         cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()
+  dest = tempfile.mkdtemp(prefix="cpjax-mutant-")
+  for rel in files:
+    src = os.path.join(ROOT, rel)
+    if os.path.isfile(src):
+      os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+      shutil.copy2(src, os.path.join(dest, rel))
+  return dest
+
+
+def apply(mutant: Mutant, root: str) -> None:
+  path = os.path.join(root, mutant.file)
+  with open(path) as f:
+    text = f.read()
+  if text.count(mutant.old) != 1:
+    raise LookupError(f"{mutant.name}: the text to mutate occurs {text.count(mutant.old)} "
+                      f"times in {mutant.file}, not once")
+  with open(path, "w") as f:
+    f.write(text.replace(mutant.old, mutant.new))
+
+
+def caught(mutant: Mutant) -> tuple[bool, float, str]:
+  """(its tests failed, seconds, the pytest tail)."""
+  root = scratch_copy()
+  try:
+    apply(mutant, root)
+    env = {**os.environ, "PYTHONPATH": root, "PYTHONDONTWRITEBYTECODE": "1"}
+    # The copy's cpjax, not the installed (editable) one.
+    where = subprocess.run([sys.executable, "-c", "import cpjax; print(cpjax.__file__)"],
+                           cwd=root, env=env, capture_output=True, text=True, check=True)
+    assert where.stdout.startswith(root), where.stdout
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                           "-m", "", *mutant.tests], cwd=root, env=env, capture_output=True,
+                          text=True)
+    tail = "\n".join(proc.stdout.strip().splitlines()[-3:])
+    # 1: tests failed. 0: survived. Anything else (usage error, no tests) is a broken entry.
+    if proc.returncode not in (0, 1):
+      raise RuntimeError(f"{mutant.name}: pytest exited {proc.returncode}:\n{proc.stdout[-2000:]}"
+                         f"{proc.stderr[-2000:]}")
+    return proc.returncode == 1, time.perf_counter() - start, tail
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--only", nargs="+", default=None, help="mutant names (substrings)")
+  parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+  args = parser.parse_args(argv)
+  chosen = [m for m in MUTANTS if not args.only or any(o in m.name for o in args.only)]
+  if args.list:
+    for m in chosen:
+      print(f"{m.name}  [{m.file}]  ->  {' '.join(m.tests)}")
+    return 0
+  survivors = []
+  for m in chosen:
+    ok, seconds, tail = caught(m)
+    print(f"{'caught  ' if ok else 'SURVIVED'} {seconds:6.1f} s  {m.name}  ({' '.join(m.tests)})",
+          flush=True)
+    if not ok:
+      survivors.append(m.name)
+      print("    " + tail.replace("\n", "\n    "))
+  print(f"{len(chosen) - len(survivors)} caught, {len(survivors)} survived")
+  return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
