@@ -118,7 +118,7 @@ def apply(mutant: Mutant, root: str) -> None:
 
 
 def caught(mutant: Mutant) -> tuple[bool, float, str]:
-  """(its tests failed, seconds, the pytest tail)."""
+  """(a test failed, seconds, the first failure or pytest's last line)."""
   root = scratch_copy()
   try:
     apply(mutant, root)
@@ -128,15 +128,17 @@ def caught(mutant: Mutant) -> tuple[bool, float, str]:
                            cwd=root, env=env, capture_output=True, text=True, check=True)
     assert where.stdout.startswith(root), where.stdout
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                           "-m", "", *mutant.tests], cwd=root, env=env, capture_output=True,
-                          text=True)
-    tail = "\n".join(proc.stdout.strip().splitlines()[-3:])
-    # 1: tests failed. 0: survived. Anything else (usage error, no tests) is a broken entry.
-    if proc.returncode not in (0, 1):
-      raise RuntimeError(f"{mutant.name}: pytest exited {proc.returncode}:\n{proc.stdout[-2000:]}"
-                         f"{proc.stderr[-2000:]}")
-    return proc.returncode == 1, time.perf_counter() - start, tail
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p",
+                           "no:cacheprovider", "-m", "", *mutant.tests], cwd=root, env=env,
+                          capture_output=True, text=True)
+    # 1 with a FAILED test: caught. 0: survived. An import or collection error
+    # (ERROR, or any other exit status) is a broken entry, not a catch.
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
+    if proc.returncode not in (0, 1) or (proc.returncode == 1 and not failed):
+      raise RuntimeError(f"{mutant.name}: pytest exited {proc.returncode} without a failed "
+                         f"test:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    summary = failed[0][len("FAILED "):] if failed else proc.stdout.strip().splitlines()[-1]
+    return bool(failed), time.perf_counter() - start, summary
   finally:
     shutil.rmtree(root, ignore_errors=True)
 
@@ -153,12 +155,11 @@ def main(argv=None) -> int:
     return 0
   survivors = []
   for m in chosen:
-    ok, seconds, tail = caught(m)
-    print(f"{'caught  ' if ok else 'SURVIVED'} {seconds:6.1f} s  {m.name}  ({' '.join(m.tests)})",
-          flush=True)
+    ok, seconds, summary = caught(m)
+    print(f"{'caught  ' if ok else 'SURVIVED'} {seconds:6.1f} s  {m.name}\n"
+          f"         {summary[:150]}", flush=True)
     if not ok:
       survivors.append(m.name)
-      print("    " + tail.replace("\n", "\n    "))
   print(f"{len(chosen) - len(survivors)} caught, {len(survivors)} survived")
   return 1 if survivors else 0
 
