@@ -27,10 +27,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cpjax.batch import IGNORE_INDEX
 from cpjax.layout import ShardLayout
+from cpjax.linear_cross_entropy import linear_cross_entropy
 from cpjax.sharding import CPContext
 
-__all__ = ["TrainStep", "batch_specs", "cross_entropy_sums", "default_forward", "make_loss_fn",
-           "make_train_step", "manual_axes", "stack_microbatches", "token_cross_entropy"]
+__all__ = ["TrainStep", "batch_specs", "cross_entropy_sums", "default_forward",
+           "linear_cross_entropy", "make_loss_fn", "make_train_step", "manual_axes",
+           "stack_microbatches", "token_cross_entropy"]
 
 
 def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):

@@ -52,6 +52,9 @@ MUTANTS = (
            "", ("tests/test_sharding.py::test_unshard_an_aux_only_batch",)),
     Mutant("masks: LocalWindow.classify, the wrong query bound for full", "cpjax/masks.py",
            "every & (q_hi - k_lo <= self.left)", "every & (q_lo - k_lo <= self.left)", (TILES,)),
+    Mutant("train: the chunked loss's backward drops the soft cap's derivative",
+           "cpjax/linear_cross_entropy.py", "      dz = dz * (1.0 - t * t)", "      dz = dz * 1.0",
+           ("tests/test_loss.py",)),
     # --- one or more per core module
     Mutant("kernels common: the per-row schedule never skips", "cpjax/kernels/common.py",
            "  visit = jnp.broadcast_to(blocks.any, shape) & active",

@@ -83,3 +83,45 @@ def test_cross_entropy_sums_over_cp_equal_the_whole_row(cp):
   want_sum, want_count = numpy_loss(logits, labels)
   assert float(count) == want_count
   np.testing.assert_allclose(float(ce_sum), want_sum, rtol=2e-6)
+
+
+def dense_capped(hidden, head, labels, cap):
+  z = jnp.einsum("bld,vd->blv", hidden, head, precision="highest")
+  z = z if cap is None else cap * jnp.tanh(z / cap)
+  return train.token_cross_entropy(z, labels)
+
+
+@pytest.mark.parametrize("cap", [None, CAP])
+@pytest.mark.parametrize("chunk", [5, 24, 1000])     # 5 and 1000 do not divide B * L = 24
+def test_linear_cross_entropy_equals_the_dense_loss(cap, chunk):
+  """Values against numpy (float64) and token_cross_entropy on the dense
+  logits; gradients of hidden and head against the dense loss's."""
+  rng = np.random.default_rng(4)
+  hidden = rng.normal(0.0, 1.0, (B, L, 16)).astype(np.float32)
+  head = rng.normal(0.0, 2.0, (V, 16)).astype(np.float32)
+  labels = labels_with_ignored(4)
+  ce_sum, count = train.linear_cross_entropy(hidden, head, labels, chunk_size=chunk,
+                                             logits_soft_cap=cap)
+  z = np.einsum("bld,vd->blv", hidden.astype(np.float64), head.astype(np.float64))
+  want_sum, want_count = numpy_loss(z if cap is None else cap * np.tanh(z / cap), labels)
+  assert float(count) == want_count
+  np.testing.assert_allclose(float(ce_sum), want_sum, rtol=2e-6)
+
+  chunked = jax.grad(lambda h, w: train.linear_cross_entropy(
+      h, w, labels, chunk_size=chunk, logits_soft_cap=cap)[0], argnums=(0, 1))(hidden, head)
+  dense = jax.grad(lambda h, w: dense_capped(h, w, labels, cap)[0], argnums=(0, 1))(hidden, head)
+  chex.assert_trees_all_close(chunked, dense, rtol=2e-5, atol=2e-6)
+  # Ignored tokens get no gradient.
+  assert np.all(np.asarray(chunked[0])[labels == -100] == 0.0)
+
+
+def test_linear_cross_entropy_bad_input():
+  h, w, y = np.ones((1, 3, 2), np.float32), np.ones((4, 2), np.float32), np.zeros((1, 3), int)
+  with pytest.raises(ValueError, match=r"hidden must be \[B, L, D\] and head \[V, D\]"):
+    train.linear_cross_entropy(h, np.ones((4, 3), np.float32), y)
+  with pytest.raises(ValueError, match=r"labels must be an integer \[B, L\] = \[1, 3\]"):
+    train.linear_cross_entropy(h, w, y[:, :2])
+  with pytest.raises(ValueError, match="chunk_size must be an int >= 1, got 0"):
+    train.linear_cross_entropy(h, w, y, chunk_size=0)
+  with pytest.raises(ValueError, match="logits_soft_cap must be > 0 or None, got -1"):
+    train.linear_cross_entropy(h, w, y, logits_soft_cap=-1)
