@@ -88,7 +88,7 @@ def attention_mask_to_padding_mask(batch: Mapping) -> dict:
     >>> sorted(out), np.asarray(out["padding_mask"]).tolist()
     (['padding_mask'], [[False, False, True]])
   """
-  out = dict(validation.mapping("batch", batch))
+  out = validation.mapping("batch", batch)
   mask = out.pop("attention_mask", None)
   if mask is None:
     return out
@@ -138,7 +138,7 @@ def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
     >>> np.asarray(ids).tolist()
     [[1, 1, 1, 1, 0, 0]]
   """
-  out = dict(validation.mapping("batch", batch))
+  out = validation.mapping("batch", batch)
   seq_len = validation.integer("seq_len", seq_len, minimum=1)
   for key in (*PRIMARY_KEYS, "padding_mask"):
     if key in out and jnp.ndim(out[key]) < 2:

@@ -114,7 +114,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   batch_axis = parallel.batch_axis_of(mesh)
   if job.batch_size % job.microbatches:
     raise JobError(f"--microbatches {job.microbatches} does not divide --batch-size "
-                     f"{job.batch_size}")
+                   f"{job.batch_size}")
   rows = job.batch_size // job.microbatches
   auto = [n for n in mesh.axis_names if n != "cp" and mesh.shape[n] > 1]
   if job.dtype == "bfloat16" and auto and devices[0].platform == "cpu":
@@ -122,7 +122,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     # not an exception) on bfloat16 weight gradients over an fsdp/tp/dp axis
     # inside the ring's shard_map; TPU and GPU compile it.
     raise JobError(f"--dtype bfloat16 with mesh axes {auto} does not compile on the CPU "
-                     f"(an XLA:CPU partitioner limitation); use --dtype float32 there")
+                   f"(an XLA:CPU partitioner limitation); use --dtype float32 there")
   compute = _compute_dtype(job.dtype)
   cfg = (gemma4.Gemma4Config.from_hf(job.checkpoint) if job.checkpoint
          else gemma4.Gemma4Config.preset(job.model))
@@ -207,11 +207,11 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
       log(f"resumed from {job.state_dir} after step {first_step}")
     elif checkpointer.latest_step() is not None:
       raise JobError(f"{job.state_dir} already holds a checkpoint (step "
-                       f"{checkpointer.latest_step()}); resume it with --resume or choose "
-                       f"another directory")
+                     f"{checkpointer.latest_step()}); resume it with --resume or choose "
+                     f"another directory")
   if first_step >= job.steps:
     raise JobError(f"the checkpoint is after step {first_step}; --steps {job.steps} leaves "
-                     f"nothing to train")
+                   f"nothing to train")
 
   procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
   t = cfg.text

@@ -163,10 +163,17 @@ def _load_tensor(file: str, key: str, shape: tuple[int, ...], dtype, sharding) -
 
   ``jax.make_array_from_callback`` would hold every local block on the host
   at once before placing them; building each device's block in chunks and
-  assembling them keeps one chunk in flight.
+  assembling them keeps one chunk in flight. A block that several devices
+  hold (a replicated tensor) is read once and copied device to device.
   """
-  blocks = [_load_shard(file, key, index, shape, dtype, device)
-            for device, index in sharding.addressable_devices_indices_map(shape).items()]
+  read: dict = {}
+  blocks = []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    seen = read.get(repr(index))      # slices are unhashable before Python 3.12
+    block = (_load_shard(file, key, index, shape, dtype, device) if seen is None
+             else jax.device_put(seen, device))
+    read.setdefault(repr(index), block)
+    blocks.append(block)
   return jax.make_array_from_single_device_arrays(shape, sharding, blocks)
 
 
