@@ -34,13 +34,19 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from cpjax.kernels.common import varying_axes
+
 __all__ = ["BATCH_AXES", "batch_axis_of", "bytes_per_device", "gather_safe", "gathered",
-           "make_mesh", "param_specs", "parse_mesh", "shard_params", "shard_like_params"]
+           "lookup", "make_mesh", "param_specs", "parse_mesh", "shard_params", "shard_like_params"]
 
 # Mesh axes that split the rows of the batch (one of them per mesh).
 BATCH_AXES = ("dp", "fsdp")
@@ -223,6 +229,122 @@ def gathered(table: jax.Array) -> jax.Array:
   if mesh.empty or not any(kind == AxisType.Auto for kind in mesh.axis_types):
     return table
   return jax.lax.with_sharding_constraint(table, P())
+
+
+def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """``table[ids]`` [B, ..., D] without the whole table on any device.
+
+  On a mesh whose Auto axes (``fsdp``, ``tp``) split the table's rows, as
+  :func:`param_specs` places a table (both axes on the vocabulary), each
+  device looks up the ids that fall in its own block of rows, gives zeros
+  for the rest, and a sum over the table's axes completes every row: a
+  reduce-scatter back to the batch's rows over the batch axis, an all-reduce
+  over the others. Only the integer ids travel whole over the batch axis.
+  The gradient is a scatter-add into each device's own block, so it stays
+  sharded too. The lookup is a ``shard_map`` manual over those axes: it does
+  not depend on the SPMD partitioner's handling of gathers (which fails a
+  check on fsdp x cp x tp meshes on this JAX, see :func:`gathered`).
+  Without such a mesh (one device, or inside a ``shard_map`` manual over
+  every axis) it is ``table[ids]``.
+
+  Args:
+    table: [V, D] rows to look up.
+    ids: int[B, ...] row numbers in ``[0, V)``; ``B`` split over the mesh's
+      batch axis when it has one that divides it.
+
+  Example:
+    >>> import numpy as np
+    >>> mesh = make_mesh(fsdp=2, cp=1, tp=2)
+    >>> table = np.arange(16.0).reshape(8, 2)
+    >>> ids = np.array([[7, 0], [3, 3]])
+    >>> with jax.set_mesh(mesh):
+    ...   out = jax.jit(lookup)(jax.device_put(table, NamedSharding(mesh, P(("fsdp", "tp")))), ids)
+    >>> np.asarray(out)[:, :, 0].tolist()
+    [[14.0, 0.0], [6.0, 6.0]]
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  auto = () if mesh.empty else tuple(
+      n for n, kind in zip(mesh.axis_names, mesh.axis_types)
+      if kind == AxisType.Auto and mesh.shape[n] > 1)
+  if not auto:
+    return table[ids]
+  spec = param_specs(jax.ShapeDtypeStruct(table.shape, table.dtype), mesh)
+  rows = spec[0] if len(spec) else None
+  table_axes = (() if rows is None else (rows,) if isinstance(rows, str) else tuple(rows))
+  if not table_axes or any(p is not None for p in spec[1:]):
+    return gathered(table)[ids]
+  batch = next((a for a in auto if a in BATCH_AXES and ids.shape[0] % mesh.shape[a] == 0), None)
+  where = _Placement(table_axes, batch, frozenset(auto), table.shape[0], jnp.dtype(table.dtype),
+                     varying_axes(table))
+  return _sharded_lookup(table, ids, where)
+
+
+class _Placement(NamedTuple):
+  table_axes: tuple[str, ...]   # mesh axes splitting the table's rows, major first
+  batch: str | None             # the axis splitting the ids' rows
+  auto: frozenset[str]          # every Auto axis: the lookup is manual over them
+  rows: int                     # the table's rows, V
+  dtype: Any
+  vma: frozenset[str]           # manual axes (cp) the table varies over: none, usually
+
+
+# A custom VJP whose backward is its own shard_map (the scatter-add into each
+# device's block): the transpose JAX derives for a shard_map nested in the
+# ring's fails to lower on this JAX (its residuals name the outer manual axis).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _sharded_lookup(table, ids, where):
+  return _lookup_forward(table, ids, where)[0]
+
+
+def _block_ids(ids, size, table_axes, batch):
+  """(row within this device's block, whether it is in the block) of every id."""
+  if batch in table_axes:    # every row's ids meet every block of the table
+    ids = jax.lax.all_gather(ids, batch, axis=0, tiled=True)
+  rel = ids - jax.lax.axis_index(table_axes) * size
+  hit = (rel >= 0) & (rel < size)
+  return jnp.where(hit, rel, 0), hit
+
+
+def _lookup_forward(table, ids, where):
+  table_axes, batch = where.table_axes, where.batch
+
+  def local(block, ids):
+    rel, hit = _block_ids(ids, block.shape[0], table_axes, batch)
+    out = jnp.where(hit[..., None], block[rel], jnp.zeros((), block.dtype))
+    if batch in table_axes:
+      out = jax.lax.psum_scatter(out, batch, scatter_dimension=0, tiled=True)
+    rest = tuple(a for a in table_axes if a != batch)
+    return jax.lax.psum(out, rest) if rest else out
+
+  out = jax.shard_map(local, in_specs=(P(table_axes), P(batch)), out_specs=P(batch),
+                      axis_names=set(where.auto))(table, ids)
+  return out, ids
+
+
+def _lookup_backward(where, ids, g):
+  table_axes, batch = where.table_axes, where.batch
+  mesh = jax.sharding.get_abstract_mesh()
+  size = where.rows // int(np.prod([mesh.shape[a] for a in table_axes]))
+
+  def local(ids, g):
+    rel, hit = _block_ids(ids, size, table_axes, batch)
+    if batch in table_axes:
+      g = jax.lax.all_gather(g, batch, axis=0, tiled=True)
+    g = jnp.where(hit[..., None], g, jnp.zeros((), g.dtype))
+    block = jnp.zeros((size, g.shape[-1]), where.dtype).at[rel].add(g.astype(where.dtype))
+    # Rows split over a batch axis that does not split the table (dp) all
+    # add into the same (replicated) block.
+    return block if batch in table_axes or batch is None else jax.lax.psum(block, batch)
+
+  d_table = jax.shard_map(local, in_specs=(P(batch), P(batch)), out_specs=P(table_axes),
+                          axis_names=set(where.auto))(ids, g)
+  # Inside the ring's shard_map the ids differ per cp rank while the table
+  # does not: its gradient is the sum over those ranks.
+  spread = tuple(sorted(varying_axes(d_table) - where.vma))
+  return (jax.lax.psum(d_table, spread) if spread else d_table), None
+
+
+_sharded_lookup.defvjp(_lookup_forward, _lookup_backward)
 
 
 def gather_safe(x: jax.Array) -> jax.Array:

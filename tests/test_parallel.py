@@ -11,12 +11,14 @@ these models), so no reduction order does better.
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from cpjax import parallel, train
 from cpjax.models import gemma4
@@ -230,3 +232,46 @@ def test_make_mesh_errors():
     parallel.make_mesh(fsdp=4, cp=4)
   with pytest.raises(ValueError, match="'tp' must be a positive int, got 0"):
     parallel.make_mesh(tp=0)
+
+
+# The table split over its rows as param_specs places it; the ids' rows over
+# the batch axis; the lookup runs inside a shard_map manual over cp (as in the
+# model), where each cp rank has its own ids.
+@pytest.mark.parametrize("shape", [{"fsdp": 2, "cp": 2, "tp": 2}, {"fsdp": 4, "cp": 2},
+                                   {"dp": 2, "cp": 2, "tp": 2}, {"cp": 2, "tp": 4}],
+                         ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()))
+def test_lookup_keeps_the_table_sharded(shape):
+  rng = np.random.default_rng(0)
+  table = rng.normal(size=(16, 3)).astype(np.float32)
+  ids = rng.integers(0, 16, size=(4, 6)).astype(np.int32)
+  weights = rng.normal(size=(4, 6, 3)).astype(np.float32)
+  mesh = parallel.make_mesh(**shape)
+  batch_axis = parallel.batch_axis_of(mesh)
+  table_spec = parallel.param_specs(table, mesh)
+  assert table_spec[0] is not None and len(table_spec) == 1     # rows split, as lookup assumes
+
+  def objective(table, ids, weights):
+    def local(table, ids, weights):
+      return jax.lax.psum(jnp.sum(parallel.lookup(table, ids) * weights), "cp")
+    return jax.shard_map(local, in_specs=(P(), P(None, "cp"), P(None, "cp")), out_specs=P(),
+                         axis_names={"cp"})(table, ids, weights)
+
+  with jax.set_mesh(mesh):
+    put = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))
+    args = (put(table, table_spec), put(ids, P(batch_axis, "cp")),
+            put(weights, P(batch_axis, "cp")))
+    value, grad = jax.jit(jax.value_and_grad(objective))(*args)
+    text = jax.jit(jax.grad(objective)).lower(*args).compile().as_text()
+  want_grad = np.zeros_like(table)
+  np.add.at(want_grad, ids, weights)
+  np.testing.assert_allclose(value, np.sum(table[ids] * weights), rtol=1e-6)
+  chex.assert_trees_all_close(grad, want_grad, atol=1e-6, rtol=0)
+  assert grad.sharding.spec == table_spec
+  # No device ever holds the whole table or its whole gradient.
+  assert "f32[16,3]" not in text
+
+
+def test_lookup_without_a_mesh_is_indexing():
+  table = np.arange(12.0, dtype=np.float32).reshape(6, 2)
+  ids = np.array([[5, 0, 5]])
+  chex.assert_trees_all_equal(parallel.lookup(table, ids), table[ids])

@@ -5,10 +5,12 @@ Parameter paths are Hugging Face's checkpoint keys (``model.language_model.
 layers.3.self_attn.q_proj.weight`` ...), so loading and saving is a rename
 of nothing (:mod:`cpjax.models.gemma4.checkpoint`).
 
-Under context parallelism the model runs inside ``jax.shard_map``: it embeds
-the FULL ``input_ids``, runs the vision tower on whole images and scatters
-their soft tokens, builds the per-layer inputs and vision groups on the full
-row, and only then keeps this rank's tokens with :func:`cpjax.shard_sequence`.
+Under context parallelism the model runs inside ``jax.shard_map``: it reads
+the FULL ``input_ids`` only to derive small integer streams (token ids with
+the placeholders replaced, each image token's soft-token number, vision
+groups), cuts them to this rank's tokens with :func:`cpjax.shard_sequence`,
+and embeds only those: the token and per-layer tables are looked up, and the
+soft tokens placed, on ``L = S / cp`` tokens (:meth:`Gemma4.embed`).
 Every attention layer calls :func:`cpjax.ring_attention` with Gemma 4's mask
 for its layer type; a K/V-sharing ``reuse`` layer hands the ring the local
 K/V shards its ``store`` layer computed (no projection is recomputed).
@@ -40,7 +42,7 @@ from cpjax.models.gemma4.cp_batch import IMAGE_OFFSET_KEY, image_token_offsets, 
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles
 from cpjax.models.gemma4.text import DecoderLayer, embed_scale
 from cpjax.models.gemma4.vision import MultimodalEmbedder, VisionTower
-from cpjax.parallel import gathered
+from cpjax.parallel import gathered, lookup
 from cpjax.reference import reference_attention
 from cpjax.ring_attention import ring_attention
 from cpjax.sharding import ContextParallelSharder, CPContext, shard_sequence
@@ -197,35 +199,68 @@ class Gemma4(nnx.Module):
 
     return save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
-  # -------------------------------------------------------- full-row inputs
-  def embed_full_row(self, batch: Mapping[str, Any]):
-    """Embeddings [B, S, D], per-layer inputs [B, S, layers, P] (or None) and
-    vision group ids [B, S] (or None), all on the FULL row."""
+  # ------------------------------------------------------------- embeddings
+  def token_streams(self, batch: Mapping[str, Any]) -> dict:
+    """The integer streams the embeddings need, on the FULL row [B, S]:
+    ``text_ids`` (placeholders replaced by the pad id), ``image_slot`` (each
+    image token's index among the global batch's image tokens, -1 elsewhere)
+    and ``vision_groups`` (or None). They are cheap: under CP they are cut to
+    this rank's tokens before any float work."""
     for key, why in UNSUPPORTED_INPUTS.items():
       if batch.get(key) is not None:
         raise ValueError(f"batch key {key!r} is not supported: {why}")
-    cfg, t, dt = self.cfg, self.cfg.text, self.dtype
-    lm = self.model.language_model
+    cfg, t = self.cfg, self.cfg.text
     ids = jnp.asarray(batch["input_ids"])
     placeholder = jnp.isin(ids, jnp.asarray(cfg.placeholder_token_ids))
-    text_ids = jnp.where(placeholder, t.pad_token_id, ids)
-    x = gathered(lm.embed_tokens.weight[...]).astype(dt)[text_ids] * embed_scale(t.hidden_size, dt)
-    if batch.get("pixel_values") is not None:
-      x = self._scatter_images(x, ids, batch)
-    per_layer = None
-    if t.hidden_size_per_layer_input:
-      b, s = ids.shape
-      p = t.hidden_size_per_layer_input
-      shape = (b, s, t.num_hidden_layers, p)
-      token = (gathered(lm.embed_tokens_per_layer.weight[...]).astype(dt)[text_ids]
-               * embed_scale(p, dt)).reshape(shape)
-      context = lm.per_layer_model_projection(x) * jnp.asarray(t.hidden_size ** -0.5, dt)
-      context = lm.per_layer_projection_norm(context.reshape(shape))
-      per_layer = (context + token) * jnp.asarray(2 ** -0.5, dt)
+    is_image = ids == cfg.image_token_id
+    # A data-parallel shard holds only some rows: batch[IMAGE_OFFSET_KEY]
+    # int[B] says how many image tokens precede each of its rows.
+    offsets = batch.get(IMAGE_OFFSET_KEY)
+    if offsets is None:
+      offsets = image_token_offsets(is_image)
+    slot = jnp.asarray(offsets)[:, None] + jnp.cumsum(is_image, axis=1, dtype=jnp.int32) - 1
     groups = None
     types = batch.get("mm_token_type_ids")
     if types is not None and t.use_bidirectional_attention == "vision":
       groups = vision_group_ids(jnp.asarray(types))
+    return {"text_ids": jnp.where(placeholder, t.pad_token_id, ids),
+            "image_slot": jnp.where(is_image, slot, -1).astype(jnp.int32),
+            "vision_groups": groups}
+
+  def embed(self, batch: Mapping[str, Any], cp: CPContext | None = None):
+    """Embeddings [B, L, D], per-layer inputs [B, L, layers, P] (or None) and
+    vision group ids [B, L] (or None) of this device's tokens.
+
+    Only :meth:`token_streams` see the full row; the table lookups, the
+    soft-token placement and the per-layer projection run on the ``L``
+    local tokens, so no float tensor of the full row exists. Positions the
+    layout pads on get zeros, as if the full-row embeddings were padded.
+    """
+    t, dt = self.cfg.text, self.dtype
+    lm = self.model.language_model
+    streams = self.token_streams(batch)
+    text_ids, slot, groups = streams["text_ids"], streams["image_slot"], streams["vision_groups"]
+    inside = jnp.ones(text_ids.shape, bool)
+    if cp is not None:
+      cut = functools.partial(shard_sequence, layout=cp.layout, axis_name=cp.axis_name)
+      text_ids, slot = cut(text_ids, pad_value=t.pad_token_id), cut(slot, pad_value=-1)
+      groups = None if groups is None else cut(groups, pad_value=-1)
+      inside = cut(inside, pad_value=False)
+    x = lookup(lm.embed_tokens.weight[...], text_ids).astype(dt) * embed_scale(t.hidden_size, dt)
+    if batch.get("pixel_values") is not None:
+      x = self._place_images(x, slot, batch)
+    x = jnp.where(inside[..., None], x, 0)
+    per_layer = None
+    if t.hidden_size_per_layer_input:
+      b, l = text_ids.shape
+      p = t.hidden_size_per_layer_input
+      shape = (b, l, t.num_hidden_layers, p)
+      token = (lookup(lm.embed_tokens_per_layer.weight[...], text_ids).astype(dt)
+               * embed_scale(p, dt)).reshape(shape)
+      context = lm.per_layer_model_projection(x) * jnp.asarray(t.hidden_size ** -0.5, dt)
+      context = lm.per_layer_projection_norm(context.reshape(shape))
+      per_layer = (context + token) * jnp.asarray(2 ** -0.5, dt)
+      per_layer = jnp.where(inside[..., None, None], per_layer, 0)
     return x, per_layer, groups
 
   def image_features(self, pixel_values, image_position_ids):
@@ -237,11 +272,11 @@ class Gemma4(nnx.Module):
                                             jnp.asarray(image_position_ids), self.dtype)
     return self.model.embed_vision(pooled).astype(self.dtype), valid
 
-  def _scatter_images(self, x, ids, batch):
+  def _place_images(self, x, slot, batch):
     """Soft tokens, numbered row-major over the GLOBAL batch, replace the
-    image placeholders. A data-parallel shard holds only some rows:
-    ``batch[IMAGE_OFFSET_KEY]`` int[B] says how many image tokens precede
-    each of its rows (:func:`image_token_offsets`)."""
+    image tokens: ``slot`` int[B, L] is each image token's number (-1 for
+    the rest). Every rank runs the vision tower on all of the batch's images
+    (see the README's limits)."""
     soft, valid = self.image_features(batch["pixel_values"], batch["image_position_ids"])
     n, m, d = soft.shape
     soft, valid = soft.reshape(n * m, d), valid.reshape(n * m)
@@ -249,13 +284,8 @@ class Gemma4(nnx.Module):
     rank = jnp.cumsum(valid) - 1
     where_real = jnp.zeros((n * m,), jnp.int32).at[jnp.where(valid, rank, n * m)].set(
         jnp.arange(n * m, dtype=jnp.int32), mode="drop")
-    is_image = ids == self.cfg.image_token_id
-    offsets = batch.get(IMAGE_OFFSET_KEY)
-    if offsets is None:
-      offsets = image_token_offsets(is_image)
-    slot = jnp.asarray(offsets)[:, None] + jnp.cumsum(is_image, axis=1) - 1
     source = where_real[jnp.clip(slot, 0, n * m - 1)]
-    return jnp.where(is_image[..., None], gathered(soft)[source], x)
+    return jnp.where((slot >= 0)[..., None], gathered(soft)[source], x)
 
   # ---------------------------------------------------------------- forward
   def __call__(self, batch: Mapping[str, Any], *, cp: CPContext | None = None):
@@ -275,12 +305,7 @@ class Gemma4(nnx.Module):
                      f"add them; got keys {sorted(batch)}")
     if cp is not None and not isinstance(cp, CPContext):
       raise TypeError(f"cp must be a cpjax.CPContext or None, got {type(cp).__name__}")
-    x, per_layer, groups = self.embed_full_row(batch)
-    if cp is not None:
-      cut = functools.partial(shard_sequence, layout=cp.layout, axis_name=cp.axis_name)
-      x = cut(x)
-      per_layer = None if per_layer is None else cut(per_layer)
-      groups = None if groups is None else cut(groups, pad_value=-1)
+    x, per_layer, groups = self.embed(batch, cp)
     return self.logits_from_embeddings(x, per_layer, groups, batch, cp)
 
   def logits_from_embeddings(self, x, per_layer, groups, batch, cp: CPContext | None):
