@@ -11,16 +11,31 @@ time: each chunk's logits are computed in float32 (with Gemma's soft cap,
 and dropped. The backward recomputes each chunk's logits, forms
 ``softmax - onehot`` and accumulates the head's gradient chunk by chunk, so
 only O(N) values (one log-sum-exp per token) are kept between the passes.
+
+Vocabulary-parallel: when the head is split over its rows by the mesh's
+Auto axes (``fsdp`` and ``tp``, as :func:`cpjax.parallel.param_specs`
+places it), each device computes its block ``[C, V / shards]`` of every
+chunk's logits, and the maximum, the sum of exponentials and the label's
+logit are combined over those axes with collectives of ``C`` values
+(Megatron's vocabulary-parallel cross entropy). Rows split over the batch
+axis are all-gathered when that axis also splits the vocabulary; the
+hidden states' gradient returns to its rows with a reduce-scatter and the
+head's gradient stays in its shard. The head is never whole on a device.
 """
 
 from __future__ import annotations
 
 import functools
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from cpjax.batch import IGNORE_INDEX
+from cpjax.kernels.common import vary_like, varying_axes
+from cpjax.parallel import RowPlacement, gathered, row_placement
 
 __all__ = ["linear_cross_entropy"]
 
@@ -58,19 +73,46 @@ def linear_cross_entropy(hidden, head, labels, *, chunk_size: int = 1024,
     raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
+  where = row_placement(head, hidden.shape[0])
+  if where is not None and not where.table_axes:   # not split by vocabulary: whole
+    head, where = gathered(head), None
+  setup = _Setup(min(chunk_size, max(hidden.shape[0] * hidden.shape[1], 1)), logits_soft_cap,
+                 ignore_index, where, varying_axes(head))
+  ce_sum = _ce_sum(hidden, head, labels, setup)
+  return ce_sum, jnp.sum(labels != ignore_index, dtype=jnp.float32)
+
+
+class _Setup(NamedTuple):
+  chunk: int
+  cap: float | None
+  ignore_index: int
+  where: RowPlacement | None    # the head split over its vocabulary (None: whole here)
+  head_vma: frozenset[str]      # manual axes the head varies over (the ring's cp: none)
+
+
+def _vocab_axes(s: _Setup) -> tuple[str, ...]:
+  return () if s.where is None else s.where.table_axes
+
+
+def _gathers_rows(s: _Setup) -> bool:
+  """Whether the batch axis also splits the vocabulary: then every device
+  needs every row's hidden states against its block of the head."""
+  return s.where is not None and s.where.batch in s.where.table_axes
+
+
+def _chunks(hidden, labels, s: _Setup):
+  """[K, C, D] hidden, int[K, C] labels, bool[K, C] counted: the tokens in
+  chunks, padded with ignored tokens (they add nothing to either sum)."""
   n = hidden.shape[0] * hidden.shape[1]
-  chunk = min(chunk_size, max(n, 1))
-  pad = -n % chunk
-  # Padded tokens carry ignore_index: they add nothing to either sum.
-  h = jnp.pad(hidden.reshape(n, -1), ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[-1])
-  y = jnp.pad(labels.reshape(n), (0, pad), constant_values=ignore_index).reshape(-1, chunk)
-  valid = y != ignore_index
-  ce_sum = _ce_sum(h, head, y, valid, logits_soft_cap)
-  return ce_sum, jnp.sum(valid, dtype=jnp.float32)
+  pad = -n % s.chunk
+  h = jnp.pad(hidden.reshape(n, -1), ((0, pad), (0, 0))).reshape(-1, s.chunk, hidden.shape[-1])
+  y = jnp.pad(labels.reshape(n), (0, pad), constant_values=s.ignore_index).reshape(-1, s.chunk)
+  return h, y, y != s.ignore_index
 
 
 def _logits(h, head, cap):
-  """float32 [C, V] logits of one chunk, soft-capped, and the uncapped tanh (for the VJP)."""
+  """float32 [C, Vb] logits of one chunk against this device's block of the
+  head, soft-capped, and the uncapped tanh (for the VJP)."""
   z = jnp.einsum("cd,vd->cv", h, head, preferred_element_type=jnp.float32)
   if cap is None:
     return z, None
@@ -78,46 +120,132 @@ def _logits(h, head, cap):
   return cap * t, t
 
 
-def _picked(z, y):
-  # The label's logit by a masked sum over V (not a gather: a vocabulary
-  # sharded over an Auto mesh axis trips XLA's SPMD partitioner on gathers).
-  return jnp.sum(jnp.where(jnp.arange(z.shape[-1]) == y[:, None], z, 0.0), axis=-1)
+def _is_label(z, y, start):
+  # The label's column by comparison, not a gather: labels outside this
+  # device's block of the vocabulary match no column.
+  return jnp.arange(z.shape[-1]) == (y - start)[:, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ce_sum(h, head, y, valid, cap):
-  return _ce_forward(h, head, y, valid, cap)[0]
+def _block_start(head, s: _Setup):
+  axes = _vocab_axes(s)
+  return jax.lax.axis_index(axes) * head.shape[0] if axes else 0
 
 
-def _ce_forward(h, head, y, valid, cap):
+def _zeros(shape, *refs):
+  """float32 zeros varying over every mesh axis one of ``refs`` varies over
+  (a scan carry must keep one type; check_vma)."""
+  out = jnp.zeros(shape, jnp.float32)
+  for ref in refs:
+    out = vary_like(out, ref)
+  return out
+
+
+def _local_forward(hidden, head, labels, s: _Setup):
+  """(CE sum of these rows, log-sum-exp per token [K, C]) on one device,
+  with its block of the head; the blocks combine with small collectives."""
+  axes = _vocab_axes(s)
+  if _gathers_rows(s):
+    hidden = jax.lax.all_gather(hidden, s.where.batch, axis=0, tiled=True)
+    labels = jax.lax.all_gather(labels, s.where.batch, axis=0, tiled=True)
+  start = _block_start(head, s)
+
   def chunk(total, xs):
     hc, yc, vc = xs
-    z, _ = _logits(hc, head, cap)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    return total + jnp.sum(jnp.where(vc, lse - _picked(z, yc), 0.0)), lse
+    z, _ = _logits(hc, head, s.cap)
+    top = jnp.max(z, axis=-1)
+    top = jax.lax.pmax(top, axes) if axes else top
+    sum_exp = jnp.sum(jnp.exp(z - top[:, None]), axis=-1)
+    picked = jnp.sum(jnp.where(_is_label(z, yc, start), z, 0.0), axis=-1)
+    if axes:
+      sum_exp, picked = jax.lax.psum((sum_exp, picked), axes)
+    lse = top + jnp.log(sum_exp)
+    return total + jnp.sum(jnp.where(vc, lse - picked, 0.0)), lse
 
-  total, lse = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), (h, y, valid))
-  return total, (h, head, y, valid, lse)
+  total = _zeros((), hidden, labels)
+  total, lse = jax.lax.scan(chunk, total, _chunks(hidden, labels, s))
+  if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
+    total = jax.lax.psum(total, s.where.batch)    # rows split over dp: add them
+  return total[None], lse
 
 
-def _ce_backward(cap, residuals, g):
-  h, head, y, valid, lse = residuals
+def _local_backward(hidden, head, labels, lse, g, s: _Setup):
+  """(d hidden of these rows, d head of this device's block)."""
+  axes = _vocab_axes(s)
+  rows = hidden.shape
+  if _gathers_rows(s):
+    hidden = jax.lax.all_gather(hidden, s.where.batch, axis=0, tiled=True)
+    labels = jax.lax.all_gather(labels, s.where.batch, axis=0, tiled=True)
+  start = _block_start(head, s)
 
   def chunk(d_head, xs):
     hc, yc, vc, lc = xs
-    z, t = _logits(hc, head, cap)
+    z, t = _logits(hc, head, s.cap)
     # d CE / d z = softmax - onehot on counted tokens; through the cap,
     # d (cap tanh(x / cap)) / dx = 1 - tanh^2.
-    dz = jnp.exp(z - lc[:, None]) - (jnp.arange(z.shape[-1]) == yc[:, None])
+    dz = jnp.exp(z - lc[:, None]) - _is_label(z, yc, start)
     dz = jnp.where(vc[:, None], dz, 0.0) * g
     if t is not None:
       dz = dz * (1.0 - t * t)
     dh = jnp.einsum("cv,vd->cd", dz, head, preferred_element_type=jnp.float32)
     d_head = d_head + jnp.einsum("cv,cd->vd", dz, hc, preferred_element_type=jnp.float32)
-    return d_head, dh.astype(hc.dtype)
+    return d_head, dh
 
-  d_head, dh = jax.lax.scan(chunk, jnp.zeros(head.shape, jnp.float32), (h, y, valid, lse))
-  return dh, d_head.astype(head.dtype), None, None
+  h, y, valid = _chunks(hidden, labels, s)
+  d_head = _zeros(head.shape, hidden, labels, head)
+  d_head, dh = jax.lax.scan(chunk, d_head, (h, y, valid, lse))
+  n = hidden.shape[0] * hidden.shape[1]
+  dh = dh.reshape(-1, rows[-1])[:n].reshape(hidden.shape)
+  # Each block's dh is a partial sum over its part of the vocabulary.
+  if _gathers_rows(s):
+    dh = jax.lax.psum_scatter(dh, s.where.batch, scatter_dimension=0, tiled=True)
+  rest = tuple(a for a in axes if not (_gathers_rows(s) and a == s.where.batch))
+  dh = jax.lax.psum(dh, rest) if rest else dh
+  if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
+    d_head = jax.lax.psum(d_head, s.where.batch)  # every dp shard's rows use the same head
+  return dh.astype(hidden.dtype), d_head.astype(head.dtype)
+
+
+def _specs(s: _Setup):
+  """shard_map specs: (rows, head, the CE sum [1], log-sum-exp [K, C]).
+
+  When the batch axis also splits the vocabulary, every device of it
+  computes the sum and log-sum-exps of ALL rows (from all-gathered hidden
+  states, which check_vma types as varying): each keeps its own copy,
+  stacked over the batch axis, and the first is the answer."""
+  batch = s.where.batch
+  return P(batch), P(s.where.table_axes), P(batch) if _gathers_rows(s) else P(), P(batch)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ce_sum(hidden, head, labels, s: _Setup):
+  return _ce_forward(hidden, head, labels, s)[0]
+
+
+def _ce_forward(hidden, head, labels, s: _Setup):
+  if s.where is None:
+    total, lse = _local_forward(hidden, head, labels, s)
+  else:
+    rows, block, total_spec, lse_spec = _specs(s)
+    total, lse = jax.shard_map(functools.partial(_local_forward, s=s),
+                               in_specs=(rows, block, rows), out_specs=(total_spec, lse_spec),
+                               axis_names=set(s.where.auto))(hidden, head, labels)
+  return total[0], (hidden, head, labels, lse)
+
+
+def _ce_backward(s: _Setup, residuals, g):
+  hidden, head, labels, lse = residuals
+  if s.where is None:
+    dh, d_head = _local_backward(hidden, head, labels, lse, g, s)
+  else:
+    rows, block, _, lse_spec = _specs(s)
+    dh, d_head = jax.shard_map(functools.partial(_local_backward, s=s),
+                               in_specs=(rows, block, rows, lse_spec, P()),
+                               out_specs=(rows, block),
+                               axis_names=set(s.where.auto))(hidden, head, labels, lse, g)
+  # Inside the ring's shard_map every cp rank used the same head on its own
+  # tokens: the head's gradient is the sum over those ranks.
+  spread = tuple(sorted(varying_axes(d_head) - s.head_vma))
+  return dh, jax.lax.psum(d_head, spread) if spread else d_head, None
 
 
 _ce_sum.defvjp(_ce_forward, _ce_backward)

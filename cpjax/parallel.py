@@ -262,30 +262,47 @@ def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     >>> np.asarray(out)[:, :, 0].tolist()
     [[14.0, 0.0], [6.0, 6.0]]
   """
+  where = row_placement(table, ids.shape[0])
+  if where is None:
+    return table[ids]
+  if not where.table_axes:
+    return gathered(table)[ids]
+  return _sharded_lookup(table, ids, where)
+
+
+class RowPlacement(NamedTuple):
+  """Where a table split over its rows (vocabulary) lives, for code manual over the mesh."""
+  table_axes: tuple[str, ...]   # mesh axes splitting the table's rows, major first (or none)
+  batch: str | None             # the axis splitting the batch's rows (B), if it divides B
+  auto: frozenset[str]          # every Auto axis of size > 1: be manual over them all
+  rows: int                     # the table's rows, V
+  dtype: Any
+  vma: frozenset[str]           # manual axes (cp) the table varies over: none, usually
+
+  def block_rows(self) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return self.rows // int(np.prod([mesh.shape[a] for a in self.table_axes], dtype=int))
+
+
+def row_placement(table: jax.Array, batch_rows: int) -> RowPlacement | None:
+  """How ``table`` [V, ...] splits over the current mesh's Auto axes, as
+  :func:`param_specs` places it: None without Auto axes (one device, or
+  every axis manual); ``table_axes`` empty when the split is not over the
+  rows alone (then gather it). ``batch_rows`` is the batch's ``B``."""
   mesh = jax.sharding.get_abstract_mesh()
   auto = () if mesh.empty else tuple(
       n for n, kind in zip(mesh.axis_names, mesh.axis_types)
       if kind == AxisType.Auto and mesh.shape[n] > 1)
   if not auto:
-    return table[ids]
+    return None
   spec = param_specs(jax.ShapeDtypeStruct(table.shape, table.dtype), mesh)
   rows = spec[0] if len(spec) else None
-  table_axes = (() if rows is None else (rows,) if isinstance(rows, str) else tuple(rows))
-  if not table_axes or any(p is not None for p in spec[1:]):
-    return gathered(table)[ids]
-  batch = next((a for a in auto if a in BATCH_AXES and ids.shape[0] % mesh.shape[a] == 0), None)
-  where = _Placement(table_axes, batch, frozenset(auto), table.shape[0], jnp.dtype(table.dtype),
-                     varying_axes(table))
-  return _sharded_lookup(table, ids, where)
-
-
-class _Placement(NamedTuple):
-  table_axes: tuple[str, ...]   # mesh axes splitting the table's rows, major first
-  batch: str | None             # the axis splitting the ids' rows
-  auto: frozenset[str]          # every Auto axis: the lookup is manual over them
-  rows: int                     # the table's rows, V
-  dtype: Any
-  vma: frozenset[str]           # manual axes (cp) the table varies over: none, usually
+  table_axes = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
+  if any(p is not None for p in spec[1:]):
+    table_axes = ()
+  batch = next((a for a in auto if a in BATCH_AXES and batch_rows % mesh.shape[a] == 0), None)
+  return RowPlacement(table_axes, batch, frozenset(auto), table.shape[0], jnp.dtype(table.dtype),
+                      varying_axes(table))
 
 
 # A custom VJP whose backward is its own shard_map (the scatter-add into each
@@ -323,8 +340,7 @@ def _lookup_forward(table, ids, where):
 
 def _lookup_backward(where, ids, g):
   table_axes, batch = where.table_axes, where.batch
-  mesh = jax.sharding.get_abstract_mesh()
-  size = where.rows // int(np.prod([mesh.shape[a] for a in table_axes]))
+  size = where.block_rows()
 
   def local(ids, g):
     rel, hit = _block_ids(ids, size, table_axes, batch)

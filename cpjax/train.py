@@ -1,8 +1,10 @@
 """Token-mean cross entropy, its exact CP reduction, and the jit-compiled training step.
 
 Model-agnostic: the step needs only an NNX model (split into graphdef and
-params) whose forward returns logits, and a batch already sharded by the
-model's sharder. Where each batch key lives (sequence-sharded over ``cp``,
+params) whose forward returns logits, or :class:`HiddenStates` (the final
+hidden states and the output head, so that the loss is computed chunk by
+chunk by :func:`linear_cross_entropy` and never holds the logits), and a
+batch already sharded by the model's sharder. Where each batch key lives (sequence-sharded over ``cp``,
 batch-sharded, replicated) is read from the arrays' own shardings, so no key
 name is known here; ``forward`` says how the model is called and what CP
 context it takes.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +32,47 @@ from cpjax.layout import ShardLayout
 from cpjax.linear_cross_entropy import linear_cross_entropy
 from cpjax.sharding import CPContext
 
-__all__ = ["TrainStep", "batch_specs", "cross_entropy_sums", "default_forward",
-           "linear_cross_entropy", "make_loss_fn", "make_train_step", "manual_axes",
+__all__ = ["HiddenStates", "TrainStep", "batch_specs", "cross_entropy", "cross_entropy_sums",
+           "default_forward", "linear_cross_entropy", "make_loss_fn", "make_train_step", "manual_axes",
            "stack_microbatches", "token_cross_entropy"]
+
+
+class HiddenStates(NamedTuple):
+  """What a forward may return instead of logits: the loss is then
+  :func:`linear_cross_entropy` of ``cap(hidden @ head.T)``, exactly
+  :func:`token_cross_entropy` of those logits, which are never whole.
+
+  Attributes:
+    hidden: [B, L, D] final hidden states (after the final norm).
+    head: [V, D] output projection (a tied embedding table as it is).
+    logits_soft_cap: ``cap`` of ``cap * tanh(logits / cap)``, or None.
+  """
+  hidden: jax.Array
+  head: jax.Array
+  logits_soft_cap: float | None = None
+
+
+# Tokens per chunk of the chunked loss: about 2**26 logits (256 MiB of
+# float32) per chunk whole, fewer per device when the head is split.
+LOSS_CHUNK_LOGITS = 1 << 26
+
+
+def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX):
+  """(CE sum, count) of a forward's output: :func:`token_cross_entropy` of
+  logits [B, L, V], or :func:`linear_cross_entropy` of :class:`HiddenStates`.
+
+  >>> import numpy as np
+  >>> out = HiddenStates(np.ones((1, 2, 3), np.float32), np.zeros((4, 3), np.float32))
+  >>> s, n = cross_entropy(out, np.array([[1, -100]]))
+  >>> round(float(s), 4), float(n)     # log(4), one token
+  (1.3863, 1.0)
+  """
+  if isinstance(output, HiddenStates):
+    chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // output.head.shape[0]))
+    return linear_cross_entropy(output.hidden, output.head, labels, chunk_size=chunk,
+                                logits_soft_cap=output.logits_soft_cap,
+                                ignore_index=ignore_index)
+  return token_cross_entropy(output, labels, ignore_index=ignore_index)
 
 
 def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
@@ -62,8 +102,8 @@ def cross_entropy_sums(logits, labels, *, axis_names: tuple[str, ...] = ("cp",),
                        ignore_index: int = IGNORE_INDEX):
   """The CP loss reduction: (CE sum, token count) over every rank of ``axis_names``.
 
-  Call it inside ``shard_map`` on this rank's logits [B, L, V] and labels
-  int[B, L]; both sums are ``psum`` -ed over ``axis_names`` (the ``cp`` axis
+  Call it inside ``shard_map`` on this rank's logits [B, L, V] (or
+  :class:`HiddenStates`) and labels int[B, L]; both sums are ``psum`` -ed over ``axis_names`` (the ``cp`` axis
   and a data-parallel axis), so ``ce_sum / count`` is the token-mean loss of
   the whole global batch on every rank, exactly the single-device loss, and
   differentiating it gives the single-device gradients. With
@@ -80,7 +120,7 @@ def cross_entropy_sums(logits, labels, *, axis_names: tuple[str, ...] = ("cp",),
     >>> round(float(s / n), 4), float(n)       # log(4) over 3 counted tokens
     (1.3863, 3.0)
   """
-  ce_sum, count = token_cross_entropy(logits, labels, ignore_index=ignore_index)
+  ce_sum, count = cross_entropy(logits, labels, ignore_index=ignore_index)
   if not axis_names:
     return ce_sum, count
   return jax.lax.psum(ce_sum, tuple(axis_names)), jax.lax.psum(count, tuple(axis_names))
@@ -128,8 +168,13 @@ def manual_axes(mesh: Mesh, axis_name: str = "cp") -> frozenset[str]:
 
 
 def default_forward(model, batch: Mapping[str, Any], cp: CPContext | None):
-  """``model(batch, cp=cp)``, or ``model(batch)`` on one device: the logits [B, L, V]."""
-  return model(batch) if cp is None else model(batch, cp=cp)
+  """What the loss reads: ``model.hidden_states(batch, cp=cp)`` (a
+  :class:`HiddenStates`) when the model has that method, as Gemma 4 does,
+  else the logits [B, L, V] of ``model(batch, cp=cp)``; without ``cp``
+  (one device) the same calls without it."""
+  call = getattr(model, "hidden_states", None)
+  call = model if not callable(call) else call
+  return call(batch) if cp is None else call(batch, cp=cp)
 
 
 def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | None = None,
@@ -149,8 +194,8 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
   Args:
     graphdef: from ``nnx.split(model)``.
     mesh, layout, axis_name, batch_axis: where the batch is sharded.
-    forward: ``(model, batch, cp) -> logits [B, L, V]``; the model's own
-      call convention and CP context (``cp`` is a :class:`cpjax.CPContext` or
+    forward: ``(model, batch, cp) -> logits [B, L, V]`` or
+      :class:`HiddenStates`; the model's own call convention and CP context (``cp`` is a :class:`cpjax.CPContext` or
       None). ``batch["labels"]`` holds the labels.
     batch_specs: in_specs of the batch (a dict, or a function of the batch);
       default: :func:`cpjax.train.batch_specs`, the arrays' own shardings.
@@ -177,7 +222,7 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
 
   if mesh is None:
     def single(params, batch):
-      return token_cross_entropy(forward(merge(params), batch, None), batch["labels"])
+      return cross_entropy(forward(merge(params), batch, None), batch["labels"])
     return single
   if layout is None:
     raise ValueError("layout is required with a mesh: pass the ShardLayout the sharder returned")

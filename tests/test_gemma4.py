@@ -203,3 +203,19 @@ def test_buffers_are_not_trained():
   assert any("layer_scalar" in k for k in keys(buffers))
   assert any("input_min" in k for k in keys(buffers))
   assert not any("layer_scalar" in k or "input_min" in k for k in keys(params))
+
+
+def test_training_never_forms_the_logits_and_equals_the_dense_loss():
+  """make_loss_fn trains Gemma 4 through hidden_states (the chunked loss):
+  loss and gradients equal those of the dense logits from model(batch)."""
+  model, batch = training_batch("moe_k_eq_v_vision")
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+  batch = gemma4.prepare_batch(batch, model.cfg)
+  mean = lambda s, n: s / n
+  chunked = train.make_loss_fn(graphdef, frozen=buffers)
+  dense = train.make_loss_fn(graphdef, frozen=buffers, forward=lambda m, b, cp: m(b))
+  assert isinstance(train.default_forward(model, batch, None), train.HiddenStates)
+  got = jax.jit(jax.value_and_grad(lambda p: mean(*chunked(p, batch))))(params)
+  want = jax.jit(jax.value_and_grad(lambda p: mean(*dense(p, batch))))(params)
+  assert abs(float(got[0]) - float(want[0])) <= 1e-6 * abs(float(want[0]))
+  assert_grads_close(got[1], want[1], rtol=1e-5)

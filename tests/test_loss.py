@@ -125,3 +125,45 @@ def test_linear_cross_entropy_bad_input():
     train.linear_cross_entropy(h, w, y, chunk_size=0)
   with pytest.raises(ValueError, match="logits_soft_cap must be > 0 or None, got -1"):
     train.linear_cross_entropy(h, w, y, logits_soft_cap=-1)
+
+
+# The head split over its vocabulary as param_specs places it (fsdp and tp
+# on V); rows over the batch axis; tokens over cp. The loss runs inside the
+# ring's shard_map (manual over cp) and must equal the dense loss on one
+# device, with the head's gradient left in its shards and no device holding
+# the whole head.
+@pytest.mark.parametrize("shape", [{"fsdp": 2, "cp": 2, "tp": 2}, {"dp": 2, "cp": 2, "tp": 2},
+                                   {"fsdp": 4, "cp": 2}, {"cp": 8}],
+                         ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()))
+def test_linear_cross_entropy_is_vocabulary_parallel(shape):
+  from cpjax import parallel
+  rng = np.random.default_rng(5)
+  rows, length, vocab, width = 4, 16, 40, 8
+  hidden = rng.normal(0.0, 1.0, (rows, length, width)).astype(np.float32)
+  head = rng.normal(0.0, 2.0, (vocab, width)).astype(np.float32)
+  labels = rng.integers(0, vocab, (rows, length)).astype(np.int32)
+  labels[rng.random((rows, length)) < 0.3] = -100
+  mesh = parallel.make_mesh(**shape)
+  batch_axis = parallel.batch_axis_of(mesh)
+  head_spec = parallel.param_specs(head, mesh)
+
+  def objective(h, w, y):
+    def local(h, w, y):
+      s, n = train.linear_cross_entropy(h, w, y, chunk_size=5, logits_soft_cap=CAP)
+      return jax.lax.psum(s, "cp") / jax.lax.psum(n, "cp")
+    return jax.shard_map(local, in_specs=(P(None, "cp"), P(), P(None, "cp")), out_specs=P(),
+                         axis_names={"cp"})(h, w, y)
+
+  with jax.set_mesh(mesh):
+    args = (jax.device_put(hidden, NamedSharding(mesh, P(batch_axis, "cp"))),
+            jax.device_put(head, NamedSharding(mesh, head_spec)),
+            jax.device_put(labels, NamedSharding(mesh, P(batch_axis, "cp"))))
+    loss, grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))(*args)
+    text = jax.jit(jax.grad(objective, argnums=(0, 1))).lower(*args).compile().as_text()
+  dense = lambda h, w: (lambda s, n: s / n)(*dense_capped(h, w, labels, CAP))
+  want_loss, want_grads = jax.value_and_grad(dense, argnums=(0, 1))(hidden, head)
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+  chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-7)
+  assert grads[1].sharding.is_equivalent_to(NamedSharding(mesh, head_spec), 2)
+  if len(head_spec):           # split over the vocabulary: never whole on a device
+    assert f"f32[{vocab},{width}]" not in text

@@ -147,6 +147,17 @@ def test_mesh_step_equals_single_device_step(preset, shape, microbatches):
   assert full / per_device == pytest.approx(factor, rel=0.02), (full, per_device)
   assert step.memory_analysis().argument_size_in_bytes <= per_device + parallel.bytes_per_device(
       sharded)   # the rest is (at most) the batch's shard
+  # The embedding tables (and the tied head) stay split over fsdp x tp: no
+  # buffer of the compiled step has a whole table's shape.
+  cfg = setup(preset)[0]
+  t = cfg.text
+  tables = [(t.vocab_size, t.hidden_size)]
+  if t.hidden_size_per_layer_input:
+    tables.append((t.vocab_size_per_layer_input,
+                   t.num_hidden_layers * t.hidden_size_per_layer_input))
+  text = step._compiled().as_text()
+  for rows, cols in tables:
+    assert f"f32[{rows},{cols}]" not in text, (rows, cols)
 
 
 def test_gradient_accumulation_equals_whole_batch_step():

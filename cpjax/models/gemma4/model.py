@@ -46,6 +46,7 @@ from cpjax.parallel import gathered, lookup
 from cpjax.reference import reference_attention
 from cpjax.ring_attention import ring_attention
 from cpjax.sharding import ContextParallelSharder, CPContext, shard_sequence
+from cpjax.train import HiddenStates
 
 __all__ = ["Gemma4", "REMAT_POLICIES", "cp_logits", "gemma4_masks"]
 
@@ -291,12 +292,26 @@ class Gemma4(nnx.Module):
   def __call__(self, batch: Mapping[str, Any], *, cp: CPContext | None = None):
     """Logits float32[B, L, V] of this device's tokens (all S without ``cp``).
 
+    Training does not call this: :meth:`hidden_states` hands the loss the
+    final hidden states and the head, and the loss never holds these logits.
+
     ``batch`` holds the full-length primary streams (``input_ids``,
     ``mm_token_type_ids``, ``pixel_values``, ``image_position_ids``) and the
     per-token streams of the tokens computed here (``position_ids``,
     ``padding_mask``, ``_packed_seq_ids``): local parts under CP, as the
     model's sharder (:meth:`prepare_model_inputs_for_cp`) produces them.
     """
+    out = self.hidden_states(batch, cp=cp)
+    logits = jnp.einsum("bld,vd->blv", out.hidden, out.head, preferred_element_type=jnp.float32)
+    cap = out.logits_soft_cap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+  def hidden_states(self, batch: Mapping[str, Any], *, cp: CPContext | None = None
+                    ) -> HiddenStates:
+    """The final hidden states [B, L, D] of this device's tokens, the output
+    head [V, D] and the final soft cap: what :func:`cpjax.train.make_train_step`
+    trains through (:func:`cpjax.train.linear_cross_entropy`). Same
+    arguments as calling the model."""
     validation.mapping("batch", batch)
     missing = [k for k in MODEL_INPUTS if k not in batch]
     if missing:
@@ -306,10 +321,10 @@ class Gemma4(nnx.Module):
     if cp is not None and not isinstance(cp, CPContext):
       raise TypeError(f"cp must be a cpjax.CPContext or None, got {type(cp).__name__}")
     x, per_layer, groups = self.embed(batch, cp)
-    return self.logits_from_embeddings(x, per_layer, groups, batch, cp)
+    return self.decode(x, per_layer, groups, batch, cp)
 
-  def logits_from_embeddings(self, x, per_layer, groups, batch, cp: CPContext | None):
-    """The decoder on this device's tokens: x [B, L, D] -> logits [B, L, V]."""
+  def decode(self, x, per_layer, groups, batch, cp: CPContext | None) -> HiddenStates:
+    """The decoder on this device's tokens: embeddings x [B, L, D] -> :class:`HiddenStates`."""
     t = self.cfg.text
     positions = jnp.asarray(batch["position_ids"])
     masks = gemma4_masks(self.cfg, segment_ids=jnp.asarray(batch[DOCUMENT_IDS_KEY]),
@@ -350,9 +365,7 @@ class Gemma4(nnx.Module):
       head = self.model.language_model.embed_tokens.weight[...]
     else:
       head = self.lm_head.weight[...]
-    logits = jnp.einsum("bld,vd->blv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
-    cap = t.final_logit_softcapping
-    return logits if cap is None else cap * jnp.tanh(logits / cap)
+    return HiddenStates(x, head.astype(x.dtype), t.final_logit_softcapping)
 
   def prepare_model_inputs_for_cp(self, batch: Mapping[str, Any] | None = None, *,
                                   layout: str = "contiguous") -> dict:
