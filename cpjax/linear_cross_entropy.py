@@ -177,22 +177,36 @@ def _local_backward(hidden, head, labels, lse, g, s: _Setup):
     labels = jax.lax.all_gather(labels, s.where.batch, axis=0, tiled=True)
   start = _block_start(head, s)
 
-  def chunk(d_head, xs):
-    hc, yc, vc, lc = xs
-    z, t = _logits(hc, head, s.cap)
-    # d CE / d z = softmax - onehot on counted tokens; through the cap,
-    # d (cap tanh(x / cap)) / dx = 1 - tanh^2.
-    dz = jnp.exp(z - lc[:, None]) - _is_label(z, yc, start)
-    dz = jnp.where(vc[:, None], dz, 0.0) * g
-    if t is not None:
-      dz = dz * (1.0 - t * t)
-    dh = jnp.einsum("cv,vd->cd", dz, head, preferred_element_type=jnp.float32)
-    d_head = d_head + jnp.einsum("cv,cd->vd", dz, hc, preferred_element_type=jnp.float32)
-    return d_head, dh
-
   h, y, valid = _chunks(hidden, labels, s)
-  d_head = _zeros(head.shape, hidden, labels, head)
-  d_head, dh = jax.lax.scan(chunk, d_head, (h, y, valid, lse))
+  per_tile = _vocab_tile(head.shape[0], head.shape[1])
+
+  def tile(dh, block):
+    """One [Vt, D] tile of the head against every token chunk: its whole
+    gradient, and its part of every token's dh. Tiling the vocabulary keeps
+    a single [V, D] buffer (the gradient itself) alive, not an accumulator
+    beside each chunk's product."""
+    w, offset = block
+
+    def chunk(d_w, xs):
+      hc, yc, vc, lc = xs
+      z, t = _logits(hc, w, s.cap)
+      # d CE / d z = softmax - onehot on counted tokens; through the cap,
+      # d (cap tanh(x / cap)) / dx = 1 - tanh^2.
+      dz = jnp.exp(z - lc[:, None]) - _is_label(z, yc, start + offset)
+      dz = jnp.where(vc[:, None], dz, 0.0) * g
+      if t is not None:
+        dz = dz * (1.0 - t * t)
+      d_w = d_w + jnp.einsum("cv,cd->vd", dz, hc, preferred_element_type=jnp.float32)
+      return d_w, jnp.einsum("cv,vd->cd", dz, w, preferred_element_type=jnp.float32)
+
+    d_w, dh_part = jax.lax.scan(chunk, _zeros(w.shape, hidden, labels, head),
+                                (h, y, valid, lse))
+    return dh + dh_part, d_w
+
+  tiles = head.reshape(-1, per_tile, head.shape[1])
+  offsets = jnp.arange(tiles.shape[0], dtype=jnp.int32) * per_tile
+  dh, d_head = jax.lax.scan(tile, _zeros(h.shape, hidden, labels, head), (tiles, offsets))
+  d_head = d_head.reshape(head.shape)
   n = hidden.shape[0] * hidden.shape[1]
   dh = dh.reshape(-1, rows[-1])[:n].reshape(hidden.shape)
   # Each block's dh is a partial sum over its part of the vocabulary.
@@ -203,6 +217,17 @@ def _local_backward(hidden, head, labels, lse, g, s: _Setup):
   if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
     d_head = jax.lax.psum(d_head, s.where.batch)  # every dp shard's rows use the same head
   return dh.astype(hidden.dtype), d_head.astype(head.dtype)
+
+
+# Vocabulary rows per tile of the backward: a tile's gradient of about 2**24
+# float32 values (64 MiB).
+TILE_VALUES = 1 << 24
+
+
+def _vocab_tile(rows: int, width: int) -> int:
+  """The largest divisor of ``rows`` with at most TILE_VALUES // width values' worth of rows."""
+  top = max(1, TILE_VALUES // max(width, 1))
+  return max(d for d in range(1, min(rows, top) + 1) if rows % d == 0)
 
 
 def _specs(s: _Setup):

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cpjax.batch import IGNORE_INDEX
 from cpjax.layout import ShardLayout
 from cpjax.linear_cross_entropy import linear_cross_entropy
+from cpjax.kernels.common import varying_axes
 from cpjax.sharding import CPContext
 
 __all__ = ["HiddenStates", "TrainStep", "batch_specs", "cross_entropy", "cross_entropy_sums",
@@ -232,6 +233,11 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
   specs_of = _own_specs if batch_specs is None else batch_specs
 
   def local(params, batch):
+    # Every rank uses the same parameters on its own tokens: marking them
+    # varying once, here, makes each parameter's gradient ONE sum over the
+    # ranks (the transpose of this cast), however many times the model uses
+    # it (a tied table is looked up and is the head).
+    params = jax.tree.map(lambda x: _vary(x, manual), params)
     logits = forward(merge(params), batch, context)
     return cross_entropy_sums(logits, batch["labels"], axis_names=axes)
 
@@ -240,6 +246,11 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs), out_specs=(P(), P()),
                          axis_names=manual)(params, batch)
   return sharded
+
+
+def _vary(x, axes):
+  missing = tuple(sorted(set(axes) - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
@@ -273,11 +284,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
                            batch_axis=batch_axis, forward=forward, batch_specs=batch_specs,
                            frozen=frozen, implementation=implementation, interpret=interpret)
 
-  def sums_and_grads(params, batch):
-    """(CE sum, count) of one batch and the gradient of the CE sum."""
-    (ce_sum, count), grads = jax.value_and_grad(
-        lambda p: loss_sums(p, batch), has_aux=True)(params)
-    return ce_sum, count, grads
+  def sums_and_grads(params, batch, scaled: bool = False):
+    """(CE sum, count) of one batch and the gradient of the CE sum, or
+    (``scaled``) of the token mean: the backward then starts from
+    1 / count, so no divided copy of the gradients is ever made."""
+    ce_sum, pullback, count = jax.vjp(lambda p: loss_sums(p, batch), params, has_aux=True)
+    seed = 1.0 / jnp.maximum(count, 1.0) if scaled else jnp.ones_like(ce_sum)
+    return ce_sum, count, pullback(seed.astype(ce_sum.dtype))[0]
 
   def accumulate(params, batches):
     # Sum CE sums, counts and gradients of sums over the microbatches, one
@@ -294,12 +307,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
 
   def step(params, opt_state, batch):
     if isinstance(batch, Mapping):
-      ce_sum, count, grads = sums_and_grads(params, batch)
+      ce_sum, count, grads = sums_and_grads(params, batch, scaled=True)
+      denominator = jnp.maximum(count, 1.0)
     else:
       ce_sum, count, grads = accumulate(params, batch)
-    denominator = jnp.maximum(count, 1.0)
+      denominator = jnp.maximum(count, 1.0)
+      grads = jax.tree.map(lambda g: g / denominator, grads)
     loss = ce_sum / denominator
-    grads = jax.tree.map(lambda g: g / denominator, grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return params, opt_state, {"loss": loss, "tokens": count,
