@@ -10,6 +10,8 @@ skipped (not attempted) when its compiled scratch memory alone would exceed
 the machine's RAM; a mode stops at its first failure.
 
     python benchmarks/long_context.py [--max-seq-len 262144] [--timeout 1800]
+    python benchmarks/long_context.py --modes cp8 --min-seq-len 262144 --max-seq-len 524288 \
+        --out long_context_262k
 """
 
 from __future__ import annotations
@@ -90,10 +92,12 @@ def main(argv=None):
   parser.add_argument("--min-seq-len", type=int, default=4096)
   parser.add_argument("--max-seq-len", type=int, default=262144)
   parser.add_argument("--timeout", type=int, default=1800, help="seconds per child run")
+  parser.add_argument("--modes", nargs="+", choices=("cp8", "dense"), default=["cp8", "dense"])
+  parser.add_argument("--out", default="long_context", help="results/OUT.json")
   args = parser.parse_args(argv)
   ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   rows = []
-  for mode in ("cp8", "dense"):
+  for mode in args.modes:
     s = args.min_seq_len
     while s <= args.max_seq_len:
       print(f"{mode} S={s} ...", flush=True)
@@ -111,7 +115,7 @@ def main(argv=None):
   longest = {m: max([r["S"] for r in rows if r["mode"] == m and r.get("status") == "ok"],
                     default=None) for m in ("cp=8 ring, remat", "1 device dense")}
   print("longest S that trains:", longest)
-  print("wrote", common.write_json("long_context", {"config": vars(args), "rows": rows,
+  print("wrote", common.write_json(args.out, {"config": vars(args), "rows": rows,
                                                     "longest": longest}))
 
 

@@ -14,17 +14,22 @@ Closed form, per device (``N`` parameters, ``s = fsdp * tp`` shards, ``B``
 rows per batch shard, ``L = S / cp`` local tokens, ``a`` activation bytes):
 
 * state: parameters ``4N/s``, Adam moments ``8N/s`` (and a 4-byte step count),
-  gradients ``4N/s``;
+  gradients ``4N/s``, twice when ``cp > 1`` (the sum over the cp ranks is
+  a second buffer);
 * gathered weights (FSDP/TP gather a weight where it is used): the largest
-  decoder layer, and the embedding table, in float32;
-* full-row inputs (the model embeds the whole row before keeping its
-  slice): ``B * S * (D + layers * P) * a``, twice (value and gradient);
+  decoder layer in float32. Embedding tables and the tied head are never
+  gathered (:func:`cpjax.parallel.lookup`, the vocabulary-parallel loss);
+* full-row inputs: only integer streams (ids, soft-token numbers, vision
+  groups) see the whole row, ``3 * B * S * 4``; the embeddings and the
+  per-layer inputs are made for the local tokens;
 * saved activations: per layer its input ``B * L * D * a`` with remat (plus
   the per-layer input slice), or about ``B * L * (4D + 2(H + 2Hkv) Dh + 3I) * a``
   without;
 * one layer's recompute / backward working set: ``2 * B * L * (2 H Dh +
   4 Hkv Dh + 3 I) * a`` plus the ring's travelling K/V;
-* logits and their gradient in float32: ``3 * B * L * V * 4``.
+* the loss (:func:`cpjax.train.linear_cross_entropy`): four float32 buffers
+  of one chunk's logits ``C x V / s`` (``C`` from
+  :data:`cpjax.train.LOSS_CHUNK_LOGITS`) and one log-sum-exp per token.
 
 FLOPs: ``6 * N_active * tokens`` (plus ``2 * N_active * tokens`` for a full
 remat's recompute) and attention ``4 * S_q * S_k_visible * H * Dh`` per
@@ -51,6 +56,7 @@ import numpy as np
 __all__ = ["Plan", "compiled_plan", "estimate", "format_bytes", "parse_bytes", "smallest_mesh"]
 
 GiB = 2 ** 30
+LOSS_CHUNK_LOGITS = 1 << 26    # cpjax.train.LOSS_CHUNK_LOGITS (plan imports no JAX)
 _UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 
@@ -157,8 +163,10 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     width += t.top_k_experts * t.moe_intermediate_size / tp
   d, layers, ple = t.hidden_size, t.num_hidden_layers, t.hidden_size_per_layer_input or 0
   params, optimizer, grads = 4 * n / shards, 8 * n / shards + 4, 4 * n / shards  # + step count
-  gathered = 4 * (largest + t.vocab_size * d)
-  full_row = 2 * rows * seq_len * (d + layers * ple) * a
+  if cp > 1:
+    grads *= 2
+  gathered = 4 * largest if shards > 1 else 0
+  full_row = 3 * rows * seq_len * 4
   if remat == "none":
     saved = layers * rows * local * (4 * d + 2 * (heads + 2 * kv) * dh + 3 * width) * a
   else:
@@ -166,7 +174,8 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     if remat == "save_attention_out":
       saved += layers * rows * local * heads * dh * a
   working = 2 * rows * local * (2 * heads * dh + 4 * kv * t.global_head_dim + 3 * width) * a
-  logits = 3 * rows * local * t.vocab_size * 4
+  chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // t.vocab_size))
+  logits = 4 * chunk * t.vocab_size / shards * 4 + rows * local * 4
   activations = grads + gathered + full_row + saved + working + logits
   tokens = rows * local
   matmul = (8 if remat != "none" else 6) * active * tokens / tp

@@ -135,7 +135,7 @@ def test_plan_from_a_checkpoint_directory_reads_no_weight(capsys, monkeypatch, t
     rows.append([line.split("S=32768", 1)[1] for line in capsys.readouterr().out.splitlines()
                  if "S=32768 " in line])
   assert rows[0] == rows[1] and len(rows[0]) == 2
-  assert all("fit 88.5 GiB" in row for row in rows[0])
+  assert all("fits 88.5 GiB" in row for row in rows[0])   # 50.0 / 54.5 GiB per device
 
 
 def test_help_does_not_claim_cpu_is_the_default(capsys):

@@ -51,6 +51,11 @@ def test_smallest_mesh_fits_and_the_next_smaller_does_not():
       assert not plan.estimate(cfg, model="e4b", seq_len=131072, mesh=smaller).fits(memory)
 
 
+def test_the_closed_form_uses_the_training_loss_chunk():
+  from cpjax import train
+  assert plan.LOSS_CHUNK_LOGITS == train.LOSS_CHUNK_LOGITS
+
+
 def test_parse_bytes_errors():
   with pytest.raises(ValueError, match="must look like 16GiB"):
     plan.parse_bytes("sixteen")

@@ -334,30 +334,37 @@ class Gemma4(nnx.Module):
       if kind not in ropes:
         ropes[kind] = rope_angles(positions, t.rope_inv_freq(i), x.dtype)
 
-    def attend(q, k, v, layer):
-      mask = masks[t.layer_types[layer]]
-      if cp is None:
-        out = reference_attention(q, k, v, mask=mask, scale=1.0)
-      else:
-        out = ring_attention(q, k, v, layout=cp.layout, axis_name=cp.axis_name, mask=mask,
-                             scale=1.0, **cp.attention_options())
-      return checkpoint_name(out, "attention_out")
+    def make_attend(masks):
+      def attend(q, k, v, layer):
+        mask = masks[t.layer_types[layer]]
+        if cp is None:
+          out = reference_attention(q, k, v, mask=mask, scale=1.0)
+        else:
+          out = ring_attention(q, k, v, layout=cp.layout, axis_name=cp.axis_name, mask=mask,
+                               scale=1.0, **cp.attention_options())
+        return checkpoint_name(out, "attention_out")
+      return attend
 
     shared_kv: dict = {}
     for i, layer in enumerate(self.model.language_model.layers):
       kind = t.layer_types[i]
       pl = None if per_layer is None else per_layer[:, :, i]
-      run = functools.partial(_run_layer, rope=ropes[kind], attend=attend)
-      if self.remat != "none":
-        graphdef, state = nnx.split(layer)
-        policy = (jax.checkpoint_policies.nothing_saveable if self.remat == "full" else
-                  jax.checkpoint_policies.save_only_these_names("attention_out"))
-        x, kv = jax.checkpoint(
-            lambda st, x, pl, kv: _run_layer(nnx.merge(graphdef, st), x, pl, kv, rope=ropes[kind],
-                                             attend=attend),
-            policy=policy)(state, x, pl, dict(shared_kv))
+      if self.remat == "none":
+        x, kv = _run_layer(layer, x, pl, shared_kv, rope=ropes[kind], attend=make_attend(masks))
       else:
-        x, kv = run(layer, x, pl, shared_kv)
+        # Everything the layer reads is an argument (no array is closed
+        # over), as a custom VJP needs.
+        graphdef, state = nnx.split(layer)
+
+        def body(st, x, pl, kv, rope, masks, graphdef=graphdef):
+          return _run_layer(nnx.merge(graphdef, st), x, pl, kv, rope=rope,
+                            attend=make_attend(masks))
+        if self.remat == "full":
+          run = remat_after_cotangent(body)
+        else:
+          run = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(
+              "attention_out"))
+        x, kv = run(state, x, pl, dict(shared_kv), ropes[kind], masks)
       if t.kv_sharing_modes[i] == "store":
         shared_kv[kind] = kv
     x = self.model.language_model.norm(x)
@@ -431,6 +438,44 @@ def _remat_policy(remat: bool | str) -> str:
   if remat not in REMAT_POLICIES:
     raise ValueError(f"remat must be a bool or one of {REMAT_POLICIES}, got {remat!r}")
   return remat
+
+
+def remat_after_cotangent(fn):
+  """``jax.checkpoint(fn)`` (save nothing) whose recomputation cannot start
+  before the backward pass reaches it; ``fn(state, x, *rest, masks)`` must
+  close over no array (pass them as arguments); ``masks`` gets no gradient.
+
+  With plain ``jax.checkpoint`` XLA is free to schedule a layer's
+  recomputation as soon as its saved input exists, i.e. during the forward
+  pass, and XLA:CPU does: it drops optimization barriers before scheduling,
+  and then every layer's recomputed intermediates are alive at once, so
+  remat saved nothing (measured on the E2B slice at S = 131072, cp = 8).
+  Here the backward ties the layer's input ``x`` to the incoming cotangent
+  by data (``x`` is replaced by zeros only if the cotangent's first value
+  is NaN, when every gradient is NaN anyway), which no scheduler can
+  reorder.
+  """
+  return functools.partial(_tied_remat, fn)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tied_remat(fn, *args):
+  return fn(*args)
+
+
+def _tied_remat_fwd(fn, *args):
+  return fn(*args), args
+
+
+def _tied_remat_bwd(fn, args, g):
+  first = jax.tree.leaves(g)[0].reshape(-1)[0]
+  state, x, *rest, masks = args
+  x = jnp.where(first != first, jnp.zeros_like(x), x)
+  # The masks (integer streams) get no cotangent.
+  return (*jax.vjp(lambda *a: fn(*a, masks), state, x, *rest)[1](g), None)
+
+
+_tied_remat.defvjp(_tied_remat_fwd, _tied_remat_bwd)
 
 
 def _run_layer(layer, x, per_layer_input, shared_kv, *, rope, attend):
