@@ -249,7 +249,7 @@ class Gemma4(nnx.Module):
       inside = cut(inside, pad_value=False)
     x = lookup(lm.embed_tokens.weight[...], text_ids).astype(dt) * embed_scale(t.hidden_size, dt)
     if batch.get("pixel_values") is not None:
-      x = self._place_images(x, slot, batch)
+      x = self._place_images(x, slot, batch, cp)
     x = jnp.where(inside[..., None], x, 0)
     per_layer = None
     if t.hidden_size_per_layer_input:
@@ -273,12 +273,30 @@ class Gemma4(nnx.Module):
                                             jnp.asarray(image_position_ids), self.dtype)
     return self.model.embed_vision(pooled).astype(self.dtype), valid
 
-  def _place_images(self, x, slot, batch):
+  def _split_image_features(self, pixel_values, image_position_ids, cp: CPContext | None):
+    """:meth:`image_features` with each image computed once across the cp
+    ranks: rank r runs the tower on images ``r * P ... r * P + P - 1``
+    (``P = ceil(N / cp)``, wrapping around to real images where ``cp`` does
+    not divide ``N``) and an all-gather gives every rank all soft tokens.
+    The tower's work and activations per rank fall by ``cp``; its gradient
+    returns to the rank that computed each image."""
+    pixel_values, positions = jnp.asarray(pixel_values), jnp.asarray(image_position_ids)
+    size = 1 if cp is None else cp.layout.cp_size
+    if size == 1:
+      return self.image_features(pixel_values, positions)
+    n = pixel_values.shape[0]
+    per = -(-n // size)
+    mine = (jax.lax.axis_index(cp.axis_name) * per + jnp.arange(per)) % n
+    soft, valid = self.image_features(pixel_values[mine], positions[mine])
+    gather = functools.partial(jax.lax.all_gather, axis_name=cp.axis_name, axis=0, tiled=True)
+    return gather(soft)[:n], gather(valid)[:n]
+
+  def _place_images(self, x, slot, batch, cp: CPContext | None):
     """Soft tokens, numbered row-major over the GLOBAL batch, replace the
     image tokens: ``slot`` int[B, L] is each image token's number (-1 for
-    the rest). Every rank runs the vision tower on all of the batch's images
-    (see the README's limits)."""
-    soft, valid = self.image_features(batch["pixel_values"], batch["image_position_ids"])
+    the rest)."""
+    soft, valid = self._split_image_features(batch["pixel_values"], batch["image_position_ids"],
+                                             cp)
     n, m, d = soft.shape
     soft, valid = soft.reshape(n * m, d), valid.reshape(n * m)
     # Real bins in order: the k-th real bin lives at flat index where_real[k].
