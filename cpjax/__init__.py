@@ -1,9 +1,11 @@
 """cpjax: context-parallel training for JAX.
 
 Batch preparation (pad and shard the token streams over a named ``cp`` mesh
-axis, contiguous or load-balanced) and ring attention, as pure functions.
+axis: contiguous, load-balanced, or document-balanced for packed rows) and
+ring attention, as pure functions.
 """
 
+from cpjax.balance import balance_documents as balance_documents
 from cpjax.batch import attention_mask_to_padding_mask as attention_mask_to_padding_mask
 from cpjax.batch import next_token_labels as next_token_labels
 from cpjax.batch import normalize_batch as normalize_batch

@@ -8,10 +8,20 @@ A sequence of ``original_seq_len`` tokens is padded on the right to
 * ``"load_balanced"``: the padded sequence is cut into ``2*cp`` chunks of
   ``C = L // 2`` tokens and rank r owns chunk ``r`` followed by chunk
   ``2*cp - 1 - r`` (head-tail, a.k.a. zigzag), so every rank does the same
-  amount of causal-attention work.
+  amount of causal-attention work on ONE causal sequence.
+* ``"document_balanced"``: for rows that pack many documents. The padded row
+  is cut into ``R * cp`` stripes dealt to the ranks in a serpentine,
+  ``0 .. cp-1, cp-1 .. 0, 0 .. cp-1, ...`` (``R = stripes``, even; ``R = 2``
+  is the head-tail split), and the sharder reorders each row's whole
+  documents (:mod:`cpjax.balance`) so that every rank gets the same
+  attention work. Neighbouring stripes sit on the same or neighbouring
+  ranks, so a window no longer than a stripe still needs one hop each way.
 
 Everything else in cpjax (batch sharding, masks, ring attention) is written in
-terms of *global* token indices, so it works for either layout unchanged.
+terms of *global* token indices, so it works for any layout unchanged. Under
+``"document_balanced"`` a global index is a token's place in the reordered
+row: documents stay whole and in order inside, so causal, window, document
+and vision-group masks mean what they meant on the original row.
 
 Shape letters: ``S`` padded global length, ``L`` local length.
 """
@@ -31,11 +41,17 @@ __all__ = [
     "LAYOUT_KINDS",
     "ShardLayout",
     "local_token_indices",
+    "default_stripes",
     "padded_length",
     "rank_order",
 ]
 
-LAYOUT_KINDS = ("contiguous", "load_balanced")
+LAYOUT_KINDS = ("contiguous", "load_balanced", "document_balanced")
+# document_balanced: stripes of at least this many tokens (Gemma 4's longest
+# sliding window), so windowed layers keep the one-hop ring; at most this
+# many stripes per rank (more buys little balance, see benchmarks/document_balance.py).
+MIN_STRIPE_LEN = 1024
+MAX_STRIPES = 16
 
 
 @jax.tree_util.register_static
@@ -51,7 +67,10 @@ class ShardLayout:
     padded_seq_len: tokens after right-padding; a multiple of ``cp_size``
       (of ``2 * cp_size`` for ``"load_balanced"``).
     cp_size: number of ranks on the context-parallel axis.
-    kind: ``"contiguous"`` or ``"load_balanced"``.
+    kind: one of :data:`LAYOUT_KINDS`.
+    stripes: stripes per rank (``R``): 1 for ``"contiguous"``, 2 for
+      ``"load_balanced"``, an even number for ``"document_balanced"``
+      (None: :func:`default_stripes` of ``original_seq_len``).
     replicated_keys: batch keys that :func:`cpjax.shard_batch` left full
       length and replicated (``aux_only=True``), so that
       :func:`cpjax.unshard_batch` leaves them alone. Bookkeeping only: it does
@@ -68,6 +87,7 @@ class ShardLayout:
   cp_size: int
   kind: str = "contiguous"
   replicated_keys: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+  stripes: int | None = None
 
   def __post_init__(self):
     validation.integer("original_seq_len", self.original_seq_len, minimum=1)
@@ -75,6 +95,17 @@ class ShardLayout:
     validation.integer("cp_size", self.cp_size, minimum=1)
     if self.kind not in LAYOUT_KINDS:
       raise ValueError(f"kind must be one of {LAYOUT_KINDS}, got {self.kind!r}")
+    fixed = {"contiguous": 1, "load_balanced": 2}.get(self.kind)
+    stripes = self.stripes
+    if stripes is None:
+      stripes = fixed or default_stripes(self.original_seq_len, self.cp_size)
+    validation.integer("stripes", stripes, minimum=1)
+    if fixed is not None and stripes != fixed:
+      raise ValueError(f"a {self.kind!r} layout has stripes={fixed}, got {stripes}")
+    if fixed is None and stripes % 2:
+      raise ValueError(f"a {self.kind!r} layout needs an even number of stripes per rank "
+                       f"(each pair of passes balances a causal run), got {stripes}")
+    object.__setattr__(self, "stripes", stripes)
     if self.padded_seq_len < self.original_seq_len:
       raise ValueError(
           f"padded_seq_len ({self.padded_seq_len}) must be >= original_seq_len"
@@ -94,7 +125,7 @@ class ShardLayout:
   @property
   def num_chunks(self) -> int:
     """Number of equal contiguous chunks the padded sequence is cut into."""
-    return self.cp_size * (2 if self.kind == "load_balanced" else 1)
+    return self.cp_size * self.stripes
 
   @property
   def chunk_len(self) -> int:
@@ -106,10 +137,28 @@ class ShardLayout:
     return self.padded_seq_len - self.original_seq_len
 
   def rank_chunks(self, rank: int) -> tuple[int, ...]:
-    """The global chunk indices rank ``rank`` holds, in local order."""
-    if self.kind == "contiguous":
-      return (rank,)
-    return (rank, 2 * self.cp_size - 1 - rank)
+    """The global chunk indices rank ``rank`` holds, in local order: one per
+    pass of the serpentine (forward on even passes, backward on odd ones)."""
+    cp = self.cp_size
+    return tuple(k * cp + (rank if k % 2 == 0 else cp - 1 - rank) for k in range(self.stripes))
+
+
+def default_stripes(seq_len: int, cp_size: int) -> int:
+  """Stripes per rank of a ``"document_balanced"`` layout of a row this long.
+
+  The largest even ``R <= MAX_STRIPES`` whose stripes hold at least
+  ``MIN_STRIPE_LEN`` tokens (2 when none does). :func:`padded_length` pads
+  to a multiple of ``R * cp_size``, so padding never costs a stripe.
+
+  >>> default_stripes(131072, 8), default_stripes(131071, 8), default_stripes(64, 2)
+  (16, 14, 2)
+  """
+  validation.integer("seq_len", seq_len, minimum=1)
+  validation.integer("cp_size", cp_size, minimum=1)
+  for r in range(MAX_STRIPES, 2, -2):
+    if seq_len // (cp_size * r) >= MIN_STRIPE_LEN:
+      return r
+  return 2
 
 
 def padded_length(seq_len: int, cp_size: int, *, kind: str = "contiguous",
@@ -117,11 +166,15 @@ def padded_length(seq_len: int, cp_size: int, *, kind: str = "contiguous",
   """The padded length ``shard_batch`` uses for ``seq_len`` tokens.
 
   Rounds up to a multiple of ``cp_size * max(pad_multiple, 2)`` (as the
-  original, in both layouts) and, for ``"load_balanced"``, also of
-  ``2 * cp_size`` (they differ only for odd ``pad_multiple`` > 2).
+  original, in every layout) and, for ``"load_balanced"``, also of
+  ``2 * cp_size`` (they differ only for odd ``pad_multiple`` > 2). For
+  ``"document_balanced"`` also of ``R * cp_size``, ``R`` the stripes
+  :func:`default_stripes` gives a row of ``seq_len`` tokens.
 
   >>> padded_length(6, 2), padded_length(7, 3, pad_multiple=4)
   (8, 12)
+  >>> padded_length(131071, 8, kind="document_balanced")   # 14 stripes per rank
+  131152
   """
   validation.integer("seq_len", seq_len, minimum=1)
   validation.integer("cp_size", cp_size, minimum=1)
@@ -131,7 +184,10 @@ def padded_length(seq_len: int, cp_size: int, *, kind: str = "contiguous",
   multiple = cp_size * max(pad_multiple, 2)
   if kind == "load_balanced":
     multiple = math.lcm(multiple, 2 * cp_size)
+  if kind == "document_balanced":
+    multiple = math.lcm(multiple, cp_size * default_stripes(seq_len, cp_size))
   return -(-seq_len // multiple) * multiple
+
 
 
 def local_token_indices(layout: ShardLayout, rank) -> jax.Array:
@@ -161,13 +217,11 @@ def local_token_indices(layout: ShardLayout, rank) -> jax.Array:
                     f"{type(rank).__name__} ({rank!r})")
   if not isinstance(rank, jax.core.Tracer) and not 0 <= int(rank) < layout.cp_size:
     raise ValueError(f"rank must be in [0, {layout.cp_size}), got {int(rank)}")
-  c = layout.chunk_len
-  offsets = jnp.arange(c, dtype=jnp.int32)
+  c, cp = layout.chunk_len, layout.cp_size
   rank = jnp.asarray(rank, jnp.int32)
-  if layout.kind == "contiguous":
-    return rank * c + offsets
-  tail = 2 * layout.cp_size - 1 - rank
-  return jnp.concatenate([rank * c + offsets, tail * c + offsets])
+  passes = jnp.arange(layout.stripes, dtype=jnp.int32)
+  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 1 - rank)
+  return (chunks[:, None] * c + jnp.arange(c, dtype=jnp.int32)).reshape(-1)
 
 
 def rank_order(layout: ShardLayout) -> np.ndarray:
