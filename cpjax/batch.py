@@ -15,6 +15,8 @@ key                    shape               meaning
 ``padding_mask``       [B, S] bool         True = pad
 ``loss_mask``          [B, S]              1 = token counts in the loss
 ``_packed_seq_ids``    [B, S] int          document id 1..n, 0 = pad
+``_source_index``      [B, S] int          written by ``shard_batch`` for a
+                                           ``"document_balanced"`` layout
 ``mm_token_type_ids``  [B, S] int          1 image, 2 video (vision); else not
 ``pixel_values``       [N, ...]            images, never sequence-sharded
 =====================  ==================  =====================================
@@ -33,6 +35,7 @@ from cpjax import validation
 __all__ = [
     "DOCUMENT_IDS_KEY",
     "IGNORE_INDEX",
+    "SOURCE_INDEX_KEY",
     "attention_mask_to_padding_mask",
     "next_token_labels",
     "normalize_batch",
@@ -43,6 +46,9 @@ __all__ = [
 ]
 
 DOCUMENT_IDS_KEY = "_packed_seq_ids"
+# Under a "document_balanced" layout: for each token in rank order, its index
+# in the padded original row (cpjax.balance reorders whole documents).
+SOURCE_INDEX_KEY = "_source_index"
 IGNORE_INDEX = -100
 PRIMARY_KEYS = ("input_ids", "inputs_embeds")
 _INTEGER_KEYS = ("input_ids", "labels", "position_ids", DOCUMENT_IDS_KEY,

@@ -17,6 +17,8 @@ import math
 import os
 import sys
 
+from cpjax.layout import LAYOUT_KINDS
+
 
 class _Parser(argparse.ArgumentParser):
   """Bad flags: one line on stderr, exit code 2."""
@@ -121,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--microbatches", type=_positive, default=1, metavar="K",
                      help="gradient accumulation: each step sums K microbatches of "
                           "batch-size/K rows (default 1)")
-  train.add_argument("--layout", choices=("load_balanced", "contiguous"), default="load_balanced",
-                     help="how the sequence is split over the ranks (default load_balanced)")
+  train.add_argument("--layout", choices=LAYOUT_KINDS, default="load_balanced",
+                     help="how the sequence is split over the ranks (default load_balanced; "
+                          "document_balanced evens out packed rows)")
   train.add_argument("--steps", type=_positive, default=20, help="optimizer steps (default 20)")
   train.add_argument("--seed", type=int, default=0, help="seed for data and init (default 0)")
   train.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

@@ -25,7 +25,7 @@ from cpjax import validation
 from cpjax.layout import ShardLayout, rank_order
 from cpjax.masks import AttentionMask, resolve_mask
 from cpjax.ring_attention import ring_attention
-from cpjax.sharding import _gather_dim, _mesh_axis_size, _place
+from cpjax.sharding import _gather_dim, _mesh_axis_size, _place, take_rows
 
 __all__ = ["context_parallel_attention", "from_rank_order", "to_rank_order"]
 
@@ -43,7 +43,22 @@ def _axis(x, axis: int) -> int:
   return int(axis) % ndim
 
 
-def to_rank_order(x, layout: ShardLayout, *, axis: int = 1, pad_value=0) -> jax.Array:
+def _rows_index(x, layout: ShardLayout, axis: int, source_index, inverse: bool):
+  """The per-row index of a ``"document_balanced"`` move (argsort: the inverse)."""
+  if source_index is None:
+    raise ValueError("a 'document_balanced' layout reorders each row: pass "
+                     "source_index=batch['_source_index'] (as shard_batch returned it)")
+  index = jnp.asarray(source_index)
+  if axis == 0 or index.shape != (x.shape[axis - 1], layout.padded_seq_len):
+    raise ValueError(f"source_index must be [B, {layout.padded_seq_len}] (B = dim {axis - 1} of "
+                     f"x, the dimension before axis={axis}), got shape {tuple(index.shape)} for "
+                     f"x of shape {tuple(x.shape)}")
+  index = _gather_dim(index, 1)
+  return jnp.argsort(index, axis=1).astype(jnp.int32) if inverse else index
+
+
+def to_rank_order(x, layout: ShardLayout, *, axis: int = 1, pad_value=0,
+                  source_index=None) -> jax.Array:
   """Natural token order -> rank order, along ``axis``.
 
   ``x`` has ``layout.original_seq_len`` tokens on ``axis`` (it is then
@@ -57,6 +72,10 @@ def to_rank_order(x, layout: ShardLayout, *, axis: int = 1, pad_value=0) -> jax.
     layout: the :class:`cpjax.ShardLayout`.
     axis: the token axis.
     pad_value: value of padded tokens.
+    source_index: int[B, S], the batch's ``_source_index`` (rank order,
+      as :func:`cpjax.shard_batch` returns it); required by a
+      ``"document_balanced"`` layout, whose order differs per row. B is the
+      dimension before ``axis``.
 
   Returns:
     [..., S, ...], same dtype.
@@ -79,12 +98,15 @@ def to_rank_order(x, layout: ShardLayout, *, axis: int = 1, pad_value=0) -> jax.
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, layout.padded_seq_len - length)
     x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
+  if layout.kind == "document_balanced":
+    index = _rows_index(x, layout, axis, source_index, inverse=False)
+    return take_rows(_gather_dim(x, axis), index, seq_dim=axis, batch_dim=axis - 1)
   if layout.kind == "contiguous":
     return x
   return jnp.take(_gather_dim(x, axis), jnp.asarray(rank_order(layout), jnp.int32), axis=axis)
 
 
-def from_rank_order(x, layout: ShardLayout, *, axis: int = 1) -> jax.Array:
+def from_rank_order(x, layout: ShardLayout, *, axis: int = 1, source_index=None) -> jax.Array:
   """Rank order -> natural token order, along ``axis``; padding is kept.
 
   The inverse of :func:`to_rank_order`: slice ``[:layout.original_seq_len]``
@@ -94,6 +116,7 @@ def from_rank_order(x, layout: ShardLayout, *, axis: int = 1) -> jax.Array:
     x: [..., S, ...] in rank order (``layout.padded_seq_len`` on ``axis``).
     layout: the :class:`cpjax.ShardLayout`.
     axis: the token axis.
+    source_index: as :func:`to_rank_order`.
 
   Returns:
     [..., S, ...] in natural order, same dtype.
@@ -110,6 +133,9 @@ def from_rank_order(x, layout: ShardLayout, *, axis: int = 1) -> jax.Array:
   if x.shape[axis] != layout.padded_seq_len:
     raise ValueError(f"x must have layout.padded_seq_len = {layout.padded_seq_len} tokens on "
                      f"axis {axis}, got shape {tuple(x.shape)}")
+  if layout.kind == "document_balanced":
+    inverse = _rows_index(x, layout, axis, source_index, inverse=True)
+    return take_rows(_gather_dim(x, axis), inverse, seq_dim=axis, batch_dim=axis - 1)
   if layout.kind == "contiguous":
     return x
   inverse = jnp.asarray(np.argsort(rank_order(layout)), jnp.int32)

@@ -35,7 +35,7 @@ def demo_batch(seq_len: int = 22, seed: int = 0) -> dict:
 
 
 def run_demo(cp_size: int = 8, seq_len: int = 22) -> str:
-  """Shard :func:`demo_batch` both ways over ``cp_size`` devices; return a report."""
+  """Shard :func:`demo_batch` in every layout over ``cp_size`` devices; return a report."""
   import jax
 
   import cpjax
@@ -46,7 +46,7 @@ def run_demo(cp_size: int = 8, seq_len: int = 22) -> str:
            f"{cp_size} {jax.devices()[0].platform.upper()} devices"]
   lines.append("  document ids : " + " ".join(f"{d:2d}" for d in batch["_packed_seq_ids"][0]))
   lines.append("  token types  : " + " ".join(f"{t:2d}" for t in batch["mm_token_type_ids"][0]))
-  for kind in ("contiguous", "load_balanced"):
+  for kind in cpjax.layout.LAYOUT_KINDS:
     out, layout = cpjax.shard_batch(batch, mesh, layout=kind)
     host = {k: np.asarray(out[k]) for k in ("_packed_seq_ids", "labels")}
     lines.append(f"\n{kind}: padded {layout.original_seq_len} -> {layout.padded_seq_len}, "
@@ -54,7 +54,9 @@ def run_demo(cp_size: int = 8, seq_len: int = 22) -> str:
     lines.append("  rank  global positions        doc ids        labels")
     for r in range(cp_size):
       sl = slice(r * layout.local_seq_len, (r + 1) * layout.local_seq_len)
-      pos = np.asarray(cpjax.local_token_indices(layout, r)).tolist()
+      # document_balanced reorders whole documents: show where each token came from.
+      pos = (np.asarray(out["_source_index"])[0, sl] if "_source_index" in out
+             else np.asarray(cpjax.local_token_indices(layout, r))).tolist()
       docs = host["_packed_seq_ids"][0, sl].tolist()
       labels = host["labels"][0, sl].tolist()
       lines.append(f"  {r:>4}  {str(pos):<22}  {str(docs):<13}  {labels}")

@@ -5,6 +5,11 @@
   over ``axis_name`` (through ``jax.shard_map``), in **rank order**:
   ``out[k][:, r*L:(r+1)*L]`` is what rank r holds.
 * :func:`unshard_batch` is its exact inverse.
+* Under a ``"document_balanced"`` layout, :func:`shard_batch` first reorders
+  each row's whole documents (:func:`cpjax.balance.balance_documents`, on the
+  host) and records the order as the ``_source_index`` stream; everything
+  that cuts or restores a row (:func:`shard_sequence`,
+  :func:`unshard_batch`, :func:`cpjax.to_rank_order`) reads it.
 * :func:`shard_sequence` is the in-forward half: inside ``shard_map`` a model
   that holds a full-length stream (embeddings, vision group ids, ...) takes
   this rank's part of it, differentiably.
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from cpjax import balance
 from cpjax import batch as batch_lib
 from cpjax import validation
 from cpjax.kernels.targets import resolve_implementation
@@ -96,6 +102,19 @@ def _pad_stream(key: str, x, seq_dim: int, pad_len: int, pad_value):
   return jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
 
 
+def take_rows(x, index, *, seq_dim: int, batch_dim: int | None):
+  """``x`` gathered along ``seq_dim`` with a per-row index int[B, T]: row b
+  of the result takes positions ``index[b]`` (``batch_dim`` None: x has no
+  batch dimension and every row of ``index`` must be the same; row 0 is used)."""
+  if batch_dim is None:
+    return jnp.take(x, index[0], axis=seq_dim)
+  shape = [1] * x.ndim
+  shape[batch_dim], shape[seq_dim] = index.shape
+  full = list(x.shape)
+  full[seq_dim] = index.shape[1]
+  return jnp.take_along_axis(x, jnp.broadcast_to(index.reshape(shape), full), axis=seq_dim)
+
+
 def _check_extra_keys(batch: Mapping, extra_seq_keys, extra_pad_values):
   extra = dict(extra_seq_keys or {})
   for key, dim in extra.items():
@@ -150,11 +169,18 @@ def _sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int
 
 @functools.partial(jax.jit, static_argnames=(
     "mesh", "layout", "axis_name", "batch_axis", "dims", "batch_dims", "pad_values"))
-def _pad_and_shard(streams, *, mesh, layout, axis_name, batch_axis, dims, batch_dims, pad_values):
-  """Pad every stream and keep each rank's tokens, as one compiled program."""
+def _pad_and_shard(streams, source, *, mesh, layout, axis_name, batch_axis, dims, batch_dims,
+                   pad_values):
+  """Pad every stream and keep each rank's tokens, as one compiled program.
+
+  ``source`` (None, or int32[B, Sp] in natural slot order) reorders each row
+  before the cut; it comes back as the ``_source_index`` stream."""
   dims, batch_dims, pad_values = dict(dims), dict(batch_dims), dict(pad_values)
   padded = {k: _pad_stream(k, x, dims[k], layout.pad_len, pad_values[k])
             for k, x in streams.items()}
+  if source is not None:
+    padded[batch_lib.SOURCE_INDEX_KEY] = source
+    dims[batch_lib.SOURCE_INDEX_KEY], batch_dims[batch_lib.SOURCE_INDEX_KEY] = 1, 0
   in_specs = {k: _spec(x.ndim, seq_dim=None, axis_name=None, batch_dim=batch_dims[k],
                        batch_axis=batch_axis) for k, x in padded.items()}
   out_specs = {k: _spec(x.ndim, seq_dim=dims[k], axis_name=axis_name,
@@ -163,7 +189,13 @@ def _pad_and_shard(streams, *, mesh, layout, axis_name, batch_axis, dims, batch_
 
   def take_local(full):
     idx = local_token_indices(layout, jax.lax.axis_index(axis_name))
-    return {k: jnp.take(x, idx, axis=dims[k]) for k, x in full.items()}
+    if source is None:
+      return {k: jnp.take(x, idx, axis=dims[k]) for k, x in full.items()}
+    full = dict(full)
+    rows = jnp.take(full.pop(batch_lib.SOURCE_INDEX_KEY), idx, axis=1)   # [B, L]
+    local = {k: take_rows(x, rows, seq_dim=dims[k], batch_dim=batch_dims[k])
+             for k, x in full.items()}
+    return {**local, batch_lib.SOURCE_INDEX_KEY: rows}
 
   placed = {k: _place(x, mesh, in_specs[k]) for k, x in padded.items()}
   return jax.shard_map(take_local, mesh=mesh, in_specs=(in_specs,),
@@ -198,7 +230,11 @@ def shard_batch(
     batch: dict of [B, S, ...] arrays (see :mod:`cpjax.batch`).
     mesh: a mesh with an ``axis_name`` axis (other axes are allowed).
     axis_name: the context-parallel mesh axis.
-    layout: ``"load_balanced"`` (default) or ``"contiguous"``.
+    layout: ``"load_balanced"`` (default), ``"contiguous"`` or
+      ``"document_balanced"`` (reorders each row's whole documents so that
+      every rank gets the same attention work, and adds ``_source_index``;
+      needs concrete, not traced, document ids; the attention must mask by
+      ``_packed_seq_ids``, as every cpjax mask built from the batch does).
     aux_only: shard only the auxiliary streams; ``input_ids`` /
       ``inputs_embeds``, ``mm_token_type_ids`` and ``pixel_values`` are
       returned full length, unpadded and replicated, for a model that slices
@@ -265,11 +301,15 @@ def shard_batch(
   pad_values = {**_AUX_PAD_VALUES, "input_ids": padding_token_id,
                 "inputs_embeds": 0, "mm_token_type_ids": 0, "position_ids": None}
   pad_values.update({k: (extra_pad_values or {}).get(k, 0) for k in extra})
+  batch_dims = _batch_dims(norm, streams, extra, batch_size)
+  source = None
+  if layout == "document_balanced":
+    source = _document_order(norm, shard_layout, batch_dims)
   sharded = _pad_and_shard(
-      {k: jnp.asarray(norm[k]) for k in streams},
+      {k: jnp.asarray(norm[k]) for k in streams}, source,
       mesh=mesh, layout=shard_layout, axis_name=axis_name, batch_axis=batch_axis,
       dims=tuple(streams.items()),
-      batch_dims=tuple(_batch_dims(norm, streams, extra, batch_size).items()),
+      batch_dims=tuple(batch_dims.items()),
       pad_values=tuple((k, pad_values[k]) for k in streams))
 
   out = dict(norm)
@@ -280,6 +320,24 @@ def shard_batch(
     out[key] = _place(x, mesh, _spec(x.ndim, seq_dim=None, axis_name=None,
                                      batch_dim=bdim, batch_axis=batch_axis))
   return out, shard_layout
+
+
+def _document_order(norm: Mapping, layout: ShardLayout, batch_dims: Mapping) -> jax.Array:
+  """int32[B, Sp]: each row's balanced document order, computed on the host."""
+  ids = batch_lib.synthesize_document_ids(norm, layout.original_seq_len)[batch_lib.DOCUMENT_IDS_KEY]
+  if isinstance(ids, jax.core.Tracer):
+    raise TypeError(
+        "a 'document_balanced' layout orders each row's documents on the host from "
+        f"{batch_lib.DOCUMENT_IDS_KEY}: call shard_batch outside jit, with concrete arrays")
+  ids = np.pad(np.asarray(ids), ((0, 0), (0, layout.pad_len)))
+  source = balance.balance_documents(ids, layout)
+  shared = [k for k, d in batch_dims.items() if d is None]
+  if shared and (source != source[:1]).any():
+    raise ValueError(
+        f"stream(s) {shared} have no batch dimension, but a 'document_balanced' layout "
+        "reorders each row differently; give them a batch dimension (e.g. "
+        "[B, S] rather than [S])")
+  return jnp.asarray(source)
 
 
 def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
@@ -316,22 +374,46 @@ def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
       raise ValueError(
           f"{key} must have the padded length {layout.padded_seq_len} on dim {dim}, "
           f"got shape {tuple(jnp.shape(batch[key]))}")
-  out = dict(batch)
-  out.update(_restore_order({k: jnp.asarray(batch[k]) for k in streams},
-                            layout=layout, dims=tuple(streams.items())))
+  source = source_index(batch, layout)
+  out = {k: v for k, v in batch.items() if k != batch_lib.SOURCE_INDEX_KEY}
+  out.update(_restore_order({k: jnp.asarray(batch[k]) for k in streams}, source,
+                            layout=layout, dims=tuple(streams.items()),
+                            batch_dims=tuple(_batch_dims(
+                                batch, streams, extra,
+                                0 if source is None else jnp.shape(source)[0]).items())))
   return out
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "dims"))
-def _restore_order(streams, *, layout, dims):
+def source_index(batch: Mapping[str, Any], layout: ShardLayout):
+  """The ``_source_index`` stream a ``"document_balanced"`` layout needs (None
+  for the other kinds), checked: [B, padded_seq_len] integers."""
+  if layout.kind != "document_balanced":
+    return None
+  if batch_lib.SOURCE_INDEX_KEY not in batch:
+    raise KeyError(f"a 'document_balanced' layout reorders each row: the batch must carry the "
+                   f"{batch_lib.SOURCE_INDEX_KEY!r} stream shard_batch wrote (keys: {sorted(batch)})")
+  src = batch[batch_lib.SOURCE_INDEX_KEY]
+  if jnp.ndim(src) != 2 or jnp.shape(src)[1] != layout.padded_seq_len:
+    raise ValueError(f"{batch_lib.SOURCE_INDEX_KEY} must be [B, {layout.padded_seq_len}], got "
+                     f"shape {tuple(jnp.shape(src))}")
+  return jnp.asarray(src)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "dims", "batch_dims"))
+def _restore_order(streams, source, *, layout, dims, batch_dims):
   """Global token order and original length for every stream, compiled once."""
-  dims = dict(dims)
-  inverse = jnp.asarray(np.argsort(rank_order(layout)), jnp.int32)
+  dims, batch_dims = dict(dims), dict(batch_dims)
   out = {}
+  if source is not None:
+    source = _gather_dim(source, 1)
+    inverse = jnp.argsort(source, axis=1).astype(jnp.int32)     # a permutation: exact
+  else:
+    inverse = jnp.asarray(np.argsort(rank_order(layout)), jnp.int32)[None]
   for key, x in streams.items():
     x = _gather_dim(x, dims[key])
     if layout.kind != "contiguous":
-      x = jnp.take(x, inverse, axis=dims[key])
+      x = take_rows(x, inverse, seq_dim=dims[key],
+                    batch_dim=None if source is None else batch_dims[key])
     out[key] = jax.lax.slice_in_dim(x, 0, layout.original_seq_len, axis=dims[key])
   return out
 
@@ -352,21 +434,26 @@ def _gather_dim(x, dim: int):
 
 
 def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
-                   seq_axis: int = 1, pad_value=0):
+                   seq_axis: int = 1, pad_value=0, source_index=None):
   """This rank's part of a full-length stream, called inside ``shard_map``.
 
   Pads ``x`` on the right along ``seq_axis`` to ``layout.padded_seq_len`` with
-  ``pad_value`` and takes the positions ``local_token_indices(layout, rank)``.
-  Differentiable: the gradient reaches exactly the owned positions. At
-  ``cp_size == 1`` no collective or axis is needed and it only pads (the
-  identity when ``x`` is already ``padded_seq_len`` long).
+  ``pad_value`` and takes the positions ``local_token_indices(layout, rank)``
+  (under a ``"document_balanced"`` layout, each row's positions
+  ``source_index``). Differentiable: the gradient reaches exactly the owned
+  positions. At ``cp_size == 1`` no collective or axis is needed and it only
+  pads (the identity when ``x`` is already ``padded_seq_len`` long).
 
   Args:
     x: [..., S or Sp, ...] full-length stream (``S`` on ``seq_axis``).
     layout: the :class:`ShardLayout` the batch was sharded with.
     axis_name: the context-parallel mesh axis.
-    seq_axis: the sequence dimension of ``x``.
+    seq_axis: the sequence dimension of ``x``; its batch dimension, when
+      ``source_index`` is used, is the one before.
     pad_value: value of padded positions.
+    source_index: int[B, L], this rank's part of the batch's
+      ``_source_index`` stream; required by a ``"document_balanced"``
+      layout, ignored by the others.
 
   Returns:
     [..., L, ...], same dtype.
@@ -397,6 +484,17 @@ def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
   widths = [(0, 0)] * x.ndim
   widths[seq_axis] = (0, layout.padded_seq_len - length)
   x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
+  if layout.kind == "document_balanced":
+    if source_index is None:
+      raise ValueError("a 'document_balanced' layout reorders each row: pass "
+                       "source_index=batch['_source_index'] (this rank's part)")
+    index = jnp.asarray(source_index)
+    if seq_axis == 0 or index.shape != (x.shape[seq_axis - 1], layout.local_seq_len):
+      raise ValueError(
+          f"source_index must be [B, {layout.local_seq_len}] (B = dim {seq_axis - 1} of x, "
+          f"the dimension before seq_axis={seq_axis}), got shape {tuple(index.shape)} for x "
+          f"of shape {tuple(x.shape)}")
+    return take_rows(x, index, seq_dim=seq_axis, batch_dim=seq_axis - 1)
   if layout.cp_size == 1:
     return x
   idx = local_token_indices(layout, jax.lax.axis_index(axis_name))

@@ -34,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cpjax import validation
-from cpjax.batch import DOCUMENT_IDS_KEY, vision_group_ids
+from cpjax.batch import DOCUMENT_IDS_KEY, SOURCE_INDEX_KEY, vision_group_ids
 from cpjax.layout import LAYOUT_KINDS
 from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameSegment, SameVisionGroup
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
@@ -243,7 +243,8 @@ class Gemma4(nnx.Module):
     text_ids, slot, groups = streams["text_ids"], streams["image_slot"], streams["vision_groups"]
     inside = jnp.ones(text_ids.shape, bool)
     if cp is not None:
-      cut = functools.partial(shard_sequence, layout=cp.layout, axis_name=cp.axis_name)
+      cut = functools.partial(shard_sequence, layout=cp.layout, axis_name=cp.axis_name,
+                              source_index=batch.get(SOURCE_INDEX_KEY))
       text_ids, slot = cut(text_ids, pad_value=t.pad_token_id), cut(slot, pad_value=-1)
       groups = None if groups is None else cut(groups, pad_value=-1)
       inside = cut(inside, pad_value=False)
@@ -447,7 +448,8 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
   with jax.set_mesh(mesh):
     state = jax.device_put(state, NamedSharding(mesh, P()))
     logits = jax.jit(run)(state, sharded)
-  return from_rank_order(logits, shard_layout)[:, :shard_layout.original_seq_len]
+  return from_rank_order(logits, shard_layout, source_index=sharded.get(SOURCE_INDEX_KEY)
+                         )[:, :shard_layout.original_seq_len]
 
 
 def _remat_policy(remat: bool | str) -> str:
