@@ -8,6 +8,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cpjax
+from cpjax import balance
 from tests.helpers import cp_mesh
 
 META_KEYS = ("segment_ids", "padding_mask", "vision_group_ids")
@@ -44,21 +45,31 @@ def packed_metadata(rng, b, s, *, pad_from=None, vision=False, n_docs=3):
 
 
 def ring(q, k, v, w, *, cp: int, kind: str, meta=None, grads=True, mesh=None,
-         batch_axis=None, **kw):
+         batch_axis=None, stripes=None, **kw):
   """Ring attention of full-sequence arrays; returns (out, (dq, dk, dv)) in global order.
 
   The loss for gradients is ``sum(out * w)``.
   """
   meta = {k_: v_ for k_, v_ in (meta or {}).items() if v_ is not None}
-  s = q.shape[1]
-  layout = cpjax.ShardLayout(s, s, cp, kind)
-  order = cpjax.rank_order(layout)
-  inverse = np.argsort(order)
+  b, s = q.shape[:2]
+  layout = cpjax.ShardLayout(s, s, cp, kind, stripes=stripes)
+  # Row b in rank order is x[b, order[b]]: per row under document_balanced,
+  # whose documents the host reorders (its mask must separate documents).
+  if kind == "document_balanced":
+    order = balance.balance_documents(meta["segment_ids"], layout)[:, cpjax.rank_order(layout)]
+  else:
+    order = np.broadcast_to(cpjax.rank_order(layout), (b, s))
+  inverse = np.argsort(order, axis=1)
   mesh = cp_mesh(cp) if mesh is None else mesh
   spec = P(batch_axis, "cp")
 
+  def rows(x, index):
+    x = np.asarray(jnp.asarray(x, jnp.float32) if x.dtype == jnp.bfloat16 else x)
+    index = index.reshape(index.shape + (1,) * (x.ndim - 2))
+    return np.take_along_axis(x, index, axis=1)
+
   def place(x):
-    return jax.device_put(jnp.asarray(x)[:, order], NamedSharding(mesh, spec))
+    return jax.device_put(jnp.asarray(rows(x, order), x.dtype), NamedSharding(mesh, spec))
 
   def local(q, k, v, meta):
     return cpjax.ring_attention(q, k, v, layout=layout, **meta, **kw)
@@ -77,7 +88,7 @@ def ring(q, k, v, w, *, cp: int, kind: str, meta=None, grads=True, mesh=None,
 
   with jax.set_mesh(mesh):
     out, g = run(*args, w_r)
-  unorder = lambda x: np.asarray(jnp.asarray(x, jnp.float32))[:, inverse]
+  unorder = lambda x: rows(np.asarray(jnp.asarray(x, jnp.float32)), inverse)
   return unorder(out), (None if g is None else tuple(unorder(x) for x in g))
 
 

@@ -178,7 +178,7 @@ def test_batches_are_checked_before_sharding(case, function):
 @pytest.mark.parametrize("kw, err, match", [
     ({"padding_token_id": 1.5}, TypeError, "padding_token_id must be an int, got float"),
     ({"padding_token_id": 2**40}, ValueError, "padding_token_id holds values outside int32"),
-    ({"layout": "zigzag"}, ValueError, r"layout must be one of \('contiguous', 'load_balanced'\)"),
+    ({"layout": "zigzag"}, ValueError, r"layout must be one of \('contiguous', 'load_balanced', 'document_balanced'\)"),
     ({"axis_name": "sp"}, ValueError, r"axis_name='sp' is not an axis of the mesh"),
     ({"batch_axis": "cp"}, ValueError, "batch_axis must differ from axis_name"),
     ({"pad_multiple": 0}, ValueError, "pad_multiple must be an int >= 1, got 0"),
@@ -410,7 +410,7 @@ def test_gemma4_model_call_names_what_the_batch_lacks():
   with pytest.raises(ValueError, match="layout must be one of"):
     gemma4.cp_logits(model, gemma4.prepare_batch({"input_ids": IDS}, CFG), cp_mesh(2),
                      layout="zigzag")
-  with pytest.raises(ValueError, match=r"layout must be one of \('contiguous', 'load_balanced'\)"):
+  with pytest.raises(ValueError, match=r"layout must be one of \('contiguous', 'load_balanced', 'document_balanced'\)"):
     model.prepare_model_inputs_for_cp(layout="zigzag")
 
 

@@ -109,7 +109,11 @@ def test_demo_prints_each_ranks_part(capsys, monkeypatch):
   # Rank 1's global positions, hand-worked: contiguous [6, 12); load-balanced
   # chunks 1 and 2 of four 3-token chunks.
   assert "1  [6, 7, 8, 9, 10, 11]" in out and "1  [3, 4, 5, 6, 7, 8]" in out
-  assert out.count("unshard_batch restores the batch bit-exactly: True") == 2
+  # document_balanced (chunks of 3; documents 1..3 of 7, 2 and 2 tokens, then a
+  # pad): as packed, rank 0 holds work 1+2+3 + 1+2 = 9 and rank 1 22 + 3 = 25;
+  # in the order [3, 2, 1, pad] each holds 17. Shown: each token's row index.
+  assert "0  [9, 10, 7, 5, 6, 11]" in out and "1  [8, 0, 1, 2, 3, 4]" in out
+  assert out.count("unshard_batch restores the batch bit-exactly: True") == 3
 
 
 def test_version(capsys):

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import cpjax
 from cpjax import train
 from cpjax.models import gemma4
 from tests.helpers import cp_mesh
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4")
 MODELS = ("ple_kv_sharing", "moe_k_eq_v_vision", "bidirectional_all")
-KINDS = ("contiguous", "load_balanced")
+KINDS = cpjax.layout.LAYOUT_KINDS
 # float32: max |logit difference| on real tokens, logits ~8.5 std (the issue's bound).
 F32_TOL = 1e-4
 
@@ -89,7 +90,8 @@ def test_bfloat16_logits_as_accurate_as_transformers_bfloat16(name):
 # layout; the other twelve pairs are marked slow (`make soak`).
 IN_CI = {("ple_kv_sharing", 2, "load_balanced"), ("ple_kv_sharing", 8, "contiguous"),
          ("moe_k_eq_v_vision", 4, "contiguous"), ("moe_k_eq_v_vision", 8, "load_balanced"),
-         ("bidirectional_all", 2, "contiguous"), ("bidirectional_all", 4, "load_balanced")}
+         ("bidirectional_all", 2, "contiguous"), ("bidirectional_all", 4, "load_balanced"),
+         ("moe_k_eq_v_vision", 2, "document_balanced")}
 
 
 @pytest.mark.parametrize("name,cp,layout", [
@@ -115,10 +117,10 @@ def test_cp_logits_on_a_dp_cp_mesh(name, kind):
   assert max_error(got, logits[f"{kind}/float64"], inputs) <= F32_TOL
 
 
-def training_batch(name):
-  """The fixture's image batch with next-token labels (images and padding ignored)."""
+def training_batch(name, kind="images"):
+  """A fixture batch with next-token labels (images and padding ignored)."""
   model, batches, _ = fixture(name)
-  inputs = dict(batches["images"])
+  inputs = dict(batches[kind])
   ids = inputs["input_ids"]
   labels = np.where(np.roll(real_tokens(inputs), -1, axis=1), np.roll(ids, -1, axis=1), -100)
   labels[:, -1] = -100
@@ -137,8 +139,8 @@ def assert_grads_close(got, want, rtol=1e-4):
 
 
 @functools.cache
-def single_device(name):
-  model, batch = training_batch(name)
+def single_device(name, kind="images"):
+  model, batch = training_batch(name, kind)
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   loss = train.make_loss_fn(graphdef, frozen=buffers)
   objective = lambda p: (lambda s, n: s / n)(*loss(p, gemma4.prepare_batch(batch, model.cfg)))
@@ -155,17 +157,23 @@ def single_device(name):
     ("moe_k_eq_v_vision", 8, "load_balanced", 1),
     pytest.param("moe_k_eq_v_vision", 4, "load_balanced", 2, marks=pytest.mark.slow),
     ("bidirectional_all", 4, "contiguous", 1),
-    pytest.param("bidirectional_all", 4, "load_balanced", 1, marks=pytest.mark.slow)])
+    pytest.param("bidirectional_all", 4, "load_balanced", 1, marks=pytest.mark.slow),
+    # Packed documents (and a padded image row, slow) reordered per row.
+    ("ple_kv_sharing", 4, "document_balanced", 2),
+    pytest.param("moe_k_eq_v_vision", 8, "document_balanced", 1, marks=pytest.mark.slow)])
 def test_cp_loss_and_gradients_equal_single_device(name, cp, layout, dp):
-  model, batch = training_batch(name)
-  ref_loss, ref_grads = single_device(name)
+  kind = "packed" if (name, layout) == ("ple_kv_sharing", "document_balanced") else "images"
+  model, batch = training_batch(name, kind)
+  ref_loss, ref_grads = single_device(name, kind)
   if dp == 1:
     mesh, batch_axis = cp_mesh(cp), None
   else:
     mesh = jax.make_mesh((dp, cp), ("dp", "cp"), devices=jax.devices()[:dp * cp])
     batch_axis = "dp"
   sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
-  sharded, shard_layout = sharder.shard_batch(batch, mesh, batch_axis=batch_axis)
+  # prepare_batch reads the packed documents from the position resets.
+  sharded, shard_layout = sharder.shard_batch(gemma4.prepare_batch(batch, model.cfg), mesh,
+                                              batch_axis=batch_axis)
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   loss = train.make_loss_fn(graphdef, mesh=mesh, layout=shard_layout, batch_axis=batch_axis,
                             frozen=buffers)

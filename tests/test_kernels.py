@@ -37,7 +37,7 @@ def check(target, *, cp, kind, s, hq=4, hkv=2, d=32, dtype=np.float32, docs=Fals
     meta.pop("padding_mask")
   out, grads = H.ring(*inputs, cp=cp, kind=kind, meta=meta, implementation=target,
                       interpret=True, **kw)
-  for ring_only in ("block_q", "block_kv"):
+  for ring_only in ("block_q", "block_kv", "stripes"):
     kw.pop(ring_only, None)
   ref_out, ref_grads = H.reference(*inputs, meta=meta, **kw)
   chex.assert_tree_all_finite((out, grads))
@@ -61,6 +61,9 @@ GPU_CASES = {
                                      sliding_window=24),
     "cp4-lb-bf16": dict(cp=4, kind="load_balanced", s=256, docs=True, dtype=jnp.bfloat16,
                         tol=BF16),
+    # Rows reordered by document, four 16-token stripes per rank.
+    "cp4-db-docs-window": dict(cp=4, kind="document_balanced", s=256, docs=True, pad_from=240,
+                               sliding_window=20, stripes=4),
 }
 
 
@@ -80,6 +83,8 @@ TPU_CASES = {
                             dtype=jnp.bfloat16, tol=BF16),
     "cp8-lb-docs-padding": dict(cp=8, kind="load_balanced", s=2048, hq=2, hkv=1, d=16,
                                 docs=True, pad_from=1900),
+    "cp2-db-docs-window": dict(cp=2, kind="document_balanced", s=1024, hq=2, hkv=1, d=16,
+                               docs=True, pad_from=1000, sliding_window=150, stripes=4),
     # Bidirectional masks with G = 4: block_q = 32 tokens makes 128-row tiles;
     # hops hold empty, partial and full tiles.
     "cp2-bidirectional-window-gqa4": dict(cp=2, kind="contiguous", s=512, hq=8, hkv=2,
