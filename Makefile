@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/cpjax train
 
+# Two workers, one per core of the CI machine; each test file stays on one
+# worker so its module fixtures compile once.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # Every property test with 200 examples each, the slow-marked cases and the
 # mutation check (not in CI: about 30 minutes on 2 cores).
