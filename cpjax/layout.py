@@ -162,30 +162,32 @@ def default_stripes(seq_len: int, cp_size: int) -> int:
 
 
 def padded_length(seq_len: int, cp_size: int, *, kind: str = "contiguous",
-                  pad_multiple: int = 1) -> int:
+                  pad_multiple: int = 1, chunk_multiple: int = 1) -> int:
   """The padded length ``shard_batch`` uses for ``seq_len`` tokens.
 
   Rounds up to a multiple of ``cp_size * max(pad_multiple, 2)`` (as the
   original, in every layout) and, for ``"load_balanced"``, also of
   ``2 * cp_size`` (they differ only for odd ``pad_multiple`` > 2). For
   ``"document_balanced"`` also of ``R * cp_size``, ``R`` the stripes
-  :func:`default_stripes` gives a row of ``seq_len`` tokens.
+  :func:`default_stripes` gives a row of ``seq_len`` tokens. With
+  ``chunk_multiple``, every chunk of the layout also holds a multiple of
+  that many tokens (what a Pallas target's tiles need).
 
   >>> padded_length(6, 2), padded_length(7, 3, pad_multiple=4)
   (8, 12)
   >>> padded_length(131071, 8, kind="document_balanced")   # 14 stripes per rank
   131152
+  >>> padded_length(56, 2, kind="load_balanced", chunk_multiple=16)   # 4 chunks of 16
+  64
   """
   validation.integer("seq_len", seq_len, minimum=1)
   validation.integer("cp_size", cp_size, minimum=1)
   validation.integer("pad_multiple", pad_multiple, minimum=1)
+  validation.integer("chunk_multiple", chunk_multiple, minimum=1)
   if kind not in LAYOUT_KINDS:
     raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {kind!r}")
-  multiple = cp_size * max(pad_multiple, 2)
-  if kind == "load_balanced":
-    multiple = math.lcm(multiple, 2 * cp_size)
-  if kind == "document_balanced":
-    multiple = math.lcm(multiple, cp_size * default_stripes(seq_len, cp_size))
+  stripes = {"contiguous": 1, "load_balanced": 2}.get(kind) or default_stripes(seq_len, cp_size)
+  multiple = math.lcm(cp_size * max(pad_multiple, 2), cp_size * stripes * chunk_multiple)
   return -(-seq_len // multiple) * multiple
 
 

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.pallas import tpu as pltpu
 
 from cpjax.kernels import common as kernel_common
 from cpjax.kernels.common import KernelParams
@@ -607,8 +608,11 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
     implementation: the per-hop backend: ``"xla"`` (a tile loop, any
       backend), ``"pallas_tpu"`` or ``"pallas_gpu"`` (fused kernels), or
       None for the default backend's Pallas target (XLA on CPU).
-    interpret: run the Pallas target's kernels in Pallas' interpreter (any
-      backend; slow, for tests). Ignored by ``"xla"``.
+    interpret: run the Pallas target's kernels in Pallas' HLO interpreter
+      (any backend; slow, for tests), or, for ``"pallas_tpu"``, a
+      ``pltpu.InterpretParams`` for Pallas' TPU interpreter (which simulates
+      Mosaic's memory spaces and DMAs and can detect races; much slower).
+      Ignored by ``"xla"``.
 
   Returns:
     [B, L, Hq, D] in q's dtype. Rows with nothing allowed are 0, with zero
@@ -643,15 +647,22 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
                       segment_ids=segment_ids, padding_mask=padding_mask,
                       vision_group_ids=vision_group_ids)
   mask = mask.validate(b, l, where="[B, L] (q's first two dimensions)")
-  if not isinstance(interpret, (bool, np.bool_)):
-    raise TypeError(f"interpret must be a bool, got {type(interpret).__name__} ({interpret!r})")
   implementation = resolve_implementation(implementation)
+  if isinstance(interpret, pltpu.InterpretParams):
+    if implementation != "pallas_tpu":
+      raise ValueError(f"interpret=pltpu.InterpretParams(...) runs Mosaic kernels: it needs "
+                       f"implementation='pallas_tpu', got {implementation!r}")
+  elif not isinstance(interpret, (bool, np.bool_)):
+    raise TypeError(f"interpret must be a bool or a pltpu.InterpretParams, got "
+                    f"{type(interpret).__name__} ({interpret!r})")
+  else:
+    interpret = bool(interpret)
   g = hq // hkv
   block_q, block_kv = _block_sizes(layout, implementation, d, g, block_q, block_kv)
   kernel = None
   if implementation != "xla":
     kernel = KernelParams(rule=mask.rule, soft_cap=logits_soft_cap, block_q=block_q,
-                          block_kv=block_kv, groups=g, interpret=bool(interpret))
+                          block_kv=block_kv, groups=g, interpret=interpret)
   cfg = _Config(
       layout=layout, axis_name=axis_name, rule=mask.rule, plan=ring_plan(layout, mask=mask),
       scale=d ** -0.5 if scale is None else scale, soft_cap=logits_soft_cap, block_q=block_q,

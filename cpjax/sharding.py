@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cpjax import balance
 from cpjax import batch as batch_lib
 from cpjax import validation
-from cpjax.kernels.targets import resolve_implementation
+from cpjax.kernels.targets import TARGETS, resolve_implementation
 from cpjax.layout import LAYOUT_KINDS, ShardLayout, local_token_indices, padded_length, rank_order
 
 __all__ = [
@@ -64,6 +64,12 @@ def _mesh_axis_size(mesh: Mesh, name: str, argument: str) -> int:
         f"{argument}={name!r} is not an axis of the mesh; mesh axes are "
         f"{tuple(mesh.axis_names)}")
   return dict(mesh.shape)[name]
+
+
+def _platform(mesh) -> str | None:
+  """The platform of a concrete mesh's devices (None for an abstract mesh)."""
+  devices = getattr(mesh, "devices", None)
+  return None if devices is None else np.asarray(devices).flat[0].platform
 
 
 def _place(x, mesh: Mesh, spec: P):
@@ -215,6 +221,7 @@ def shard_batch(
     extra_pad_values: Mapping[str, Any] | None = None,
     pad_multiple: int = 1,
     batch_axis: str | None = None,
+    implementation: str | None = None,
 ) -> tuple[dict, ShardLayout]:
   """Normalise, pad and shard a batch's sequence streams over ``axis_name``.
 
@@ -251,6 +258,11 @@ def shard_batch(
     extra_pad_values: ``{key: pad_value}`` for those (default 0).
     pad_multiple: extra padding granularity (>= 1).
     batch_axis: optional mesh axis to shard the batch dimension over.
+    implementation: the ring's per-hop backend the batch is for (as
+      :func:`cpjax.ring_attention`; None: the mesh's platform's default).
+      With the default ``pad_multiple``, rows are padded so that every layout
+      chunk is a multiple of what a Pallas target tiles (128 tokens on TPU,
+      16 on GPU), so any length runs; padding stays masked.
 
   Returns:
     ``(sharded_batch, layout)``: global arrays in rank order, and the
@@ -292,7 +304,12 @@ def shard_batch(
         f"batch size {batch_size} must be divisible by the size {dp_size} of "
         f"batch_axis={batch_axis!r}")
 
-  padded = padded_length(seq_len, cp_size, kind=layout, pad_multiple=pad_multiple)
+  chunk_multiple = 1
+  if pad_multiple == 1:     # the caller's own pad_multiple wins
+    target = resolve_implementation(implementation, platform=_platform(mesh))
+    chunk_multiple = TARGETS[target].chunk_multiple if target in TARGETS else 1
+  padded = padded_length(seq_len, cp_size, kind=layout, pad_multiple=pad_multiple,
+                         chunk_multiple=chunk_multiple)
   streams = _sequence_streams(norm, aux_only=aux_only, extra=extra)
   replicated = tuple(k for k in (*_PRIMARY_STREAMS, *_REPLICATED_ALWAYS)
                      if k in norm and k not in streams)

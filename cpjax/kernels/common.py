@@ -17,7 +17,7 @@ tile, ``nq``/``nk`` row and key blocks.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ class KernelParams:
   block_q: int      # tokens per query tile
   block_kv: int     # keys per key tile
   groups: int       # G = Hq // Hkv
-  interpret: bool
+  interpret: Any   # bool, or a pltpu.InterpretParams (hashable) for Pallas' TPU interpreter
 
   @property
   def rows(self) -> int:
@@ -157,10 +157,15 @@ def launch(params: KernelParams, make_call, *args):
   ``params.interpret`` (see :mod:`cpjax.kernels.interpret`)."""
   if not params.interpret:
     return make_call(interpret=False)(*args)
+  if not isinstance(params.interpret, bool):
+    # Pallas' TPU interpreter threads ordered callback effects, which the
+    # opaque wrapper below cannot carry: it runs as is (one device, cp = 1).
+    return make_call(interpret=params.interpret)(*args)
   out = make_call.keywords["out_shape"]
   single = not isinstance(out, (list, tuple))
   outs = [out] if single else list(out)
-  results = _interpret.run(lambda *a: jax.tree.leaves(make_call(interpret=True)(*a)), *args,
+  results = _interpret.run(lambda *a: jax.tree.leaves(make_call(interpret=params.interpret)(*a)),
+                           *args,
                            out_shapes=[(o.shape, o.dtype) for o in outs])
   return results[0] if single else results
 

@@ -51,6 +51,13 @@ class KernelTarget:
   platforms: tuple[str, ...]
   tiles: tuple[tuple[int, int, int], ...]
 
+  @property
+  def chunk_multiple(self) -> int:
+    """Tokens a layout chunk must be a multiple of for this target's tiles to
+    divide it (``shard_batch`` pads rows to it): Mosaic's 128 lanes, Triton's
+    smallest power-of-two tile."""
+    return 128 if self.name == "pallas_tpu" else 16
+
   def default_tile(self, head_dim: int) -> tuple[int, int]:
     """(rows, keys) of the tile record for ``head_dim``."""
     for max_d, rows, keys in self.tiles:

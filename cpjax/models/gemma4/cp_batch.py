@@ -77,6 +77,7 @@ def shard_aux_only_cp_batch(
     pad_multiple: int = 1,
     batch_axis: str | None = None,
     image_token_id: int | None = None,
+    implementation: str | None = None,
 ) -> tuple[dict, ShardLayout]:
   """Gemma4's aux-only CP shard in either layout.
 
@@ -110,7 +111,7 @@ def shard_aux_only_cp_batch(
       batch, mesh, axis_name=axis_name, layout=layout, aux_only=True,
       loss_mask=loss_mask, padding_token_id=padding_token_id,
       extra_seq_keys=extra_seq_keys, extra_pad_values=extra_pad_values,
-      pad_multiple=pad_multiple, batch_axis=batch_axis)
+      pad_multiple=pad_multiple, batch_axis=batch_axis, implementation=implementation)
   if image_token_id is not None and "input_ids" in batch:
     is_image = jnp.asarray(batch["input_ids"]) == image_token_id
   elif "mm_token_type_ids" in batch:

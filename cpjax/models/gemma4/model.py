@@ -436,7 +436,8 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
     batch["labels"] = jnp.full(jnp.shape(batch["input_ids"]), -100, jnp.int32)
   sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
   sharded, shard_layout = sharder.shard_batch(batch, mesh, axis_name=axis_name,
-                                              batch_axis=batch_axis)
+                                              batch_axis=batch_axis,
+                                              implementation=implementation)
   graphdef, state = nnx.split(model)
   context = CPContext(shard_layout, axis_name, implementation, interpret)
   specs = batch_specs(sharded)
