@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[peers]"
 	$(BIN)/python benchmarks/shard_batch.py
 	$(BIN)/python benchmarks/ring_attention.py
+	$(BIN)/python benchmarks/document_balance.py
 	$(BIN)/python benchmarks/long_context.py
 	$(BIN)/python benchmarks/data_pipeline.py
 	$(BIN)/python benchmarks/load_checkpoint.py
