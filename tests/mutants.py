@@ -36,6 +36,22 @@ class Mutant:
 TILES = "tests/test_tile_schedule.py"
 
 MUTANTS = (
+    # --- document_balanced (issue 20)
+    Mutant("layout: document_balanced stripes dealt cyclically, not in a serpentine",
+           "cpjax/layout.py",
+           "  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 1 - rank)",
+           "  chunks = passes * cp + rank",
+           ("tests/test_document_balance.py::test_stripes_are_dealt_in_a_serpentine",)),
+    Mutant("sharding: unshard_batch applies the row order instead of its inverse",
+           "cpjax/sharding.py",
+           "    inverse = jnp.argsort(source, axis=1).astype(jnp.int32)     # a permutation: exact",
+           "    inverse = source.astype(jnp.int32)",
+           ("tests/test_document_balance.py::test_shard_then_unshard_is_bit_exact",)),
+    Mutant("balance: the document a stripe boundary cuts counts one token short",
+           "cpjax/balance.py",
+           "  cut = np.where(np.take_along_axis(real[orders], doc, 1), into * (into + 1) / 2, 0.0)",
+           "  cut = np.where(np.take_along_axis(real[orders], doc, 1), into * (into - 1) / 2, 0.0)",
+           ("tests/test_document_balance.py::test_search_scores_equal_the_work_of_the_reordered_row",)),
     # --- the five of the review that found them surviving
     Mutant("train: the loss picks the logit of labels + 1", "cpjax/train.py",
            "vocab == labels[..., None]", "vocab == labels[..., None] + 1",

@@ -129,6 +129,26 @@ def test_orders_move_whole_documents(cp, b, pad, seed):
     assert len(set(starts[starts > 0].tolist())) == int((starts > 0).sum())
 
 
+@given(cp=st.sampled_from([2, 4]), stripes=st.sampled_from([2, 4]), seed=st.integers(0, 10_000))
+def test_search_scores_equal_the_work_of_the_reordered_row(cp, stripes, seed):
+  """The search's closed-form score (work at the stripe boundaries) equals
+  the busiest rank's work summed token by token on the reordered row."""
+  s = cp * stripes * 16
+  lay = cpjax.ShardLayout(s, s, cp, KIND, stripes=stripes)
+  rng = np.random.default_rng(seed)
+  ids = packed_ids(rng, 1, s, pad=5)
+  starts, lengths = balance._runs(ids[0])
+  real = ids[0][starts] != 0
+  owner = np.empty(s, np.int64)
+  owner[cpjax.rank_order(lay)] = np.arange(s) // lay.local_seq_len
+  orders = np.stack([rng.permutation(len(starts)) for _ in range(4)])
+  got = balance._scores(orders, lengths, real, owner[::lay.chunk_len], lay)
+  for order, score in zip(orders, got):
+    src = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in order])
+    work = balance.token_work(ids)[0, src]               # slot order
+    assert score == np.bincount(owner, weights=work, minlength=cp).max()
+
+
 def test_repeated_document_id_keeps_the_row_as_it_is():
   ids = np.array([[1, 1, 2, 2, 1, 1, 3, 3]], np.int32)     # id 1 in two runs
   src = balance.balance_documents(ids, cpjax.ShardLayout(8, 8, 2, KIND))
