@@ -6,7 +6,7 @@
    p + 1 keys), for log-normal documents of median 4k and 16k (sigma 1.0)
    and for one 64k document followed by median-2k documents (sigma 0.8).
 2. **The ring on packed rows** (S = 32768, cp = 8, median-4k documents, GQA
-   8/2 heads, D = 64, causal): per layout,
+   8/2 heads, D = 64, causal, no window: ``min_stripe_len=256``): per layout,
    * the ring's critical path in tiles: the tiles each rank's kernel visits
      at each hop (the mask's own block map at the kernel's tile size, the
      loop the kernels run), scheduled as the ring runs them (a rank waits
@@ -18,7 +18,8 @@
      machine with one core per device would see, the wall time is measured
      honestly here and on an accelerator (``benchmarks/accelerator.py``).
    * the same for one unpacked causal document (no reordering possible: the
-     layouts differ only in stripes), and the hops a 1024-token window takes.
+     layouts differ only in stripes), and the hops a 1024-token window takes
+     on the layout a windowed model's sharder builds (``min_stripe_len=1024``).
 
     python benchmarks/document_balance.py             # ~10 min on 2 cores
     python benchmarks/document_balance.py --quick     # small sizes
@@ -82,15 +83,17 @@ def balance_table(s: int, cp: int, rows: int, mesh) -> list[dict]:
   return out
 
 
-def tile_counts(lay, ids_rank_order, block: int):
+def tile_counts(lay, ids_rank_order, block: int, window: int | None = None):
   """int[cp, cp]: tiles rank r's kernel visits against rank s's keys, causal
-  and by document, from the mask's block map (as the kernels schedule them)."""
+  (within ``window``) and by document, from the mask's block map (as the
+  kernels schedule them)."""
   import numpy as np
 
   import cpjax
   from cpjax.masks import Tokens
 
-  rule = cpjax.AttentionMask.create(causal=True, segment_ids=ids_rank_order).rule
+  rule = cpjax.AttentionMask.create(causal=True, sliding_window=window,
+                                    segment_ids=ids_rank_order).rule
   cp, n = lay.cp_size, lay.local_seq_len
   info = [Tokens(cpjax.local_token_indices(lay, r),
                  {"segment_ids": ids_rank_order[:, r * n:(r + 1) * n]}) for r in range(cp)]
@@ -138,7 +141,8 @@ def ring_rows(s: int, cp: int, mesh, *, repeats: int) -> list[dict]:
     batch = {"input_ids": np.zeros_like(ids), "labels": np.zeros_like(ids),
              "_packed_seq_ids": ids}
     for kind in ("load_balanced", "document_balanced"):
-      sharded, lay = cpjax.shard_batch(batch, mesh, layout=kind)
+      # Causal without a window: stripes of 256 tokens balance finest.
+      sharded, lay = cpjax.shard_batch(batch, mesh, layout=kind, min_stripe_len=256)
       src = sharded.get("_source_index")
       to = lambda x: cpjax.to_rank_order(x, lay, source_index=src)  # noqa: E731
       seg = sharded["_packed_seq_ids"]
@@ -155,10 +159,16 @@ def ring_rows(s: int, cp: int, mesh, *, repeats: int) -> list[dict]:
       with jax.set_mesh(mesh):
         compiled = grad.lower(*args).compile()
         seconds = median_time(lambda: jax.block_until_ready(compiled(*args)), repeats=repeats)
+      # A model with a 1024-token window gets stripes at least that long.
+      w_batch, windowed = cpjax.shard_batch(batch, mesh, layout=kind, min_stripe_len=1024)
+      w_path = critical_path(tile_counts(windowed, np.asarray(w_batch["_packed_seq_ids"]),
+                                         default_block_size(windowed.chunk_len), window=1024))[0]
       out.append({"rows": case, "layout": kind, "stripes/rank": lay.stripes,
                   "critical path tiles": path, "balance bound tiles": total / cp,
                   "path / bound": path / (total / cp), "fwd+bwd s (8 dev on 2 cores)": seconds,
-                  "hops, window 1024": tuple(cpjax.ring_plan(lay, sliding_window=1024))})
+                  "window 1024: stripes/rank": windowed.stripes,
+                  "window 1024: hops": tuple(cpjax.ring_plan(windowed, sliding_window=1024)),
+                  "window 1024: critical path tiles": w_path})
   return out
 
 
@@ -182,7 +192,8 @@ def main(argv=None) -> None:
   print(f"\nRing attention fwd+bwd, S = {s_ring}, cp = {cp}, H 8 / Hkv 2, D 64, causal")
   print_table(ring, ["rows", "layout", "stripes/rank", "critical path tiles",
                      "balance bound tiles", "path / bound", "fwd+bwd s (8 dev on 2 cores)",
-                     "hops, window 1024"])
+                     "window 1024: stripes/rank", "window 1024: hops",
+                     "window 1024: critical path tiles"])
   by = {(r["rows"], r["layout"]): r for r in ring}
   for case in ("packed, median 4k", "one document"):
     lb, db = by[(case, "load_balanced")], by[(case, "document_balanced")]

@@ -17,6 +17,7 @@ from cpjax.context_parallel import to_rank_order as to_rank_order
 from cpjax.flax_attention import context_parallel as context_parallel
 from cpjax.flax_attention import ring_attention_fn as ring_attention_fn
 from cpjax.layout import ShardLayout as ShardLayout
+from cpjax.layout import default_stripes as default_stripes
 from cpjax.layout import local_token_indices as local_token_indices
 from cpjax.layout import padded_length as padded_length
 from cpjax.layout import rank_order as rank_order

@@ -21,7 +21,7 @@ import numpy as np
 
 from cpjax.layout import ShardLayout, rank_order
 
-__all__ = ["balance_documents", "rank_work", "token_work"]
+__all__ = ["balance_documents", "rank_work", "renumber_documents", "token_work"]
 
 # Local search budget per row: candidate orders scored per round, rounds.
 _CANDIDATES = 256
@@ -106,6 +106,30 @@ def balance_documents(document_ids, layout: ShardLayout, *, seed: int = 0) -> np
     if len(np.unique(row[starts][real])) == int(real.sum()):
       order = _search(lengths, real, stripe_rank, layout, np.random.default_rng(seed))
     out[b] = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in order])
+  return out
+
+
+def renumber_documents(document_ids) -> np.ndarray:
+  """int32[B, S]: each row's non-zero ids renamed 1, 2, ... in the order they
+  first appear; 0 (padding) stays 0. Same ids stay equal, different ones
+  different, so every document mask means what it meant.
+
+  Why: the ring skips a tile when the id ranges of its query and key blocks
+  cannot meet. After :func:`balance_documents` reorders a row its ids are no
+  longer increasing, a block's range spans documents it does not hold, and
+  tiles the mask leaves empty would be computed.
+
+  >>> renumber_documents(np.array([[7, 7, 3, 0, 5, 5, 3]])).tolist()
+  [[1, 1, 2, 0, 3, 3, 2]]
+  """
+  ids = _rows(document_ids)
+  out = np.empty(ids.shape, np.int32)
+  for b, row in enumerate(ids):
+    values, first, inverse = np.unique(row, return_index=True, return_inverse=True)
+    real = values != 0
+    rename = np.zeros(len(values), np.int32)
+    rename[np.flatnonzero(real)[np.argsort(first[real])]] = np.arange(1, real.sum() + 1)
+    out[b] = rename[inverse]
   return out
 
 

@@ -3,23 +3,26 @@
 Every function returns a new dict and never mutates its input; all of them
 trace under ``jax.jit``. Batch conventions follow Hugging Face:
 
-=====================  ==================  =====================================
-key                    shape               meaning
-=====================  ==================  =====================================
-``input_ids``          [B, S] int          tokens (primary stream)
-``inputs_embeds``      [B, S, E]           alternative primary stream
-``labels``             [B, S] int          shifted targets, ``-100`` = ignored
-``position_ids``       [B, S] / [1, S] /   RoPE positions (mRoPE: sequence is
-                       [3, B, S] int       dim 2)
-``attention_mask``     [B, S] / [B,1,S,S]  HF mask, replaced by ``padding_mask``
-``padding_mask``       [B, S] bool         True = pad
-``loss_mask``          [B, S]              1 = token counts in the loss
-``_packed_seq_ids``    [B, S] int          document id 1..n, 0 = pad
-``_source_index``      [B, S] int          written by ``shard_batch`` for a
-                                           ``"document_balanced"`` layout
-``mm_token_type_ids``  [B, S] int          1 image, 2 video (vision); else not
-``pixel_values``       [N, ...]            images, never sequence-sharded
-=====================  ==================  =====================================
+==========================  ==================  =====================================
+key                         shape               meaning
+==========================  ==================  =====================================
+``input_ids``               [B, S] int          tokens (primary stream)
+``inputs_embeds``           [B, S, E]           alternative primary stream
+``labels``                  [B, S] int          shifted targets, ``-100`` = ignored
+``position_ids``            [B, S] / [1, S] /   RoPE positions (mRoPE: sequence is
+                            [3, B, S] int       dim 2)
+``attention_mask``          [B, S] / [B,1,S,S]  HF mask, replaced by ``padding_mask``
+``padding_mask``            [B, S] bool         True = pad
+``loss_mask``               [B, S]              1 = token counts in the loss
+``_packed_seq_ids``         [B, S] int          document id 1..n, 0 = pad
+``_source_index``           [B, S] int          written by ``shard_batch`` for a
+                                                ``"document_balanced"`` layout
+``_source_packed_seq_ids``  [B, S] int          the same: the row's own document
+                                                ids (that layout renumbers
+                                                ``_packed_seq_ids`` 1..n in order)
+``mm_token_type_ids``       [B, S] int          1 image, 2 video (vision); else not
+``pixel_values``            [N, ...]            images, never sequence-sharded
+==========================  ==================  =====================================
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from cpjax import validation
 __all__ = [
     "DOCUMENT_IDS_KEY",
     "IGNORE_INDEX",
+    "SOURCE_DOCUMENT_IDS_KEY",
     "SOURCE_INDEX_KEY",
     "attention_mask_to_padding_mask",
     "next_token_labels",
@@ -49,6 +53,9 @@ DOCUMENT_IDS_KEY = "_packed_seq_ids"
 # Under a "document_balanced" layout: for each token in rank order, its index
 # in the padded original row (cpjax.balance reorders whole documents).
 SOURCE_INDEX_KEY = "_source_index"
+# ... and the batch's own _packed_seq_ids, which that layout renumbers 1..n in
+# the reordered row's order (so the ring's blocks see narrow id ranges).
+SOURCE_DOCUMENT_IDS_KEY = "_source_packed_seq_ids"
 IGNORE_INDEX = -100
 PRIMARY_KEYS = ("input_ids", "inputs_embeds")
 _INTEGER_KEYS = ("input_ids", "labels", "position_ids", DOCUMENT_IDS_KEY,

@@ -143,33 +143,44 @@ class ShardLayout:
     return tuple(k * cp + (rank if k % 2 == 0 else cp - 1 - rank) for k in range(self.stripes))
 
 
-def default_stripes(seq_len: int, cp_size: int) -> int:
+def default_stripes(seq_len: int, cp_size: int, *, min_stripe_len: int = MIN_STRIPE_LEN) -> int:
   """Stripes per rank of a ``"document_balanced"`` layout of a row this long.
 
   The largest even ``R <= MAX_STRIPES`` whose stripes hold at least
-  ``MIN_STRIPE_LEN`` tokens (2 when none does). :func:`padded_length` pads
+  ``min_stripe_len`` tokens (2 when none does). :func:`padded_length` pads
   to a multiple of ``R * cp_size``, so padding never costs a stripe.
+
+  More stripes balance a packed row more finely and cut the causal work of
+  each rank into smaller triangles; a stripe at least as long as a sliding
+  window keeps that window's ring at one hop each way (the stripes beside a
+  stripe sit on the same or the neighbouring rank). So give the model's
+  longest window as ``min_stripe_len``; the default, ``MIN_STRIPE_LEN``, is
+  Gemma 4's longest.
 
   >>> default_stripes(131072, 8), default_stripes(131071, 8), default_stripes(64, 2)
   (16, 14, 2)
+  >>> default_stripes(32768, 8), default_stripes(32768, 8, min_stripe_len=256)
+  (4, 16)
   """
   validation.integer("seq_len", seq_len, minimum=1)
   validation.integer("cp_size", cp_size, minimum=1)
+  validation.integer("min_stripe_len", min_stripe_len, minimum=1)
   for r in range(MAX_STRIPES, 2, -2):
-    if seq_len // (cp_size * r) >= MIN_STRIPE_LEN:
+    if seq_len // (cp_size * r) >= min_stripe_len:
       return r
   return 2
 
 
 def padded_length(seq_len: int, cp_size: int, *, kind: str = "contiguous",
-                  pad_multiple: int = 1, chunk_multiple: int = 1) -> int:
+                  pad_multiple: int = 1, chunk_multiple: int = 1,
+                  stripes: int | None = None) -> int:
   """The padded length ``shard_batch`` uses for ``seq_len`` tokens.
 
   Rounds up to a multiple of ``cp_size * max(pad_multiple, 2)`` (as the
   original, in every layout) and, for ``"load_balanced"``, also of
   ``2 * cp_size`` (they differ only for odd ``pad_multiple`` > 2). For
-  ``"document_balanced"`` also of ``R * cp_size``, ``R`` the stripes
-  :func:`default_stripes` gives a row of ``seq_len`` tokens. With
+  ``"document_balanced"`` also of ``R * cp_size``, ``R`` = ``stripes`` (None:
+  what :func:`default_stripes` gives a row of ``seq_len`` tokens). With
   ``chunk_multiple``, every chunk of the layout also holds a multiple of
   that many tokens (what a Pallas target's tiles need).
 
@@ -186,10 +197,12 @@ def padded_length(seq_len: int, cp_size: int, *, kind: str = "contiguous",
   validation.integer("chunk_multiple", chunk_multiple, minimum=1)
   if kind not in LAYOUT_KINDS:
     raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {kind!r}")
-  stripes = {"contiguous": 1, "load_balanced": 2}.get(kind) or default_stripes(seq_len, cp_size)
+  fixed = {"contiguous": 1, "load_balanced": 2}.get(kind)
+  if stripes is None:
+    stripes = fixed or default_stripes(seq_len, cp_size)
+  validation.integer("stripes", stripes, minimum=1)
   multiple = math.lcm(cp_size * max(pad_multiple, 2), cp_size * stripes * chunk_multiple)
   return -(-seq_len // multiple) * multiple
-
 
 
 def local_token_indices(layout: ShardLayout, rank) -> jax.Array:

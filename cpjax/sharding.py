@@ -9,7 +9,11 @@
   each row's whole documents (:func:`cpjax.balance.balance_documents`, on the
   host) and records the order as the ``_source_index`` stream; everything
   that cuts or restores a row (:func:`shard_sequence`,
-  :func:`unshard_batch`, :func:`cpjax.to_rank_order`) reads it.
+  :func:`unshard_batch`, :func:`cpjax.to_rank_order`) reads it. It also
+  renumbers ``_packed_seq_ids`` 1..n in the reordered row's order, so that
+  the ring's id-range tile skipping stays as sharp as on the original row,
+  and keeps the batch's own ids as ``_source_packed_seq_ids`` for
+  :func:`unshard_batch`.
 * :func:`shard_sequence` is the in-forward half: inside ``shard_map`` a model
   that holds a full-length stream (embeddings, vision group ids, ...) takes
   this rank's part of it, differentiably.
@@ -34,7 +38,8 @@ from cpjax import balance
 from cpjax import batch as batch_lib
 from cpjax import validation
 from cpjax.kernels.targets import TARGETS, resolve_implementation
-from cpjax.layout import LAYOUT_KINDS, ShardLayout, local_token_indices, padded_length, rank_order
+from cpjax.layout import (LAYOUT_KINDS, MIN_STRIPE_LEN, ShardLayout, default_stripes,
+                          local_token_indices, padded_length, rank_order)
 
 __all__ = [
     "CPContext",
@@ -175,37 +180,48 @@ def _sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int
 
 @functools.partial(jax.jit, static_argnames=(
     "mesh", "layout", "axis_name", "batch_axis", "dims", "batch_dims", "pad_values"))
-def _pad_and_shard(streams, source, *, mesh, layout, axis_name, batch_axis, dims, batch_dims,
+def _pad_and_shard(streams, order, *, mesh, layout, axis_name, batch_axis, dims, batch_dims,
                    pad_values):
   """Pad every stream and keep each rank's tokens, as one compiled program.
 
-  ``source`` (None, or int32[B, Sp] in natural slot order) reorders each row
-  before the cut; it comes back as the ``_source_index`` stream."""
+  ``order`` is None, or ``{_source_index: int32[B, Sp]}`` in slot order
+  (each slot's index in the padded row), plus the renumbered document ids
+  under ``_packed_seq_ids`` when the batch has them: each row is reordered
+  before the cut, ``_source_index`` comes back as a stream, and the batch's
+  own ids come back as ``_source_packed_seq_ids``."""
   dims, batch_dims, pad_values = dict(dims), dict(batch_dims), dict(pad_values)
   padded = {k: _pad_stream(k, x, dims[k], layout.pad_len, pad_values[k])
             for k, x in streams.items()}
-  if source is not None:
-    padded[batch_lib.SOURCE_INDEX_KEY] = source
-    dims[batch_lib.SOURCE_INDEX_KEY], batch_dims[batch_lib.SOURCE_INDEX_KEY] = 1, 0
   in_specs = {k: _spec(x.ndim, seq_dim=None, axis_name=None, batch_dim=batch_dims[k],
                        batch_axis=batch_axis) for k, x in padded.items()}
   out_specs = {k: _spec(x.ndim, seq_dim=dims[k], axis_name=axis_name,
                         batch_dim=batch_dims[k], batch_axis=batch_axis)
                for k, x in padded.items()}
+  row_in = _spec(2, seq_dim=None, axis_name=None, batch_dim=0, batch_axis=batch_axis)
+  row_out = _spec(2, seq_dim=1, axis_name=axis_name, batch_dim=0, batch_axis=batch_axis)
+  if order is not None:
+    out_specs.update({k: row_out for k in order})
+    if batch_lib.DOCUMENT_IDS_KEY in order:
+      out_specs[batch_lib.SOURCE_DOCUMENT_IDS_KEY] = row_out
 
-  def take_local(full):
+  def take_local(full, order):
     idx = local_token_indices(layout, jax.lax.axis_index(axis_name))
-    if source is None:
+    if order is None:
       return {k: jnp.take(x, idx, axis=dims[k]) for k, x in full.items()}
-    full = dict(full)
-    rows = jnp.take(full.pop(batch_lib.SOURCE_INDEX_KEY), idx, axis=1)   # [B, L]
+    order = {k: jnp.take(x, idx, axis=1) for k, x in order.items()}        # [B, L]
+    rows = order[batch_lib.SOURCE_INDEX_KEY]
     local = {k: take_rows(x, rows, seq_dim=dims[k], batch_dim=batch_dims[k])
              for k, x in full.items()}
-    return {**local, batch_lib.SOURCE_INDEX_KEY: rows}
+    if batch_lib.DOCUMENT_IDS_KEY in order:
+      local[batch_lib.SOURCE_DOCUMENT_IDS_KEY] = local[batch_lib.DOCUMENT_IDS_KEY]
+    return {**local, **order}
 
   placed = {k: _place(x, mesh, in_specs[k]) for k, x in padded.items()}
-  return jax.shard_map(take_local, mesh=mesh, in_specs=(in_specs,),
-                       out_specs=out_specs)(placed)
+  if order is not None:
+    order = {k: _place(x, mesh, row_in) for k, x in order.items()}
+  order_spec = None if order is None else {k: row_in for k in order}
+  return jax.shard_map(take_local, mesh=mesh, in_specs=(in_specs, order_spec),
+                       out_specs=out_specs)(placed, order)
 
 
 def shard_batch(
@@ -222,6 +238,7 @@ def shard_batch(
     pad_multiple: int = 1,
     batch_axis: str | None = None,
     implementation: str | None = None,
+    min_stripe_len: int = MIN_STRIPE_LEN,
 ) -> tuple[dict, ShardLayout]:
   """Normalise, pad and shard a batch's sequence streams over ``axis_name``.
 
@@ -240,8 +257,10 @@ def shard_batch(
     layout: ``"load_balanced"`` (default), ``"contiguous"`` or
       ``"document_balanced"`` (reorders each row's whole documents so that
       every rank gets the same attention work, and adds ``_source_index``;
-      needs concrete, not traced, document ids; the attention must mask by
-      ``_packed_seq_ids``, as every cpjax mask built from the batch does).
+      renumbers ``_packed_seq_ids`` 1..n in the new order and keeps the
+      batch's own as ``_source_packed_seq_ids``; needs concrete, not traced,
+      document ids; the attention must mask by ``_packed_seq_ids``, as every
+      cpjax mask built from the batch does).
     aux_only: shard only the auxiliary streams; ``input_ids`` /
       ``inputs_embeds``, ``mm_token_type_ids`` and ``pixel_values`` are
       returned full length, unpadded and replicated, for a model that slices
@@ -263,6 +282,12 @@ def shard_batch(
       With the default ``pad_multiple``, rows are padded so that every layout
       chunk is a multiple of what a Pallas target tiles (128 tokens on TPU,
       16 on GPU), so any length runs; padding stays masked.
+    min_stripe_len: a ``"document_balanced"`` layout's stripes hold at least
+      this many tokens (and at least a Pallas tile), as many per rank as
+      that allows up to 16 (:func:`cpjax.default_stripes`). Give the
+      model's longest sliding window: a stripe that long keeps the window's
+      ring at one hop each way. Without windows, shorter stripes (256)
+      balance packed rows better. The default, 1024, is Gemma 4's longest.
 
   Returns:
     ``(sharded_batch, layout)``: global arrays in rank order, and the
@@ -308,22 +333,28 @@ def shard_batch(
   if pad_multiple == 1:     # the caller's own pad_multiple wins
     target = resolve_implementation(implementation, platform=_platform(mesh))
     chunk_multiple = TARGETS[target].chunk_multiple if target in TARGETS else 1
+  validation.integer("min_stripe_len", min_stripe_len, minimum=1)
+  stripes = None
+  if layout == "document_balanced":
+    stripes = default_stripes(seq_len, cp_size, min_stripe_len=max(min_stripe_len, chunk_multiple))
   padded = padded_length(seq_len, cp_size, kind=layout, pad_multiple=pad_multiple,
-                         chunk_multiple=chunk_multiple)
+                         chunk_multiple=chunk_multiple, stripes=stripes)
   streams = _sequence_streams(norm, aux_only=aux_only, extra=extra)
   replicated = tuple(k for k in (*_PRIMARY_STREAMS, *_REPLICATED_ALWAYS)
                      if k in norm and k not in streams)
-  shard_layout = ShardLayout(seq_len, padded, cp_size, layout, replicated_keys=replicated)
+  shard_layout = ShardLayout(seq_len, padded, cp_size, layout, replicated_keys=replicated,
+                             stripes=stripes)
 
   pad_values = {**_AUX_PAD_VALUES, "input_ids": padding_token_id,
                 "inputs_embeds": 0, "mm_token_type_ids": 0, "position_ids": None}
   pad_values.update({k: (extra_pad_values or {}).get(k, 0) for k in extra})
   batch_dims = _batch_dims(norm, streams, extra, batch_size)
-  source = None
+  order = None
   if layout == "document_balanced":
-    source = _document_order(norm, shard_layout, batch_dims)
+    order = _document_order(norm, shard_layout, batch_dims,
+                            renumber=batch_lib.DOCUMENT_IDS_KEY in streams)
   sharded = _pad_and_shard(
-      {k: jnp.asarray(norm[k]) for k in streams}, source,
+      {k: jnp.asarray(norm[k]) for k in streams}, order,
       mesh=mesh, layout=shard_layout, axis_name=axis_name, batch_axis=batch_axis,
       dims=tuple(streams.items()),
       batch_dims=tuple(batch_dims.items()),
@@ -339,8 +370,11 @@ def shard_batch(
   return out, shard_layout
 
 
-def _document_order(norm: Mapping, layout: ShardLayout, batch_dims: Mapping) -> jax.Array:
-  """int32[B, Sp]: each row's balanced document order, computed on the host."""
+def _document_order(norm: Mapping, layout: ShardLayout, batch_dims: Mapping, *,
+                    renumber: bool) -> dict:
+  """Each row's balanced document order, computed on the host:
+  ``{_source_index: int32[B, Sp]}`` in slot order, and with ``renumber`` the
+  reordered row's ids renumbered in slot order under ``_packed_seq_ids``."""
   ids = batch_lib.synthesize_document_ids(norm, layout.original_seq_len)[batch_lib.DOCUMENT_IDS_KEY]
   if isinstance(ids, jax.core.Tracer):
     raise TypeError(
@@ -354,7 +388,11 @@ def _document_order(norm: Mapping, layout: ShardLayout, batch_dims: Mapping) -> 
         f"stream(s) {shared} have no batch dimension, but a 'document_balanced' layout "
         "reorders each row differently; give them a batch dimension (e.g. "
         "[B, S] rather than [S])")
-  return jnp.asarray(source)
+  order = {batch_lib.SOURCE_INDEX_KEY: jnp.asarray(source)}
+  if renumber:
+    order[batch_lib.DOCUMENT_IDS_KEY] = jnp.asarray(
+        balance.renumber_documents(np.take_along_axis(ids, source, 1)))
+  return order
 
 
 def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
@@ -392,8 +430,17 @@ def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
           f"{key} must have the padded length {layout.padded_seq_len} on dim {dim}, "
           f"got shape {tuple(jnp.shape(batch[key]))}")
   source = source_index(batch, layout)
-  out = {k: v for k, v in batch.items() if k != batch_lib.SOURCE_INDEX_KEY}
-  out.update(_restore_order({k: jnp.asarray(batch[k]) for k in streams}, source,
+  arrays = {k: jnp.asarray(batch[k]) for k in streams}
+  if source is not None and batch_lib.DOCUMENT_IDS_KEY in arrays:
+    if batch_lib.SOURCE_DOCUMENT_IDS_KEY not in batch:
+      raise KeyError(
+          f"a 'document_balanced' layout renumbers {batch_lib.DOCUMENT_IDS_KEY}: the batch must "
+          f"carry the {batch_lib.SOURCE_DOCUMENT_IDS_KEY!r} stream shard_batch wrote "
+          f"(keys: {sorted(batch)})")
+    arrays[batch_lib.DOCUMENT_IDS_KEY] = jnp.asarray(batch[batch_lib.SOURCE_DOCUMENT_IDS_KEY])
+  out = {k: v for k, v in batch.items()
+         if k not in (batch_lib.SOURCE_INDEX_KEY, batch_lib.SOURCE_DOCUMENT_IDS_KEY)}
+  out.update(_restore_order(arrays, source,
                             layout=layout, dims=tuple(streams.items()),
                             batch_dims=tuple(_batch_dims(
                                 batch, streams, extra,

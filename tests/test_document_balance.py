@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, strategies as st
 from jax.sharding import PartitionSpec as P
 
@@ -84,6 +85,30 @@ def test_window_of_a_stripe_keeps_the_one_hop_ring():
   assert cpjax.ring_plan(lay, sliding_window=1024) == cpjax.ring_plan(lb, sliding_window=1024)
   assert cpjax.ring_plan(lay, sliding_window=1024) == cpjax.RingPlan(1, 1)
   assert cpjax.ring_plan(lay, sliding_window=1026) == cpjax.RingPlan(2, 2)
+
+
+def test_min_stripe_len_sets_the_stripes_shard_batch_deals():
+  """Shorter stripes for a model without windows; Gemma 4's sharder keeps
+  its window's one-hop ring (a stripe is at least a window long)."""
+  from cpjax.models import gemma4
+
+  s, cp = 512, 4
+  ids = np.repeat(np.arange(1, 9), 64)[None].astype(np.int32)
+  batch = {"input_ids": ids, "labels": ids, "_packed_seq_ids": ids}
+  mesh = cp_mesh(cp)
+  for min_len, stripes in ((1024, 2), (32, 4), (16, 8), (1, 16)):
+    assert cpjax.shard_batch(batch, mesh, layout=KIND, min_stripe_len=min_len)[1].stripes == stripes
+  # A Pallas target's tile is a floor: GPU chunks hold multiples of 16 tokens.
+  lay = cpjax.shard_batch(batch, mesh, layout=KIND, min_stripe_len=1,
+                          implementation="pallas_gpu")[1]
+  assert (lay.stripes, lay.padded_seq_len) == (8, s)
+  cfg = gemma4.Gemma4Config.preset("tiny")                               # window 8
+  model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
+  sharder = model.prepare_model_inputs_for_cp(layout=KIND)["cp_sharder"]
+  lay = sharder.shard_batch(gemma4.prepare_batch(batch, cfg), mesh)[1]
+  window = cfg.text.effective_sliding_window
+  assert lay.chunk_len >= window and lay.stripes == cpjax.default_stripes(s, cp, min_stripe_len=window)
+  assert cpjax.ring_plan(lay, sliding_window=window) == cpjax.RingPlan(1, 1)
 
 
 @given(cp=st.sampled_from([2, 4, 8]), stripes=st.sampled_from([2, 4]),
@@ -205,9 +230,19 @@ def test_shard_then_unshard_is_bit_exact(cp, b, s, pad, aux_only, mrope, dp, see
   src = np.asarray(out["_source_index"])
   # Independent: every sharded stream in rank order is the padded row taken at src.
   padded = np.pad(ids, ((0, 0), (0, lay.pad_len)))
-  np.testing.assert_array_equal(np.asarray(out["_packed_seq_ids"]), np.take_along_axis(padded, src, 1))
+  own = np.take_along_axis(padded, src, 1)
+  np.testing.assert_array_equal(np.asarray(out["_source_packed_seq_ids"]), own)
+  # The ring's ids: the same documents (equal where the own ids are equal,
+  # 0 exactly at padding), numbered 1, 2, ... in the order the row now has.
+  ring = np.asarray(out["_packed_seq_ids"])
+  for r, o in zip(ring, own):
+    np.testing.assert_array_equal(r[:, None] == r[None], o[:, None] == o[None])
+    np.testing.assert_array_equal(r == 0, o == 0)
+    slots = r[np.argsort(cpjax.rank_order(lay))]
+    firsts = slots[np.sort(np.unique(slots, return_index=True)[1])]
+    np.testing.assert_array_equal(firsts[firsts > 0], np.arange(1, (firsts > 0).sum() + 1))
   back = cpjax.unshard_batch(out, lay)
-  assert "_source_index" not in back
+  assert "_source_index" not in back and "_source_packed_seq_ids" not in back
   chex.assert_trees_all_equal({k: np.asarray(back[k]) for k in batch},
                               {k: np.asarray(cpjax.normalize_batch(batch)[k]) for k in batch})
 
@@ -275,6 +310,12 @@ def test_what_the_reorder_needs_is_checked():
     cpjax.ShardLayout(16, 16, 2, "load_balanced", stripes=4)
   with pytest.raises(KeyError, match="must carry the '_source_index' stream"):
     cpjax.unshard_batch({"labels": np.zeros((1, 8))}, lay)
+  sharded = cpjax.shard_batch(batch, mesh, layout=KIND)[0]
+  sharded.pop("_source_packed_seq_ids")
+  with pytest.raises(KeyError, match="must carry the '_source_packed_seq_ids' stream"):
+    cpjax.unshard_batch(sharded, lay)
+  with pytest.raises(ValueError, match="min_stripe_len must be >= 1, got 0"):
+    cpjax.shard_batch(batch, mesh, layout=KIND, min_stripe_len=0)
   with pytest.raises(ValueError, match=r"pass source_index=batch\['_source_index'\]"):
     cpjax.to_rank_order(np.zeros((1, 8)), lay)
   with pytest.raises(ValueError, match=r"source_index must be \[B, 8\]"):

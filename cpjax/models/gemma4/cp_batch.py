@@ -22,7 +22,7 @@ import numpy as np
 
 from cpjax import batch as batch_lib
 from cpjax import validation
-from cpjax.layout import ShardLayout
+from cpjax.layout import MIN_STRIPE_LEN, ShardLayout
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.sharding import shard_batch
 
@@ -78,8 +78,9 @@ def shard_aux_only_cp_batch(
     batch_axis: str | None = None,
     image_token_id: int | None = None,
     implementation: str | None = None,
+    min_stripe_len: int = MIN_STRIPE_LEN,
 ) -> tuple[dict, ShardLayout]:
-  """Gemma4's aux-only CP shard in either layout.
+  """Gemma4's aux-only CP shard in any layout.
 
   Converts ``attention_mask``, synthesizes ``_packed_seq_ids`` from the full
   pre-pad ``padding_mask`` (its pad zeros depend on the global pad tail,
@@ -111,7 +112,8 @@ def shard_aux_only_cp_batch(
       batch, mesh, axis_name=axis_name, layout=layout, aux_only=True,
       loss_mask=loss_mask, padding_token_id=padding_token_id,
       extra_seq_keys=extra_seq_keys, extra_pad_values=extra_pad_values,
-      pad_multiple=pad_multiple, batch_axis=batch_axis, implementation=implementation)
+      pad_multiple=pad_multiple, batch_axis=batch_axis, implementation=implementation,
+      min_stripe_len=min_stripe_len)
   if image_token_id is not None and "input_ids" in batch:
     is_image = jnp.asarray(batch["input_ids"]) == image_token_id
   elif "mm_token_type_ids" in batch:

@@ -396,13 +396,17 @@ class Gemma4(nnx.Module):
   def prepare_model_inputs_for_cp(self, batch: Mapping[str, Any] | None = None, *,
                                   layout: str = "contiguous") -> dict:
     """``{"cp_sharder": ContextParallelSharder}`` whose ``shard_batch`` is the
-    aux-only sharder (``layout`` ``"contiguous"`` as the original, or
-    ``"load_balanced"``): the CP dispatch calls it instead of a generic one."""
+    aux-only sharder (``layout`` ``"contiguous"`` as the original,
+    ``"load_balanced"`` or ``"document_balanced"``, whose stripes are no
+    shorter than the sliding window): the CP dispatch calls it instead of a
+    generic one."""
     del batch  # the sharder is the same for every batch of this model
     if layout not in LAYOUT_KINDS:
       raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
     return {"cp_sharder": ContextParallelSharder(shard_batch=functools.partial(
-        _sharder_call, layout=layout, image_token_id=self.cfg.image_token_id))}
+        _sharder_call, layout=layout, image_token_id=self.cfg.image_token_id,
+        # document_balanced stripes no shorter than the window keep its ring at one hop.
+        min_stripe_len=self.cfg.text.effective_sliding_window))}
 
 
 def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "load_balanced",
