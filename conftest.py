@@ -1,11 +1,31 @@
 """Test and doctest setup: 8 emulated CPU devices, set before JAX initialises."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache per test run, shared by the xdist
+# workers and every subprocess (the CLI, notebook kernels) through the
+# environment: many tests compile the same program (a job and its resume,
+# the same tiny model in several files), and a cache hit loads the very
+# executable the first compile produced. The process that makes it removes it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="cpjax-test-xla-cache-")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# In case a plugin imported JAX before the environment above was set.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                  int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 import hypothesis  # noqa: E402
 

@@ -2,9 +2,9 @@
 
     python tests/multiprocess_worker.py PORT PROCESS_ID NUM_PROCESSES OUT.npz
 
-Builds one 8-device mesh over both processes, then runs shard_batch,
-ring_attention forward and backward, three training steps, and three more on
-an (fsdp 2, cp 4) mesh with a save and a resume; process 0
+Builds one 8-device mesh over both processes, then runs shard_batch and
+ring_attention forward and backward, and three training steps on an (fsdp 2,
+cp 4) mesh crossing the processes on both axes, with a save and a resume; process 0
 saves the (gathered) results for the test to compare with a 1-process run.
 """
 

@@ -156,15 +156,9 @@ def test_help_documents_every_flag(capsys):
     assert flag in text
 
 
-def test_console_entry_point_runs_the_job():
-  proc = _run("train", "--seq-len", "64", "--steps", "2", "--cp", "2", "--dtype", "bfloat16")
-  assert proc.returncode == 0, proc.stderr
-  assert "parity with the single-device model at step 1" in proc.stdout + proc.stderr
-  assert "loss " in proc.stdout and "->" in proc.stdout
-
-
 def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
-  """--checkpoint + --data + --remat + --save end to end; the saved model loads."""
+  """``python -m cpjax train`` end to end: --checkpoint + --data + --remat +
+  --dtype bfloat16 + --save; the saved model loads."""
   import os
 
   from cpjax.models import gemma4
@@ -178,8 +172,10 @@ def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
   assert "holds token id" in proc.stderr and "vocabulary of 256" in proc.stderr
   proc = _run("train", "--model", "tiny", "--data",
               os.path.join(here, "data", "tiny_corpus.array_record"), "--remat",
-              "--save", str(tmp_path / "out"), "--seq-len", "64", "--steps", "2", "--cp", "2")
+              "--save", str(tmp_path / "out"), "--seq-len", "64", "--steps", "2", "--cp", "2",
+              "--dtype", "bfloat16")
   assert proc.returncode == 0, proc.stderr
   assert "parity with the single-device model at step 1" in proc.stdout + proc.stderr
+  assert "loss " in proc.stdout and "->" in proc.stdout
   saved = gemma4.Gemma4.from_pretrained(tmp_path / "out")
   assert saved.cfg == gemma4.Gemma4Config.preset("tiny")
