@@ -18,8 +18,11 @@
      machine with one core per device would see, the wall time is measured
      honestly here and on an accelerator (``benchmarks/accelerator.py``).
    * the same for one unpacked causal document (no reordering possible: the
-     layouts differ only in stripes), and the hops a 1024-token window takes
-     on the layout a windowed model's sharder builds (``min_stripe_len=1024``).
+     layouts differ only in stripes);
+   * for a Gemma-4-like mix (five 1024-window layers per full one, the
+     layout its sharder builds: ``min_stripe_len=1024``,
+     ``layer_windows=GEMMA_MIX``): the window's hops and the critical path
+     of each layer kind, in tiles.
 
     python benchmarks/document_balance.py             # ~10 min on 2 cores
     python benchmarks/document_balance.py --quick     # small sizes
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import median_time, print_table, setup_devices, write_json  # noqa: E402
 
 KINDS = ("contiguous", "load_balanced", "document_balanced")
+GEMMA_MIX = (1024,) * 5 + (None,)   # layer windows: five sliding layers per full one
 DISTRIBUTIONS = {            # name: (median, sigma, first document)
     "log-normal median 4k, sigma 1.0": (4096, 1.0, 0),
     "log-normal median 16k, sigma 1.0": (16384, 1.0, 0),
@@ -159,16 +163,20 @@ def ring_rows(s: int, cp: int, mesh, *, repeats: int) -> list[dict]:
       with jax.set_mesh(mesh):
         compiled = grad.lower(*args).compile()
         seconds = median_time(lambda: jax.block_until_ready(compiled(*args)), repeats=repeats)
-      # A model with a 1024-token window gets stripes at least that long.
-      w_batch, windowed = cpjax.shard_batch(batch, mesh, layout=kind, min_stripe_len=1024)
-      w_path = critical_path(tile_counts(windowed, np.asarray(w_batch["_packed_seq_ids"]),
-                                         default_block_size(windowed.chunk_len), window=1024))[0]
+      # A Gemma-4-like model: five 1024-window layers per full one; its sharder
+      # deals stripes at least a window long and balances the layers' mix.
+      w_batch, windowed = cpjax.shard_batch(batch, mesh, layout=kind, min_stripe_len=1024,
+                                            layer_windows=GEMMA_MIX)
+      w_seg, w_block = np.asarray(w_batch["_packed_seq_ids"]), default_block_size(windowed.chunk_len)
+      w_path = critical_path(tile_counts(windowed, w_seg, w_block, window=1024))[0]
+      f_path = critical_path(tile_counts(windowed, w_seg, w_block))[0]
       out.append({"rows": case, "layout": kind, "stripes/rank": lay.stripes,
                   "critical path tiles": path, "balance bound tiles": total / cp,
                   "path / bound": path / (total / cp), "fwd+bwd s (8 dev on 2 cores)": seconds,
-                  "window 1024: stripes/rank": windowed.stripes,
-                  "window 1024: hops": tuple(cpjax.ring_plan(windowed, sliding_window=1024)),
-                  "window 1024: critical path tiles": w_path})
+                  "mix: stripes/rank": windowed.stripes,
+                  "mix: window hops": tuple(cpjax.ring_plan(windowed, sliding_window=1024)),
+                  "mix: window layer tiles": w_path, "mix: full layer tiles": f_path,
+                  "mix: 5 x window + full": 5 * w_path + f_path})
   return out
 
 
@@ -192,14 +200,15 @@ def main(argv=None) -> None:
   print(f"\nRing attention fwd+bwd, S = {s_ring}, cp = {cp}, H 8 / Hkv 2, D 64, causal")
   print_table(ring, ["rows", "layout", "stripes/rank", "critical path tiles",
                      "balance bound tiles", "path / bound", "fwd+bwd s (8 dev on 2 cores)",
-                     "window 1024: stripes/rank", "window 1024: hops",
-                     "window 1024: critical path tiles"])
+                     "mix: stripes/rank", "mix: window hops", "mix: window layer tiles",
+                     "mix: full layer tiles", "mix: 5 x window + full"])
   by = {(r["rows"], r["layout"]): r for r in ring}
   for case in ("packed, median 4k", "one document"):
     lb, db = by[(case, "load_balanced")], by[(case, "document_balanced")]
     print(f"{case}: critical path load_balanced / document_balanced = "
           f"{lb['critical path tiles'] / db['critical path tiles']:.2f}x; wall "
-          f"{lb['fwd+bwd s (8 dev on 2 cores)'] / db['fwd+bwd s (8 dev on 2 cores)']:.2f}x")
+          f"{lb['fwd+bwd s (8 dev on 2 cores)'] / db['fwd+bwd s (8 dev on 2 cores)']:.2f}x; "
+          f"Gemma mix {lb['mix: 5 x window + full'] / db['mix: 5 x window + full']:.2f}x")
   path = write_json("document_balance_quick" if args.quick else "document_balance",
                     {"balance": balance, "ring": ring, "S_balance": s_balance, "S_ring": s_ring,
                      "cp": cp})

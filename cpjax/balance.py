@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cpjax import validation
 from cpjax.layout import ShardLayout, rank_order
 
 __all__ = ["balance_documents", "rank_work", "renumber_documents", "token_work"]
@@ -30,20 +31,63 @@ _ROUNDS = 64
 _GOOD_ENOUGH = 1.01
 
 
-def token_work(document_ids) -> np.ndarray:
-  """float64[B, S]: each token's causal attention work, ``p + 1`` at position
-  ``p`` of its document (a maximal run of one non-zero id); 0 for padding.
+def token_work(document_ids, layer_windows=None) -> np.ndarray:
+  """float64[B, S]: each token's attention work, summed over the model's
+  layers: ``min(p + 1, W)`` keys at position ``p`` of its document (a maximal
+  run of one non-zero id) in a layer of window ``W``, ``p + 1`` in a full
+  causal one; 0 for padding.
+
+  Args:
+    document_ids: int[B, S], 0 = pad.
+    layer_windows: the window of each attention layer, None for a full
+      causal one (default: one full causal layer).
 
   >>> token_work(np.array([[1, 1, 1, 2, 2, 0]])).tolist()
   [[1.0, 2.0, 3.0, 1.0, 2.0, 0.0]]
+  >>> token_work(np.array([[1, 1, 1, 1]]), layer_windows=[2, None]).tolist()
+  [[2.0, 4.0, 5.0, 6.0]]
   """
   ids = _rows(document_ids)
+  windows = _windows(layer_windows)
   out = np.zeros(ids.shape)
   for b, row in enumerate(ids):
     starts, lengths = _runs(row)
     for s, n in zip(starts, lengths):
       if row[s] != 0:
-        out[b, s:s + n] = np.arange(1, n + 1)
+        keys = np.arange(1, n + 1)
+        out[b, s:s + n] = sum(c * (keys if w is None else np.minimum(keys, w))
+                              for w, c in windows)
+  return out
+
+
+def _windows(layer_windows) -> tuple[tuple[int | None, int], ...]:
+  """``((window or None, layers), ...)`` from a per-layer list."""
+  if layer_windows is None:
+    return ((None, 1),)
+  if isinstance(layer_windows, (str, bytes)) or not hasattr(layer_windows, "__iter__"):
+    raise TypeError(f"layer_windows must be a sequence of ints >= 1 or None (one per "
+                    f"attention layer), got {type(layer_windows).__name__}")
+  layer_windows = list(layer_windows)
+  if not layer_windows:
+    raise ValueError("layer_windows must name at least one attention layer, got []")
+  for i, w in enumerate(layer_windows):
+    if w is not None:
+      validation.integer(f"layer_windows[{i}]", w, minimum=1)
+  counts = {}
+  for w in layer_windows:
+    w = None if w is None else int(w)
+    counts[w] = counts.get(w, 0) + 1
+  return tuple(counts.items())
+
+
+def _prefix_work(n, windows) -> np.ndarray:
+  """float64: the work of a document's first ``n`` tokens (``n`` an int array)."""
+  n = np.asarray(n, np.float64)
+  out = np.zeros(n.shape)
+  for w, c in windows:
+    m = n if w is None else np.minimum(n, w)
+    # sum_{p=1..n} min(p, W) = m(m + 1)/2 + (n - m) W, m = min(n, W)
+    out += c * (m * (m + 1) / 2 + (0 if w is None else (n - m) * w))
   return out
 
 
@@ -63,9 +107,11 @@ def rank_work(work, layout: ShardLayout) -> np.ndarray:
   return work.reshape(work.shape[0], layout.cp_size, layout.local_seq_len).sum(-1)
 
 
-def balance_documents(document_ids, layout: ShardLayout, *, seed: int = 0) -> np.ndarray:
+def balance_documents(document_ids, layout: ShardLayout, *, seed: int = 0,
+                      layer_windows=None) -> np.ndarray:
   """int32[B, S]: for each slot of the reordered row, the index it takes its
-  token from, chosen so that ``layout``'s ranks get even causal work.
+  token from, chosen so that ``layout``'s ranks get even attention work
+  (:func:`token_work` over ``layer_windows``).
 
   Each row's documents (maximal runs of one id; padding, id 0, is a run of
   zero work) are permuted whole: first the best rotation of the original
@@ -78,6 +124,11 @@ def balance_documents(document_ids, layout: ShardLayout, *, seed: int = 0) -> np
   Args:
     document_ids: int[B, S] (``_packed_seq_ids`` of the padded row, 0 = pad).
     layout: the ``"document_balanced"`` layout the row will be sharded with.
+    seed: the local search's random seed.
+    layer_windows: the window of each of the model's attention layers, None
+      for a full causal one (default: one full causal layer). A windowed
+      layer's work is nearly even along a document; balancing causal work
+      alone would uneven it.
 
   Example:
     >>> lay = ShardLayout(16, 16, 2, "document_balanced", stripes=2)
@@ -92,6 +143,7 @@ def balance_documents(document_ids, layout: ShardLayout, *, seed: int = 0) -> np
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
   ids = _rows(document_ids)
+  windows = _windows(layer_windows)
   if ids.shape[1] != layout.padded_seq_len:
     raise ValueError(f"document_ids must be [B, {layout.padded_seq_len}] (the padded length), "
                      f"got shape {ids.shape}")
@@ -104,7 +156,7 @@ def balance_documents(document_ids, layout: ShardLayout, *, seed: int = 0) -> np
     real = row[starts] != 0
     order = np.arange(len(starts))
     if len(np.unique(row[starts][real])) == int(real.sum()):
-      order = _search(lengths, real, stripe_rank, layout, np.random.default_rng(seed))
+      order = _search(lengths, real, stripe_rank, layout, windows, np.random.default_rng(seed))
     out[b] = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in order])
   return out
 
@@ -147,20 +199,20 @@ def _runs(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return starts, np.diff(np.r_[starts, row.shape[0]])
 
 
-def _scores(orders, lengths, real, stripe_rank, layout: ShardLayout) -> np.ndarray:
+def _scores(orders, lengths, real, stripe_rank, layout: ShardLayout, windows) -> np.ndarray:
   """float64[K]: the busiest rank's work for each candidate order [K, n]."""
   lens = lengths[orders]                                         # [K, n]
   offsets = np.concatenate([np.zeros((len(orders), 1), np.int64), np.cumsum(lens, 1)], 1)
-  tri = np.where(real[orders], lens * (lens + 1) / 2, 0.0)
+  tri = np.where(real[orders], _prefix_work(lens, windows), 0.0)
   before = np.concatenate([np.zeros((len(orders), 1)), np.cumsum(tri, 1)], 1)
   # The work up to each stripe boundary: whole documents before it, plus the
-  # triangle of the document it cuts.
+  # first tokens of the document it cuts.
   bounds = np.arange(0, layout.padded_seq_len + 1, layout.chunk_len)        # [nb]
   doc = (offsets[:, None, :-1] <= bounds[None, :, None]).sum(-1) - 1        # [K, nb]
   doc = np.minimum(doc, lens.shape[1] - 1)
   into = np.minimum(bounds[None] - np.take_along_axis(offsets, doc, 1),
                     np.take_along_axis(lens, doc, 1))
-  cut = np.where(np.take_along_axis(real[orders], doc, 1), into * (into + 1) / 2, 0.0)
+  cut = np.where(np.take_along_axis(real[orders], doc, 1), _prefix_work(into, windows), 0.0)
   total = np.take_along_axis(before, doc, 1) + cut
   stripes = np.diff(total, axis=1)                                          # [K, stripes]
   per_rank = np.zeros((len(orders), layout.cp_size))
@@ -180,21 +232,21 @@ def _moves(n: int, rng) -> np.ndarray:
   return np.where(rng.random((_CANDIDATES, 1)) < 0.5, swap, move)
 
 
-def _search(lengths, real, stripe_rank, layout: ShardLayout, rng) -> np.ndarray:
+def _search(lengths, real, stripe_rank, layout: ShardLayout, windows, rng) -> np.ndarray:
   n = len(lengths)
-  total = float(np.sum(np.where(real, lengths * (lengths + 1) / 2, 0.0)))
+  total = float(np.sum(np.where(real, _prefix_work(lengths, windows), 0.0)))
   if n < 2 or total == 0:
     return np.arange(n)
   goal = _GOOD_ENOUGH * total / layout.cp_size
   rotations = (np.arange(n)[None] + np.arange(n)[:, None]) % n
-  scores = _scores(rotations, lengths, real, stripe_rank, layout)
+  scores = _scores(rotations, lengths, real, stripe_rank, layout, windows)
   best = int(np.argmin(scores))
   order, score = rotations[best], scores[best]
   for _ in range(_ROUNDS):
     if score <= goal:
       break
     candidates = order[_moves(n, rng)]
-    scores = _scores(candidates, lengths, real, stripe_rank, layout)
+    scores = _scores(candidates, lengths, real, stripe_rank, layout, windows)
     k = int(np.argmin(scores))
     if scores[k] <= score:
       order, score = candidates[k], scores[k]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -239,6 +239,7 @@ def shard_batch(
     batch_axis: str | None = None,
     implementation: str | None = None,
     min_stripe_len: int = MIN_STRIPE_LEN,
+    layer_windows: Sequence[int | None] | None = None,
 ) -> tuple[dict, ShardLayout]:
   """Normalise, pad and shard a batch's sequence streams over ``axis_name``.
 
@@ -288,6 +289,10 @@ def shard_batch(
       model's longest sliding window: a stripe that long keeps the window's
       ring at one hop each way. Without windows, shorter stripes (256)
       balance packed rows better. The default, 1024, is Gemma 4's longest.
+    layer_windows: the window of each of the model's attention layers (None:
+      a full causal layer), so that a ``"document_balanced"`` layout evens
+      out the model's own work (:func:`cpjax.balance.token_work`); default:
+      one full causal layer.
 
   Returns:
     ``(sharded_batch, layout)``: global arrays in rank order, and the
@@ -351,7 +356,7 @@ def shard_batch(
   batch_dims = _batch_dims(norm, streams, extra, batch_size)
   order = None
   if layout == "document_balanced":
-    order = _document_order(norm, shard_layout, batch_dims,
+    order = _document_order(norm, shard_layout, batch_dims, layer_windows=layer_windows,
                             renumber=batch_lib.DOCUMENT_IDS_KEY in streams)
   sharded = _pad_and_shard(
       {k: jnp.asarray(norm[k]) for k in streams}, order,
@@ -371,7 +376,7 @@ def shard_batch(
 
 
 def _document_order(norm: Mapping, layout: ShardLayout, batch_dims: Mapping, *,
-                    renumber: bool) -> dict:
+                    layer_windows, renumber: bool) -> dict:
   """Each row's balanced document order, computed on the host:
   ``{_source_index: int32[B, Sp]}`` in slot order, and with ``renumber`` the
   reordered row's ids renumbered in slot order under ``_packed_seq_ids``."""
@@ -381,7 +386,7 @@ def _document_order(norm: Mapping, layout: ShardLayout, batch_dims: Mapping, *,
         "a 'document_balanced' layout orders each row's documents on the host from "
         f"{batch_lib.DOCUMENT_IDS_KEY}: call shard_batch outside jit, with concrete arrays")
   ids = np.pad(np.asarray(ids), ((0, 0), (0, layout.pad_len)))
-  source = balance.balance_documents(ids, layout)
+  source = balance.balance_documents(ids, layout, layer_windows=layer_windows)
   shared = [k for k, d in batch_dims.items() if d is None]
   if shared and (source != source[:1]).any():
     raise ValueError(

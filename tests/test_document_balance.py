@@ -102,13 +102,21 @@ def test_min_stripe_len_sets_the_stripes_shard_batch_deals():
   lay = cpjax.shard_batch(batch, mesh, layout=KIND, min_stripe_len=1,
                           implementation="pallas_gpu")[1]
   assert (lay.stripes, lay.padded_seq_len) == (8, s)
-  cfg = gemma4.Gemma4Config.preset("tiny")                               # window 8
+  cfg = gemma4.Gemma4Config.preset("tiny")               # window 8, sliding and full layers
   model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
   sharder = model.prepare_model_inputs_for_cp(layout=KIND)["cp_sharder"]
-  lay = sharder.shard_batch(gemma4.prepare_batch(batch, cfg), mesh)[1]
+  ids = np.repeat(np.arange(1, 9), [100, 20, 60, 8, 30, 200, 40, 54])[None].astype(np.int32)
+  out, lay = sharder.shard_batch(gemma4.prepare_batch(
+      {"input_ids": ids, "labels": ids, "_packed_seq_ids": ids}, cfg), mesh)
   window = cfg.text.effective_sliding_window
   assert lay.chunk_len >= window and lay.stripes == cpjax.default_stripes(s, cp, min_stripe_len=window)
   assert cpjax.ring_plan(lay, sliding_window=window) == cpjax.RingPlan(1, 1)
+  # ... and it balances the work of its own layers, sliding and full (on this
+  # row that order differs from the causal-only one).
+  layers = [window if t == "sliding_attention" else None for t in cfg.text.layer_types]
+  src = balance.balance_documents(ids, lay, layer_windows=layers)
+  np.testing.assert_array_equal(np.asarray(out["_source_index"]), src[:, cpjax.rank_order(lay)])
+  assert (src != balance.balance_documents(ids, lay)).any()
 
 
 @given(cp=st.sampled_from([2, 4, 8]), stripes=st.sampled_from([2, 4]),
@@ -154,10 +162,12 @@ def test_orders_move_whole_documents(cp, b, pad, seed):
     assert len(set(starts[starts > 0].tolist())) == int((starts > 0).sum())
 
 
-@given(cp=st.sampled_from([2, 4]), stripes=st.sampled_from([2, 4]), seed=st.integers(0, 10_000))
-def test_search_scores_equal_the_work_of_the_reordered_row(cp, stripes, seed):
+@given(cp=st.sampled_from([2, 4]), stripes=st.sampled_from([2, 4]), seed=st.integers(0, 10_000),
+       layer_windows=st.sampled_from([None, [3], [5, 5, None, 9]]))
+def test_search_scores_equal_the_work_of_the_reordered_row(cp, stripes, seed, layer_windows):
   """The search's closed-form score (work at the stripe boundaries) equals
-  the busiest rank's work summed token by token on the reordered row."""
+  the busiest rank's work summed token by token on the reordered row, for
+  causal and windowed layers."""
   s = cp * stripes * 16
   lay = cpjax.ShardLayout(s, s, cp, KIND, stripes=stripes)
   rng = np.random.default_rng(seed)
@@ -167,10 +177,11 @@ def test_search_scores_equal_the_work_of_the_reordered_row(cp, stripes, seed):
   owner = np.empty(s, np.int64)
   owner[cpjax.rank_order(lay)] = np.arange(s) // lay.local_seq_len
   orders = np.stack([rng.permutation(len(starts)) for _ in range(4)])
-  got = balance._scores(orders, lengths, real, owner[::lay.chunk_len], lay)
+  got = balance._scores(orders, lengths, real, owner[::lay.chunk_len], lay,
+                        balance._windows(layer_windows))
   for order, score in zip(orders, got):
     src = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in order])
-    work = balance.token_work(ids)[0, src]               # slot order
+    work = balance.token_work(ids, layer_windows)[0, src]               # slot order
     assert score == np.bincount(owner, weights=work, minlength=cp).max()
 
 

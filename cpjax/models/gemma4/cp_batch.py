@@ -11,7 +11,7 @@ pre-pad batch and sharded here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -79,6 +79,7 @@ def shard_aux_only_cp_batch(
     image_token_id: int | None = None,
     implementation: str | None = None,
     min_stripe_len: int = MIN_STRIPE_LEN,
+    layer_windows: Sequence[int | None] | None = None,
 ) -> tuple[dict, ShardLayout]:
   """Gemma4's aux-only CP shard in any layout.
 
@@ -113,7 +114,7 @@ def shard_aux_only_cp_batch(
       loss_mask=loss_mask, padding_token_id=padding_token_id,
       extra_seq_keys=extra_seq_keys, extra_pad_values=extra_pad_values,
       pad_multiple=pad_multiple, batch_axis=batch_axis, implementation=implementation,
-      min_stripe_len=min_stripe_len)
+      min_stripe_len=min_stripe_len, layer_windows=layer_windows)
   if image_token_id is not None and "input_ids" in batch:
     is_image = jnp.asarray(batch["input_ids"]) == image_token_id
   elif "mm_token_type_ids" in batch:

@@ -398,15 +398,20 @@ class Gemma4(nnx.Module):
     """``{"cp_sharder": ContextParallelSharder}`` whose ``shard_batch`` is the
     aux-only sharder (``layout`` ``"contiguous"`` as the original,
     ``"load_balanced"`` or ``"document_balanced"``, whose stripes are no
-    shorter than the sliding window): the CP dispatch calls it instead of a
+    shorter than the sliding window and whose balance counts the work of
+    each layer, sliding and full): the CP dispatch calls it instead of a
     generic one."""
     del batch  # the sharder is the same for every batch of this model
     if layout not in LAYOUT_KINDS:
       raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
+    t = self.cfg.text
     return {"cp_sharder": ContextParallelSharder(shard_batch=functools.partial(
         _sharder_call, layout=layout, image_token_id=self.cfg.image_token_id,
-        # document_balanced stripes no shorter than the window keep its ring at one hop.
-        min_stripe_len=self.cfg.text.effective_sliding_window))}
+        # document_balanced: stripes no shorter than the window keep its ring
+        # at one hop, and the balance counts each layer's own work.
+        min_stripe_len=t.effective_sliding_window,
+        layer_windows=tuple(t.effective_sliding_window if kind == SLIDING else None
+                            for kind in t.layer_types)))}
 
 
 def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "load_balanced",
