@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -89,29 +91,91 @@ def _checkpoint_sharding(cfg, mesh, rule):
   return sharding
 
 
+@dataclasses.dataclass
+class _Trainer:
+  """What the phases share: the model split for the step, its sharder and
+  the mesh, and the training state (``params``, ``opt_state``) as it moves."""
+
+  cfg: Any
+  mesh: Any
+  rows: int                    # rows of one microbatch
+  batch_axis: str | None
+  sharder: Any
+  graphdef: Any
+  buffers: Any
+  optimizer: Any
+  params: Any
+  opt_state: Any
+  reference_params: Any        # on one device, for the parity check (or None)
+  description: str
+
+
+@dataclasses.dataclass
+class _Data:
+  """A batch source: ``next_batch()`` gives one microbatch of rows; ``state``
+  / ``set_state`` save and restore where it is, for resume."""
+
+  next_batch: Callable[[], dict]
+  state: Callable[[], dict]
+  set_state: Callable[[dict], None]
+
+
 def run_train_job(job: TrainJob, *, log=print) -> dict:
   """Train and return a summary dict (what the closing lines print).
+
+  The phases: build the model and mesh, open the data, resume, compile the
+  step, check parity with the single-device model, run the step loop (with
+  the periodic work as hooks after each step), report.
 
   In a multi-process cluster every process runs this with the same job;
   only process 0 logs.
   """
   import jax
-  import optax
-  from flax import nnx
-  from tqdm.auto import tqdm
-
-  from cpjax import train
-  from cpjax.models import gemma4
 
   if jax.process_index() != 0:
     log = lambda *_: None  # noqa: E731
+  trainer = _build(job)
+  data = _open_data(job, trainer.cfg, trainer.rows)
+  first_step, checkpointer = _resume(job, trainer, data, log)
+  _describe(job, trainer, log)
+
+  batches, sharded, layout = _step_batches(job, trainer, data)
+  from cpjax import train
+
+  step = train.make_train_step(trainer.graphdef, trainer.optimizer, mesh=trainer.mesh,
+                               layout=layout, frozen=trainer.buffers)
+  step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
+
+  summary = {"job": dataclasses.asdict(job)}
+  hooks = []
+  if job.parity_check and first_step == 0:
+    hooks.append(_parity_hook(job, trainer, batches, summary, log))
+  if checkpointer is not None:
+    hooks.append(_save_hook(job, trainer, data, checkpointer))
+  losses, real_tokens, times = _loop(job, trainer, data, step, sharded, batches, layout,
+                                     first_step=first_step, hooks=hooks)
+  if checkpointer is not None:
+    checkpointer.wait()
+    checkpointer.close()
+    log(f"train state after step {job.steps} saved to {job.state_dir}")
+  return _report(job, trainer, step, summary, losses, real_tokens, times, first_step, log)
+
+
+# ------------------------------------------------------------------ the phases
+def _build(job: TrainJob) -> _Trainer:
+  """The mesh, the model (random init or a checkpoint, each device reading
+  its own shards), the optimizer, and the sharded training state."""
+  import jax
+  import optax
+  from flax import nnx
+
   from cpjax import parallel
+  from cpjax.models import gemma4
   from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 
   sizes = parallel.parse_mesh(job.mesh) if job.mesh else {"cp": job.cp}
   mesh = parallel.make_mesh(**sizes)
   devices = list(mesh.devices.flat)
-  batch_axis = parallel.batch_axis_of(mesh)
   if job.batch_size % job.microbatches:
     raise JobError(f"--microbatches {job.microbatches} does not divide --batch-size "
                    f"{job.batch_size}")
@@ -138,10 +202,10 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     model = gemma4.Gemma4.from_pretrained(job.checkpoint, remat=job.remat, mesh=mesh,
                                           sharding=_checkpoint_sharding(cfg, mesh, rule))
     model.dtype = compute
-    what = f"Gemma 4 from {job.checkpoint}"
+    description = f"Gemma 4 from {job.checkpoint}"
   else:
     model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(job.seed), dtype=compute, remat=job.remat)
-    what = f"Gemma 4 {job.model!r} (random init)"
+    description = f"Gemma 4 {job.model!r} (random init)"
   sharder = model.prepare_model_inputs_for_cp(layout=job.layout)["cp_sharder"]
   # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
@@ -152,8 +216,14 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   reference_params = jax.device_put(params, devices[0]) if job.parity_check else None
   params = parallel.shard_params(params, mesh, specs)
   opt_state = parallel.shard_like_params(optimizer.init(params), params)
-  rng = np.random.default_rng(job.seed)
+  return _Trainer(cfg=cfg, mesh=mesh, rows=rows, batch_axis=parallel.batch_axis_of(mesh),
+                  sharder=sharder, graphdef=graphdef, buffers=buffers, optimizer=optimizer,
+                  params=params, opt_state=opt_state, reference_params=reference_params,
+                  description=description)
 
+
+def _open_data(job: TrainJob, cfg, rows: int) -> _Data:
+  """The corpus (``--data``) or synthetic packed multimodal rows."""
   if job.data:
     from cpjax.corpus import packed_batches
 
@@ -162,12 +232,6 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
     stream = iter(packed_batches(job.data, batch_size=rows, seq_len=job.seq_len,
                                  seed=job.seed, process_index=0, process_count=1))
 
-    def data_state():
-      return {"grain": stream.get_state()}
-
-    def set_data_state(state):
-      stream.set_state(state["grain"])
-
     def next_batch():
       batch = next(stream)
       top = int(batch["input_ids"].max())
@@ -175,35 +239,47 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
         raise ValueError(f"--data {job.data} holds token id {top}, outside the model's "
                          f"vocabulary of {cfg.text.vocab_size}")
       return batch
-  else:
-    def data_state():
-      return {"numpy_bit_generator": rng.bit_generator.state}
 
-    def set_data_state(state):
-      rng.bit_generator.state = state["numpy_bit_generator"]
+    return _Data(next_batch, state=lambda: {"grain": stream.get_state()},
+                 set_state=lambda state: stream.set_state(state["grain"]))
 
-    def next_batch():
-      return gemma4.synthetic_batch(rng, cfg, batch_size=rows, seq_len=job.seq_len,
-                                    max_docs=6)
+  from cpjax.models import gemma4
 
-  # What a resumed run must share with the saved one (see checkpointing).
-  run = {"model_config": cfg.to_hf(), "batch_size": job.batch_size, "seq_len": job.seq_len,
-         "microbatches": job.microbatches,
-         "data": job.data, "seed": job.seed}
-  first_step = 0
-  checkpointer = None
+  rng = np.random.default_rng(job.seed)
+
+  def set_state(state):
+    rng.bit_generator.state = state["numpy_bit_generator"]
+
+  return _Data(lambda: gemma4.synthetic_batch(rng, cfg, batch_size=rows, seq_len=job.seq_len,
+                                              max_docs=6),
+               state=lambda: {"numpy_bit_generator": rng.bit_generator.state},
+               set_state=set_state)
+
+
+def _run_identity(job: TrainJob, cfg) -> dict:
+  """What a resumed run must share with the saved one (see checkpointing)."""
+  return {"model_config": cfg.to_hf(), "batch_size": job.batch_size, "seq_len": job.seq_len,
+          "microbatches": job.microbatches, "data": job.data, "seed": job.seed}
+
+
+def _resume(job: TrainJob, trainer: _Trainer, data: _Data, log):
+  """``(first_step, checkpointer or None)``; with ``--resume`` the training
+  state and the data's place come back from the latest checkpoint."""
+  first_step, checkpointer = 0, None
   if job.state_dir:
     from cpjax.checkpointing import TrainCheckpointer, check_run_matches
 
     checkpointer = TrainCheckpointer(job.state_dir, save_every=job.save_every)
     if job.resume:
-      first_step, restored = checkpointer.restore(params_like=params, opt_state_like=opt_state)
+      first_step, restored = checkpointer.restore(params_like=trainer.params,
+                                                  opt_state_like=trainer.opt_state)
       try:
-        check_run_matches(restored["run"], run, force=job.force_resume)
+        check_run_matches(restored["run"], _run_identity(job, trainer.cfg),
+                          force=job.force_resume)
       except ValueError as e:
         raise JobError(str(e)) from None
-      params, opt_state = restored["params"], restored["opt_state"]
-      set_data_state(restored["data_state"])
+      trainer.params, trainer.opt_state = restored["params"], restored["opt_state"]
+      data.set_state(restored["data_state"])
       log(f"resumed from {job.state_dir} after step {first_step}")
     elif checkpointer.latest_step() is not None:
       raise JobError(f"{job.state_dir} already holds a checkpoint (step "
@@ -212,85 +288,127 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   if first_step >= job.steps:
     raise JobError(f"the checkpoint is after step {first_step}; --steps {job.steps} leaves "
                    f"nothing to train")
+  return first_step, checkpointer
 
+
+def _describe(job: TrainJob, trainer: _Trainer, log) -> None:
+  import jax
+
+  devices = list(trainer.mesh.devices.flat)
   procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-  t = cfg.text
+  t = trainer.cfg.text
+  what = trainer.description
   what += f", data {job.data}" if job.data else ", synthetic multimodal data"
-  mesh_text = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+  mesh_text = " x ".join(f"{name}={size}" for name, size in trainer.mesh.shape.items())
   accum = f" in {job.microbatches} microbatches" if job.microbatches > 1 else ""
   log(f"cpjax train: {what}: {t.num_hidden_layers} layers d={t.hidden_size}, "
       f"S={job.seq_len} B={job.batch_size}{accum}, mesh {mesh_text} ({job.layout}) on "
       f"{len(devices)} {devices[0].platform.upper()} devices{procs}, {job.dtype}")
 
-  def next_step_batches():
-    """The step's rows (as microbatches) and their sharded form."""
-    parts = [next_batch() for _ in range(job.microbatches)]
-    placed = [sharder.shard_batch(b, mesh, batch_axis=batch_axis) for b in parts]
-    layouts = {lay for _, lay in placed}
-    assert len(layouts) == 1, "every batch has the same padded shape"
-    sharded = placed[0][0] if job.microbatches == 1 else [b for b, _ in placed]
-    return parts, sharded, placed[0][1]
 
-  batches, sharded, layout = next_step_batches()
-  step = train.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=buffers)
-  step = step.compile(params, opt_state, sharded)  # once; every step reuses it
+def _step_batches(job: TrainJob, trainer: _Trainer, data: _Data):
+  """The step's rows (as microbatches), their sharded form and its layout."""
+  parts = [data.next_batch() for _ in range(job.microbatches)]
+  placed = [trainer.sharder.shard_batch(b, trainer.mesh, batch_axis=trainer.batch_axis)
+            for b in parts]
+  layouts = {lay for _, lay in placed}
+  assert len(layouts) == 1, "every batch has the same padded shape"
+  sharded = placed[0][0] if job.microbatches == 1 else [b for b, _ in placed]
+  return parts, sharded, placed[0][1]
 
-  summary = {"job": dataclasses.asdict(job)}
-  if job.parity_check and first_step == 0:
-    # The same rows on one device, unsharded parameters: sum the microbatches'
-    # CE sums and gradients, divide once by the whole step's token count.
-    single = jax.jit(jax.value_and_grad(train.make_loss_fn(graphdef, frozen=buffers),
-                                        has_aux=True))
-    ce_sum, count, ref_grads = 0.0, 0.0, None
-    for b in batches:
-      (s, n), g = single(reference_params, gemma4.prepare_batch(b, cfg))
-      ce_sum, count = ce_sum + s, count + n
-      ref_grads = g if ref_grads is None else jax.tree.map(jax.numpy.add, ref_grads, g)
-    ref_loss = ce_sum / count
-    ref_grads = jax.tree.map(lambda g: g / count, ref_grads)
-    ref_norm = float(optax.tree.norm(ref_grads))
+
+def _loop(job: TrainJob, trainer: _Trainer, data: _Data, step, sharded, batches, layout, *,
+          first_step: int, hooks):
+  """The step loop: ``(losses, real tokens, seconds per step)``. After each
+  step every hook runs as ``hook(i, metrics, loss)`` (i counts from 0)."""
+  import jax
+  from tqdm.auto import tqdm
 
   losses, real_tokens, times = [], 0, []
   bar = tqdm(range(first_step, job.steps), desc="train", unit="step", leave=True,
              disable=jax.process_index() != 0)
   for i in bar:
     start = time.perf_counter()
-    params, opt_state, metrics = step(params, opt_state, sharded)
+    trainer.params, trainer.opt_state, metrics = step(trainer.params, trainer.opt_state, sharded)
     loss = _host(metrics["loss"])
     times.append(time.perf_counter() - start)
-    if i == 0 and job.parity_check:
-      rel_loss = abs(loss - float(ref_loss)) / abs(float(ref_loss))
-      rel_norm = abs(_host(metrics["grad_norm"]) - ref_norm) / ref_norm
-      # float32: the CP step must match the single-device one to summation
-      # order. bfloat16 activations round differently on each path; at this
-      # size their gradients differ from float32 by ~20% on either path, so
-      # only the loss is held to a (bf16-sized) tolerance there.
-      tol = 1e-4 if job.dtype == "float32" else 1e-2
-      ok = rel_loss <= tol and (job.dtype != "float32" or rel_norm <= tol)
-      summary["parity"] = {"rel_loss": rel_loss, "rel_grad_norm": rel_norm, "tolerance": tol}
-      checked = "loss and grad norm" if job.dtype == "float32" else "loss"
-      with tqdm.external_write_mode():      # a line of its own, not inside the bar
-        log(f"parity with the single-device model at step 1: |dloss|/loss = {rel_loss:.1e}, "
-            f"|dgrad_norm|/grad_norm = {rel_norm:.1e} ({checked} within {tol:g})")
-      if not ok:
-        raise RuntimeError(f"CP and single-device steps disagree: {summary['parity']}")
+    for hook in hooks:
+      hook(i, metrics, loss)
     losses.append(loss)
     real_tokens += sum(int(np.sum(b["attention_mask"])) for b in batches)
-    if checkpointer is not None:
-      # The data state BEFORE the next fetch: a resumed run fetches that batch.
-      checkpointer.maybe_save(i + 1, params=params, opt_state=opt_state,
-                              data_state=data_state(), run=run, force=i + 1 == job.steps)
     bar.set_postfix(loss=f"{loss:.3f}")
-    batches, sharded, lay = next_step_batches()
+    batches, sharded, lay = _step_batches(job, trainer, data)
     assert lay == layout, "every batch has the same padded shape"
+  return losses, real_tokens, times
+
+
+# ------------------------------------------------------------------ the hooks
+def _parity_hook(job: TrainJob, trainer: _Trainer, batches, summary: dict, log):
+  """At step 1, the CP step's loss and gradient norm against the same rows on
+  one device with unsharded parameters; a disagreement stops the run."""
+  import jax
+  import optax
+  from tqdm.auto import tqdm
+
+  from cpjax import train
+  from cpjax.models import gemma4
+
+  # Sum the microbatches' CE sums and gradients, divide once by the whole
+  # step's token count, as the step does.
+  single = jax.jit(jax.value_and_grad(train.make_loss_fn(trainer.graphdef,
+                                                         frozen=trainer.buffers), has_aux=True))
+  ce_sum, count, ref_grads = 0.0, 0.0, None
+  for b in batches:
+    (s, n), g = single(trainer.reference_params, gemma4.prepare_batch(b, trainer.cfg))
+    ce_sum, count = ce_sum + s, count + n
+    ref_grads = g if ref_grads is None else jax.tree.map(jax.numpy.add, ref_grads, g)
+  ref_loss = float(ce_sum / count)
+  ref_norm = float(optax.tree.norm(jax.tree.map(lambda g: g / count, ref_grads)))
+
+  def hook(i, metrics, loss):
+    if i != 0:
+      return
+    rel_loss = abs(loss - ref_loss) / abs(ref_loss)
+    rel_norm = abs(_host(metrics["grad_norm"]) - ref_norm) / ref_norm
+    # float32: the CP step must match the single-device one to summation
+    # order. bfloat16 activations round differently on each path; at this
+    # size their gradients differ from float32 by ~20% on either path, so
+    # only the loss is held to a (bf16-sized) tolerance there.
+    tol = 1e-4 if job.dtype == "float32" else 1e-2
+    ok = rel_loss <= tol and (job.dtype != "float32" or rel_norm <= tol)
+    summary["parity"] = {"rel_loss": rel_loss, "rel_grad_norm": rel_norm, "tolerance": tol}
+    checked = "loss and grad norm" if job.dtype == "float32" else "loss"
+    with tqdm.external_write_mode():      # a line of its own, not inside the bar
+      log(f"parity with the single-device model at step 1: |dloss|/loss = {rel_loss:.1e}, "
+          f"|dgrad_norm|/grad_norm = {rel_norm:.1e} ({checked} within {tol:g})")
+    if not ok:
+      raise RuntimeError(f"CP and single-device steps disagree: {summary['parity']}")
+
+  return hook
+
+
+def _save_hook(job: TrainJob, trainer: _Trainer, data: _Data, checkpointer):
+  """Saves every ``--save-every`` steps and after the last one."""
+  run = _run_identity(job, trainer.cfg)
+
+  def hook(i, metrics, loss):
+    del metrics, loss
+    # The data state BEFORE the next fetch: a resumed run fetches that batch.
+    checkpointer.maybe_save(i + 1, params=trainer.params, opt_state=trainer.opt_state,
+                            data_state=data.state(), run=run, force=i + 1 == job.steps)
+
+  return hook
+
+
+# ------------------------------------------------------------------ the report
+def _report(job: TrainJob, trainer: _Trainer, step, summary: dict, losses, real_tokens, times,
+            first_step: int, log) -> dict:
+  import jax
+  from flax import nnx
 
   mem = step.memory_analysis()
   steady = times[1:] or times
   tokens_per_step = real_tokens / len(times)
-  if checkpointer is not None:
-    checkpointer.wait()
-    checkpointer.close()
-    log(f"train state after step {job.steps} saved to {job.state_dir}")
   summary.update({
       "losses": losses, "first_step": first_step,
       "loss_first": losses[0], "loss_last": losses[-1],
@@ -305,7 +423,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
       f"{summary['tokens_per_s']:.0f} real tokens/s after the first step "
       f"(first step {times[0]:.1f} s)")
   if job.save:
-    trained = nnx.merge(graphdef, jax.device_get(params), buffers)
+    trained = nnx.merge(trainer.graphdef, jax.device_get(trainer.params), trainer.buffers)
     files = trained.save_pretrained(job.save)
     summary["saved"] = files
     log(f"saved a Hugging Face checkpoint to {job.save} ({len(files)} safetensors file(s))")
