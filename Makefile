@@ -17,9 +17,10 @@ run: $(STAMP)
 	$(BIN)/cpjax train
 
 # Two workers, one per core of the CI machine; each test file stays on one
-# worker so its module fixtures compile once.
+# worker so its module fixtures compile once. The slowest tests are listed at
+# the end: the suite must stay under 30 minutes on 2 cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 # Every property test with 200 examples each, the slow-marked cases and the
 # mutation check (not in CI: about 30 minutes on 2 cores).
