@@ -327,6 +327,12 @@ def test_what_the_reorder_needs_is_checked():
     cpjax.unshard_batch(sharded, lay)
   with pytest.raises(ValueError, match="min_stripe_len must be >= 1, got 0"):
     cpjax.shard_batch(batch, mesh, layout=KIND, min_stripe_len=0)
+  with pytest.raises(ValueError, match=r"layer_windows\[1\] must be >= 1, got 0"):
+    cpjax.shard_batch(batch, mesh, layout=KIND, layer_windows=[512, 0])
+  with pytest.raises(TypeError, match="layer_windows must be a sequence of ints >= 1 or None"):
+    cpjax.shard_batch(batch, mesh, layout=KIND, layer_windows=512)
+  with pytest.raises(ValueError, match=r"layer_windows must name at least one attention layer"):
+    cpjax.balance_documents(batch["_packed_seq_ids"], lay, layer_windows=[])
   with pytest.raises(ValueError, match=r"pass source_index=batch\['_source_index'\]"):
     cpjax.to_rank_order(np.zeros((1, 8)), lay)
   with pytest.raises(ValueError, match=r"source_index must be \[B, 8\]"):
