@@ -1,9 +1,12 @@
 """The ``cpjax`` command line.
 
-    cpjax train [--model NAME | --checkpoint DIR] [--data PATH] [--remat] [--save DIR]
+    cpjax train [--model NAME | --checkpoint DIR] [--remat] [--save DIR]
+                [--data PATH [--tokenizer DIR] [--eval-data PATH --eval-every N] [--metrics F]]
+                [--lr X --lr-schedule KIND --warmup-steps N --max-grad-norm X]
                 [--state-dir DIR --save-every N | --resume DIR [--force-resume]]
                 [--seq-len N] [--cp N] [--layout KIND] [--steps N] [--seed N] [--dtype T]
                 [--coordinator-address HOST:PORT --num-processes N --process-id I]
+    cpjax prepare-data IN.jsonl OUT --checkpoint DIR [--seq-len N] [--truncate] [--strict]
     cpjax plan  (--model NAME | --checkpoint DIR) --seq-len N [--mesh AXIS=N,...]
                 [--device-memory SIZE] [--estimate-only]
     cpjax demo  [--cp N] [--seq-len N]
@@ -89,10 +92,31 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--checkpoint", metavar="DIR", default=None,
                      help="fine-tune this Hugging Face Gemma 4 checkpoint directory "
                           "(config.json + safetensors) instead of --model")
-  train.add_argument("--data", metavar="PATH", default=None,
-                     help="train on pre-tokenized documents (an ArrayRecord file or a directory "
-                          "of them, see cpjax.corpus), packed into rows of --seq-len, instead "
-                          "of synthetic data")
+  data = train.add_argument_group(
+      "your own data", "instead of synthetic data: a corpus from cpjax prepare-data (or any "
+                       "ArrayRecord documents, see cpjax.corpus), or JSONL texts and "
+                       "conversations tokenized at the start with the checkpoint's tokenizer "
+                       "and chat template (only the assistant turns count in the loss)")
+  data.add_argument("--data", metavar="PATH", default=None,
+                    help="the training data: a corpus directory or file, or a .jsonl file; "
+                         "packed into rows of --seq-len")
+  data.add_argument("--tokenizer", metavar="DIR", default=None,
+                    help="the directory of tokenizer.json and the chat template, for .jsonl "
+                         "data (default: --checkpoint)")
+  data.add_argument("--truncate", action="store_true",
+                    help="cut .jsonl documents longer than --seq-len (default: drop and report "
+                         "them)")
+  data.add_argument("--eval-data", metavar="PATH", default=None,
+                    help="validation data (as --data): the loss of its first --eval-rows rows, "
+                         "with the same CP forward, after the last step and every --eval-every")
+  data.add_argument("--eval-every", type=_positive, default=None, metavar="N",
+                    help="validate every N steps (needs --eval-data)")
+  data.add_argument("--eval-rows", type=_positive, default=16, metavar="N",
+                    help="validation rows (default 16)")
+  data.add_argument("--metrics", metavar="FILE", default=None,
+                    help="append one JSON line per step (step, loss, grad_norm, learning_rate, "
+                         "tokens, tokens_per_s, eval_loss when computed); default "
+                         "STATE_DIR/metrics.jsonl with --state-dir or --resume")
   state = train.add_argument_group(
       "resumable runs", "save the train state (parameters, optimizer state, data position) with "
                         "orbax, and continue a run from it")
@@ -132,7 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="activation dtype; parameters stay float32 (default float32)")
   train.add_argument("--batch-size", type=_positive, default=2, help="rows per step (default 2)")
   train.add_argument("--lr", type=_positive_float, default=3e-3,
-                     help="AdamW learning rate (default 3e-3)")
+                     help="AdamW learning rate (default 3e-3), the peak of --lr-schedule")
+  train.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"),
+                     default="constant",
+                     help="after the warmup: constant, or a cosine or linear decay to 0 at "
+                          "--steps (default constant)")
+  train.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                     help="linear warmup from 0 over N steps (default 0)")
+  train.add_argument("--max-grad-norm", type=_positive_float, default=None, metavar="X",
+                     help="clip the global gradient norm to X (default: no clipping)")
   train.add_argument("--no-parity-check", action="store_true",
                      help="skip the first-step comparison with the single-device model")
   train.add_argument("--skip-memory-check", action="store_true",
@@ -179,6 +211,26 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--estimate-only", action="store_true",
                     help="print the closed-form estimate without compiling")
 
+  prep = sub.add_parser(
+      "prepare-data", help="tokenize a JSONL of texts or conversations into a training corpus",
+      description="Read IN.jsonl (one {\"text\": ...} document or {\"messages\": [...]} "
+                  "conversation per line), tokenize it with the checkpoint's tokenizer.json and "
+                  "chat template (only the assistant turns of a conversation count in the "
+                  "loss), and write the ArrayRecord corpus OUT that cpjax train --data reads. "
+                  "Bad records are dropped and reported with their line number.")
+  prep.add_argument("source", metavar="IN.jsonl", help="the JSONL records")
+  prep.add_argument("out", metavar="OUT", help="the corpus directory to write")
+  prep.add_argument("--checkpoint", metavar="DIR", required=True,
+                    help="the checkpoint directory holding tokenizer.json, "
+                         "tokenizer_config.json and the chat template")
+  prep.add_argument("--seq-len", type=_positive, default=None,
+                    help="the training row length: longer documents are dropped (or cut, "
+                         "with --truncate); default: no limit")
+  prep.add_argument("--truncate", action="store_true",
+                    help="keep the first --seq-len tokens of longer documents")
+  prep.add_argument("--strict", action="store_true",
+                    help="stop at the first bad record instead of dropping it")
+
   demo = sub.add_parser("demo", help="shard a packed multimodal batch and print each rank's part")
   demo.add_argument("--cp", type=_positive, default=8, help="context-parallel size (default 8)")
   demo.add_argument("--seq-len", type=_positive, default=22, help="tokens in the row (default 22)")
@@ -213,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
 
   if args.command == "plan":
     return _plan(parser, args)
+  if args.command == "prepare-data":
+    return _prepare_data(parser, args)
 
   if args.model is not None and args.checkpoint is not None:
     parser.exit(2, "cpjax train: error: --model and --checkpoint exclude each other\n")
@@ -225,8 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.exit(2, "cpjax train: error: --save-every needs --state-dir (or --resume)\n")
   if args.resume is not None and not os.path.isdir(args.resume):
     parser.exit(2, f"cpjax train: error: --resume {args.resume} is not a directory\n")
-  if args.data is not None and not os.path.exists(args.data):
-    parser.exit(2, f"cpjax train: error: --data {args.data} does not exist\n")
+  for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+    if path is not None and not os.path.exists(path):
+      parser.exit(2, f"cpjax train: error: {flag} {path} does not exist\n")
+  if args.tokenizer is not None and not os.path.isfile(os.path.join(args.tokenizer,
+                                                                    "tokenizer.json")):
+    parser.exit(2, f"cpjax train: error: --tokenizer {args.tokenizer} has no tokenizer.json\n")
+  if args.eval_every is not None and args.eval_data is None:
+    parser.exit(2, "cpjax train: error: --eval-every needs --eval-data\n")
+  if args.warmup_steps < 0:
+    parser.exit(2, f"cpjax train: error: --warmup-steps must be >= 0, got {args.warmup_steps}\n")
   if args.seq_len < 32:
     parser.exit(2, f"cpjax train: error: --seq-len must be >= 32, got {args.seq_len}\n")
   if args.mesh is not None and args.cp is not None:
@@ -286,13 +348,32 @@ def main(argv: list[str] | None = None) -> int:
                  model=args.model or "tiny", checkpoint=args.checkpoint, remat=args.remat,
                  save=args.save, data=args.data, state_dir=args.resume or args.state_dir,
                  save_every=args.save_every or 0, resume=args.resume is not None,
-                 force_resume=args.force_resume)
+                 force_resume=args.force_resume, tokenizer=args.tokenizer,
+                 truncate=args.truncate, eval_data=args.eval_data,
+                 eval_every=args.eval_every or 0, eval_rows=args.eval_rows,
+                 warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
+                 max_grad_norm=args.max_grad_norm, metrics=args.metrics)
   # A JobError is a usage error found before any training compute; anything
   # else raised from here on is a crash: it propagates with its traceback.
   try:
     run_train_job(job)
   except JobError as e:
     parser.exit(2, f"cpjax train: error: {e}\n")
+  return 0
+
+
+def _prepare_data(parser, args) -> int:
+  from cpjax.records import BadRecord, prepare_data
+
+  if args.truncate and args.seq_len is None:
+    parser.exit(2, "cpjax prepare-data: error: --truncate needs --seq-len\n")
+  try:
+    summary = prepare_data(args.source, args.out, checkpoint=args.checkpoint,
+                           seq_len=args.seq_len, truncate=args.truncate, strict=args.strict)
+  except (BadRecord, FileNotFoundError, ValueError) as e:
+    parser.exit(2, f"cpjax prepare-data: error: {e}\n")
+  print("\n".join(summary.lines()))
+  print(f"wrote {os.path.join(args.out, 'documents.array_record')} and summary.json")
   return 0
 
 

@@ -1,9 +1,13 @@
 """Packed training rows from pre-tokenized documents, with grain.
 
 On disk: ArrayRecord files (grain's native random-access format), one record
-per document holding its token ids as little-endian int32 bytes. Random
-access is what a seeded global shuffle and a per-process shard need without
-reading the corpus into memory; :func:`write_documents` writes the format.
+per document. Random access is what a seeded global shuffle and a
+per-process shard need without reading the corpus into memory;
+:func:`write_documents` writes the format. A record is either the token ids
+as little-endian int32 bytes (a document that counts whole in the loss), or
+an ``.npz`` archive of named arrays: ``input_ids`` int32[T] and
+``loss_mask`` uint8[T] (1 where the token is a target of the loss: the
+answers of a conversation, see :mod:`cpjax.tokenizer`).
 
 The pipeline (:func:`packed_rows`):
 
@@ -14,35 +18,70 @@ The pipeline (:func:`packed_rows`):
 3. pack pieces into rows of ``seq_len`` tokens (grain's first-fit packing);
 4. emit the cpjax batch keys: ``input_ids``, ``_packed_seq_ids`` (1, 2, ...
    per document, 0 on padding), ``position_ids`` (restarting in every
-   document), ``labels`` (the next token of the same document, else -100)
-   and ``attention_mask``.
+   document), ``labels`` (the next token of the same document where the
+   loss mask holds it, else -100) and ``attention_mask``.
 
 It is deterministic, and resumable: the iterator's ``get_state()`` /
 ``set_state()`` continue exactly where a run stopped.
+
+Texts and conversations in JSONL become such a corpus with
+:func:`prepare_data` (``cpjax prepare-data``), tokenized with the
+checkpoint's own tokenizer and chat template (:mod:`cpjax.records`).
 
 Shape letters: ``B`` rows per batch, ``S`` tokens per row.
 """
 
 from __future__ import annotations
 
+import io
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from cpjax.batch import IGNORE_INDEX
+from cpjax.records import prepare_data, read_jsonl
 
-__all__ = ["packed_batches", "packed_rows", "write_documents"]
+__all__ = ["packed_batches", "packed_rows", "prepare_data", "read_jsonl", "write_documents"]
 
 _TOKEN = np.dtype("<i4")
+_NPZ_MAGIC = b"PK\x03\x04"   # never the first id of a raw record: 67324752 > any vocabulary
 
 
-def write_documents(path: str | os.PathLike, documents: Iterable[Sequence[int]]) -> int:
-  """Write token-id documents to an ArrayRecord file; returns how many.
+def _record(doc, number: int) -> bytes:
+  """One document's record: raw int32 tokens, or an .npz with its loss mask."""
+  if isinstance(doc, Mapping):
+    unknown = set(doc) - {"input_ids", "loss_mask"}
+    if unknown or "input_ids" not in doc:
+      raise ValueError(f"document {number} must have 'input_ids' and optionally 'loss_mask', "
+                       f"got keys {sorted(doc)}")
+    tokens, mask = np.asarray(doc["input_ids"]), doc.get("loss_mask")
+  else:
+    tokens, mask = np.asarray(doc), None
+  if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"document {number} must be a non-empty 1-D sequence of token ids, got "
+                     f"{tokens.dtype}{list(tokens.shape)}")
+  if mask is None:
+    return tokens.astype(_TOKEN).tobytes()
+  mask = np.asarray(mask)
+  if mask.shape != tokens.shape or not (mask.dtype == bool or np.isin(mask, (0, 1)).all()):
+    raise ValueError(f"document {number}: loss_mask must be 0/1 of the shape of input_ids "
+                     f"{tokens.shape}, got {mask.dtype}{list(mask.shape)}")
+  out = io.BytesIO()
+  np.savez(out, input_ids=tokens.astype(_TOKEN), loss_mask=mask.astype(np.uint8))
+  return out.getvalue()
+
+
+def write_documents(path: str | os.PathLike, documents: Iterable) -> int:
+  """Write documents to an ArrayRecord file; returns how many.
+
+  A document is a sequence of token ids (every token a target), or a dict
+  with ``input_ids`` and ``loss_mask`` (0/1 per token: which tokens are
+  targets of the loss).
 
   >>> import tempfile, os
   >>> path = os.path.join(tempfile.mkdtemp(), "docs.array_record")
-  >>> write_documents(path, [[5, 6, 7], [8, 9]])
+  >>> write_documents(path, [[5, 6, 7], {"input_ids": [8, 9], "loss_mask": [0, 1]}])
   2
   """
   from array_record.python import array_record_module
@@ -51,11 +90,7 @@ def write_documents(path: str | os.PathLike, documents: Iterable[Sequence[int]])
   count = 0
   try:
     for doc in documents:
-      tokens = np.asarray(doc)
-      if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"document {count} must be a non-empty 1-D sequence of token ids, got "
-                         f"{tokens.dtype}{list(tokens.shape)}")
-      writer.write(tokens.astype(_TOKEN).tobytes())
+      writer.write(_record(doc, count))
       count += 1
   finally:
     writer.close()
@@ -81,16 +116,22 @@ def _files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
 
 
 class _Decode:
-  """Record bytes -> int32 tokens, naming the file set on a bad record."""
+  """Record bytes -> ``{"input_ids", "loss_mask"}`` int32[T], naming the
+  file set on a bad record."""
 
   def __init__(self, where: str):
     self.where = where
 
-  def __call__(self, record: bytes) -> np.ndarray:
+  def __call__(self, record: bytes) -> dict:
+    if record[:4] == _NPZ_MAGIC:
+      with np.load(io.BytesIO(record)) as arrays:
+        return {"input_ids": arrays["input_ids"].astype(np.int32),
+                "loss_mask": arrays["loss_mask"].astype(np.int32)}
     if len(record) == 0 or len(record) % _TOKEN.itemsize:
       raise ValueError(f"a record in {self.where} is {len(record)} bytes: not a document of "
                        f"int32 token ids (written by cpjax.corpus.write_documents)")
-    return np.frombuffer(record, _TOKEN).astype(np.int32)
+    tokens = np.frombuffer(record, _TOKEN).astype(np.int32)
+    return {"input_ids": tokens, "loss_mask": np.ones_like(tokens)}
 
 
 def _pieces(seq_len: int, max_pieces: int):
@@ -101,8 +142,9 @@ def _pieces(seq_len: int, max_pieces: int):
 
     max_fan_out = max_pieces
 
-    def flat_map(self, tokens):
-      return [{"input_ids": tokens[i:i + seq_len]} for i in range(0, len(tokens), seq_len)]
+    def flat_map(self, doc):
+      return [{key: value[i:i + seq_len] for key, value in doc.items()}
+              for i in range(0, len(doc["input_ids"]), seq_len)]
 
   return Pieces()
 
@@ -112,7 +154,9 @@ def _to_batch_keys(row: dict) -> dict:
   ids = row["input_ids"].astype(np.int32)
   docs = row["input_ids_segment_ids"].astype(np.int32)
   nxt, nxt_doc = np.roll(ids, -1), np.roll(docs, -1)
-  same = (docs > 0) & (nxt_doc == docs)
+  # The next token is a target when it is of the same document and its loss
+  # mask holds it (the original's loss_mask, applied to the shifted labels).
+  same = (docs > 0) & (nxt_doc == docs) & (np.roll(row["loss_mask"], -1) > 0)
   same[-1] = False
   return {"input_ids": ids, "_packed_seq_ids": docs,
           "position_ids": row["input_ids_positions"].astype(np.int32),
@@ -174,7 +218,7 @@ def packed_rows(path, *, seq_len: int, seed: int = 0, shuffle: bool = True,
   ds = ds.repeat(num_epochs).to_iter_dataset()
   ds = grain.experimental.FlatMapIterDataset(ds, _pieces(seq_len, max_document_pieces))
   ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct={"input_ids": seq_len}, num_packing_bins=num_packing_bins, seed=seed,
+      ds, length_struct={"input_ids": seq_len, "loss_mask": seq_len}, num_packing_bins=num_packing_bins, seed=seed,
       shuffle_bins=shuffle)
   return ds.map(_to_batch_keys)
 

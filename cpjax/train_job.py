@@ -3,13 +3,20 @@
 A tiny real-architecture Gemma 4 by default (``--model`` picks a preset, or
 ``--checkpoint`` fine-tunes a Hugging Face checkpoint).
 
-Synthetic packed multimodal data, a progress bar, a parity check of the first
-step against the single-device model, and a closing summary.
+Synthetic packed multimodal data, or the user's own (a prepared corpus, or
+JSONL texts and conversations tokenized with the checkpoint's tokenizer); a
+progress bar, a parity check of the first step against the single-device
+model, a validation loss, a learning-rate schedule, a metrics file with a
+JSON line per step, and a closing summary.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import json
+import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +53,45 @@ class TrainJob:
   force_resume: bool = False
   mesh: str | None = None        # e.g. "fsdp=2,cp=4"; None: cp only
   microbatches: int = 1          # gradient accumulation: batch_size // microbatches rows each
+  tokenizer: str | None = None   # for JSONL data: the tokenizer's directory (default checkpoint)
+  truncate: bool = False         # JSONL documents longer than seq_len: cut (else dropped)
+  eval_data: str | None = None   # validation data (a corpus or JSONL)
+  eval_every: int = 0            # steps between validations (0: only after the last step)
+  eval_rows: int = 16            # the fixed validation rows: the first ones of eval_data
+  warmup_steps: int = 0          # linear warmup from 0 to learning_rate
+  lr_schedule: str = "constant"  # after warmup: constant, cosine or linear (decay to 0)
+  max_grad_norm: float | None = None   # clip the global gradient norm (None: no clipping)
+  metrics: str | None = None     # JSONL of per-step metrics (default: state_dir/metrics.jsonl)
+
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def learning_rate_schedule(job: TrainJob):
+  """The optax schedule of ``job``: step -> learning rate (step 0 is the first
+  update). As transformers' ``get_{constant,cosine,linear}_schedule_with_warmup``:
+  ``lr * s / warmup`` during the warmup, then constant, a half cosine or a
+  straight line from ``lr`` to 0 at ``job.steps``.
+
+  >>> s = learning_rate_schedule(TrainJob(learning_rate=1.0, steps=10, warmup_steps=2,
+  ...                                     lr_schedule="linear"))
+  >>> [round(float(s(i)), 3) for i in (0, 1, 2, 6, 10)]
+  [0.0, 0.5, 1.0, 0.5, 0.0]
+  """
+  import optax
+
+  if job.lr_schedule not in LR_SCHEDULES:
+    raise JobError(f"lr_schedule must be one of {LR_SCHEDULES}, got {job.lr_schedule!r}")
+  if job.warmup_steps < 0 or (job.lr_schedule != "constant" and job.warmup_steps >= job.steps):
+    raise JobError(f"--warmup-steps {job.warmup_steps} must be >= 0, and below --steps "
+                   f"{job.steps} for a {job.lr_schedule} schedule (it decays after the warmup)")
+  lr, warm, rest = job.learning_rate, job.warmup_steps, max(job.steps - job.warmup_steps, 1)
+  after = {"constant": optax.constant_schedule(lr),
+           "cosine": optax.cosine_decay_schedule(lr, rest),
+           "linear": optax.linear_schedule(lr, 0.0, rest)}[job.lr_schedule]
+  if warm == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
 
 
 def _compute_dtype(name: str):
@@ -135,7 +181,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   if jax.process_index() != 0:
     log = lambda *_: None  # noqa: E731
   trainer = _build(job)
-  data = _open_data(job, trainer.cfg, trainer.rows)
+  data = _open_data(job, trainer.cfg, trainer.rows, log)
   first_step, checkpointer = _resume(job, trainer, data, log)
   _describe(job, trainer, log)
 
@@ -147,9 +193,16 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
 
   summary = {"job": dataclasses.asdict(job)}
-  hooks = []
+  hooks = []       # in order: what a later hook reads, an earlier one wrote into the record
   if job.parity_check and first_step == 0:
     hooks.append(_parity_hook(job, trainer, batches, summary, log))
+  if job.eval_data:
+    hooks.append(_eval_hook(job, trainer, layout, summary, log))
+  metrics_file = job.metrics or (os.path.join(job.state_dir, "metrics.jsonl")
+                                 if job.state_dir else None)
+  if metrics_file:
+    hooks.append(_metrics_hook(metrics_file, learning_rate_schedule(job), first_step))
+    summary["metrics_file"] = metrics_file
   if checkpointer is not None:
     hooks.append(_save_hook(job, trainer, data, checkpointer))
   losses, real_tokens, times = _loop(job, trainer, data, step, sharded, batches, layout,
@@ -209,7 +262,9 @@ def _build(job: TrainJob) -> _Trainer:
   sharder = model.prepare_model_inputs_for_cp(layout=job.layout)["cp_sharder"]
   # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-  optimizer = optax.adamw(job.learning_rate, weight_decay=0.01)
+  optimizer = optax.adamw(learning_rate_schedule(job), weight_decay=0.01)
+  if job.max_grad_norm is not None:
+    optimizer = optax.chain(optax.clip_by_global_norm(job.max_grad_norm), optimizer)
   # FSDP / TP: each device keeps its shard of the parameters and of Adam's moments.
   specs = parallel.param_specs(params, mesh, rule=rule)
   # The parity reference runs on one device, as a user's single-device model would.
@@ -222,23 +277,53 @@ def _build(job: TrainJob) -> _Trainer:
                   description=description)
 
 
-def _open_data(job: TrainJob, cfg, rows: int) -> _Data:
+def _corpus(job: TrainJob, path: str, flag: str, log) -> str:
+  """A corpus to read: ``path`` itself, or a JSONL file tokenized into one
+  (with the tokenizer and chat template of ``--tokenizer`` or
+  ``--checkpoint``) in a fresh temporary directory."""
+  if not path.endswith(".jsonl"):
+    return path
+  import tempfile
+
+  from cpjax.records import prepare_data
+
+  source = job.tokenizer or job.checkpoint
+  if source is None:
+    raise JobError(f"{flag} {path} is JSONL: tokenizing it needs the checkpoint's tokenizer "
+                   f"(--checkpoint DIR or --tokenizer DIR)")
+  out = tempfile.mkdtemp(prefix="cpjax-corpus-")
+  atexit.register(shutil.rmtree, out, ignore_errors=True)   # read lazily during the run
+  try:
+    summary = prepare_data(path, out, checkpoint=source, seq_len=job.seq_len,
+                           truncate=job.truncate, progress=False)
+  except (ValueError, FileNotFoundError) as e:
+    raise JobError(f"{flag} {path}: {e}") from None
+  for line in summary.lines(show=5):
+    log(line)
+  return out
+
+
+def _check_vocabulary(batch: dict, cfg, where: str) -> dict:
+  top = int(batch["input_ids"].max())
+  if top >= cfg.text.vocab_size:
+    raise ValueError(f"{where} holds token id {top}, outside the model's vocabulary of "
+                     f"{cfg.text.vocab_size}")
+  return batch
+
+
+def _open_data(job: TrainJob, cfg, rows: int, log) -> _Data:
   """The corpus (``--data``) or synthetic packed multimodal rows."""
   if job.data:
     from cpjax.corpus import packed_batches
 
     # Every process feeds the same global batch (the sharder places each
     # process's part), so every process reads the whole corpus here.
-    stream = iter(packed_batches(job.data, batch_size=rows, seq_len=job.seq_len,
+    path = _corpus(job, job.data, "--data", log)
+    stream = iter(packed_batches(path, batch_size=rows, seq_len=job.seq_len,
                                  seed=job.seed, process_index=0, process_count=1))
 
     def next_batch():
-      batch = next(stream)
-      top = int(batch["input_ids"].max())
-      if top >= cfg.text.vocab_size:
-        raise ValueError(f"--data {job.data} holds token id {top}, outside the model's "
-                         f"vocabulary of {cfg.text.vocab_size}")
-      return batch
+      return _check_vocabulary(next(stream), cfg, f"--data {job.data}")
 
     return _Data(next_batch, state=lambda: {"grain": stream.get_state()},
                  set_state=lambda state: stream.set_state(state["grain"]))
@@ -320,7 +405,10 @@ def _step_batches(job: TrainJob, trainer: _Trainer, data: _Data):
 def _loop(job: TrainJob, trainer: _Trainer, data: _Data, step, sharded, batches, layout, *,
           first_step: int, hooks):
   """The step loop: ``(losses, real tokens, seconds per step)``. After each
-  step every hook runs as ``hook(i, metrics, loss)`` (i counts from 0)."""
+  step every hook runs as ``hook(i, metrics, record)``: ``i`` counts from 0,
+  ``metrics`` are the step's (device arrays), ``record`` the step's host
+  values (``step``, ``loss``, ``grad_norm``, ``tokens``: real tokens,
+  ``seconds``), to which a hook may add (the validation loss)."""
   import jax
   from tqdm.auto import tqdm
 
@@ -332,10 +420,13 @@ def _loop(job: TrainJob, trainer: _Trainer, data: _Data, step, sharded, batches,
     trainer.params, trainer.opt_state, metrics = step(trainer.params, trainer.opt_state, sharded)
     loss = _host(metrics["loss"])
     times.append(time.perf_counter() - start)
+    tokens = sum(int(np.sum(b["attention_mask"])) for b in batches)
+    record = {"step": i + 1, "loss": loss, "grad_norm": _host(metrics["grad_norm"]),
+              "tokens": tokens, "seconds": times[-1]}
     for hook in hooks:
-      hook(i, metrics, loss)
+      hook(i, metrics, record)
     losses.append(loss)
-    real_tokens += sum(int(np.sum(b["attention_mask"])) for b in batches)
+    real_tokens += tokens
     bar.set_postfix(loss=f"{loss:.3f}")
     batches, sharded, lay = _step_batches(job, trainer, data)
     assert lay == layout, "every batch has the same padded shape"
@@ -365,11 +456,12 @@ def _parity_hook(job: TrainJob, trainer: _Trainer, batches, summary: dict, log):
   ref_loss = float(ce_sum / count)
   ref_norm = float(optax.tree.norm(jax.tree.map(lambda g: g / count, ref_grads)))
 
-  def hook(i, metrics, loss):
+  def hook(i, metrics, record):
+    del metrics
     if i != 0:
       return
-    rel_loss = abs(loss - ref_loss) / abs(ref_loss)
-    rel_norm = abs(_host(metrics["grad_norm"]) - ref_norm) / ref_norm
+    rel_loss = abs(record["loss"] - ref_loss) / abs(ref_loss)
+    rel_norm = abs(record["grad_norm"] - ref_norm) / ref_norm
     # float32: the CP step must match the single-device one to summation
     # order. bfloat16 activations round differently on each path; at this
     # size their gradients differ from float32 by ~20% on either path, so
@@ -391,13 +483,97 @@ def _save_hook(job: TrainJob, trainer: _Trainer, data: _Data, checkpointer):
   """Saves every ``--save-every`` steps and after the last one."""
   run = _run_identity(job, trainer.cfg)
 
-  def hook(i, metrics, loss):
-    del metrics, loss
+  def hook(i, metrics, record):
+    del metrics, record
     # The data state BEFORE the next fetch: a resumed run fetches that batch.
     checkpointer.maybe_save(i + 1, params=trainer.params, opt_state=trainer.opt_state,
                             data_state=data.state(), run=run, force=i + 1 == job.steps)
 
   return hook
+
+
+def _eval_rows(job: TrainJob, trainer: _Trainer, log) -> list[dict]:
+  """The fixed validation rows: the first ``eval_rows`` packed rows of the
+  validation data (in file order, one pass), in batches of the step's rows;
+  the last batch is filled up with empty rows (they count no token)."""
+  from cpjax.corpus import packed_rows
+
+  path = _corpus(job, job.eval_data, "--eval-data", log)
+  rows = []
+  for row in packed_rows(path, seq_len=job.seq_len, shuffle=False, num_epochs=1,
+                         process_index=0, process_count=1):
+    rows.append(_check_vocabulary(row, trainer.cfg, f"--eval-data {job.eval_data}"))
+    if len(rows) == job.eval_rows:
+      break
+  empty = {key: np.full_like(value, -100 if key == "labels" else 0)
+           for key, value in rows[0].items()}
+  rows += [empty] * (-len(rows) % trainer.rows)
+  return [{key: np.stack([r[key] for r in rows[i:i + trainer.rows]]) for key in rows[0]}
+          for i in range(0, len(rows), trainer.rows)]
+
+
+def _eval_hook(job: TrainJob, trainer: _Trainer, layout, summary: dict, log):
+  """Every ``eval_every`` steps and after the last one: the token-mean loss
+  of the fixed validation rows, with the training step's CP forward and
+  shardings (no gradient), into the step's record as ``eval_loss``."""
+  import jax
+
+  from cpjax import train
+
+  host = _eval_rows(job, trainer, log)
+  placed = [trainer.sharder.shard_batch(b, trainer.mesh, batch_axis=trainer.batch_axis)
+            for b in host]
+  assert all(lay == layout for _, lay in placed), "validation rows have the step's shape"
+  loss_sums = jax.jit(train.make_loss_fn(trainer.graphdef, mesh=trainer.mesh, layout=layout,
+                                         frozen=trainer.buffers))
+  counted = sum(int(np.sum(b["labels"] != -100)) for b in host)
+  summary["eval_rows"] = sum(int(np.any(b["attention_mask"], axis=1).sum()) for b in host)
+  summary["eval_losses"] = []
+
+  def hook(i, metrics, record):
+    del metrics
+    if not ((job.eval_every and (i + 1) % job.eval_every == 0) or i + 1 == job.steps):
+      return
+    ce_sum = count = 0.0
+    with jax.set_mesh(trainer.mesh):
+      for batch, _ in placed:
+        s, n = loss_sums(trainer.params, batch)
+        ce_sum, count = ce_sum + _host(s), count + _host(n)
+    assert count == counted, "the CP loss counts every validation label once"
+    record["eval_loss"] = ce_sum / max(count, 1.0)
+    summary["eval_losses"].append((i + 1, record["eval_loss"]))
+    with _external_write():
+      log(f"step {i + 1}: validation loss {record['eval_loss']:.4f} over "
+          f"{summary['eval_rows']} rows ({int(count)} target tokens)")
+
+  return hook
+
+
+def _metrics_hook(path: str, schedule, first_step: int):
+  """Appends the step's record (plus the learning rate it used and the real
+  tokens per second) to ``path`` as one JSON line; only process 0 writes."""
+  import jax
+
+  if os.path.dirname(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+  if first_step == 0 and jax.process_index() == 0 and os.path.exists(path):
+    os.remove(path)       # a fresh run starts a fresh file; a resumed one appends
+
+  def hook(i, metrics, record):
+    line = {**record, "target_tokens": _host(metrics["tokens"]),
+            "learning_rate": float(schedule(i)),
+            "tokens_per_s": record["tokens"] / record["seconds"]}
+    if jax.process_index() == 0:
+      with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
+
+  return hook
+
+
+def _external_write():
+  from tqdm.auto import tqdm
+
+  return tqdm.external_write_mode()        # a line of its own, not inside the bar
 
 
 # ------------------------------------------------------------------ the report
@@ -412,6 +588,7 @@ def _report(job: TrainJob, trainer: _Trainer, step, summary: dict, losses, real_
   summary.update({
       "losses": losses, "first_step": first_step,
       "loss_first": losses[0], "loss_last": losses[-1],
+      "eval_loss": summary["eval_losses"][-1][1] if summary.get("eval_losses") else None,
       "tokens_per_s": tokens_per_step / float(np.median(steady)),
       "first_step_s": times[0],
       "scratch_mib_per_device": mem.temp_size_in_bytes / 2**20,

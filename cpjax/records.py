@@ -1,0 +1,223 @@
+"""JSONL records -> token documents, with the checkpoint's tokenizer.
+
+A record is one JSON object per line, either a text document or a
+conversation::
+
+    {"text": "Any plain text ..."}
+    {"messages": [{"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello!"}]}
+
+``content`` is a string or a list of parts (``{"type": "text", "text":
+...}``). ``id`` and ``metadata`` keys are allowed and ignored; any other key
+is a bad record (nothing a user wrote is silently dropped). A text document
+is tokenized as ``tokenizer(text)`` and counts whole in the loss; a
+conversation is rendered with the checkpoint's chat template and only its
+assistant turns count (:meth:`cpjax.tokenizer.CheckpointTokenizer.encode_chat`).
+
+A document longer than ``seq_len`` tokens is a bad record unless
+``truncate`` (then its first ``seq_len`` tokens are kept and counted as
+truncated). Bad records are reported with their line number and the reason;
+:class:`Summary` counts everything.
+
+Shape letters: ``T`` tokens of one document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from cpjax.tokenizer import ANSWER_ROLE, CheckpointTokenizer, check_messages
+
+__all__ = ["BadRecord", "Summary", "encode_record", "prepare_data", "read_jsonl"]
+
+_IGNORED_KEYS = ("id", "metadata")
+
+
+class BadRecord(ValueError):
+  """A record that cannot become a training document (the reason is the message)."""
+
+
+@dataclasses.dataclass
+class Summary:
+  """What a pass over a JSONL file gave: documents and tokens written, the
+  target (loss) tokens among them, documents truncated, and each dropped
+  record as ``(line, reason)``."""
+
+  source: str
+  documents: int = 0
+  tokens: int = 0
+  target_tokens: int = 0
+  truncated: int = 0
+  dropped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+
+  def as_dict(self) -> dict:
+    out = dataclasses.asdict(self)
+    out["dropped"] = [{"line": line, "reason": reason} for line, reason in self.dropped]
+    return out
+
+  def lines(self, *, show: int = 10) -> list[str]:
+    """The summary as printed lines (the first ``show`` dropped records)."""
+    out = [f"{self.source}: {self.documents} documents, {self.tokens} tokens "
+           f"({self.target_tokens} in the loss), {self.truncated} truncated, "
+           f"{len(self.dropped)} dropped"]
+    out += [f"  line {line}: {reason}" for line, reason in self.dropped[:show]]
+    if len(self.dropped) > show:
+      out.append(f"  ... and {len(self.dropped) - show} more (all in summary.json)")
+    return out
+
+
+def _text_of(message: dict, i: int) -> None:
+  """Checks a message's content parts (text only, so far)."""
+  content = message["content"]
+  if isinstance(content, str):
+    return
+  for j, part in enumerate(content):
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+      continue
+    raise BadRecord(f"message {i} part {j}: expected {{'type': 'text', 'text': str}}, got "
+                    f"{part!r}"[:200])
+
+
+def encode_record(record, tokenizer: CheckpointTokenizer) -> dict:
+  """One parsed record -> ``{"input_ids": int32[T], "loss_mask": uint8[T]}``
+  (:class:`BadRecord` saying why it cannot).
+
+  >>> import tempfile, json, os
+  >>> from tokenizers import Tokenizer, models, pre_tokenizers
+  >>> d = tempfile.mkdtemp()
+  >>> tok = Tokenizer(models.WordLevel({"hi": 0, "there": 1, "<unk>": 2}, "<unk>"))
+  >>> tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  >>> tok.save(os.path.join(d, "tokenizer.json"))
+  >>> encode_record({"text": "hi there"}, CheckpointTokenizer(d))["loss_mask"].tolist()
+  [1, 1]
+  """
+  if not isinstance(record, dict):
+    raise BadRecord(f"expected a JSON object, got {type(record).__name__}")
+  unknown = sorted(set(record) - {"text", "messages", *_IGNORED_KEYS})
+  if unknown:
+    raise BadRecord(f"unknown key(s) {unknown}: a record is {{'text': ...}} or "
+                    f"{{'messages': [...]}} ({' and '.join(_IGNORED_KEYS)} are ignored)")
+  if ("text" in record) == ("messages" in record):
+    raise BadRecord("a record needs exactly one of 'text' (a document) or 'messages' (a "
+                    "conversation)")
+  if "text" in record:
+    text = record["text"]
+    if not isinstance(text, str) or not text:
+      raise BadRecord(f"'text' must be a non-empty string, got {text!r}"[:200])
+    ids = np.asarray(tokenizer.encode(text), np.int32)
+    if ids.size == 0:
+      raise BadRecord("the text tokenizes to no tokens")
+    return {"input_ids": ids, "loss_mask": np.ones(ids.shape, np.uint8)}
+  messages = record["messages"]
+  try:
+    check_messages(messages)
+  except (TypeError, ValueError) as e:
+    raise BadRecord(str(e)) from None
+  for i, message in enumerate(messages):
+    _text_of(message, i)
+  if not any(m["role"] == ANSWER_ROLE for m in messages):
+    raise BadRecord(f"no {ANSWER_ROLE!r} message: nothing of it would count in the loss")
+  try:
+    ids, answer = tokenizer.encode_chat(messages)
+  except ValueError as e:
+    raise BadRecord(str(e)) from None
+  except Exception as e:      # the template's own raise_exception / undefined values
+    raise BadRecord(f"the chat template failed: {type(e).__name__}: {e}") from None
+  return {"input_ids": ids, "loss_mask": answer.astype(np.uint8)}
+
+
+def read_jsonl(path: str | os.PathLike, tokenizer: CheckpointTokenizer, *,
+               seq_len: int | None = None, truncate: bool = False, strict: bool = False,
+               summary: Summary | None = None) -> Iterator[dict]:
+  """The documents of a JSONL file, in order (a generator).
+
+  Args:
+    path: the JSONL file.
+    tokenizer: the checkpoint's tokenizer and chat template.
+    seq_len: the training row length; a longer document is dropped, or cut
+      with ``truncate``. None: no limit.
+    truncate: keep the first ``seq_len`` tokens of longer documents.
+    strict: raise :class:`BadRecord` (naming the line) at the first bad
+      record instead of dropping and reporting it.
+    summary: a :class:`Summary` to count into (its ``dropped`` lists every
+      dropped line with the reason).
+  """
+  path = os.fspath(path)
+  summary = summary if summary is not None else Summary(path)
+  with open(path, encoding="utf-8") as f:
+    for line_number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise BadRecord(f"not JSON: {e}") from None
+        doc = encode_record(record, tokenizer)
+        n = doc["input_ids"].size
+        cut = seq_len is not None and n > seq_len
+        if cut and not truncate:
+          raise BadRecord(f"{n} tokens, longer than the row of {seq_len} (truncation keeps "
+                          f"its first {seq_len})")
+        if cut:
+          doc = {key: value[:seq_len] for key, value in doc.items()}
+          if not doc["loss_mask"][1:].any():
+            raise BadRecord(f"{n} tokens; its first {seq_len} hold no target of the loss")
+      except BadRecord as e:
+        if strict:
+          raise BadRecord(f"{path} line {line_number}: {e}") from None
+        summary.dropped.append((line_number, str(e)))
+        continue
+      summary.documents += 1
+      summary.truncated += int(cut)
+      summary.tokens += int(doc["input_ids"].size)
+      # The first token is never a target (nothing precedes it).
+      summary.target_tokens += int(doc["loss_mask"][1:].sum())
+      yield doc
+
+
+def prepare_data(source: str | os.PathLike, out: str | os.PathLike, *,
+                 checkpoint: str | os.PathLike, seq_len: int | None = None,
+                 truncate: bool = False, strict: bool = False, progress: bool = True) -> Summary:
+  """Tokenize a JSONL file once into a corpus directory ``out`` that
+  :func:`cpjax.corpus.packed_rows` (and ``cpjax train --data``) reads:
+  ``documents.array_record`` (token ids and loss masks) and
+  ``summary.json`` (the :class:`Summary`, the checkpoint and ``seq_len``).
+
+  The arguments are :func:`read_jsonl`'s; ``checkpoint`` is the directory of
+  the tokenizer and chat template. A source that yields no document is a
+  ``ValueError`` (every line was bad: the summary says why).
+  """
+  from tqdm.auto import tqdm
+
+  from cpjax.corpus import write_documents
+
+  source, out = os.fspath(source), os.fspath(out)
+  if not os.path.isfile(source):
+    raise FileNotFoundError(f"data file {source} does not exist")
+  if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
+                              or seq_len < 2):
+    raise ValueError(f"seq_len must be an int >= 2 or None, got {seq_len!r}")
+  tokenizer = CheckpointTokenizer(checkpoint)
+  os.makedirs(out, exist_ok=True)
+  target = os.path.join(out, "documents.array_record")
+  summary = Summary(source)
+  with open(source, "rb") as f:
+    total = sum(1 for _ in f)
+  docs = tqdm(read_jsonl(source, tokenizer, seq_len=seq_len, truncate=truncate, strict=strict,
+                         summary=summary), total=total, desc="prepare", unit="doc",
+              disable=not progress, leave=False)
+  write_documents(target, docs)
+  with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump({**summary.as_dict(), "checkpoint": os.fspath(checkpoint), "seq_len": seq_len,
+               "truncate": truncate}, f, indent=1)
+  if summary.documents == 0:
+    os.remove(target)
+    raise ValueError("\n".join([f"{source} gave no document:", *summary.lines()[1:]]))
+  return summary

@@ -1,0 +1,212 @@
+"""A checkpoint's own tokenizer and chat template, applied as transformers does.
+
+A Hugging Face checkpoint directory holds ``tokenizer.json`` (the
+`tokenizers` library's serialization), ``tokenizer_config.json`` (the
+special tokens, sometimes the chat
+template) and often ``chat_template.jinja``. :class:`CheckpointTokenizer`
+reads them with `tokenizers` and jinja2 alone (no torch, no transformers)
+and gives the token ids transformers' ``AutoTokenizer`` gives:
+
+* :meth:`~CheckpointTokenizer.encode` is ``tokenizer(text)["input_ids"]``;
+* :meth:`~CheckpointTokenizer.render` is ``apply_chat_template(messages,
+  tokenize=False)``: the same sandboxed jinja2 environment (``trim_blocks``,
+  ``lstrip_blocks``, ``loopcontrols``, the ``tojson`` filter,
+  ``raise_exception``, ``strftime_now``) fed the special tokens by name;
+* :meth:`~CheckpointTokenizer.encode_chat` is ``apply_chat_template(messages,
+  tokenize=True)`` plus the answer mask: which tokens the assistant wrote.
+
+The answer mask, for templates without ``{% generation %}`` tags (Gemma 4's
+has none): assistant message ``i`` owns the characters the conversation
+gains from ``messages[:i]`` to ``messages[:i + 1]``, less the common prefix
+with ``messages[:i]`` rendered with the generation prompt (the turn header
+the model is prompted with is context, not answer). A token is an answer
+token when its characters fall in one of those spans; the end-of-turn marker
+is part of the answer (the model learns to stop), as in TRL's and NeMo's
+prompt/completion masks.
+
+Shape letters: ``T`` tokens of one document.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+
+import numpy as np
+
+__all__ = ["ANSWER_ROLE", "CheckpointTokenizer", "KNOWN_ROLES"]
+
+# The roles a conversation may use; the assistant's turns are the answers.
+ANSWER_ROLE = "assistant"
+KNOWN_ROLES = ("system", "developer", "user", ANSWER_ROLE, "tool")
+
+
+def _token_text(value) -> str | None:
+  """A special token as tokenizer_config.json writes it: a string or an
+  AddedToken dict ``{"content": ...}``."""
+  if isinstance(value, Mapping):
+    value = value.get("content")
+  return value if isinstance(value, str) else None
+
+
+def _compile(template: str):
+  """The chat template in transformers' sandboxed environment."""
+  import jinja2
+  import jinja2.ext
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[jinja2.ext.loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals.update(raise_exception=raise_exception,
+                     strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                     dict=dict, namespace=jinja2.utils.Namespace)
+  return env.from_string(template)
+
+
+class CheckpointTokenizer:
+  """The tokenizer and chat template of a checkpoint directory.
+
+  Args:
+    path: a directory with ``tokenizer.json`` and ``tokenizer_config.json``;
+      the chat template comes from ``chat_template.jinja`` if present, else
+      ``tokenizer_config.json``'s ``chat_template``.
+
+  Example:
+    >>> import tempfile, json, os
+    >>> from tokenizers import Tokenizer, models, pre_tokenizers
+    >>> d = tempfile.mkdtemp()
+    >>> tok = Tokenizer(models.WordLevel({"<bos>": 0, "hi": 1, "there": 2, "<unk>": 3}, "<unk>"))
+    >>> tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    >>> tok.save(os.path.join(d, "tokenizer.json"))
+    >>> template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    >>> with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+    ...   json.dump({"bos_token": "<bos>", "chat_template": template}, f)
+    >>> t = CheckpointTokenizer(d)
+    >>> t.encode("hi there")
+    [1, 2]
+    >>> ids, answer = t.encode_chat([{"role": "user", "content": "hi"},
+    ...                              {"role": "assistant", "content": "there"}])
+    >>> t.render([{"role": "user", "content": "hi"}]), ids.tolist(), answer.tolist()
+    ('<bos>hi ', [0, 1, 2], [False, False, True])
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    from tokenizers import AddedToken, Tokenizer
+
+    path = os.fspath(path)
+    files = {name: os.path.join(path, name) for name in
+             ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")}
+    if not os.path.isfile(files["tokenizer.json"]):
+      raise FileNotFoundError(f"{path} has no tokenizer.json (the checkpoint's tokenizer, in "
+                              f"the format of the `tokenizers` library)")
+    config = {}
+    if os.path.isfile(files["tokenizer_config.json"]):
+      with open(files["tokenizer_config.json"], encoding="utf-8") as f:
+        config = json.load(f)
+    self.path = path
+    self.config = config
+    self.backend = Tokenizer.from_file(files["tokenizer.json"])
+    # Every named special token, as apply_chat_template passes them to the template.
+    self.special_tokens = {key: _token_text(value) for key, value in config.items()
+                           if key.endswith("_token") and _token_text(value) is not None}
+    # As transformers: the named special tokens are added tokens (matched whole
+    # in text, never normalized); add_bos_token / add_eos_token are ignored
+    # when tokenizer.json exists (its post-processor decides).
+    self.backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                     for t in self.special_tokens.values()])
+    template = config.get("chat_template")
+    if os.path.isfile(files["chat_template.jinja"]):
+      with open(files["chat_template.jinja"], encoding="utf-8") as f:
+        template = f.read()
+    if isinstance(template, list):      # [{"name": ..., "template": ...}, ...]
+      template = {t["name"]: t["template"] for t in template}.get("default")
+    self.chat_template = template
+    self._compiled = None
+
+  # ------------------------------------------------------------------ text
+  def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``: ``tokenizer(text)["input_ids"]``."""
+    if not isinstance(text, str):
+      raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+  def token_id(self, token: str) -> int:
+    """The id of one token of the vocabulary (a ``KeyError`` if absent)."""
+    i = self.backend.token_to_id(token)
+    if i is None:
+      raise KeyError(f"token {token!r} is not in the vocabulary of {self.path}")
+    return i
+
+  # ------------------------------------------------------------------ chat
+  def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = False,
+             **template_kwargs) -> str:
+    """The conversation as the chat template writes it (a string)."""
+    if self.chat_template is None:
+      raise ValueError(f"{self.path} has no chat template (chat_template.jinja or "
+                       f"tokenizer_config.json's chat_template): conversations need one")
+    if self._compiled is None:
+      self._compiled = _compile(self.chat_template)
+    return self._compiled.render(messages=list(messages), tools=None, documents=None,
+                                 add_generation_prompt=add_generation_prompt,
+                                 **{**self.special_tokens, **template_kwargs})
+
+  def encode_chat(self, messages: Sequence[Mapping], **template_kwargs
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids int32[T], answer bool[T])``: the rendered conversation's tokens
+    and which of them the assistant wrote (see the module's docstring).
+
+    Raises ``ValueError`` naming the message when the template renders an
+    earlier part of the conversation differently from the whole (then the
+    answer spans cannot be read off the rendering).
+    """
+    check_messages(messages)
+    full = self.render(messages, **template_kwargs)
+    spans = []
+    for i, message in enumerate(messages):
+      if message["role"] != ANSWER_ROLE:
+        continue
+      end = self.render(messages[:i + 1], **template_kwargs)
+      prompt = self.render(messages[:i], add_generation_prompt=True, **template_kwargs)
+      if not full.startswith(end):
+        raise ValueError(f"message {i}: the chat template renders the conversation up to this "
+                         f"assistant message differently from the whole conversation, so its "
+                         f"answer tokens cannot be told apart")
+      start = len(os.path.commonprefix([prompt, end]))
+      spans.append((start, len(end)))
+    encoding = self.backend.encode(full, add_special_tokens=False)
+    answer = np.zeros(len(encoding.ids), bool)
+    for t, (lo, hi) in enumerate(encoding.offsets):
+      # A token belongs to the answer when it overlaps an answer span.
+      answer[t] = any(lo < end and hi > start for start, end in spans)
+    return np.asarray(encoding.ids, np.int32), answer
+
+
+def check_messages(messages) -> None:
+  """A conversation: a non-empty list of ``{"role", "content"}`` dicts with a
+  known role and string or list content (``ValueError`` / ``TypeError``
+  naming the message)."""
+  if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+    raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got "
+                     f"{type(messages).__name__}")
+  for i, message in enumerate(messages):
+    if not isinstance(message, Mapping):
+      raise TypeError(f"message {i} must be a dict with 'role' and 'content', got "
+                      f"{type(message).__name__}")
+    role = message.get("role")
+    if role not in KNOWN_ROLES:
+      raise ValueError(f"message {i} has role {role!r}; expected one of {KNOWN_ROLES}")
+    content = message.get("content")
+    if not isinstance(content, (str, list)):
+      raise TypeError(f"message {i} ({role}) content must be a string or a list of parts, got "
+                      f"{type(content).__name__}")

@@ -1,0 +1,137 @@
+"""cpjax.tokenizer against transformers' AutoTokenizer on the same files, and
+the answer mask against transformers' own assistant mask (a template with
+``{% generation %}`` tags) and against hand-worked spans."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from cpjax.tokenizer import CheckpointTokenizer
+from tests.data.make_chat_example import GEMMA_STYLE_TEMPLATE, gemma_style_tokenizer
+
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is 12 plus 7? 12 plus 7 is 19.",
+          "Context parallel training splits each sequence over devices.",
+          "system user model assistant hello world how are you today"] * 10
+TEXTS = ["hello world", "  The quick\nbrown fox ünï 😀 <bos> x<|turn>y", "a", " ", "12 plus 7"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 12 plus 7?"},
+     {"role": "assistant", "content": "12 plus 7 is 19."}],
+    [{"role": "system", "content": "You are  helpful."},
+     {"role": "user", "content": "hello world, how are you? ünï"},
+     {"role": "assistant", "content": "The quick brown fox."},
+     {"role": "user", "content": [{"type": "text", "text": "the lazy dog"}]},
+     {"role": "assistant", "content": " ring attention \n"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "😀 <bos>"},
+     {"role": "tool", "content": "42"}, {"role": "assistant", "content": "done"}],
+]
+# The same template with transformers' {% generation %} tags around what the
+# assistant writes (its content and the end of its turn).
+TAGGED_TEMPLATE = GEMMA_STYLE_TEMPLATE.replace(
+    "{%- if message['content'] is string -%}\n{{ message['content'] | trim }}",
+    "{%- if message['content'] is string -%}\n"
+    "{%- if message['role'] == 'assistant' -%}{% generation %}{{ message['content'] | trim }}"
+    "{{ '<turn|>\\n' }}{% endgeneration %}{%- else -%}{{ message['content'] | trim }}"
+    "{%- endif -%}").replace(
+    "{%- endif -%}\n{{ '<turn|>\\n' }}",
+    "{%- endif -%}\n{%- if message['role'] != 'assistant' -%}{{ '<turn|>\\n' }}{%- endif -%}")
+
+
+def _bos_post_processor(directory):
+  """Gemma's published tokenizer.json form: the post-processor adds <bos>."""
+  from tokenizers import Tokenizer, processors
+
+  path = os.path.join(directory, "tokenizer.json")
+  tok = Tokenizer.from_file(path)
+  tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                     special_tokens=[("<bos>", 2)])
+  tok.save(path)
+
+
+@pytest.fixture(scope="module", params=["gemma_bos", "plain_inline_template"])
+def checkpoint(request, tmp_path_factory):
+  d = str(tmp_path_factory.mktemp(request.param))
+  if request.param == "gemma_bos":
+    gemma_style_tokenizer(d, CORPUS, vocab_size=400, config={"add_bos_token": False})
+    _bos_post_processor(d)
+  else:
+    # No tokenizer_class, the template inside tokenizer_config.json, extra
+    # special tokens as AddedToken dicts (transformers' saved form).
+    gemma_style_tokenizer(d, CORPUS, vocab_size=400, config={
+        "tokenizer_class": None, "chat_template": GEMMA_STYLE_TEMPLATE,
+        "boi_token": {"content": "<|image>", "special": True}, "image_token": "<|image|>"})
+    os.remove(os.path.join(d, "chat_template.jinja"))
+  return d
+
+
+def test_ids_equal_autotokenizer_and_apply_chat_template(checkpoint):
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.AutoTokenizer.from_pretrained(checkpoint)
+  ours = CheckpointTokenizer(checkpoint)
+  for text in TEXTS:
+    assert ours.encode(text) == hf(text)["input_ids"], text
+  for messages in CONVERSATIONS:
+    assert ours.render(messages) == hf.apply_chat_template(messages, tokenize=False)
+    assert (ours.render(messages, add_generation_prompt=True)
+            == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    ids, _ = ours.encode_chat(messages)
+    expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert ids.dtype == np.int32 and ids.tolist() == expected
+
+
+def test_answer_mask_equals_transformers_generation_mask(checkpoint, tmp_path):
+  transformers = pytest.importorskip("transformers")
+  tagged = str(tmp_path)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    with open(os.path.join(checkpoint, name)) as src, open(os.path.join(tagged, name), "w") as dst:
+      dst.write(src.read())
+  with open(os.path.join(tagged, "chat_template.jinja"), "w") as f:
+    f.write(TAGGED_TEMPLATE)
+  hf = transformers.AutoTokenizer.from_pretrained(tagged)
+  ours = CheckpointTokenizer(checkpoint)          # the untagged template
+  for messages in CONVERSATIONS:
+    out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+    ids, answer = ours.encode_chat(messages)
+    assert ids.tolist() == out["input_ids"]
+    np.testing.assert_array_equal(answer, np.asarray(out["assistant_masks"], bool))
+
+
+def test_answer_tokens_are_the_assistant_turns_by_hand(tmp_path):
+  d = gemma_style_tokenizer(str(tmp_path), CORPUS, vocab_size=400)
+  tok = CheckpointTokenizer(d)
+  messages = CONVERSATIONS[1]
+  ids, answer = tok.encode_chat(messages)
+  # The answer runs, decoded: each assistant message's trimmed content and its end of turn.
+  cuts = np.flatnonzero(np.diff(answer.astype(int))) + 1
+  runs = zip(np.split(ids, cuts), np.split(answer, cuts))
+  kept = [tok.backend.decode(r.tolist(), skip_special_tokens=False) for r, a in runs if a[0]]
+  assert kept == ["The quick brown fox.<turn|>\n", "ring attention<turn|>\n"]
+  assert not answer[:ids.tolist().index(tok.token_id("<turn|>"))].any()   # system turn: context
+
+
+def test_bad_conversations_and_checkpoints_are_named_errors(tmp_path):
+  d = gemma_style_tokenizer(str(tmp_path / "ok"), CORPUS, vocab_size=400)
+  tok = CheckpointTokenizer(d)
+  with pytest.raises(ValueError, match=r"message 1 has role 'robot'; expected one of"):
+    tok.encode_chat([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])
+  with pytest.raises(TypeError, match=r"message 0 \(user\) content must be a string or a list"):
+    tok.encode_chat([{"role": "user", "content": 3}])
+  with pytest.raises(ValueError, match="messages must be a non-empty list"):
+    tok.encode_chat([])
+  with pytest.raises(KeyError, match="token '<nope>' is not in the vocabulary"):
+    tok.token_id("<nope>")
+  with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+    CheckpointTokenizer(str(tmp_path))
+  # A template that renders earlier turns differently once later ones follow.
+  later = gemma_style_tokenizer(str(tmp_path / "later"), CORPUS, vocab_size=400,
+                                template="{% for m in messages %}{{ m['content'] }}"
+                                         "{% if loop.last %}!{% endif %}{% endfor %}")
+  with pytest.raises(ValueError, match="message 1: the chat template renders the conversation"):
+    CheckpointTokenizer(later).encode_chat(CONVERSATIONS[0] + CONVERSATIONS[0])
+  os.remove(os.path.join(later, "chat_template.jinja"))
+  with open(os.path.join(later, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<bos>"}, f)
+  with pytest.raises(ValueError, match="has no chat template"):
+    CheckpointTokenizer(later).render(CONVERSATIONS[0])
