@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["JobError", "TrainJob", "run_train_job"]
+__all__ = ["JobError", "LR_SCHEDULES", "TrainJob", "learning_rate_schedule", "make_optimizer",
+           "run_train_job"]
 
 
 class JobError(ValueError):
@@ -92,6 +93,17 @@ def learning_rate_schedule(job: TrainJob):
   if warm == 0:
     return after
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
+
+
+def make_optimizer(job: TrainJob):
+  """AdamW (weight decay 0.01) on :func:`learning_rate_schedule`, after
+  clipping the global gradient norm to ``job.max_grad_norm`` when set."""
+  import optax
+
+  optimizer = optax.adamw(learning_rate_schedule(job), weight_decay=0.01)
+  if job.max_grad_norm is None:
+    return optimizer
+  return optax.chain(optax.clip_by_global_norm(job.max_grad_norm), optimizer)
 
 
 def _compute_dtype(name: str):
@@ -219,7 +231,6 @@ def _build(job: TrainJob) -> _Trainer:
   """The mesh, the model (random init or a checkpoint, each device reading
   its own shards), the optimizer, and the sharded training state."""
   import jax
-  import optax
   from flax import nnx
 
   from cpjax import parallel
@@ -262,9 +273,7 @@ def _build(job: TrainJob) -> _Trainer:
   sharder = model.prepare_model_inputs_for_cp(layout=job.layout)["cp_sharder"]
   # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-  optimizer = optax.adamw(learning_rate_schedule(job), weight_decay=0.01)
-  if job.max_grad_norm is not None:
-    optimizer = optax.chain(optax.clip_by_global_norm(job.max_grad_norm), optimizer)
+  optimizer = make_optimizer(job)
   # FSDP / TP: each device keeps its shard of the parameters and of Adam's moments.
   specs = parallel.param_specs(params, mesh, rule=rule)
   # The parity reference runs on one device, as a user's single-device model would.

@@ -1,11 +1,15 @@
 """The command line: flags, errors, and the main job end to end."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 from cpjax import cli
+
+CHAT_JSONL = os.path.join(os.path.dirname(__file__), "..", "cpjax", "examples", "chat",
+                          "train.jsonl")
 
 
 def _run(*args, timeout=600):
@@ -43,6 +47,12 @@ def _run(*args, timeout=600):
     (["train", "--mesh", "dp=2,fsdp=2"], "--mesh splits the batch over dp or fsdp, not both"),
     (["train", "--mesh", "fsdp=4,cp=4"], "--mesh needs 16 devices, found 8 CPU devices"),
     (["train", "--microbatches", "3"], "--microbatches 3 must divide --batch-size 2"),
+    (["train", "--eval-every", "5"], "--eval-every needs --eval-data"),
+    (["train", "--eval-data", "/nonexistent.jsonl"], "--eval-data /nonexistent.jsonl does not exist"),
+    (["train", "--tokenizer", "/nonexistent"], "--tokenizer /nonexistent has no tokenizer.json"),
+    (["train", "--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+    (["train", "--lr-schedule", "step"], "argument --lr-schedule: invalid choice: 'step'"),
+    (["train", "--max-grad-norm", "0"], "argument --max-grad-norm: expected a number > 0"),
     (["plan", "--model", "e2b", "--seq-len", "1024"], "give --mesh, or --device-memory"),
     (["plan", "--model", "e2b", "--seq-len", "1024", "--device-memory", "lots"],
      "device memory must look like 16GiB"),
@@ -55,6 +65,10 @@ def _run(*args, timeout=600):
      "mesh axis 'fsdp' of size 2 does not divide the batch size 3"),
     (["train", "--mesh", "fsdp=2,cp=4", "--dtype", "bfloat16"],
      "--dtype bfloat16 with mesh axes ['fsdp'] does not compile on the CPU"),
+    (["train", "--lr-schedule", "cosine", "--warmup-steps", "20"],
+     "--warmup-steps 20 must be >= 0, and below --steps 20 for a cosine schedule"),
+    (["train", "--data", CHAT_JSONL, "--cp", "2", "--seq-len", "64"],
+     f"--data {CHAT_JSONL} is JSONL: tokenizing it needs the checkpoint's tokenizer"),
     # A published size on this machine: refused up front with the plan's estimate.
     (["train", "--model", "e2b"], "cpjax train: error: e2b at --seq-len 1024 on mesh cp=8: 8 "
                                   "emulated CPU devices need about"),

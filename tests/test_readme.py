@@ -28,3 +28,39 @@ def test_own_model_example_runs_and_is_short():
   exec(compile(code, str(README), "exec"), scope)  # noqa: S102
   metrics = scope["metrics"]
   assert np.isfinite(float(metrics["loss"])) and float(metrics["tokens"]) == 2 * (39 + 19)  # next-token labels per document
+
+
+def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsys):
+  """The two commands of "Your own data", as written but for 4 steps (and no
+  parity check, tested elsewhere): the corpus, the validation loss, the metrics."""
+  import json
+  import shlex
+
+  from cpjax import cli
+  from cpjax.train_job import TrainJob, learning_rate_schedule
+
+  section = README.read_text().split("### Your own data\n", 1)[1].split("\n## ", 1)[0]
+  commands = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip().splitlines()
+  assert len(commands) == 2
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "cpjax").symlink_to(README.parent / "cpjax")     # the README's relative paths
+  prepare, train = (shlex.split(c) for c in commands)
+  assert prepare[0] == train[0] == ".venv/bin/cpjax"
+  assert cli.main(prepare[1:]) == 0
+  assert "400 documents" in capsys.readouterr().out
+  small = " ".join(train[1:])
+  for big, little in (("--steps 60", "--steps 4"), ("--eval-every 20", "--eval-every 2"),
+                      ("--warmup-steps 5", "--warmup-steps 1")):
+    assert big in small
+    small = small.replace(big, little)
+  assert cli.main(shlex.split(small) + ["--no-parity-check"]) == 0
+  out = capsys.readouterr().out
+  assert "step 2: validation loss" in out and "step 4: validation loss" in out
+  lines = [json.loads(x) for x in (tmp_path / "chat-metrics.jsonl").read_text().splitlines()]
+  assert [x["step"] for x in lines] == [1, 2, 3, 4]
+  assert ["eval_loss" in x for x in lines] == [False, True, False, True]
+  schedule = learning_rate_schedule(TrainJob(learning_rate=3e-3, steps=4, warmup_steps=1,
+                                             lr_schedule="cosine"))
+  np.testing.assert_allclose([x["learning_rate"] for x in lines],
+                             [float(schedule(i)) for i in range(4)], rtol=1e-6)
+  assert all(x["tokens"] <= 2 * 256 and x["target_tokens"] < x["tokens"] for x in lines)

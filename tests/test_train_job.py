@@ -1,0 +1,98 @@
+"""The main job's pieces against independent references: the learning-rate
+schedules against transformers' own, gradient clipping against a numpy
+re-derivation, and the validation loss against the single-device model."""
+
+import os
+
+import numpy as np
+import pytest
+
+from cpjax.train_job import TrainJob, learning_rate_schedule, make_optimizer
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "cpjax", "examples", "chat")
+QUIET = lambda *_: None  # noqa: E731
+
+
+@pytest.mark.parametrize("kind,warmup", [("constant", 0), ("constant", 3), ("cosine", 0),
+                                         ("cosine", 4), ("linear", 2)])
+def test_schedules_equal_transformers(kind, warmup):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  steps, lr = 12, 3e-3
+  ours = learning_rate_schedule(TrainJob(learning_rate=lr, steps=steps, warmup_steps=warmup,
+                                         lr_schedule=kind))
+  make = {"constant": transformers.get_constant_schedule_with_warmup,
+          "cosine": transformers.get_cosine_schedule_with_warmup,
+          "linear": transformers.get_linear_schedule_with_warmup}[kind]
+  opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+  sched = make(opt, warmup, **({} if kind == "constant" else {"num_training_steps": steps}))
+  theirs = []
+  for _ in range(steps):          # the rate each of the run's steps uses
+    theirs.append(opt.param_groups[0]["lr"])
+    opt.step()
+    sched.step()
+  # optax evaluates in float32: its error is float32 rounding of the peak rate.
+  np.testing.assert_allclose([float(ours(i)) for i in range(steps)], theirs, rtol=1e-6,
+                             atol=lr * 1e-6)
+
+
+def test_bad_schedules_are_job_errors():
+  from cpjax.train_job import JobError
+
+  with pytest.raises(JobError, match="--warmup-steps 5 must be >= 0, and below --steps 5"):
+    learning_rate_schedule(TrainJob(steps=5, warmup_steps=5, lr_schedule="cosine"))
+  with pytest.raises(JobError, match="lr_schedule must be one of"):
+    learning_rate_schedule(TrainJob(lr_schedule="step"))
+
+
+def test_clipping_scales_the_gradient_to_max_grad_norm():
+  import jax.numpy as jnp
+  import optax
+
+  grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([[12.0]])}       # global norm 13
+  params = {"a": jnp.zeros(2), "b": jnp.ones((1, 1))}
+  job = TrainJob(learning_rate=0.1, max_grad_norm=1.3)
+  clipped = make_optimizer(job)
+  updates, _ = clipped.update(grads, clipped.init(params), params)
+  # numpy: g * min(1, c / |g|), then plain AdamW on the clipped gradient.
+  scaled = {k: np.asarray(v) * min(1.0, 1.3 / 13.0) for k, v in grads.items()}
+  plain = optax.adamw(0.1, weight_decay=0.01)
+  expected, _ = plain.update(scaled, plain.init(params), params)
+  for k in grads:
+    np.testing.assert_allclose(updates[k], expected[k], rtol=1e-6)
+  unclipped = make_optimizer(TrainJob(learning_rate=0.1))        # max_grad_norm=None
+  updates, _ = unclipped.update(grads, unclipped.init(params), params)
+  expected, _ = plain.update(grads, plain.init(params), params)
+  for k in grads:
+    np.testing.assert_allclose(updates[k], expected[k], rtol=1e-6)
+
+
+def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
+  import jax
+
+  from cpjax import train
+  from cpjax.models import gemma4
+  from cpjax.train_job import _build, _eval_hook, _eval_rows
+
+  job = TrainJob(seq_len=128, cp=4, steps=4, batch_size=2, model="tiny-bidirectional",
+                 parity_check=False, tokenizer=EXAMPLE, eval_rows=3, eval_every=2,
+                 eval_data=os.path.join(EXAMPLE, "eval.jsonl"))
+  trainer = _build(job)
+  host = _eval_rows(job, trainer, QUIET)
+  # 3 rows, filled up to whole batches of the step's 2 rows with an empty one
+  assert len(host) == 2 and host[1]["attention_mask"][0].any()
+  assert not host[1]["attention_mask"][1].any() and (host[1]["labels"][1] == -100).all()
+  _, layout = trainer.sharder.shard_batch(host[0], trainer.mesh, batch_axis=trainer.batch_axis)
+  summary = {}
+  hook = _eval_hook(job, trainer, layout, summary, QUIET)
+  record = {}
+  hook(0, {}, record)
+  assert "eval_loss" not in record                 # step 1: not a validation step
+  hook(1, {}, record)
+  single = jax.jit(train.make_loss_fn(trainer.graphdef, frozen=trainer.buffers))
+  params = jax.device_get(trainer.params)
+  sums = [single(params, gemma4.prepare_batch(b, trainer.cfg)) for b in host]
+  reference = sum(float(s) for s, _ in sums) / sum(float(n) for _, n in sums)
+  assert summary["eval_rows"] == 3
+  np.testing.assert_allclose(record["eval_loss"], reference, rtol=2e-6)
+  assert summary["eval_losses"] == [(2, record["eval_loss"])]
