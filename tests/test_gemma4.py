@@ -64,6 +64,23 @@ def test_single_device_logits_equal_transformers(name, kind):
   assert max_error(got, logits[f"{kind}/float32"], inputs) <= F32_TOL
 
 
+def test_all_padding_image_slots_yield_no_soft_tokens():
+  """A packed row carries a fixed number of image slots; the unused ones are
+  all padding (pixels 0, positions -1). Put between and after the real
+  images, they change nothing: transformers' logits of the real images."""
+  model, batches, logits = fixture("moe_k_eq_v_vision")
+  inputs = dict(batches["images"])
+  n, p, f = inputs["pixel_values"].shape
+  slots = [0, None, 1, None, 2, None]                 # None: an unused slot
+  inputs["pixel_values"] = np.stack([inputs["pixel_values"][i] if i is not None
+                                     else np.zeros((p, f), np.float32) for i in slots])
+  inputs["image_position_ids"] = np.stack([inputs["image_position_ids"][i] if i is not None
+                                           else np.full((p, 2), -1) for i in slots])
+  assert gemma4.vision.soft_token_counts(inputs["image_position_ids"], 3)[1::2].tolist() == [0] * 3
+  got = jax.jit(lambda b: model(b))(gemma4.prepare_batch(inputs, model.cfg))
+  assert max_error(got, logits["images/float64"], inputs) <= F32_TOL
+
+
 # bfloat16 (weights and activations; softmax, norms and RoPE angles in
 # float32 on both sides) has no single right answer: the tolerance is
 # transformers' own bfloat16 error against the float64 logits. cpjax's

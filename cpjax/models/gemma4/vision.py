@@ -34,18 +34,23 @@ def soft_token_counts(image_position_ids, pooling_kernel_size: int) -> np.ndarra
 
   Mirrors :class:`VisionTower`'s pooling: patch (x, y) falls in bin
   ``x // k + (W // k) * (y // k)`` (``W`` = the image's patch columns) and
-  every bin that receives a patch yields one soft token.
+  every bin that receives a real patch yields one soft token. Padding
+  patches (position -1) yield none, so an image slot that is all padding
+  (a packed row's unused slot) yields no soft token.
 
-  >>> pos = np.array([[[x, y] for y in range(3) for x in range(6)] + [[-1, -1]] * 9])
+  >>> pos = np.array([[[x, y] for y in range(3) for x in range(6)] + [[-1, -1]] * 9,
+  ...                 [[-1, -1]] * 27])
   >>> soft_token_counts(pos, 3).tolist()
-  [2]
+  [2, 0]
   """
-  pos = np.maximum(np.asarray(image_position_ids), 0)
+  raw = np.asarray(image_position_ids)
+  real = ~np.all(raw == -1, axis=-1)
+  pos = np.maximum(raw, 0)
   k = pooling_kernel_size
   bins = pos.shape[1] // (k * k)
   width = pos[..., 0].max(axis=-1, keepdims=True) + 1
   bin_of = pos[..., 0] // k + (width // k) * (pos[..., 1] // k)
-  return np.asarray([np.unique(b[b < bins]).size for b in bin_of], np.int64)
+  return np.asarray([np.unique(b[(b < bins) & r]).size for b, r in zip(bin_of, real)], np.int64)
 
 
 class VisionAttention(nnx.Module):
@@ -166,7 +171,10 @@ class VisionTower(nnx.Module):
     bin_of = cell[..., 0] + (max_x // k) * cell[..., 1]                      # [N, P]
     weights = jax.nn.one_hot(bin_of, bins, dtype=jnp.float32) / (k * k)     # [N, P, M]
     pooled = jnp.einsum("npm,npe->nme", weights, x, precision=jax.lax.Precision.HIGHEST)
-    valid = jnp.any(weights != 0, axis=1)                                   # [N, M]
+    # A bin is a soft token when a real patch falls in it (padding patches
+    # add zeros to bin 0, which a real image's corner patch fills anyway; an
+    # all-padding image slot then yields no soft token).
+    valid = jnp.any((weights != 0) & real[..., None], axis=1)               # [N, M]
     pooled = pooled.astype(dtype).astype(jnp.float32) * math.sqrt(cfg.hidden_size)
     if cfg.standardize:
       pooled = (pooled - self.std_bias[...]) * self.std_scale[...]
