@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from cpjax.images import ImageProcessor
 from cpjax.tokenizer import ANSWER_ROLE, CheckpointTokenizer, check_messages
 
 __all__ = ["BadRecord", "Summary", "encode_record", "prepare_data", "read_jsonl"]
@@ -52,6 +53,8 @@ class Summary:
   documents: int = 0
   tokens: int = 0
   target_tokens: int = 0
+  images: int = 0
+  max_images_per_document: int = 0
   truncated: int = 0
   dropped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
@@ -62,8 +65,9 @@ class Summary:
 
   def lines(self, *, show: int = 10) -> list[str]:
     """The summary as printed lines (the first ``show`` dropped records)."""
+    images = f", {self.images} images" if self.images else ""
     out = [f"{self.source}: {self.documents} documents, {self.tokens} tokens "
-           f"({self.target_tokens} in the loss), {self.truncated} truncated, "
+           f"({self.target_tokens} in the loss){images}, {self.truncated} truncated, "
            f"{len(self.dropped)} dropped"]
     out += [f"  line {line}: {reason}" for line, reason in self.dropped[:show]]
     if len(self.dropped) > show:
@@ -71,22 +75,64 @@ class Summary:
     return out
 
 
-def _text_of(message: dict, i: int) -> None:
-  """Checks a message's content parts (text only, so far)."""
+_IMAGE_KEYS = ("image", "path", "url")    # where a part names its image, as transformers reads
+
+
+def _image_paths(message: dict, i: int, base_dir: str) -> list[str]:
+  """The image files of a message's parts, in order (relative paths are
+  relative to the JSONL file); checks every part."""
   content = message["content"]
   if isinstance(content, str):
-    return
+    return []
+  paths = []
   for j, part in enumerate(content):
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
       continue
-    raise BadRecord(f"message {i} part {j}: expected {{'type': 'text', 'text': str}}, got "
-                    f"{part!r}"[:200])
+    if kind == "image":
+      source = next((part[k] for k in _IMAGE_KEYS if isinstance(part.get(k), str)), None)
+      if source is None:
+        raise BadRecord(f"message {i} part {j}: an image part names its file under one of "
+                        f"{list(_IMAGE_KEYS)}, got {part!r}"[:200])
+      if source.startswith(("http://", "https://")):
+        raise BadRecord(f"message {i} part {j}: {source} is remote; images are read from files")
+      path = os.path.join(base_dir, source)
+      if not os.path.isfile(path):
+        raise BadRecord(f"message {i} part {j}: image {path} does not exist")
+      paths.append(path)
+      continue
+    raise BadRecord(f"message {i} part {j}: expected {{'type': 'text', 'text': str}} or "
+                    f"{{'type': 'image', 'image': path}}, got {part!r}"[:200])
+  return paths
 
 
-def encode_record(record, tokenizer: CheckpointTokenizer) -> dict:
+def _load_images(paths: list[str], images: ImageProcessor) -> dict:
+  """The documents' image arrays: uint8 patches and (column, row) positions
+  of all images, concatenated, and each image's patch count."""
+  from cpjax.images import load_image
+
+  patches, positions, sizes = [], [], []
+  for path in paths:
+    try:
+      image = load_image(path)
+    except Exception as e:        # PIL's errors for unreadable files vary
+      raise BadRecord(f"image {path} cannot be read: {type(e).__name__}: {e}") from None
+    p, pos = images.patches(image)
+    patches.append(p)
+    positions.append(pos)
+    sizes.append(len(p))
+  return {"image_patches": np.concatenate(patches), "image_positions": np.concatenate(positions),
+          "image_sizes": np.asarray(sizes, np.int32)}
+
+
+def encode_record(record, tokenizer: CheckpointTokenizer, *,
+                  images: ImageProcessor | None = None, base_dir: str = ".") -> dict:
   """One parsed record -> ``{"input_ids": int32[T], "loss_mask": uint8[T]}``
-  (:class:`BadRecord` saying why it cannot).
+  (:class:`BadRecord` saying why it cannot), plus, for a conversation with
+  images (read with ``images``, the checkpoint's image processor; relative
+  paths from ``base_dir``), ``image_patches`` uint8 [n, F],
+  ``image_positions`` int32 [n, 2] and ``image_sizes`` int32 [k] (patches
+  per image).
 
   >>> import tempfile, json, os
   >>> from tokenizers import Tokenizer, models, pre_tokenizers
@@ -119,36 +165,48 @@ def encode_record(record, tokenizer: CheckpointTokenizer) -> dict:
     check_messages(messages)
   except (TypeError, ValueError) as e:
     raise BadRecord(str(e)) from None
-  for i, message in enumerate(messages):
-    _text_of(message, i)
+  paths = [p for i, message in enumerate(messages) for p in _image_paths(message, i, base_dir)]
   if not any(m["role"] == ANSWER_ROLE for m in messages):
     raise BadRecord(f"no {ANSWER_ROLE!r} message: nothing of it would count in the loss")
+  pixels = {}
+  if paths:
+    if images is None:
+      raise BadRecord(f"{len(paths)} image(s), but the checkpoint has no image processor config "
+                      f"(processor_config.json or preprocessor_config.json)")
+    pixels = _load_images(paths, images)
   try:
-    ids, answer = tokenizer.encode_chat(messages)
+    ids, answer = tokenizer.encode_chat(
+        messages, soft_tokens=[n // images.pooling_kernel_size ** 2
+                               for n in pixels.get("image_sizes", [])])
   except ValueError as e:
     raise BadRecord(str(e)) from None
   except Exception as e:      # the template's own raise_exception / undefined values
     raise BadRecord(f"the chat template failed: {type(e).__name__}: {e}") from None
-  return {"input_ids": ids, "loss_mask": answer.astype(np.uint8)}
+  return {"input_ids": ids, "loss_mask": answer.astype(np.uint8), **pixels}
 
 
 def read_jsonl(path: str | os.PathLike, tokenizer: CheckpointTokenizer, *,
-               seq_len: int | None = None, truncate: bool = False, strict: bool = False,
+               images: ImageProcessor | None = None, seq_len: int | None = None,
+               truncate: bool = False, strict: bool = False,
                summary: Summary | None = None) -> Iterator[dict]:
   """The documents of a JSONL file, in order (a generator).
 
   Args:
     path: the JSONL file.
     tokenizer: the checkpoint's tokenizer and chat template.
+    images: the checkpoint's image processor (for conversations with images;
+      their paths are relative to the JSONL file's directory).
     seq_len: the training row length; a longer document is dropped, or cut
       with ``truncate``. None: no limit.
-    truncate: keep the first ``seq_len`` tokens of longer documents.
+    truncate: keep the first ``seq_len`` tokens of longer documents (not of
+      documents with images: a cut could split an image's tokens).
     strict: raise :class:`BadRecord` (naming the line) at the first bad
       record instead of dropping and reporting it.
     summary: a :class:`Summary` to count into (its ``dropped`` lists every
       dropped line with the reason).
   """
   path = os.fspath(path)
+  base_dir = os.path.dirname(os.path.abspath(path))
   summary = summary if summary is not None else Summary(path)
   with open(path, encoding="utf-8") as f:
     for line_number, line in enumerate(f, start=1):
@@ -159,12 +217,15 @@ def read_jsonl(path: str | os.PathLike, tokenizer: CheckpointTokenizer, *,
           record = json.loads(line)
         except json.JSONDecodeError as e:
           raise BadRecord(f"not JSON: {e}") from None
-        doc = encode_record(record, tokenizer)
+        doc = encode_record(record, tokenizer, images=images, base_dir=base_dir)
         n = doc["input_ids"].size
         cut = seq_len is not None and n > seq_len
         if cut and not truncate:
           raise BadRecord(f"{n} tokens, longer than the row of {seq_len} (truncation keeps "
                           f"its first {seq_len})")
+        if cut and "image_sizes" in doc:
+          raise BadRecord(f"{n} tokens with images, longer than the row of {seq_len} (not "
+                          f"truncated: the cut could split an image's tokens)")
         if cut:
           doc = {key: value[:seq_len] for key, value in doc.items()}
           if not doc["loss_mask"][1:].any():
@@ -176,6 +237,9 @@ def read_jsonl(path: str | os.PathLike, tokenizer: CheckpointTokenizer, *,
         continue
       summary.documents += 1
       summary.truncated += int(cut)
+      k = len(doc.get("image_sizes", ()))
+      summary.images += k
+      summary.max_images_per_document = max(summary.max_images_per_document, k)
       summary.tokens += int(doc["input_ids"].size)
       # The first token is never a target (nothing precedes it).
       summary.target_tokens += int(doc["loss_mask"][1:].sum())
@@ -205,18 +269,25 @@ def prepare_data(source: str | os.PathLike, out: str | os.PathLike, *,
                               or seq_len < 2):
     raise ValueError(f"seq_len must be an int >= 2 or None, got {seq_len!r}")
   tokenizer = CheckpointTokenizer(checkpoint)
+  images = ImageProcessor.from_checkpoint(checkpoint)
   os.makedirs(out, exist_ok=True)
   target = os.path.join(out, "documents.array_record")
   summary = Summary(source)
   with open(source, "rb") as f:
     total = sum(1 for _ in f)
-  docs = tqdm(read_jsonl(source, tokenizer, seq_len=seq_len, truncate=truncate, strict=strict,
-                         summary=summary), total=total, desc="prepare", unit="doc",
-              disable=not progress, leave=False)
+  docs = tqdm(read_jsonl(source, tokenizer, images=images, seq_len=seq_len, truncate=truncate,
+                         strict=strict, summary=summary), total=total, desc="prepare",
+              unit="doc", disable=not progress, leave=False)
   write_documents(target, docs)
+  info = {**summary.as_dict(), "checkpoint": os.fspath(checkpoint), "seq_len": seq_len,
+          "truncate": truncate}
+  if summary.images:
+    # What packing needs to lay the images out (cpjax.corpus.corpus_images).
+    info["image_processor"] = {**dataclasses.asdict(images),
+                               "image_token_id": tokenizer.token_id(
+                                   tokenizer.special_tokens["image_token"])}
   with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
-    json.dump({**summary.as_dict(), "checkpoint": os.fspath(checkpoint), "seq_len": seq_len,
-               "truncate": truncate}, f, indent=1)
+    json.dump(info, f, indent=1)
   if summary.documents == 0:
     os.remove(target)
     raise ValueError("\n".join([f"{source} gave no document:", *summary.lines()[1:]]))

@@ -161,14 +161,20 @@ class CheckpointTokenizer:
                                  add_generation_prompt=add_generation_prompt,
                                  **{**self.special_tokens, **template_kwargs})
 
-  def encode_chat(self, messages: Sequence[Mapping], **template_kwargs
-                  ) -> tuple[np.ndarray, np.ndarray]:
+  def encode_chat(self, messages: Sequence[Mapping], *, soft_tokens: Sequence[int] = (),
+                  **template_kwargs) -> tuple[np.ndarray, np.ndarray]:
     """``(ids int32[T], answer bool[T])``: the rendered conversation's tokens
     and which of them the assistant wrote (see the module's docstring).
 
+    ``soft_tokens``: for a conversation with images, each image's soft-token
+    count, in order. As Gemma 4's processor, the k-th image placeholder the
+    template writes (``image_token``) becomes ``boi_token + image_token *
+    soft_tokens[k] + eoi_token``; image tokens are never answer tokens.
+
     Raises ``ValueError`` naming the message when the template renders an
     earlier part of the conversation differently from the whole (then the
-    answer spans cannot be read off the rendering).
+    answer spans cannot be read off the rendering), and when the rendering
+    holds a different number of image placeholders than ``soft_tokens``.
     """
     check_messages(messages)
     full = self.render(messages, **template_kwargs)
@@ -184,12 +190,44 @@ class CheckpointTokenizer:
                          f"answer tokens cannot be told apart")
       start = len(os.path.commonprefix([prompt, end]))
       spans.append((start, len(end)))
+    full, spans = self._expand_images(full, spans, list(soft_tokens))
     encoding = self.backend.encode(full, add_special_tokens=False)
     answer = np.zeros(len(encoding.ids), bool)
     for t, (lo, hi) in enumerate(encoding.offsets):
       # A token belongs to the answer when it overlaps an answer span.
       answer[t] = any(lo < end and hi > start for start, end in spans)
-    return np.asarray(encoding.ids, np.int32), answer
+    ids = np.asarray(encoding.ids, np.int32)
+    if "image_token" in self.special_tokens:
+      answer &= ids != self.token_id(self.special_tokens["image_token"])
+    return ids, answer
+
+  def _expand_images(self, text: str, spans, soft_tokens: list[int]):
+    """The text with each image placeholder expanded, and the answer spans
+    moved with it."""
+    image = self.special_tokens.get("image_token")
+    found = text.count(image) if image else 0
+    if found != len(soft_tokens):
+      raise ValueError(f"the conversation renders {found} image placeholders ({image!r}) for "
+                       f"{len(soft_tokens)} images")
+    if not soft_tokens:
+      return text, spans
+    for key in ("boi_token", "eoi_token"):
+      if key not in self.special_tokens:
+        raise ValueError(f"{self.path}'s tokenizer_config.json names no {key}: images need it")
+    boi, eoi = self.special_tokens["boi_token"], self.special_tokens["eoi_token"]
+    pieces = text.split(image)
+    out, shifts = [pieces[0]], []        # shifts: (where in the old text, added characters)
+    at = len(pieces[0])
+    for n, piece in zip(soft_tokens, pieces[1:]):
+      run = boi + image * n + eoi
+      shifts.append((at, len(run) - len(image)))
+      out += [run, piece]
+      at += len(image) + len(piece)
+
+    def moved(pos):
+      return pos + sum(extra for where, extra in shifts if where < pos)
+
+    return "".join(out), [(moved(a), moved(b)) for a, b in spans]
 
 
 def check_messages(messages) -> None:

@@ -505,7 +505,7 @@ def _eval_rows(job: TrainJob, trainer: _Trainer, log) -> list[dict]:
   """The fixed validation rows: the first ``eval_rows`` packed rows of the
   validation data (in file order, one pass), in batches of the step's rows;
   the last batch is filled up with empty rows (they count no token)."""
-  from cpjax.corpus import packed_rows
+  from cpjax.corpus import flatten_image_slots, packed_rows
 
   path = _corpus(job, job.eval_data, "--eval-data", log)
   rows = []
@@ -514,10 +514,12 @@ def _eval_rows(job: TrainJob, trainer: _Trainer, log) -> list[dict]:
     rows.append(_check_vocabulary(row, trainer.cfg, f"--eval-data {job.eval_data}"))
     if len(rows) == job.eval_rows:
       break
-  empty = {key: np.full_like(value, -100 if key == "labels" else 0)
-           for key, value in rows[0].items()}
+  # An empty row: no token, no label, and image slots that are all padding.
+  fill = {"labels": -100, "image_position_ids": -1}
+  empty = {key: np.full_like(value, fill.get(key, 0)) for key, value in rows[0].items()}
   rows += [empty] * (-len(rows) % trainer.rows)
-  return [{key: np.stack([r[key] for r in rows[i:i + trainer.rows]]) for key in rows[0]}
+  return [flatten_image_slots({key: np.stack([r[key] for r in rows[i:i + trainer.rows]])
+                               for key in rows[0]})
           for i in range(0, len(rows), trainer.rows)]
 
 

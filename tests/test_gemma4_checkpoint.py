@@ -194,21 +194,53 @@ def test_packed_documents_from_position_ids_as_transformers_reads_them():
   assert np.asarray(out["_packed_seq_ids"]).tolist() == [[1, 1, 1, 2, 2, 3]]
 
 
-def test_train_a_checkpoint_whose_special_ids_are_inside_its_vocabulary(tmp_path):
-  """Like every published checkpoint (and transformers' tiny ones): the image,
-  video and audio placeholders and the control ids are ordinary vocabulary
-  rows. Synthetic text must never draw them, or prepare_batch counts more
-  image tokens than the images give (this failed on the first batch)."""
+def test_fine_tune_a_checkpoint_on_chat_jsonl_with_images(tmp_path):
+  """A checkpoint as users download it: config.json and weights, the
+  tokenizer, its chat template and processor_config.json, with the image,
+  audio and control ids ordinary vocabulary rows. ``cpjax train
+  --checkpoint DIR --data chat.jsonl``: the conversations' images come from
+  files, ride with their documents through packing into image slots, and
+  the validation loss is computed. Synthetic text never draws a special id
+  (it once did: prepare_batch then counted more image tokens than images)."""
   import dataclasses
 
-  from cpjax.train_job import TrainJob, run_train_job
+  from PIL import Image
 
+  from cpjax.tokenizer import CheckpointTokenizer
+  from cpjax.train_job import TrainJob, run_train_job
+  from tests.data.make_chat_example import SPECIAL_TOKENS, gemma_style_tokenizer
+
+  markers = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
+             "boa_token": "<|audio>", "audio_token": "<|audio|>", "eoa_token": "<audio|>"}
+  gemma_style_tokenizer(str(tmp_path), ["what is in the picture", "a red one"] * 5,
+                        vocab_size=400, config=markers,
+                        special_tokens=(*SPECIAL_TOKENS, "<|audio>", "<|audio|>", "<audio|>"))
+  tok = CheckpointTokenizer(tmp_path)
+  ids = {key: tok.token_id(value) for key, value in markers.items()}
   tiny = gemma4.Gemma4Config.preset("tiny")
-  cfg = dataclasses.replace(tiny, image_token_id=500, video_token_id=504, audio_token_id=501,
-                            boi_token_id=499, eoi_token_id=502, boa_token_id=497,
-                            eoa_token_index=503)
+  cfg = dataclasses.replace(tiny, image_token_id=ids["image_token"],
+                            boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
+                            audio_token_id=ids["audio_token"], boa_token_id=ids["boa_token"],
+                            eoa_token_index=ids["eoa_token"], video_token_id=4)
   assert max(cfg.special_token_ids) < cfg.text.vocab_size
   gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)).save_pretrained(tmp_path)
-  summary = run_train_job(TrainJob(checkpoint=str(tmp_path), seq_len=64, cp=2, steps=2,
-                                   batch_size=2, parity_check=False), log=lambda *a: None)
+  with open(tmp_path / "processor_config.json", "w") as f:
+    json.dump({"image_processor": {"patch_size": cfg.vision.patch_size, "max_soft_tokens": 70,
+                                   "pooling_kernel_size": cfg.vision.pooling_kernel_size}}, f)
+  rng = np.random.default_rng(0)
+  for name, size in (("a.png", (60, 100)), ("b.png", (40, 40))):
+    Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(tmp_path / name)
+  lines = [{"messages": [{"role": "user", "content": [{"type": "image", "image": name},
+                                                      {"type": "text", "text": "what is in"}]},
+                         {"role": "assistant", "content": "a red one"}]}
+           for name in ("a.png", "b.png", "b.png", "a.png")] + [{"text": "a red one"}]
+  (tmp_path / "chat.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  batch = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=4, seq_len=256)
+  text = batch["input_ids"][(batch["mm_token_type_ids"] == 0) & (batch["attention_mask"] == 1)]
+  assert not np.isin(text, cfg.special_token_ids).any()
+  summary = run_train_job(TrainJob(checkpoint=str(tmp_path), data=str(tmp_path / "chat.jsonl"),
+                                   eval_data=str(tmp_path / "chat.jsonl"), eval_rows=3,
+                                   seq_len=128, cp=2, steps=2, batch_size=2,
+                                   parity_check=False), log=lambda *a: None)
   assert len(summary["losses"]) == 2 and np.isfinite(summary["losses"]).all()
+  assert np.isfinite(summary["eval_loss"]) and summary["eval_rows"] == 3   # + an empty row

@@ -42,8 +42,10 @@ GEMMA_STYLE_TEMPLATE = """{{ bos_token }}
 
 
 def gemma_style_tokenizer(directory: str, texts, *, vocab_size: int = 512,
-                          template: str = GEMMA_STYLE_TEMPLATE, config: dict | None = None) -> str:
-  """Write a Gemma-style tokenizer trained on ``texts`` into ``directory``."""
+                          template: str = GEMMA_STYLE_TEMPLATE, config: dict | None = None,
+                          special_tokens=SPECIAL_TOKENS) -> str:
+  """Write a Gemma-style tokenizer trained on ``texts`` into ``directory``
+  (``special_tokens`` take the first ids)."""
   from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
   os.makedirs(directory, exist_ok=True)
@@ -52,7 +54,7 @@ def gemma_style_tokenizer(directory: str, texts, *, vocab_size: int = 512,
   tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                    decoders.Fuse()])
   byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS,
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*special_tokens,
                                                                         *byte_tokens],
                                 show_progress=False)
   tok.train_from_iterator(texts, trainer)
