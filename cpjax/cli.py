@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="append one JSON line per step (step, loss, grad_norm, learning_rate, "
                          "tokens, tokens_per_s, eval_loss when computed); default "
                          "STATE_DIR/metrics.jsonl with --state-dir or --resume")
+  data.add_argument("--tensorboard", metavar="DIR", default=None,
+                    help="also write the per-step metrics as TensorBoard event files in DIR")
+  data.add_argument("--images-per-row", type=_positive, default=None, metavar="N",
+                    help="image slots per packed row, for data with images (default: the most "
+                         "images of one document)")
   state = train.add_argument_group(
       "resumable runs", "save the train state (parameters, optimizer state, data position) with "
                         "orbax, and continue a run from it")
@@ -352,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                  truncate=args.truncate, eval_data=args.eval_data,
                  eval_every=args.eval_every or 0, eval_rows=args.eval_rows,
                  warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
-                 max_grad_norm=args.max_grad_norm, metrics=args.metrics)
+                 max_grad_norm=args.max_grad_norm, metrics=args.metrics,
+                 tensorboard=args.tensorboard, images_per_row=args.images_per_row)
   # A JobError is a usage error found before any training compute; anything
   # else raised from here on is a crash: it propagates with its traceback.
   try:

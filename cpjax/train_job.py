@@ -63,6 +63,8 @@ class TrainJob:
   lr_schedule: str = "constant"  # after warmup: constant, cosine or linear (decay to 0)
   max_grad_norm: float | None = None   # clip the global gradient norm (None: no clipping)
   metrics: str | None = None     # JSONL of per-step metrics (default: state_dir/metrics.jsonl)
+  tensorboard: str | None = None  # a TensorBoard log directory for the same metrics
+  images_per_row: int | None = None   # image slots per row (default: most images of a document)
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -183,7 +185,8 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
 
   The phases: build the model and mesh, open the data, resume, compile the
   step, check parity with the single-device model, run the step loop (with
-  the periodic work as hooks after each step), report.
+  the periodic work as hooks after each step; a hook with a ``close``
+  method is closed after the loop), report.
 
   In a multi-process cluster every process runs this with the same job;
   only process 0 logs.
@@ -215,10 +218,14 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   if metrics_file:
     hooks.append(_metrics_hook(metrics_file, learning_rate_schedule(job), first_step))
     summary["metrics_file"] = metrics_file
+  if job.tensorboard:
+    hooks.append(_tensorboard_hook(job.tensorboard, learning_rate_schedule(job)))
   if checkpointer is not None:
     hooks.append(_save_hook(job, trainer, data, checkpointer))
   losses, real_tokens, times = _loop(job, trainer, data, step, sharded, batches, layout,
                                      first_step=first_step, hooks=hooks)
+  for hook in hooks:            # a hook that holds a file closes it
+    getattr(hook, "close", lambda: None)()
   if checkpointer is not None:
     checkpointer.wait()
     checkpointer.close()
@@ -329,7 +336,8 @@ def _open_data(job: TrainJob, cfg, rows: int, log) -> _Data:
     # process's part), so every process reads the whole corpus here.
     path = _corpus(job, job.data, "--data", log)
     stream = iter(packed_batches(path, batch_size=rows, seq_len=job.seq_len,
-                                 seed=job.seed, process_index=0, process_count=1))
+                                 seed=job.seed, process_index=0, process_count=1,
+                                 images_per_row=job.images_per_row))
 
     def next_batch():
       return _check_vocabulary(next(stream), cfg, f"--data {job.data}")
@@ -510,7 +518,7 @@ def _eval_rows(job: TrainJob, trainer: _Trainer, log) -> list[dict]:
   path = _corpus(job, job.eval_data, "--eval-data", log)
   rows = []
   for row in packed_rows(path, seq_len=job.seq_len, shuffle=False, num_epochs=1,
-                         process_index=0, process_count=1):
+                         process_index=0, process_count=1, images_per_row=job.images_per_row):
     rows.append(_check_vocabulary(row, trainer.cfg, f"--eval-data {job.eval_data}"))
     if len(rows) == job.eval_rows:
       break
@@ -578,6 +586,31 @@ def _metrics_hook(path: str, schedule, first_step: int):
       with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
 
+  return hook
+
+
+def _tensorboard_hook(logdir: str, schedule):
+  """The step's scalars as TensorBoard events (tensorboardX: a pure-Python
+  writer of TensorBoard's event files, without TensorFlow); process 0 only."""
+  import jax
+
+  if jax.process_index() != 0:
+    return lambda i, metrics, record: None
+  from tensorboardX import SummaryWriter
+
+  writer = SummaryWriter(logdir)
+
+  def hook(i, metrics, record):
+    del metrics
+    scalars = {"loss": record["loss"], "grad_norm": record["grad_norm"],
+               "learning_rate": float(schedule(i)),
+               "tokens_per_s": record["tokens"] / record["seconds"]}
+    if "eval_loss" in record:
+      scalars["eval_loss"] = record["eval_loss"]
+    for tag, value in scalars.items():
+      writer.add_scalar(tag, value, record["step"])
+
+  hook.close = writer.close        # writes what its thread still holds (flush() does not)
   return hook
 
 

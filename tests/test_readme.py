@@ -35,6 +35,7 @@ def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsy
   parity check, tested elsewhere): the corpus, the validation loss, the metrics."""
   import json
   import shlex
+  import struct
 
   from cpjax import cli
   from cpjax.train_job import TrainJob, learning_rate_schedule
@@ -64,3 +65,18 @@ def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsy
   np.testing.assert_allclose([x["learning_rate"] for x in lines],
                              [float(schedule(i)) for i in range(4)], rtol=1e-6)
   assert all(x["tokens"] <= 2 * 256 and x["target_tokens"] < x["tokens"] for x in lines)
+  # The TensorBoard events (TFRecord frames of Event protos) hold the same scalars.
+  from tensorboardX.proto import event_pb2
+
+  (events,) = (tmp_path / "chat-tb").iterdir()
+  data, at, scalars = events.read_bytes(), 0, {}
+  while at < len(data):
+    (n,) = struct.unpack("<Q", data[at:at + 8])
+    event = event_pb2.Event.FromString(data[at + 12:at + 12 + n])
+    at += 16 + n
+    for value in event.summary.value:
+      scalars[(value.tag, event.step)] = value.simple_value
+  for x in lines:
+    for tag in ("loss", "grad_norm", "learning_rate", "eval_loss"):
+      if tag in x:
+        np.testing.assert_allclose(scalars[(tag, x["step"])], x[tag], rtol=1e-6)
