@@ -50,7 +50,7 @@ tokens_per_rank = 256 if implementation == "pallas_tpu" else 40
 
 QUICKSTART = [
     ("markdown", "# cpjax quick start\n\nShard a packed multimodal batch over a `cp` mesh "
-                 "axis, see which tokens each rank holds in both layouts, draw what one ring "
+                 "axis, see which tokens each rank holds in each layout, draw what one ring "
                  "step of attention computes and skips, and check `ring_attention` against the "
                  "dense reference. Runs top to bottom on CPU, GPU or a Colab TPU runtime."),
     ("code", SETUP),
@@ -67,23 +67,30 @@ batch = gemma4.synthetic_batch(np.random.default_rng(0), gemma4.Gemma4Config.pre
 print({k: v.shape for k, v in batch.items()})'''),
     ("markdown", "## Which tokens does each rank hold?\n\nContiguous: rank r owns one "
                  "block. Load-balanced: the padded row is cut into 2*cp chunks and rank r "
-                 "owns chunks r and 2*cp-1-r, so every rank has the same causal work."),
-    ("code", r'''fig, axes = plt.subplots(2, 1, figsize=(10, 3.2), sharex=True)
-for ax, kind in zip(axes, ("contiguous", "load_balanced")):
+                 "owns chunks r and 2*cp-1-r, so every rank has the same causal work on one "
+                 "document. Document-balanced: for packed rows, the sharder reorders whole "
+                 "documents (`_source_index` says where each token came from) so that the "
+                 "stripes each rank owns carry the same work; documents stay whole, so every "
+                 "mask means what it meant."),
+    ("code", r'''kinds = cpjax.layout.LAYOUT_KINDS
+fig, axes = plt.subplots(len(kinds), 1, figsize=(10, 1.1 * len(kinds)), sharex=True)
+for ax, kind in zip(axes, kinds):
     sharded, layout = cpjax.shard_batch(batch, mesh, layout=kind)
+    # The row index each rank-ordered token came from.
+    source = np.asarray(sharded.get("_source_index", cpjax.rank_order(layout)[None]))[0]
     owner = np.zeros(layout.padded_seq_len, int)
-    for r in range(cp):
-        owner[np.asarray(cpjax.local_token_indices(layout, r))] = r
+    owner[source] = np.arange(layout.padded_seq_len) // layout.local_seq_len
     ax.imshow(owner[None], aspect="auto", cmap="tab10", interpolation="nearest")
-    docs = np.asarray(sharded["_packed_seq_ids"])[0][np.argsort(cpjax.rank_order(layout))]
+    docs = np.zeros(layout.padded_seq_len, int)
+    docs[source] = np.asarray(sharded["_packed_seq_ids"])[0]
     for t in np.flatnonzero(np.diff(docs)) + 0.5:
         ax.axvline(t, color="k", lw=0.8)
     ax.set_yticks([]); ax.set_ylabel(kind, rotation=0, ha="right")
-axes[-1].set_xlabel("global token index (colour = owning rank, lines = document boundaries)")
+    restored = cpjax.unshard_batch(sharded, layout)
+    assert all(np.array_equal(restored[k], v) for k, v in cpjax.normalize_batch(batch).items())
+axes[-1].set_xlabel("token index in the row (colour = owning rank, lines = document boundaries)")
 plt.tight_layout(); plt.show()
-restored = cpjax.unshard_batch(sharded, layout)
-print("unshard_batch restores the batch:",
-      all(np.array_equal(restored[k], v) for k, v in cpjax.normalize_batch(batch).items()))'''),
+print("unshard_batch restores the batch in every layout")'''),
     ("markdown", "## One ring step\n\nAt ring step h, rank r holds the keys of rank "
                  "(r - h) mod cp. Each panel is the causal, packed-document mask between "
                  "rank r's queries and those keys; grey tiles are skipped without any work."),
@@ -206,13 +213,16 @@ plt.xlabel("step"); plt.ylabel("token-mean cross entropy"); plt.legend(); plt.sh
 rel = np.abs(np.subtract(cp_losses, single_losses)) / np.abs(single_losses)
 print("largest relative |loss difference|:", rel.max())
 # Step 1 starts both runs from the same parameters: on CPU devices the two paths
-# differ only in float32 summation order (7e-8 measured); later steps compound
-# that through Adam (1.1e-5 after the suite's 3 steps). A chip's matmuls run at
-# their own precision, hence the looser bound there.
+# differ only in float32 summation order (7e-8 measured). Later steps compound
+# that through Adam, which divides each gradient by its own running magnitude:
+# where a gradient is near zero, summation-order noise becomes a full-size
+# step (and MoE routing can flip). Measured at the suite's size (3 steps,
+# tiny-moe): 4.7e-5 with AdamW, 2e-7 with SGD on the same batches. A chip's
+# matmuls run at their own precision, hence the looser bound there.
 on_cpu = single_device.platform == cp_devices[0].platform == "cpu"
 assert rel[0] < (1e-6 if on_cpu else 2e-2), rel
 if SMALL and on_cpu:
-    assert rel.max() < 3e-5, rel'''),
+    assert rel.max() < 1e-4, rel'''),
     ("markdown", "## Per-device memory against sequence length\n\nThe compiled training "
                  "step's scratch memory per device (`memory_analysis()`), with CP and with the "
                  "dense single-device path."),
@@ -220,7 +230,7 @@ if SMALL and on_cpu:
 lengths = [16 * cp] if SMALL else [n * max(tokens_per_rank, 64) * cp for n in (2, 4, 8)]
 rows = []
 for s in lengths:
-    b = gemma4.synthetic_batch(np.random.default_rng(1), cfg, batch_size=1, seq_len=s)
+    b = gemma4.synthetic_batch(np.random.default_rng(1), cfg, batch_size=2, seq_len=s)
     sb, lay = sharder.shard_batch(b, mesh)
     st = train.make_train_step(graphdef, opt, mesh=mesh, layout=lay, frozen=buffers,
                                implementation=implementation)

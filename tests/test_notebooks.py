@@ -21,3 +21,18 @@ def test_notebook_executes(name, monkeypatch):
   # execute() raises CellExecutionError on the first cell that fails.
   nbclient.NotebookClient(nb, kernel_name="python3", timeout=600,
                           resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+
+
+def test_committed_notebooks_are_what_the_builder_writes():
+  """notebooks/build_notebooks.py is the notebooks' source: an edit to a
+  committed .ipynb alone would be lost at the next build."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("build_notebooks",
+                                                NOTEBOOKS / "build_notebooks.py")
+  builder = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(builder)
+  for name, cells in (("quickstart.ipynb", builder.QUICKSTART),
+                      ("training.ipynb", builder.TRAINING)):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    assert [(c.cell_type, c.source) for c in nb.cells] == list(cells), name
