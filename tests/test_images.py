@@ -130,6 +130,12 @@ def test_conversation_with_images_equals_gemma4_processor(checkpoint, monkeypatc
   assert not (mask & image).any()
   answers = tok.backend.decode(ids[mask].tolist(), skip_special_tokens=False)
   assert answers == "a red square<turn|>\na blue one<turn|>\n"
+  # An image in an answer: its soft tokens are not the model's to predict.
+  drawn = encode_record({"messages": [{"role": "user", "content": "what is in"},
+                                      {"role": "assistant", "content": CONVERSATION[0]["content"]}]},
+                        tok, images=ImageProcessor.from_checkpoint(checkpoint), base_dir=checkpoint)
+  image = drawn["input_ids"] == tok.token_id("<|image|>")
+  assert image.sum() == 56 and not (drawn["loss_mask"].astype(bool) & image).any()
 
 
 def test_images_ride_with_their_documents_through_packing(checkpoint, tmp_path):

@@ -14,7 +14,8 @@ from tests.data.make_chat_example import GEMMA_STYLE_TEMPLATE, gemma_style_token
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is 12 plus 7? 12 plus 7 is 19.",
           "Context parallel training splits each sequence over devices.",
           "system user model assistant hello world how are you today"] * 10
-TEXTS = ["hello world", "  The quick\nbrown fox ünï 😀 <bos> x<|turn>y", "a", " ", "12 plus 7"]
+TEXTS = ["hello world", "  The quick\nbrown fox ünï 😀 <bos> x<|turn>y", "a", " ", "12 plus 7",
+         "a <sep> named only in tokenizer_config.json"]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 12 plus 7?"},
      {"role": "assistant", "content": "12 plus 7 is 19."}],
@@ -57,10 +58,12 @@ def checkpoint(request, tmp_path_factory):
     _bos_post_processor(d)
   else:
     # No tokenizer_class, the template inside tokenizer_config.json, extra
-    # special tokens as AddedToken dicts (transformers' saved form).
+    # special tokens as AddedToken dicts (transformers' saved form), and a
+    # special token tokenizer.json does not know (transformers adds it).
     gemma_style_tokenizer(d, CORPUS, vocab_size=400, config={
         "tokenizer_class": None, "chat_template": GEMMA_STYLE_TEMPLATE,
-        "boi_token": {"content": "<|image>", "special": True}, "image_token": "<|image|>"})
+        "boi_token": {"content": "<|image>", "special": True}, "image_token": "<|image|>",
+        "sep_token": "<sep>"})
     os.remove(os.path.join(d, "chat_template.jinja"))
   return d
 
