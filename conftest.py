@@ -38,3 +38,20 @@ hypothesis.settings.register_profile(
     "thorough", max_examples=200, deadline=None,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 hypothesis.settings.load_profile(os.environ.get("CPJAX_HYPOTHESIS_PROFILE", "default"))
+
+# The suite runs on 2 xdist workers, a test file at a time (`--dist loadfile
+# --no-loadscope-reorder` in the Makefile). Files whose single tests take a
+# minute or more go first, in this order, so that the last minutes are spent
+# on many small files and both workers finish together; the rest keep their
+# collection order.
+HEAVY_FIRST = ("test_multiprocess.py", "test_cli.py", "test_parallel.py", "test_checkpointing.py",
+               "test_notebooks.py", "test_readme.py", "test_plan.py", "test_gemma4_checkpoint.py",
+               "test_gemma4.py", "test_context_parallel.py", "test_document_balance.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  def weight(item):
+    name = os.path.basename(str(item.path))
+    return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
+
+  items.sort(key=weight)   # stable: a file's tests keep their order

@@ -208,28 +208,11 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
 
   summary = {"job": dataclasses.asdict(job)}
-  hooks = []       # in order: what a later hook reads, an earlier one wrote into the record
-  if job.parity_check and first_step == 0:
-    hooks.append(_parity_hook(job, trainer, batches, summary, log))
-  if job.eval_data:
-    hooks.append(_eval_hook(job, trainer, layout, summary, log))
-  metrics_file = job.metrics or (os.path.join(job.state_dir, "metrics.jsonl")
-                                 if job.state_dir else None)
-  if metrics_file:
-    hooks.append(_metrics_hook(metrics_file, learning_rate_schedule(job), first_step))
-    summary["metrics_file"] = metrics_file
-  if job.tensorboard:
-    hooks.append(_tensorboard_hook(job.tensorboard, learning_rate_schedule(job)))
-  if checkpointer is not None:
-    hooks.append(_save_hook(job, trainer, data, checkpointer))
+  hooks = _hooks(job, trainer, data, batches, layout, checkpointer, first_step, summary, log)
   losses, real_tokens, times = _loop(job, trainer, data, step, sharded, batches, layout,
                                      first_step=first_step, hooks=hooks)
-  for hook in hooks:            # a hook that holds a file closes it
+  for hook in hooks:            # a hook that holds a file or a writer closes it
     getattr(hook, "close", lambda: None)()
-  if checkpointer is not None:
-    checkpointer.wait()
-    checkpointer.close()
-    log(f"train state after step {job.steps} saved to {job.state_dir}")
   return _report(job, trainer, step, summary, losses, real_tokens, times, first_step, log)
 
 
@@ -451,6 +434,28 @@ def _loop(job: TrainJob, trainer: _Trainer, data: _Data, step, sharded, batches,
 
 
 # ------------------------------------------------------------------ the hooks
+def _hooks(job: TrainJob, trainer: _Trainer, data: _Data, batches, layout, checkpointer,
+           first_step: int, summary: dict, log) -> list:
+  """The periodic work, in order (a later hook reads what an earlier one
+  wrote into the step's record): parity at step 1, validation, the metrics
+  file, TensorBoard, checkpoints."""
+  hooks = []
+  if job.parity_check and first_step == 0:
+    hooks.append(_parity_hook(job, trainer, batches, summary, log))
+  if job.eval_data:
+    hooks.append(_eval_hook(job, trainer, layout, summary, log))
+  metrics_file = job.metrics or (os.path.join(job.state_dir, "metrics.jsonl")
+                                 if job.state_dir else None)
+  if metrics_file:
+    hooks.append(_metrics_hook(metrics_file, learning_rate_schedule(job), first_step))
+    summary["metrics_file"] = metrics_file
+  if job.tensorboard:
+    hooks.append(_tensorboard_hook(job.tensorboard, learning_rate_schedule(job)))
+  if checkpointer is not None:
+    hooks.append(_save_hook(job, trainer, data, checkpointer, log))
+  return hooks
+
+
 def _parity_hook(job: TrainJob, trainer: _Trainer, batches, summary: dict, log):
   """At step 1, the CP step's loss and gradient norm against the same rows on
   one device with unsharded parameters; a disagreement stops the run."""
@@ -496,8 +501,9 @@ def _parity_hook(job: TrainJob, trainer: _Trainer, batches, summary: dict, log):
   return hook
 
 
-def _save_hook(job: TrainJob, trainer: _Trainer, data: _Data, checkpointer):
-  """Saves every ``--save-every`` steps and after the last one."""
+def _save_hook(job: TrainJob, trainer: _Trainer, data: _Data, checkpointer, log):
+  """Saves every ``--save-every`` steps and after the last one; closing it
+  waits for the last save."""
   run = _run_identity(job, trainer.cfg)
 
   def hook(i, metrics, record):
@@ -506,6 +512,12 @@ def _save_hook(job: TrainJob, trainer: _Trainer, data: _Data, checkpointer):
     checkpointer.maybe_save(i + 1, params=trainer.params, opt_state=trainer.opt_state,
                             data_state=data.state(), run=run, force=i + 1 == job.steps)
 
+  def close():
+    checkpointer.wait()
+    checkpointer.close()
+    log(f"train state after step {job.steps} saved to {job.state_dir}")
+
+  hook.close = close
   return hook
 
 
