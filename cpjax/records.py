@@ -7,19 +7,23 @@ conversation::
     {"messages": [{"role": "user", "content": "Hi"},
                   {"role": "assistant", "content": "Hello!"}]}
 
-``content`` is a string or a list of parts (``{"type": "text", "text":
-...}``). ``id`` and ``metadata`` keys are allowed and ignored; any other key
-is a bad record (nothing a user wrote is silently dropped). A text document
+``content`` is a string or a list of parts: ``{"type": "text", "text":
+...}`` and ``{"type": "image", "image": "photo.jpg"}`` (a file, relative to
+the JSONL file; ``path`` or ``url`` name it too), preprocessed with the
+checkpoint's image processor (:mod:`cpjax.images`). ``id`` and ``metadata``
+keys are allowed and ignored; any other key is a bad record (nothing a user
+wrote is silently dropped). A text document
 is tokenized as ``tokenizer(text)`` and counts whole in the loss; a
 conversation is rendered with the checkpoint's chat template and only its
 assistant turns count (:meth:`cpjax.tokenizer.CheckpointTokenizer.encode_chat`).
 
 A document longer than ``seq_len`` tokens is a bad record unless
 ``truncate`` (then its first ``seq_len`` tokens are kept and counted as
-truncated). Bad records are reported with their line number and the reason;
+truncated; never a document with images). Bad records are reported with their line number and the reason;
 :class:`Summary` counts everything.
 
-Shape letters: ``T`` tokens of one document.
+Shape letters: ``T`` tokens of one document, ``n`` image patches of one
+document, ``k`` its images, ``F`` = ``3 * patch_size**2``.
 """
 
 from __future__ import annotations
