@@ -184,7 +184,7 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
                  batch_specs: Mapping[str, P] | Callable | None = None,
                  frozen=None, implementation: str | None = None,
                  interpret: bool = False) -> Callable:
-  """``loss_sums(params, batch) -> (ce_sum, count)`` of a split NNX model.
+  """``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)`` of a split NNX model.
 
   Without ``mesh`` the model runs on one device (``forward(model, batch,
   None)``) on an unsharded batch; with it, inside ``shard_map`` on a batch
@@ -201,7 +201,10 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     batch_specs: in_specs of the batch (a dict, or a function of the batch);
       default: :func:`cpjax.train.batch_specs`, the arrays' own shardings.
     frozen: state merged with ``params`` but not trained (e.g. the buffers
-      of ``graphdef, params, frozen = nnx.split(model, nnx.Param, ...)``).
+      of ``graphdef, params, frozen = nnx.split(model, nnx.Param, ...)``, or
+      a frozen base under LoRA adapters, :func:`cpjax.lora.split_lora`); the
+      default of ``loss_sums``' third argument, which a jit-compiled caller
+      passes as an argument rather than as constants baked into its program.
     implementation, interpret: the ring's per-hop backend, handed to the
       model in its :class:`cpjax.CPContext` (see :func:`cpjax.ring_attention`).
 
@@ -218,12 +221,13 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     >>> float(count)                     # the -100 label is not counted
     7.0
   """
-  def merge(params):
+  def merge(params, frozen):
     return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
+  default_frozen = frozen
   if mesh is None:
-    def single(params, batch):
-      return cross_entropy(forward(merge(params), batch, None), batch["labels"])
+    def single(params, batch, frozen=default_frozen):
+      return cross_entropy(forward(merge(params, frozen), batch, None), batch["labels"])
     return single
   if layout is None:
     raise ValueError("layout is required with a mesh: pass the ShardLayout the sharder returned")
@@ -232,19 +236,19 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
   context = CPContext(layout, axis_name, implementation, interpret)
   specs_of = _own_specs if batch_specs is None else batch_specs
 
-  def local(params, batch):
+  def local(params, batch, frozen):
     # Every rank uses the same parameters on its own tokens: marking them
     # varying once, here, makes each parameter's gradient ONE sum over the
     # ranks (the transpose of this cast), however many times the model uses
     # it (a tied table is looked up and is the head).
     params = jax.tree.map(lambda x: _vary(x, manual), params)
-    logits = forward(merge(params), batch, context)
+    logits = forward(merge(params, frozen), batch, context)
     return cross_entropy_sums(logits, batch["labels"], axis_names=axes)
 
-  def sharded(params, batch):
+  def sharded(params, batch, frozen=default_frozen):
     specs = specs_of(batch) if callable(specs_of) else dict(specs_of)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs), out_specs=(P(), P()),
-                         axis_names=manual)(params, batch)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P()), out_specs=(P(), P()),
+                         axis_names=manual)(params, batch, frozen)
   return sharded
 
 
@@ -284,33 +288,34 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
                            batch_axis=batch_axis, forward=forward, batch_specs=batch_specs,
                            frozen=frozen, implementation=implementation, interpret=interpret)
 
-  def sums_and_grads(params, batch, scaled: bool = False):
+  def sums_and_grads(params, batch, frozen, scaled: bool = False):
     """(CE sum, count) of one batch and the gradient of the CE sum, or
     (``scaled``) of the token mean: the backward then starts from
     1 / count, so no divided copy of the gradients is ever made."""
-    ce_sum, pullback, count = jax.vjp(lambda p: loss_sums(p, batch), params, has_aux=True)
+    ce_sum, pullback, count = jax.vjp(lambda p: loss_sums(p, batch, frozen), params,
+                                      has_aux=True)
     seed = 1.0 / jnp.maximum(count, 1.0) if scaled else jnp.ones_like(ce_sum)
     return ce_sum, count, pullback(seed.astype(ce_sum.dtype))[0]
 
-  def accumulate(params, batches):
+  def accumulate(params, batches, frozen):
     # Sum CE sums, counts and gradients of sums over the microbatches, one
     # microbatch's activations alive at a time; dividing once by the total
     # count makes the result the whole batch's token mean and its gradient.
     stacked = stack_microbatches(batches)
 
     def body(carry, batch):
-      ce_sum, count, grads = sums_and_grads(params, batch)
+      ce_sum, count, grads = sums_and_grads(params, batch, frozen)
       return jax.tree.map(jnp.add, carry, (ce_sum, count, grads)), None
 
     zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), jnp.float32(0), params))
     return jax.lax.scan(body, zeros, stacked)[0]
 
-  def step(params, opt_state, batch):
+  def step(params, opt_state, batch, frozen=frozen):
     if isinstance(batch, Mapping):
-      ce_sum, count, grads = sums_and_grads(params, batch, scaled=True)
+      ce_sum, count, grads = sums_and_grads(params, batch, frozen, scaled=True)
       denominator = jnp.maximum(count, 1.0)
     else:
-      ce_sum, count, grads = accumulate(params, batch)
+      ce_sum, count, grads = accumulate(params, batch, frozen)
       denominator = jnp.maximum(count, 1.0)
       grads = jax.tree.map(lambda g: g / denominator, grads)
     loss = ce_sum / denominator
@@ -319,7 +324,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     return params, opt_state, {"loss": loss, "tokens": count,
                                "grad_norm": optax.tree.norm(grads)}
 
-  return TrainStep(step, mesh)
+  return TrainStep(step, mesh, frozen=frozen)
 
 
 def stack_microbatches(batches: Sequence[Mapping[str, Any]]) -> dict:
@@ -361,18 +366,21 @@ class TrainStep:
   ``memory_analysis()`` and ``cost_analysis()`` describe the program,
   without compiling twice. ``step`` is the uncompiled step function (wrap
   it, e.g. in ``chex.assert_max_traces``, and pass it to a new
-  ``TrainStep`` to count compilations).
+  ``TrainStep`` to count compilations). ``frozen`` (untrained state: buffers,
+  a frozen LoRA base) is the step's fourth argument: an input of the
+  compiled program, never donated, never a constant inside it.
   """
 
-  def __init__(self, step: Callable, mesh: Mesh | None, executable=None):
+  def __init__(self, step: Callable, mesh: Mesh | None, executable=None, *, frozen=None):
     self.step = step
     self.mesh = mesh
+    self.frozen = frozen
     self._executable = executable
     self._jitted: dict = {}
 
-  def _place(self, params, opt_state):
+  def _place(self, params, opt_state, frozen=None):
     if self.mesh is None:
-      return params, opt_state
+      return params, opt_state, frozen
     # Fresh parameters live on one device: replicate them on the mesh.
     # Leaves already sharded on this mesh stay where they are.
     replicated = NamedSharding(self.mesh, P())
@@ -382,7 +390,7 @@ class TrainStep:
       if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
         return x
       return jax.device_put(x, replicated)
-    return jax.tree.map(place, (params, opt_state))
+    return jax.tree.map(place, (params, opt_state, frozen))
 
   def _jit(self, params, opt_state):
     if self.mesh is None:
@@ -400,23 +408,26 @@ class TrainStep:
     return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
   def __call__(self, params, opt_state, batch):
-    params, opt_state = self._place(params, opt_state)
+    params, opt_state, frozen = self._place(params, opt_state, self.frozen)
+    self.frozen = frozen          # placed once; later steps reuse it
     with self._context():
       if self._executable is not None:
-        return self._executable(params, opt_state, batch)
-      return self._jit(params, opt_state)(params, opt_state, batch)
+        return self._executable(params, opt_state, batch, frozen)
+      return self._jit(params, opt_state)(params, opt_state, batch, frozen)
 
   def lower(self, params, opt_state, batch):
-    """The lowered step; arguments may be ``jax.ShapeDtypeStruct`` s with shardings."""
+    """The lowered step; arguments (and ``frozen``) may be
+    ``jax.ShapeDtypeStruct`` s with shardings."""
+    frozen = self.frozen
     if self.mesh is not None and any(not isinstance(getattr(x, "sharding", None), NamedSharding)
-                                     for x in jax.tree.leaves((params, opt_state))):
-      params, opt_state = self._place(params, opt_state)
+                                     for x in jax.tree.leaves((params, opt_state, frozen))):
+      params, opt_state, frozen = self._place(params, opt_state, frozen)
     with self._context():
-      return self._jit(params, opt_state).lower(params, opt_state, batch)
+      return self._jit(params, opt_state).lower(params, opt_state, batch, frozen)
 
   def compile(self, params, opt_state, batch) -> "TrainStep":
     executable = self.lower(params, opt_state, batch).compile()
-    return TrainStep(self.step, self.mesh, executable)
+    return TrainStep(self.step, self.mesh, executable, frozen=self.frozen)
 
   def memory_analysis(self):
     return self._compiled().memory_analysis()

@@ -484,8 +484,25 @@ def remat_after_cotangent(fn):
   by data (``x`` is replaced by zeros only if the cotangent's first value
   is NaN, when every gradient is NaN anyway), which no scheduler can
   reorder.
+
+  ``fn`` is traced once, when the forward runs, and the backward replays
+  that trace: a backward traced later, outside the context the forward ran
+  in, would otherwise recompute something else. qwix's LoRA is such a
+  context (it intercepts ``jnp.einsum`` only while the model's method runs;
+  a later re-trace recomputes the layer without its adapters, and their
+  gradients come out zero).
   """
-  return functools.partial(_tied_remat, fn)
+  def run(*args):
+    flat, tree = jax.tree.flatten(args)
+    traced, out_shape = jax.make_jaxpr(lambda *leaves: fn(*tree.unflatten(leaves)),
+                                       return_shape=True)(*flat)
+    out_tree = jax.tree.structure(out_shape)
+
+    def replay(*args):
+      out = jax.core.eval_jaxpr(traced.jaxpr, traced.consts, *jax.tree.leaves(args))
+      return out_tree.unflatten(out)
+    return _tied_remat(replay, *args)
+  return run
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -4,7 +4,9 @@ Megatron's split, written as shardings (see :mod:`cpjax.parallel`): the
 query, key, value, gate and up projections are split by output rows (heads,
 hidden units), the output and down projections by input columns, so each
 ``tp`` rank computes whole heads and whole hidden units and one all-reduce
-closes each block. MoE experts split over ``tp`` by expert. Key/value
+closes each block (LoRA adapters follow: ``A`` of a column-split
+projection splits by its input rows, ``B`` of a row-split one by its output
+columns). MoE experts split over ``tp`` by expert. Key/value
 projections whose head count ``tp`` does not divide (Gemma 4's full layers
 often have 1 to 4 KV heads) stay replicated over ``tp``, as in Megatron's
 GQA. Everything else (embeddings, norms, router, vision tower) is split only
@@ -47,12 +49,20 @@ def partition_rule(cfg: Gemma4Config, *, tp: int) -> PartitionRule:
     if block not in ("self_attn", "mlp"):
       return P()
     if name in ("k_proj", "v_proj"):
-      return P("tp", None) if t.kv_heads(layer) % tp == 0 else P()
-    if name in _ROWS:
-      return P("tp", None)
-    if name in _COLUMNS:
-      return P(None, "tp")
-    return P()
+      split = "rows" if t.kv_heads(layer) % tp == 0 else None
+    else:
+      split = "rows" if name in _ROWS else "columns" if name in _COLUMNS else None
+    # LoRA factors (cpjax.lora) follow their weight: A [in, r] splits where a
+    # column-split weight does, B [r, out] where a row-split one does, so the
+    # adapters' term is split (and reduced) exactly as the projection is.
+    leaf = path[6] if len(path) > 6 else "weight"
+    if split is None:
+      return P()
+    if leaf.endswith("_lora_a"):
+      return P("tp", None) if split == "columns" else P()
+    if leaf.endswith("_lora_b"):
+      return P(None, "tp") if split == "rows" else P()
+    return P("tp", None) if split == "rows" else P(None, "tp")
 
   return rule
 
