@@ -37,7 +37,8 @@ def check_run_matches(saved: Mapping[str, Any], current: Mapping[str, Any], *,
                       force: bool = False) -> None:
   """Raise ``ValueError`` when a resumed run differs from the saved one.
 
-  The model's config must always match. ``batch_size``, ``seq_len`` and
+  The model's config and what is trained (every weight, or LoRA adapters
+  of one rank, alpha, targets and base dtype) must always match. ``batch_size``, ``seq_len`` and
   ``microbatches`` must match unless ``force`` (the data stream then
   continues with the new shapes). The mesh may differ: the state is
   restored onto the current one.
@@ -45,6 +46,13 @@ def check_run_matches(saved: Mapping[str, Any], current: Mapping[str, Any], *,
   if saved.get("model_config") != current.get("model_config"):
     raise ValueError("the checkpoint was saved by a different model config; resume with the "
                      "model it was trained with")
+  if saved.get("lora") != current.get("lora"):     # what the saved parameters are
+    def what(run):
+      lora = run.get("lora")
+      return "every weight" if lora is None else "LoRA " + ", ".join(
+          f"{k}={v}" for k, v in lora.items())
+    raise ValueError(f"the checkpoint trained {what(saved)}, this run trains {what(current)}; "
+                     f"resume with the same LoRA settings")
   for key in ("batch_size", "seq_len", "microbatches"):
     if key not in saved:   # saved before the key existed
       continue
@@ -94,6 +102,16 @@ class TrainCheckpointer:
         data_state=ocp.args.JsonSave(dict(data_state)),
         run=ocp.args.JsonSave(dict(run)))
     return bool(self._manager.save(step, args=args, force=True))
+
+  def saved_run(self, step: int | None = None) -> dict:
+    """The run description saved with ``step`` (default: the latest), read
+    without restoring any array: check it before restoring."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+    ocp = self._ocp
+    return dict(self._manager.restore(step, args=ocp.args.Composite(
+        run=ocp.args.JsonRestore())).run)
 
   def restore(self, step: int | None = None, *, params_like, opt_state_like) -> tuple[int, dict]:
     """``(step, {"params", "opt_state", "data_state", "run"})`` of ``step``

@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "given: keep only each layer's inputs), save_attention_out (keep the "
                           "attention output too) or none")
   train.add_argument("--save", metavar="DIR", default=None,
-                     help="write the trained model as a Hugging Face checkpoint at the end")
+                     help="write the trained model as a Hugging Face checkpoint at the end "
+                          "(with --lora-rank: the adapter, as PEFT saves it)")
   train.add_argument("--seq-len", type=_positive, default=1024,
                      help="tokens per row before padding (default 1024)")
   train.add_argument("--cp", type=_positive, default=None,
@@ -175,6 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--skip-memory-check", action="store_true",
                      help="start even when the plan's closed-form estimate says the run does "
                           "not fit this machine's memory (see cpjax plan)")
+  adapters = train.add_argument_group(
+      "LoRA", "train low-rank adapters on a frozen base instead of every weight (cpjax.lora, "
+              "with qwix); --save then writes the adapter as PEFT does")
+  adapters.add_argument("--lora-rank", type=_positive, default=None, metavar="R",
+                        help="train rank-R LoRA adapters; the base is frozen")
+  adapters.add_argument("--lora-alpha", type=_positive_float, default=None, metavar="A",
+                        help="the adapters' scale is A / R (default 8, PEFT's)")
+  adapters.add_argument("--lora-targets", default=None, metavar="REGEX",
+                        help="modules to adapt: a regex matched in full against module paths "
+                             "such as model.language_model.layers.0.self_attn.q_proj (default: "
+                             "the decoder's q/k/v/o and gate/up/down projections)")
+  adapters.add_argument("--base-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="storage dtype of the frozen base (default float32)")
+  adapters.add_argument("--merge-lora", action="store_true",
+                        help="with --save: write the base with the adapter merged in, as a "
+                             "Hugging Face checkpoint, instead of the adapter")
   cluster = train.add_argument_group(
       "cluster", "run as one process of a multi-process JAX cluster (every process runs the "
                  "same command with its own --process-id)")
@@ -303,6 +320,24 @@ def main(argv: list[str] | None = None) -> int:
   if args.batch_size % args.microbatches:
     parser.exit(2, f"cpjax train: error: --microbatches {args.microbatches} must divide "
                    f"--batch-size {args.batch_size}\n")
+  if args.lora_rank is None:
+    given = [flag for flag, value in (("--lora-alpha", args.lora_alpha),
+                                      ("--lora-targets", args.lora_targets),
+                                      ("--base-dtype", args.base_dtype),
+                                      ("--merge-lora", args.merge_lora or None))
+             if value is not None]
+    if given:
+      parser.exit(2, f"cpjax train: error: {', '.join(given)} needs --lora-rank\n")
+  if args.merge_lora and args.save is None:
+    parser.exit(2, "cpjax train: error: --merge-lora says what --save writes; add --save DIR\n")
+  if args.lora_targets is not None:
+    import re
+
+    try:
+      re.compile(args.lora_targets)
+    except re.error as e:
+      parser.exit(2, f"cpjax train: error: --lora-targets {args.lora_targets!r} is not a "
+                     f"regular expression: {e}\n")
   args.cp = 8 if args.cp is None and args.mesh is None else args.cp
   devices_needed = math.prod(args.mesh.values()) if args.mesh else args.cp
   explicit = [flag for flag, value in (("--coordinator-address", args.coordinator_address),
@@ -358,7 +393,10 @@ def main(argv: list[str] | None = None) -> int:
                  eval_every=args.eval_every or 0, eval_rows=args.eval_rows,
                  warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
                  max_grad_norm=args.max_grad_norm, metrics=args.metrics,
-                 tensorboard=args.tensorboard, images_per_row=args.images_per_row)
+                 tensorboard=args.tensorboard, images_per_row=args.images_per_row,
+                 lora_rank=args.lora_rank, lora_alpha=args.lora_alpha or 8.0,
+                 lora_targets=args.lora_targets, base_dtype=args.base_dtype or "float32",
+                 merge_lora=args.merge_lora)
   # A JobError is a usage error found before any training compute; anything
   # else raised from here on is a crash: it propagates with its traceback.
   try:

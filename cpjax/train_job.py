@@ -65,6 +65,11 @@ class TrainJob:
   metrics: str | None = None     # JSONL of per-step metrics (default: state_dir/metrics.jsonl)
   tensorboard: str | None = None  # a TensorBoard log directory for the same metrics
   images_per_row: int | None = None   # image slots per row (default: most images of a document)
+  lora_rank: int | None = None   # LoRA: train rank-r adapters on a frozen base (None: every weight)
+  lora_alpha: float = 8.0        # the adapters' scale is alpha / rank (PEFT's default alpha)
+  lora_targets: str | None = None     # regex on module paths (default cpjax.lora.DEFAULT_LORA_TARGETS)
+  base_dtype: str = "float32"    # the frozen base's storage dtype under LoRA
+  merge_lora: bool = False       # --save writes the merged model instead of the adapter
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -154,7 +159,9 @@ def _checkpoint_sharding(cfg, mesh, rule):
 @dataclasses.dataclass
 class _Trainer:
   """What the phases share: the model split for the step, its sharder and
-  the mesh, and the training state (``params``, ``opt_state``) as it moves."""
+  the mesh, and the training state (``params``, ``opt_state``) as it moves.
+  ``params`` are what is trained (every weight, or the LoRA adapters);
+  ``frozen`` what the step only reads (buffers, and under LoRA the base)."""
 
   cfg: Any
   mesh: Any
@@ -162,11 +169,11 @@ class _Trainer:
   batch_axis: str | None
   sharder: Any
   graphdef: Any
-  buffers: Any
+  frozen: Any
   optimizer: Any
   params: Any
   opt_state: Any
-  reference_params: Any        # on one device, for the parity check (or None)
+  reference: Any               # (params, frozen) on one device, for the parity check (or None)
   description: str
 
 
@@ -204,7 +211,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   from cpjax import train
 
   step = train.make_train_step(trainer.graphdef, trainer.optimizer, mesh=trainer.mesh,
-                               layout=layout, frozen=trainer.buffers)
+                               layout=layout, frozen=trainer.frozen)
   step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
 
   summary = {"job": dataclasses.asdict(job)}
@@ -223,7 +230,7 @@ def _build(job: TrainJob) -> _Trainer:
   import jax
   from flax import nnx
 
-  from cpjax import parallel
+  from cpjax import lora, parallel
   from cpjax.models import gemma4
   from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 
@@ -250,30 +257,76 @@ def _build(job: TrainJob) -> _Trainer:
     raise JobError(f"{e} (--batch-size {job.batch_size}, --microbatches {job.microbatches})"
                    ) from None
   rule = partition_rule(cfg, tp=sizes.get("tp", 1))
+  if job.base_dtype != "float32" and job.lora_rank is None:
+    raise JobError(f"--base-dtype {job.base_dtype} needs --lora-rank: full fine-tuning keeps "
+                   f"float32 parameters for the optimizer")
+  # Full fine-tuning keeps float32 parameters for the optimizer; a frozen
+  # LoRA base is stored in --base-dtype. Activations in job.dtype.
+  storage = _compute_dtype(job.base_dtype)
   if job.checkpoint:
-    # Each device reads only its shard of each tensor. Parameters stay
-    # float32 for the optimizer; activations in job.dtype.
+    # Each device reads only its shard of each tensor.
     model = gemma4.Gemma4.from_pretrained(job.checkpoint, remat=job.remat, mesh=mesh,
-                                          sharding=_checkpoint_sharding(cfg, mesh, rule))
+                                          sharding=_checkpoint_sharding(cfg, mesh, rule),
+                                          dtype=storage)
     model.dtype = compute
     description = f"Gemma 4 from {job.checkpoint}"
   else:
-    model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(job.seed), dtype=compute, remat=job.remat)
+    model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(job.seed), dtype=compute, remat=job.remat,
+                          param_dtype=storage)
     description = f"Gemma 4 {job.model!r} (random init)"
   sharder = model.prepare_model_inputs_for_cp(layout=job.layout)["cp_sharder"]
-  # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
-  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+  if job.lora_rank is None:
+    # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
+    graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
+  else:
+    model, graphdef, params, frozen = _lora(job, model, mesh)
+    description += (f", LoRA r={job.lora_rank} alpha={job.lora_alpha:g} on "
+                    f"{len(lora.adapted_modules(model))} projections "
+                    f"({lora.lora_param_count(model):,} adapter values; base frozen in "
+                    f"{job.base_dtype})")
   optimizer = make_optimizer(job)
-  # FSDP / TP: each device keeps its shard of the parameters and of Adam's moments.
+  # FSDP / TP: each device keeps its shard of the parameters and of Adam's
+  # moments (and of a frozen LoRA base).
   specs = parallel.param_specs(params, mesh, rule=rule)
   # The parity reference runs on one device, as a user's single-device model would.
-  reference_params = jax.device_put(params, devices[0]) if job.parity_check else None
+  # (Through the host: an array placed on an Explicit mesh keeps the mesh in
+  # its type, and a single-device jit refuses it.)
+  reference = (jax.tree.map(lambda x: jax.device_put(np.asarray(x), devices[0]),
+                            (params, frozen)) if job.parity_check else None)
   params = parallel.shard_params(params, mesh, specs)
+  if job.lora_rank is not None:
+    frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
   opt_state = parallel.shard_like_params(optimizer.init(params), params)
   return _Trainer(cfg=cfg, mesh=mesh, rows=rows, batch_axis=parallel.batch_axis_of(mesh),
-                  sharder=sharder, graphdef=graphdef, buffers=buffers, optimizer=optimizer,
-                  params=params, opt_state=opt_state, reference_params=reference_params,
+                  sharder=sharder, graphdef=graphdef, frozen=frozen, optimizer=optimizer,
+                  params=params, opt_state=opt_state, reference=reference,
                   description=description)
+
+
+def _lora(job: TrainJob, model, mesh):
+  """``(model, graphdef, adapters, frozen)``: ``model`` with LoRA adapters
+  (:func:`cpjax.lora.apply_lora`) split for the step."""
+  import jax
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from cpjax import lora
+
+  # The adapters are made by running the model once, eagerly: every array
+  # must be on the mesh (a checkpoint's buffers are read onto one device).
+  graphdef, state = nnx.split(model)
+  on_mesh = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)  # noqa: E731
+  state = jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, NamedSharding(mesh, P())),
+                       state)
+  model = nnx.merge(graphdef, state)
+  try:
+    settings = lora.LoraSettings(rank=job.lora_rank, alpha=job.lora_alpha,
+                                 targets=job.lora_targets or lora.DEFAULT_LORA_TARGETS)
+    model = lora.apply_lora(model, rank=settings.rank, alpha=settings.alpha,
+                            targets=settings.targets, seed=job.seed)
+  except (ValueError, TypeError) as e:
+    raise JobError(f"LoRA: {e}") from None
+  return (model, *lora.split_lora(model))
 
 
 def _corpus(job: TrainJob, path: str, flag: str, log) -> str:
@@ -343,8 +396,16 @@ def _open_data(job: TrainJob, cfg, rows: int, log) -> _Data:
 
 def _run_identity(job: TrainJob, cfg) -> dict:
   """What a resumed run must share with the saved one (see checkpointing)."""
-  return {"model_config": cfg.to_hf(), "batch_size": job.batch_size, "seq_len": job.seq_len,
-          "microbatches": job.microbatches, "data": job.data, "seed": job.seed}
+  from cpjax import lora
+
+  identity = {"model_config": cfg.to_hf(), "batch_size": job.batch_size,
+              "seq_len": job.seq_len, "microbatches": job.microbatches, "data": job.data,
+              "seed": job.seed}
+  if job.lora_rank is not None:        # what the saved adapters and moments are
+    identity["lora"] = {"rank": job.lora_rank, "alpha": job.lora_alpha,
+                        "targets": job.lora_targets or lora.DEFAULT_LORA_TARGETS,
+                        "base_dtype": job.base_dtype}
+  return identity
 
 
 def _resume(job: TrainJob, trainer: _Trainer, data: _Data, log):
@@ -356,13 +417,13 @@ def _resume(job: TrainJob, trainer: _Trainer, data: _Data, log):
 
     checkpointer = TrainCheckpointer(job.state_dir, save_every=job.save_every)
     if job.resume:
-      first_step, restored = checkpointer.restore(params_like=trainer.params,
-                                                  opt_state_like=trainer.opt_state)
-      try:
-        check_run_matches(restored["run"], _run_identity(job, trainer.cfg),
+      try:      # before any array is read: a different run's arrays may not even fit
+        check_run_matches(checkpointer.saved_run(), _run_identity(job, trainer.cfg),
                           force=job.force_resume)
       except ValueError as e:
         raise JobError(str(e)) from None
+      first_step, restored = checkpointer.restore(params_like=trainer.params,
+                                                  opt_state_like=trainer.opt_state)
       trainer.params, trainer.opt_state = restored["params"], restored["opt_state"]
       data.set_state(restored["data_state"])
       log(f"resumed from {job.state_dir} after step {first_step}")
@@ -468,11 +529,11 @@ def _parity_hook(job: TrainJob, trainer: _Trainer, batches, summary: dict, log):
 
   # Sum the microbatches' CE sums and gradients, divide once by the whole
   # step's token count, as the step does.
-  single = jax.jit(jax.value_and_grad(train.make_loss_fn(trainer.graphdef,
-                                                         frozen=trainer.buffers), has_aux=True))
+  single = jax.jit(jax.value_and_grad(train.make_loss_fn(trainer.graphdef), has_aux=True))
+  params, frozen = trainer.reference
   ce_sum, count, ref_grads = 0.0, 0.0, None
   for b in batches:
-    (s, n), g = single(trainer.reference_params, gemma4.prepare_batch(b, trainer.cfg))
+    (s, n), g = single(params, gemma4.prepare_batch(b, trainer.cfg), frozen)
     ce_sum, count = ce_sum + s, count + n
     ref_grads = g if ref_grads is None else jax.tree.map(jax.numpy.add, ref_grads, g)
   ref_loss = float(ce_sum / count)
@@ -555,8 +616,7 @@ def _eval_hook(job: TrainJob, trainer: _Trainer, layout, summary: dict, log):
   placed = [trainer.sharder.shard_batch(b, trainer.mesh, batch_axis=trainer.batch_axis)
             for b in host]
   assert all(lay == layout for _, lay in placed), "validation rows have the step's shape"
-  loss_sums = jax.jit(train.make_loss_fn(trainer.graphdef, mesh=trainer.mesh, layout=layout,
-                                         frozen=trainer.buffers))
+  loss_sums = jax.jit(train.make_loss_fn(trainer.graphdef, mesh=trainer.mesh, layout=layout))
   counted = sum(int(np.sum(b["labels"] != -100)) for b in host)
   summary["eval_rows"] = sum(int(np.any(b["attention_mask"], axis=1).sum()) for b in host)
   summary["eval_losses"] = []
@@ -568,7 +628,7 @@ def _eval_hook(job: TrainJob, trainer: _Trainer, layout, summary: dict, log):
     ce_sum = count = 0.0
     with jax.set_mesh(trainer.mesh):
       for batch, _ in placed:
-        s, n = loss_sums(trainer.params, batch)
+        s, n = loss_sums(trainer.params, batch, trainer.frozen)
         ce_sum, count = ce_sum + _host(s), count + _host(n)
     assert count == counted, "the CP loss counts every validation label once"
     record["eval_loss"] = ce_sum / max(count, 1.0)
@@ -638,6 +698,8 @@ def _report(job: TrainJob, trainer: _Trainer, step, summary: dict, losses, real_
   import jax
   from flax import nnx
 
+  from cpjax import lora
+
   mem = step.memory_analysis()
   steady = times[1:] or times
   tokens_per_step = real_tokens / len(times)
@@ -656,10 +718,19 @@ def _report(job: TrainJob, trainer: _Trainer, step, summary: dict, losses, real_
       f"{summary['tokens_per_s']:.0f} real tokens/s after the first step "
       f"(first step {times[0]:.1f} s)")
   if job.save:
-    trained = nnx.merge(trainer.graphdef, jax.device_get(trainer.params), trainer.buffers)
-    files = trained.save_pretrained(job.save)
+    trained = nnx.merge(trainer.graphdef, *jax.device_get((trainer.params, trainer.frozen)))
+    if job.lora_rank is not None and not job.merge_lora:
+      files = lora.save_adapter(trained, job.save, base_model_name_or_path=job.checkpoint)
+      log(f"saved the LoRA adapter to {job.save} (PEFT's adapter_config.json and "
+          f"adapter_model.safetensors)")
+    else:
+      if job.lora_rank is not None:
+        trained = lora.merge_lora(trained)
+      files = trained.save_pretrained(job.save)
+      merged = " with the LoRA adapter merged in" if job.lora_rank is not None else ""
+      log(f"saved a Hugging Face checkpoint{merged} to {job.save} ({len(files)} safetensors "
+          f"file(s))")
     summary["saved"] = files
-    log(f"saved a Hugging Face checkpoint to {job.save} ({len(files)} safetensors file(s))")
   log(f"per-device memory of the compiled step: scratch {summary['scratch_mib_per_device']:.1f} MiB, "
       f"arguments {summary['arguments_mib_per_device']:.1f} MiB")
   return summary

@@ -223,6 +223,12 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 4 << 30) -> list[str]
   """
   from safetensors.numpy import save_file
 
+  adapters = [key for key, var in checkpoint_keys(model).items()
+              if isinstance(var, nnx.LoRAParam)]
+  if adapters:
+    raise ValueError(f"the model has LoRA adapters ({adapters[0]} ...), which a Hugging Face "
+                     f"checkpoint cannot hold: save them with cpjax.lora.save_adapter, or "
+                     f"save cpjax.lora.merge_lora(model)")
   path = os.fspath(path)
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:

@@ -1,0 +1,108 @@
+"""``cpjax train --lora-rank``: only the adapters train (the base stays
+bit-identical), resume is bit-identical, --merge-lora writes W + scale * (B A)
+from the very adapter --save writes, and the flags' errors are usage errors."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from cpjax import cli, lora
+from cpjax.train_job import JobError, TrainJob, run_train_job
+
+HERE = os.path.dirname(__file__)
+BASE = os.path.join(HERE, "fixtures", "gemma4", "ple_kv_sharing")
+QUIET = {"log": lambda *_: None}
+JOB = TrainJob(checkpoint=BASE, seq_len=64, cp=2, steps=4, batch_size=2, parity_check=False,
+               lora_rank=4, lora_alpha=16.0, learning_rate=1e-2)
+
+
+def test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base(tmp_path):
+  whole = run_train_job(TrainJob(**{**JOB.__dict__, "save": str(tmp_path / "adapter"),
+                                    "state_dir": str(tmp_path / "a"), "save_every": 2}), **QUIET)
+  first = run_train_job(TrainJob(**{**JOB.__dict__, "steps": 2,
+                                    "state_dir": str(tmp_path / "b")}), **QUIET)
+  second = run_train_job(TrainJob(**{**JOB.__dict__, "state_dir": str(tmp_path / "b"),
+                                     "resume": True, "save": str(tmp_path / "merged"),
+                                     "merge_lora": True}), **QUIET)
+  assert whole["losses"][-1] < whole["losses"][0]
+  assert first["losses"] + second["losses"] == whole["losses"]     # bit for bit
+  with open(tmp_path / "adapter" / "adapter_config.json") as f:
+    config = json.load(f)
+  assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 16.0, BASE)
+  factors = safetensors.numpy.load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+  base = safetensors.numpy.load_file(os.path.join(BASE, "model.safetensors"))
+  merged = safetensors.numpy.load_file(tmp_path / "merged" / "model.safetensors")
+  # (the fixture also holds the k/v weights K/V-sharing layers never use)
+  assert set(merged) <= set(base)
+  adapted = {k[len("base_model.model."):-len(".lora_A.weight")] + ".weight"
+             for k in factors if k.endswith("lora_A.weight")}
+  assert len(adapted) == 38
+  for key, m_w in merged.items():
+    w = base[key]
+    if key in adapted:        # the merge of the resumed run's adapter is the saved adapter's
+      m = key[:-len(".weight")]
+      a = factors[f"base_model.model.{m}.lora_A.weight"].astype(np.float64)
+      b = factors[f"base_model.model.{m}.lora_B.weight"].astype(np.float64)
+      np.testing.assert_allclose(m_w, w + 4.0 * (b @ a), rtol=0, atol=1e-6)
+      assert np.abs(b).max() > 0           # trained away from zero
+    else:                     # untargeted weights and buffers are never trained
+      np.testing.assert_array_equal(m_w, w, err_msg=key)
+
+
+def test_bfloat16_base_keeps_float32_adapters(tmp_path):
+  lines = []
+  run_train_job(TrainJob(**{**JOB.__dict__, "steps": 2, "base_dtype": "bfloat16",
+                            "dtype": "bfloat16", "parity_check": True,
+                            "save": str(tmp_path / "merged"), "merge_lora": True}),
+                log=lines.append)
+  assert any("base frozen in bfloat16" in line for line in lines)
+  assert any("parity with the single-device model" in line for line in lines)
+  merged = safetensors.numpy.load_file(tmp_path / "merged" / "model.safetensors")
+  q = merged["model.language_model.layers.0.self_attn.q_proj.weight"]
+  assert str(q.dtype) == "bfloat16"
+
+
+def test_resume_refuses_another_lora_rank(tmp_path):
+  run_train_job(TrainJob(**{**JOB.__dict__, "steps": 1, "state_dir": str(tmp_path)}), **QUIET)
+  with pytest.raises(ValueError, match=r"the checkpoint trained LoRA rank=4, .* this run trains "
+                                      r"LoRA rank=8"):
+    run_train_job(TrainJob(**{**JOB.__dict__, "lora_rank": 8, "state_dir": str(tmp_path),
+                              "resume": True}), **QUIET)
+
+
+def test_targets_that_match_nothing_or_no_projection_are_job_errors():
+  with pytest.raises(JobError, match=r"LoRA: LoRA targets 'nothing' match no module"):
+    run_train_job(TrainJob(**{**JOB.__dict__, "lora_targets": "nothing"}), **QUIET)
+  # The clipped vision linears' wrapper holds no weight (its .linear does).
+  with pytest.raises(JobError, match=r"cannot carry adapters .*vision_tower"):
+    run_train_job(TrainJob(**{**JOB.__dict__, "lora_targets": r".*vision_tower.*\.q_proj"}),
+                  **QUIET)
+  with pytest.raises(JobError, match=r"--base-dtype bfloat16 needs --lora-rank"):
+    run_train_job(TrainJob(**{**JOB.__dict__, "lora_rank": None, "base_dtype": "bfloat16"}),
+                  **QUIET)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lora-alpha", "4"], "--lora-alpha needs --lora-rank"),
+    (["--base-dtype", "bfloat16", "--merge-lora"], "--base-dtype, --merge-lora needs --lora-rank"),
+    (["--lora-rank", "4", "--merge-lora"], "--merge-lora says what --save writes"),
+    (["--lora-rank", "0"], "argument --lora-rank: expected an integer >= 1, got '0'"),
+    (["--lora-rank", "4", "--lora-targets", "(q_proj"], "--lora-targets '(q_proj' is not a "
+                                                         "regular expression"),
+])
+def test_lora_flag_errors_exit_two(args, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["train", "--seq-len", "64", *args])
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_save_pretrained_refuses_adapters(tmp_path):
+  from cpjax.models import gemma4
+
+  model = lora.apply_lora(gemma4.Gemma4.from_pretrained(BASE), rank=2)
+  with pytest.raises(ValueError, match=r"has LoRA adapters .*cpjax\.lora\.merge_lora"):
+    model.save_pretrained(tmp_path)
