@@ -24,6 +24,8 @@ from benchmarks.common import write_json  # noqa: E402
 MODELS = ("e2b", "e4b", "a4b", "31b")
 SEQ_LENS = (32768, 131072, 262144)
 DEVICES = {"v5e": "16GiB", "v5p": "95GiB", "H200": "141GiB"}
+LORA_RANK = 16
+LORA_SEQ_LENS = (131072, 262144)
 
 
 def main() -> None:
@@ -65,6 +67,37 @@ def main() -> None:
                      "optimizer_gib": best.optimizer / plan.GiB,
                      "activations_gib": best.activations / plan.GiB,
                      "total_gib": best.total / plan.GiB, "tflop_per_device": best.flops / 1e12})
+  # LoRA beside full fine-tuning at long context: rank-16 adapters on the
+  # default targets, the base frozen in bfloat16.
+  lora_rows = []
+  print(f"\nLoRA r={LORA_RANK}, bfloat16 base:")
+  for model in MODELS:
+    cfg = Gemma4Config.preset(model)
+    for seq_len in LORA_SEQ_LENS:
+      for device, memory in DEVICES.items():
+        best = plan.smallest_mesh(cfg, model=model, seq_len=seq_len,
+                                  device_memory=plan.parse_bytes(memory), lora_rank=LORA_RANK,
+                                  base_dtype="bfloat16")
+        full = next(r for r in rows if (r["model"], r["seq_len"], r["device"])
+                    == (model, seq_len, device))
+        if best is None:
+          print(f"{model:>5} {seq_len:>7} {device:>6}  no mesh up to 4096 devices")
+          continue
+        mesh = best.mesh
+        text = f"fsdp={mesh.get('fsdp', 1)},cp={mesh['cp']}"
+        print(f"{model:>5} {seq_len:>7} {device:>6}  {text:<18} {math.prod(mesh.values()):>7} "
+              f"{best.params / plan.GiB:7.2f} {best.optimizer / plan.GiB:7.2f} "
+              f"{best.activations / plan.GiB:7.2f} {best.total / plan.GiB:9.2f} "
+              f"{best.flops / 1e12:9.1f}   (full fine-tuning: {full['devices']} devices)")
+        lora_rows.append({"model": model, "seq_len": seq_len, "device": device,
+                          "memory": memory, "mesh": mesh, "devices": math.prod(mesh.values()),
+                          "full_devices": full["devices"],
+                          "adapter_values": plan.lora_param_count(cfg, rank=LORA_RANK),
+                          "params_gib": best.params / plan.GiB,
+                          "optimizer_gib": best.optimizer / plan.GiB,
+                          "activations_gib": best.activations / plan.GiB,
+                          "total_gib": best.total / plan.GiB,
+                          "tflop_per_device": best.flops / 1e12})
   checks = []
   for model, seq_len, mesh_text in compile_rows:
     from cpjax.parallel import parse_mesh
@@ -82,7 +115,8 @@ def main() -> None:
                    "compiled_activations_gib": got.activations / plan.GiB,
                    "estimate_activations_gib_float32": want.activations / plan.GiB,
                    "compiled_tflop": got.flops / 1e12, "estimate_tflop": want.flops / 1e12})
-  write_json("plan_table", {"rows": rows, "compiled_checks": checks,
+  write_json("plan_table", {"rows": rows, "lora_rows": lora_rows, "lora_rank": LORA_RANK,
+                            "compiled_checks": checks,
                             "note": "closed form, bfloat16 activations, remat full, AdamW "
                                     "float32 state, one row per batch shard"})
 

@@ -230,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rows per step (default: one per batch shard)")
   plan.add_argument("--device-memory", type=_memory, default=None, metavar="SIZE",
                     help="memory of one device, e.g. 16GiB (v5e), 95GiB (v5p), 141GiB (H200)")
+  plan.add_argument("--lora-rank", type=_positive, default=None, metavar="R",
+                    help="plan LoRA training: rank-R adapters on a frozen base")
+  plan.add_argument("--base-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="storage dtype of the frozen LoRA base (default float32)")
   plan.add_argument("--estimate-only", action="store_true",
                     help="print the closed-form estimate without compiling")
 
@@ -442,11 +446,14 @@ def _plan(parser, args) -> int:
 
   if args.mesh is None and args.device_memory is None:
     parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
+  if args.base_dtype is not None and args.lora_rank is None:
+    parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
+  lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32"}
   cfg, name = _plan_config(parser, args)
   mesh = args.mesh
   if mesh is None:
     found = plan.smallest_mesh(cfg, model=name, seq_len=args.seq_len,
-                               device_memory=args.device_memory, remat=args.remat)
+                               device_memory=args.device_memory, remat=args.remat, **lora)
     if found is None:
       print(f"no fsdp x cp mesh up to 4096 devices fits {name} at S={args.seq_len} "
             f"into {plan.format_bytes(args.device_memory)} per device (estimate)")
@@ -455,16 +462,16 @@ def _plan(parser, args) -> int:
   devices = math.prod(mesh.values())
   _use_cpu_devices(devices)
   rows = [plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
-                        remat=args.remat, batch_size=args.batch_size, dtype=dtype)
+                        remat=args.remat, batch_size=args.batch_size, dtype=dtype, **lora)
           for dtype in ("bfloat16", "float32")]
   if not args.estimate_only:
     try:
       rows.append(plan.compiled_plan(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
-                                     remat=args.remat, batch_size=args.batch_size))
+                                     remat=args.remat, batch_size=args.batch_size, **lora))
     except ValueError as e:   # a mesh the model cannot use: a usage error, before compiling
       parser.exit(2, f"cpjax plan: error: {e}\n")
   print(f"cpjax plan: Gemma 4 {name}, S={args.seq_len}, remat {args.remat}, "
-        f"{devices} devices; per device:")
+        f"{rows[0].training} training, {devices} devices; per device:")
   for row in rows:
     fits = ""
     if args.device_memory is not None:
@@ -504,8 +511,10 @@ def _check_memory(parser, args, cfg, name: str, sizes: dict) -> None:
   limit, what = _machine_memory()
   if limit is None:
     return
+  lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32",
+          "lora_targets": args.lora_targets}
   est = plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=sizes, remat=args.remat,
-                      batch_size=args.batch_size // args.microbatches, dtype=args.dtype)
+                      batch_size=args.batch_size // args.microbatches, dtype=args.dtype, **lora)
   devices = math.prod(sizes.values())
   if jax.devices()[0].platform == "cpu":
     # Emulated devices share the host: each holds its own copy or shard.
@@ -513,7 +522,7 @@ def _check_memory(parser, args, cfg, name: str, sizes: dict) -> None:
     if not args.no_parity_check:
       need += plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh={}, remat=args.remat,
                             batch_size=args.batch_size // args.microbatches,
-                            dtype=args.dtype).total
+                            dtype=args.dtype, **lora).total
     where = f"{devices // jax.process_count()} emulated CPU devices need"
   else:
     need, where = est.total, "one device needs"

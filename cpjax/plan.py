@@ -35,6 +35,16 @@ FLOPs: ``6 * N_active * tokens`` (plus ``2 * N_active * tokens`` for a full
 remat's recompute) and attention ``4 * S_q * S_k_visible * H * Dh`` per
 layer forward, three times that with the backward.
 
+LoRA (``lora_rank``, :mod:`cpjax.lora`): ``N_a`` adapter values (``r * (in +
+out)`` per targeted projection). The frozen base takes ``b N / s`` (``b``:
+``base_dtype``'s bytes) and only the adapters have gradients and Adam
+moments: parameters ``b N / s + 4 N_a / s``, moments ``8 N_a / s``,
+gradients ``4 N_a / s`` (twice with ``cp > 1``); a gathered layer takes
+``b`` bytes a value. The activations are full fine-tuning's (the adapters'
+``B x L x r`` intermediates are left out: a few MB). FLOPs: the base needs
+no weight gradient, ``4 N_active`` per token (plus the remat's ``2``), and
+the adapters ``6 N_a``.
+
 Where CPU compilation differs from TPU / GPU: XLA:CPU has no
 memory-space assignment or latency-hiding scheduler, so its temporaries are
 a liveness-based upper estimate of what the TPU compiler schedules; it
@@ -53,7 +63,8 @@ import re
 
 import numpy as np
 
-__all__ = ["Plan", "compiled_plan", "estimate", "format_bytes", "parse_bytes", "smallest_mesh"]
+__all__ = ["Plan", "compiled_plan", "estimate", "format_bytes", "lora_param_count", "parse_bytes",
+           "smallest_mesh"]
 
 GiB = 2 ** 30
 LOSS_CHUNK_LOGITS = 1 << 26    # cpjax.train.LOSS_CHUNK_LOGITS (plan imports no JAX)
@@ -102,9 +113,18 @@ class Plan:
   total: float
   flops: float
   source: str                # "compiled" or "estimate"
+  lora_rank: int | None = None       # None: every weight trained
+  base_dtype: str = "float32"        # the frozen base's storage under LoRA
 
   def fits(self, device_memory: int) -> bool:
     return self.total <= device_memory
+
+  @property
+  def training(self) -> str:
+    """``"full"`` or ``"LoRA r=16 (bfloat16 base)"``."""
+    if self.lora_rank is None:
+      return "full"
+    return f"LoRA r={self.lora_rank} ({self.base_dtype} base)"
 
   def row(self) -> str:
     mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
@@ -146,9 +166,39 @@ def _count(cfg) -> tuple[int, int, int]:
   return total, int(active + per_layer), max(layer)
 
 
+@functools.lru_cache(maxsize=None)
+def _projections(cfg) -> tuple[tuple[str, int, int], ...]:
+  """(dotted module path, out, in) of every projection weight ([out, in])."""
+  from flax import nnx
+
+  from cpjax.models.gemma4 import Gemma4
+  from cpjax.models.gemma4.layers import Linear
+
+  model = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
+  return tuple((".".join(map(str, path)), *m.weight.shape)
+               for path, m in nnx.iter_modules(model) if isinstance(m, Linear))
+
+
+def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
+  """Adapter values of rank ``rank`` on the projections ``targets`` matches
+  (default :data:`cpjax.lora.DEFAULT_LORA_TARGETS`): ``r * (in + out)`` each.
+
+  >>> from cpjax.models.gemma4 import Gemma4Config
+  >>> lora_param_count(Gemma4Config.preset("tiny"), rank=4)
+  24320
+  """
+  from cpjax.lora import DEFAULT_LORA_TARGETS, LoraSettings
+
+  settings = LoraSettings(rank=rank, targets=targets or DEFAULT_LORA_TARGETS)
+  return sum(rank * (out + inp) for path, out, inp in _projections(cfg)
+             if settings.matches(path))
+
+
 def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
-             batch_size: int | None = None, dtype: str = "bfloat16") -> Plan:
-  """The closed form of the module docstring."""
+             batch_size: int | None = None, dtype: str = "bfloat16",
+             lora_rank: int | None = None, base_dtype: str = "float32",
+             lora_targets: str | None = None) -> Plan:
+  """The closed form of the module docstring (LoRA with ``lora_rank``)."""
   t = cfg.text
   fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
   cp, tp = mesh.get("cp", 1), mesh.get("tp", 1)
@@ -162,10 +212,17 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   if t.enable_moe_block:
     width += t.top_k_experts * t.moe_intermediate_size / tp
   d, layers, ple = t.hidden_size, t.num_hidden_layers, t.hidden_size_per_layer_input or 0
-  params, optimizer, grads = 4 * n / shards, 8 * n / shards + 4, 4 * n / shards  # + step count
+  base = 2 if base_dtype == "bfloat16" else 4
+  if lora_rank is None:
+    base, trained = 4, n
+    params = 4 * n / shards
+  else:
+    trained = lora_param_count(cfg, rank=lora_rank, targets=lora_targets)
+    params = base * n / shards + 4 * trained / shards
+  optimizer, grads = 8 * trained / shards + 4, 4 * trained / shards      # + step count
   if cp > 1:
     grads *= 2
-  gathered = 4 * largest if shards > 1 else 0
+  gathered = base * largest if shards > 1 else 0
   full_row = 3 * rows * seq_len * 4
   if remat == "none":
     saved = layers * rows * local * (4 * d + 2 * (heads + 2 * kv) * dh + 3 * width) * a
@@ -178,18 +235,24 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   logits = 4 * chunk * t.vocab_size / shards * 4 + rows * local * 4
   activations = grads + gathered + full_row + saved + working + logits
   tokens = rows * local
-  matmul = (8 if remat != "none" else 6) * active * tokens / tp
+  passes = 6 if lora_rank is None else 4       # forward, input and (full) weight gradients
+  matmul = (passes + (2 if remat != "none" else 0)) * active * tokens / tp
+  if lora_rank is not None:
+    matmul += 6 * trained * tokens / tp
   attention = 0.0
   for i in range(layers):
     visible = (seq_len / 2 if t.is_full(i) else min(t.effective_sliding_window, seq_len))
     attention += 4 * tokens * visible * t.num_attention_heads / tp * t.layer_head_dim(i)
   flops = matmul + attention * (4 if remat != "none" else 3)
   return Plan(model, seq_len, dict(mesh), remat, dtype, params, optimizer, activations,
-              params + optimizer + activations, flops, "estimate")
+              params + optimizer + activations, flops, "estimate", lora_rank,
+              base_dtype if lora_rank is not None else "float32")
 
 
 def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
-                  batch_size: int | None = None, dtype: str = "float32") -> Plan:
+                  batch_size: int | None = None, dtype: str = "float32",
+                  lora_rank: int | None = None, base_dtype: str = "float32",
+                  lora_targets: str | None = None) -> Plan:
   """Compile the training step abstractly on ``prod(mesh)`` emulated devices.
 
   The process must have at least that many JAX devices (``cpjax plan`` sets
@@ -214,36 +277,50 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
   rows = batch_size or (grid.shape[batch_axis] if batch_axis else 1)
   check_mesh(cfg, grid, seq_len=seq_len, batch_size=rows)
   compute = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
-  abstract = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat))
-  graphdef, params, buffers = nnx.split(abstract, nnx.Param, ...)
-  # Buffers (layer scalars, clip bounds) are a few numbers: real zeros,
-  # closed over like the train job's.
-  buffers = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), buffers)
-  specs = parallel.param_specs(params, grid, rule=partition_rule(cfg, tp=mesh.get("tp", 1)))
-  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+  storage = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[base_dtype]
+  if lora_rank is None:
+    abstract = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat))
+    graphdef, params, frozen = nnx.split(abstract, nnx.Param, ...)
+  else:
+    # The adapters are made by running the model: abstractly here too.
+    from cpjax import lora
+
+    abstract = nnx.eval_shape(lambda: lora.apply_lora(
+        Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat, param_dtype=storage),
+        rank=lora_rank, targets=lora_targets or lora.DEFAULT_LORA_TARGETS))
+    graphdef, params, frozen = lora.split_lora(abstract)
+  rule = partition_rule(cfg, tp=mesh.get("tp", 1))
+
+  def placed(tree):
+    specs = parallel.param_specs(tree, grid, rule=rule)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                           sharding=NamedSharding(grid, s)),
-                        params, specs)
+                        tree, specs)
+  params, frozen = placed(params), placed(frozen)
   optimizer = optax.adamw(1e-4)
   opt_state = parallel.shard_like_params(jax.eval_shape(optimizer.init, params), params)
   text = {"input_ids": np.ones((rows, seq_len), np.int32),
           "labels": np.ones((rows, seq_len), np.int32)}
   sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout="load_balanced")["cp_sharder"]
   batch, layout = sharder.shard_batch(text, grid, batch_axis=batch_axis)
-  step = train.make_train_step(graphdef, optimizer, mesh=grid, layout=layout, frozen=buffers)
+  step = train.make_train_step(graphdef, optimizer, mesh=grid, layout=layout, frozen=frozen)
   compiled = step.compile(params, opt_state, batch)
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  param_bytes = parallel.bytes_per_device(params)
+  # The parameters: the trained ones and the frozen (buffers, a LoRA base).
+  param_bytes = parallel.bytes_per_device(params) + parallel.bytes_per_device(frozen)
   opt_bytes = parallel.bytes_per_device(opt_state)
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
   return Plan(model, seq_len, dict(mesh), remat, dtype, param_bytes, opt_bytes,
-              total - param_bytes - opt_bytes, total, float(cost.get("flops", 0.0)), "compiled")
+              total - param_bytes - opt_bytes, total, float(cost.get("flops", 0.0)), "compiled",
+              lora_rank, base_dtype if lora_rank is not None else "float32")
 
 
 def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: str = "full",
-                  dtype: str = "bfloat16", max_devices: int = 4096) -> Plan | None:
+                  dtype: str = "bfloat16", max_devices: int = 4096,
+                  lora_rank: int | None = None, base_dtype: str = "float32") -> Plan | None:
   """The fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``
   (ties: the one with more memory to spare); None when none up to ``max_devices``."""
   best = None
@@ -255,7 +332,8 @@ def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: s
       if seq_len % (2 * cp) or cfg.text.num_attention_heads == 0:
         continue
       mesh = {"fsdp": fsdp, "cp": cp} if fsdp > 1 else {"cp": cp}
-      plan = estimate(cfg, model=model, seq_len=seq_len, mesh=mesh, remat=remat, dtype=dtype)
+      plan = estimate(cfg, model=model, seq_len=seq_len, mesh=mesh, remat=remat, dtype=dtype,
+                      lora_rank=lora_rank, base_dtype=base_dtype)
       if plan.fits(device_memory) and (best is None or plan.total < best.total):
         best = plan
     devices *= 2
