@@ -308,8 +308,11 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  # The parameters: the trained ones and the frozen (buffers, a LoRA base).
-  param_bytes = parallel.bytes_per_device(params) + parallel.bytes_per_device(frozen)
+  # The parameters: the trained ones, and under LoRA the frozen base (the
+  # buffers, a few numbers, count with the rest as the closed form does).
+  param_bytes = parallel.bytes_per_device(params)
+  if lora_rank is not None:
+    param_bytes += parallel.bytes_per_device(frozen)
   opt_bytes = parallel.bytes_per_device(opt_state)
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)

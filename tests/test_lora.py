@@ -149,3 +149,51 @@ def test_lora_cp_gradients_equal_single_device(mesh_sizes, layout):
     got_loss, got_grads = jax.jit(jax.value_and_grad(objective))(adapters, frozen)
   assert abs(float(got_loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
   assert_grads_close(jax.device_get(got_grads), ref_grads)
+
+
+def test_lora_partition_rule_follows_the_weight():
+  """tp splits A of a column-split projection by its input rows and B of a
+  row-split one by its output columns; the other factor stays whole."""
+  from jax.sharding import PartitionSpec as P
+
+  rule = partition_rule(gemma4.Gemma4Config.preset("tiny"), tp=2)
+  at = lambda block, name, leaf: rule(("model", "language_model", "layers", "0", block, name,
+                                       leaf), (8, 8))
+  assert [at("self_attn", "q_proj", leaf) for leaf in ("weight", "weight_lora_a",
+                                                       "weight_lora_b")] == [
+      P("tp", None), P(), P(None, "tp")]
+  assert [at("mlp", "down_proj", leaf) for leaf in ("weight", "weight_lora_a",
+                                                    "weight_lora_b")] == [
+      P(None, "tp"), P("tp", None), P()]
+
+
+def test_lora_partition_rule_follows_the_weight():
+  """tp splits A of a column-split projection by its input rows and B of a
+  row-split one by its output columns; the other factor stays whole."""
+  from jax.sharding import PartitionSpec as P
+
+  rule = partition_rule(gemma4.Gemma4Config.preset("tiny"), tp=2)
+  at = lambda block, name, leaf: rule(("model", "language_model", "layers", "0", block, name,
+                                       leaf), (8, 8))
+  assert [at("self_attn", "q_proj", leaf) for leaf in ("weight", "weight_lora_a",
+                                                       "weight_lora_b")] == [
+      P("tp", None), P(), P(None, "tp")]
+  assert [at("mlp", "down_proj", leaf) for leaf in ("weight", "weight_lora_a",
+                                                    "weight_lora_b")] == [
+      P(None, "tp"), P("tp", None), P()]
+
+
+def test_bfloat16_base_keeps_the_activation_dtype():
+  """As PEFT: float32 adapters on a bfloat16 base, their term added in
+  float32 and each projection's output cast back to the activations' dtype."""
+  import jax.numpy as jnp
+
+  base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, NAME), dtype=jnp.bfloat16)
+  model = lora.apply_lora(base, rank=RANK)
+  randomize_adapters(model)
+  proj = model.model.language_model.layers[0].self_attn.q_proj
+  assert proj.weight[...].dtype == jnp.bfloat16 and proj.weight_lora_a[...].dtype == jnp.float32
+  _, batch = adapted()
+  out = model.hidden_states(batch)
+  assert out.hidden.dtype == jnp.bfloat16
+  assert float(jnp.abs(out.hidden.astype(jnp.float32) - base.hidden_states(batch).hidden).max()) > 0

@@ -86,8 +86,14 @@ def _rows(batch, start, stop):
   return out
 
 
-def assert_same_update(got, want, params, *, tol=1e-4):
-  """Every leaf's update (params - new) within ``tol`` of that leaf's largest update."""
+def assert_same_update(got, want, params, *, tol=3e-4):
+  """Every leaf's update (params - new) within ``tol`` of that leaf's largest update.
+
+  Float32 reordering alone moves the worst leaf (the vision embedder's
+  projection, a sum over soft tokens with much cancellation) by 1.2e-4 of
+  its largest update on some CPUs: measured with the single-device step on
+  two microbatches against the whole batch, no mesh involved (3e-5 on
+  others). A missing or doubled term moves a leaf by its whole scale."""
   for (path, g), w, p in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(got)),
                              jax.tree.leaves(want), jax.tree.leaves(jax.device_get(params))):
     update_got, update_want = np.asarray(p) - np.asarray(g), np.asarray(p) - np.asarray(w)
@@ -129,7 +135,7 @@ MESHES = [
     v if isinstance(v, str) else f"microbatches{v}" if isinstance(v, int) else
     "x".join(f"{k}{n}" for k, n in v.items())))
 def test_mesh_step_equals_single_device_step(preset, shape, microbatches):
-  _, _, _, params, _, _ = setup(preset)
+  _, _, _, params, buffers, _ = setup(preset)
   want_loss, want = single_device_step(preset)
   loss, new, step, placed, sharded = mesh_step(preset, shape, microbatches=microbatches)
   assert abs(loss - want_loss) <= 1e-6 * want_loss
@@ -145,8 +151,10 @@ def test_mesh_step_equals_single_device_step(preset, shape, microbatches):
   factor = shape.get("fsdp", 1) * shape.get("tp", 1)
   full = parallel.bytes_per_device(params)
   assert full / per_device == pytest.approx(factor, rel=0.02), (full, per_device)
-  assert step.memory_analysis().argument_size_in_bytes <= per_device + parallel.bytes_per_device(
-      sharded)   # the rest is (at most) the batch's shard
+  # The rest is (at most) the batch's shard and the buffers (frozen state:
+  # layer scalars, clip bounds), an argument of the step too.
+  assert step.memory_analysis().argument_size_in_bytes <= (
+      per_device + parallel.bytes_per_device(sharded) + parallel.bytes_per_device(buffers))
   # The embedding tables (and the tied head) stay split over fsdp x tp: no
   # buffer of the compiled step has a whole table's shape.
   cfg = setup(preset)[0]
@@ -172,9 +180,10 @@ def test_gradient_accumulation_equals_whole_batch_step():
   assert abs(float(m_accum["loss"]) - float(m_whole["loss"])) <= 1e-6 * float(m_whole["loss"])
   # The microbatches run matmuls of half the rows, which XLA blocks and sums
   # differently: float32 then moves the gradient by ~1e-5 (measured 7e-6
-  # over the whole tree, 3e-5 in the worst vision-tower leaf).
+  # over the whole tree and 3e-5 in the worst vision-tower leaf on one CPU,
+  # 4.1e-5 and 1.2e-4 on another; a wrong microbatch term moves it by ~1).
   assert_same_update(accum, whole, params)
-  assert global_relative_error(accum, whole, params) <= 1e-5
+  assert global_relative_error(accum, whole, params) <= 1e-4
 
 
 def test_microbatches_must_share_one_shape():

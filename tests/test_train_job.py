@@ -89,7 +89,7 @@ def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
   hook(0, {}, record)
   assert "eval_loss" not in record                 # step 1: not a validation step
   hook(1, {}, record)
-  single = jax.jit(train.make_loss_fn(trainer.graphdef, frozen=trainer.buffers))
+  single = jax.jit(train.make_loss_fn(trainer.graphdef, frozen=trainer.frozen))
   params = jax.device_get(trainer.params)
   sums = [single(params, gemma4.prepare_batch(b, trainer.cfg)) for b in host]
   reference = sum(float(s) for s, _ in sums) / sum(float(n) for _, n in sums)
