@@ -42,8 +42,8 @@ def peak_rss_gb() -> float:
 def random_bfloat16_model(cfg):
   """A Gemma 4 whose parameters are random bfloat16 values made one leaf at a
   time (norm scales 1, buffers at their neutral values)."""
-  import jax
   import jax.numpy as jnp
+  import numpy as np
   from flax import nnx
 
   from cpjax.models.gemma4 import Gemma4
@@ -62,14 +62,28 @@ def random_bfloat16_model(cfg):
     elif len(shape) < 2:
       var.set_value(jnp.ones(shape, dtype))          # norm scales, per-expert scales
     else:
-      var.set_value(jax.random.normal(jax.random.key(i), shape, jnp.bfloat16)
-                    * jnp.asarray(shape[-1] ** -0.5, jnp.bfloat16))
+      var.set_value(_normal_rows(np.random.default_rng(i), shape, shape[-1] ** -0.5))
   return model
 
 
-def e2b_step(seq_len: int, steps: int) -> dict:
+def _normal_rows(rng, shape, scale, chunk=8192):
+  """Normal values in bfloat16, drawn in row chunks on the host (no float32
+  copy of a whole table), in the default row-major layout. (A large
+  ``jax.random.normal`` on CPU came back column-major here, and a jitted
+  step that took it as an argument failed to dispatch, allocating 37.6 GB.)"""
   import jax
-  import jax.numpy as jnp
+  import ml_dtypes
+  import numpy as np
+
+  out = np.empty(shape, ml_dtypes.bfloat16)
+  flat = out.reshape(shape[0], -1)
+  for start in range(0, shape[0], chunk):
+    rows = flat[start:start + chunk]
+    rows[...] = (rng.standard_normal(rows.shape, np.float32) * scale).astype(ml_dtypes.bfloat16)
+  return jax.device_put(out)
+
+
+def e2b_step(seq_len: int, steps: int) -> dict:
   import numpy as np
   import optax
 
@@ -100,7 +114,6 @@ def e2b_step(seq_len: int, steps: int) -> dict:
     adapters, opt_state, metrics = compiled(adapters, opt_state, batch)
     losses.append(float(metrics["loss"]))
     times.append(time.perf_counter() - start)
-  del jnp
   return {"model": "e2b", "seq_len": seq_len, "rank": RANK,
           "adapter_values": lora.lora_param_count(model), "base_gb": base_gb,
           "make_base_s": made, "make_adapters_s": adapters_s, "compile_s": compile_s,
@@ -115,7 +128,6 @@ def nnx_leaves(model):
 
 
 def tiny_sweep(budget: int, seq_lens: list[int]) -> dict:
-  import jax
   import numpy as np
   import optax
   from flax import nnx
@@ -157,7 +169,6 @@ def tiny_sweep(budget: int, seq_lens: list[int]) -> dict:
     _, _, metrics = compiled(params, optimizer.init(params), batch)
     loss = float(metrics["loss"])
     ran[kind] = {"seq_len": seq_len, "step_s": time.perf_counter() - start, "loss": loss}
-  del jax
   return {"budget_bytes": budget, "rows": rows, "longest": ran}
 
 

@@ -312,7 +312,8 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
   # buffers, a few numbers, count with the rest as the closed form does).
   param_bytes = parallel.bytes_per_device(params)
   if lora_rank is not None:
-    param_bytes += parallel.bytes_per_device(frozen)
+    base = placed(nnx.split(abstract, nnx.LoRAParam, nnx.Param, ...)[2])
+    param_bytes += parallel.bytes_per_device(base)
   opt_bytes = parallel.bytes_per_device(opt_state)
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)

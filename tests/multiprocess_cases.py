@@ -72,6 +72,30 @@ def run_fsdp(ckpt_dir) -> dict:
   for i in range(restored["data_state"]["next"], 3):
     params, opt_state, metrics = step(params, opt_state, batches[i][0])
     out[f"resumed/loss{i}"] = metrics["loss"]
+  out.update(_lora_step(mesh, specs, batches[0]))
+  return out
+
+
+def _lora_step(mesh, specs, sharded) -> dict:
+  """One SGD step of LoRA adapters (cpjax.lora) on the same mesh: the frozen
+  base sharded as the parameters were, the adapters too."""
+  from cpjax import lora, parallel
+
+  model = lora.apply_lora(gemma4.Gemma4(CFG, rngs=nnx.Rngs(0)), rank=4, alpha=8.0)
+  for i, (_, var) in enumerate(nnx.iter_graph(model)):   # B away from zero: A gets gradients
+    if isinstance(var, nnx.LoRAParam):
+      var.set_value(jax.random.normal(jax.random.key(i), var.shape) * 0.05)
+  graphdef, adapters, frozen = lora.split_lora(model)
+  rule = gemma4.partition_rule(CFG, tp=1)
+  start = jax.device_get(adapters)
+  adapters = parallel.shard_params(adapters, mesh, parallel.param_specs(adapters, mesh, rule=rule))
+  frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
+  opt = optax.sgd(0.1)
+  step = train.make_train_step(graphdef, opt, mesh=mesh, layout=sharded[1], frozen=frozen)
+  new, _, metrics = step(adapters, opt.init(adapters), sharded[0])
+  out = {"lora/loss": metrics["loss"]}
+  for (path, leaf), first in zip(jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(start)):
+    out["lora_update" + jax.tree_util.keystr(path)] = leaf - first
   return out
 
 

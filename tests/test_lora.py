@@ -3,13 +3,11 @@ adapter gradients equal a dense model whose weights hold ``W + B A * alpha / r``
 and the CP step equals the single-device step on cp and fsdp x cp x tp meshes."""
 
 import functools
-import json
 import os
 
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -127,8 +125,10 @@ def test_adapter_gradients_equal_the_dense_reference(remat):
   assert all(float(jnp.abs(g).max()) > 0 for pair in ref_grads.values() for g in pair)
 
 
+# Both layouts in CI (load_balanced on the 3-axis mesh); cp alone
+# load-balanced in `make soak`.
 @pytest.mark.parametrize("mesh_sizes,layout", [
-    ({"cp": 4}, "load_balanced"),
+    pytest.param({"cp": 4}, "load_balanced", marks=pytest.mark.slow),
     ({"cp": 4}, "contiguous"),
     ({"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced")])
 def test_lora_cp_gradients_equal_single_device(mesh_sizes, layout):
@@ -149,22 +149,6 @@ def test_lora_cp_gradients_equal_single_device(mesh_sizes, layout):
     got_loss, got_grads = jax.jit(jax.value_and_grad(objective))(adapters, frozen)
   assert abs(float(got_loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
   assert_grads_close(jax.device_get(got_grads), ref_grads)
-
-
-def test_lora_partition_rule_follows_the_weight():
-  """tp splits A of a column-split projection by its input rows and B of a
-  row-split one by its output columns; the other factor stays whole."""
-  from jax.sharding import PartitionSpec as P
-
-  rule = partition_rule(gemma4.Gemma4Config.preset("tiny"), tp=2)
-  at = lambda block, name, leaf: rule(("model", "language_model", "layers", "0", block, name,
-                                       leaf), (8, 8))
-  assert [at("self_attn", "q_proj", leaf) for leaf in ("weight", "weight_lora_a",
-                                                       "weight_lora_b")] == [
-      P("tp", None), P(), P(None, "tp")]
-  assert [at("mlp", "down_proj", leaf) for leaf in ("weight", "weight_lora_a",
-                                                    "weight_lora_b")] == [
-      P(None, "tp"), P("tp", None), P()]
 
 
 def test_lora_partition_rule_follows_the_weight():

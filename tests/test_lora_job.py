@@ -1,6 +1,7 @@
 """``cpjax train --lora-rank``: only the adapters train (the base stays
-bit-identical), resume is bit-identical, --merge-lora writes W + scale * (B A)
-from the very adapter --save writes, and the flags' errors are usage errors."""
+bit-identical), resume is bit-identical (and refuses other LoRA settings),
+--merge-lora writes W + scale * (B A) from the very adapter --save writes,
+and the flags' errors are usage errors."""
 
 import json
 import os
@@ -29,6 +30,11 @@ def test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base(tm
                                      "merge_lora": True}), **QUIET)
   assert whole["losses"][-1] < whole["losses"][0]
   assert first["losses"] + second["losses"] == whole["losses"]     # bit for bit
+  # Another rank's adapters are another run: refused before any array is read.
+  with pytest.raises(ValueError, match=r"the checkpoint trained LoRA rank=4, .* this run trains "
+                                       r"LoRA rank=8"):
+    run_train_job(TrainJob(**{**JOB.__dict__, "lora_rank": 8, "state_dir": str(tmp_path / "a"),
+                              "resume": True}), **QUIET)
   with open(tmp_path / "adapter" / "adapter_config.json") as f:
     config = json.load(f)
   assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 16.0, BASE)
@@ -63,14 +69,6 @@ def test_bfloat16_base_keeps_float32_adapters(tmp_path):
   merged = safetensors.numpy.load_file(tmp_path / "merged" / "model.safetensors")
   q = merged["model.language_model.layers.0.self_attn.q_proj.weight"]
   assert str(q.dtype) == "bfloat16"
-
-
-def test_resume_refuses_another_lora_rank(tmp_path):
-  run_train_job(TrainJob(**{**JOB.__dict__, "steps": 1, "state_dir": str(tmp_path)}), **QUIET)
-  with pytest.raises(ValueError, match=r"the checkpoint trained LoRA rank=4, .* this run trains "
-                                      r"LoRA rank=8"):
-    run_train_job(TrainJob(**{**JOB.__dict__, "lora_rank": 8, "state_dir": str(tmp_path),
-                              "resume": True}), **QUIET)
 
 
 def test_targets_that_match_nothing_or_no_projection_are_job_errors():

@@ -76,3 +76,19 @@ def test_cli_plan_rejects_a_mesh_the_model_cannot_use():
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert out.returncode != 0
   assert "mesh axis 'tp' of size 8 does not divide the 4 attention heads" in out.stderr
+
+
+def test_lora_compiled_plan_state_equals_the_closed_form():
+  """LoRA: the frozen bfloat16 base (2 bytes a parameter) and the adapters
+  (4), Adam's moments for the adapters only: compiled = closed form, exactly."""
+  cfg = gemma4.Gemma4Config.preset("tiny")
+  mesh = {"fsdp": 2, "cp": 2}
+  lora = {"lora_rank": 4, "base_dtype": "bfloat16"}
+  compiled = plan.compiled_plan(cfg, model="tiny", seq_len=256, mesh=mesh, **lora)
+  closed = plan.estimate(cfg, model="tiny", seq_len=256, mesh=mesh, dtype="float32", **lora)
+  full = plan.estimate(cfg, model="tiny", seq_len=256, mesh=mesh, dtype="float32")
+  assert compiled.params == closed.params and compiled.optimizer == closed.optimizer
+  n, adapters = full.params * 2 / 4, plan.lora_param_count(cfg, rank=4)
+  assert closed.params == (2 * n + 4 * adapters) / 2
+  assert closed.optimizer == 8 * adapters / 2 + 4
+  assert closed.training == "LoRA r=4 (bfloat16 base)"
