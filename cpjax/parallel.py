@@ -264,47 +264,10 @@ def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
   """
   where = row_placement(table, ids.shape[0])
   if where is None:
-    return take_rows(table, ids)
+    return table[ids]
   if not where.table_axes:
-    return take_rows(gathered(table), ids)
+    return gathered(table)[ids]
   return _sharded_lookup(table, ids, where)
-
-
-def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
-  """``table[ids]``; a 2-byte float table (bfloat16) is gathered as its bits.
-
-  XLA:CPU computes a bfloat16 gather in float32 and converts the WHOLE table
-  first: for E2B's per-layer table (262144 x 8960) a 9.4 GB temporary to
-  read 256 rows. Gathering the uint16 bits moves the same bytes and
-  converts nothing (on TPU and GPU the bitcasts are free). The gradient is
-  the gather's own: a scatter-add into a zero table.
-
-  >>> import numpy as np
-  >>> t = jnp.arange(6, dtype=jnp.bfloat16).reshape(3, 2)
-  >>> take_rows(t, np.array([2, 0])).tolist()
-  [[4.0, 5.0], [0.0, 1.0]]
-  """
-  if jnp.issubdtype(table.dtype, jnp.floating) and jnp.dtype(table.dtype).itemsize == 2:
-    return _take_bits(table, ids)
-  return table[ids]
-
-
-@jax.custom_vjp
-def _take_bits(table, ids):
-  bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
-  return jax.lax.bitcast_convert_type(bits[ids], table.dtype)
-
-
-def _take_bits_fwd(table, ids):
-  return _take_bits(table, ids), (table, ids)
-
-
-def _take_bits_bwd(residual, g):
-  table, ids = residual
-  return jnp.zeros_like(table).at[ids].add(g.astype(table.dtype)), None
-
-
-_take_bits.defvjp(_take_bits_fwd, _take_bits_bwd)
 
 
 class RowPlacement(NamedTuple):
@@ -364,7 +327,7 @@ def _lookup_forward(table, ids, where):
 
   def local(block, ids):
     rel, hit = _block_ids(ids, block.shape[0], table_axes, batch)
-    out = jnp.where(hit[..., None], take_rows(block, rel), jnp.zeros((), block.dtype))
+    out = jnp.where(hit[..., None], block[rel], jnp.zeros((), block.dtype))
     if batch in table_axes:
       out = jax.lax.psum_scatter(out, batch, scatter_dimension=0, tiled=True)
     rest = tuple(a for a in table_axes if a != batch)
