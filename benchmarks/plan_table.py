@@ -28,30 +28,15 @@ LORA_RANK = 16
 LORA_SEQ_LENS = (131072, 262144)
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--compile", action="append", default=[], metavar="MODEL:S:MESH",
-                      help="also compile this row (repeatable), e.g. e2b:32768:fsdp=4,cp=8")
-  args = parser.parse_args()
-  compile_rows = [(m, int(s), mesh) for m, s, mesh in (c.split(":") for c in args.compile)]
-  if compile_rows:
-    import jax
-
-    from cpjax.parallel import parse_mesh
-    jax.config.update("jax_num_cpu_devices",
-                      max(math.prod(parse_mesh(mesh).values()) for _, _, mesh in compile_rows))
-  from cpjax import plan
-  from cpjax.models.gemma4 import Gemma4Config
-
+def search(plan, Gemma4Config, seq_lens, **lora) -> list[dict]:
+  """The smallest mesh of every (model, S, device), printed and as rows."""
   rows = []
-  print(f"{'model':>5} {'S':>7} {'device':>6}  {'mesh (fsdp x cp)':<18} {'devices':>7} "
-        f"{'params':>7} {'optim':>7} {'activ':>7} {'total GiB':>9} {'TFLOP/dev':>9}")
   for model in MODELS:
     cfg = Gemma4Config.preset(model)
-    for seq_len in SEQ_LENS:
+    for seq_len in seq_lens:
       for device, memory in DEVICES.items():
         best = plan.smallest_mesh(cfg, model=model, seq_len=seq_len,
-                                  device_memory=plan.parse_bytes(memory))
+                                  device_memory=plan.parse_bytes(memory), **lora)
         if best is None:
           print(f"{model:>5} {seq_len:>7} {device:>6}  no mesh up to 4096 devices")
           continue
@@ -67,37 +52,38 @@ def main() -> None:
                      "optimizer_gib": best.optimizer / plan.GiB,
                      "activations_gib": best.activations / plan.GiB,
                      "total_gib": best.total / plan.GiB, "tflop_per_device": best.flops / 1e12})
+  return rows
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--compile", action="append", default=[], metavar="MODEL:S:MESH",
+                      help="also compile this row (repeatable), e.g. e2b:32768:fsdp=4,cp=8")
+  args = parser.parse_args()
+  compile_rows = [(m, int(s), mesh) for m, s, mesh in (c.split(":") for c in args.compile)]
+  if compile_rows:
+    import jax
+
+    from cpjax.parallel import parse_mesh
+    jax.config.update("jax_num_cpu_devices",
+                      max(math.prod(parse_mesh(mesh).values()) for _, _, mesh in compile_rows))
+  from cpjax import plan
+  from cpjax.models.gemma4 import Gemma4Config
+
+  print(f"{'model':>5} {'S':>7} {'device':>6}  {'mesh (fsdp x cp)':<18} {'devices':>7} "
+        f"{'params':>7} {'optim':>7} {'activ':>7} {'total GiB':>9} {'TFLOP/dev':>9}")
+  rows = search(plan, Gemma4Config, SEQ_LENS)
   # LoRA beside full fine-tuning at long context: rank-16 adapters on the
   # default targets, the base frozen in bfloat16.
-  lora_rows = []
   print(f"\nLoRA r={LORA_RANK}, bfloat16 base:")
-  for model in MODELS:
-    cfg = Gemma4Config.preset(model)
-    for seq_len in LORA_SEQ_LENS:
-      for device, memory in DEVICES.items():
-        best = plan.smallest_mesh(cfg, model=model, seq_len=seq_len,
-                                  device_memory=plan.parse_bytes(memory), lora_rank=LORA_RANK,
-                                  base_dtype="bfloat16")
-        full = next(r for r in rows if (r["model"], r["seq_len"], r["device"])
-                    == (model, seq_len, device))
-        if best is None:
-          print(f"{model:>5} {seq_len:>7} {device:>6}  no mesh up to 4096 devices")
-          continue
-        mesh = best.mesh
-        text = f"fsdp={mesh.get('fsdp', 1)},cp={mesh['cp']}"
-        print(f"{model:>5} {seq_len:>7} {device:>6}  {text:<18} {math.prod(mesh.values()):>7} "
-              f"{best.params / plan.GiB:7.2f} {best.optimizer / plan.GiB:7.2f} "
-              f"{best.activations / plan.GiB:7.2f} {best.total / plan.GiB:9.2f} "
-              f"{best.flops / 1e12:9.1f}   (full fine-tuning: {full['devices']} devices)")
-        lora_rows.append({"model": model, "seq_len": seq_len, "device": device,
-                          "memory": memory, "mesh": mesh, "devices": math.prod(mesh.values()),
-                          "full_devices": full["devices"],
-                          "adapter_values": plan.lora_param_count(cfg, rank=LORA_RANK),
-                          "params_gib": best.params / plan.GiB,
-                          "optimizer_gib": best.optimizer / plan.GiB,
-                          "activations_gib": best.activations / plan.GiB,
-                          "total_gib": best.total / plan.GiB,
-                          "tflop_per_device": best.flops / 1e12})
+  lora_rows = search(plan, Gemma4Config, LORA_SEQ_LENS, lora_rank=LORA_RANK,
+                     base_dtype="bfloat16")
+  for row in lora_rows:
+    row["full_devices"] = next(r["devices"] for r in rows if (r["model"], r["seq_len"],
+                                                              r["device"]) ==
+                               (row["model"], row["seq_len"], row["device"]))
+    row["adapter_values"] = plan.lora_param_count(Gemma4Config.preset(row["model"]),
+                                                  rank=LORA_RANK)
   checks = []
   for model, seq_len, mesh_text in compile_rows:
     from cpjax.parallel import parse_mesh
