@@ -217,12 +217,12 @@ print("largest relative |loss difference|:", rel.max())
 # that through Adam, which divides each gradient by its own running magnitude:
 # where a gradient is near zero, summation-order noise becomes a full-size
 # step (and MoE routing can flip). Measured at the suite's size (3 steps,
-# tiny-moe): 4.7e-5 with AdamW, 2e-7 with SGD on the same batches. A chip's
-# matmuls run at their own precision, hence the looser bound there.
+# tiny-moe, AdamW): 4.7e-5 on one CPU, 1.4e-3 on another (2e-7 with SGD). A
+# chip's matmuls run at their own precision, hence the looser bound there.
 on_cpu = single_device.platform == cp_devices[0].platform == "cpu"
 assert rel[0] < (1e-6 if on_cpu else 2e-2), rel
 if SMALL and on_cpu:
-    assert rel.max() < 1e-4, rel'''),
+    assert rel.max() < 1e-2, rel'''),
     ("markdown", "## Per-device memory against sequence length\n\nThe compiled training "
                  "step's scratch memory per device (`memory_analysis()`), with CP and with the "
                  "dense single-device path."),
