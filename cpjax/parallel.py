@@ -9,6 +9,13 @@ One mesh holds up to three kinds of axis:
 * ``"tp"``: attention heads and MLP hidden units (Megatron's column / row
   split), where the head counts allow.
 
+Expert parallelism (``ep``) is not an axis of its own: it folds onto the
+axes whose devices already hold different tokens, ``cp`` and the batch axis,
+as Megatron-Core folds expert-parallel groups onto its data- and
+context-parallel ranks (:func:`expert_axes`, :mod:`cpjax.experts`). A
+mixture of experts' expert dimension is split over those axes, and tokens,
+not weights, travel between them.
+
 Design: ``shard_map`` is manual over ``cp`` only, inside a ``jit`` that
 shards the rest. The ring needs manual control (``ppermute`` hops, the
 per-hop mask metadata, a custom VJP), so it lives in ``shard_map``; FSDP and
@@ -45,8 +52,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from cpjax.kernels.common import varying_axes
 
-__all__ = ["BATCH_AXES", "batch_axis_of", "bytes_per_device", "gather_safe", "gathered",
-           "lookup", "make_mesh", "param_specs", "parse_mesh", "shard_params", "shard_like_params"]
+__all__ = ["BATCH_AXES", "batch_axis_of", "bytes_per_device", "expert_axes", "gather_safe",
+           "gathered", "lookup", "make_mesh", "param_specs", "parse_mesh", "shard_params", "shard_like_params"]
 
 # Mesh axes that split the rows of the batch (one of them per mesh).
 BATCH_AXES = ("dp", "fsdp")
@@ -91,15 +98,20 @@ def make_mesh(*, cp: int = 1, fsdp: int = 1, dp: int = 1, tp: int = 1,
 def parse_mesh(text: str) -> dict[str, int]:
   """``"fsdp=2,cp=4"`` -> ``{"fsdp": 2, "cp": 4}`` (the ``--mesh`` flag's format).
 
+  ``ep=N`` may follow: the expert parallelism folded onto the other axes
+  (:func:`expert_axes`), not an axis of its own.
+
   >>> parse_mesh("fsdp=2,cp=2,tp=2")
   {'fsdp': 2, 'cp': 2, 'tp': 2}
+  >>> parse_mesh("cp=4,ep=4")
+  {'cp': 4, 'ep': 4}
   """
   sizes: dict[str, int] = {}
   for part in text.split(","):
     name, eq, value = part.strip().partition("=")
-    if not eq or name not in _AXIS_ORDER:
+    if not eq or name not in (*_AXIS_ORDER, "ep"):
       raise ValueError(f"mesh {text!r}: expected comma-separated AXIS=SIZE with AXIS in "
-                       f"{_AXIS_ORDER}, got {part.strip()!r}")
+                       f"{(*_AXIS_ORDER, 'ep')}, got {part.strip()!r}")
     if name in sizes:
       raise ValueError(f"mesh {text!r} names axis {name!r} twice")
     if not value.isdigit() or int(value) < 1:
@@ -107,6 +119,43 @@ def parse_mesh(text: str) -> dict[str, int]:
                        f"{value!r}")
     sizes[name] = int(value)
   return sizes
+
+
+def expert_axes(mesh: Mesh, ep: int) -> tuple[str, ...]:
+  """The mesh axes ``ep``-way expert parallelism folds onto: ``()`` for
+  ``ep = 1``, else ``("cp",)``, the batch axis, or ``("cp", batch axis)``,
+  whichever has ``ep`` devices (``cp`` first when two do: its ranks are the
+  nearest, see :func:`make_mesh`). The experts' leading dimension is split
+  over them in that order, ``cp`` major.
+
+  Tokens must differ across the devices that hold different experts, so
+  ``ep`` can only fold onto axes that split tokens (``tp`` ranks hold the
+  same tokens). A mesh with ``tp`` does not take ``ep`` (on this JAX the
+  SPMD partitioner aborts on the dispatch beside an Auto ``tp`` axis);
+  without ``ep`` its experts split over ``tp`` instead.
+
+  >>> expert_axes(make_mesh(fsdp=2, cp=4), 8)
+  ('cp', 'fsdp')
+  >>> expert_axes(make_mesh(fsdp=2, cp=2), 2)
+  ('cp',)
+  """
+  if isinstance(ep, bool) or not isinstance(ep, (int, np.integer)) or ep < 1:
+    raise ValueError(f"ep must be a positive int, got {ep!r}")
+  if ep == 1:
+    return ()
+  if _axis_size(mesh, "tp") > 1:
+    raise ValueError(f"ep={ep} does not combine with tp={mesh.shape['tp']}: fold the experts "
+                     f"onto cp and the batch axis without tp (tp splits them by expert)")
+  batch = batch_axis_of(mesh)
+  options = [("cp",), (batch,), ("cp", batch)] if batch else [("cp",)]
+  options = [o for o in options if all(a in mesh.axis_names for a in o)]
+  sizes = {o: int(np.prod([mesh.shape[a] for a in o])) for o in options}
+  for option in options:
+    if sizes[option] == ep:
+      return option
+  allowed = ", ".join(f"{'*'.join(o)} = {n}" for o, n in sizes.items())
+  raise ValueError(f"ep={ep} must equal the size of the token axes it folds onto "
+                   f"({allowed}) of mesh {dict(mesh.shape)}")
 
 
 def batch_axis_of(mesh: Mesh) -> str | None:
@@ -125,9 +174,10 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
   """A ``PartitionSpec`` per parameter leaf (same tree as ``params``).
 
   ``rule(path, shape)`` gives the tensor-parallel part (``"tp"`` on the
-  dimensions whose computation splits; default: none); ``path`` is the
-  leaf's key path as strings. Without a ``tp`` axis in ``mesh`` the rule's
-  ``"tp"`` entries are dropped. Storage is then split further, ZeRO-3 style:
+  dimensions whose computation splits, experts' axes on their expert
+  dimension; default: none); ``path`` is the leaf's key path as strings.
+  Axes the rule names that ``mesh`` lacks are dropped (no ``tp`` axis: no
+  ``tp`` split). Storage is then split further, ZeRO-3 style:
   ``fsdp`` goes on the leaf's largest dimension whose shard it divides, and
   ``tp`` too when the rule did not use it (embeddings, norms, the vision
   tower), so every device stores about ``1 / (fsdp * tp)`` of the model. A
@@ -139,7 +189,9 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
   if rule is not None and not callable(rule):
     raise TypeError(f"rule must be a function (path, shape) -> PartitionSpec, got "
                     f"{type(rule).__name__}")
-  has_tp = "tp" in mesh.axis_names
+  def named(part) -> list[str]:
+    names = part if isinstance(part, tuple) else (part,) if part else ()
+    return [n for n in names if n in mesh.axis_names and _axis_size(mesh, n) > 1]
 
   def spec(path, leaf):
     shape = tuple(np.shape(leaf))
@@ -148,7 +200,7 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
     if len(parts) > len(shape):
       raise ValueError(f"partition rule for {'.'.join(keys)} names {len(parts)} dimensions, "
                        f"the parameter has shape {shape}")
-    axes = [[p] if (p == "tp" and has_tp) else [] for p in parts]
+    axes = [named(p) for p in parts]
     axes += [[] for _ in range(len(shape) - len(axes))]
     for name in ("fsdp", "tp"):
       size = _axis_size(mesh, name)

@@ -581,6 +581,10 @@ class CPContext:
     axis_name: the context-parallel mesh axis.
     implementation, interpret: the ring's per-hop backend, as
       :func:`cpjax.ring_attention` takes them (None: the backend's default).
+    expert_axes: mesh axes a mixture of experts is split over (expert
+      parallelism, :func:`cpjax.parallel.expert_axes`); empty for none.
+    capacity_factor: None (an expert never drops a token) or the factor
+      bounding each expert's tokens (:mod:`cpjax.experts`).
 
   >>> import cpjax
   >>> cp = cpjax.CPContext(cpjax.ShardLayout(6, 8, 2))
@@ -592,6 +596,8 @@ class CPContext:
   axis_name: str = "cp"
   implementation: str | None = None
   interpret: bool = False
+  expert_axes: tuple[str, ...] = ()
+  capacity_factor: float | None = None
 
   def __post_init__(self):
     if not isinstance(self.layout, ShardLayout):
@@ -603,6 +609,19 @@ class CPContext:
       resolve_implementation(self.implementation)
     if not isinstance(self.interpret, bool):
       raise TypeError(f"interpret must be a bool, got {type(self.interpret).__name__}")
+    if (not isinstance(self.expert_axes, tuple)
+        or not all(isinstance(a, str) for a in self.expert_axes)):
+      raise TypeError(f"expert_axes must be a tuple of mesh axis names, got "
+                      f"{self.expert_axes!r}")
+    if self.capacity_factor is not None and (
+        isinstance(self.capacity_factor, bool)
+        or not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
+      raise ValueError(f"capacity_factor must be None or a positive number, got "
+                       f"{self.capacity_factor!r}")
+
+  def expert_options(self) -> dict:
+    """The keywords that pass this context's expert parallelism to a mixture of experts."""
+    return {"expert_axes": self.expert_axes, "capacity_factor": self.capacity_factor}
 
   def attention_options(self) -> dict:
     """The keywords that pass this context's backend to :func:`cpjax.ring_attention`."""

@@ -35,7 +35,7 @@ from cpjax.sharding import CPContext
 
 __all__ = ["HiddenStates", "TrainStep", "batch_specs", "cross_entropy", "cross_entropy_sums",
            "default_forward", "linear_cross_entropy", "make_loss_fn", "make_train_step", "manual_axes",
-           "stack_microbatches", "token_cross_entropy"]
+           "stack_microbatches", "state_specs", "token_cross_entropy"]
 
 
 class HiddenStates(NamedTuple):
@@ -47,10 +47,15 @@ class HiddenStates(NamedTuple):
     hidden: [B, L, D] final hidden states (after the final norm).
     head: [V, D] output projection (a tied embedding table as it is).
     logits_soft_cap: ``cap`` of ``cap * tanh(logits / cap)``, or None.
+    metrics: None, or float32 arrays the training step reports beside the
+      loss, as sums over this device's tokens (the step sums them over the
+      ranks and microbatches): Gemma 4's MoE gives ``expert_tokens``
+      [layers, E] and ``expert_dropped`` [layers].
   """
   hidden: jax.Array
   head: jax.Array
   logits_soft_cap: float | None = None
+  metrics: dict | None = None
 
 
 # Tokens per chunk of the chunked loss: about 2**26 logits (256 MiB of
@@ -183,7 +188,8 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
                  forward: Callable = default_forward,
                  batch_specs: Mapping[str, P] | Callable | None = None,
                  frozen=None, implementation: str | None = None,
-                 interpret: bool = False) -> Callable:
+                 interpret: bool = False, expert_axes: tuple[str, ...] = (),
+                 capacity_factor: float | None = None) -> Callable:
   """``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)`` of a split NNX model.
 
   Without ``mesh`` the model runs on one device (``forward(model, batch,
@@ -207,6 +213,10 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
       passes as an argument rather than as constants baked into its program.
     implementation, interpret: the ring's per-hop backend, handed to the
       model in its :class:`cpjax.CPContext` (see :func:`cpjax.ring_attention`).
+    expert_axes, capacity_factor: expert parallelism, handed to the model in
+      its :class:`cpjax.CPContext` (see :mod:`cpjax.experts`). Parameters
+      split over a manual axis (experts over ``cp``) enter the ``shard_map``
+      split, as they are stored.
 
   Example (any NNX model; the default ``forward`` calls ``model(batch)``):
     >>> import numpy as np
@@ -221,19 +231,43 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     >>> float(count)                     # the -100 label is not counted
     7.0
   """
+  parts = _loss_parts(graphdef, mesh=mesh, layout=layout, axis_name=axis_name,
+                      batch_axis=batch_axis, forward=forward, batch_specs=batch_specs,
+                      frozen=frozen, implementation=implementation, interpret=interpret,
+                      expert_axes=expert_axes, capacity_factor=capacity_factor)
+
+  def loss_sums(params, batch, frozen=frozen):
+    return parts(params, batch, frozen)[:2]
+  return loss_sums
+
+
+def _loss_parts(graphdef, *, mesh, layout, axis_name, batch_axis, forward, batch_specs, frozen,
+                implementation, interpret, expert_axes, capacity_factor) -> Callable:
+  """:func:`make_loss_fn` returning ``(ce_sum, count, metrics)``: ``metrics``
+  are the forward's own (:attr:`HiddenStates.metrics`) summed over the ranks,
+  or ``{}``."""
   def merge(params, frozen):
     return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
+  def metrics_of(output):
+    return dict(output.metrics or {}) if isinstance(output, HiddenStates) else {}
+
   default_frozen = frozen
   if mesh is None:
+    if expert_axes:
+      raise ValueError(f"expert_axes {tuple(expert_axes)} need a mesh")
+
     def single(params, batch, frozen=default_frozen):
-      return cross_entropy(forward(merge(params, frozen), batch, None), batch["labels"])
+      output = forward(merge(params, frozen), batch, None)
+      return (*cross_entropy(output, batch["labels"]), metrics_of(output))
     return single
   if layout is None:
     raise ValueError("layout is required with a mesh: pass the ShardLayout the sharder returned")
   manual = manual_axes(mesh, axis_name)
   axes = tuple(a for a in mesh.axis_names if a in manual and a in (batch_axis, axis_name))
-  context = CPContext(layout, axis_name, implementation, interpret)
+  varied = tuple(a for a in manual if mesh.shape[a] > 1)
+  context = CPContext(layout, axis_name, implementation, interpret, tuple(expert_axes),
+                      capacity_factor)
   specs_of = _own_specs if batch_specs is None else batch_specs
 
   def local(params, batch, frozen):
@@ -241,15 +275,46 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     # varying once, here, makes each parameter's gradient ONE sum over the
     # ranks (the transpose of this cast), however many times the model uses
     # it (a tied table is looked up and is the head).
-    params = jax.tree.map(lambda x: _vary(x, manual), params)
-    logits = forward(merge(params, frozen), batch, context)
-    return cross_entropy_sums(logits, batch["labels"], axis_names=axes)
+    # (Axes of size 1 need no sum: casting over them would only give the
+    # SPMD partitioner a cross-partition sum to place, which it refuses for
+    # gradients returned by a nested shard_map, as expert parallelism's.)
+    params = jax.tree.map(lambda x: _vary(x, varied), params)
+    output = forward(merge(params, frozen), batch, context)
+    ce_sum, count = cross_entropy_sums(output, batch["labels"], axis_names=axes)
+    metrics = {k: jax.lax.psum(v, axes) if axes else v for k, v in metrics_of(output).items()}
+    return ce_sum, count, metrics
 
   def sharded(params, batch, frozen=default_frozen):
     specs = specs_of(batch) if callable(specs_of) else dict(specs_of)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P()), out_specs=(P(), P()),
-                         axis_names=manual)(params, batch, frozen)
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(state_specs(params, manual), specs,
+                                   state_specs(frozen, manual)),
+                         out_specs=P(), axis_names=manual)(params, batch, frozen)
   return sharded
+
+
+def state_specs(state, axes) -> Any:
+  """``shard_map`` in_specs of parameters (or frozen state) for a ``shard_map``
+  manual over ``axes``: ``P()`` for every leaf but those stored split over
+  one of ``axes`` (experts over ``cp``), which enter split as they are
+  stored (read from ``jax.typeof(x).sharding`` under ``jit``, which names
+  the Explicit axes)."""
+  if state is None:
+    return P()
+
+  def spec(x):
+    sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+    if not isinstance(sharding, NamedSharding):
+      return P()
+    parts = []
+    for part in sharding.spec:
+      names = part if isinstance(part, tuple) else (part,) if part else ()
+      kept = tuple(n for n in names if n in axes)
+      parts.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while parts and parts[-1] is None:
+      parts.pop()
+    return P(*parts)
+  return jax.tree.map(spec, state)
 
 
 def _vary(x, axes):
@@ -263,11 +328,14 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
                     forward: Callable = default_forward,
                     batch_specs: Mapping[str, P] | Callable | None = None,
                     frozen=None, implementation: str | None = None,
-                    interpret: bool = False) -> "TrainStep":
+                    interpret: bool = False, expert_axes: tuple[str, ...] = (),
+                    capacity_factor: float | None = None) -> "TrainStep":
   """One compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
-  ``metrics`` holds ``loss`` (token mean), ``tokens`` (counted labels) and
-  ``grad_norm``. The step is compiled once per batch shape: calling it for
+  ``metrics`` holds ``loss`` (token mean), ``tokens`` (counted labels),
+  ``grad_norm``, and the forward's own :attr:`HiddenStates.metrics` summed
+  over the ranks and microbatches (a mixture of experts' ``expert_tokens``,
+  ``expert_dropped``). The step is compiled once per batch shape: calling it for
   every step with same-shaped batches never recompiles. ``params`` and
   ``opt_state`` are donated. ``forward``, ``batch_specs`` and ``frozen``
   (untrained state, e.g. buffers), ``implementation`` and ``interpret`` (the
@@ -284,18 +352,19 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     >>> float(first["tokens"]), bool(second["loss"] < first["loss"])
     (8.0, True)
   """
-  loss_sums = make_loss_fn(graphdef, mesh=mesh, layout=layout, axis_name=axis_name,
+  loss_parts = _loss_parts(graphdef, mesh=mesh, layout=layout, axis_name=axis_name,
                            batch_axis=batch_axis, forward=forward, batch_specs=batch_specs,
-                           frozen=frozen, implementation=implementation, interpret=interpret)
+                           frozen=frozen, implementation=implementation, interpret=interpret,
+                           expert_axes=expert_axes, capacity_factor=capacity_factor)
 
   def sums_and_grads(params, batch, frozen, scaled: bool = False):
-    """(CE sum, count) of one batch and the gradient of the CE sum, or
-    (``scaled``) of the token mean: the backward then starts from
+    """(CE sum, count, metrics) of one batch and the gradient of the CE
+    sum, or (``scaled``) of the token mean: the backward then starts from
     1 / count, so no divided copy of the gradients is ever made."""
-    ce_sum, pullback, count = jax.vjp(lambda p: loss_sums(p, batch, frozen), params,
-                                      has_aux=True)
+    ce_sum, pullback, (count, metrics) = jax.vjp(
+        lambda p: _split_aux(loss_parts(p, batch, frozen)), params, has_aux=True)
     seed = 1.0 / jnp.maximum(count, 1.0) if scaled else jnp.ones_like(ce_sum)
-    return ce_sum, count, pullback(seed.astype(ce_sum.dtype))[0]
+    return ce_sum, count, metrics, pullback(seed.astype(ce_sum.dtype))[0]
 
   def accumulate(params, batches, frozen):
     # Sum CE sums, counts and gradients of sums over the microbatches, one
@@ -304,27 +373,33 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     stacked = stack_microbatches(batches)
 
     def body(carry, batch):
-      ce_sum, count, grads = sums_and_grads(params, batch, frozen)
-      return jax.tree.map(jnp.add, carry, (ce_sum, count, grads)), None
+      return jax.tree.map(jnp.add, carry, sums_and_grads(params, batch, frozen)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), jnp.float32(0), params))
+    first = jax.tree.map(lambda x: x[0], stacked)
+    shapes = jax.eval_shape(lambda: sums_and_grads(params, first, frozen))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return jax.lax.scan(body, zeros, stacked)[0]
 
   def step(params, opt_state, batch, frozen=frozen):
     if isinstance(batch, Mapping):
-      ce_sum, count, grads = sums_and_grads(params, batch, frozen, scaled=True)
+      ce_sum, count, metrics, grads = sums_and_grads(params, batch, frozen, scaled=True)
       denominator = jnp.maximum(count, 1.0)
     else:
-      ce_sum, count, grads = accumulate(params, batch, frozen)
+      ce_sum, count, metrics, grads = accumulate(params, batch, frozen)
       denominator = jnp.maximum(count, 1.0)
       grads = jax.tree.map(lambda g: g / denominator, grads)
     loss = ce_sum / denominator
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return params, opt_state, {"loss": loss, "tokens": count,
-                               "grad_norm": optax.tree.norm(grads)}
+                               "grad_norm": optax.tree.norm(grads), **metrics}
 
   return TrainStep(step, mesh, frozen=frozen)
+
+
+def _split_aux(parts):
+  ce_sum, count, metrics = parts
+  return ce_sum, (count, metrics)
 
 
 def stack_microbatches(batches: Sequence[Mapping[str, Any]]) -> dict:

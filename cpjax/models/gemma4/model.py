@@ -364,12 +364,15 @@ class Gemma4(nnx.Module):
         return checkpoint_name(out, "attention_out")
       return attend
 
+    experts = {} if cp is None else cp.expert_options()
     shared_kv: dict = {}
+    stats = []
     for i, layer in enumerate(self.model.language_model.layers):
       kind = t.layer_types[i]
       pl = None if per_layer is None else per_layer[:, :, i]
       if self.remat == "none":
-        x, kv = _run_layer(layer, x, pl, shared_kv, rope=ropes[kind], attend=make_attend(masks))
+        x, kv, layer_stats = _run_layer(layer, x, pl, shared_kv, rope=ropes[kind],
+                                        attend=make_attend(masks), **experts)
       else:
         # Everything the layer reads is an argument (no array is closed
         # over), as a custom VJP needs.
@@ -377,21 +380,27 @@ class Gemma4(nnx.Module):
 
         def body(st, x, pl, kv, rope, masks, graphdef=graphdef):
           return _run_layer(nnx.merge(graphdef, st), x, pl, kv, rope=rope,
-                            attend=make_attend(masks))
+                            attend=make_attend(masks), **experts)
         if self.remat == "full":
           run = remat_after_cotangent(body)
         else:
           run = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(
               "attention_out"))
-        x, kv = run(state, x, pl, dict(shared_kv), ropes[kind], masks)
+        x, kv, layer_stats = run(state, x, pl, dict(shared_kv), ropes[kind], masks)
       if t.kv_sharing_modes[i] == "store":
         shared_kv[kind] = kv
+      if layer_stats is not None:
+        stats.append(layer_stats)
     x = self.model.language_model.norm(x)
     if t.tie_word_embeddings:
       head = self.model.language_model.embed_tokens.weight[...]
     else:
       head = self.lm_head.weight[...]
-    return HiddenStates(x, head.astype(x.dtype), t.final_logit_softcapping)
+    metrics = None
+    if stats:   # what the routers did, per MoE layer: the step reports it
+      metrics = {"expert_tokens": jax.lax.stop_gradient(jnp.stack([s.tokens for s in stats])),
+                 "expert_dropped": jax.lax.stop_gradient(jnp.stack([s.dropped for s in stats]))}
+    return HiddenStates(x, head.astype(x.dtype), t.final_logit_softcapping, metrics)
 
   def prepare_model_inputs_for_cp(self, batch: Mapping[str, Any] | None = None, *,
                                   layout: str = "contiguous") -> dict:
@@ -525,8 +534,8 @@ def _tied_remat_bwd(fn, args, g):
 _tied_remat.defvjp(_tied_remat_fwd, _tied_remat_bwd)
 
 
-def _run_layer(layer, x, per_layer_input, shared_kv, *, rope, attend):
-  return layer(x, per_layer_input, rope, attend, shared_kv)
+def _run_layer(layer, x, per_layer_input, shared_kv, *, rope, attend, **experts):
+  return layer(x, per_layer_input, rope, attend, shared_kv, **experts)
 
 
 def _sharder_call(batch, mesh, *, layout, image_token_id, **kw):

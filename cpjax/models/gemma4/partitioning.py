@@ -6,7 +6,9 @@ hidden units), the output and down projections by input columns, so each
 ``tp`` rank computes whole heads and whole hidden units and one all-reduce
 closes each block (LoRA adapters follow: ``A`` of a column-split
 projection splits by its input rows, ``B`` of a row-split one by its output
-columns). MoE experts split over ``tp`` by expert. Key/value
+columns). MoE experts split over ``tp`` by expert, or, with expert
+parallelism, over the ``expert_axes`` their tokens travel over
+(:func:`cpjax.parallel.expert_axes`). Key/value
 projections whose head count ``tp`` does not divide (Gemma 4's full layers
 often have 1 to 4 KV heads) stay replicated over ``tp``, as in Megatron's
 GQA. Everything else (embeddings, norms, router, vision tower) is split only
@@ -25,7 +27,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 from cpjax import validation
 
 from cpjax.models.gemma4.config import Gemma4Config
-from cpjax.parallel import PartitionRule, batch_axis_of
+from cpjax.parallel import PartitionRule, batch_axis_of, expert_axes
 
 __all__ = ["check_mesh", "partition_rule"]
 
@@ -33,19 +35,26 @@ _ROWS = ("q_proj", "gate_proj", "up_proj")     # [out = heads x head_dim or hidd
 _COLUMNS = ("o_proj", "down_proj")             # [out, in = heads x head_dim or hidden]
 
 
-def partition_rule(cfg: Gemma4Config, *, tp: int) -> PartitionRule:
-  """``rule(path, shape) -> PartitionSpec`` placing ``"tp"`` on Gemma 4's text decoder."""
+def partition_rule(cfg: Gemma4Config, *, tp: int,
+                   expert_axes: tuple[str, ...] = ()) -> PartitionRule:
+  """``rule(path, shape) -> PartitionSpec`` placing ``"tp"`` on Gemma 4's text
+  decoder, and the experts over ``expert_axes`` when given (their expert
+  dimension split over those axes, the first major)."""
   if not isinstance(cfg, Gemma4Config):
     raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")
   validation.integer("tp", tp, minimum=1)
+  if not isinstance(expert_axes, tuple) or not all(isinstance(a, str) for a in expert_axes):
+    raise TypeError(f"expert_axes must be a tuple of mesh axis names, got {expert_axes!r}")
   t = cfg.text
 
   def rule(path, shape):
-    if tp == 1 or len(path) < 6 or path[:3] != ("model", "language_model", "layers"):
+    if len(path) < 6 or path[:3] != ("model", "language_model", "layers"):
       return P()
     layer, block, name = int(path[3]), path[4], path[5]
     if block == "experts":              # gate_up_proj [E, 2I, D], down_proj [E, D, I]
-      return P("tp")
+      return P(expert_axes) if expert_axes else P("tp") if tp > 1 else P()
+    if tp == 1:
+      return P()
     if block not in ("self_attn", "mlp"):
       return P()
     if name in ("k_proj", "v_proj"):
@@ -68,13 +77,15 @@ def partition_rule(cfg: Gemma4Config, *, tp: int) -> PartitionRule:
 
 
 def check_mesh(cfg: Gemma4Config, mesh: Mesh, *, seq_len: int | None = None,
-               batch_size: int | None = None) -> None:
+               batch_size: int | None = None, ep: int = 1) -> None:
   """``ValueError`` naming the axis and the sizes when ``mesh`` cannot run ``cfg``.
 
   ``tp`` must divide the query heads, every layer's MLP width and the number
-  of experts; the batch axis must divide ``batch_size``; and ``cp`` must
+  of experts; the batch axis must divide ``batch_size``; ``cp`` must
   divide ``seq_len`` (the sharder pads a row to a multiple of ``2 * cp``;
-  a planned length must not need padding).
+  a planned length must not need padding); and ``ep`` (expert parallelism,
+  :func:`cpjax.parallel.expert_axes`) needs a mixture of experts whose
+  expert count it divides.
   """
   if not isinstance(cfg, Gemma4Config):
     raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")
@@ -94,6 +105,12 @@ def check_mesh(cfg: Gemma4Config, mesh: Mesh, *, seq_len: int | None = None,
                        f"{t.mlp_size(i)}")
   if t.enable_moe_block and t.num_experts % tp:
     raise ValueError(f"mesh axis 'tp' of size {tp} does not divide the {t.num_experts} experts")
+  folded = expert_axes(mesh, ep)
+  if folded and not t.enable_moe_block:
+    raise ValueError(f"ep={ep} needs a mixture of experts; this Gemma 4 has none "
+                     f"(enable_moe_block is false)")
+  if folded and t.num_experts % ep:
+    raise ValueError(f"ep={ep} does not divide the {t.num_experts} experts")
   batch_axis = batch_axis_of(mesh)
   if batch_size is not None and batch_axis is not None and batch_size % mesh.shape[batch_axis]:
     raise ValueError(f"mesh axis {batch_axis!r} of size {mesh.shape[batch_axis]} does not "

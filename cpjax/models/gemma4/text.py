@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cpjax.experts import ExpertStats, routed_experts
 from cpjax.models.gemma4.config import Gemma4TextConfig
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, apply_rope, gelu, rms_normalize
 from cpjax.parallel import gather_safe
@@ -113,21 +114,24 @@ class Experts(nnx.Module):
     self.down_proj = nnx.Param(normal((e, d, i), i).astype(jnp.float32))
     self.num_experts, self.hidden = e, i
 
-  def __call__(self, x, weights, idx):
-    """x: [T, D]; weights float32[T, k]; idx int32[T, k] -> [T, D]."""
-    t, k = idx.shape
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)                    # (token, slot) pairs by expert
-    token = order // k
-    sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-    dt = x.dtype
-    gate_up = jnp.swapaxes(self.gate_up_proj[...], 1, 2).astype(dt)       # [E, D, 2I]
-    down = jnp.swapaxes(self.down_proj[...], 1, 2).astype(dt)             # [E, I, D]
-    gu = jax.lax.ragged_dot(x[token], gate_up, sizes)
-    hidden = gelu(gu[:, :self.hidden]) * gu[:, self.hidden:]
-    y = jax.lax.ragged_dot(hidden, down, sizes).astype(jnp.float32)
-    y = y * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((t, x.shape[-1]), jnp.float32).at[token].add(y).astype(dt)
+  def __call__(self, x, weights, idx, *, expert_axes: tuple[str, ...] = (),
+               capacity_factor: float | None = None) -> tuple[jax.Array, ExpertStats]:
+    """x: [T, D]; weights float32[T, k]; idx int32[T, k] -> ([T, D], stats).
+
+    With ``expert_axes`` the experts are split over those mesh axes and
+    tokens travel to them (:func:`cpjax.experts.routed_experts`)."""
+    hidden = self.hidden
+
+    def run(rows, sizes, params):
+      gate_up, down = params                          # [E, 2I, D], [E, D, I] (those here)
+      dt = rows.dtype
+      gu = jax.lax.ragged_dot(rows, jnp.swapaxes(gate_up, 1, 2).astype(dt), sizes)
+      return jax.lax.ragged_dot(gelu(gu[:, :hidden]) * gu[:, hidden:],
+                                jnp.swapaxes(down, 1, 2).astype(dt), sizes)
+
+    return routed_experts(x, weights, idx, (self.gate_up_proj[...], self.down_proj[...]), run,
+                          num_experts=self.num_experts, expert_axes=expert_axes,
+                          capacity_factor=capacity_factor)
 
 
 class DecoderLayer(nnx.Module):
@@ -156,23 +160,35 @@ class DecoderLayer(nnx.Module):
       self.per_layer_projection = Linear(self.ple, d, rngs=rngs)
       self.post_per_layer_input_norm = RMSNorm(d, eps=eps)
 
-  def __call__(self, x, per_layer_input, rope, attend, shared_kv: dict):
-    """x: [B, S, D]; per_layer_input: [B, S, P] or None. Returns (x, (k, v))."""
+  def __call__(self, x, per_layer_input, rope, attend, shared_kv: dict, *,
+               expert_axes: tuple[str, ...] = (), capacity_factor: float | None = None):
+    """x: [B, S, D]; per_layer_input: [B, S, P] or None. Returns (x, (k, v),
+    :class:`~cpjax.experts.ExpertStats` or None); ``expert_axes`` and
+    ``capacity_factor`` as :func:`cpjax.experts.routed_experts`."""
     attn, kv = self.self_attn(self.input_layernorm(x), rope, attend, shared_kv)
     x = x + self.post_attention_layernorm(attn)
     residual = x
     ffw = self.mlp(self.pre_feedforward_layernorm(x))
+    stats = None
     if self.moe:
-      flat = gather_safe(residual.reshape(-1, residual.shape[-1]))
+      # Expert parallelism dispatches inside its own shard_map (manual over
+      # every axis), where the SPMD partitioner's check gather_safe avoids
+      # cannot fail; and rows must stay split there.
+      flat = residual.reshape(-1, residual.shape[-1])
+      flat = flat if expert_axes else gather_safe(flat)
       weights, idx = self.router(flat)
-      experts = self.experts(self.pre_feedforward_layernorm_2(flat), weights, idx)
+      b = residual.shape[0]
+      experts, stats = self.experts(
+          self.pre_feedforward_layernorm_2(flat).reshape(b, -1, flat.shape[-1]),
+          weights.reshape(b, -1, weights.shape[-1]), idx.reshape(b, -1, idx.shape[-1]),
+          expert_axes=expert_axes, capacity_factor=capacity_factor)
       ffw = (self.post_feedforward_layernorm_1(ffw)
              + self.post_feedforward_layernorm_2(experts.reshape(residual.shape)))
     x = residual + self.post_feedforward_layernorm(ffw)
     if self.ple:
       gated = gelu(self.per_layer_input_gate(x)) * per_layer_input
       x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-    return x * self.layer_scalar[...].astype(x.dtype), kv
+    return x * self.layer_scalar[...].astype(x.dtype), kv, stats
 
 
 def embed_scale(width: int, dtype) -> jax.Array:

@@ -1,0 +1,273 @@
+"""Mixture-of-experts dispatch: tokens to their top-k experts and back, on
+one device or with the experts split over mesh axes (expert parallelism).
+
+Expert parallelism folds onto the mesh axes whose devices already hold
+different tokens: the context-parallel axis ``cp`` and the batch axis
+(``fsdp`` or ``dp``), as Megatron-Core folds its expert-parallel groups onto
+the data- and context-parallel ranks. With ``expert_axes`` the experts'
+leading dimension is split over those axes (``cp`` major), so each device
+stores ``E / ep`` experts and only their weights and optimizer state, and
+no expert weight is ever gathered. Tokens travel instead: each device sorts
+its (token, slot) pairs by expert, one ``all_to_all`` over the expert axes
+carries them to the devices owning their experts, the local experts run
+through ``jax.lax.ragged_dot``, and a second ``all_to_all`` brings the
+results back to their tokens, where the router weights are applied.
+
+Shape letters: ``T`` tokens here, ``D`` model width, ``k`` experts per
+token, ``E`` experts, ``G`` expert groups (``ep``, the product of the
+expert axes' sizes), ``R`` rows each device sends to each group.
+
+Without a capacity factor no token is ever dropped: every send buffer has
+room for all ``T * k`` pairs (the case of every token choosing one group),
+so memory for the dispatch is ``2 * G * T * k * D`` values per device. A
+``capacity_factor`` ``c`` bounds each expert to ``C = ceil(c * T * k / E)``
+pairs from each device, in token order; later pairs are dropped (their
+expert output is zero, the token keeps its residual and shared MLP, as in
+GShard and Switch), counted in :class:`ExpertStats`, and the buffers shrink
+to ``min(T * k, E / G * C)`` rows per group.
+
+Example (one device; an "expert" that scales its rows by ``e + 1``):
+  >>> import numpy as np
+  >>> scale = jnp.arange(1.0, 5.0)                       # E = 4
+  >>> def fn(rows, sizes, scale):                        # rows grouped by expert
+  ...   return rows * jnp.repeat(scale, sizes, total_repeat_length=rows.shape[0])[:, None]
+  >>> x = np.ones((2, 3), np.float32)
+  >>> ids = np.array([[0, 3], [1, 1]], np.int32); w = np.full((2, 2), 0.5, np.float32)
+  >>> y, stats = routed_experts(x, w, ids, scale, fn, num_experts=4)
+  >>> y[:, 0].tolist(), stats.tokens.tolist()
+  ([2.5, 2.0], [1.0, 2.0, 0.0, 1.0])
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec as P
+
+__all__ = ["ExpertStats", "routed_experts"]
+
+# expert_fn(rows [R, D], group_sizes int32[E_here], params_here) -> [R, D]:
+# rows arrive grouped by expert (sizes in order); rows after sum(group_sizes)
+# are padding, and whatever expert_fn makes of them is discarded.
+ExpertFn = Callable[[jax.Array, jax.Array, Any], jax.Array]
+
+
+class ExpertStats(NamedTuple):
+  """What the router did with the tokens it was given (float32): under
+  ``cp``, those of this cp rank, every batch row included; the caller sums
+  over ``cp``.
+
+  Attributes:
+    tokens: float32[E] (token, slot) pairs routed to each expert, padding
+      positions included: the load each expert carries.
+    dropped: float32[] pairs dropped by the capacity factor (0 without one).
+  """
+  tokens: jax.Array
+  dropped: jax.Array
+
+
+def routed_experts(x, weights, expert_ids, params, expert_fn: ExpertFn, *, num_experts: int,
+                   expert_axes: tuple[str, ...] = (), capacity_factor: float | None = None
+                   ) -> tuple[jax.Array, ExpertStats]:
+  """``y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` and the routing's :class:`ExpertStats`.
+
+  Args:
+    x: [T..., D] tokens (any leading shape; the first dimension is the
+      batch rows when a batch axis splits them).
+    weights: float32[T..., k] router weights.
+    expert_ids: int[T..., k] chosen experts in ``[0, E)``.
+    params: the experts' weights, a pytree of arrays whose leading
+      dimension is ``E`` (split over ``expert_axes``).
+    expert_fn: ``(rows [R, D], group_sizes int32[E_here], params_here) ->
+      [R, D]`` for the experts present (``E`` of them, or ``E / G``).
+    num_experts: ``E``.
+    expert_axes: mesh axes the experts are split over (``cp`` first), empty
+      for none: see :func:`cpjax.parallel.expert_axes`. Must be called
+      inside the ``shard_map`` that is manual over the ``cp`` axis.
+    capacity_factor: None (never drop) or ``c > 0``: see the module docs.
+
+  Returns:
+    ``y`` [T..., D] in ``x``'s dtype, and :class:`ExpertStats`.
+  """
+  e = int(num_experts)
+  shape, k = x.shape, expert_ids.shape[-1]
+  if expert_ids.shape[:-1] != shape[:-1] or weights.shape != expert_ids.shape:
+    raise ValueError(f"routed_experts: x {shape}, weights {weights.shape} and expert_ids "
+                     f"{expert_ids.shape} must share their leading dimensions [T..., k]")
+  if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
+                                          and not isinstance(capacity_factor, bool)
+                                          and capacity_factor > 0):
+    raise ValueError(f"capacity_factor must be None (never drop) or a positive number, got "
+                     f"{capacity_factor!r}")
+  expert_axes = tuple(expert_axes)
+  if not expert_axes:
+    return _local(x, weights, expert_ids, params, expert_fn, e, capacity_factor)
+  mesh = jax.sharding.get_abstract_mesh()
+  missing = [a for a in expert_axes if mesh.empty or a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"expert_axes {expert_axes} name axes {missing} that the current mesh "
+                     f"{None if mesh.empty else mesh.axis_names} does not have")
+  groups = math.prod(mesh.shape[a] for a in expert_axes)
+  if e % groups:
+    raise ValueError(f"expert_axes {expert_axes} split the experts {groups} ways, which does "
+                     f"not divide the {e} experts")
+  # Manual over every Auto axis as well (as cpjax.parallel.lookup is): the
+  # SPMD partitioner then sees no data-dependent gather of sharded tokens.
+  auto = tuple(n for n, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind == AxisType.Auto and mesh.shape[n] > 1)
+  batch = next((a for a in auto if a in ("dp", "fsdp")), None)
+  if batch is not None and shape[0] % mesh.shape[batch]:
+    if batch in expert_axes:
+      raise ValueError(f"expert axis {batch!r} of size {mesh.shape[batch]} must split the "
+                       f"{shape[0]} batch rows (their tokens are what it exchanges)")
+    batch = None
+  here = tuple(a for a in expert_axes if a in auto)
+
+  def local(x, weights, expert_ids, params):
+    y, stats = _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
+                         capacity_factor)
+    if batch is not None:   # the stats of every row this cp rank holds
+      stats = jax.tree.map(lambda s: jax.lax.psum(s, batch), stats)
+    return y, stats
+
+  if not auto:
+    return local(x, weights, expert_ids, params)
+  tokens = P(batch)
+  return _manual(x, weights, expert_ids, params,
+                 _Manual(local, (tokens, tokens, tokens, P(here or None)), tokens,
+                         frozenset(auto)))
+
+
+class _Manual(NamedTuple):
+  """A function run in a ``shard_map`` manual over ``axes`` (inside the cp one)."""
+  fn: Callable
+  in_specs: tuple
+  out_spec: P
+  axes: frozenset
+
+
+# A custom VJP whose backward is its own shard_map that recomputes the
+# dispatch and pulls the cotangent back through it: the transpose JAX
+# derives for a shard_map nested in the ring's fails to lower on this JAX
+# (its residuals name the outer manual axis), as for cpjax.parallel.lookup.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _manual(x, weights, expert_ids, params, run):
+  return _manual_fwd(x, weights, expert_ids, params, run)[0]
+
+
+def _manual_fwd(x, weights, expert_ids, params, run):
+  out = jax.shard_map(run.fn, in_specs=run.in_specs, out_specs=(run.out_spec, P()),
+                      axis_names=set(run.axes))(x, weights, expert_ids, params)
+  return out, (x, weights, expert_ids, params)
+
+
+def _manual_bwd(run, residuals, g):
+  d_y = g[0]
+
+  def pull(x, weights, expert_ids, params, d_y):
+    _, pullback = jax.vjp(lambda x, w, p: run.fn(x, w, expert_ids, p)[0], x, weights, params)
+    return pullback(d_y)
+
+  tokens, _, _, experts = run.in_specs
+  d_x, d_w, d_params = jax.shard_map(
+      pull, in_specs=(*run.in_specs, run.out_spec), out_specs=(tokens, tokens, experts),
+      axis_names=set(run.axes))(*residuals, d_y)
+  return d_x, d_w, None, d_params
+
+
+_manual.defvjp(_manual_fwd, _manual_bwd)
+
+
+def _expert_capacity(pairs: int, e: int, capacity_factor: float | None) -> int:
+  """Pairs each expert takes from one device: all of them, or ``ceil(c * pairs / E)``."""
+  if capacity_factor is None:
+    return pairs
+  return max(1, min(pairs, math.ceil(capacity_factor * pairs / e)))
+
+
+def _by_expert(expert_ids, e: int, capacity_factor: float | None):
+  """This device's (token, slot) pairs in expert order, and which of them the
+  capacity keeps (the first ``C`` of each expert, in token order).
+
+  Returns ``order`` int32[T*k] (pair numbers ``token * k + slot``), the
+  expert of each, ``keep`` bool[T*k] and ``sizes`` int32[E] (pairs per
+  expert, before dropping)."""
+  flat = expert_ids.reshape(-1).astype(jnp.int32)
+  order = jnp.argsort(flat, stable=True)
+  expert = flat[order]
+  sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+  rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[expert]
+  keep = rank < _expert_capacity(flat.shape[0], e, capacity_factor)
+  return order, expert, keep, sizes
+
+
+def _stats(sizes, keep) -> ExpertStats:
+  return ExpertStats(sizes.astype(jnp.float32), jnp.sum(~keep).astype(jnp.float32))
+
+
+def _local(x, weights, expert_ids, params, expert_fn, e, capacity_factor):
+  """Every expert on this device: the pairs grouped by expert, one pass."""
+  d, dt = x.shape[-1], x.dtype
+  flat_x = x.reshape(-1, d)
+  t, k = flat_x.shape[0], expert_ids.shape[-1]
+  order, expert, keep, sizes = _by_expert(expert_ids, e, capacity_factor)
+  groups = sizes
+  if capacity_factor is not None:
+    # Dropped pairs move past every group (ragged_dot leaves them out).
+    order = order[jnp.argsort(jnp.where(keep, expert, e), stable=True)]
+    groups = jnp.minimum(sizes, _expert_capacity(t * k, e, capacity_factor))
+  token = order // k
+  y = expert_fn(flat_x[token], groups, params).astype(jnp.float32)
+  w = weights.reshape(-1)[order]
+  if capacity_factor is not None:
+    live = jnp.arange(t * k) < jnp.sum(groups)
+    y, w = jnp.where(live[:, None], y, 0.0), jnp.where(live, w, 0.0)
+  out = jnp.zeros((t, d), jnp.float32).at[token].add(y * w[:, None]).astype(dt)
+  return out.reshape(x.shape), _stats(sizes, keep)
+
+
+def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
+              capacity_factor):
+  """One device's side of the expert-parallel dispatch (manual over every axis).
+
+  Group ``g`` (linear index over ``expert_axes``, first axis major) owns
+  experts ``[g * E / G, (g + 1) * E / G)``. Pairs are packed per group into
+  ``R`` rows in expert order; one all_to_all sends row block ``g`` to group
+  ``g``, which regroups what it received by local expert, runs them, and the
+  reverse all_to_all returns every row to the slot it left from.
+  """
+  d, dt = x.shape[-1], x.dtype
+  flat_x = x.reshape(-1, d)
+  t, k = flat_x.shape[0], expert_ids.shape[-1]
+  here = e // groups
+  order, expert, keep, sizes = _by_expert(expert_ids, e, capacity_factor)
+  rows = min(t * k, here * _expert_capacity(t * k, e, capacity_factor))
+  group = expert // here
+  # Slot of each kept pair in its group's block: kept pairs before it, minus
+  # the kept pairs of earlier groups (pairs are in expert, hence group, order).
+  kept_before = jnp.cumsum(keep) - keep
+  kept_per_group = jax.ops.segment_sum(keep.astype(jnp.int32), group, num_segments=groups)
+  first = jnp.cumsum(kept_per_group) - kept_per_group
+  slot = jnp.where(keep, group * rows + kept_before - first[group], groups * rows)
+  send = jnp.zeros((groups * rows, d), dt).at[slot].set(flat_x[order // k], mode="drop")
+  local_expert = jnp.full((groups * rows,), here, jnp.int32).at[slot].set(expert % here,
+                                                                          mode="drop")
+  a2a = lambda v: jax.lax.all_to_all(v, expert_axes, 0, 0, tiled=True)
+  received, received_expert = a2a(send), a2a(local_expert)
+  # Regroup by local expert; empty rows (expert id ``here``) sort last.
+  regroup = jnp.argsort(received_expert, stable=True)
+  counts = jnp.bincount(received_expert, length=here + 1)[:here].astype(jnp.int32)
+  out = expert_fn(received[regroup], counts, params)
+  out = jnp.where((jnp.arange(groups * rows) < jnp.sum(counts))[:, None], out,
+                  jnp.zeros((), out.dtype))
+  back = a2a(jnp.zeros_like(out).at[regroup].set(out))
+  y = back.at[slot].get(mode="fill", fill_value=0).astype(jnp.float32)
+  w = jnp.where(keep, weights.reshape(-1)[order], 0.0)
+  out = jnp.zeros((t, d), jnp.float32).at[order // k].add(y * w[:, None]).astype(dt)
+  return out.reshape(x.shape), _stats(sizes, keep)
