@@ -86,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "backend (the TPU or GPU chips when JAX finds them); only when that "
                   "backend is the CPU (JAX_PLATFORMS=cpu, or no accelerator) does it emulate "
                   "max(--cp, 8) CPU devices.")
-  train.add_argument("--model", choices=("tiny", "e2b", "e4b", "a4b", "31b"), default=None,
-                     help="architecture preset, randomly initialised (default tiny); a4b is "
-                          "26B-A4B")
+  train.add_argument("--model", choices=("tiny", "tiny-moe", "e2b", "e4b", "a4b", "31b"),
+                     default=None,
+                     help="architecture preset, randomly initialised (default tiny; tiny-moe has 4 "
+                          "experts, top-2, like a small 26B-A4B, which is a4b)")
   train.add_argument("--checkpoint", metavar="DIR", default=None,
                      help="fine-tune this Hugging Face Gemma 4 checkpoint directory "
                           "(config.json + safetensors) instead of --model")
@@ -149,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--mesh", type=_mesh, default=None, metavar="AXIS=N,...",
                      help="a training mesh instead of --cp: fsdp (or dp), cp and tp sizes, e.g. "
                           "fsdp=2,cp=4 or fsdp=2,cp=2,tp=2 (parameters and optimizer state "
-                          "sharded over fsdp and tp, see cpjax.parallel)")
+                          "sharded over fsdp and tp, see cpjax.parallel); ep=N folds expert "
+                          "parallelism onto cp and/or the batch axis, e.g. fsdp=2,cp=4,ep=8")
   train.add_argument("--microbatches", type=_positive, default=1, metavar="K",
                      help="gradient accumulation: each step sums K microbatches of "
                           "batch-size/K rows (default 1)")
@@ -343,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
       parser.exit(2, f"cpjax train: error: --lora-targets {args.lora_targets!r} is not a "
                      f"regular expression: {e}\n")
   args.cp = 8 if args.cp is None and args.mesh is None else args.cp
-  devices_needed = math.prod(args.mesh.values()) if args.mesh else args.cp
+  devices_needed = (math.prod(v for k, v in args.mesh.items() if k != "ep") if args.mesh
+                    else args.cp)
   explicit = [flag for flag, value in (("--coordinator-address", args.coordinator_address),
                                        ("--num-processes", args.num_processes),
                                        ("--process-id", args.process_id)) if value is not None]
@@ -459,7 +462,7 @@ def _plan(parser, args) -> int:
             f"into {plan.format_bytes(args.device_memory)} per device (estimate)")
       return 1
     mesh = found.mesh
-  devices = math.prod(mesh.values())
+  devices = math.prod(v for k, v in mesh.items() if k != "ep")
   _use_cpu_devices(devices)
   rows = [plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
                         remat=args.remat, batch_size=args.batch_size, dtype=dtype, **lora)
@@ -515,7 +518,7 @@ def _check_memory(parser, args, cfg, name: str, sizes: dict) -> None:
           "lora_targets": args.lora_targets}
   est = plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=sizes, remat=args.remat,
                       batch_size=args.batch_size // args.microbatches, dtype=args.dtype, **lora)
-  devices = math.prod(sizes.values())
+  devices = math.prod(v for k, v in sizes.items() if k != "ep")
   if jax.devices()[0].platform == "cpu":
     # Emulated devices share the host: each holds its own copy or shard.
     need = est.total * devices // jax.process_count()

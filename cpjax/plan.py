@@ -167,6 +167,19 @@ def _count(cfg) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
+def _expert_count(cfg) -> int:
+  """Parameters of the MoE experts (all layers)."""
+  import jax
+  from flax import nnx
+
+  from cpjax.models.gemma4 import Gemma4
+
+  model = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
+  return sum(int(np.prod(x.shape)) for p, x in jax.tree_util.tree_leaves_with_path(
+      nnx.state(model, nnx.Param)) if "'experts'" in jax.tree_util.keystr(p))
+
+
+@functools.lru_cache(maxsize=None)
 def _projections(cfg) -> tuple[tuple[str, int, int], ...]:
   """(dotted module path, out, in) of every projection weight ([out, in])."""
   from flax import nnx
@@ -201,11 +214,15 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   """The closed form of the module docstring (LoRA with ``lora_rank``)."""
   t = cfg.text
   fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
-  cp, tp = mesh.get("cp", 1), mesh.get("tp", 1)
+  cp, tp, ep = mesh.get("cp", 1), mesh.get("tp", 1), mesh.get("ep", 1)
   shards = mesh.get("fsdp", 1) * tp
   rows = (batch_size or fsdp) // fsdp
   a = 2 if dtype == "bfloat16" else 4
   n, active, largest = _count(cfg)
+  # Expert parallelism (cpjax.experts): the experts split ep ways (and over
+  # fsdp too when ep does not fold onto it), never gathered.
+  experts = _expert_count(cfg) if ep > 1 else 0
+  expert_shards = ep * (mesh.get("fsdp", 1) if ep == cp else 1)
   local = seq_len // cp
   heads, kv, dh = t.num_attention_heads / tp, max(t.num_key_value_heads / tp, 1), t.head_dim
   width = max(t.mlp_size(i) for i in range(t.num_hidden_layers)) / tp
@@ -213,16 +230,22 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     width += t.top_k_experts * t.moe_intermediate_size / tp
   d, layers, ple = t.hidden_size, t.num_hidden_layers, t.hidden_size_per_layer_input or 0
   base = 2 if base_dtype == "bfloat16" else 4
+  stored = (n - experts) / shards + experts / expert_shards     # values per device
   if lora_rank is None:
     base, trained = 4, n
-    params = 4 * n / shards
+    params = 4 * stored
+    optimizer, grads = 8 * stored + 4, 4 * stored      # + step count
   else:
     trained = lora_param_count(cfg, rank=lora_rank, targets=lora_targets)
-    params = base * n / shards + 4 * trained / shards
-  optimizer, grads = 8 * trained / shards + 4, 4 * trained / shards      # + step count
+    params = base * stored + 4 * trained / shards
+    optimizer, grads = 8 * trained / shards + 4, 4 * trained / shards
   if cp > 1:
     grads *= 2
-  gathered = base * largest if shards > 1 else 0
+  gathered = base * (largest - experts / layers) if shards > 1 else 0
+  if ep > 1:
+    # Never-drop dispatch buffers: ep blocks of T * k rows, sent, received,
+    # computed and returned.
+    gathered += 4 * ep * rows * local * t.top_k_experts * d * a
   full_row = 3 * rows * seq_len * 4
   if remat == "none":
     saved = layers * rows * local * (4 * d + 2 * (heads + 2 * kv) * dh + 3 * width) * a
@@ -268,14 +291,17 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
   from cpjax.models.gemma4 import Gemma4
   from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 
-  devices = math.prod(mesh.values())
+  devices = math.prod(v for k, v in mesh.items() if k != "ep")
   if jax.device_count() < devices:
     raise ValueError(f"mesh {mesh} needs {devices} devices, this process has "
                      f"{jax.device_count()}")
-  grid = parallel.make_mesh(**mesh)
+  sizes = {k: v for k, v in mesh.items() if k != "ep"}
+  grid = parallel.make_mesh(**sizes)
+  ep = mesh.get("ep", 1)
+  expert_axes = parallel.expert_axes(grid, ep)
   batch_axis = parallel.batch_axis_of(grid)
   rows = batch_size or (grid.shape[batch_axis] if batch_axis else 1)
-  check_mesh(cfg, grid, seq_len=seq_len, batch_size=rows)
+  check_mesh(cfg, grid, seq_len=seq_len, batch_size=rows, ep=ep)
   compute = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
   storage = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[base_dtype]
   if lora_rank is None:
@@ -289,7 +315,7 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
         Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat, param_dtype=storage),
         rank=lora_rank, targets=lora_targets or lora.DEFAULT_LORA_TARGETS))
     graphdef, params, frozen = lora.split_lora(abstract)
-  rule = partition_rule(cfg, tp=mesh.get("tp", 1))
+  rule = partition_rule(cfg, tp=mesh.get("tp", 1), expert_axes=expert_axes)
 
   def placed(tree):
     specs = parallel.param_specs(tree, grid, rule=rule)
@@ -303,7 +329,8 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
           "labels": np.ones((rows, seq_len), np.int32)}
   sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout="load_balanced")["cp_sharder"]
   batch, layout = sharder.shard_batch(text, grid, batch_axis=batch_axis)
-  step = train.make_train_step(graphdef, optimizer, mesh=grid, layout=layout, frozen=frozen)
+  step = train.make_train_step(graphdef, optimizer, mesh=grid, layout=layout, frozen=frozen,
+                               expert_axes=expert_axes)
   compiled = step.compile(params, opt_state, batch)
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()

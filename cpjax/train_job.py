@@ -175,6 +175,7 @@ class _Trainer:
   opt_state: Any
   reference: Any               # (params, frozen) on one device, for the parity check (or None)
   description: str
+  expert_axes: tuple = ()      # mesh axes the MoE experts are split over (--mesh ...,ep=N)
 
 
 @dataclasses.dataclass
@@ -211,7 +212,8 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   from cpjax import train
 
   step = train.make_train_step(trainer.graphdef, trainer.optimizer, mesh=trainer.mesh,
-                               layout=layout, frozen=trainer.frozen)
+                               layout=layout, frozen=trainer.frozen,
+                               expert_axes=trainer.expert_axes)
   step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
 
   summary = {"job": dataclasses.asdict(job)}
@@ -235,7 +237,12 @@ def _build(job: TrainJob) -> _Trainer:
   from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 
   sizes = parallel.parse_mesh(job.mesh) if job.mesh else {"cp": job.cp}
+  ep = sizes.pop("ep", 1)
   mesh = parallel.make_mesh(**sizes)
+  try:
+    expert_axes = parallel.expert_axes(mesh, ep)
+  except ValueError as e:
+    raise JobError(f"--mesh {job.mesh}: {e}") from None
   devices = list(mesh.devices.flat)
   if job.batch_size % job.microbatches:
     raise JobError(f"--microbatches {job.microbatches} does not divide --batch-size "
@@ -252,11 +259,11 @@ def _build(job: TrainJob) -> _Trainer:
   cfg = (gemma4.Gemma4Config.from_hf(job.checkpoint) if job.checkpoint
          else gemma4.Gemma4Config.preset(job.model))
   try:
-    check_mesh(cfg, mesh, batch_size=rows)
+    check_mesh(cfg, mesh, batch_size=rows, ep=ep)
   except ValueError as e:
     raise JobError(f"{e} (--batch-size {job.batch_size}, --microbatches {job.microbatches})"
                    ) from None
-  rule = partition_rule(cfg, tp=sizes.get("tp", 1))
+  rule = partition_rule(cfg, tp=sizes.get("tp", 1), expert_axes=expert_axes)
   if job.base_dtype != "float32" and job.lora_rank is None:
     raise JobError(f"--base-dtype {job.base_dtype} needs --lora-rank: full fine-tuning keeps "
                    f"float32 parameters for the optimizer")
@@ -300,7 +307,7 @@ def _build(job: TrainJob) -> _Trainer:
   return _Trainer(cfg=cfg, mesh=mesh, rows=rows, batch_axis=parallel.batch_axis_of(mesh),
                   sharder=sharder, graphdef=graphdef, frozen=frozen, optimizer=optimizer,
                   params=params, opt_state=opt_state, reference=reference,
-                  description=description)
+                  description=description, expert_axes=expert_axes)
 
 
 def _lora(job: TrainJob, model, mesh):
@@ -484,6 +491,9 @@ def _loop(job: TrainJob, trainer: _Trainer, data: _Data, step, sharded, batches,
     tokens = sum(int(np.sum(b["attention_mask"])) for b in batches)
     record = {"step": i + 1, "loss": loss, "grad_norm": _host(metrics["grad_norm"]),
               "tokens": tokens, "seconds": times[-1]}
+    for key in ("expert_tokens", "expert_dropped"):   # a mixture of experts' routing
+      if key in metrics:
+        record[key] = np.asarray(jax.device_get(metrics[key])).astype(int).tolist()
     for hook in hooks:
       hook(i, metrics, record)
     losses.append(loss)
@@ -616,7 +626,8 @@ def _eval_hook(job: TrainJob, trainer: _Trainer, layout, summary: dict, log):
   placed = [trainer.sharder.shard_batch(b, trainer.mesh, batch_axis=trainer.batch_axis)
             for b in host]
   assert all(lay == layout for _, lay in placed), "validation rows have the step's shape"
-  loss_sums = jax.jit(train.make_loss_fn(trainer.graphdef, mesh=trainer.mesh, layout=layout))
+  loss_sums = jax.jit(train.make_loss_fn(trainer.graphdef, mesh=trainer.mesh, layout=layout,
+                                         expert_axes=trainer.expert_axes))
   counted = sum(int(np.sum(b["labels"] != -100)) for b in host)
   summary["eval_rows"] = sum(int(np.any(b["attention_mask"], axis=1).sum()) for b in host)
   summary["eval_losses"] = []

@@ -425,7 +425,8 @@ class Gemma4(nnx.Module):
 
 def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "load_balanced",
               axis_name: str = "cp", batch_axis: str | None = None,
-              implementation: str | None = None, interpret: bool = False) -> jax.Array:
+              implementation: str | None = None, interpret: bool = False,
+              expert_axes: tuple[str, ...] = ()) -> jax.Array:
   """Full logits float32[B, S, V] of a :func:`prepare_batch` batch, computed
   with context parallelism over ``axis_name`` of ``mesh`` (and the batch
   over ``batch_axis``, if given) through the model's own sharder, gathered
@@ -433,7 +434,9 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
 
   Evaluates sequences too long for one device; equals ``model(batch)``.
   ``implementation`` and ``interpret`` pick the ring's per-hop backend (see
-  :func:`cpjax.ring_attention`).
+  :func:`cpjax.ring_attention`). With ``expert_axes``
+  (:func:`cpjax.parallel.expert_axes`) the experts are split over those
+  axes and tokens travel to them (:mod:`cpjax.experts`).
 
   Example:
     >>> import jax, numpy as np
@@ -447,7 +450,8 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
     ((1, 10, 512), True)
   """
   from cpjax.context_parallel import from_rank_order
-  from cpjax.train import batch_specs
+  from cpjax.models.gemma4.partitioning import partition_rule
+  from cpjax.train import batch_specs, state_specs
 
   batch = dict(batch)
   if "labels" not in batch:   # the sharder carries labels; these are never read
@@ -457,15 +461,24 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
                                               batch_axis=batch_axis,
                                               implementation=implementation)
   graphdef, state = nnx.split(model)
-  context = CPContext(shard_layout, axis_name, implementation, interpret)
+  context = CPContext(shard_layout, axis_name, implementation, interpret, tuple(expert_axes))
   specs = batch_specs(sharded)
 
   def local(state, local_batch):
     return nnx.merge(graphdef, state)(local_batch, cp=context)
 
-  run = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs), out_specs=P(batch_axis, axis_name))
+  def run(state, sharded):
+    return jax.shard_map(local, mesh=mesh, in_specs=(state_specs(state, set(mesh.axis_names)),
+                                                     specs),
+                         out_specs=P(batch_axis, axis_name))(state, sharded)
+  # Experts split over the expert axes (as training stores them), the rest whole.
+  rule = partition_rule(model.cfg, tp=1, expert_axes=tuple(expert_axes))
+  placement = jax.tree.map_with_path(
+      lambda path, x: rule(tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                                 for k in path), x.shape), state)
   with jax.set_mesh(mesh):
-    state = jax.device_put(state, NamedSharding(mesh, P()))
+    state = jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), state,
+                         placement)
     logits = jax.jit(run)(state, sharded)
   return from_rank_order(logits, shard_layout, source_index=sharded.get(SOURCE_INDEX_KEY)
                          )[:, :shard_layout.original_seq_len]
