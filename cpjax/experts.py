@@ -47,7 +47,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
 __all__ = ["ExpertStats", "routed_experts"]
@@ -96,7 +95,7 @@ def routed_experts(x, weights, expert_ids, params, expert_fn: ExpertFn, *, num_e
     ``y`` [T..., D] in ``x``'s dtype, and :class:`ExpertStats`.
   """
   e = int(num_experts)
-  shape, k = x.shape, expert_ids.shape[-1]
+  shape = x.shape
   if expert_ids.shape[:-1] != shape[:-1] or weights.shape != expert_ids.shape:
     raise ValueError(f"routed_experts: x {shape}, weights {weights.shape} and expert_ids "
                      f"{expert_ids.shape} must share their leading dimensions [T..., k]")
@@ -140,8 +139,8 @@ def routed_experts(x, weights, expert_ids, params, expert_fn: ExpertFn, *, num_e
     return local(x, weights, expert_ids, params)
   tokens = P(batch)
   return _manual(x, weights, expert_ids, params,
-                 _Manual(local, (tokens, tokens, tokens, P(here or None)), tokens,
-                         frozenset(auto)))
+                 _Manual(local, (tokens, tokens, tokens, P(here or None)), tokens, auto,
+                         _Saved()))
 
 
 class _Manual(NamedTuple):
@@ -149,35 +148,49 @@ class _Manual(NamedTuple):
   fn: Callable
   in_specs: tuple
   out_spec: P
-  axes: frozenset
+  axes: tuple
+  pullback: "_Saved"
 
 
-# A custom VJP whose backward is its own shard_map that recomputes the
-# dispatch and pulls the cotangent back through it: the transpose JAX
-# derives for a shard_map nested in the ring's fails to lower on this JAX
-# (its residuals name the outer manual axis), as for cpjax.parallel.lookup.
+class _Saved:
+  """The structure of the forward's pullback, read back by the backward."""
+  tree: Any = None
+
+
+# A custom VJP whose backward is its own shard_map: the transpose JAX derives
+# for a shard_map nested in the ring's fails to lower on this JAX (its
+# residuals name the outer manual axis), as for cpjax.parallel.lookup. The
+# forward's shard_map returns its pullback's residuals, each with a leading
+# axis over the manual axes, and the backward's shard_map applies them.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _manual(x, weights, expert_ids, params, run):
-  return _manual_fwd(x, weights, expert_ids, params, run)[0]
+  return jax.shard_map(run.fn, in_specs=run.in_specs, out_specs=(run.out_spec, P()),
+                       axis_names=set(run.axes))(x, weights, expert_ids, params)
 
 
 def _manual_fwd(x, weights, expert_ids, params, run):
-  out = jax.shard_map(run.fn, in_specs=run.in_specs, out_specs=(run.out_spec, P()),
-                      axis_names=set(run.axes))(x, weights, expert_ids, params)
-  return out, (x, weights, expert_ids, params)
+  def forward(x, weights, expert_ids, params):
+    out, pullback = jax.vjp(lambda x, w, p: run.fn(x, w, expert_ids, p), x, weights, params)
+    leaves, run.pullback.tree = jax.tree.flatten(pullback)
+    return out, [leaf[None] for leaf in leaves]
+
+  out, saved = jax.shard_map(forward, in_specs=run.in_specs,
+                             out_specs=((run.out_spec, P()), P(run.axes)),
+                             axis_names=set(run.axes))(x, weights, expert_ids, params)
+  return out, (saved, out[1])
 
 
 def _manual_bwd(run, residuals, g):
-  d_y = g[0]
+  saved, stats = residuals
 
-  def pull(x, weights, expert_ids, params, d_y):
-    _, pullback = jax.vjp(lambda x, w, p: run.fn(x, w, expert_ids, p)[0], x, weights, params)
-    return pullback(d_y)
+  def backward(saved, d_y, stats):
+    pullback = jax.tree.unflatten(run.pullback.tree, [leaf[0] for leaf in saved])
+    return pullback((d_y, jax.tree.map(jnp.zeros_like, stats)))
 
   tokens, _, _, experts = run.in_specs
   d_x, d_w, d_params = jax.shard_map(
-      pull, in_specs=(*run.in_specs, run.out_spec), out_specs=(tokens, tokens, experts),
-      axis_names=set(run.axes))(*residuals, d_y)
+      backward, in_specs=(P(run.axes), run.out_spec, P()), out_specs=(tokens, tokens, experts),
+      axis_names=set(run.axes))(saved, g[0], stats)
   return d_x, d_w, None, d_params
 
 
