@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "fsdp=2,cp=4 or fsdp=2,cp=2,tp=2 (parameters and optimizer state "
                           "sharded over fsdp and tp, see cpjax.parallel); ep=N folds expert "
                           "parallelism onto cp and/or the batch axis, e.g. fsdp=2,cp=4,ep=8")
+  train.add_argument("--capacity-factor", type=_positive_float, default=None, metavar="C",
+                     help="MoE: each expert takes at most ceil(C * T * k / E) (token, expert) "
+                          "pairs from each device's T tokens; later ones are dropped and counted "
+                          "in expert_dropped (default: never drop)")
   train.add_argument("--microbatches", type=_positive, default=1, metavar="K",
                      help="gradient accumulation: each step sums K microbatches of "
                           "batch-size/K rows (default 1)")
@@ -403,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                  tensorboard=args.tensorboard, images_per_row=args.images_per_row,
                  lora_rank=args.lora_rank, lora_alpha=args.lora_alpha or 8.0,
                  lora_targets=args.lora_targets, base_dtype=args.base_dtype or "float32",
-                 merge_lora=args.merge_lora)
+                 merge_lora=args.merge_lora, capacity_factor=args.capacity_factor)
   # A JobError is a usage error found before any training compute; anything
   # else raised from here on is a crash: it propagates with its traceback.
   try:

@@ -70,6 +70,7 @@ class TrainJob:
   lora_targets: str | None = None     # regex on module paths (default cpjax.lora.DEFAULT_LORA_TARGETS)
   base_dtype: str = "float32"    # the frozen base's storage dtype under LoRA
   merge_lora: bool = False       # --save writes the merged model instead of the adapter
+  capacity_factor: float | None = None   # MoE: bound each expert's pairs per device (None: never drop)
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -213,7 +214,8 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
 
   step = train.make_train_step(trainer.graphdef, trainer.optimizer, mesh=trainer.mesh,
                                layout=layout, frozen=trainer.frozen,
-                               expert_axes=trainer.expert_axes)
+                               expert_axes=trainer.expert_axes,
+                               capacity_factor=job.capacity_factor)
   step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
 
   summary = {"job": dataclasses.asdict(job)}
@@ -260,6 +262,9 @@ def _build(job: TrainJob) -> _Trainer:
          else gemma4.Gemma4Config.preset(job.model))
   try:
     check_mesh(cfg, mesh, batch_size=rows, ep=ep)
+    if job.capacity_factor is not None and not cfg.text.enable_moe_block:
+      raise ValueError(f"--capacity-factor {job.capacity_factor:g} needs a mixture of experts; "
+                       f"this Gemma 4 has none")
   except ValueError as e:
     raise JobError(f"{e} (--batch-size {job.batch_size}, --microbatches {job.microbatches})"
                    ) from None
@@ -550,8 +555,16 @@ def _parity_hook(job: TrainJob, trainer: _Trainer, batches, summary: dict, log):
   ref_norm = float(optax.tree.norm(jax.tree.map(lambda g: g / count, ref_grads)))
 
   def hook(i, metrics, record):
-    del metrics
     if i != 0:
+      return
+    dropped = int(np.sum(record.get("expert_dropped", 0)))
+    if dropped:
+      # The capacity factor drops per device: the one-device model, which
+      # holds every token, drops others. Nothing to compare.
+      summary["parity"] = {"skipped": f"{dropped} expert pairs dropped"}
+      with tqdm.external_write_mode():
+        log(f"parity with the single-device model at step 1: not checked, the capacity "
+            f"factor dropped {dropped} (token, expert) pairs on the mesh's devices")
       return
     rel_loss = abs(record["loss"] - ref_loss) / abs(ref_loss)
     rel_norm = abs(record["grad_norm"] - ref_norm) / ref_norm
@@ -627,7 +640,8 @@ def _eval_hook(job: TrainJob, trainer: _Trainer, layout, summary: dict, log):
             for b in host]
   assert all(lay == layout for _, lay in placed), "validation rows have the step's shape"
   loss_sums = jax.jit(train.make_loss_fn(trainer.graphdef, mesh=trainer.mesh, layout=layout,
-                                         expert_axes=trainer.expert_axes))
+                                         expert_axes=trainer.expert_axes,
+                                         capacity_factor=job.capacity_factor))
   counted = sum(int(np.sum(b["labels"] != -100)) for b in host)
   summary["eval_rows"] = sum(int(np.any(b["attention_mask"], axis=1).sum()) for b in host)
   summary["eval_losses"] = []
