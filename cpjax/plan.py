@@ -63,7 +63,7 @@ import re
 
 import numpy as np
 
-__all__ = ["Plan", "compiled_plan", "estimate", "format_bytes", "lora_param_count", "parse_bytes",
+__all__ = ["Plan", "compile_step", "compiled_plan", "estimate", "format_bytes", "lora_param_count", "parse_bytes",
            "smallest_mesh"]
 
 GiB = 2 ** 30
@@ -272,11 +272,15 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
               base_dtype if lora_rank is not None else "float32")
 
 
-def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
-                  batch_size: int | None = None, dtype: str = "float32",
-                  lora_rank: int | None = None, base_dtype: str = "float32",
-                  lora_targets: str | None = None) -> Plan:
-  """Compile the training step abstractly on ``prod(mesh)`` emulated devices.
+def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
+                 batch_size: int | None = None, dtype: str = "float32",
+                 lora_rank: int | None = None, base_dtype: str = "float32",
+                 lora_targets: str | None = None, capacity_factor: float | None = None):
+  """The training step of ``cfg`` compiled abstractly (no array is made) on
+  ``prod(mesh)`` devices: ``(compiled TrainStep, params, opt_state,
+  frozen base or None)``, the state as sharded ``ShapeDtypeStruct`` s.
+  ``mesh`` may carry ``ep`` (:func:`cpjax.parallel.expert_axes`);
+  ``capacity_factor`` as :mod:`cpjax.experts`.
 
   The process must have at least that many JAX devices (``cpjax plan`` sets
   ``jax_num_cpu_devices`` before JAX starts).
@@ -330,16 +334,32 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
   sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout="load_balanced")["cp_sharder"]
   batch, layout = sharder.shard_batch(text, grid, batch_axis=batch_axis)
   step = train.make_train_step(graphdef, optimizer, mesh=grid, layout=layout, frozen=frozen,
-                               expert_axes=expert_axes)
+                               expert_axes=expert_axes, capacity_factor=capacity_factor)
   compiled = step.compile(params, opt_state, batch)
+  base = None
+  if lora_rank is not None:
+    base = placed(nnx.split(abstract, nnx.LoRAParam, nnx.Param, ...)[2])
+  return compiled, params, opt_state, base
+
+
+def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
+                  batch_size: int | None = None, dtype: str = "float32",
+                  lora_rank: int | None = None, base_dtype: str = "float32",
+                  lora_targets: str | None = None) -> Plan:
+  """The :class:`Plan` of :func:`compile_step`'s program: its memory analysis
+  and FLOPs, the parameters' and optimizer state's bytes per device."""
+  from cpjax import parallel
+
+  compiled, params, opt_state, base = compile_step(
+      cfg, seq_len=seq_len, mesh=mesh, remat=remat, batch_size=batch_size, dtype=dtype,
+      lora_rank=lora_rank, base_dtype=base_dtype, lora_targets=lora_targets)
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   # The parameters: the trained ones, and under LoRA the frozen base (the
   # buffers, a few numbers, count with the rest as the closed form does).
   param_bytes = parallel.bytes_per_device(params)
-  if lora_rank is not None:
-    base = placed(nnx.split(abstract, nnx.LoRAParam, nnx.Param, ...)[2])
+  if base is not None:
     param_bytes += parallel.bytes_per_device(base)
   opt_bytes = parallel.bytes_per_device(opt_state)
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
