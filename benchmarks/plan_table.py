@@ -26,12 +26,13 @@ SEQ_LENS = (32768, 131072, 262144)
 DEVICES = {"v5e": "16GiB", "v5p": "95GiB", "H200": "141GiB"}
 LORA_RANK = 16
 LORA_SEQ_LENS = (131072, 262144)
+CAPACITY = 1.25       # expert parallelism's capacity factor in the ep rows
 
 
-def search(plan, Gemma4Config, seq_lens, **lora) -> list[dict]:
+def search(plan, Gemma4Config, seq_lens, models=MODELS, **lora) -> list[dict]:
   """The smallest mesh of every (model, S, device), printed and as rows."""
   rows = []
-  for model in MODELS:
+  for model in models:
     cfg = Gemma4Config.preset(model)
     for seq_len in seq_lens:
       for device, memory in DEVICES.items():
@@ -41,13 +42,15 @@ def search(plan, Gemma4Config, seq_lens, **lora) -> list[dict]:
           print(f"{model:>5} {seq_len:>7} {device:>6}  no mesh up to 4096 devices")
           continue
         mesh = best.mesh
+        devices = math.prod(v for k, v in mesh.items() if k != "ep")
         text = f"fsdp={mesh.get('fsdp', 1)},cp={mesh['cp']}"
-        print(f"{model:>5} {seq_len:>7} {device:>6}  {text:<18} {math.prod(mesh.values()):>7} "
+        text += f",ep={mesh['ep']}" if "ep" in mesh else ""
+        print(f"{model:>5} {seq_len:>7} {device:>6}  {text:<18} {devices:>7} "
               f"{best.params / plan.GiB:7.2f} {best.optimizer / plan.GiB:7.2f} "
               f"{best.activations / plan.GiB:7.2f} {best.total / plan.GiB:9.2f} "
               f"{best.flops / 1e12:9.1f}")
         rows.append({"model": model, "seq_len": seq_len, "device": device, "memory": memory,
-                     "mesh": mesh, "devices": math.prod(mesh.values()),
+                     "mesh": mesh, "devices": devices,
                      "params_gib": best.params / plan.GiB,
                      "optimizer_gib": best.optimizer / plan.GiB,
                      "activations_gib": best.activations / plan.GiB,
@@ -66,7 +69,8 @@ def main() -> None:
 
     from cpjax.parallel import parse_mesh
     jax.config.update("jax_num_cpu_devices",
-                      max(math.prod(parse_mesh(mesh).values()) for _, _, mesh in compile_rows))
+                      max(math.prod(v for k, v in parse_mesh(mesh).items() if k != "ep")
+                          for _, _, mesh in compile_rows))
   from cpjax import plan
   from cpjax.models.gemma4 import Gemma4Config
 
@@ -84,6 +88,19 @@ def main() -> None:
                                (row["model"], row["seq_len"], row["device"]))
     row["adapter_values"] = plan.lora_param_count(Gemma4Config.preset(row["model"]),
                                                   rank=LORA_RANK)
+  # 26B-A4B with its experts split over the token axes (cpjax.experts).
+  print(f"\n26B-A4B, expert parallelism (capacity factor {CAPACITY}):")
+  ep_rows = search(plan, Gemma4Config, SEQ_LENS, models=("a4b",), expert_parallel=True,
+                   capacity_factor=CAPACITY)
+  for row in ep_rows:
+    row["capacity_factor"] = CAPACITY
+  print("\n26B-A4B, expert parallelism, never dropping a token:")
+  for row in search(plan, Gemma4Config, SEQ_LENS, models=("a4b",), expert_parallel=True):
+    ep_rows.append({**row, "capacity_factor": None})
+  for row in ep_rows:
+    row["fsdp_devices"] = next(r["devices"] for r in rows if (r["model"], r["seq_len"],
+                                                              r["device"]) ==
+                               (row["model"], row["seq_len"], row["device"]))
   checks = []
   for model, seq_len, mesh_text in compile_rows:
     from cpjax.parallel import parse_mesh
@@ -102,6 +119,7 @@ def main() -> None:
                    "estimate_activations_gib_float32": want.activations / plan.GiB,
                    "compiled_tflop": got.flops / 1e12, "estimate_tflop": want.flops / 1e12})
   write_json("plan_table", {"rows": rows, "lora_rows": lora_rows, "lora_rank": LORA_RANK,
+                            "ep_rows": ep_rows,
                             "compiled_checks": checks,
                             "note": "closed form, bfloat16 activations, remat full, AdamW "
                                     "float32 state, one row per batch shard"})

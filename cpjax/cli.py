@@ -240,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan LoRA training: rank-R adapters on a frozen base")
   plan.add_argument("--base-dtype", choices=("float32", "bfloat16"), default=None,
                     help="storage dtype of the frozen LoRA base (default float32)")
+  plan.add_argument("--expert-parallel", action="store_true",
+                    help="MoE: with --device-memory, each searched mesh folds the largest ep "
+                         "dividing the experts onto its token axes (give ep in --mesh otherwise)")
+  plan.add_argument("--capacity-factor", type=_positive_float, default=None, metavar="C",
+                    help="MoE with ep: the dispatch's capacity factor (default: never drop, "
+                         "buffers sized for the worst case)")
   plan.add_argument("--estimate-only", action="store_true",
                     help="print the closed-form estimate without compiling")
 
@@ -455,12 +461,17 @@ def _plan(parser, args) -> int:
     parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
   if args.base_dtype is not None and args.lora_rank is None:
     parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
+  if args.expert_parallel and args.mesh is not None:
+    parser.exit(2, "cpjax plan: error: --expert-parallel searches meshes; with --mesh give "
+                   "ep in it (e.g. fsdp=2,cp=4,ep=8)\n")
   lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32"}
   cfg, name = _plan_config(parser, args)
   mesh = args.mesh
   if mesh is None:
     found = plan.smallest_mesh(cfg, model=name, seq_len=args.seq_len,
-                               device_memory=args.device_memory, remat=args.remat, **lora)
+                               device_memory=args.device_memory, remat=args.remat,
+                               expert_parallel=args.expert_parallel,
+                               capacity_factor=args.capacity_factor, **lora)
     if found is None:
       print(f"no fsdp x cp mesh up to 4096 devices fits {name} at S={args.seq_len} "
             f"into {plan.format_bytes(args.device_memory)} per device (estimate)")
@@ -468,15 +479,17 @@ def _plan(parser, args) -> int:
     mesh = found.mesh
   devices = math.prod(v for k, v in mesh.items() if k != "ep")
   _use_cpu_devices(devices)
-  rows = [plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
-                        remat=args.remat, batch_size=args.batch_size, dtype=dtype, **lora)
-          for dtype in ("bfloat16", "float32")]
-  if not args.estimate_only:
-    try:
+  try:
+    rows = [plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
+                          remat=args.remat, batch_size=args.batch_size, dtype=dtype,
+                          capacity_factor=args.capacity_factor, **lora)
+            for dtype in ("bfloat16", "float32")]
+    if not args.estimate_only:
       rows.append(plan.compiled_plan(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
-                                     remat=args.remat, batch_size=args.batch_size, **lora))
-    except ValueError as e:   # a mesh the model cannot use: a usage error, before compiling
-      parser.exit(2, f"cpjax plan: error: {e}\n")
+                                     remat=args.remat, batch_size=args.batch_size,
+                                     capacity_factor=args.capacity_factor, **lora))
+  except ValueError as e:   # a mesh the model cannot use: a usage error, before compiling
+    parser.exit(2, f"cpjax plan: error: {e}\n")
   print(f"cpjax plan: Gemma 4 {name}, S={args.seq_len}, remat {args.remat}, "
         f"{rows[0].training} training, {devices} devices; per device:")
   for row in rows:

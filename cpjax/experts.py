@@ -74,7 +74,7 @@ class ExpertStats(NamedTuple):
 def routed_experts(x, weights, expert_ids, params, expert_fn: ExpertFn, *, num_experts: int,
                    expert_axes: tuple[str, ...] = (), capacity_factor: float | None = None
                    ) -> tuple[jax.Array, ExpertStats]:
-  """``y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` and the routing's :class:`ExpertStats`.
+  """``y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``, and :class:`ExpertStats`.
 
   Args:
     x: [T..., D] tokens (any leading shape; the first dimension is the
@@ -280,7 +280,8 @@ def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
   out = jnp.where((jnp.arange(groups * rows) < jnp.sum(counts))[:, None], out,
                   jnp.zeros((), out.dtype))
   back = a2a(jnp.zeros_like(out).at[regroup].set(out))
+  # A dropped pair's slot is past the end: it reads zeros.
   y = back.at[slot].get(mode="fill", fill_value=0).astype(jnp.float32)
-  w = jnp.where(keep, weights.reshape(-1)[order], 0.0)
+  w = weights.reshape(-1)[order]
   out = jnp.zeros((t, d), jnp.float32).at[order // k].add(y * w[:, None]).astype(dt)
   return out.reshape(x.shape), _stats(sizes, keep)

@@ -53,7 +53,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from cpjax.kernels.common import varying_axes
 
 __all__ = ["BATCH_AXES", "batch_axis_of", "bytes_per_device", "expert_axes", "gather_safe",
-           "gathered", "lookup", "make_mesh", "param_specs", "parse_mesh", "shard_params", "shard_like_params"]
+           "gathered", "lookup", "make_mesh", "param_specs", "parse_mesh", "shard_params",
+           "shard_like_params"]
 
 # Mesh axes that split the rows of the batch (one of them per mesh).
 BATCH_AXES = ("dp", "fsdp")

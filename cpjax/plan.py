@@ -45,6 +45,15 @@ gradients ``4 N_a / s`` (twice with ``cp > 1``); a gathered layer takes
 no weight gradient, ``4 N_active`` per token (plus the remat's ``2``), and
 the adapters ``6 N_a``.
 
+Expert parallelism (``mesh["ep"]``, :mod:`cpjax.experts`): the ``N_e``
+expert values are stored ``N_e / ep`` per device (``/ (ep * fsdp)`` when
+``ep`` folds onto ``cp`` alone and fsdp shards each group's experts), and
+never gathered; the gathered layer leaves its experts out. The dispatch
+adds four buffers (sent, received, computed, returned) of
+``min(ep, c) * B * L * k * D * a`` (``k`` experts per token; ``c`` the
+capacity factor, or ``ep`` when no token may be dropped: each device's
+block for each group then has room for all its pairs).
+
 Where CPU compilation differs from TPU / GPU: XLA:CPU has no
 memory-space assignment or latency-hiding scheduler, so its temporaries are
 a liveness-based upper estimate of what the TPU compiler schedules; it
@@ -63,8 +72,8 @@ import re
 
 import numpy as np
 
-__all__ = ["Plan", "compile_step", "compiled_plan", "estimate", "format_bytes", "lora_param_count", "parse_bytes",
-           "smallest_mesh"]
+__all__ = ["Plan", "compile_step", "compiled_plan", "estimate", "format_bytes",
+           "lora_param_count", "parse_bytes", "smallest_mesh"]
 
 GiB = 2 ** 30
 LOSS_CHUNK_LOGITS = 1 << 26    # cpjax.train.LOSS_CHUNK_LOGITS (plan imports no JAX)
@@ -210,7 +219,7 @@ def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
 def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
              batch_size: int | None = None, dtype: str = "bfloat16",
              lora_rank: int | None = None, base_dtype: str = "float32",
-             lora_targets: str | None = None) -> Plan:
+             lora_targets: str | None = None, capacity_factor: float | None = None) -> Plan:
   """The closed form of the module docstring (LoRA with ``lora_rank``)."""
   t = cfg.text
   fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
@@ -221,6 +230,8 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   n, active, largest = _count(cfg)
   # Expert parallelism (cpjax.experts): the experts split ep ways (and over
   # fsdp too when ep does not fold onto it), never gathered.
+  if ep > 1:
+    _check_ep(cfg, mesh)
   experts = _expert_count(cfg) if ep > 1 else 0
   expert_shards = ep * (mesh.get("fsdp", 1) if ep == cp else 1)
   local = seq_len // cp
@@ -243,9 +254,11 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     grads *= 2
   gathered = base * (largest - experts / layers) if shards > 1 else 0
   if ep > 1:
-    # Never-drop dispatch buffers: ep blocks of T * k rows, sent, received,
-    # computed and returned.
-    gathered += 4 * ep * rows * local * t.top_k_experts * d * a
+    # Dispatch buffers, sent, received, computed and returned: ep blocks of
+    # T * k rows when no token may be dropped, c * T * k rows in all with a
+    # capacity factor c.
+    blocks = ep if capacity_factor is None else min(ep, capacity_factor)
+    gathered += 4 * blocks * rows * local * t.top_k_experts * d * a
   full_row = 3 * rows * seq_len * 4
   if remat == "none":
     saved = layers * rows * local * (4 * d + 2 * (heads + 2 * kv) * dh + 3 * width) * a
@@ -270,6 +283,22 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   return Plan(model, seq_len, dict(mesh), remat, dtype, params, optimizer, activations,
               params + optimizer + activations, flops, "estimate", lora_rank,
               base_dtype if lora_rank is not None else "float32")
+
+
+def _check_ep(cfg, mesh: dict) -> None:
+  """``ValueError`` unless ``mesh["ep"]`` folds onto its token axes (as
+  :func:`cpjax.parallel.expert_axes`) and divides the experts; sizes only."""
+  t, ep = cfg.text, mesh["ep"]
+  if not t.enable_moe_block:
+    raise ValueError(f"ep={ep} needs a mixture of experts; this Gemma 4 has none")
+  if t.num_experts % ep:
+    raise ValueError(f"ep={ep} does not divide the {t.num_experts} experts")
+  if mesh.get("tp", 1) > 1:
+    raise ValueError(f"ep={ep} does not combine with tp={mesh['tp']}")
+  cp, rows = mesh.get("cp", 1), mesh.get("fsdp", 1) * mesh.get("dp", 1)
+  if ep not in (cp, rows, cp * rows):
+    raise ValueError(f"ep={ep} must equal the size of the token axes it folds onto: cp = {cp}, "
+                     f"the batch axis = {rows} or both = {cp * rows}")
 
 
 def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
@@ -345,14 +374,15 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
 def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
                   batch_size: int | None = None, dtype: str = "float32",
                   lora_rank: int | None = None, base_dtype: str = "float32",
-                  lora_targets: str | None = None) -> Plan:
+                  lora_targets: str | None = None, capacity_factor: float | None = None) -> Plan:
   """The :class:`Plan` of :func:`compile_step`'s program: its memory analysis
   and FLOPs, the parameters' and optimizer state's bytes per device."""
   from cpjax import parallel
 
   compiled, params, opt_state, base = compile_step(
       cfg, seq_len=seq_len, mesh=mesh, remat=remat, batch_size=batch_size, dtype=dtype,
-      lora_rank=lora_rank, base_dtype=base_dtype, lora_targets=lora_targets)
+      lora_rank=lora_rank, base_dtype=base_dtype, lora_targets=lora_targets,
+      capacity_factor=capacity_factor)
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -371,9 +401,13 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
 
 def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: str = "full",
                   dtype: str = "bfloat16", max_devices: int = 4096,
-                  lora_rank: int | None = None, base_dtype: str = "float32") -> Plan | None:
+                  lora_rank: int | None = None, base_dtype: str = "float32",
+                  expert_parallel: bool = False,
+                  capacity_factor: float | None = None) -> Plan | None:
   """The fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``
-  (ties: the one with more memory to spare); None when none up to ``max_devices``."""
+  (ties: the one with more memory to spare); None when none up to ``max_devices``.
+  With ``expert_parallel`` each mesh folds the largest ``ep`` that divides the
+  experts onto its token axes (``cp * fsdp``, else ``cp``, else ``fsdp``)."""
   best = None
   devices = 1
   while devices <= max_devices and best is None:
@@ -383,8 +417,13 @@ def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: s
       if seq_len % (2 * cp) or cfg.text.num_attention_heads == 0:
         continue
       mesh = {"fsdp": fsdp, "cp": cp} if fsdp > 1 else {"cp": cp}
+      if expert_parallel and cfg.text.enable_moe_block:
+        ep = next((n for n in (cp * fsdp, cp, fsdp) if n > 1 and cfg.text.num_experts % n == 0),
+                  1)
+        mesh = {**mesh, "ep": ep} if ep > 1 else mesh
       plan = estimate(cfg, model=model, seq_len=seq_len, mesh=mesh, remat=remat, dtype=dtype,
-                      lora_rank=lora_rank, base_dtype=base_dtype)
+                      lora_rank=lora_rank, base_dtype=base_dtype,
+                      capacity_factor=capacity_factor)
       if plan.fits(device_memory) and (best is None or plan.total < best.total):
         best = plan
     devices *= 2

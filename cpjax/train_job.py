@@ -70,7 +70,7 @@ class TrainJob:
   lora_targets: str | None = None     # regex on module paths (default cpjax.lora.DEFAULT_LORA_TARGETS)
   base_dtype: str = "float32"    # the frozen base's storage dtype under LoRA
   merge_lora: bool = False       # --save writes the merged model instead of the adapter
-  capacity_factor: float | None = None   # MoE: bound each expert's pairs per device (None: never drop)
+  capacity_factor: float | None = None   # MoE: each expert's pairs per device (None: no limit)
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")

@@ -247,7 +247,8 @@ def test_compiled_program_routes_tokens_and_stores_one_ep_th_of_the_experts():
     shardings = jax.tree.leaves(step.input_shardings[0])
     leaves = jax.tree_util.tree_leaves_with_path(placed)
     here = sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-               for (path, x), s in zip(leaves, shardings) if "experts" in jax.tree_util.keystr(path))
+               for (path, x), s in zip(leaves, shardings)
+               if "experts" in jax.tree_util.keystr(path))
     assert here * ep == whole, (shape, here, whole)
 
 
@@ -271,8 +272,10 @@ def test_ep_forward_equals_transformers(cp, layout, ep_on):
     (lambda: parallel.expert_axes(parallel.make_mesh(fsdp=2, cp=4), 16),
      r"ep=16 must equal the size of the token axes it folds onto \(cp = 4, fsdp = 2, "
      r"cp\*fsdp = 8\)"),
-    (lambda: parallel.expert_axes(parallel.make_mesh(cp=2, tp=2), 2), r"ep=2 does not combine with tp=2"),
-    (lambda: parallel.expert_axes(parallel.make_mesh(cp=2), 0), r"ep must be a positive int, got 0"),
+    (lambda: parallel.expert_axes(parallel.make_mesh(cp=2, tp=2), 2),
+     r"ep=2 does not combine with tp=2"),
+    (lambda: parallel.expert_axes(parallel.make_mesh(cp=2), 0),
+     r"ep must be a positive int, got 0"),
     (lambda: check_mesh(gemma4.Gemma4Config.preset("tiny"), parallel.make_mesh(cp=2), ep=2),
      r"ep=2 needs a mixture of experts"),
     (lambda: check_mesh(gemma4.Gemma4Config.preset("tiny-moe"), parallel.make_mesh(cp=8), ep=8),
@@ -284,3 +287,45 @@ def test_ep_forward_equals_transformers(cp, layout, ep_on):
 def test_bad_expert_parallel_input(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+def test_readme_ep_command_runs_and_reports_the_routing(tmp_path):
+  """The README's expert-parallel command, as written (plus a metrics file):
+  the step-1 parity check passes inside it, and every MoE layer's counts add
+  up to batch x seq_len x k (pairs per position, padding included), none dropped."""
+  import json
+  import shlex
+  from pathlib import Path
+
+  from cpjax import cli
+
+  readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+  section = readme.split("**Expert parallelism** (Gemma 4's MoE)", 1)[1]
+  command = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip()
+  args = shlex.split(command)
+  assert args[:2] == ["cpjax", "train"]
+  metrics = tmp_path / "metrics.jsonl"
+  assert cli.main(args[1:] + ["--metrics", str(metrics)]) == 0
+  cfg = gemma4.Gemma4Config.preset("tiny-moe").text
+  lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+  assert len(lines) == 3
+  for line in lines:
+    counts = np.asarray(line["expert_tokens"])
+    chex.assert_shape(counts, (cfg.num_hidden_layers, cfg.num_experts))
+    np.testing.assert_array_equal(counts.sum(-1), 2 * 1024 * cfg.top_k_experts)
+    assert line["expert_dropped"] == [0] * cfg.num_hidden_layers
+
+
+@pytest.mark.parametrize("mesh,message", [
+    ("fsdp=2,cp=4,ep=3", "ep=3 does not divide the 128 experts"),
+    ("fsdp=2,cp=4,ep=16", "ep=16 must equal the size of the token axes it folds onto: cp = 4, "
+                          "the batch axis = 2 or both = 8"),
+])
+def test_cli_plan_refuses_an_ep_that_does_not_fold(mesh, message, capsys):
+  from cpjax import cli
+
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["plan", "--model", "a4b", "--seq-len", "32768", "--mesh", mesh,
+              "--estimate-only"])
+  assert exit_.value.code == 2
+  assert message in capsys.readouterr().err
