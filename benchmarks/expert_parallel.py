@@ -11,7 +11,7 @@ remat full. The collectives are summed from the compiled HLO text, bytes of
 each op's result per device. Ops inside a loop body (the ring's K/V hops,
 the loss's vocabulary chunks) are counted once, the same in both columns.
 
-    python benchmarks/expert_parallel.py            # about 15 min on 2 cores
+    python benchmarks/expert_parallel.py            # about 11 min on 2 cores
     python benchmarks/expert_parallel.py --layers 1 --seq-len 4096   # quick
 
 Writes results/expert_parallel.json.

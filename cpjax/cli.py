@@ -154,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "parallelism onto cp and/or the batch axis, e.g. fsdp=2,cp=4,ep=8")
   train.add_argument("--capacity-factor", type=_positive_float, default=None, metavar="C",
                      help="MoE: each expert takes at most ceil(C * T * k / E) (token, expert) "
-                          "pairs from each device's T tokens; later ones are dropped and counted "
-                          "in expert_dropped (default: never drop)")
+                          "pairs from the T tokens of each dispatch (a device's with ep, a cp "
+                          "rank's without); later ones are dropped and counted in "
+                          "expert_dropped (default: never drop)")
   train.add_argument("--microbatches", type=_positive, default=1, metavar="K",
                      help="gradient accumulation: each step sums K microbatches of "
                           "batch-size/K rows (default 1)")
@@ -533,8 +534,12 @@ def _check_memory(parser, args, cfg, name: str, sizes: dict) -> None:
     return
   lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32",
           "lora_targets": args.lora_targets}
-  est = plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=sizes, remat=args.remat,
-                      batch_size=args.batch_size // args.microbatches, dtype=args.dtype, **lora)
+  try:
+    est = plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=sizes, remat=args.remat,
+                        batch_size=args.batch_size // args.microbatches, dtype=args.dtype,
+                        capacity_factor=args.capacity_factor, **lora)
+  except ValueError as e:   # a mesh the model cannot use (ep), before any compute
+    parser.exit(2, f"cpjax train: error: --mesh: {e}\n")
   devices = math.prod(v for k, v in sizes.items() if k != "ep")
   if jax.devices()[0].platform == "cpu":
     # Emulated devices share the host: each holds its own copy or shard.

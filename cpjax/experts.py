@@ -6,8 +6,10 @@ different tokens: the context-parallel axis ``cp`` and the batch axis
 (``fsdp`` or ``dp``), as Megatron-Core folds its expert-parallel groups onto
 the data- and context-parallel ranks. With ``expert_axes`` the experts'
 leading dimension is split over those axes (``cp`` major), so each device
-stores ``E / ep`` experts and only their weights and optimizer state, and
-no expert weight is ever gathered. Tokens travel instead: each device sorts
+stores ``E / ep`` experts and only their weights and optimizer state. When
+``ep`` covers every token axis no expert weight is ever gathered (when it
+folds onto ``cp`` alone beside a batch axis, FSDP still shards each group's
+experts over that axis and gathers them where used). Tokens travel instead: each device sorts
 its (token, slot) pairs by expert, one ``all_to_all`` over the expert axes
 carries them to the devices owning their experts, the local experts run
 through ``jax.lax.ragged_dot``, and a second ``all_to_all`` brings the
@@ -17,14 +19,17 @@ Shape letters: ``T`` tokens here, ``D`` model width, ``k`` experts per
 token, ``E`` experts, ``G`` expert groups (``ep``, the product of the
 expert axes' sizes), ``R`` rows each device sends to each group.
 
-Without a capacity factor no token is ever dropped: every send buffer has
-room for all ``T * k`` pairs (the case of every token choosing one group),
-so memory for the dispatch is ``2 * G * T * k * D`` values per device. A
+Without a capacity factor no token is ever dropped: each device's block for
+each group has room for all its ``T * k`` pairs (the case of every token
+choosing one group), so the dispatch holds four buffers (sent, received,
+computed, returned) of ``G * T * k * D`` values per device. A
 ``capacity_factor`` ``c`` bounds each expert to ``C = ceil(c * T * k / E)``
-pairs from each device, in token order; later pairs are dropped (their
-expert output is zero, the token keeps its residual and shared MLP, as in
-GShard and Switch), counted in :class:`ExpertStats`, and the buffers shrink
-to ``min(T * k, E / G * C)`` rows per group.
+pairs from the ``T`` tokens of one dispatch (one device's under expert
+parallelism; without it, every batch row of the cp rank), in token order;
+later pairs are dropped (their expert output is zero, the token keeps its
+residual and shared MLP, as in GShard and Switch), counted in
+:class:`ExpertStats`, and the blocks shrink to ``min(T * k, E / G * C)``
+rows.
 
 Example (one device; an "expert" that scales its rows by ``e + 1``):
   >>> import numpy as np
@@ -126,7 +131,15 @@ def routed_experts(x, weights, expert_ids, params, expert_fn: ExpertFn, *, num_e
       raise ValueError(f"expert axis {batch!r} of size {mesh.shape[batch]} must split the "
                        f"{shape[0]} batch rows (their tokens are what it exchanges)")
     batch = None
-  here = tuple(a for a in expert_axes if a in auto)
+  nested = tuple(a for a in expert_axes if a in auto)
+  # Here (manual over cp) the experts must already be split over the expert
+  # axes that are not Auto: partition_rule(..., expert_axes=...) places them.
+  lead = {leaf.shape[0] for leaf in jax.tree.leaves(params)}
+  want = e // math.prod(mesh.shape[a] for a in expert_axes if a not in auto)
+  if lead != {want}:
+    raise ValueError(f"with expert_axes {expert_axes} the experts' parameters must have "
+                     f"leading dimension {want} here (E = {e} split over the manual ones), got "
+                     f"{sorted(lead)}: place them with partition_rule(..., expert_axes=...)")
 
   def local(x, weights, expert_ids, params):
     y, stats = _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
@@ -139,7 +152,7 @@ def routed_experts(x, weights, expert_ids, params, expert_fn: ExpertFn, *, num_e
     return local(x, weights, expert_ids, params)
   tokens = P(batch)
   return _manual(x, weights, expert_ids, params,
-                 _Manual(local, (tokens, tokens, tokens, P(here or None)), tokens, auto,
+                 _Manual(local, (tokens, tokens, tokens, P(nested or None)), tokens, auto,
                          _Saved()))
 
 
@@ -230,16 +243,16 @@ def _local(x, weights, expert_ids, params, expert_fn, e, capacity_factor):
   flat_x = x.reshape(-1, d)
   t, k = flat_x.shape[0], expert_ids.shape[-1]
   order, expert, keep, sizes = _by_expert(expert_ids, e, capacity_factor)
-  groups = sizes
+  kept = sizes
   if capacity_factor is not None:
     # Dropped pairs move past every group (ragged_dot leaves them out).
     order = order[jnp.argsort(jnp.where(keep, expert, e), stable=True)]
-    groups = jnp.minimum(sizes, _expert_capacity(t * k, e, capacity_factor))
+    kept = jnp.minimum(sizes, _expert_capacity(t * k, e, capacity_factor))
   token = order // k
-  y = expert_fn(flat_x[token], groups, params).astype(jnp.float32)
+  y = expert_fn(flat_x[token], kept, params).astype(jnp.float32)
   w = weights.reshape(-1)[order]
   if capacity_factor is not None:
-    live = jnp.arange(t * k) < jnp.sum(groups)
+    live = jnp.arange(t * k) < jnp.sum(kept)
     y, w = jnp.where(live[:, None], y, 0.0), jnp.where(live, w, 0.0)
   out = jnp.zeros((t, d), jnp.float32).at[token].add(y * w[:, None]).astype(dt)
   return out.reshape(x.shape), _stats(sizes, keep)
@@ -258,10 +271,10 @@ def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
   d, dt = x.shape[-1], x.dtype
   flat_x = x.reshape(-1, d)
   t, k = flat_x.shape[0], expert_ids.shape[-1]
-  here = e // groups
+  per_group = e // groups
   order, expert, keep, sizes = _by_expert(expert_ids, e, capacity_factor)
-  rows = min(t * k, here * _expert_capacity(t * k, e, capacity_factor))
-  group = expert // here
+  rows = min(t * k, per_group * _expert_capacity(t * k, e, capacity_factor))
+  group = expert // per_group
   # Slot of each kept pair in its group's block: kept pairs before it, minus
   # the kept pairs of earlier groups (pairs are in expert, hence group, order).
   kept_before = jnp.cumsum(keep) - keep
@@ -269,13 +282,13 @@ def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
   first = jnp.cumsum(kept_per_group) - kept_per_group
   slot = jnp.where(keep, group * rows + kept_before - first[group], groups * rows)
   send = jnp.zeros((groups * rows, d), dt).at[slot].set(flat_x[order // k], mode="drop")
-  local_expert = jnp.full((groups * rows,), here, jnp.int32).at[slot].set(expert % here,
-                                                                          mode="drop")
+  local_expert = jnp.full((groups * rows,), per_group, jnp.int32).at[slot].set(
+      expert % per_group, mode="drop")
   a2a = lambda v: jax.lax.all_to_all(v, expert_axes, 0, 0, tiled=True)
   received, received_expert = a2a(send), a2a(local_expert)
-  # Regroup by local expert; empty rows (expert id ``here``) sort last.
+  # Regroup by local expert; empty rows (expert id ``per_group``) sort last.
   regroup = jnp.argsort(received_expert, stable=True)
-  counts = jnp.bincount(received_expert, length=here + 1)[:here].astype(jnp.int32)
+  counts = jnp.bincount(received_expert, length=per_group + 1)[:per_group].astype(jnp.int32)
   out = expert_fn(received[regroup], counts, params)
   out = jnp.where((jnp.arange(groups * rows) < jnp.sum(counts))[:, None], out,
                   jnp.zeros((), out.dtype))

@@ -60,7 +60,7 @@ __all__ = ["BATCH_AXES", "batch_axis_of", "bytes_per_device", "expert_axes", "ga
 BATCH_AXES = ("dp", "fsdp")
 _AXIS_ORDER = ("dp", "fsdp", "cp", "tp")
 
-# rule(path, shape) -> PartitionSpec naming "tp" (or nothing) per dimension.
+# rule(path, shape) -> PartitionSpec naming "tp" (or an expert's axes, or nothing) per dimension.
 PartitionRule = Callable[[tuple[str, ...], tuple[int, ...]], P]
 
 

@@ -46,9 +46,10 @@ no weight gradient, ``4 N_active`` per token (plus the remat's ``2``), and
 the adapters ``6 N_a``.
 
 Expert parallelism (``mesh["ep"]``, :mod:`cpjax.experts`): the ``N_e``
-expert values are stored ``N_e / ep`` per device (``/ (ep * fsdp)`` when
-``ep`` folds onto ``cp`` alone and fsdp shards each group's experts), and
-never gathered; the gathered layer leaves its experts out. The dispatch
+expert values are stored ``N_e / ep`` per device, and the gathered layer
+leaves its experts out; when ``ep`` folds onto ``cp`` alone beside fsdp,
+fsdp also shards each group's experts (``N_e / (ep * fsdp)`` stored) and
+gathers a layer's group of them where used. The dispatch
 adds four buffers (sent, received, computed, returned) of
 ``min(ep, c) * B * L * k * D * a`` (``k`` experts per token; ``c`` the
 capacity factor, or ``ep`` when no token may be dropped: each device's
@@ -229,7 +230,7 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   a = 2 if dtype == "bfloat16" else 4
   n, active, largest = _count(cfg)
   # Expert parallelism (cpjax.experts): the experts split ep ways (and over
-  # fsdp too when ep does not fold onto it), never gathered.
+  # fsdp too when ep folds onto cp alone, then gathered per group).
   if ep > 1:
     _check_ep(cfg, mesh)
   experts = _expert_count(cfg) if ep > 1 else 0
@@ -253,6 +254,8 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   if cp > 1:
     grads *= 2
   gathered = base * (largest - experts / layers) if shards > 1 else 0
+  if experts and expert_shards > ep:   # fsdp shards each group's experts: gathered where used
+    gathered += base * experts / layers / ep
   if ep > 1:
     # Dispatch buffers, sent, received, computed and returned: ep blocks of
     # T * k rows when no token may be dropped, c * T * k rows in all with a
@@ -407,7 +410,7 @@ def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: s
   """The fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``
   (ties: the one with more memory to spare); None when none up to ``max_devices``.
   With ``expert_parallel`` each mesh folds the largest ``ep`` that divides the
-  experts onto its token axes (``cp * fsdp``, else ``cp``, else ``fsdp``)."""
+  experts onto its token axes (``cp * fsdp``, ``cp`` or ``fsdp``)."""
   best = None
   devices = 1
   while devices <= max_devices and best is None:
@@ -418,8 +421,8 @@ def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: s
         continue
       mesh = {"fsdp": fsdp, "cp": cp} if fsdp > 1 else {"cp": cp}
       if expert_parallel and cfg.text.enable_moe_block:
-        ep = next((n for n in (cp * fsdp, cp, fsdp) if n > 1 and cfg.text.num_experts % n == 0),
-                  1)
+        ep = max((n for n in (cp * fsdp, cp, fsdp) if n > 1 and cfg.text.num_experts % n == 0),
+                 default=1)
         mesh = {**mesh, "ep": ep} if ep > 1 else mesh
       plan = estimate(cfg, model=model, seq_len=seq_len, mesh=mesh, remat=remat, dtype=dtype,
                       lora_rank=lora_rank, base_dtype=base_dtype,

@@ -48,8 +48,8 @@ class HiddenStates(NamedTuple):
     head: [V, D] output projection (a tied embedding table as it is).
     logits_soft_cap: ``cap`` of ``cap * tanh(logits / cap)``, or None.
     metrics: None, or float32 arrays the training step reports beside the
-      loss, as sums over this device's tokens (the step sums them over the
-      ranks and microbatches): Gemma 4's MoE gives ``expert_tokens``
+      loss, as sums over the tokens of this cp rank, every batch row (the
+      step sums them over the cp ranks and microbatches): Gemma 4's MoE gives ``expert_tokens``
       [layers, E] and ``expert_dropped`` [layers].
   """
   hidden: jax.Array
@@ -254,8 +254,10 @@ def _loss_parts(graphdef, *, mesh, layout, axis_name, batch_axis, forward, batch
 
   default_frozen = frozen
   if mesh is None:
-    if expert_axes:
-      raise ValueError(f"expert_axes {tuple(expert_axes)} need a mesh")
+    if expert_axes or capacity_factor is not None:
+      raise ValueError(f"expert_axes {tuple(expert_axes)} and capacity_factor "
+                       f"{capacity_factor} need a mesh (one device runs every expert, "
+                       f"dropping nothing)")
 
     def single(params, batch, frozen=default_frozen):
       output = forward(merge(params, frozen), batch, None)
@@ -375,9 +377,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     def body(carry, batch):
       return jax.tree.map(jnp.add, carry, sums_and_grads(params, batch, frozen)), None
 
+    # The gradients' zeros keep the parameters' shardings (experts split over
+    # cp among them); the metrics' shapes come from the forward alone.
     first = jax.tree.map(lambda x: x[0], stacked)
-    shapes = jax.eval_shape(lambda: sums_and_grads(params, first, frozen))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    metrics = jax.eval_shape(lambda: loss_parts(params, first, frozen)[2])
+    zeros = (jnp.float32(0), jnp.float32(0),
+             jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics),
+             jax.tree.map(jnp.zeros_like, params))
     return jax.lax.scan(body, zeros, stacked)[0]
 
   def step(params, opt_state, batch, frozen=frozen):
@@ -391,8 +397,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     loss = ce_sum / denominator
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "tokens": count,
-                               "grad_norm": optax.tree.norm(grads), **metrics}
+    return params, opt_state, {**metrics, "loss": loss, "tokens": count,
+                               "grad_norm": optax.tree.norm(grads)}
 
   return TrainStep(step, mesh, frozen=frozen)
 

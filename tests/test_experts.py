@@ -123,7 +123,8 @@ def kept_by_capacity(ids, devices, capacity):
   return keep
 
 
-@pytest.mark.parametrize("shape,ep", [(dict(cp=1), 1), (dict(fsdp=2, cp=2), 4)])
+@pytest.mark.parametrize("shape,ep", [(dict(cp=1), 1), (dict(fsdp=2, cp=2), 4),
+                                      (dict(fsdp=2, cp=2), 2)])
 def test_capacity_drops_exactly_the_counted_pairs(shape, ep):
   """Capacity factor 0.5: C = ceil(0.5 * pairs / E) pairs per expert from
   each device; the later ones are dropped, counted, and contribute zero."""
@@ -149,8 +150,9 @@ def test_capacity_drops_exactly_the_counted_pairs(shape, ep):
 
 # ---------------------------------------------------------------- training
 
-def ep_step(shape, ep, layout):
-  """One SGD(1) step of tiny-moe with ``ep``-way expert parallelism."""
+def ep_step(shape, ep, layout, microbatches=1):
+  """One SGD(1) step of tiny-moe with ``ep``-way expert parallelism (over
+  ``microbatches`` accumulated microbatches of the same rows)."""
   cfg, model, graphdef, params, buffers, batch = tp.setup("tiny-moe")
   mesh = parallel.make_mesh(**shape)
   axes = parallel.expert_axes(mesh, ep)
@@ -160,7 +162,12 @@ def ep_step(shape, ep, layout):
   opt = optax.sgd(1.0)
   opt_state = parallel.shard_like_params(opt.init(placed), placed)
   sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
-  sharded, shard_layout = sharder.shard_batch(batch, mesh, batch_axis=parallel.batch_axis_of(mesh))
+  batch_axis = parallel.batch_axis_of(mesh)
+  rows = tp.B // microbatches
+  parts = [sharder.shard_batch(tp._rows(batch, i * rows, (i + 1) * rows), mesh,
+                               batch_axis=batch_axis) for i in range(microbatches)]
+  sharded, shard_layout = (parts[0] if microbatches == 1
+                           else ([p[0] for p in parts], parts[0][1]))
   step = train.make_train_step(graphdef, opt, mesh=mesh, layout=shard_layout, frozen=buffers,
                                expert_axes=axes)
   step = step.compile(placed, opt_state, sharded)
@@ -177,17 +184,18 @@ def single_device():
   return jax.device_get(new), jax.device_get(metrics)
 
 
-@pytest.mark.parametrize("shape,ep,layout", [
-    (dict(cp=2), 2, "contiguous"),                 # ep alone, on cp
-    (dict(fsdp=4), 4, "contiguous"),               # ep alone, on the batch axis
-    (dict(cp=4), 4, "load_balanced"),              # with cp, load-balanced
-    (dict(fsdp=2, cp=2), 4, "contiguous"),         # with fsdp and cp
-    (dict(fsdp=2, cp=2), 2, "load_balanced"),      # on cp; fsdp shards each group's experts
+@pytest.mark.parametrize("shape,ep,layout,microbatches", [
+    (dict(cp=2), 2, "contiguous", 1),                 # ep alone, on cp
+    (dict(fsdp=4), 4, "contiguous", 1),               # ep alone, on the batch axis
+    (dict(cp=4), 4, "load_balanced", 1),              # with cp, load-balanced
+    (dict(fsdp=2, cp=2), 4, "contiguous", 1),         # with fsdp and cp
+    (dict(fsdp=2, cp=2), 2, "load_balanced", 1),      # on cp; fsdp shards each group's experts
+    (dict(cp=2), 2, "load_balanced", 2),              # accumulated over 2 microbatches
 ])
-def test_ep_step_equals_the_single_device_step(shape, ep, layout):
+def test_ep_step_equals_the_single_device_step(shape, ep, layout, microbatches):
   want, want_metrics = single_device()
   params = tp.setup("tiny-moe")[3]
-  new, metrics, _, _ = ep_step(shape, ep, layout)
+  new, metrics, _, _ = ep_step(shape, ep, layout, microbatches)
   np.testing.assert_allclose(float(metrics["loss"]), float(want_metrics["loss"]), rtol=1e-6)
   tp.assert_same_update(new, want, params, tol=1e-4)
   # The routers saw the same tokens: the same per-expert counts, no drops.
@@ -226,7 +234,7 @@ def all_gathers_of_expert_weights(step, cfg):
   t = cfg.text
   i, d = t.moe_intermediate_size, t.hidden_size
   text = step._compiled().as_text()
-  pattern = rf"\[\d+,({2 * i},{d}|{d},{i})\]\S* all-gather"
+  pattern = rf"\[\d+,({2 * i},{d}|{d},{2 * i}|{d},{i}|{i},{d})\]\S* all-gather"   # any layout
   return [ln for ln in text.splitlines() if re.search(pattern, ln)], text
 
 
@@ -316,16 +324,19 @@ def test_readme_ep_command_runs_and_reports_the_routing(tmp_path):
     assert line["expert_dropped"] == [0] * cfg.num_hidden_layers
 
 
-@pytest.mark.parametrize("mesh,message", [
-    ("fsdp=2,cp=4,ep=3", "ep=3 does not divide the 128 experts"),
-    ("fsdp=2,cp=4,ep=16", "ep=16 must equal the size of the token axes it folds onto: cp = 4, "
-                          "the batch axis = 2 or both = 8"),
+@pytest.mark.parametrize("command,message", [
+    ("plan --model a4b --seq-len 32768 --mesh fsdp=2,cp=4,ep=3 --estimate-only",
+     "ep=3 does not divide the 128 experts"),
+    ("plan --model a4b --seq-len 32768 --mesh fsdp=2,cp=4,ep=16 --estimate-only",
+     "ep=16 must equal the size of the token axes it folds onto: cp = 4, the batch axis = 2 "
+     "or both = 8"),
+    ("train --model tiny --mesh cp=2,ep=2 --steps 1", "ep=2 needs a mixture of experts"),
+    ("train --model tiny-moe --mesh cp=2,tp=2,ep=2 --steps 1", "ep=2 does not combine with tp=2"),
 ])
-def test_cli_plan_refuses_an_ep_that_does_not_fold(mesh, message, capsys):
+def test_cli_refuses_an_ep_that_does_not_fold(command, message, capsys):
   from cpjax import cli
 
   with pytest.raises(SystemExit) as exit_:
-    cli.main(["plan", "--model", "a4b", "--seq-len", "32768", "--mesh", mesh,
-              "--estimate-only"])
+    cli.main(command.split())
   assert exit_.value.code == 2
   assert message in capsys.readouterr().err

@@ -94,16 +94,20 @@ def test_lora_compiled_plan_state_equals_the_closed_form():
   assert closed.training == "LoRA r=4 (bfloat16 base)"
 
 
-@pytest.mark.parametrize("mesh", [{"cp": 4, "ep": 4}, {"fsdp": 2, "cp": 2, "ep": 2}])
+@pytest.mark.parametrize("mesh", [{"cp": 4, "ep": 4}, {"fsdp": 2, "cp": 2, "ep": 2},
+                                  {"fsdp": 2, "cp": 2, "ep": 4}])
 def test_expert_parallel_compiled_plan_state_equals_the_closed_form(mesh):
   """ep: the experts' parameters and Adam moments split ep ways (and over
   fsdp too where ep folds onto cp alone), the rest over fsdp: compiled =
-  closed form, exactly; and the experts are 1/ep of what they were."""
+  closed form, exactly; and the experts take 1/ep (or 1/(ep x fsdp)) of
+  the whole."""
   cfg = gemma4.Gemma4Config.preset("tiny-moe")
   compiled = plan.compiled_plan(cfg, model="tiny-moe", seq_len=256, mesh=mesh)
   closed = plan.estimate(cfg, model="tiny-moe", seq_len=256, mesh=mesh, dtype="float32")
   assert compiled.params == closed.params and compiled.optimizer == closed.optimizer
   without = plan.estimate(cfg, model="tiny-moe", seq_len=256,
                           mesh={k: v for k, v in mesh.items() if k != "ep"}, dtype="float32")
-  experts = 4 * plan._expert_count(cfg) / mesh.get("fsdp", 1)
-  assert without.params - closed.params == pytest.approx(experts * (1 - 1 / mesh["ep"]))
+  fsdp, ep = mesh.get("fsdp", 1), mesh["ep"]
+  shards = ep * fsdp if ep == mesh["cp"] else ep
+  n_e = plan._expert_count(cfg)
+  assert without.params - closed.params == pytest.approx(4 * n_e / fsdp - 4 * n_e / shards)
