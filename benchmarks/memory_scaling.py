@@ -52,7 +52,7 @@ def main(argv=None) -> None:
   from cpjax import plan
 
   cfg = e2b_slice()
-  n, _, _ = plan._count(cfg)
+  n = plan._count(cfg)[0]
   grads = 4 * n
   rows = []
   for seq_len in args.seq_lens:

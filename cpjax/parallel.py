@@ -53,7 +53,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from cpjax.kernels.common import varying_axes
 
 __all__ = ["BATCH_AXES", "batch_axis_of", "bytes_per_device", "expert_axes", "gather_safe",
-           "gathered", "lookup", "make_mesh", "param_specs", "parse_mesh", "shard_params",
+           "gathered", "key_names", "lookup", "make_mesh", "param_specs", "parse_mesh", "shard_params",
            "shard_like_params"]
 
 # Mesh axes that split the rows of the batch (one of them per mesh).
@@ -171,6 +171,15 @@ def _axis_size(mesh: Mesh, name: str) -> int:
   return int(mesh.shape[name]) if name in mesh.axis_names else 1
 
 
+def key_names(path) -> tuple[str, ...]:
+  """A pytree key path as strings, as a :data:`PartitionRule` receives it.
+
+  >>> key_names(jax.tree_util.tree_leaves_with_path({"a": [0, 1]})[1][0])
+  ('a', '1')
+  """
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
   """A ``PartitionSpec`` per parameter leaf (same tree as ``params``).
 
@@ -196,7 +205,7 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
 
   def spec(path, leaf):
     shape = tuple(np.shape(leaf))
-    keys = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    keys = key_names(path)
     parts = list(rule(keys, shape)) if rule is not None else []
     if len(parts) > len(shape):
       raise ValueError(f"partition rule for {'.'.join(keys)} names {len(parts)} dimensions, "

@@ -145,8 +145,9 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=None)
-def _count(cfg) -> tuple[int, int, int]:
-  """(parameters, matmul parameters per text token, largest decoder layer's parameters)."""
+def _count(cfg) -> tuple[int, int, int, int]:
+  """(parameters, matmul parameters per text token, largest decoder layer's
+  parameters, MoE experts' parameters)."""
   import jax
   from flax import nnx
 
@@ -173,20 +174,7 @@ def _count(cfg) -> tuple[int, int, int]:
                          if t.enable_moe_block else 0)
   active += t.vocab_size * t.hidden_size
   per_layer = sum(n for p, n in sizes.items() if "per_layer_model_projection" in p)
-  return total, int(active + per_layer), max(layer)
-
-
-@functools.lru_cache(maxsize=None)
-def _expert_count(cfg) -> int:
-  """Parameters of the MoE experts (all layers)."""
-  import jax
-  from flax import nnx
-
-  from cpjax.models.gemma4 import Gemma4
-
-  model = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
-  return sum(int(np.prod(x.shape)) for p, x in jax.tree_util.tree_leaves_with_path(
-      nnx.state(model, nnx.Param)) if "'experts'" in jax.tree_util.keystr(p))
+  return total, int(active + per_layer), max(layer), experts
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,12 +216,12 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   shards = mesh.get("fsdp", 1) * tp
   rows = (batch_size or fsdp) // fsdp
   a = 2 if dtype == "bfloat16" else 4
-  n, active, largest = _count(cfg)
+  n, active, largest, all_experts = _count(cfg)
   # Expert parallelism (cpjax.experts): the experts split ep ways (and over
   # fsdp too when ep folds onto cp alone, then gathered per group).
   if ep > 1:
     _check_ep(cfg, mesh)
-  experts = _expert_count(cfg) if ep > 1 else 0
+  experts = all_experts if ep > 1 else 0
   expert_shards = ep * (mesh.get("fsdp", 1) if ep == cp else 1)
   local = seq_len // cp
   heads, kv, dh = t.num_attention_heads / tp, max(t.num_key_value_heads / tp, 1), t.head_dim

@@ -109,5 +109,5 @@ def test_expert_parallel_compiled_plan_state_equals_the_closed_form(mesh):
                           mesh={k: v for k, v in mesh.items() if k != "ep"}, dtype="float32")
   fsdp, ep = mesh.get("fsdp", 1), mesh["ep"]
   shards = ep * fsdp if ep == mesh["cp"] else ep
-  n_e = plan._expert_count(cfg)
+  n_e = plan._count(cfg)[3]
   assert without.params - closed.params == pytest.approx(4 * n_e / fsdp - 4 * n_e / shards)

@@ -42,7 +42,7 @@ from cpjax.models.gemma4.cp_batch import IMAGE_OFFSET_KEY, image_token_offsets, 
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles
 from cpjax.models.gemma4.text import DecoderLayer, embed_scale
 from cpjax.models.gemma4.vision import MultimodalEmbedder, VisionTower
-from cpjax.parallel import gathered, lookup
+from cpjax.parallel import gathered, key_names, lookup
 from cpjax.reference import reference_attention
 from cpjax.ring_attention import ring_attention
 from cpjax.sharding import ContextParallelSharder, CPContext, shard_sequence
@@ -473,9 +473,7 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
                          out_specs=P(batch_axis, axis_name))(state, sharded)
   # Experts split over the expert axes (as training stores them), the rest whole.
   rule = partition_rule(model.cfg, tp=1, expert_axes=tuple(expert_axes))
-  placement = jax.tree.map_with_path(
-      lambda path, x: rule(tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                                 for k in path), x.shape), state)
+  placement = jax.tree.map_with_path(lambda path, x: rule(key_names(path), x.shape), state)
   with jax.set_mesh(mesh):
     state = jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), state,
                          placement)
