@@ -186,6 +186,9 @@ def encode_record(record, tokenizer: CheckpointTokenizer, *,
     raise BadRecord(str(e)) from None
   except Exception as e:      # the template's own raise_exception / undefined values
     raise BadRecord(f"the chat template failed: {type(e).__name__}: {e}") from None
+  if not answer.any():        # a template whose {% generation %} blocks skip this conversation
+    raise BadRecord("the chat template's {% generation %} blocks cover none of its tokens: "
+                    "nothing of it would count in the loss")
   return {"input_ids": ids, "loss_mask": answer.astype(np.uint8), **pixels}
 
 

@@ -10,27 +10,34 @@ and gives the token ids transformers' ``AutoTokenizer`` gives:
 * :meth:`~CheckpointTokenizer.encode` is ``tokenizer(text)["input_ids"]``;
 * :meth:`~CheckpointTokenizer.render` is ``apply_chat_template(messages,
   tokenize=False)``: the same sandboxed jinja2 environment (``trim_blocks``,
-  ``lstrip_blocks``, ``loopcontrols``, the ``tojson`` filter,
-  ``raise_exception``, ``strftime_now``) fed the special tokens by name;
+  ``lstrip_blocks``, ``loopcontrols``, the ``{% generation %}`` tag, the
+  ``tojson`` filter, ``raise_exception``, ``strftime_now``) fed the special
+  tokens by name;
 * :meth:`~CheckpointTokenizer.encode_chat` is ``apply_chat_template(messages,
   tokenize=True)`` plus the answer mask: which tokens the assistant wrote.
 
-The answer mask, for templates without ``{% generation %}`` tags (Gemma 4's
+The answer mask. A template with ``{% generation %}`` ... ``{% endgeneration
+%}`` blocks says itself what the assistant writes: the answer spans are the
+characters those blocks render, and the mask is transformers'
+``apply_chat_template(..., return_assistant_tokens_mask=True)`` (TRL's
+``assistant_only_loss`` reads the same). A template without them (Gemma 4's
 has none): assistant message ``i`` owns the characters the conversation
 gains from ``messages[:i]`` to ``messages[:i + 1]``, less the common prefix
 with ``messages[:i]`` rendered with the generation prompt (the turn header
-the model is prompted with is context, not answer). A token is an answer
-token when its characters fall in one of those spans; the end-of-turn marker
+the model is prompted with is context, not answer); the end-of-turn marker
 is part of the answer (the model learns to stop), as in TRL's and NeMo's
-prompt/completion masks.
+prompt/completion masks. Either way a token is an answer token when its
+characters overlap an answer span.
 
 Shape letters: ``T`` tokens of one document.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 
@@ -41,6 +48,8 @@ __all__ = ["ANSWER_ROLE", "CheckpointTokenizer", "KNOWN_ROLES"]
 # The roles a conversation may use; the assistant's turns are the answers.
 ANSWER_ROLE = "assistant"
 KNOWN_ROLES = ("system", "developer", "user", ANSWER_ROLE, "tool")
+# How transformers tells a template that marks the assistant's text.
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def _token_text(value) -> str | None:
@@ -49,6 +58,44 @@ def _token_text(value) -> str | None:
   if isinstance(value, Mapping):
     value = value.get("content")
   return value if isinstance(value, str) else None
+
+
+def _generation_extension():
+  """The ``{% generation %}`` ... ``{% endgeneration %}`` tag, as
+  transformers' chat-template environment defines it: the block renders its
+  body unchanged and, while :func:`_answer_spans` tracks a rendering, records
+  the characters it wrote as an answer span."""
+  import jinja2
+  import jinja2.ext
+  import jinja2.nodes
+
+  class Generation(jinja2.ext.Extension):
+    tags = {"generation"}
+
+    def __init__(self, environment):
+      super().__init__(environment)
+      # (text rendered so far as a list of blocks, spans found): set only
+      # while a rendering is tracked, so plain renders ignore the tag.
+      self.tracking = contextvars.ContextVar("cpjax_generation", default=None)
+      environment.extend(generation_tracking=self.tracking)
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
+
+    def _track(self, caller):
+      text = caller()
+      tracking = self.tracking.get()
+      if tracking is not None:
+        blocks, spans = tracking
+        # The block's text is yielded after everything generate() has
+        # yielded so far, so its start is their joined length.
+        start = sum(len(b) for b in blocks)
+        spans.append((start, start + len(text)))
+      return text
+
+  return Generation
 
 
 def _compile(template: str):
@@ -66,12 +113,27 @@ def _compile(template: str):
                       sort_keys=sort_keys)
 
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[jinja2.ext.loopcontrols])
+                                      extensions=[_generation_extension(),
+                                                  jinja2.ext.loopcontrols])
   env.filters["tojson"] = tojson
   env.globals.update(raise_exception=raise_exception,
                      strftime_now=lambda fmt: datetime.now().strftime(fmt),
                      dict=dict, namespace=jinja2.utils.Namespace)
   return env.from_string(template)
+
+
+def _answer_spans(compiled, **context) -> tuple[str, list[tuple[int, int]]]:
+  """``(text, spans)``: the template rendered with ``context``, and the
+  ``[start, end)`` characters of each ``{% generation %}`` block in it."""
+  blocks, spans = [], []
+  tracking = compiled.environment.generation_tracking
+  token = tracking.set((blocks, spans))
+  try:
+    for block in compiled.generate(**context):
+      blocks.append(block)
+  finally:
+    tracking.reset(token)
+  return "".join(blocks), spans
 
 
 class CheckpointTokenizer:
@@ -149,17 +211,32 @@ class CheckpointTokenizer:
     return i
 
   # ------------------------------------------------------------------ chat
-  def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = False,
-             **template_kwargs) -> str:
-    """The conversation as the chat template writes it (a string)."""
+  @property
+  def marks_generation(self) -> bool:
+    """Whether the chat template marks the assistant's text with ``{%
+    generation %}`` blocks (then they are the answer spans)."""
+    return self.chat_template is not None and bool(_GENERATION_TAG.search(self.chat_template))
+
+  def _template(self):
     if self.chat_template is None:
       raise ValueError(f"{self.path} has no chat template (chat_template.jinja or "
                        f"tokenizer_config.json's chat_template): conversations need one")
     if self._compiled is None:
       self._compiled = _compile(self.chat_template)
-    return self._compiled.render(messages=list(messages), tools=None, documents=None,
-                                 add_generation_prompt=add_generation_prompt,
-                                 **{**self.special_tokens, **template_kwargs})
+    return self._compiled
+
+  def _context(self, messages, add_generation_prompt: bool, template_kwargs) -> dict:
+    """What apply_chat_template passes the template (its keyword arguments
+    override the special tokens)."""
+    return dict(messages=list(messages), tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **template_kwargs})
+
+  def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = False,
+             **template_kwargs) -> str:
+    """The conversation as the chat template writes it (a string)."""
+    return self._template().render(**self._context(messages, add_generation_prompt,
+                                                   template_kwargs))
 
   def encode_chat(self, messages: Sequence[Mapping], *, soft_tokens: Sequence[int] = (),
                   **template_kwargs) -> tuple[np.ndarray, np.ndarray]:
@@ -171,13 +248,34 @@ class CheckpointTokenizer:
     template writes (``image_token``) becomes ``boi_token + image_token *
     soft_tokens[k] + eoi_token``; image tokens are never answer tokens.
 
-    Raises ``ValueError`` naming the message when the template renders an
-    earlier part of the conversation differently from the whole (then the
-    answer spans cannot be read off the rendering), and when the rendering
-    holds a different number of image placeholders than ``soft_tokens``.
+    Raises ``ValueError`` naming the message when a template without
+    generation tags renders an earlier part of the conversation differently
+    from the whole (then the answer spans cannot be read off the
+    rendering), and when the rendering holds a different number of image
+    placeholders than ``soft_tokens``.
     """
     check_messages(messages)
-    full = self.render(messages, **template_kwargs)
+    if self.marks_generation:
+      full, spans = _answer_spans(self._template(),
+                                  **self._context(messages, False, template_kwargs))
+    else:
+      full = self.render(messages, **template_kwargs)
+      spans = self._prefix_spans(messages, full, template_kwargs)
+    full, spans = self._expand_images(full, spans, list(soft_tokens))
+    encoding = self.backend.encode(full, add_special_tokens=False)
+    answer = np.zeros(len(encoding.ids), bool)
+    for t, (lo, hi) in enumerate(encoding.offsets):
+      # A token belongs to the answer when it overlaps an answer span.
+      answer[t] = any(lo < end and hi > start for start, end in spans)
+    ids = np.asarray(encoding.ids, np.int32)
+    if "image_token" in self.special_tokens:
+      answer &= ids != self.token_id(self.special_tokens["image_token"])
+    return ids, answer
+
+  def _prefix_spans(self, messages, full: str, template_kwargs) -> list[tuple[int, int]]:
+    """The answer spans in ``full`` (the whole rendering) of a template
+    without generation tags: what each assistant message adds, less its
+    turn header."""
     spans = []
     for i, message in enumerate(messages):
       if message["role"] != ANSWER_ROLE:
@@ -190,16 +288,7 @@ class CheckpointTokenizer:
                          f"answer tokens cannot be told apart")
       start = len(os.path.commonprefix([prompt, end]))
       spans.append((start, len(end)))
-    full, spans = self._expand_images(full, spans, list(soft_tokens))
-    encoding = self.backend.encode(full, add_special_tokens=False)
-    answer = np.zeros(len(encoding.ids), bool)
-    for t, (lo, hi) in enumerate(encoding.offsets):
-      # A token belongs to the answer when it overlaps an answer span.
-      answer[t] = any(lo < end and hi > start for start, end in spans)
-    ids = np.asarray(encoding.ids, np.int32)
-    if "image_token" in self.special_tokens:
-      answer &= ids != self.token_id(self.special_tokens["image_token"])
-    return ids, answer
+    return spans
 
   def _expand_images(self, text: str, spans, soft_tokens: list[int]):
     """The text with each image placeholder expanded, and the answer spans

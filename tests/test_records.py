@@ -89,6 +89,28 @@ def test_loss_counts_exactly_the_assistant_tokens_through_packing_and_sharding(c
     np.testing.assert_array_equal(np.asarray(back["labels"]), batch["labels"])
 
 
+def test_a_template_with_generation_tags_keeps_every_conversation(tmp_path):
+  """prepare-data on a checkpoint whose template marks the assistant's text
+  with {% generation %} (here its content alone, not the end of turn):
+  nothing is dropped and the loss counts exactly the tagged tokens; a
+  conversation the blocks skip is reported, not trained on."""
+  from tests.test_tokenizer import TAGGED_TEMPLATES
+
+  d = gemma_style_tokenizer(str(tmp_path / "tok"), texts_of(GOOD), vocab_size=400,
+                            template=TAGGED_TEMPLATES["content_only"])
+  tok = CheckpointTokenizer(d)
+  by_hand = sum(len(tok.encode(r["text"])) - 1 if "text" in r else
+                sum(len(tok.encode(m["content"].strip(), add_special_tokens=False))
+                    for m in r["messages"] if m["role"] == "assistant") for r in GOOD)
+  lines = GOOD + [{"messages": [{"role": "user", "content": "a"},
+                                {"role": "assistant", "content": "   "}]}]   # an empty block
+  summary = prepare_data(write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "corpus",
+                         checkpoint=d, seq_len=128, progress=False)
+  assert (summary.documents, summary.target_tokens) == (len(GOOD), by_hand)
+  ((line, reason),) = summary.dropped
+  assert line == len(GOOD) + 1 and "{% generation %} blocks cover none of its tokens" in reason
+
+
 def test_bad_records_are_dropped_and_reported_by_line(checkpoint, tmp_path):
   long_text = {"text": " ".join(["plus"] * 200)}
   lines = [GOOD[0],                                                       # 1 ok

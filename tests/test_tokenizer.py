@@ -83,22 +83,95 @@ def test_ids_equal_autotokenizer_and_apply_chat_template(checkpoint):
     assert ids.dtype == np.int32 and ids.tolist() == expected
 
 
-def test_answer_mask_equals_transformers_generation_mask(checkpoint, tmp_path):
-  transformers = pytest.importorskip("transformers")
-  tagged = str(tmp_path)
+# Templates that mark the assistant's text themselves, each tried as
+# transformers reads it: the tags around the content and the end-of-turn
+# marker; around the content alone (the end of turn is then context); on
+# lines of their own, where trim_blocks removes the newline after each tag
+# and the newline inside the block stays; and with whitespace control.
+TAGGED_TEMPLATES = {
+    "content_and_end_of_turn": TAGGED_TEMPLATE,
+    "content_only": TAGGED_TEMPLATE.replace(
+        "{{ '<turn|>\\n' }}{% endgeneration %}", "{% endgeneration %}{{ '<turn|>\\n' }}"),
+    "block_lines": """{{ bos_token }}
+{% for message in messages %}
+{% if message['role'] == 'assistant' %}
+<|turn>model
+{% generation %}
+{{ message['content'] if message['content'] is string else message['content'][0]['text'] }}<turn|>
+{% endgeneration %}
+{% else %}
+<|turn>{{ message['role'] }}
+{{ message['content'] if message['content'] is string else message['content'][0]['text'] }}<turn|>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|turn>model
+{% endif %}""",
+    "whitespace_control": "{{ bos_token }}{%- for m in messages -%}"
+                          "{{ '<|turn>' + m['role'] + '\\n' }}"
+                          "{%- if m['role'] == 'assistant' %} {%- generation -%} "
+                          "{{ m['content'] | trim }}<turn|> {%- endgeneration -%}"
+                          "{% else %}{{ m['content'] if m['content'] is string "
+                          "else m['content'][0]['text'] }}<turn|>{% endif %}\n"
+                          "{%- endfor -%}",
+}
+
+
+def _with_template(checkpoint, directory, template):
   for name in ("tokenizer.json", "tokenizer_config.json"):
-    with open(os.path.join(checkpoint, name)) as src, open(os.path.join(tagged, name), "w") as dst:
+    with open(os.path.join(checkpoint, name)) as src, open(os.path.join(directory, name), "w") as dst:
       dst.write(src.read())
-  with open(os.path.join(tagged, "chat_template.jinja"), "w") as f:
-    f.write(TAGGED_TEMPLATE)
+  with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+    f.write(template)
+  return str(directory)
+
+
+def test_answer_mask_equals_transformers_generation_mask(checkpoint, tmp_path):
+  """Without tags, the prefix method gives the mask transformers reads off the
+  same template with tags around the assistant's content and end of turn."""
+  transformers = pytest.importorskip("transformers")
+  tagged = _with_template(checkpoint, tmp_path, TAGGED_TEMPLATE)
   hf = transformers.AutoTokenizer.from_pretrained(tagged)
   ours = CheckpointTokenizer(checkpoint)          # the untagged template
+  assert not ours.marks_generation
   for messages in CONVERSATIONS:
     out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
                                  return_assistant_tokens_mask=True)
     ids, answer = ours.encode_chat(messages)
     assert ids.tolist() == out["input_ids"]
     np.testing.assert_array_equal(answer, np.asarray(out["assistant_masks"], bool))
+
+
+@pytest.mark.parametrize("name", sorted(TAGGED_TEMPLATES))
+def test_generation_tags_are_the_answer_as_transformers_reads_them(checkpoint, tmp_path, name):
+  transformers = pytest.importorskip("transformers")
+  tagged = _with_template(checkpoint, tmp_path, TAGGED_TEMPLATES[name])
+  hf = transformers.AutoTokenizer.from_pretrained(tagged)
+  ours = CheckpointTokenizer(tagged)
+  assert ours.marks_generation
+  for messages in CONVERSATIONS:
+    assert ours.render(messages) == hf.apply_chat_template(messages, tokenize=False)
+    out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+    ids, answer = ours.encode_chat(messages)
+    assert ids.tolist() == out["input_ids"]
+    assert answer.any()
+    np.testing.assert_array_equal(answer, np.asarray(out["assistant_masks"], bool))
+
+
+def test_generation_tags_by_hand(tmp_path):
+  """The tokens the blocks cover, decoded, for tags around the content alone
+  and for tags whose newline trim_blocks removes."""
+  for name, kept in (("content_only", ["The quick brown fox.", "ring attention"]),
+                     ("block_lines", ["The quick brown fox.<turn|>\n",
+                                      " ring attention \n<turn|>\n"])):
+    d = gemma_style_tokenizer(str(tmp_path / name), CORPUS, vocab_size=400,
+                              template=TAGGED_TEMPLATES[name])
+    tok = CheckpointTokenizer(d)
+    ids, answer = tok.encode_chat(CONVERSATIONS[1])
+    cuts = np.flatnonzero(np.diff(answer.astype(int))) + 1
+    runs = zip(np.split(ids, cuts), np.split(answer, cuts))
+    assert [tok.backend.decode(r.tolist(), skip_special_tokens=False)
+            for r, a in runs if a[0]] == kept, name
 
 
 def test_answer_tokens_are_the_assistant_turns_by_hand(tmp_path):
