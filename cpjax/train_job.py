@@ -128,7 +128,7 @@ def _host(x) -> float:
 def _checkpoint_sharding(cfg, mesh, rule):
   """``sharding(key, shape)`` for ``Gemma4.from_pretrained``: each parameter as
   the training step keeps it (:func:`cpjax.parallel.param_specs`); buffers
-  stay off the mesh (the step closes over them, as over the random-init ones)."""
+  replicated on the mesh, where every jitted program that reads them runs."""
   from flax import nnx
 
   from cpjax import parallel
@@ -150,7 +150,7 @@ def _checkpoint_sharding(cfg, mesh, rule):
     node = specs
     for name in key.split("."):
       if not isinstance(node, dict) or name not in node:
-        return None                     # a buffer (layer_scalar, clip bounds)
+        return None                     # a buffer (layer_scalar, clip bounds): replicated
       node = node[name]
     return node
 
@@ -220,11 +220,48 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
 
   summary = {"job": dataclasses.asdict(job)}
   hooks = _hooks(job, trainer, data, batches, layout, checkpointer, first_step, summary, log)
-  losses, real_tokens, times = _loop(job, trainer, data, step, sharded, batches, layout,
-                                     first_step=first_step, hooks=hooks)
+  try:
+    losses, real_tokens, times = _loop(job, trainer, data, step, sharded, batches, layout,
+                                       first_step=first_step, hooks=hooks)
+  except _HookFailed as failure:
+    # What was trained is saved before the error ends the run.
+    saved = _save_after_failure(job, trainer, data, checkpointer, failure.step, summary, log)
+    _close(hooks)
+    raise RuntimeError(f"the {failure.name} hook failed after step {failure.step}: "
+                       f"{type(failure.error).__name__}: {failure.error} ({saved})"
+                       ) from failure.error
+  _close(hooks)
+  return _report(job, trainer, step, summary, losses, real_tokens, times, first_step, log)
+
+
+class _HookFailed(Exception):
+  """A hook raised after step ``step`` (counted from 1)."""
+
+  def __init__(self, name: str, step: int, error: BaseException):
+    super().__init__(name, step, error)
+    self.name, self.step, self.error = name, step, error
+
+
+def _close(hooks) -> None:
   for hook in hooks:            # a hook that holds a file or a writer closes it
     getattr(hook, "close", lambda: None)()
-  return _report(job, trainer, step, summary, losses, real_tokens, times, first_step, log)
+
+
+def _save_after_failure(job: TrainJob, trainer, data, checkpointer, step: int, summary: dict,
+                        log) -> str:
+  """Saves the training state after ``step`` (``--state-dir``, unless the
+  checkpoint hook already did) and the ``--save`` output; says what was saved."""
+  saved = []
+  if checkpointer is not None:
+    if checkpointer.latest_step() != step:
+      checkpointer.maybe_save(step, params=trainer.params, opt_state=trainer.opt_state,
+                              data_state=data.state(), run=_run_identity(job, trainer.cfg),
+                              force=True)
+    saved.append(f"the train state after step {step} is in {job.state_dir}")
+  if job.save:
+    summary["saved"] = _save_model(job, trainer, log)
+    saved.append(f"the weights after step {step} are in {job.save}")
+  return "; ".join(saved) or "nothing was saved: no --save or --state-dir"
 
 
 # ------------------------------------------------------------------ the phases
@@ -291,7 +328,7 @@ def _build(job: TrainJob) -> _Trainer:
     # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
     graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
   else:
-    model, graphdef, params, frozen = _lora(job, model, mesh)
+    model, graphdef, params, frozen = _lora(job, model)
     description += (f", LoRA r={job.lora_rank} alpha={job.lora_alpha:g} on "
                     f"{len(lora.adapted_modules(model))} projections "
                     f"({lora.lora_param_count(model):,} adapter values; base frozen in "
@@ -306,8 +343,10 @@ def _build(job: TrainJob) -> _Trainer:
   reference = (jax.tree.map(lambda x: jax.device_put(np.asarray(x), devices[0]),
                             (params, frozen)) if job.parity_check else None)
   params = parallel.shard_params(params, mesh, specs)
-  if job.lora_rank is not None:
-    frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
+  # What the step only reads lives on the mesh too (a random init's buffers
+  # are uncommitted, a checkpoint's are read there): jitted programs over the
+  # mesh (the step, validation) refuse arrays committed elsewhere.
+  frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
   opt_state = parallel.shard_like_params(optimizer.init(params), params)
   return _Trainer(cfg=cfg, mesh=mesh, rows=rows, batch_axis=parallel.batch_axis_of(mesh),
                   sharder=sharder, graphdef=graphdef, frozen=frozen, optimizer=optimizer,
@@ -315,22 +354,11 @@ def _build(job: TrainJob) -> _Trainer:
                   description=description, expert_axes=expert_axes)
 
 
-def _lora(job: TrainJob, model, mesh):
+def _lora(job: TrainJob, model):
   """``(model, graphdef, adapters, frozen)``: ``model`` with LoRA adapters
   (:func:`cpjax.lora.apply_lora`) split for the step."""
-  import jax
-  from flax import nnx
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
   from cpjax import lora
 
-  # The adapters are made by running the model once, eagerly: every array
-  # must be on the mesh (a checkpoint's buffers are read onto one device).
-  graphdef, state = nnx.split(model)
-  on_mesh = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)  # noqa: E731
-  state = jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, NamedSharding(mesh, P())),
-                       state)
-  model = nnx.merge(graphdef, state)
   try:
     settings = lora.LoraSettings(rank=job.lora_rank, alpha=job.lora_alpha,
                                  targets=job.lora_targets or lora.DEFAULT_LORA_TARGETS)
@@ -500,7 +528,10 @@ def _loop(job: TrainJob, trainer: _Trainer, data: _Data, step, sharded, batches,
       if key in metrics:
         record[key] = np.asarray(jax.device_get(metrics[key])).astype(int).tolist()
     for hook in hooks:
-      hook(i, metrics, record)
+      try:
+        hook(i, metrics, record)
+      except Exception as e:
+        raise _HookFailed(hook.name, i + 1, e) from e
     losses.append(loss)
     real_tokens += tokens
     bar.set_postfix(loss=f"{loss:.3f}")
@@ -514,21 +545,26 @@ def _hooks(job: TrainJob, trainer: _Trainer, data: _Data, batches, layout, check
            first_step: int, summary: dict, log) -> list:
   """The periodic work, in order (a later hook reads what an earlier one
   wrote into the step's record): parity at step 1, validation, the metrics
-  file, TensorBoard, checkpoints."""
+  file, TensorBoard, checkpoints. Each carries its ``name`` for errors."""
   hooks = []
+
+  def add(name, hook):
+    hook.name = name
+    hooks.append(hook)
+
   if job.parity_check and first_step == 0:
-    hooks.append(_parity_hook(job, trainer, batches, summary, log))
+    add("parity check", _parity_hook(job, trainer, batches, summary, log))
   if job.eval_data:
-    hooks.append(_eval_hook(job, trainer, layout, summary, log))
+    add("validation", _eval_hook(job, trainer, layout, summary, log))
   metrics_file = job.metrics or (os.path.join(job.state_dir, "metrics.jsonl")
                                  if job.state_dir else None)
   if metrics_file:
-    hooks.append(_metrics_hook(metrics_file, learning_rate_schedule(job), first_step))
+    add("metrics file", _metrics_hook(metrics_file, learning_rate_schedule(job), first_step))
     summary["metrics_file"] = metrics_file
   if job.tensorboard:
-    hooks.append(_tensorboard_hook(job.tensorboard, learning_rate_schedule(job)))
+    add("TensorBoard", _tensorboard_hook(job.tensorboard, learning_rate_schedule(job)))
   if checkpointer is not None:
-    hooks.append(_save_hook(job, trainer, data, checkpointer, log))
+    add("checkpoint", _save_hook(job, trainer, data, checkpointer, log))
   return hooks
 
 
@@ -598,8 +634,8 @@ def _save_hook(job: TrainJob, trainer: _Trainer, data: _Data, checkpointer, log)
 
   def close():
     checkpointer.wait()
+    log(f"train state after step {checkpointer.latest_step()} saved to {job.state_dir}")
     checkpointer.close()
-    log(f"train state after step {job.steps} saved to {job.state_dir}")
 
   hook.close = close
   return hook
@@ -717,14 +753,34 @@ def _external_write():
   return tqdm.external_write_mode()        # a line of its own, not inside the bar
 
 
-# ------------------------------------------------------------------ the report
-def _report(job: TrainJob, trainer: _Trainer, step, summary: dict, losses, real_tokens, times,
-            first_step: int, log) -> dict:
+def _save_model(job: TrainJob, trainer: _Trainer, log) -> list[str] | None:
+  """``--save``: the trained model as a Hugging Face checkpoint, or the LoRA
+  adapter as PEFT's files (or merged into the base); the files written."""
+  if not job.save:
+    return None
   import jax
   from flax import nnx
 
   from cpjax import lora
 
+  trained = nnx.merge(trainer.graphdef, *jax.device_get((trainer.params, trainer.frozen)))
+  if job.lora_rank is not None and not job.merge_lora:
+    files = lora.save_adapter(trained, job.save, base_model_name_or_path=job.checkpoint)
+    log(f"saved the LoRA adapter to {job.save} (PEFT's adapter_config.json and "
+        f"adapter_model.safetensors)")
+    return files
+  if job.lora_rank is not None:
+    trained = lora.merge_lora(trained)
+  files = trained.save_pretrained(job.save)
+  merged = " with the LoRA adapter merged in" if job.lora_rank is not None else ""
+  log(f"saved a Hugging Face checkpoint{merged} to {job.save} ({len(files)} safetensors "
+      f"file(s))")
+  return files
+
+
+# ------------------------------------------------------------------ the report
+def _report(job: TrainJob, trainer: _Trainer, step, summary: dict, losses, real_tokens, times,
+            first_step: int, log) -> dict:
   mem = step.memory_analysis()
   steady = times[1:] or times
   tokens_per_step = real_tokens / len(times)
@@ -743,19 +799,7 @@ def _report(job: TrainJob, trainer: _Trainer, step, summary: dict, losses, real_
       f"{summary['tokens_per_s']:.0f} real tokens/s after the first step "
       f"(first step {times[0]:.1f} s)")
   if job.save:
-    trained = nnx.merge(trainer.graphdef, *jax.device_get((trainer.params, trainer.frozen)))
-    if job.lora_rank is not None and not job.merge_lora:
-      files = lora.save_adapter(trained, job.save, base_model_name_or_path=job.checkpoint)
-      log(f"saved the LoRA adapter to {job.save} (PEFT's adapter_config.json and "
-          f"adapter_model.safetensors)")
-    else:
-      if job.lora_rank is not None:
-        trained = lora.merge_lora(trained)
-      files = trained.save_pretrained(job.save)
-      merged = " with the LoRA adapter merged in" if job.lora_rank is not None else ""
-      log(f"saved a Hugging Face checkpoint{merged} to {job.save} ({len(files)} safetensors "
-          f"file(s))")
-    summary["saved"] = files
+    summary["saved"] = _save_model(job, trainer, log)
   log(f"per-device memory of the compiled step: scratch {summary['scratch_mib_per_device']:.1f} MiB, "
       f"arguments {summary['arguments_mib_per_device']:.1f} MiB")
   return summary

@@ -1,5 +1,7 @@
 """Small helpers for the tests."""
 
+import os
+
 import jax
 import pytest
 
@@ -14,3 +16,41 @@ def cp_mesh(cp: int, *leading: tuple[str, int]):
   if len(jax.devices()) < need:
     pytest.skip(f"needs {need} devices, have {len(jax.devices())}")
   return jax.make_mesh(shape, names, devices=jax.devices()[:need])
+
+
+EXAMPLE_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "cpjax", "examples",
+                                 "chat")
+
+
+def write_transformers_checkpoint(directory: str, kind: str, *, seed: int = 0) -> str:
+  """A tiny Gemma 4 as a user downloads one, every file written by
+  transformers: ``Gemma4ForConditionalGeneration.save_pretrained`` (config,
+  weights, buffers; every persistent tensor random) and
+  ``AutoTokenizer.save_pretrained`` of the shipped chat example's tokenizer
+  and template. ``kind``: ``"dense"`` (E2B-like: per-layer inputs, K/V
+  sharing, clipped vision linears) or ``"moe"`` (26B-A4B-like: 4 experts,
+  top-2, k_eq_v, vision). The vocabulary is the tokenizer's (512), with its
+  image markers' ids."""
+  import sys
+
+  import transformers
+
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "gemma4"))
+  import make_fixtures
+  import torch
+
+  name = {"dense": "ple_kv_sharing", "moe": "moe_k_eq_v_vision"}[kind]
+  tokenizer = transformers.AutoTokenizer.from_pretrained(EXAMPLE_TOKENIZER)
+  spec = make_fixtures.MODELS[name]
+  text = dict(spec["text"], vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer))
+  ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in
+         (("boi_token_id", "<|image>"), ("image_token_id", "<|image|>"),
+          ("eoi_token_id", "<image|>"))}
+  cfg = transformers.Gemma4Config(text_config=text, vision_config=dict(spec["vision"]),
+                                  audio_config=None, **ids)
+  torch.manual_seed(seed)
+  model = transformers.Gemma4ForConditionalGeneration(cfg).eval()
+  make_fixtures.randomize(model, seed)
+  model.save_pretrained(directory)
+  tokenizer.save_pretrained(directory)
+  return directory

@@ -141,6 +141,12 @@ def test_sharded_save_with_index_and_placement_on_a_mesh(tmp_path):
   states_equal(model, loaded)
   emb = checkpoint_keys(loaded)["model.language_model.embed_tokens.weight"].get_value()
   assert emb.sharding.spec == jax.P("fsdp")
+  # Buffers too (layer_scalar): a jitted program over the mesh refuses an
+  # array committed to one device.
+  for key, var in checkpoint_keys(loaded).items():
+    assert var.get_value().sharding.mesh == mesh, key
+  assert not isinstance(checkpoint_keys(loaded)["model.language_model.layers.0.layer_scalar"],
+                        nnx.Param)
 
 
 @pytest.mark.parametrize("chunk_bytes, host_writes", [(1 << 30, True), (4096, True),

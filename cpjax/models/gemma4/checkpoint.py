@@ -183,9 +183,9 @@ def load_pretrained(cls, path, *, dtype=jnp.float32, mesh: Mesh | None = None,
   """``cls`` (a :class:`Gemma4`) with the weights of the checkpoint in ``path``.
 
   ``dtype`` is both the parameter and the activation dtype (transformers'
-  ``dtype=``). With ``mesh``, every tensor is placed there as it is read:
-  replicated, or as ``sharding(key, shape)`` says (a ``PartitionSpec``, or
-  None to keep that tensor off the mesh, on the default device).
+  ``dtype=``). With ``mesh``, every tensor, buffers included, is placed
+  there as it is read: as ``sharding(key, shape)`` says (a
+  ``PartitionSpec``), or replicated (no ``sharding``, or None for that key).
   """
   path = os.fspath(path)
   cfg = Gemma4Config.from_hf(path)
@@ -207,8 +207,8 @@ def load_pretrained(cls, path, *, dtype=jnp.float32, mesh: Mesh | None = None,
                        f"expects {list(var.get_value().shape)}")
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   for key, var in wanted.items():
-    spec = None if mesh is None else P() if sharding is None else sharding(key, shapes[key])
-    target = default if spec is None else NamedSharding(mesh, spec)
+    spec = None if sharding is None or mesh is None else sharding(key, shapes[key])
+    target = default if mesh is None else NamedSharding(mesh, P() if spec is None else spec)
     abstract = var.get_value()
     var.set_value(_load_tensor(weight_map[key], key, shapes[key], abstract.dtype, target))
   return model
