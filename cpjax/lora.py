@@ -43,6 +43,7 @@ Shape letters: ``I`` a projection's input width, ``O`` its output width,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -243,8 +244,11 @@ def apply_lora(model: nnx.Module, *example_inputs, rank: int, alpha: float = 8.0
   if remat not in (None, "none"):
     model.remat = "none"
   try:
-    adapted = qwix.apply_lora_to_model(model, _provider(module_path, settings), *example_inputs,
-                                       rngs=nnx.Rngs(seed), methods=(method,), **example_kwargs)
+    with _auto_typed(model) as restore:
+      adapted = qwix.apply_lora_to_model(model, _provider(module_path, settings),
+                                         *example_inputs, rngs=nnx.Rngs(seed),
+                                         methods=(method,), **example_kwargs)
+      restore(adapted)
   finally:
     if remat not in (None, "none"):
       model.remat = remat
@@ -258,6 +262,53 @@ def apply_lora(model: nnx.Module, *example_inputs, rank: int, alpha: float = 8.0
                      f"{' ...' if len(missing) > 6 else ''}")
   adapted.lora_settings = settings
   return adapted
+
+
+def _retyped(model: nnx.Module, retype) -> None:
+  """Re-places every array of ``model`` on the mesh ``retype(mesh)`` with the
+  same devices and spec (no data moves), in place."""
+  from jax.sharding import NamedSharding
+
+  graphdef, state = nnx.split(model)
+
+  def place(x):
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+      return x
+    mesh = retype(sharding.mesh)
+    return x if mesh is sharding.mesh else jax.device_put(x, NamedSharding(mesh, sharding.spec))
+
+  nnx.update(model, jax.tree.map(place, state))
+
+
+@contextlib.contextmanager
+def _auto_typed(model: nnx.Module):
+  """The model's arrays typed on all-Auto meshes while the creation pass runs
+  eagerly: Explicit sharding has no typing rule for every operation
+  (``lax.ragged_dot``, which MoE experts run, raises under it), and the
+  pass needs none. Values and placement do not change. Yields
+  ``restore(model)``, which types a model's arrays back (the adapted copy's
+  too); ``model``'s own are restored on exit."""
+  from jax.sharding import AxisType
+
+  explicit = {}                 # Auto view -> the mesh it views
+
+  def auto(mesh):
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+      return mesh
+    view = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    explicit[view] = mesh
+    return view
+
+  def restore(m):
+    _retyped(m, lambda mesh: explicit.get(mesh, mesh))
+
+  _retyped(model, auto)
+  try:
+    yield restore
+  finally:
+    restore(model)
 
 
 def split_lora(model: nnx.Module):

@@ -1,6 +1,7 @@
-"""LoRA (cpjax.lora, with qwix) on Gemma 4: fresh adapters change nothing,
-adapter gradients equal a dense model whose weights hold ``W + B A * alpha / r``,
-and the CP step equals the single-device step on cp and fsdp x cp x tp meshes."""
+"""LoRA (cpjax.lora, with qwix) on Gemma 4, dense and MoE: fresh adapters
+change nothing, adapter gradients equal a dense model whose weights hold ``W
++ B A * alpha / r``, and the CP step equals the single-device step on cp,
+fsdp x cp x tp and expert-parallel meshes."""
 
 import functools
 import os
@@ -16,7 +17,10 @@ from cpjax.models import gemma4
 from cpjax.models.gemma4.partitioning import partition_rule
 from tests.test_gemma4 import FIXTURES, assert_grads_close, training_batch
 
-NAME = "ple_kv_sharing"      # written by transformers: PLE, K/V sharing, a vision tower
+# Written by transformers: E2B-like (PLE, K/V sharing, a vision tower) and
+# 26B-A4B-like (experts beside the dense MLP, k_eq_v, a vision tower).
+NAME, MOE = "ple_kv_sharing", "moe_k_eq_v_vision"
+BOTH = pytest.mark.parametrize("name", [NAME, MOE])
 RANK, ALPHA = 4, 8.0
 
 
@@ -28,9 +32,9 @@ def randomize_adapters(model, seed=0, scale=0.05):
 
 
 @functools.cache
-def adapted(remat="none"):
-  model, batch = training_batch(NAME)
-  model = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, NAME), remat=remat)
+def adapted(remat="none", name=NAME):
+  model, batch = training_batch(name)
+  model = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name), remat=remat)
   model = lora.apply_lora(model, rank=RANK, alpha=ALPHA)
   randomize_adapters(model)
   return model, gemma4.prepare_batch(batch, model.cfg)
@@ -41,15 +45,19 @@ def mean_loss(loss_sums):
 
 
 @functools.cache
-def single_device(remat="none"):
-  model, batch = adapted(remat)
+def single_device(remat="none", name=NAME):
+  model, batch = adapted(remat, name)
   graphdef, adapters, frozen = lora.split_lora(model)
   loss = train.make_loss_fn(graphdef, frozen=frozen)
   return jax.jit(jax.value_and_grad(mean_loss(lambda p: loss(p, batch))))(adapters)
 
 
-def test_default_targets_are_the_decoder_projections():
-  model, _ = adapted()
+@BOTH
+def test_default_targets_are_the_decoder_projections(name):
+  """The attention and dense MLP projections; never the MoE experts (3-D
+  tensors run by ragged_dot, which PEFT reaches only through
+  target_parameters)."""
+  model, _ = adapted(name=name)
   cfg = model.cfg.text
   want = set()
   for i in range(cfg.num_hidden_layers):
@@ -57,7 +65,10 @@ def test_default_targets_are_the_decoder_projections():
     want |= {prefix + f"self_attn.{p}" for p in ("q_proj", "o_proj")}
     want |= {prefix + f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
     if cfg.kv_sharing_modes[i] != "reuse":       # a K/V-sharing layer has no k/v projection
-      want |= {prefix + "self_attn.k_proj", prefix + "self_attn.v_proj"}
+      want |= {prefix + "self_attn.k_proj"}
+      # k_eq_v: full-attention layers have no v projection (V is K).
+      if not (cfg.attention_k_eq_v and cfg.layer_types[i] == "full_attention"):
+        want |= {prefix + "self_attn.v_proj"}
   assert set(lora.adapted_modules(model)) == want
   a = model.model.language_model.layers[0].self_attn.q_proj.weight_lora_a
   b = model.model.language_model.layers[0].self_attn.q_proj.weight_lora_b
@@ -67,9 +78,10 @@ def test_default_targets_are_the_decoder_projections():
       RANK * sum(w.weight.shape) for w in lora.adapted_modules(model).values())
 
 
-def test_fresh_adapters_leave_the_logits_exactly_unchanged():
-  model, batch = training_batch(NAME)
-  base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, NAME))
+@BOTH
+def test_fresh_adapters_leave_the_logits_exactly_unchanged(name):
+  model, batch = training_batch(name)
+  base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name))
   batch = gemma4.prepare_batch(batch, base.cfg)
   fresh = lora.apply_lora(base, rank=RANK, alpha=ALPHA)
   a = fresh.model.language_model.layers[1].mlp.up_proj.weight_lora_a[...]
@@ -77,11 +89,11 @@ def test_fresh_adapters_leave_the_logits_exactly_unchanged():
   chex.assert_trees_all_equal(fresh(batch), base(batch))
 
 
-def dense_reference(model, batch):
+def dense_reference(model, batch, name=NAME):
   """Loss and {module: (dA, dB)} of the plain base model (no qwix) whose
   targeted weights are ``W + scale * (A B).T``."""
   scale = model.lora_settings.scale
-  plain = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, NAME))
+  plain = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name))
   graphdef, params, buffers = nnx.split(plain, nnx.Param, ...)
   pairs = {p: (m.weight_lora_a[...], m.weight_lora_b[...])
            for p, m in lora.adapted_modules(model).items()}
@@ -113,42 +125,70 @@ def as_pairs(grads):
           for p in flat if p.endswith("weight_lora_a")}
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_adapter_gradients_equal_the_dense_reference(remat):
+@pytest.mark.parametrize("remat,name", [("none", NAME), ("full", NAME), ("full", MOE)])
+def test_adapter_gradients_equal_the_dense_reference(remat, name):
   """``full`` remat replays the forward's trace in the backward: a re-trace
   would recompute the layers without their adapters (zero gradients)."""
-  model, batch = adapted(remat)
-  ref_loss, ref_grads = dense_reference(model, batch)
-  got_loss, got_grads = single_device(remat)
+  model, batch = adapted(remat, name)
+  ref_loss, ref_grads = dense_reference(model, batch, name)
+  got_loss, got_grads = single_device(remat, name)
   assert abs(float(got_loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
   assert_grads_close(as_pairs(got_grads), ref_grads)
   assert all(float(jnp.abs(g).max()) > 0 for pair in ref_grads.values() for g in pair)
 
 
 # Both layouts in CI (load_balanced on the 3-axis mesh); cp alone
-# load-balanced in `make soak`.
-@pytest.mark.parametrize("mesh_sizes,layout", [
-    pytest.param({"cp": 4}, "load_balanced", marks=pytest.mark.slow),
-    ({"cp": 4}, "contiguous"),
-    ({"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced")])
-def test_lora_cp_gradients_equal_single_device(mesh_sizes, layout):
-  model, batch = adapted()
-  ref_loss, ref_grads = single_device()
-  mesh = parallel.make_mesh(**mesh_sizes)
+# load-balanced in `make soak`. The MoE: experts split over cp (ep=4,
+# load-balanced), over fsdp x cp (ep=4, contiguous), and replicated beside tp.
+@pytest.mark.parametrize("name,mesh_sizes,layout", [
+    pytest.param(NAME, {"cp": 4}, "load_balanced", marks=pytest.mark.slow),
+    (NAME, {"cp": 4}, "contiguous"),
+    (NAME, {"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced"),
+    (MOE, {"cp": 4, "ep": 4}, "load_balanced"),
+    (MOE, {"fsdp": 2, "cp": 2, "ep": 4}, "contiguous"),
+    (MOE, {"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced")])
+def test_lora_cp_gradients_equal_single_device(name, mesh_sizes, layout):
+  model, batch = adapted(name=name)
+  ref_loss, ref_grads = single_device(name=name)
+  sizes = dict(mesh_sizes)
+  ep = sizes.pop("ep", 1)
+  mesh = parallel.make_mesh(**sizes)
+  experts = parallel.expert_axes(mesh, ep)
   sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
   sharded, shard_layout = sharder.shard_batch(batch, mesh,
                                               batch_axis=parallel.batch_axis_of(mesh))
   graphdef, adapters, frozen = lora.split_lora(model)
-  rule = partition_rule(model.cfg, tp=mesh_sizes.get("tp", 1))
+  rule = partition_rule(model.cfg, tp=sizes.get("tp", 1), expert_axes=experts)
   adapters = parallel.shard_params(adapters, mesh, parallel.param_specs(adapters, mesh, rule=rule))
   frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
   loss = train.make_loss_fn(graphdef, mesh=mesh, layout=shard_layout,
-                            batch_axis=parallel.batch_axis_of(mesh))
+                            batch_axis=parallel.batch_axis_of(mesh), expert_axes=experts)
   objective = lambda p, f: mean_loss(lambda q: loss(q, sharded, f))(p)
   with jax.set_mesh(mesh):
     got_loss, got_grads = jax.jit(jax.value_and_grad(objective))(adapters, frozen)
   assert abs(float(got_loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
   assert_grads_close(jax.device_get(got_grads), ref_grads)
+
+
+def test_adapters_made_on_a_mesh_equal_those_made_on_one_device():
+  """apply_lora on an MoE checkpoint loaded onto an Explicit training mesh
+  (its creation pass runs the experts' ragged_dot, which has no Explicit
+  typing rule): the same adapters as on one device, and the base left
+  where it was."""
+  from cpjax.models.gemma4.checkpoint import checkpoint_keys
+
+  mesh = parallel.make_mesh(fsdp=2, cp=2)
+  path = os.path.join(FIXTURES, MOE)
+  base = gemma4.Gemma4.from_pretrained(path, mesh=mesh)
+  placed = {k: v.get_value().sharding for k, v in checkpoint_keys(base).items()}
+  on_mesh = lora.apply_lora(base, rank=RANK, alpha=ALPHA)
+  one = lora.apply_lora(gemma4.Gemma4.from_pretrained(path), rank=RANK, alpha=ALPHA)
+  assert {k: v.get_value().sharding for k, v in checkpoint_keys(base).items()} == placed
+  for key, var in checkpoint_keys(on_mesh).items():
+    if key in placed:
+      assert var.get_value().sharding == placed[key], key
+  chex.assert_trees_all_equal(jax.device_get(nnx.state(on_mesh, nnx.LoRAParam)),
+                              jax.device_get(nnx.state(one, nnx.LoRAParam)))
 
 
 def test_lora_partition_rule_follows_the_weight():
