@@ -297,10 +297,13 @@ def test_bad_expert_parallel_input(call, match):
     call()
 
 
-def test_readme_ep_command_runs_and_reports_the_routing(tmp_path):
-  """The README's expert-parallel command, as written (plus a metrics file):
-  the step-1 parity check passes inside it, and every MoE layer's counts add
-  up to batch x seq_len x k (pairs per position, padding included), none dropped."""
+@pytest.mark.parametrize("checkpoint", [None, "moe"])
+def test_readme_ep_command_runs_and_reports_the_routing(tmp_path, checkpoint, hf_checkpoint):
+  """The README's expert-parallel command, as written (plus a metrics file),
+  and on a 26B-A4B-like checkpoint transformers saved (``--checkpoint`` for
+  ``--model tiny-moe``): the step-1 parity check passes inside it, and every
+  MoE layer's counts add up to batch x seq_len x k (pairs per position,
+  padding included), none dropped."""
   import json
   import shlex
   from pathlib import Path
@@ -310,11 +313,16 @@ def test_readme_ep_command_runs_and_reports_the_routing(tmp_path):
   readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
   section = readme.split("**Expert parallelism** (Gemma 4's MoE)", 1)[1]
   command = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip()
+  cfg = gemma4.Gemma4Config.preset("tiny-moe").text
+  if checkpoint:
+    base = hf_checkpoint(checkpoint)
+    assert "--model tiny-moe" in command
+    command = command.replace("--model tiny-moe", f"--checkpoint {base}")
+    cfg = gemma4.Gemma4Config.from_hf(base).text
   args = shlex.split(command)
   assert args[:2] == ["cpjax", "train"]
   metrics = tmp_path / "metrics.jsonl"
   assert cli.main(args[1:] + ["--metrics", str(metrics)]) == 0
-  cfg = gemma4.Gemma4Config.preset("tiny-moe").text
   lines = [json.loads(x) for x in metrics.read_text().splitlines()]
   assert len(lines) == 3
   for line in lines:

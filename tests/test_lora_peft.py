@@ -125,23 +125,28 @@ def test_cpjax_loads_what_peft_saves(tmp_path, targets, rslora):
   assert_as_close_as_transformers(got, theirs[torch.float32], theirs[torch.float64], inputs)
 
 
-def test_readme_lora_commands_run_and_peft_loads_the_adapter(tmp_path, monkeypatch):
-  """README's LoRA section as written, at a small size on the fixture model
-  (synthetic rows instead of chat.jsonl), then its Python lines: PEFT's
-  model gives the logits of cpjax's model with the same adapter."""
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_readme_lora_commands_run_and_peft_loads_the_adapter(tmp_path, monkeypatch, hf_checkpoint,
+                                                             kind):
+  """README's LoRA section as written, at a small size, on checkpoints
+  transformers saved with their tokenizer and template (E2B-like and
+  26B-A4B-like), trained on the shipped chat JSONL; then its Python lines:
+  PEFT's model gives the logits of cpjax's model with the same adapter."""
   import re
   import shlex
   from pathlib import Path
 
   from cpjax import cli
 
+  base = hf_checkpoint(kind)
   readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
   section = readme.split("### LoRA: adapters on a frozen base\n", 1)[1].split("\n## ", 1)[0]
   command, = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
   code, = re.findall(r"```python\n(.*?)```", section, flags=re.S)
   monkeypatch.chdir(tmp_path)
-  small = command.strip().replace("gemma-4-E2B-it", BASE)
-  for big, little in (("--data chat.jsonl ", ""), ("--seq-len 8192", "--seq-len 64"),
+  small = command.strip().replace("gemma-4-E2B-it", base)
+  chat = os.path.join(os.path.dirname(__file__), "..", "cpjax", "examples", "chat", "train.jsonl")
+  for big, little in (("--data chat.jsonl", f"--data {chat}"), ("--seq-len 8192", "--seq-len 128"),
                       ("--cp 8", "--cp 2"), ("--steps 100", "--steps 2")):
     assert big in small
     small = small.replace(big, little)
@@ -149,12 +154,16 @@ def test_readme_lora_commands_run_and_peft_loads_the_adapter(tmp_path, monkeypat
   assert args[0] == ".venv/bin/cpjax"
   assert cli.main(args[1:]) == 0
   scope = {}
-  exec(compile(code.replace('"gemma-4-E2B-it"', repr(BASE)), "README", "exec"), scope)  # noqa: S102
-  inputs = fixtures_module().batch("images", 7)
+  exec(compile(code.replace('"gemma-4-E2B-it"', repr(base)), "README", "exec"), scope)  # noqa: S102
+  inputs = fixtures_module().batch("text", 7)
+  # The fixtures' words are ids 5..255; the tokenizer's image markers are
+  # among them here, and text rows hold none.
+  inputs["input_ids"] = np.where(np.isin(inputs["input_ids"], (7, 8, 9)), 10, inputs["input_ids"])
   theirs = fixtures_module().hf_logits(scope["model"].eval(), inputs, torch.float32)
-  ours = lora.load_adapter(gemma4.Gemma4.from_pretrained(BASE), tmp_path / "my-adapter")
+  ours = lora.load_adapter(gemma4.Gemma4.from_pretrained(base), tmp_path / "my-adapter")
   got = np.asarray(ours(gemma4.prepare_batch(inputs, ours.cfg)))
   real = inputs["attention_mask"].astype(bool)
   # Both put the trained adapter on the float32 base: equal to float32
   # rounding (measured max 5e-5 on fixture batches), far below any wrong factor.
   assert np.abs(got - theirs)[real].max() < 1e-3
+  assert np.abs(ours.model.language_model.layers[0].mlp.up_proj.weight_lora_b[...]).max() > 0

@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import cpjax
 
@@ -30,9 +31,15 @@ def test_own_model_example_runs_and_is_short():
   assert np.isfinite(float(metrics["loss"])) and float(metrics["tokens"]) == 2 * (39 + 19)  # next-token labels per document
 
 
-def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("checkpoint", [None, "dense"])
+def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsys, checkpoint,
+                                                    hf_checkpoint):
   """The two commands of "Your own data", as written but for 4 steps (and no
-  parity check, tested elsewhere): the corpus, the validation loss, the metrics."""
+  parity check, tested elsewhere): the corpus, the validation loss, the
+  metrics. Then again fine-tuning a checkpoint transformers saved (its own
+  tokenizer and template; ``--checkpoint`` for ``--tokenizer``) and saving
+  it: the last validation loss is the single-device loss of the saved
+  weights on the same rows."""
   import json
   import shlex
   import struct
@@ -45,6 +52,13 @@ def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsy
   assert len(commands) == 2
   monkeypatch.chdir(tmp_path)
   (tmp_path / "cpjax").symlink_to(README.parent / "cpjax")     # the README's relative paths
+  if checkpoint:
+    base = hf_checkpoint(checkpoint)
+    assert "--checkpoint cpjax/examples/chat" in commands[0]
+    assert "--tokenizer cpjax/examples/chat" in commands[1]
+    commands = [commands[0].replace("--checkpoint cpjax/examples/chat", f"--checkpoint {base}"),
+                commands[1].replace("--tokenizer cpjax/examples/chat", f"--checkpoint {base}")
+                + " --save saved"]
   prepare, train = (shlex.split(c) for c in commands)
   assert prepare[0] == train[0] == ".venv/bin/cpjax"
   assert cli.main(prepare[1:]) == 0
@@ -56,6 +70,9 @@ def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsy
     small = small.replace(big, little)
   assert cli.main(shlex.split(small) + ["--no-parity-check"]) == 0
   out = capsys.readouterr().out
+  if checkpoint:
+    _eval_loss_is_the_saved_models(tmp_path, base, json.loads(
+        (tmp_path / "chat-metrics.jsonl").read_text().splitlines()[-1])["eval_loss"])
   assert "step 2: validation loss" in out and "step 4: validation loss" in out
   lines = [json.loads(x) for x in (tmp_path / "chat-metrics.jsonl").read_text().splitlines()]
   assert [x["step"] for x in lines] == [1, 2, 3, 4]
@@ -80,3 +97,21 @@ def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsy
     for tag in ("loss", "grad_norm", "learning_rate", "eval_loss"):
       if tag in x:
         np.testing.assert_allclose(scalars[(tag, x["step"])], x[tag], rtol=1e-6)
+
+
+def _eval_loss_is_the_saved_models(tmp_path, base, eval_loss):
+  import jax
+  from flax import nnx
+
+  from cpjax import train
+  from cpjax.models import gemma4
+  from cpjax.train_job import TrainJob, _eval_rows
+
+  saved = gemma4.Gemma4.from_pretrained(tmp_path / "saved")     # one device, as a user loads it
+  job = TrainJob(checkpoint=base, seq_len=256, eval_data="cpjax/examples/chat/eval.jsonl")
+  rows = _eval_rows(job, type("T", (), {"rows": 2, "cfg": saved.cfg})(), lambda *_: None)
+  graphdef, params, rest = nnx.split(saved, nnx.Param, ...)
+  single = jax.jit(train.make_loss_fn(graphdef, frozen=rest))
+  sums = [single(params, gemma4.prepare_batch(b, saved.cfg)) for b in rows]
+  reference = sum(float(s) for s, _ in sums) / sum(float(n) for _, n in sums)
+  np.testing.assert_allclose(eval_loss, reference, rtol=2e-6)

@@ -98,40 +98,6 @@ def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
   assert summary["eval_losses"] == [(2, record["eval_loss"])]
 
 
-def test_fine_tune_a_transformers_checkpoint_with_validation_and_save(hf_checkpoint, tmp_path):
-  """``cpjax train --checkpoint DIR --data --eval-data --eval-every --save``
-  on a checkpoint transformers saved (with its buffers, tokenizer and
-  template): the last validation loss is the single-device loss of the
-  saved weights on the same rows."""
-  import json
-
-  import jax
-
-  from cpjax import cli, train
-  from cpjax.models import gemma4
-  from cpjax.train_job import _eval_rows
-
-  base = hf_checkpoint("dense")
-  out, metrics = tmp_path / "out", tmp_path / "metrics.jsonl"
-  assert cli.main(["train", "--checkpoint", base, "--data", os.path.join(EXAMPLE, "train.jsonl"),
-                   "--eval-data", os.path.join(EXAMPLE, "eval.jsonl"), "--eval-every", "1",
-                   "--eval-rows", "3", "--seq-len", "128", "--cp", "4", "--steps", "2",
-                   "--save", str(out), "--metrics", str(metrics)]) == 0
-  lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-  assert [x["step"] for x in lines] == [1, 2] and all("eval_loss" in x for x in lines)
-  saved = gemma4.Gemma4.from_pretrained(out)          # one device, as a user loads it
-  job = TrainJob(checkpoint=base, seq_len=128, eval_rows=3,
-                 eval_data=os.path.join(EXAMPLE, "eval.jsonl"))
-  rows = _eval_rows(job, type("T", (), {"rows": 2, "cfg": saved.cfg})(), QUIET)
-  from flax import nnx
-
-  graphdef, params, rest = nnx.split(saved, nnx.Param, ...)
-  single = jax.jit(train.make_loss_fn(graphdef, frozen=rest))
-  sums = [single(params, gemma4.prepare_batch(b, saved.cfg)) for b in rows]
-  reference = sum(float(s) for s, _ in sums) / sum(float(n) for _, n in sums)
-  np.testing.assert_allclose(lines[-1]["eval_loss"], reference, rtol=2e-6)
-
-
 def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch):
   """The validation hook fails after step 2 of 3: the state after step 2 is
   in --state-dir (resumable) and its weights in --save before the error,
