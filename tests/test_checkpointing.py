@@ -120,3 +120,34 @@ def test_a_process_killed_while_saving_leaves_the_last_checkpoint_intact(tmp_pat
   step, state = ckpt.restore(params_like={"w": np.zeros(4, np.float32)}, opt_state_like=())
   assert step == 1 and state["data_state"] == {"at": 1}
   np.testing.assert_array_equal(state["params"]["w"], np.arange(4, dtype=np.float32))
+
+
+@pytest.mark.parametrize("change,message,forced", [
+    ({"seq_len": 128}, "saved with seq_len=64, this run has seq_len=128", False),
+    ({"batch_size": 4}, "saved with batch_size=2, this run has batch_size=4", False),
+    ({"microbatches": 2}, "saved with microbatches=1, this run has microbatches=2", False),
+    ({"model": "tiny-moe"}, "saved by a different model config", True),
+    ({"lora_rank": 8}, "trained LoRA rank=4, .* this run trains LoRA rank=8", True),
+    ({"lora_alpha": 4.0}, "alpha=16.0, .* this run trains .*alpha=4.0", True),
+    ({"lora_targets": "q_proj"}, "this run trains .*targets=q_proj", True),
+    ({"base_dtype": "bfloat16"}, "base_dtype=float32, this run .*base_dtype=bfloat16", True),
+    ({"lora_rank": None}, "trained LoRA rank=4.* this run trains every weight", True)])
+def test_every_setting_resume_compares_refuses_a_change(change, message, forced):
+  """Each setting of the run's identity, changed on resume, is refused with
+  a message naming it; --force-resume lets the shape settings through (the
+  data stream continues with them) but never another model or another
+  trained set of parameters."""
+  from cpjax.models import gemma4
+  from cpjax.train_job import _run_identity
+
+  saved_job = TrainJob(seq_len=64, batch_size=2, lora_rank=4, lora_alpha=16.0)
+  now = TrainJob(**{**saved_job.__dict__, **change})
+  identity = lambda job: _run_identity(job, gemma4.Gemma4Config.preset(job.model))
+  check_run_matches(identity(saved_job), identity(saved_job))
+  with pytest.raises(ValueError, match=message):
+    check_run_matches(identity(saved_job), identity(now))
+  if forced:
+    with pytest.raises(ValueError, match=message):
+      check_run_matches(identity(saved_job), identity(now), force=True)
+  else:
+    check_run_matches(identity(saved_job), identity(now), force=True)

@@ -221,3 +221,30 @@ def test_bfloat16_base_keeps_the_activation_dtype():
   out = model.hidden_states(batch)
   assert out.hidden.dtype == jnp.bfloat16
   assert float(jnp.abs(out.hidden.astype(jnp.float32) - base.hidden_states(batch).hidden).max()) > 0
+
+
+@pytest.mark.parametrize("alpha,rslora,targets", [
+    (16.0, False, lora.DEFAULT_LORA_TARGETS),
+    (16.0, True, lora.DEFAULT_LORA_TARGETS),
+    (3.0, False, ("language_model.layers.0.self_attn.o_proj",
+                  "language_model.layers.1.mlp.down_proj")),
+    (5.0, True, r".*language_model\.layers\.[02]\.self_attn\.q_proj")])
+def test_merged_model_equals_the_adapted_model_for_every_option(alpha, rslora, targets):
+  """merge_lora(model)'s logits are the adapted model's for each LoRA option
+  (alpha, rsLoRA's 1 / sqrt(r), targets as names or a regex), and only the
+  targeted weights move."""
+  from cpjax.models.gemma4.checkpoint import checkpoint_keys
+
+  _, batch = adapted()
+  base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, NAME))
+  model = lora.apply_lora(base, rank=RANK, alpha=alpha, use_rslora=rslora, targets=targets)
+  randomize_adapters(model, scale=0.2)
+  merged = lora.merge_lora(model)
+  assert type(merged) is gemma4.Gemma4 and not lora.adapted_modules(merged)
+  want = model(batch)
+  chex.assert_trees_all_close(merged(batch), want, rtol=0,
+                              atol=2e-5 * float(jnp.abs(want).max()))
+  assert float(jnp.abs(want - base(batch)).max()) > 0.1       # the adapters matter
+  moved = {k for k, v in checkpoint_keys(merged).items()
+           if not jnp.array_equal(v.get_value(), checkpoint_keys(base)[k].get_value())}
+  assert moved == {p + ".weight" for p in lora.adapted_modules(model)}
