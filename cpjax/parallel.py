@@ -212,6 +212,11 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
                        f"the parameter has shape {shape}")
     axes = [named(p) for p in parts]
     axes += [[] for _ in range(len(shape) - len(axes))]
+    for d, names in enumerate(axes):
+      ways = int(np.prod([mesh.shape[a] for a in names], dtype=int))
+      if shape[d] % ways:
+        raise ValueError(f"partition rule for {'.'.join(keys)} splits its dimension {d} of size "
+                         f"{shape[d]} {ways} ways (over {tuple(names)}), which does not divide it")
     for name in ("fsdp", "tp"):
       size = _axis_size(mesh, name)
       if size == 1 or any(name in a for a in axes):

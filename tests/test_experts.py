@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cpjax import parallel, train
@@ -288,6 +289,19 @@ def test_ep_forward_equals_transformers(cp, layout, ep_on):
      r"ep=2 needs a mixture of experts"),
     (lambda: check_mesh(gemma4.Gemma4Config.preset("tiny-moe"), parallel.make_mesh(cp=8), ep=8),
      r"ep=8 does not divide the 4 experts"),
+    # The Python API too: before any placement or compute.
+    (lambda: gemma4.cp_logits(gemma4.Gemma4(gemma4.Gemma4Config.preset("tiny-moe"),
+                                            rngs=nnx.Rngs(0)),
+                              {"input_ids": np.ones((1, 16), np.int32)}, parallel.make_mesh(cp=8),
+                              expert_axes=parallel.expert_axes(parallel.make_mesh(cp=8), 8)),
+     r"expert_axes \('cp',\) give ep=8, which does not divide the 4 experts"),
+    (lambda: parallel.param_specs(
+        nnx.state(gemma4.Gemma4(gemma4.Gemma4Config.preset("tiny-moe"), rngs=nnx.Rngs(0)),
+                  nnx.Param), parallel.make_mesh(cp=8),
+        rule=gemma4.partition_rule(gemma4.Gemma4Config.preset("tiny-moe"), tp=1,
+                                   expert_axes=("cp",))),
+     r"partition rule for .*experts\.(gate_up|down)_proj.* splits its dimension 0 of size 4 8 ways "
+     r"\(over \('cp',\)\), which does not divide it"),
     (lambda: routed_experts(*inputs()[:3], inputs()[3], expert_fn, num_experts=E,
                             capacity_factor=0), r"capacity_factor must be None .* got 0"),
     (lambda: parallel.parse_mesh("cp=2,xp=2"), r"AXIS in \('dp', 'fsdp', 'cp', 'tp', 'ep'\)"),

@@ -19,5 +19,6 @@ from cpjax.models.gemma4.model import Gemma4 as Gemma4
 from cpjax.models.gemma4.model import gemma4_masks as gemma4_masks
 from cpjax.models.gemma4.model import cp_logits as cp_logits
 from cpjax.models.gemma4.model import REMAT_POLICIES as REMAT_POLICIES
+from cpjax.models.gemma4.partitioning import check_expert_axes as check_expert_axes
 from cpjax.models.gemma4.partitioning import check_mesh as check_mesh
 from cpjax.models.gemma4.partitioning import partition_rule as partition_rule

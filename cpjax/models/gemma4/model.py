@@ -450,9 +450,10 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
     ((1, 10, 512), True)
   """
   from cpjax.context_parallel import from_rank_order
-  from cpjax.models.gemma4.partitioning import partition_rule
+  from cpjax.models.gemma4.partitioning import check_expert_axes, partition_rule
   from cpjax.train import batch_specs, state_specs
 
+  check_expert_axes(model.cfg, mesh, expert_axes)
   batch = dict(batch)
   if "labels" not in batch:   # the sharder carries labels; these are never read
     batch["labels"] = jnp.full(jnp.shape(batch["input_ids"]), -100, jnp.int32)

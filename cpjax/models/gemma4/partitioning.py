@@ -22,6 +22,8 @@ P(None, 'tp')
 
 from __future__ import annotations
 
+import math
+
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 from cpjax import validation
@@ -29,7 +31,7 @@ from cpjax import validation
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.parallel import PartitionRule, batch_axis_of, expert_axes
 
-__all__ = ["check_mesh", "partition_rule"]
+__all__ = ["check_expert_axes", "check_mesh", "partition_rule"]
 
 _ROWS = ("q_proj", "gate_proj", "up_proj")     # [out = heads x head_dim or hidden, in]
 _COLUMNS = ("o_proj", "down_proj")             # [out, in = heads x head_dim or hidden]
@@ -74,6 +76,34 @@ def partition_rule(cfg: Gemma4Config, *, tp: int,
     return P("tp", None) if split == "rows" else P(None, "tp")
 
   return rule
+
+
+def check_expert_axes(cfg: Gemma4Config, mesh: Mesh, expert_axes) -> None:
+  """``ValueError`` naming ep and the experts' count when ``expert_axes``
+  (:func:`cpjax.parallel.expert_axes`) of ``mesh`` cannot split ``cfg``'s
+  experts evenly, or ``cfg`` has none.
+
+  >>> import jax
+  >>> mesh = jax.make_mesh((8,), ("cp",), devices=jax.devices()[:8])
+  >>> check_expert_axes(Gemma4Config.preset("tiny-moe"), mesh, ("cp",))
+  Traceback (most recent call last):
+  ...
+  ValueError: expert_axes ('cp',) give ep=8, which does not divide the 4 experts
+  """
+  expert_axes = tuple(expert_axes)
+  if not expert_axes:
+    return
+  unknown = [a for a in expert_axes if a not in mesh.axis_names]
+  if unknown:
+    raise ValueError(f"expert_axes {expert_axes} name axes {unknown} the mesh "
+                     f"{mesh.axis_names} does not have")
+  ep = math.prod(int(mesh.shape[a]) for a in expert_axes)
+  if not cfg.text.enable_moe_block:
+    raise ValueError(f"expert_axes {expert_axes} (ep={ep}) need a mixture of experts; this "
+                     f"Gemma 4 has none (enable_moe_block is false)")
+  if cfg.text.num_experts % ep:
+    raise ValueError(f"expert_axes {expert_axes} give ep={ep}, which does not divide the "
+                     f"{cfg.text.num_experts} experts")
 
 
 def check_mesh(cfg: Gemma4Config, mesh: Mesh, *, seq_len: int | None = None,
