@@ -141,10 +141,13 @@ def test_sharded_save_with_index_and_placement_on_a_mesh(tmp_path):
   states_equal(model, loaded)
   emb = checkpoint_keys(loaded)["model.language_model.embed_tokens.weight"].get_value()
   assert emb.sharding.spec == jax.P("fsdp")
-  # Buffers too (layer_scalar): a jitted program over the mesh refuses an
-  # array committed to one device.
-  for key, var in checkpoint_keys(loaded).items():
-    assert var.get_value().sharding.mesh == mesh, key
+  # Buffers too (layer_scalar), and every tensor without a sharding rule: a
+  # jitted program over the mesh refuses an array committed to one device.
+  keep_buffers = lambda key, shape: spec(key, shape) if "layer_scalar" not in key else None
+  for how in (keep_buffers, None):
+    again = gemma4.Gemma4.from_pretrained(tmp_path, mesh=mesh, sharding=how)
+    for key, var in checkpoint_keys(again).items():
+      assert var.get_value().sharding.mesh == mesh, key
   assert not isinstance(checkpoint_keys(loaded)["model.language_model.layers.0.layer_scalar"],
                         nnx.Param)
 
