@@ -139,14 +139,15 @@ def test_adapter_gradients_equal_the_dense_reference(remat, name):
 
 # Both layouts in CI (load_balanced on the 3-axis mesh); cp alone
 # load-balanced in `make soak`. The MoE: experts split over cp (ep=4,
-# load-balanced), over fsdp x cp (ep=4, contiguous), and replicated beside tp.
+# load-balanced), over fsdp x cp (ep=4, contiguous), and (`make soak`)
+# replicated beside tp.
 @pytest.mark.parametrize("name,mesh_sizes,layout", [
     pytest.param(NAME, {"cp": 4}, "load_balanced", marks=pytest.mark.slow),
     (NAME, {"cp": 4}, "contiguous"),
     (NAME, {"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced"),
     (MOE, {"cp": 4, "ep": 4}, "load_balanced"),
     (MOE, {"fsdp": 2, "cp": 2, "ep": 4}, "contiguous"),
-    (MOE, {"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced")])
+    pytest.param(MOE, {"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced", marks=pytest.mark.slow)])
 def test_lora_cp_gradients_equal_single_device(name, mesh_sizes, layout):
   model, batch = adapted(name=name)
   ref_loss, ref_grads = single_device(name=name)
