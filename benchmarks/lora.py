@@ -8,20 +8,30 @@ the tiny real-architecture model takes with LoRA against full fine-tuning.
    creation time, compile time, median step time and the process's peak
    RSS. Full fine-tuning of E2B needs about 16 bytes a parameter (82 GB;
    ``cpjax plan``), more than this machine has.
-2. The tiny real-architecture model ("tiny") on a cp=8 mesh of emulated
+2. A 26B-A4B slice: the published config's real vocabulary, width and 128
+   experts (top-8), its first ``--a4b-layers`` layers (5 sliding and the
+   first full one at 6), base frozen in bfloat16, rank-16 adapters, bfloat16
+   activations, full remat, on an fsdp=2 x cp=2 mesh with the experts split
+   ep=4 over both and the recommended capacity factor 1.25: the compiled
+   step's per-device memory (XLA's memory_analysis), compile time, and the
+   step time when the 4 emulated devices' memory fits this host (they share
+   its RAM; otherwise the step is not run and the JSON says why).
+3. The tiny real-architecture model ("tiny") on a cp=8 mesh of emulated
    devices: for each S, the compiled step's per-device memory (arguments,
    outputs and temporaries, XLA's memory_analysis) with LoRA and with full
    fine-tuning, and the longest S whose step fits ``--budget`` per device;
    one step at that S runs for each.
 
-    python benchmarks/lora.py [--seq-len 256] [--budget 512MiB] [--skip-e2b]
+    python benchmarks/lora.py [--seq-len 256] [--budget 512MiB] [--skip-e2b] [--skip-a4b]
+                              [--skip-tiny]
 
-Writes results/lora.json.
+Writes results/lora.json (a part skipped keeps its earlier result there).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 import time
@@ -32,6 +42,7 @@ import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = ROOT / "tests" / "fixtures" / "gemma4" / "published" / "e2b"
+PUBLISHED_A4B = ROOT / "tests" / "fixtures" / "gemma4" / "published" / "a4b"
 RANK = 16
 
 
@@ -121,6 +132,69 @@ def e2b_step(seq_len: int, steps: int) -> dict:
           "peak_rss_gb": peak_rss_gb()}
 
 
+def a4b_slice(seq_len: int, layers: int, steps: int) -> dict:
+  import dataclasses
+
+  import numpy as np
+  import optax
+
+  from cpjax import lora, parallel, train
+  from cpjax.models import gemma4
+
+  cfg = gemma4.Gemma4Config.from_hf(str(PUBLISHED_A4B))
+  text = cfg.text
+  cfg = dataclasses.replace(cfg, text=dataclasses.replace(
+      text, num_hidden_layers=layers, layer_types=tuple(text.layer_types[:layers])))
+  model = random_bfloat16_model(cfg)
+  start = time.perf_counter()
+  model = lora.apply_lora(model, rank=RANK, alpha=2.0 * RANK)
+  adapters_s = time.perf_counter() - start
+  adapter_values = lora.lora_param_count(model)
+  mesh = parallel.make_mesh(fsdp=2, cp=2)
+  experts = parallel.expert_axes(mesh, 4)
+  rule = gemma4.partition_rule(cfg, tp=1, expert_axes=experts)
+  graphdef, adapters, frozen = lora.split_lora(model)
+  sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
+  del model                     # the one-device copy: only the mesh's shards stay
+  adapters = parallel.shard_params(adapters, mesh, parallel.param_specs(adapters, mesh, rule=rule))
+  frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
+  optimizer = optax.adamw(1e-4)
+  opt_state = parallel.shard_like_params(optimizer.init(adapters), adapters)
+  raw = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=2, seq_len=seq_len,
+                               max_docs=2, images_per_row=0)
+  batch, layout = sharder.shard_batch(raw, mesh, batch_axis="fsdp")
+  step = train.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=frozen,
+                               expert_axes=experts, capacity_factor=1.25)
+  start = time.perf_counter()
+  compiled = step.compile(adapters, opt_state, batch)
+  compile_s = time.perf_counter() - start
+  m = compiled.memory_analysis()
+  per_device = m.argument_size_in_bytes + m.temp_size_in_bytes
+  # The emulated devices share this host's RAM: every one holds its
+  # arguments and temporaries at once.
+  available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  times, losses, skipped = [], [], None
+  if mesh.size * m.temp_size_in_bytes > available:
+    skipped = (f"the step's temporaries on {mesh.size} emulated devices "
+               f"({mesh.size * m.temp_size_in_bytes / 1e9:.1f} GB) exceed this host's available "
+               f"{available / 1e9:.1f} GB")
+    steps = 0
+  for _ in range(steps):
+    start = time.perf_counter()
+    adapters, opt_state, metrics = compiled(adapters, opt_state, batch)
+    losses.append(float(metrics["loss"]))
+    times.append(time.perf_counter() - start)
+  gib = 2 ** 30
+  return {"model": "a4b", "layers": layers, "seq_len": seq_len, "batch_size": 2,
+          "mesh": "fsdp=2,cp=2,ep=4", "capacity_factor": 1.25, "rank": RANK,
+          "adapter_values": adapter_values,
+          "arguments_gib": m.argument_size_in_bytes / gib,
+          "temporaries_gib": m.temp_size_in_bytes / gib, "per_device_gib": per_device / gib,
+          "make_adapters_s": adapters_s, "compile_s": compile_s,
+          "step_s": float(np.median(times[1:] or times)) if times else None,
+          "step_skipped": skipped, "losses": losses, "peak_rss_gb": peak_rss_gb()}
+
+
 def nnx_leaves(model):
   from flax import nnx
 
@@ -178,11 +252,19 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--budget", default="512MiB", help="per-device memory for the tiny sweep")
   parser.add_argument("--skip-e2b", action="store_true")
+  parser.add_argument("--skip-a4b", action="store_true")
+  parser.add_argument("--skip-tiny", action="store_true")
+  parser.add_argument("--a4b-layers", type=int, default=2)
+  parser.add_argument("--a4b-seq-len", type=int, default=2048)
   args = parser.parse_args()
   common.setup_devices(8)
   from cpjax import plan
 
-  out = {}
+  import json
+
+  previous = common.RESULTS / "lora.json"
+  out = json.loads(previous.read_text()) if previous.exists() else {}
+  out.pop("machine", None)
   if not args.skip_e2b:
     e2b = e2b_step(args.seq_len, args.steps)
     out["e2b"] = e2b
@@ -192,12 +274,23 @@ def main() -> None:
           f" compiled in {e2b['compile_s']:.1f} s; step {e2b['step_s']:.2f} s "
           f"(losses {', '.join(f'{x:.3f}' for x in e2b['losses'])}); "
           f"peak RSS {e2b['peak_rss_gb']:.2f} GB")
-  budget = plan.parse_bytes(args.budget)
-  print(f"tiny, cp=8, remat full: compiled per-device memory (budget {args.budget})")
-  out["tiny"] = tiny_sweep(budget, [2 ** k for k in range(13, 19)])
-  for kind, r in out["tiny"]["longest"].items():
-    print(f"  longest S within the budget, {kind}: {r['seq_len']} (one step {r['step_s']:.1f} s,"
-          f" loss {r['loss']:.3f})")
+  if not args.skip_a4b:
+    a4b = a4b_slice(args.a4b_seq_len, args.a4b_layers, args.steps)
+    out["a4b_slice"] = a4b
+    ran = (f"step {a4b['step_s']:.2f} s (losses {', '.join(f'{x:.3f}' for x in a4b['losses'])})"
+           if a4b["step_s"] is not None else f"step not run: {a4b['step_skipped']}")
+    print(f"26B-A4B slice ({a4b['layers']} layers, 128 experts) LoRA r={RANK}, bfloat16 base, "
+          f"S={a4b['seq_len']} B=2, mesh {a4b['mesh']}, capacity 1.25: per device arguments "
+          f"{a4b['arguments_gib']:.2f} GiB, temporaries {a4b['temporaries_gib']:.2f} GiB; "
+          f"adapters in {a4b['make_adapters_s']:.1f} s, compiled in {a4b['compile_s']:.1f} s; "
+          f"{ran}; peak RSS {a4b['peak_rss_gb']:.2f} GB")
+  if not args.skip_tiny:
+    budget = plan.parse_bytes(args.budget)
+    print(f"tiny, cp=8, remat full: compiled per-device memory (budget {args.budget})")
+    out["tiny"] = tiny_sweep(budget, [2 ** k for k in range(13, 19)])
+    for kind, r in out["tiny"]["longest"].items():
+      print(f"  longest S within the budget, {kind}: {r['seq_len']} (one step "
+            f"{r['step_s']:.1f} s, loss {r['loss']:.3f})")
   common.write_json("lora", out)
 
 
