@@ -33,8 +33,8 @@ It is deterministic, and resumable: the iterator's ``get_state()`` /
 ``set_state()`` continue exactly where a run stopped.
 
 Texts and conversations in JSONL become such a corpus with
-:func:`prepare_data` (``cpjax prepare-data``), tokenized with the
-checkpoint's own tokenizer and chat template (:mod:`cpjax.records`).
+:func:`cpjax.records.prepare_data` (``cpjax prepare-data``), tokenized with
+the checkpoint's own tokenizer and chat template.
 
 Shape letters: ``B`` rows per batch, ``S`` tokens per row.
 """
@@ -48,10 +48,20 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from cpjax.batch import IGNORE_INDEX
-from cpjax.records import prepare_data, read_jsonl
 
 __all__ = ["corpus_images", "flatten_image_slots", "packed_batches", "packed_rows",
-           "prepare_data", "read_jsonl", "write_documents"]
+           "write_documents"]
+
+
+def __getattr__(name):
+  # The JSONL readers live in cpjax.records (which writes corpora with this
+  # module); their old names here stay, resolved on first use so that the
+  # two modules do not import each other.
+  if name in ("prepare_data", "read_jsonl"):
+    from cpjax import records
+
+    return getattr(records, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _TOKEN = np.dtype("<i4")
 _NPZ_MAGIC = b"PK\x03\x04"   # never the first id of a raw record: 67324752 > any vocabulary

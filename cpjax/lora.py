@@ -175,14 +175,14 @@ def _adapter_pairs(module) -> dict[str, tuple[nnx.LoRAParam, nnx.LoRAParam]]:
 
 
 def _example_inputs(model):
-  """A one-row, 8-token batch for a model that knows how to make one (Gemma 4)."""
-  from cpjax.models import gemma4
-
-  if isinstance(model, gemma4.Gemma4):
-    ids = np.full((1, 8), model.cfg.text.pad_token_id + 1, np.int32)
-    return (gemma4.prepare_batch({"input_ids": ids}, model.cfg),), {}
+  """The model's own example inputs (its ``example_inputs()`` method: a
+  Gemma 4 makes a one-row, 8-token batch)."""
+  make = getattr(model, "example_inputs", None)
+  if callable(make):
+    return make()
   raise TypeError(f"apply_lora needs example inputs for a {type(model).__name__}: the model "
-                  f"runs once on them to create its adapters (pass them after the model)")
+                  f"runs once on them to create its adapters (pass them after the model, or "
+                  f"give the model an example_inputs() method returning (args, kwargs))")
 
 
 def apply_lora(model: nnx.Module, *example_inputs, rank: int, alpha: float = 8.0,
@@ -191,7 +191,8 @@ def apply_lora(model: nnx.Module, *example_inputs, rank: int, alpha: float = 8.0
   """A copy of ``model`` with LoRA adapters on the ``targets`` projections.
 
   qwix runs the model once on ``example_inputs`` (any values of the right
-  structure; a Gemma 4 makes its own 8-token batch) to create the adapters.
+  structure; without them, the model's own ``example_inputs()`` method's
+  ``(args, kwargs)``: a Gemma 4 makes an 8-token batch) to create the adapters.
   ``method`` is the model method qwix intercepts: default
   ``hidden_states`` when the model has one (Gemma 4; its ``__call__`` goes
   through it), else ``__call__``. Adapters are float32, ``A`` seeded by

@@ -193,6 +193,17 @@ class Gemma4(nnx.Module):
 
     return load_pretrained(cls, path, dtype=dtype, mesh=mesh, sharding=sharding, remat=remat)
 
+  def example_inputs(self) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a one-row, 8-token call of :meth:`hidden_states`:
+    what :func:`cpjax.lora.apply_lora` runs the model on to create its
+    adapters (any values of the right structure do)."""
+    import numpy as np
+
+    from cpjax.models.gemma4.cp_batch import prepare_batch
+
+    ids = np.full((1, 8), self.cfg.text.pad_token_id + 1, np.int32)
+    return (prepare_batch({"input_ids": ids}, self.cfg),), {}
+
   def save_pretrained(self, path, *, max_shard_bytes: int = 4 << 30) -> list[str]:
     """Write a checkpoint transformers' ``Gemma4ForConditionalGeneration.
     from_pretrained`` loads; ``from_pretrained`` reads it back bit for bit."""
