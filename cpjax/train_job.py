@@ -772,10 +772,23 @@ def _save_model(job: TrainJob, trainer: _Trainer, log) -> list[str] | None:
   if job.lora_rank is not None:
     trained = lora.merge_lora(trained)
   files = trained.save_pretrained(job.save)
+  # A fine-tuned checkpoint keeps the tokenizer, template and processor
+  # settings it was trained with, so that it loads as the original did.
+  kept = [name for name in _BESIDE_WEIGHTS
+          if job.checkpoint and os.path.isfile(os.path.join(job.checkpoint, name))]
+  for name in kept:
+    shutil.copyfile(os.path.join(job.checkpoint, name), os.path.join(job.save, name))
   merged = " with the LoRA adapter merged in" if job.lora_rank is not None else ""
+  also = f", and {job.checkpoint}'s {', '.join(kept)}" if kept else ""
   log(f"saved a Hugging Face checkpoint{merged} to {job.save} ({len(files)} safetensors "
-      f"file(s))")
+      f"file(s){also})")
   return files
+
+
+# The files of a checkpoint directory besides its config and weights.
+_BESIDE_WEIGHTS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "tokenizer.model", "special_tokens_map.json", "chat_template.jinja",
+                   "processor_config.json", "preprocessor_config.json")
 
 
 # ------------------------------------------------------------------ the report

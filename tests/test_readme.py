@@ -108,6 +108,9 @@ def _eval_loss_is_the_saved_models(tmp_path, base, eval_loss):
   from cpjax.train_job import TrainJob, _eval_rows
 
   saved = gemma4.Gemma4.from_pretrained(tmp_path / "saved")     # one device, as a user loads it
+  for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "chat_template.jinja"):     # what the checkpoint had besides its weights
+    assert (tmp_path / "saved" / name).read_bytes() == (Path(base) / name).read_bytes(), name
   job = TrainJob(checkpoint=base, seq_len=256, eval_data="cpjax/examples/chat/eval.jsonl")
   rows = _eval_rows(job, type("T", (), {"rows": 2, "cfg": saved.cfg})(), lambda *_: None)
   graphdef, params, rest = nnx.split(saved, nnx.Param, ...)
