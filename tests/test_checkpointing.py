@@ -138,11 +138,11 @@ def test_every_setting_resume_compares_refuses_a_change(change, message, forced)
   data stream continues with them) but never another model or another
   trained set of parameters."""
   from cpjax.models import gemma4
-  from cpjax.train_job import _run_identity
+  from cpjax.job_phases import run_identity
 
   saved_job = TrainJob(seq_len=64, batch_size=2, lora_rank=4, lora_alpha=16.0)
   now = TrainJob(**{**saved_job.__dict__, **change})
-  identity = lambda job: _run_identity(job, gemma4.Gemma4Config.preset(job.model))
+  identity = lambda job: run_identity(job, gemma4.Gemma4Config.preset(job.model))
   check_run_matches(identity(saved_job), identity(saved_job))
   with pytest.raises(ValueError, match=message):
     check_run_matches(identity(saved_job), identity(now))

@@ -255,10 +255,10 @@ def test_fine_tune_a_checkpoint_on_chat_jsonl_with_images(tmp_path):
   # The validation rows: 3 rows and an empty one, whose image slots are all
   # padding; every row's placeholders are its slots' soft tokens.
   from cpjax.models.gemma4.vision import soft_token_counts
-  from cpjax.train_job import _eval_rows
+  from cpjax.job_hooks import eval_rows
 
   trainer = type("T", (), {"rows": 2, "cfg": cfg})()
-  rows = _eval_rows(job, trainer, lambda *a: None)
+  rows = eval_rows(job, trainer, lambda *a: None)
   assert len(rows) == 2 and not rows[1]["attention_mask"][1].any()
   slots = rows[1]["pixel_values"].shape[0] // 2
   assert (rows[1]["image_position_ids"][slots:] == -1).all()

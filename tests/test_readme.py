@@ -105,14 +105,15 @@ def _eval_loss_is_the_saved_models(tmp_path, base, eval_loss):
 
   from cpjax import train
   from cpjax.models import gemma4
-  from cpjax.train_job import TrainJob, _eval_rows
+  from cpjax.job_hooks import eval_rows
+  from cpjax.train_job import TrainJob
 
   saved = gemma4.Gemma4.from_pretrained(tmp_path / "saved")     # one device, as a user loads it
   for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja"):     # what the checkpoint had besides its weights
     assert (tmp_path / "saved" / name).read_bytes() == (Path(base) / name).read_bytes(), name
   job = TrainJob(checkpoint=base, seq_len=256, eval_data="cpjax/examples/chat/eval.jsonl")
-  rows = _eval_rows(job, type("T", (), {"rows": 2, "cfg": saved.cfg})(), lambda *_: None)
+  rows = eval_rows(job, type("T", (), {"rows": 2, "cfg": saved.cfg})(), lambda *_: None)
   graphdef, params, rest = nnx.split(saved, nnx.Param, ...)
   single = jax.jit(train.make_loss_fn(graphdef, frozen=rest))
   sums = [single(params, gemma4.prepare_batch(b, saved.cfg)) for b in rows]

@@ -72,19 +72,20 @@ def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
 
   from cpjax import train
   from cpjax.models import gemma4
-  from cpjax.train_job import _build, _eval_hook, _eval_rows
+  from cpjax.job_hooks import eval_hook, eval_rows
+  from cpjax.job_phases import build
 
   job = TrainJob(seq_len=128, cp=4, steps=4, batch_size=2, model="tiny-bidirectional",
                  parity_check=False, tokenizer=EXAMPLE, eval_rows=3, eval_every=2,
                  eval_data=os.path.join(EXAMPLE, "eval.jsonl"))
-  trainer = _build(job)
-  host = _eval_rows(job, trainer, QUIET)
+  trainer = build(job)
+  host = eval_rows(job, trainer, QUIET)
   # 3 rows, filled up to whole batches of the step's 2 rows with an empty one
   assert len(host) == 2 and host[1]["attention_mask"][0].any()
   assert not host[1]["attention_mask"][1].any() and (host[1]["labels"][1] == -100).all()
   _, layout = trainer.sharder.shard_batch(host[0], trainer.mesh, batch_axis=trainer.batch_axis)
   summary = {}
-  hook = _eval_hook(job, trainer, layout, summary, QUIET)
+  hook = eval_hook(job, trainer, layout, summary, QUIET)
   record = {}
   hook(0, {}, record)
   assert "eval_loss" not in record                 # step 1: not a validation step
@@ -104,11 +105,11 @@ def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch):
   """The validation hook fails after step 2 of 3: the state after step 2 is
   in --state-dir and its weights in --save before the error, which names the
   hook and the step."""
-  from cpjax import train_job
+  from cpjax import job_hooks, train_job
   from cpjax.checkpointing import TrainCheckpointer
   from cpjax.models import gemma4
 
-  real = train_job._eval_hook
+  real = job_hooks.eval_hook
 
   def failing(*args, **kwargs):
     hook = real(*args, **kwargs)
@@ -119,7 +120,7 @@ def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch):
       hook(i, metrics, record)
     return wrapped
 
-  monkeypatch.setattr(train_job, "_eval_hook", failing)
+  monkeypatch.setattr(job_hooks, "eval_hook", failing)
   job = TrainJob(seq_len=64, cp=2, steps=3, batch_size=2, parity_check=False, tokenizer=EXAMPLE,
                  eval_rows=2, eval_every=1, eval_data=os.path.join(EXAMPLE, "eval.jsonl"),
                  state_dir=str(tmp_path / "state"), save=str(tmp_path / "out"))
