@@ -78,7 +78,8 @@ def run_fsdp(ckpt_dir) -> dict:
 
 def _lora_step(mesh, specs, sharded) -> dict:
   """One SGD step of LoRA adapters (cpjax.lora) on the same mesh: the frozen
-  base sharded as the parameters were, the adapters too."""
+  base sharded as the parameters were, the adapters too, and the MoE's
+  experts split over cp (ep=4: tokens cross the processes to them)."""
   from cpjax import lora, parallel
 
   model = lora.apply_lora(gemma4.Gemma4(CFG, rngs=nnx.Rngs(0)), rank=4, alpha=8.0)
@@ -86,12 +87,14 @@ def _lora_step(mesh, specs, sharded) -> dict:
     if isinstance(var, nnx.LoRAParam):
       var.set_value(jax.random.normal(jax.random.key(i), var.shape) * 0.05)
   graphdef, adapters, frozen = lora.split_lora(model)
-  rule = gemma4.partition_rule(CFG, tp=1)
+  experts = parallel.expert_axes(mesh, 4)
+  rule = gemma4.partition_rule(CFG, tp=1, expert_axes=experts)
   start = jax.device_get(adapters)
   adapters = parallel.shard_params(adapters, mesh, parallel.param_specs(adapters, mesh, rule=rule))
   frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
   opt = optax.sgd(0.1)
-  step = train.make_train_step(graphdef, opt, mesh=mesh, layout=sharded[1], frozen=frozen)
+  step = train.make_train_step(graphdef, opt, mesh=mesh, layout=sharded[1], frozen=frozen,
+                               expert_axes=experts)
   new, _, metrics = step(adapters, opt.init(adapters), sharded[0])
   out = {"lora/loss": metrics["loss"]}
   for (path, leaf), first in zip(jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(start)):
