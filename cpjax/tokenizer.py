@@ -112,13 +112,41 @@ def _compile(template: str):
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
+  class TemplateDict:
+    # dict() and dict.fromkeys() only: no class to reach attributes through.
+    def __call__(self, *args, **kwargs):
+      return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+      return dict.fromkeys(*args, **kwargs)
+
+  class TemplateNamespace(jinja2.utils.Namespace):
+    # As transformers': a namespace refuses underscore-prefixed names.
+    def __init__(*args, **kwargs):
+      self, args = args[0], args[1:]
+      attrs = dict(*args, **kwargs)
+      for name in attrs:
+        TemplateNamespace._check(name)
+      jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+      TemplateNamespace._check(name)
+      jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+      if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"Chat templates cannot store underscore-prefixed attributes on a namespace, but "
+            f"got {name!r}. Please rename the attribute.")
+
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                       extensions=[_generation_extension(),
                                                   jinja2.ext.loopcontrols])
   env.filters["tojson"] = tojson
   env.globals.update(raise_exception=raise_exception,
                      strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                     dict=dict, namespace=jinja2.utils.Namespace)
+                     dict=TemplateDict(), namespace=TemplateNamespace)
   return env.from_string(template)
 
 

@@ -117,6 +117,7 @@ TAGGED_TEMPLATES = {
 
 
 def _with_template(checkpoint, directory, template):
+  os.makedirs(directory, exist_ok=True)
   for name in ("tokenizer.json", "tokenizer_config.json"):
     with open(os.path.join(checkpoint, name)) as src, open(os.path.join(directory, name), "w") as dst:
       dst.write(src.read())
@@ -211,3 +212,26 @@ def test_bad_conversations_and_checkpoints_are_named_errors(tmp_path):
     json.dump({"bos_token": "<bos>"}, f)
   with pytest.raises(ValueError, match="has no chat template"):
     CheckpointTokenizer(later).render(CONVERSATIONS[0])
+
+
+def test_template_sandbox_answers_as_transformers(checkpoint, tmp_path):
+  """dict(), dict.fromkeys() and namespace() render as in transformers; a
+  namespace attribute with a leading underscore is refused by both."""
+  transformers = pytest.importorskip("transformers")
+  import jinja2
+
+  good = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+          "{% endfor %}{{ dict(a=ns.n) | tojson }} {{ dict.fromkeys(['x'], 1) | tojson }}")
+  bad = "{% set ns = namespace(_hidden=1) %}{{ ns._hidden }}"
+  messages = CONVERSATIONS[1]
+  for name, template in (("good", good), ("bad", bad)):
+    d = _with_template(checkpoint, tmp_path / name, template)
+    hf = transformers.AutoTokenizer.from_pretrained(d)
+    ours = CheckpointTokenizer(d)
+    if name == "good":
+      assert ours.render(messages) == hf.apply_chat_template(messages, tokenize=False) == (
+          '{"a": 5} {"x": 1}')
+    else:
+      for render in (ours.render, lambda m: hf.apply_chat_template(m, tokenize=False)):
+        with pytest.raises(jinja2.exceptions.SecurityError, match="underscore-prefixed"):
+          render(messages)
