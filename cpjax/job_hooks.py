@@ -48,7 +48,6 @@ def parity_hook(job: TrainJob, trainer: Trainer, batches, summary: dict, log):
   one device with unsharded parameters; a disagreement stops the run."""
   import jax
   import optax
-  from tqdm.auto import tqdm
 
   from cpjax import train
   from cpjax.models import gemma4
@@ -73,7 +72,7 @@ def parity_hook(job: TrainJob, trainer: Trainer, batches, summary: dict, log):
       # The capacity factor drops per device: the one-device model, which
       # holds every token, drops others. Nothing to compare.
       summary["parity"] = {"skipped": f"{dropped} expert pairs dropped"}
-      with tqdm.external_write_mode():
+      with external_write():
         log(f"parity with the single-device model at step 1: not checked, the capacity "
             f"factor dropped {dropped} (token, expert) pairs on the mesh's devices")
       return
@@ -87,7 +86,7 @@ def parity_hook(job: TrainJob, trainer: Trainer, batches, summary: dict, log):
     ok = rel_loss <= tol and (job.dtype != "float32" or rel_norm <= tol)
     summary["parity"] = {"rel_loss": rel_loss, "rel_grad_norm": rel_norm, "tolerance": tol}
     checked = "loss and grad norm" if job.dtype == "float32" else "loss"
-    with tqdm.external_write_mode():      # a line of its own, not inside the bar
+    with external_write():
       log(f"parity with the single-device model at step 1: |dloss|/loss = {rel_loss:.1e}, "
           f"|dgrad_norm|/grad_norm = {rel_norm:.1e} ({checked} within {tol:g})")
     if not ok:

@@ -192,7 +192,8 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
   ``tp`` too when the rule did not use it (embeddings, norms, the vision
   tower), so every device stores about ``1 / (fsdp * tp)`` of the model. A
   leaf that no free dimension divides (an odd-width norm scale) stays
-  replicated over that axis.
+  replicated over that axis. A rule that splits a dimension over axes whose
+  sizes do not divide it is a ``ValueError`` naming the parameter.
   """
   if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")

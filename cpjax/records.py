@@ -186,9 +186,10 @@ def encode_record(record, tokenizer: CheckpointTokenizer, *,
     raise BadRecord(str(e)) from None
   except Exception as e:      # the template's own raise_exception / undefined values
     raise BadRecord(f"the chat template failed: {type(e).__name__}: {e}") from None
-  if not answer.any():        # a template whose {% generation %} blocks skip this conversation
-    raise BadRecord("the chat template's {% generation %} blocks cover none of its tokens: "
-                    "nothing of it would count in the loss")
+  if not answer.any():
+    what = ("the chat template's {% generation %} blocks cover none of its tokens"
+            if tokenizer.marks_generation else "the chat template renders no assistant token")
+    raise BadRecord(f"{what}: nothing of it would count in the loss")
   return {"input_ids": ids, "loss_mask": answer.astype(np.uint8), **pixels}
 
 

@@ -48,8 +48,8 @@ __all__ = ["ANSWER_ROLE", "CheckpointTokenizer", "KNOWN_ROLES"]
 # The roles a conversation may use; the assistant's turns are the answers.
 ANSWER_ROLE = "assistant"
 KNOWN_ROLES = ("system", "developer", "user", ANSWER_ROLE, "tool")
-# How transformers tells a template that marks the assistant's text.
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# A template that marks the assistant's text (any whitespace control).
+_GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 
 
 def _token_text(value) -> str | None:
@@ -267,6 +267,7 @@ class CheckpointTokenizer:
                                                    template_kwargs))
 
   def encode_chat(self, messages: Sequence[Mapping], *, soft_tokens: Sequence[int] = (),
+                  add_generation_prompt: bool = False,
                   **template_kwargs) -> tuple[np.ndarray, np.ndarray]:
     """``(ids int32[T], answer bool[T])``: the rendered conversation's tokens
     and which of them the assistant wrote (see the module's docstring).
@@ -284,10 +285,11 @@ class CheckpointTokenizer:
     """
     check_messages(messages)
     if self.marks_generation:
-      full, spans = _answer_spans(self._template(),
-                                  **self._context(messages, False, template_kwargs))
+      full, spans = _answer_spans(self._template(), **self._context(
+          messages, add_generation_prompt, template_kwargs))
     else:
-      full = self.render(messages, **template_kwargs)
+      full = self.render(messages, add_generation_prompt=add_generation_prompt,
+                         **template_kwargs)
       spans = self._prefix_spans(messages, full, template_kwargs)
     full, spans = self._expand_images(full, spans, list(soft_tokens))
     encoding = self.backend.encode(full, add_special_tokens=False)

@@ -68,8 +68,10 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
                                        first_step=first_step, hooks=hooks)
   except _HookFailed as failure:
     # What was trained is saved before the error ends the run.
-    saved = _save_after_failure(job, trainer, data, checkpointer, failure.step, summary, log)
-    _close(hooks)
+    try:
+      saved = _save_after_failure(job, trainer, data, checkpointer, failure, summary, log)
+    finally:
+      _close(hooks)
     raise RuntimeError(f"the {failure.name} hook failed after step {failure.step}: "
                        f"{type(failure.error).__name__}: {failure.error} ({saved})"
                        ) from failure.error
@@ -90,20 +92,38 @@ def _close(hooks) -> None:
     getattr(hook, "close", lambda: None)()
 
 
-def _save_after_failure(job: TrainJob, trainer, data, checkpointer, step: int, summary: dict,
-                        log) -> str:
-  """Saves the training state after ``step`` (``--state-dir``, unless the
-  checkpoint hook already did) and the ``--save`` output; says what was saved."""
+def _save_after_failure(job: TrainJob, trainer, data, checkpointer, failure: _HookFailed,
+                        summary: dict, log) -> str:
+  """Saves the training state after the failed step (``--state-dir``, unless
+  the checkpoint hook already did or is what failed) and the ``--save``
+  output; says what was saved. Nothing is saved after a failed parity check
+  (the run disagrees with the single-device model), nor in a multi-process
+  run (a hook that writes files runs on process 0 alone, and a save is a
+  collective the other processes would never join)."""
+  import jax
+
+  step = failure.step
+  if failure.name == "parity check":
+    return "nothing was saved: the run disagrees with the single-device model"
+  if jax.process_count() > 1:
+    return (f"nothing was saved after step {step}: the run spans {jax.process_count()} "
+            f"processes; --state-dir holds the last periodic checkpoint")
   saved = []
-  if checkpointer is not None:
-    if checkpointer.latest_step() != step:
-      checkpointer.maybe_save(step, params=trainer.params, opt_state=trainer.opt_state,
-                              data_state=data.state(), run=run_identity(job, trainer.cfg),
-                              force=True)
-    saved.append(f"the train state after step {step} is in {job.state_dir}")
+  if checkpointer is not None and failure.name != "checkpoint":
+    try:
+      if checkpointer.latest_step() != step:
+        checkpointer.maybe_save(step, params=trainer.params, opt_state=trainer.opt_state,
+                                data_state=data.state(), run=run_identity(job, trainer.cfg),
+                                force=True)
+      saved.append(f"the train state after step {step} is in {job.state_dir}")
+    except Exception as e:      # noqa: BLE001 -- reported, and --save still tried
+      saved.append(f"saving the train state failed too: {type(e).__name__}: {e}")
   if job.save:
-    summary["saved"] = _save_model(job, trainer, log)
-    saved.append(f"the weights after step {step} are in {job.save}")
+    try:
+      summary["saved"] = _save_model(job, trainer, log)
+      saved.append(f"the weights after step {step} are in {job.save}")
+    except Exception as e:      # noqa: BLE001 -- reported with the hook's error
+      saved.append(f"saving --save failed too: {type(e).__name__}: {e}")
   return "; ".join(saved) or "nothing was saved: no --save or --state-dir"
 
 
@@ -163,23 +183,30 @@ def _save_model(job: TrainJob, trainer: Trainer, log) -> list[str] | None:
   if job.lora_rank is not None:
     trained = lora.merge_lora(trained)
   files = trained.save_pretrained(job.save)
-  # A fine-tuned checkpoint keeps the tokenizer, template and processor
-  # settings it was trained with, so that it loads as the original did.
-  kept = [name for name in _BESIDE_WEIGHTS
-          if job.checkpoint and os.path.isfile(os.path.join(job.checkpoint, name))]
-  for name in kept:
-    shutil.copyfile(os.path.join(job.checkpoint, name), os.path.join(job.save, name))
+  # A fine-tuned checkpoint keeps the tokenizer and template it was trained
+  # with (--tokenizer's, else the checkpoint's) and the checkpoint's processor
+  # and generation settings, so that it loads as the original did.
+  kept = []
+  for name in _BESIDE_WEIGHTS:
+    source = job.tokenizer if job.tokenizer and name in _TOKENIZER_FILES else job.checkpoint
+    path = os.path.join(source, name) if source else None
+    if path and os.path.isfile(path):
+      target = os.path.join(job.save, name)
+      if not (os.path.exists(target) and os.path.samefile(path, target)):
+        shutil.copyfile(path, target)
+      kept.append(name)
   merged = " with the LoRA adapter merged in" if job.lora_rank is not None else ""
-  also = f", and {job.checkpoint}'s {', '.join(kept)}" if kept else ""
+  also = f", and {', '.join(kept)}" if kept else ""
   log(f"saved a Hugging Face checkpoint{merged} to {job.save} ({len(files)} safetensors "
       f"file(s){also})")
   return files
 
 
 # The files of a checkpoint directory besides its config and weights.
-_BESIDE_WEIGHTS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                   "tokenizer.model", "special_tokens_map.json", "chat_template.jinja",
-                   "processor_config.json", "preprocessor_config.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                    "special_tokens_map.json", "chat_template.jinja")
+_BESIDE_WEIGHTS = ("generation_config.json", *_TOKENIZER_FILES, "processor_config.json",
+                   "preprocessor_config.json")
 
 
 def _report(job: TrainJob, trainer: Trainer, step, summary: dict, losses, real_tokens, times,

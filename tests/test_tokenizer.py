@@ -106,6 +106,7 @@ TAGGED_TEMPLATES = {
 {% endfor %}
 {% if add_generation_prompt %}<|turn>model
 {% endif %}""",
+    "plus_control": TAGGED_TEMPLATE.replace("{% generation %}", "{%+ generation %}"),
     "whitespace_control": "{{ bos_token }}{%- for m in messages -%}"
                           "{{ '<|turn>' + m['role'] + '\\n' }}"
                           "{%- if m['role'] == 'assistant' %} {%- generation -%} "
@@ -157,6 +158,12 @@ def test_generation_tags_are_the_answer_as_transformers_reads_them(checkpoint, t
     assert ids.tolist() == out["input_ids"]
     assert answer.any()
     np.testing.assert_array_equal(answer, np.asarray(out["assistant_masks"], bool))
+    prompted = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                      add_generation_prompt=True,
+                                      return_assistant_tokens_mask=True)
+    ids, answer = ours.encode_chat(messages, add_generation_prompt=True)
+    assert ids.tolist() == prompted["input_ids"]
+    np.testing.assert_array_equal(answer, np.asarray(prompted["assistant_masks"], bool))
 
 
 def test_generation_tags_by_hand(tmp_path):

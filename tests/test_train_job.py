@@ -101,15 +101,20 @@ def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
   assert summary["eval_losses"] == [(2, record["eval_loss"])]
 
 
-def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch):
-  """The validation hook fails after step 2 of 3: the state after step 2 is
-  in --state-dir and its weights in --save before the error, which names the
-  hook and the step."""
+@pytest.mark.parametrize("which", ["validation", "checkpoint"])
+def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch, which):
+  """A hook fails after step 2 of 3. The validation hook: the state after
+  step 2 is in --state-dir and its weights in --save before the error, which
+  names the hook and the step. The checkpoint hook itself: no second try at
+  the state, the weights still saved."""
+  from flax import nnx
+
   from cpjax import job_hooks, train_job
   from cpjax.checkpointing import TrainCheckpointer
   from cpjax.models import gemma4
 
-  real = job_hooks.eval_hook
+  name = {"validation": "eval_hook", "checkpoint": "save_hook"}[which]
+  real = getattr(job_hooks, name)
 
   def failing(*args, **kwargs):
     hook = real(*args, **kwargs)
@@ -118,15 +123,20 @@ def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch):
       if i == 1:
         raise OSError("the disk is full")
       hook(i, metrics, record)
+    wrapped.close = getattr(hook, "close", lambda: None)
     return wrapped
 
-  monkeypatch.setattr(job_hooks, "eval_hook", failing)
+  monkeypatch.setattr(job_hooks, name, failing)
   job = TrainJob(seq_len=64, cp=2, steps=3, batch_size=2, parity_check=False, tokenizer=EXAMPLE,
                  eval_rows=2, eval_every=1, eval_data=os.path.join(EXAMPLE, "eval.jsonl"),
                  state_dir=str(tmp_path / "state"), save=str(tmp_path / "out"))
-  with pytest.raises(RuntimeError, match=r"the validation hook failed after step 2: OSError: "
-                                         r"the disk is full \(the train state after step 2 is in "
-                                         r".*state; the weights after step 2 are in .*out\)"):
+  state = (r"the train state after step 2 is in .*state; " if which == "validation" else "")
+  with pytest.raises(RuntimeError, match=rf"the {which} hook failed after step 2: OSError: "
+                                         rf"the disk is full \({state}the weights after step 2 "
+                                         rf"are in .*out\)"):
     train_job.run_train_job(job, log=QUIET)
-  assert TrainCheckpointer(job.state_dir).latest_step() == 2
-  gemma4.Gemma4.from_pretrained(job.save)              # a whole checkpoint
+  assert TrainCheckpointer(job.state_dir).latest_step() == (2 if which == "validation" else None)
+  saved = gemma4.Gemma4.from_pretrained(job.save)      # a whole checkpoint, trained
+  initial = gemma4.Gemma4(saved.cfg, rngs=nnx.Rngs(job.seed))
+  assert not np.array_equal(saved.model.language_model.embed_tokens.weight[...],
+                            initial.model.language_model.embed_tokens.weight[...])

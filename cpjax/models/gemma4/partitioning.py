@@ -88,7 +88,7 @@ def check_expert_axes(cfg: Gemma4Config, mesh: Mesh, expert_axes) -> None:
   >>> check_expert_axes(Gemma4Config.preset("tiny-moe"), mesh, ("cp",))
   Traceback (most recent call last):
   ...
-  ValueError: expert_axes ('cp',) give ep=8, which does not divide the 4 experts
+  ValueError: ep=8 does not divide the 4 experts (expert_axes ('cp',))
   """
   expert_axes = tuple(expert_axes)
   if not expert_axes:
@@ -99,11 +99,11 @@ def check_expert_axes(cfg: Gemma4Config, mesh: Mesh, expert_axes) -> None:
                      f"{mesh.axis_names} does not have")
   ep = math.prod(int(mesh.shape[a]) for a in expert_axes)
   if not cfg.text.enable_moe_block:
-    raise ValueError(f"expert_axes {expert_axes} (ep={ep}) need a mixture of experts; this "
-                     f"Gemma 4 has none (enable_moe_block is false)")
+    raise ValueError(f"ep={ep} needs a mixture of experts; this Gemma 4 has none "
+                     f"(enable_moe_block is false; expert_axes {expert_axes})")
   if cfg.text.num_experts % ep:
-    raise ValueError(f"expert_axes {expert_axes} give ep={ep}, which does not divide the "
-                     f"{cfg.text.num_experts} experts")
+    raise ValueError(f"ep={ep} does not divide the {cfg.text.num_experts} experts "
+                     f"(expert_axes {expert_axes})")
 
 
 def check_mesh(cfg: Gemma4Config, mesh: Mesh, *, seq_len: int | None = None,
@@ -135,12 +135,7 @@ def check_mesh(cfg: Gemma4Config, mesh: Mesh, *, seq_len: int | None = None,
                        f"{t.mlp_size(i)}")
   if t.enable_moe_block and t.num_experts % tp:
     raise ValueError(f"mesh axis 'tp' of size {tp} does not divide the {t.num_experts} experts")
-  folded = expert_axes(mesh, ep)
-  if folded and not t.enable_moe_block:
-    raise ValueError(f"ep={ep} needs a mixture of experts; this Gemma 4 has none "
-                     f"(enable_moe_block is false)")
-  if folded and t.num_experts % ep:
-    raise ValueError(f"ep={ep} does not divide the {t.num_experts} experts")
+  check_expert_axes(cfg, mesh, expert_axes(mesh, ep))
   batch_axis = batch_axis_of(mesh)
   if batch_size is not None and batch_axis is not None and batch_size % mesh.shape[batch_axis]:
     raise ValueError(f"mesh axis {batch_axis!r} of size {mesh.shape[batch_axis]} does not "
