@@ -1,7 +1,7 @@
 """The packing data pipeline's throughput against what training consumes.
 
 Reads the shipped corpus (tests/data/tiny_corpus.array_record) with
-``cpjax.corpus.packed_batches`` at the demo size (B=2, S=1024), repeating
+``cpjax.data.corpus.packed_batches`` at the demo size (B=2, S=1024), repeating
 epochs, and counts real tokens per second. In the same run it trains the
 demo (``cpjax train --data``'s job: tiny Gemma 4, cp=8) for a few steps and
 reads its real tokens per second. Target: the loader is at least 10x faster.
@@ -24,7 +24,7 @@ CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "tiny_corpu
 
 
 def loader_tokens_per_s(batches: int, batch_size: int, seq_len: int) -> tuple[float, float]:
-  from cpjax.corpus import packed_batches
+  from cpjax.data.corpus import packed_batches
 
   it = iter(packed_batches(CORPUS, batch_size=batch_size, seq_len=seq_len, seed=0,
                            process_index=0, process_count=1))
@@ -44,7 +44,7 @@ def main(argv=None):
   import jax
 
   jax.config.update("jax_num_cpu_devices", 8)
-  from cpjax.train_job import TrainJob, run_train_job
+  from cpjax.training.train_job import TrainJob, run_train_job
 
   loader, fill = loader_tokens_per_s(args.batches, 2, 1024)
   summary = run_train_job(TrainJob(seq_len=1024, batch_size=2, steps=args.train_steps,

@@ -34,7 +34,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np, optax
 from flax import nnx
-from cpjax import train
+from cpjax import training
 from cpjax.models import gemma4
 
 cfg = gemma4.Gemma4Config.preset("tiny")
@@ -48,11 +48,11 @@ batch = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=1, seq_
 if mode == "cp8":
   mesh = jax.make_mesh((8,), ("cp",))
   batch, layout = sharder.shard_batch(batch, mesh)
-  step = train.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers)
+  step = training.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers)
   ctx = jax.set_mesh(mesh)
 else:
   batch = gemma4.prepare_batch(batch, cfg)
-  step = train.make_train_step(graphdef, opt, frozen=buffers)
+  step = training.make_train_step(graphdef, opt, frozen=buffers)
   import contextlib
   ctx = contextlib.nullcontext()
 with ctx:

@@ -98,7 +98,8 @@ def e2b_step(seq_len: int, steps: int) -> dict:
   import numpy as np
   import optax
 
-  from cpjax import lora, train
+  from cpjax import training
+  from cpjax.training import lora
   from cpjax.models import gemma4
 
   cfg = gemma4.Gemma4Config.from_hf(str(PUBLISHED))
@@ -111,7 +112,7 @@ def e2b_step(seq_len: int, steps: int) -> dict:
   adapters_s = time.perf_counter() - start
   graphdef, adapters, frozen = lora.split_lora(model)
   optimizer = optax.adamw(1e-4)
-  step = train.make_train_step(graphdef, optimizer, frozen=frozen)
+  step = training.make_train_step(graphdef, optimizer, frozen=frozen)
   rng = np.random.default_rng(0)
   batch = gemma4.prepare_batch(gemma4.synthetic_batch(rng, cfg, batch_size=1, seq_len=seq_len,
                                                       max_docs=2, images_per_row=0), cfg)
@@ -138,7 +139,8 @@ def a4b_slice(seq_len: int, layers: int, steps: int) -> dict:
   import numpy as np
   import optax
 
-  from cpjax import lora, parallel, train
+  from cpjax import parallel, training
+  from cpjax.training import lora
   from cpjax.models import gemma4
 
   cfg = gemma4.Gemma4Config.from_hf(str(PUBLISHED_A4B))
@@ -163,7 +165,7 @@ def a4b_slice(seq_len: int, layers: int, steps: int) -> dict:
   raw = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=2, seq_len=seq_len,
                                max_docs=2, images_per_row=0)
   batch, layout = sharder.shard_batch(raw, mesh, batch_axis="fsdp")
-  step = train.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=frozen,
+  step = training.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=frozen,
                                expert_axes=experts, capacity_factor=1.25)
   start = time.perf_counter()
   compiled = step.compile(adapters, opt_state, batch)
@@ -206,7 +208,9 @@ def tiny_sweep(budget: int, seq_lens: list[int]) -> dict:
   import optax
   from flax import nnx
 
-  from cpjax import lora, parallel, plan, train
+  from cpjax import parallel, training
+  from cpjax.training import lora
+  from cpjax.training import plan
   from cpjax.models import gemma4
 
   cfg = gemma4.Gemma4Config.preset("tiny")
@@ -226,7 +230,7 @@ def tiny_sweep(budget: int, seq_lens: list[int]) -> dict:
       raw = gemma4.synthetic_batch(rng, cfg, batch_size=1, seq_len=seq_len, max_docs=4,
                                    images_per_row=0)
       batch, layout = sharder.shard_batch(raw, mesh)
-      step = train.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=frozen)
+      step = training.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=frozen)
       compiled = step.compile(params, optimizer.init(params), batch)
       m = compiled.memory_analysis()
       total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
@@ -258,7 +262,7 @@ def main() -> None:
   parser.add_argument("--a4b-seq-len", type=int, default=2048)
   args = parser.parse_args()
   common.setup_devices(8)
-  from cpjax import plan
+  from cpjax.training import plan
 
   import json
 

@@ -1,6 +1,6 @@
 """Per-device memory of a Gemma 4 training step as cp grows: the compiled
 program's activations and temporaries (everything but parameters and
-optimizer state) for a slice of E2B, beside cpjax.plan's closed form.
+optimizer state) for a slice of E2B, beside cpjax.training.plan's closed form.
 
     python benchmarks/memory_scaling.py                 # S = 16384 and 131072, cp = 2, 4, 8
     python benchmarks/memory_scaling.py --seq-lens 16384 --cps 8
@@ -8,7 +8,7 @@ optimizer state) for a slice of E2B, beside cpjax.plan's closed form.
 The slice: E2B's vocabulary (262144), width (1536), per-layer inputs (256
 per layer) and attention, with 5 layers (4 sliding + 1 full), remat
 "full", a cp-only mesh, one row, float32 (the compiled plan's dtype, see
-cpjax.plan). Each row compiles the real step abstractly on emulated CPU
+cpjax.training.plan). Each row compiles the real step abstractly on emulated CPU
 devices (no weight is materialised); XLA:CPU's temporaries are a
 liveness-based upper estimate of an accelerator compiler's. On a cp-only
 mesh the float32 parameter gradients (mostly the two tables) are a floor
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
   parser.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8])
   args = parser.parse_args(argv)
   setup_devices(max(args.cps))
-  from cpjax import plan
+  from cpjax.training import plan
 
   cfg = e2b_slice()
   n = plan._count(cfg)[0]

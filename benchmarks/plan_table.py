@@ -1,5 +1,5 @@
 """The smallest fsdp x cp mesh for each published Gemma 4 size, sequence length
-and device memory (v5e 16 GiB, v5p 95 GiB, H200 141 GiB), from cpjax.plan's
+and device memory (v5e 16 GiB, v5p 95 GiB, H200 141 GiB), from cpjax.training.plan's
 closed form; optionally cross-checked by compiling named rows abstractly.
 
     python benchmarks/plan_table.py                       # closed form, every row
@@ -71,7 +71,7 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices",
                       max(math.prod(v for k, v in parse_mesh(mesh).items() if k != "ep")
                           for _, _, mesh in compile_rows))
-  from cpjax import plan
+  from cpjax.training import plan
   from cpjax.models.gemma4 import Gemma4Config
 
   print(f"{'model':>5} {'S':>7} {'device':>6}  {'mesh (fsdp x cp)':<18} {'devices':>7} "

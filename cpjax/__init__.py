@@ -14,6 +14,8 @@ from cpjax.batch import vision_group_ids as vision_group_ids
 from cpjax.context_parallel import context_parallel_attention as context_parallel_attention
 from cpjax.context_parallel import from_rank_order as from_rank_order
 from cpjax.context_parallel import to_rank_order as to_rank_order
+from cpjax.cp_context import ContextParallelSharder as ContextParallelSharder
+from cpjax.cp_context import CPContext as CPContext
 from cpjax.flax_attention import context_parallel as context_parallel
 from cpjax.flax_attention import ring_attention_fn as ring_attention_fn
 from cpjax.layout import ShardLayout as ShardLayout
@@ -38,8 +40,6 @@ from cpjax.reference import reference_attention as reference_attention
 from cpjax.ring_attention import RingPlan as RingPlan
 from cpjax.ring_attention import ring_attention as ring_attention
 from cpjax.ring_attention import ring_plan as ring_plan
-from cpjax.sharding import ContextParallelSharder as ContextParallelSharder
-from cpjax.sharding import CPContext as CPContext
 from cpjax.sharding import shard_batch as shard_batch
 from cpjax.sharding import shard_sequence as shard_sequence
 from cpjax.sharding import unshard_batch as unshard_batch

@@ -25,7 +25,7 @@ from cpjax import validation
 from cpjax.layout import ShardLayout, rank_order
 from cpjax.masks import AttentionMask, resolve_mask
 from cpjax.ring_attention import ring_attention
-from cpjax.sharding import _gather_dim, _mesh_axis_size, _place, take_rows
+from cpjax.streams import _gather_dim, _mesh_axis_size, _place, take_rows
 
 __all__ = ["context_parallel_attention", "from_rank_order", "to_rank_order"]
 

@@ -5,7 +5,7 @@ its attention through :func:`cpjax.ring_attention`. The module does not know
 whether it runs context-parallel: that is said where the model is called,
 
 * inside ``shard_map`` under ``with cpjax.context_parallel(cp):`` (``cp`` a
-  :class:`cpjax.CPContext`, the one :func:`cpjax.train.make_train_step` hands
+  :class:`cpjax.CPContext`, the one :func:`cpjax.training.step.make_train_step` hands
   its ``forward``), every attention call is a ring over ``cp.axis_name``;
 * outside any context, the same call is exact attention over the whole
   sequence on one device (the ring with ``cp_size = 1``: no collectives).
@@ -31,7 +31,7 @@ from cpjax.kernels.targets import resolve_implementation
 from cpjax.layout import ShardLayout
 from cpjax.masks import AttentionMask
 from cpjax.ring_attention import ring_attention
-from cpjax.sharding import CPContext
+from cpjax.cp_context import CPContext
 
 __all__ = ["context_parallel", "current_context", "ring_attention_fn"]
 
@@ -45,7 +45,7 @@ def context_parallel(cp: CPContext | None) -> Iterator[CPContext | None]:
 
   ``cp=None`` leaves them single-device, so one ``forward`` serves both runs.
   It is read while tracing: enter it inside the function that ``shard_map``
-  (or :func:`cpjax.train.make_train_step`) traces.
+  (or :func:`cpjax.training.step.make_train_step`) traces.
 
   >>> import cpjax
   >>> with cpjax.context_parallel(cpjax.CPContext(cpjax.ShardLayout(8, 8, 2))) as cp:

@@ -24,22 +24,25 @@ Shape letters: ``B`` batch, ``S`` original length, ``Sp`` padded length,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from cpjax import balance
 from cpjax import batch as batch_lib
 from cpjax import validation
+from cpjax.cp_context import ContextParallelSharder, CPContext  # their home before cp_context
 from cpjax.kernels.targets import TARGETS, resolve_implementation
 from cpjax.layout import (LAYOUT_KINDS, MIN_STRIPE_LEN, ShardLayout, default_stripes,
                           local_token_indices, padded_length, rank_order)
+from cpjax.streams import (_AUX_PAD_VALUES, _PRIMARY_STREAMS, _REPLICATED_ALWAYS, _batch_dims,
+                           _check_extra_keys, _gather_dim, _mesh_axis_size, _pad_stream, _place,
+                           _platform, _sequence_streams, _spec, take_rows)
 
 __all__ = [
     "CPContext",
@@ -48,134 +51,6 @@ __all__ = [
     "shard_sequence",
     "unshard_batch",
 ]
-
-# Auxiliary (no-grad) streams and their right-pad values; the primary
-# streams follow. ``position_ids`` is special: it keeps counting.
-_AUX_PAD_VALUES = {
-    "labels": batch_lib.IGNORE_INDEX,
-    "loss_mask": 0,
-    "padding_mask": True,
-    batch_lib.DOCUMENT_IDS_KEY: 0,
-}
-_PRIMARY_STREAMS = ("input_ids", "inputs_embeds", "mm_token_type_ids")
-_REPLICATED_ALWAYS = ("pixel_values", "image_position_ids")
-
-
-def _mesh_axis_size(mesh: Mesh, name: str, argument: str) -> int:
-  if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  if name not in mesh.axis_names:
-    raise ValueError(
-        f"{argument}={name!r} is not an axis of the mesh; mesh axes are "
-        f"{tuple(mesh.axis_names)}")
-  return dict(mesh.shape)[name]
-
-
-def _platform(mesh) -> str | None:
-  """The platform of a concrete mesh's devices (None for an abstract mesh)."""
-  devices = getattr(mesh, "devices", None)
-  return None if devices is None else np.asarray(devices).flat[0].platform
-
-
-def _place(x, mesh: Mesh, spec: P):
-  """Give ``x`` the sharding ``spec`` names, on Explicit and Auto meshes alike."""
-  sharding = NamedSharding(mesh, spec)
-  named = {a for part in spec if part is not None
-           for a in (part if isinstance(part, tuple) else (part,))}
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  if named and all(types[a] == jax.sharding.AxisType.Auto for a in named):
-    return jax.lax.with_sharding_constraint(x, sharding)
-  return jax.reshard(x, sharding)
-
-
-def _spec(ndim: int, *, seq_dim: int | None, axis_name: str | None,
-          batch_dim: int | None, batch_axis: str | None) -> P:
-  parts = [None] * ndim
-  if batch_axis is not None and batch_dim is not None:
-    parts[batch_dim] = batch_axis
-  if seq_dim is not None and axis_name is not None:
-    parts[seq_dim] = axis_name
-  return P(*parts)
-
-
-def _pad_stream(key: str, x, seq_dim: int, pad_len: int, pad_value):
-  if pad_len == 0:
-    return x
-  if key == "position_ids":
-    # Positions keep counting past the last real token of every row.
-    last = jax.lax.index_in_dim(x, -1, axis=seq_dim, keepdims=True)
-    shape = [1] * x.ndim
-    shape[seq_dim] = pad_len
-    step = jnp.arange(1, pad_len + 1, dtype=x.dtype).reshape(shape)
-    return jnp.concatenate([x, last + step], axis=seq_dim)
-  widths = [(0, 0)] * x.ndim
-  widths[seq_dim] = (0, pad_len)
-  return jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
-
-
-def take_rows(x, index, *, seq_dim: int, batch_dim: int | None):
-  """``x`` gathered along ``seq_dim`` with a per-row index int[B, T]: row b
-  of the result takes positions ``index[b]`` (``batch_dim`` None: x has no
-  batch dimension and every row of ``index`` must be the same; row 0 is used)."""
-  if batch_dim is None:
-    return jnp.take(x, index[0], axis=seq_dim)
-  shape = [1] * x.ndim
-  shape[batch_dim], shape[seq_dim] = index.shape
-  full = list(x.shape)
-  full[seq_dim] = index.shape[1]
-  return jnp.take_along_axis(x, jnp.broadcast_to(index.reshape(shape), full), axis=seq_dim)
-
-
-def _check_extra_keys(batch: Mapping, extra_seq_keys, extra_pad_values):
-  extra = dict(extra_seq_keys or {})
-  for key, dim in extra.items():
-    if key not in batch:
-      raise KeyError(f"extra_seq_keys names {key!r}, which is not in the batch "
-                     f"(keys: {sorted(batch)})")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-      raise TypeError(f"extra_seq_keys[{key!r}] must be an int dimension, got {dim!r}")
-    ndim = jnp.ndim(batch[key])
-    if not -ndim <= dim < ndim:
-      raise ValueError(
-          f"extra_seq_keys[{key!r}] = {dim} is not a dimension of an array of shape "
-          f"{tuple(jnp.shape(batch[key]))}; expected {-ndim} <= dim < {ndim}")
-    extra[key] = dim % ndim
-  unknown = set(extra_pad_values or {}) - set(extra)
-  if unknown:
-    raise KeyError(f"extra_pad_values names {sorted(unknown)}, which are not in "
-                   f"extra_seq_keys {sorted(extra)}")
-  return extra
-
-
-def _batch_dims(batch: Mapping, streams: Mapping[str, int], extra: Mapping[str, int],
-                batch_size: int) -> dict:
-  """{key: batch dim or None} of the sharded streams.
-
-  A known stream has its batch just before its sequence dimension. An extra
-  key has one there only when that dimension has the batch size; otherwise it
-  holds no batch dimension and is replicated over ``batch_axis``.
-  """
-  dims = {}
-  for key, seq_dim in streams.items():
-    bdim = seq_dim - 1 if seq_dim >= 1 else None
-    if key in extra and bdim is not None and jnp.shape(batch[key])[bdim] != batch_size:
-      bdim = None
-    dims[key] = bdim
-  return dims
-
-
-def _sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int]):
-  """{key: seq_dim} of every stream that is padded and sharded."""
-  streams = {}
-  for key in (*_AUX_PAD_VALUES, "position_ids"):
-    if key in batch:
-      streams[key] = 2 if key == "position_ids" and jnp.ndim(batch[key]) == 3 else 1
-  if not aux_only:
-    for key in _PRIMARY_STREAMS:
-      if key in batch:
-        streams[key] = 1
-  streams.update(extra)
-  return streams
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -487,21 +362,6 @@ def _restore_order(streams, source, *, layout, dims, batch_dims):
   return out
 
 
-def _gather_dim(x, dim: int):
-  """Un-shard dimension ``dim`` of ``x`` (other dimensions keep their sharding).
-
-  On an Explicit mesh a permuting gather along a sharded dimension has no
-  unambiguous output sharding, so the dimension is made whole first.
-  """
-  sharding = jax.typeof(x).sharding
-  spec = getattr(sharding, "spec", None)
-  if spec is None or dim >= len(spec) or spec[dim] is None:
-    return x
-  parts = list(spec)
-  parts[dim] = None
-  return jax.reshard(x, NamedSharding(sharding.mesh, P(*parts)))
-
-
 def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
                    seq_axis: int = 1, pad_value=0, source_index=None):
   """This rank's part of a full-length stream, called inside ``shard_map``.
@@ -568,86 +428,3 @@ def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
     return x
   idx = local_token_indices(layout, jax.lax.axis_index(axis_name))
   return jnp.take(x, idx, axis=seq_axis)
-
-
-@dataclasses.dataclass(frozen=True)
-class CPContext:
-  """Where a forward runs: inside ``shard_map`` over ``axis_name``, on a batch
-  sharded by ``layout``, and which per-hop attention backend it uses. The
-  training step hands it to the model's forward.
-
-  Attributes:
-    layout: the batch's :class:`cpjax.ShardLayout`.
-    axis_name: the context-parallel mesh axis.
-    implementation, interpret: the ring's per-hop backend, as
-      :func:`cpjax.ring_attention` takes them (None: the backend's default).
-    expert_axes: mesh axes a mixture of experts is split over (expert
-      parallelism, :func:`cpjax.parallel.expert_axes`); empty for none.
-    capacity_factor: None (an expert never drops a token) or the factor
-      bounding each expert's tokens (:mod:`cpjax.experts`).
-
-  >>> import cpjax
-  >>> cp = cpjax.CPContext(cpjax.ShardLayout(6, 8, 2))
-  >>> cp.axis_name, cp.attention_options()
-  ('cp', {'implementation': None, 'interpret': False})
-  """
-
-  layout: ShardLayout
-  axis_name: str = "cp"
-  implementation: str | None = None
-  interpret: bool = False
-  expert_axes: tuple[str, ...] = ()
-  capacity_factor: float | None = None
-
-  def __post_init__(self):
-    if not isinstance(self.layout, ShardLayout):
-      raise TypeError(f"layout must be a ShardLayout, got {type(self.layout).__name__}")
-    if not isinstance(self.axis_name, str):
-      raise TypeError(f"axis_name must be a mesh axis name (str), got "
-                      f"{type(self.axis_name).__name__} ({self.axis_name!r})")
-    if self.implementation is not None:
-      resolve_implementation(self.implementation)
-    if not isinstance(self.interpret, bool):
-      raise TypeError(f"interpret must be a bool, got {type(self.interpret).__name__}")
-    if (not isinstance(self.expert_axes, tuple)
-        or not all(isinstance(a, str) for a in self.expert_axes)):
-      raise TypeError(f"expert_axes must be a tuple of mesh axis names, got "
-                      f"{self.expert_axes!r}")
-    if self.capacity_factor is not None and (
-        isinstance(self.capacity_factor, bool)
-        or not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
-      raise ValueError(f"capacity_factor must be None or a positive number, got "
-                       f"{self.capacity_factor!r}")
-
-  def expert_options(self) -> dict:
-    """The keywords that pass this context's expert parallelism to a mixture of experts."""
-    return {"expert_axes": self.expert_axes, "capacity_factor": self.capacity_factor}
-
-  def attention_options(self) -> dict:
-    """The keywords that pass this context's backend to :func:`cpjax.ring_attention`."""
-    return {"implementation": self.implementation, "interpret": self.interpret}
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextParallelSharder:
-  """What a model hands the training loop to say how its batches are sharded.
-
-  Attributes:
-    shard_batch: ``(batch, mesh, **kw) -> (sharded_batch, ShardLayout)``,
-      e.g. :func:`cpjax.shard_batch` or the Gemma4 aux-only sharder.
-    local_token_indices: ``(layout, rank) -> int32[L]`` global token indices.
-
-  Example:
-    >>> import cpjax
-    >>> sharder = cpjax.ContextParallelSharder(cpjax.shard_batch)
-    >>> sharder.local_token_indices is cpjax.local_token_indices
-    True
-  """
-
-  shard_batch: Callable[..., tuple[dict, ShardLayout]]
-  local_token_indices: Callable[[ShardLayout, Any], jax.Array] = local_token_indices
-
-  def __post_init__(self):
-    for name in ("shard_batch", "local_token_indices"):
-      if not callable(getattr(self, name)):
-        raise TypeError(f"{name} must be callable, got {getattr(self, name)!r}")

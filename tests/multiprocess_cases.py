@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cpjax
-from cpjax import train
+from cpjax import training
 from cpjax.models import gemma4
 
 CFG = gemma4.Gemma4Config.preset("tiny-moe")
@@ -39,7 +39,7 @@ def run_fsdp(ckpt_dir) -> dict:
   ring passes K/V between processes.
   """
   from cpjax import parallel
-  from cpjax.checkpointing import TrainCheckpointer
+  from cpjax.training.checkpointing import TrainCheckpointer
 
   mesh = parallel.make_mesh(fsdp=2, cp=4, devices=crossing_devices())
   model = gemma4.Gemma4(CFG, rngs=nnx.Rngs(0))
@@ -53,7 +53,7 @@ def run_fsdp(ckpt_dir) -> dict:
   for i in range(3):
     b = gemma4.synthetic_batch(np.random.default_rng(20 + i), CFG, batch_size=2, seq_len=60)
     batches.append(sharder.shard_batch(b, mesh, batch_axis="fsdp"))
-  step = train.make_train_step(graphdef, opt, mesh=mesh, layout=batches[0][1], frozen=buffers)
+  step = training.make_train_step(graphdef, opt, mesh=mesh, layout=batches[0][1], frozen=buffers)
   ckpt = TrainCheckpointer(ckpt_dir)
   out = {}
   for i, (b, _) in enumerate(batches):
@@ -77,10 +77,11 @@ def run_fsdp(ckpt_dir) -> dict:
 
 
 def _lora_step(mesh, specs, sharded) -> dict:
-  """One SGD step of LoRA adapters (cpjax.lora) on the same mesh: the frozen
+  """One SGD step of LoRA adapters (cpjax.training.lora) on the same mesh: the frozen
   base sharded as the parameters were, the adapters too, and the MoE's
   experts split over cp (ep=4: tokens cross the processes to them)."""
-  from cpjax import lora, parallel
+  from cpjax import parallel
+  from cpjax.training import lora
 
   model = lora.apply_lora(gemma4.Gemma4(CFG, rngs=nnx.Rngs(0)), rank=4, alpha=8.0)
   for i, (_, var) in enumerate(nnx.iter_graph(model)):   # B away from zero: A gets gradients
@@ -93,7 +94,7 @@ def _lora_step(mesh, specs, sharded) -> dict:
   adapters = parallel.shard_params(adapters, mesh, parallel.param_specs(adapters, mesh, rule=rule))
   frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
   opt = optax.sgd(0.1)
-  step = train.make_train_step(graphdef, opt, mesh=mesh, layout=sharded[1], frozen=frozen,
+  step = training.make_train_step(graphdef, opt, mesh=mesh, layout=sharded[1], frozen=frozen,
                                expert_axes=experts)
   new, _, metrics = step(adapters, opt.init(adapters), sharded[0])
   out = {"lora/loss": metrics["loss"]}

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from cpjax.checkpointing import TrainCheckpointer, check_run_matches
-from cpjax.train_job import TrainJob, run_train_job
+from cpjax.training.checkpointing import TrainCheckpointer, check_run_matches
+from cpjax.training.train_job import TrainJob, run_train_job
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "tiny_corpus.array_record")
 QUIET = {"log": lambda *_: None}
@@ -72,7 +72,7 @@ def test_resume_refuses_a_changed_run(tmp_path):
 
 CHILD = textwrap.dedent("""
     import sys, time, numpy as np
-    from cpjax.checkpointing import TrainCheckpointer
+    from cpjax.training.checkpointing import TrainCheckpointer
     ckpt = TrainCheckpointer(sys.argv[1])
     small = {"w": np.arange(4, dtype=np.float32)}
     ckpt.maybe_save(1, params=small, opt_state=(), data_state={"at": 1}, run={}, force=True)
@@ -138,7 +138,7 @@ def test_every_setting_resume_compares_refuses_a_change(change, message, forced)
   data stream continues with them) but never another model or another
   trained set of parameters."""
   from cpjax.models import gemma4
-  from cpjax.job_phases import run_identity
+  from cpjax.training.job_phases import run_identity
 
   saved_job = TrainJob(seq_len=64, batch_size=2, lora_rank=4, lora_alpha=16.0)
   now = TrainJob(**{**saved_job.__dict__, **change})

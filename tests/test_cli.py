@@ -87,13 +87,13 @@ def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
 
 def test_errors_during_training_are_crashes_not_usage_errors(monkeypatch):
   """A ValueError raised by the job propagates (traceback, exit status 1)."""
-  import cpjax.train_job
+  import cpjax.training.train_job
 
   def broken(job):
     raise ValueError("something inside the step")
 
   monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
-  monkeypatch.setattr(cpjax.train_job, "run_train_job", broken)
+  monkeypatch.setattr(cpjax.training.train_job, "run_train_job", broken)
   with pytest.raises(ValueError, match="something inside the step"):
     cli.main(["train", "--cp", "2", "--seq-len", "64"])
 
@@ -107,11 +107,11 @@ def train_help(capsys) -> str:
 
 def test_skip_memory_check_starts_the_job(monkeypatch):
   """With --skip-memory-check the e2b run that is otherwise refused reaches the job."""
-  import cpjax.train_job
+  import cpjax.training.train_job
 
   monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
   started = []
-  monkeypatch.setattr(cpjax.train_job, "run_train_job", lambda job, **kw: started.append(job))
+  monkeypatch.setattr(cpjax.training.train_job, "run_train_job", lambda job, **kw: started.append(job))
   assert cli.main(["train", "--model", "e2b", "--skip-memory-check"]) == 0
   assert started and started[0].model == "e2b"
 
@@ -180,7 +180,7 @@ def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
 
   from cpjax.models import gemma4
 
-  from cpjax.train_job import TrainJob, run_train_job
+  from cpjax.training.train_job import TrainJob, run_train_job
 
   here = os.path.dirname(__file__)
   corpus = os.path.join(here, "data", "tiny_corpus.array_record")

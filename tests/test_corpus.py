@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cpjax import corpus
+from cpjax.data import corpus
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "tiny_corpus.array_record")
 

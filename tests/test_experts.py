@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cpjax import parallel, train
+from cpjax import parallel, training
 from cpjax.experts import routed_experts
 from cpjax.models import gemma4
 from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
@@ -169,7 +169,7 @@ def ep_step(shape, ep, layout, microbatches=1):
                                batch_axis=batch_axis) for i in range(microbatches)]
   sharded, shard_layout = (parts[0] if microbatches == 1
                            else ([p[0] for p in parts], parts[0][1]))
-  step = train.make_train_step(graphdef, opt, mesh=mesh, layout=shard_layout, frozen=buffers,
+  step = training.make_train_step(graphdef, opt, mesh=mesh, layout=shard_layout, frozen=buffers,
                                expert_axes=axes)
   step = step.compile(placed, opt_state, sharded)
   new, _, metrics = step(placed, opt_state, sharded)
@@ -180,7 +180,7 @@ def ep_step(shape, ep, layout, microbatches=1):
 def single_device():
   cfg, _, graphdef, params, buffers, batch = tp.setup("tiny-moe")
   opt = optax.sgd(1.0)
-  step = train.make_train_step(graphdef, opt, frozen=buffers)
+  step = training.make_train_step(graphdef, opt, frozen=buffers)
   new, _, metrics = step(tp.copy(params), opt.init(params), gemma4.prepare_batch(batch, cfg))
   return jax.device_get(new), jax.device_get(metrics)
 

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import cpjax
-from cpjax import train
+from cpjax import training
 from cpjax.models import gemma4
 from tests.helpers import cp_mesh
 
@@ -158,7 +158,7 @@ def assert_grads_close(got, want, rtol=1e-4):
 def single_device(name, kind="images"):
   model, batch = training_batch(name, kind)
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-  loss = train.make_loss_fn(graphdef, frozen=buffers)
+  loss = training.make_loss_fn(graphdef, frozen=buffers)
   objective = lambda p: (lambda s, n: s / n)(*loss(p, gemma4.prepare_batch(batch, model.cfg)))
   return jax.jit(jax.value_and_grad(objective))(params)
 
@@ -192,7 +192,7 @@ def test_cp_loss_and_gradients_equal_single_device(name, cp, layout, dp):
   sharded, shard_layout = sharder.shard_batch(gemma4.prepare_batch(batch, model.cfg), mesh,
                                               batch_axis=batch_axis)
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-  loss = train.make_loss_fn(graphdef, mesh=mesh, layout=shard_layout, batch_axis=batch_axis,
+  loss = training.make_loss_fn(graphdef, mesh=mesh, layout=shard_layout, batch_axis=batch_axis,
                             frozen=buffers)
   objective = lambda p: (lambda s, n: s / n)(*loss(p, sharded))
   with jax.set_mesh(mesh):
@@ -208,7 +208,7 @@ def test_remat_policies_give_the_same_gradients(policy):
   ref_loss, ref_grads = single_device("ple_kv_sharing")
   model = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, "ple_kv_sharing"), remat=policy)
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-  loss = train.make_loss_fn(graphdef, frozen=buffers)
+  loss = training.make_loss_fn(graphdef, frozen=buffers)
   objective = lambda p: (lambda s, n: s / n)(*loss(p, gemma4.prepare_batch(batch, model.cfg)))
   got_loss, got_grads = jax.jit(jax.value_and_grad(objective))(params)
   assert abs(float(got_loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
@@ -237,9 +237,9 @@ def test_training_never_forms_the_logits_and_equals_the_dense_loss():
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   batch = gemma4.prepare_batch(batch, model.cfg)
   mean = lambda s, n: s / n
-  chunked = train.make_loss_fn(graphdef, frozen=buffers)
-  dense = train.make_loss_fn(graphdef, frozen=buffers, forward=lambda m, b, cp: m(b))
-  assert isinstance(train.default_forward(model, batch, None), train.HiddenStates)
+  chunked = training.make_loss_fn(graphdef, frozen=buffers)
+  dense = training.make_loss_fn(graphdef, frozen=buffers, forward=lambda m, b, cp: m(b))
+  assert isinstance(training.default_forward(model, batch, None), training.HiddenStates)
   got = jax.jit(jax.value_and_grad(lambda p: mean(*chunked(p, batch))))(params)
   want = jax.jit(jax.value_and_grad(lambda p: mean(*dense(p, batch))))(params)
   assert abs(float(got[0]) - float(want[0])) <= 1e-6 * abs(float(want[0]))

@@ -215,8 +215,8 @@ def test_fine_tune_a_checkpoint_on_chat_jsonl_with_images(tmp_path):
 
   from PIL import Image
 
-  from cpjax.tokenizer import CheckpointTokenizer
-  from cpjax.train_job import TrainJob, run_train_job
+  from cpjax.data.tokenizer import CheckpointTokenizer
+  from cpjax.training.train_job import TrainJob, run_train_job
   from tests.data.make_chat_example import SPECIAL_TOKENS, gemma_style_tokenizer
 
   markers = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
@@ -255,7 +255,7 @@ def test_fine_tune_a_checkpoint_on_chat_jsonl_with_images(tmp_path):
   # The validation rows: 3 rows and an empty one, whose image slots are all
   # padding; every row's placeholders are its slots' soft tokens.
   from cpjax.models.gemma4.vision import soft_token_counts
-  from cpjax.job_hooks import eval_rows
+  from cpjax.training.job_hooks import eval_rows
 
   trainer = type("T", (), {"rows": 2, "cfg": cfg})()
   rows = eval_rows(job, trainer, lambda *a: None)

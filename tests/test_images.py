@@ -1,4 +1,4 @@
-"""Images from files: cpjax.images against transformers' Gemma 4 image
+"""Images from files: cpjax.data.images against transformers' Gemma 4 image
 processor, a conversation with images against Gemma4Processor's
 apply_chat_template, and images riding with their documents through packing."""
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cpjax import corpus
-from cpjax.images import ImageProcessor, pixel_values
-from cpjax.records import encode_record, prepare_data
-from cpjax.tokenizer import CheckpointTokenizer
+from cpjax.data import corpus
+from cpjax.data.images import ImageProcessor, pixel_values
+from cpjax.data.records import encode_record, prepare_data
+from cpjax.data.tokenizer import CheckpointTokenizer
 from tests.data.make_chat_example import SPECIAL_TOKENS, gemma_style_tokenizer
 
 RNG = np.random.default_rng(0)

@@ -167,7 +167,7 @@ def test_the_training_loss_of_gemma4_lowers_with_the_tpu_kernels():
   """make_loss_fn -> CPContext -> the model's every layer: the kernels, no tile loop."""
   from flax import nnx
 
-  from cpjax import train
+  from cpjax import training
   from cpjax.models import gemma4
   cfg = gemma4.Gemma4Config.preset("tiny")
   model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
@@ -176,7 +176,7 @@ def test_the_training_loss_of_gemma4_lowers_with_the_tpu_kernels():
   sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
   sharded, layout = sharder.shard_batch(batch, mesh)
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-  loss = train.make_loss_fn(graphdef, mesh=mesh, layout=layout, frozen=buffers,
+  loss = training.make_loss_fn(graphdef, mesh=mesh, layout=layout, frozen=buffers,
                             implementation="pallas_tpu")
   grad = jax.jit(jax.grad(lambda p, b: loss(p, b)[0]))
   with jax.set_mesh(mesh):

@@ -1,4 +1,4 @@
-"""LoRA (cpjax.lora, with qwix) on Gemma 4, dense and MoE: fresh adapters
+"""LoRA (cpjax.training.lora, with qwix) on Gemma 4, dense and MoE: fresh adapters
 change nothing, adapter gradients equal a dense model whose weights hold ``W
 + B A * alpha / r``, and the CP step equals the single-device step on cp,
 fsdp x cp x tp and expert-parallel meshes."""
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from cpjax import lora, parallel, train
+from cpjax import parallel, training
+from cpjax.training import lora
 from cpjax.models import gemma4
 from cpjax.models.gemma4.partitioning import partition_rule
 from tests.test_gemma4 import FIXTURES, assert_grads_close, training_batch
@@ -48,7 +49,7 @@ def mean_loss(loss_sums):
 def single_device(remat="none", name=NAME):
   model, batch = adapted(remat, name)
   graphdef, adapters, frozen = lora.split_lora(model)
-  loss = train.make_loss_fn(graphdef, frozen=frozen)
+  loss = training.make_loss_fn(graphdef, frozen=frozen)
   return jax.jit(jax.value_and_grad(mean_loss(lambda p: loss(p, batch))))(adapters)
 
 
@@ -106,7 +107,7 @@ def dense_reference(model, batch, name=NAME):
         node = node[int(part) if part.isdigit() else part]
       node["weight"] = node["weight"] + scale * (a @ b).T
     nnx.replace_by_pure_dict(params, weights)
-    s, n = train.cross_entropy(nnx.merge(graphdef, params, buffers).hidden_states(batch),
+    s, n = training.cross_entropy(nnx.merge(graphdef, params, buffers).hidden_states(batch),
                                batch["labels"])
     return s / n
   return jax.jit(jax.value_and_grad(objective))(pairs, params)
@@ -162,7 +163,7 @@ def test_lora_cp_gradients_equal_single_device(name, mesh_sizes, layout):
   rule = partition_rule(model.cfg, tp=sizes.get("tp", 1), expert_axes=experts)
   adapters = parallel.shard_params(adapters, mesh, parallel.param_specs(adapters, mesh, rule=rule))
   frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
-  loss = train.make_loss_fn(graphdef, mesh=mesh, layout=shard_layout,
+  loss = training.make_loss_fn(graphdef, mesh=mesh, layout=shard_layout,
                             batch_axis=parallel.batch_axis_of(mesh), expert_axes=experts)
   objective = lambda p, f: mean_loss(lambda q: loss(q, sharded, f))(p)
   with jax.set_mesh(mesh):

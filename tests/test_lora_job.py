@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from cpjax import cli, lora
-from cpjax.train_job import JobError, TrainJob, run_train_job
+from cpjax import cli
+from cpjax.training import lora
+from cpjax.training.train_job import JobError, TrainJob, run_train_job
 
 HERE = os.path.dirname(__file__)
 BASE = os.path.join(HERE, "fixtures", "gemma4", "ple_kv_sharing")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from cpjax import lora
+from cpjax.training import lora
 from cpjax.models import gemma4
 from tests.test_gemma4 import FIXTURES
 from tests.test_lora import randomize_adapters

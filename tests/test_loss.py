@@ -10,7 +10,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cpjax import train
+from cpjax import training
 from tests.helpers import cp_mesh
 
 B, L, V, CAP = 2, 12, 37, 30.0
@@ -43,7 +43,7 @@ def numpy_loss(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_token_cross_entropy_equals_optax_and_numpy(seed):
   logits, labels = soft_capped_logits(seed), labels_with_ignored(seed)
-  ce_sum, count = train.token_cross_entropy(logits, labels)
+  ce_sum, count = training.token_cross_entropy(logits, labels)
   want_sum, want_count = numpy_loss(logits, labels)
   assert float(count) == want_count
   np.testing.assert_allclose(float(ce_sum), want_sum, rtol=2e-6)
@@ -53,7 +53,7 @@ def test_token_cross_entropy_equals_optax_and_numpy(seed):
                              rtol=2e-6)
 
   # Gradient w.r.t. the logits: (softmax - one_hot) / count on counted tokens, 0 elsewhere.
-  grad = jax.grad(lambda z: train.token_cross_entropy(z, labels)[0] / count)(logits)
+  grad = jax.grad(lambda z: training.token_cross_entropy(z, labels)[0] / count)(logits)
   z = logits.astype(np.float64)
   soft = np.exp(z - z.max(-1, keepdims=True))
   soft /= soft.sum(-1, keepdims=True)
@@ -66,9 +66,9 @@ def test_ignore_index_is_honoured():
   logits, labels = soft_capped_logits(2), labels_with_ignored(2)
   other = np.where(labels == -100, 7, labels)          # 7 is a class id, -100 a real label now
   relabelled = np.where(labels == -100, -1, labels)
-  got = train.token_cross_entropy(logits, relabelled, ignore_index=-1)
-  chex.assert_trees_all_close(got, train.token_cross_entropy(logits, labels), rtol=1e-7)
-  assert float(train.token_cross_entropy(logits, other)[1]) == B * L
+  got = training.token_cross_entropy(logits, relabelled, ignore_index=-1)
+  chex.assert_trees_all_close(got, training.token_cross_entropy(logits, labels), rtol=1e-7)
+  assert float(training.token_cross_entropy(logits, other)[1]) == B * L
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -76,7 +76,7 @@ def test_cross_entropy_sums_over_cp_equal_the_whole_row(cp):
   """Each rank holds L/cp tokens; the psum-ed sums are the numpy sums of the row."""
   mesh = cp_mesh(cp)
   logits, labels = soft_capped_logits(3), labels_with_ignored(3)
-  f = jax.jit(jax.shard_map(lambda z, y: train.cross_entropy_sums(z, y), mesh=mesh,
+  f = jax.jit(jax.shard_map(lambda z, y: training.cross_entropy_sums(z, y), mesh=mesh,
                             in_specs=P(None, "cp"), out_specs=P()))
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "cp")))
   ce_sum, count = f(put(logits), put(labels))
@@ -108,7 +108,7 @@ def float64_error(got, want):
 def dense_capped(hidden, head, labels, cap):
   z = jnp.einsum("bld,vd->blv", hidden, head, precision="highest")
   z = z if cap is None else cap * jnp.tanh(z / cap)
-  return train.token_cross_entropy(z, labels)
+  return training.token_cross_entropy(z, labels)
 
 
 @pytest.mark.parametrize("cap", [None, CAP])
@@ -118,19 +118,19 @@ def test_linear_cross_entropy_equals_the_dense_loss(cap, chunk, monkeypatch):
   logits; gradients of hidden and head against the dense loss's. The
   backward tiles the vocabulary: one tile at chunk 1000, 37 of one row else."""
   if chunk != 1000:
-    monkeypatch.setattr("cpjax.linear_cross_entropy.TILE_VALUES", 16)
+    monkeypatch.setattr("cpjax.training.loss.TILE_VALUES", 16)
   rng = np.random.default_rng(4)
   hidden = rng.normal(0.0, 1.0, (B, L, 16)).astype(np.float32)
   head = rng.normal(0.0, 2.0, (V, 16)).astype(np.float32)
   labels = labels_with_ignored(4)
-  ce_sum, count = train.linear_cross_entropy(hidden, head, labels, chunk_size=chunk,
+  ce_sum, count = training.linear_cross_entropy(hidden, head, labels, chunk_size=chunk,
                                              logits_soft_cap=cap)
   z = np.einsum("bld,vd->blv", hidden.astype(np.float64), head.astype(np.float64))
   want_sum, want_count = numpy_loss(z if cap is None else cap * np.tanh(z / cap), labels)
   assert float(count) == want_count
   np.testing.assert_allclose(float(ce_sum), want_sum, rtol=2e-6)
 
-  chunked = jax.grad(lambda h, w: train.linear_cross_entropy(
+  chunked = jax.grad(lambda h, w: training.linear_cross_entropy(
       h, w, labels, chunk_size=chunk, logits_soft_cap=cap)[0], argnums=(0, 1))(hidden, head)
   dense = jax.grad(lambda h, w: dense_capped(h, w, labels, cap)[0], argnums=(0, 1))(hidden, head)
   # Against float64, as a fraction of each gradient's largest magnitude.
@@ -147,13 +147,13 @@ def test_linear_cross_entropy_equals_the_dense_loss(cap, chunk, monkeypatch):
 def test_linear_cross_entropy_bad_input():
   h, w, y = np.ones((1, 3, 2), np.float32), np.ones((4, 2), np.float32), np.zeros((1, 3), int)
   with pytest.raises(ValueError, match=r"hidden must be \[B, L, D\] and head \[V, D\]"):
-    train.linear_cross_entropy(h, np.ones((4, 3), np.float32), y)
+    training.linear_cross_entropy(h, np.ones((4, 3), np.float32), y)
   with pytest.raises(ValueError, match=r"labels must be an integer \[B, L\] = \[1, 3\]"):
-    train.linear_cross_entropy(h, w, y[:, :2])
+    training.linear_cross_entropy(h, w, y[:, :2])
   with pytest.raises(ValueError, match="chunk_size must be an int >= 1, got 0"):
-    train.linear_cross_entropy(h, w, y, chunk_size=0)
+    training.linear_cross_entropy(h, w, y, chunk_size=0)
   with pytest.raises(ValueError, match="logits_soft_cap must be > 0 or None, got -1"):
-    train.linear_cross_entropy(h, w, y, logits_soft_cap=-1)
+    training.linear_cross_entropy(h, w, y, logits_soft_cap=-1)
 
 
 # The head split over its vocabulary as param_specs places it (fsdp and tp
@@ -176,11 +176,11 @@ def test_linear_cross_entropy_is_vocabulary_parallel(shape, monkeypatch):
   batch_axis = parallel.batch_axis_of(mesh)
   head_spec = parallel.param_specs(head, mesh)
 
-  monkeypatch.setattr("cpjax.linear_cross_entropy.TILE_VALUES", 5 * width)  # 2+ tiles a block
+  monkeypatch.setattr("cpjax.training.loss.TILE_VALUES", 5 * width)  # 2+ tiles a block
 
   def objective(h, w, y):
     def local(h, w, y):
-      s, n = train.linear_cross_entropy(h, w, y, chunk_size=5, logits_soft_cap=CAP)
+      s, n = training.linear_cross_entropy(h, w, y, chunk_size=5, logits_soft_cap=CAP)
       return jax.lax.psum(s, "cp") / jax.lax.psum(n, "cp")
     return jax.shard_map(local, in_specs=(P(None, "cp"), P(), P(None, "cp")), out_specs=P(),
                          axis_names={"cp"})(h, w, y)

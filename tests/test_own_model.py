@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import cpjax
-from cpjax import train
+from cpjax import training
 from tests.helpers import cp_mesh
 
 
@@ -118,9 +118,9 @@ def test_loss_and_gradients_equal_the_single_device_model(mesh_axes, kind):
     with jax.set_mesh(mesh):
       return jax.jit(jax.value_and_grad(objective))(params)
 
-  want = value_and_grad(train.make_loss_fn(graph_dense, forward=dense_forward), batch)
-  single = value_and_grad(train.make_loss_fn(graph_ring, forward=cp_forward), batch)
-  got = value_and_grad(train.make_loss_fn(graph_ring, mesh=mesh, layout=layout,
+  want = value_and_grad(training.make_loss_fn(graph_dense, forward=dense_forward), batch)
+  single = value_and_grad(training.make_loss_fn(graph_ring, forward=cp_forward), batch)
+  got = value_and_grad(training.make_loss_fn(graph_ring, mesh=mesh, layout=layout,
                                           batch_axis=batch_axis, forward=cp_forward), sharded)
   for loss, grads in (single, got):
     chex.assert_tree_all_finite(grads)
@@ -134,15 +134,15 @@ def test_three_training_steps_and_one_compile():
   batches = [packed_batch(10 + i) for i in range(3)]
   mesh = cp_mesh(8)
 
-  ref = train.make_train_step(graph_dense, opt, forward=dense_forward)
+  ref = training.make_train_step(graph_dense, opt, forward=dense_forward)
   p_ref, s_ref, ref_losses = jax.tree.map(jnp.copy, params), opt.init(params), []
   for b in batches:
     p_ref, s_ref, m = ref(p_ref, s_ref, b)
     ref_losses.append(float(m["loss"]))
 
   _, layout = cpjax.shard_batch(batches[0], mesh)
-  step = train.make_train_step(graph_ring, opt, mesh=mesh, layout=layout, forward=cp_forward)
-  counted = train.TrainStep(chex.assert_max_traces(step.step, n=1), mesh)
+  step = training.make_train_step(graph_ring, opt, mesh=mesh, layout=layout, forward=cp_forward)
+  counted = training.TrainStep(chex.assert_max_traces(step.step, n=1), mesh)
   p, s, losses = jax.tree.map(jnp.copy, params), opt.init(params), []
   for b in batches:
     sharded, lay = cpjax.shard_batch(b, mesh)

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from cpjax import parallel, train
+from cpjax import parallel, training
 from cpjax.models import gemma4
 from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 
@@ -46,7 +46,7 @@ def single_device_step(preset):
   """(loss, updated params) of one SGD(1) step on one device."""
   cfg, _, graphdef, params, buffers, batch = setup(preset)
   opt = optax.sgd(1.0)
-  step = train.make_train_step(graphdef, opt, frozen=buffers)
+  step = training.make_train_step(graphdef, opt, frozen=buffers)
   new, _, metrics = step(copy(params), opt.init(params), gemma4.prepare_batch(batch, cfg))
   return float(metrics["loss"]), jax.device_get(new)
 
@@ -69,7 +69,7 @@ def mesh_step(preset, shape, *, microbatches=1, optimizer=None):
     parts = [sharder.shard_batch(_rows(batch, i * rows, (i + 1) * rows), mesh,
                                  batch_axis=batch_axis) for i in range(microbatches)]
     sharded, layout = [p[0] for p in parts], parts[0][1]
-  step = train.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers)
+  step = training.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers)
   step = step.compile(placed, opt_state, sharded)
   new, _, metrics = step(placed, opt_state, sharded)
   return float(metrics["loss"]), new, step, placed, sharded
@@ -172,7 +172,7 @@ def test_gradient_accumulation_equals_whole_batch_step():
   """Two microbatches of 2 rows on one device = one step on the 4 rows."""
   cfg, model, graphdef, params, buffers, batch = setup("tiny")
   opt = optax.sgd(1.0)
-  step = train.make_train_step(graphdef, opt, frozen=buffers)
+  step = training.make_train_step(graphdef, opt, frozen=buffers)
   whole, _, m_whole = step(copy(params), opt.init(params), gemma4.prepare_batch(batch, cfg))
   micro = [gemma4.prepare_batch(_rows(batch, i, i + 2), cfg) for i in (0, 2)]
   accum, _, m_accum = step(copy(params), opt.init(params), micro)
@@ -191,9 +191,9 @@ def test_microbatches_must_share_one_shape():
   a = gemma4.prepare_batch(_rows(batch, 0, 2), cfg)
   b = gemma4.prepare_batch(_rows(batch, 2, 3), cfg)
   with pytest.raises(ValueError, match="microbatch 1 key 'input_ids' has shape"):
-    train.stack_microbatches([a, b])
+    training.stack_microbatches([a, b])
   with pytest.raises(TypeError, match="non-empty sequence of batch dicts"):
-    train.stack_microbatches([])
+    training.stack_microbatches([])
 
 
 def test_optimizer_state_follows_parameter_shardings():

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cpjax import plan
+from cpjax.training import plan
 from cpjax.models import gemma4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,8 +52,8 @@ def test_smallest_mesh_fits_and_the_next_smaller_does_not():
 
 
 def test_the_closed_form_uses_the_training_loss_chunk():
-  from cpjax import train
-  assert plan.LOSS_CHUNK_LOGITS == train.LOSS_CHUNK_LOGITS
+  from cpjax import training
+  assert plan.LOSS_CHUNK_LOGITS == training.LOSS_CHUNK_LOGITS
 
 
 def test_parse_bytes_errors():

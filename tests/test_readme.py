@@ -45,7 +45,7 @@ def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsy
   import struct
 
   from cpjax import cli
-  from cpjax.train_job import TrainJob, learning_rate_schedule
+  from cpjax.training.train_job import TrainJob, learning_rate_schedule
 
   section = README.read_text().split("### Your own data\n", 1)[1].split("\n## ", 1)[0]
   commands = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip().splitlines()
@@ -103,10 +103,10 @@ def _eval_loss_is_the_saved_models(tmp_path, base, eval_loss):
   import jax
   from flax import nnx
 
-  from cpjax import train
+  from cpjax import training
   from cpjax.models import gemma4
-  from cpjax.job_hooks import eval_rows
-  from cpjax.train_job import TrainJob
+  from cpjax.training.job_hooks import eval_rows
+  from cpjax.training.train_job import TrainJob
 
   saved = gemma4.Gemma4.from_pretrained(tmp_path / "saved")     # one device, as a user loads it
   for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -115,7 +115,7 @@ def _eval_loss_is_the_saved_models(tmp_path, base, eval_loss):
   job = TrainJob(checkpoint=base, seq_len=256, eval_data="cpjax/examples/chat/eval.jsonl")
   rows = eval_rows(job, type("T", (), {"rows": 2, "cfg": saved.cfg})(), lambda *_: None)
   graphdef, params, rest = nnx.split(saved, nnx.Param, ...)
-  single = jax.jit(train.make_loss_fn(graphdef, frozen=rest))
+  single = jax.jit(training.make_loss_fn(graphdef, frozen=rest))
   sums = [single(params, gemma4.prepare_batch(b, saved.cfg)) for b in rows]
   reference = sum(float(s) for s, _ in sums) / sum(float(n) for _, n in sums)
   np.testing.assert_allclose(eval_loss, reference, rtol=2e-6)

@@ -7,9 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from cpjax import cli, corpus
-from cpjax.records import BadRecord, prepare_data, read_jsonl
-from cpjax.tokenizer import CheckpointTokenizer
+from cpjax import cli
+from cpjax.data import corpus
+from cpjax.data.records import BadRecord, prepare_data, read_jsonl
+from cpjax.data.tokenizer import CheckpointTokenizer
 from tests.data.make_chat_example import gemma_style_tokenizer, records, texts_of
 
 GOOD = records(30, seed=3)

@@ -1,4 +1,4 @@
-"""cpjax.tokenizer against transformers' AutoTokenizer on the same files, and
+"""cpjax.data.tokenizer against transformers' AutoTokenizer on the same files, and
 the answer mask against transformers' own assistant mask (a template with
 ``{% generation %}`` tags) and against hand-worked spans."""
 
@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from cpjax.tokenizer import CheckpointTokenizer
+from cpjax.data.tokenizer import CheckpointTokenizer
 from tests.data.make_chat_example import GEMMA_STYLE_TEMPLATE, gemma_style_tokenizer
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is 12 plus 7? 12 plus 7 is 19.",

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from cpjax.train_job import TrainJob, learning_rate_schedule, make_optimizer
+from cpjax.training.train_job import TrainJob, learning_rate_schedule, make_optimizer
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "cpjax", "examples", "chat")
 QUIET = lambda *_: None  # noqa: E731
@@ -37,7 +37,7 @@ def test_schedules_equal_transformers(kind, warmup):
 
 
 def test_bad_schedules_are_job_errors():
-  from cpjax.train_job import JobError
+  from cpjax.training.train_job import JobError
 
   with pytest.raises(JobError, match="--warmup-steps 5 must be >= 0, and below --steps 5"):
     learning_rate_schedule(TrainJob(steps=5, warmup_steps=5, lr_schedule="cosine"))
@@ -70,10 +70,10 @@ def test_clipping_scales_the_gradient_to_max_grad_norm():
 def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
   import jax
 
-  from cpjax import train
+  from cpjax import training
   from cpjax.models import gemma4
-  from cpjax.job_hooks import eval_hook, eval_rows
-  from cpjax.job_phases import build
+  from cpjax.training.job_hooks import eval_hook, eval_rows
+  from cpjax.training.job_phases import build
 
   job = TrainJob(seq_len=128, cp=4, steps=4, batch_size=2, model="tiny-bidirectional",
                  parity_check=False, tokenizer=EXAMPLE, eval_rows=3, eval_every=2,
@@ -92,7 +92,7 @@ def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
   hook(1, {}, record)
   # The single-device reference reads host copies (the job keeps its frozen
   # state on the mesh, where a one-device jit cannot take it).
-  single = jax.jit(train.make_loss_fn(trainer.graphdef, frozen=jax.device_get(trainer.frozen)))
+  single = jax.jit(training.make_loss_fn(trainer.graphdef, frozen=jax.device_get(trainer.frozen)))
   params = jax.device_get(trainer.params)
   sums = [single(params, gemma4.prepare_batch(b, trainer.cfg)) for b in host]
   reference = sum(float(s) for s, _ in sums) / sum(float(n) for _, n in sums)
@@ -109,8 +109,9 @@ def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch, wh
   the state, the weights still saved."""
   from flax import nnx
 
-  from cpjax import job_hooks, train_job
-  from cpjax.checkpointing import TrainCheckpointer
+  from cpjax.training import job_hooks
+  from cpjax.training import train_job
+  from cpjax.training.checkpointing import TrainCheckpointer
   from cpjax.models import gemma4
 
   name = {"validation": "eval_hook", "checkpoint": "save_hook"}[which]

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from cpjax.corpus import write_documents
+from cpjax.data.corpus import write_documents
 
 
 def documents(n: int = 1000, seed: int = 0, vocab: int = 512):

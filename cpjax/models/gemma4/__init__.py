@@ -14,7 +14,7 @@ from cpjax.models.gemma4.cp_batch import synthetic_batch as synthetic_batch
 from cpjax.models.gemma4.cp_batch import (
     synthesize_single_document_seq_ids as synthesize_single_document_seq_ids,
 )
-from cpjax.sharding import CPContext as CPContext  # the model's CP context: cpjax's own
+from cpjax.cp_context import CPContext as CPContext  # the model's CP context: cpjax's own
 from cpjax.models.gemma4.model import Gemma4 as Gemma4
 from cpjax.models.gemma4.model import gemma4_masks as gemma4_masks
 from cpjax.models.gemma4.model import cp_logits as cp_logits

@@ -227,8 +227,8 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 4 << 30) -> list[str]
               if isinstance(var, nnx.LoRAParam)]
   if adapters:
     raise ValueError(f"the model has LoRA adapters ({adapters[0]} ...), which a Hugging Face "
-                     f"checkpoint cannot hold: save them with cpjax.lora.save_adapter, or "
-                     f"save cpjax.lora.merge_lora(model)")
+                     f"checkpoint cannot hold: save them with cpjax.training.lora.save_adapter, or "
+                     f"save cpjax.training.lora.merge_lora(model)")
   path = os.fspath(path)
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:

@@ -297,7 +297,7 @@ def synthetic_batch(rng, config, *, batch_size: int, seq_len: int, images_per_ro
   >>> b["pixel_values"].shape, int((b["input_ids"] == 258880).sum())
   ((1, 36, 48), 4)
   """
-  from cpjax.data import synthetic_batch as generic
+  from cpjax.data.synthetic import synthetic_batch as generic
 
   if not isinstance(rng, np.random.Generator):
     raise TypeError(f"rng must be a numpy Generator (np.random.default_rng(seed)), got "

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cpjax import validation
 from cpjax.batch import DOCUMENT_IDS_KEY, SOURCE_INDEX_KEY, vision_group_ids
+from cpjax.cp_context import ContextParallelSharder, CPContext, HiddenStates
 from cpjax.layout import LAYOUT_KINDS
 from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameSegment, SameVisionGroup
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
@@ -45,8 +46,7 @@ from cpjax.models.gemma4.vision import MultimodalEmbedder, VisionTower
 from cpjax.parallel import gathered, key_names, lookup
 from cpjax.reference import reference_attention
 from cpjax.ring_attention import ring_attention
-from cpjax.sharding import ContextParallelSharder, CPContext, shard_sequence
-from cpjax.train import HiddenStates
+from cpjax.sharding import shard_sequence
 
 __all__ = ["Gemma4", "REMAT_POLICIES", "cp_logits", "gemma4_masks"]
 
@@ -195,7 +195,7 @@ class Gemma4(nnx.Module):
 
   def example_inputs(self) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of a one-row, 8-token call of :meth:`hidden_states`:
-    what :func:`cpjax.lora.apply_lora` runs the model on to create its
+    what :func:`cpjax.training.lora.apply_lora` runs the model on to create its
     adapters (any values of the right structure do)."""
     import numpy as np
 
@@ -339,8 +339,8 @@ class Gemma4(nnx.Module):
   def hidden_states(self, batch: Mapping[str, Any], *, cp: CPContext | None = None
                     ) -> HiddenStates:
     """The final hidden states [B, L, D] of this device's tokens, the output
-    head [V, D] and the final soft cap: what :func:`cpjax.train.make_train_step`
-    trains through (:func:`cpjax.train.linear_cross_entropy`). Same
+    head [V, D] and the final soft cap: what :func:`cpjax.training.step.make_train_step`
+    trains through (:func:`cpjax.training.loss.linear_cross_entropy`). Same
     arguments as calling the model."""
     validation.mapping("batch", batch)
     missing = [k for k in MODEL_INPUTS if k not in batch]
@@ -462,7 +462,7 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
   """
   from cpjax.context_parallel import from_rank_order
   from cpjax.models.gemma4.partitioning import check_expert_axes, partition_rule
-  from cpjax.train import batch_specs, state_specs
+  from cpjax.cp_context import batch_specs, state_specs
 
   check_expert_axes(model.cfg, mesh, expert_axes)
   batch = dict(batch)

@@ -63,7 +63,7 @@ def partition_rule(cfg: Gemma4Config, *, tp: int,
       split = "rows" if t.kv_heads(layer) % tp == 0 else None
     else:
       split = "rows" if name in _ROWS else "columns" if name in _COLUMNS else None
-    # LoRA factors (cpjax.lora) follow their weight: A [in, r] splits where a
+    # LoRA factors (cpjax.training.lora) follow their weight: A [in, r] splits where a
     # column-split weight does, B [r, out] where a row-split one does, so the
     # adapters' term is split (and reduced) exactly as the projection is.
     leaf = path[6] if len(path) > 6 else "weight"

@@ -10,8 +10,8 @@ import os
 
 import numpy as np
 
-from cpjax.job_config import TrainJob, learning_rate_schedule
-from cpjax.job_phases import Data, Trainer, check_vocabulary, corpus_path, host_value, run_identity
+from cpjax.training.job_config import TrainJob, learning_rate_schedule
+from cpjax.training.job_phases import Data, Trainer, check_vocabulary, corpus_path, host_value, run_identity
 
 __all__ = ["eval_hook", "eval_rows", "external_write", "make_hooks"]
 
@@ -49,12 +49,12 @@ def parity_hook(job: TrainJob, trainer: Trainer, batches, summary: dict, log):
   import jax
   import optax
 
-  from cpjax import train
+  from cpjax import training
   from cpjax.models import gemma4
 
   # Sum the microbatches' CE sums and gradients, divide once by the whole
   # step's token count, as the step does.
-  single = jax.jit(jax.value_and_grad(train.make_loss_fn(trainer.graphdef), has_aux=True))
+  single = jax.jit(jax.value_and_grad(training.make_loss_fn(trainer.graphdef), has_aux=True))
   params, frozen = trainer.reference
   ce_sum, count, ref_grads = 0.0, 0.0, None
   for b in batches:
@@ -119,7 +119,7 @@ def eval_rows(job: TrainJob, trainer: Trainer, log) -> list[dict]:
   """The fixed validation rows: the first ``eval_rows`` packed rows of the
   validation data (in file order, one pass), in batches of the step's rows;
   the last batch is filled up with empty rows (they count no token)."""
-  from cpjax.corpus import flatten_image_slots, packed_rows
+  from cpjax.data.corpus import flatten_image_slots, packed_rows
 
   path = corpus_path(job, job.eval_data, "--eval-data", log)
   rows = []
@@ -143,13 +143,13 @@ def eval_hook(job: TrainJob, trainer: Trainer, layout, summary: dict, log):
   shardings (no gradient), into the step's record as ``eval_loss``."""
   import jax
 
-  from cpjax import train
+  from cpjax import training
 
   host = eval_rows(job, trainer, log)
   placed = [trainer.sharder.shard_batch(b, trainer.mesh, batch_axis=trainer.batch_axis)
             for b in host]
   assert all(lay == layout for _, lay in placed), "validation rows have the step's shape"
-  loss_sums = jax.jit(train.make_loss_fn(trainer.graphdef, mesh=trainer.mesh, layout=layout,
+  loss_sums = jax.jit(training.make_loss_fn(trainer.graphdef, mesh=trainer.mesh, layout=layout,
                                          expert_axes=trainer.expert_axes,
                                          capacity_factor=job.capacity_factor))
   counted = sum(int(np.sum(b["labels"] != -100)) for b in host)

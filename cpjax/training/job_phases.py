@@ -1,7 +1,7 @@
 """The phases of a ``cpjax train`` run before its step loop: build the mesh,
 the model and the sharded training state (:func:`build`), open the data
 (:func:`open_data`), resume (:func:`resume`), describe the run, and cut a
-step's rows (:func:`step_batches`). :mod:`cpjax.train_job` runs them."""
+step's rows (:func:`step_batches`). :mod:`cpjax.training.train_job` runs them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cpjax.job_config import JobError, TrainJob, make_optimizer
+from cpjax.training.job_config import JobError, TrainJob, make_optimizer
 
 __all__ = ["Data", "Trainer", "build", "check_vocabulary", "corpus_path", "describe", "host_value",
            "open_data", "resume", "run_identity", "step_batches"]
@@ -100,7 +100,8 @@ def build(job: TrainJob) -> Trainer:
   import jax
   from flax import nnx
 
-  from cpjax import lora, parallel
+  from cpjax import parallel
+  from cpjax.training import lora
   from cpjax.models import gemma4
   from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 
@@ -185,8 +186,8 @@ def build(job: TrainJob) -> Trainer:
 
 def add_lora(job: TrainJob, model):
   """``(model, graphdef, adapters, frozen)``: ``model`` with LoRA adapters
-  (:func:`cpjax.lora.apply_lora`) split for the step."""
-  from cpjax import lora
+  (:func:`cpjax.training.lora.apply_lora`) split for the step."""
+  from cpjax.training import lora
 
   try:
     settings = lora.LoraSettings(rank=job.lora_rank, alpha=job.lora_alpha,
@@ -206,7 +207,7 @@ def corpus_path(job: TrainJob, path: str, flag: str, log) -> str:
     return path
   import tempfile
 
-  from cpjax.records import prepare_data
+  from cpjax.data.records import prepare_data
 
   source = job.tokenizer or job.checkpoint
   if source is None:
@@ -235,7 +236,7 @@ def check_vocabulary(batch: dict, cfg, where: str) -> dict:
 def open_data(job: TrainJob, cfg, rows: int, log) -> Data:
   """The corpus (``--data``) or synthetic packed multimodal rows."""
   if job.data:
-    from cpjax.corpus import packed_batches
+    from cpjax.data.corpus import packed_batches
 
     # Every process feeds the same global batch (the sharder places each
     # process's part), so every process reads the whole corpus here.
@@ -265,7 +266,7 @@ def open_data(job: TrainJob, cfg, rows: int, log) -> Data:
 
 def run_identity(job: TrainJob, cfg) -> dict:
   """What a resumed run must share with the saved one (see checkpointing)."""
-  from cpjax import lora
+  from cpjax.training import lora
 
   identity = {"model_config": cfg.to_hf(), "batch_size": job.batch_size,
               "seq_len": job.seq_len, "microbatches": job.microbatches, "data": job.data,
@@ -282,7 +283,7 @@ def resume(job: TrainJob, trainer: Trainer, data: Data, log):
   state and the data's place come back from the latest checkpoint."""
   first_step, checkpointer = 0, None
   if job.state_dir:
-    from cpjax.checkpointing import TrainCheckpointer, check_run_matches
+    from cpjax.training.checkpointing import TrainCheckpointer, check_run_matches
 
     checkpointer = TrainCheckpointer(job.state_dir, save_every=job.save_every)
     if job.resume:

@@ -49,7 +49,7 @@ class TrainJob:
   images_per_row: int | None = None   # image slots per row (default: most images of a document)
   lora_rank: int | None = None   # LoRA: train rank-r adapters on a frozen base (None: every weight)
   lora_alpha: float = 8.0        # the adapters' scale is alpha / rank (PEFT's default alpha)
-  lora_targets: str | None = None     # regex on module paths (default cpjax.lora.DEFAULT_LORA_TARGETS)
+  lora_targets: str | None = None     # regex on module paths (default cpjax.training.lora.DEFAULT_LORA_TARGETS)
   base_dtype: str = "float32"    # the frozen base's storage dtype under LoRA
   merge_lora: bool = False       # --save writes the merged model instead of the adapter
   capacity_factor: float | None = None   # MoE: each expert's pairs per device (None: no limit)

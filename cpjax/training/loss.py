@@ -1,7 +1,16 @@
-"""Cross entropy straight from hidden states and the output head, never holding [L, V].
+"""The loss: token-mean cross entropy, its exact reduction over the ranks, and
+cross entropy straight from hidden states and the output head, never holding [L, V].
 
 Shapes: ``B`` rows, ``L`` tokens per row, ``D`` width, ``V`` vocabulary,
 ``N = B * L`` tokens, ``C`` tokens per chunk.
+
+The loss is ``sum(CE over labels != -100) / count(labels != -100)`` with both
+sums reduced exactly (``psum``) across the ``cp`` axis and a data-parallel
+axis when the mesh has one (:func:`cross_entropy_sums`), so it equals the
+single-device loss of the same batch, and so do its gradients. A forward
+returns logits, or :class:`cpjax.cp_context.HiddenStates` (the final hidden
+states and the head), whose loss :func:`linear_cross_entropy` computes chunk
+by chunk.
 
 The logits of a long row dominate a language model's training memory (for
 Gemma 4's 262144-token vocabulary, 1 MiB per token in float32, and their
@@ -26,7 +35,6 @@ head's gradient stays in its shard. The head is never whole on a device.
 from __future__ import annotations
 
 import functools
-
 from typing import NamedTuple
 
 import jax
@@ -34,17 +42,93 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from cpjax.batch import IGNORE_INDEX
+from cpjax.cp_context import HiddenStates
 from cpjax.kernels.common import vary_like, varying_axes
 from cpjax.parallel import RowPlacement, gathered, row_placement
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["LOSS_CHUNK_LOGITS", "cross_entropy", "cross_entropy_sums", "linear_cross_entropy",
+           "token_cross_entropy"]
+
+# Tokens per chunk of the chunked loss: about 2**26 logits (256 MiB of
+# float32) per chunk whole, fewer per device when the head is split.
+LOSS_CHUNK_LOGITS = 1 << 26
+
+
+def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX):
+  """(CE sum, count) of a forward's output: :func:`token_cross_entropy` of
+  logits [B, L, V], or :func:`linear_cross_entropy` of :class:`HiddenStates`.
+
+  >>> import numpy as np
+  >>> out = HiddenStates(np.ones((1, 2, 3), np.float32), np.zeros((4, 3), np.float32))
+  >>> s, n = cross_entropy(out, np.array([[1, -100]]))
+  >>> round(float(s), 4), float(n)     # log(4), one token
+  (1.3863, 1.0)
+  """
+  if isinstance(output, HiddenStates):
+    chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // output.head.shape[0]))
+    return linear_cross_entropy(output.hidden, output.head, labels, chunk_size=chunk,
+                                logits_soft_cap=output.logits_soft_cap,
+                                ignore_index=ignore_index)
+  return token_cross_entropy(output, labels, ignore_index=ignore_index)
+
+
+def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
+  """(sum of per-token CE, number of counted tokens), both float32 scalars.
+
+  logits: [B, L, V]; labels: int[B, L] (``ignore_index`` = not counted).
+
+  >>> import numpy as np
+  >>> s, n = token_cross_entropy(np.zeros((1, 2, 4)), np.array([[1, -100]]))
+  >>> round(float(s), 4), float(n)     # log(4), one token
+  (1.3863, 1.0)
+  """
+  labels = jnp.asarray(labels)
+  logits = jnp.asarray(logits, jnp.float32)
+  valid = labels != ignore_index
+  # The label's logit by a masked sum over V rather than a gather: with the
+  # vocabulary sharded over an Auto mesh axis (an FSDP-sharded head) a gather
+  # trips XLA's SPMD partitioner inside the ring's shard_map, and the masked
+  # sum fuses into one pass over the logits anyway.
+  vocab = jnp.arange(logits.shape[-1], dtype=labels.dtype)
+  picked = jnp.sum(jnp.where(vocab == labels[..., None], logits, 0.0), axis=-1)
+  ce = jax.nn.logsumexp(logits, axis=-1) - picked
+  return jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid, dtype=jnp.float32)
+
+
+def cross_entropy_sums(logits, labels, *, axis_names: tuple[str, ...] = ("cp",),
+                       ignore_index: int = IGNORE_INDEX):
+  """The CP loss reduction: (CE sum, token count) over every rank of ``axis_names``.
+
+  Call it inside ``shard_map`` on this rank's logits [B, L, V] (or
+  :class:`HiddenStates`) and labels int[B, L]; both sums are ``psum`` -ed over ``axis_names`` (the ``cp`` axis
+  and a data-parallel axis), so ``ce_sum / count`` is the token-mean loss of
+  the whole global batch on every rank, exactly the single-device loss, and
+  differentiating it gives the single-device gradients. With
+  ``axis_names=()`` it is :func:`token_cross_entropy`.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    >>> f = jax.jit(jax.shard_map(lambda x, y: cross_entropy_sums(x, y), mesh=mesh,
+    ...                           in_specs=P(None, "cp"), out_specs=P()))
+    >>> put = lambda x: jax.device_put(x, jax.NamedSharding(mesh, P(None, "cp")))
+    >>> s, n = f(put(np.zeros((1, 4, 4))), put(np.array([[1, -100, 2, 3]])))
+    >>> round(float(s / n), 4), float(n)       # log(4) over 3 counted tokens
+    (1.3863, 3.0)
+  """
+  ce_sum, count = cross_entropy(logits, labels, ignore_index=ignore_index)
+  if not axis_names:
+    return ce_sum, count
+  return jax.lax.psum(ce_sum, tuple(axis_names)), jax.lax.psum(count, tuple(axis_names))
+
 
 
 def linear_cross_entropy(hidden, head, labels, *, chunk_size: int = 1024,
                          logits_soft_cap: float | None = None,
                          ignore_index: int = IGNORE_INDEX):
   """(sum of per-token CE, number of counted tokens), both float32 scalars:
-  :func:`cpjax.train.token_cross_entropy` of ``cap(hidden @ head.T)``.
+  :func:`token_cross_entropy` of ``cap(hidden @ head.T)``.
 
   Args:
     hidden: [B, L, D] final hidden states (any float dtype; the matmul

@@ -60,7 +60,7 @@ def _mesh(text: str) -> dict:
 
 
 def _memory(text: str) -> int:
-  from cpjax.plan import parse_bytes
+  from cpjax.training.plan import parse_bytes
 
   try:
     return parse_bytes(text)
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(config.json + safetensors) instead of --model")
   data = train.add_argument_group(
       "your own data", "instead of synthetic data: a corpus from cpjax prepare-data (or any "
-                       "ArrayRecord documents, see cpjax.corpus), or JSONL texts and "
+                       "ArrayRecord documents, see cpjax.data.corpus), or JSONL texts and "
                        "conversations tokenized at the start with the checkpoint's tokenizer "
                        "and chat template (only the assistant turns count in the loss)")
   data.add_argument("--data", metavar="PATH", default=None,
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start even when the plan's closed-form estimate says the run does "
                           "not fit this machine's memory (see cpjax plan)")
   adapters = train.add_argument_group(
-      "LoRA", "train low-rank adapters on a frozen base instead of every weight (cpjax.lora, "
+      "LoRA", "train low-rank adapters on a frozen base instead of every weight (cpjax.training.lora, "
               "with qwix); --save then writes the adapter as PEFT does")
   adapters.add_argument("--lora-rank", type=_positive, default=None, metavar="R",
                         help="train rank-R LoRA adapters; the base is frozen")
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "abstractly for emulated CPU devices: no weights are materialised. Reports "
                   "per-device parameters, optimizer state, activations and temporaries, FLOPs, "
                   "and whether it fits --device-memory, beside a closed-form estimate (see "
-                  "cpjax.plan). Without --mesh, finds the fewest-device fsdp x cp mesh that "
+                  "cpjax.training.plan). Without --mesh, finds the fewest-device fsdp x cp mesh that "
                   "the estimate fits into --device-memory.")
   what = plan.add_mutually_exclusive_group(required=True)
   what.add_argument("--model", choices=("e2b", "e4b", "a4b", "31b", "tiny", "tiny-moe"),
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     what = "--mesh" if args.mesh else f"--cp {args.cp}"
     parser.exit(2, f"cpjax train: error: {what} needs {devices_needed} devices, found "
                    f"{jax.device_count()} {jax.devices()[0].platform.upper()} devices\n")
-  from cpjax.train_job import JobError, TrainJob, run_train_job
+  from cpjax.training.train_job import JobError, TrainJob, run_train_job
 
   sizes = dict(args.mesh) if args.mesh else {"cp": args.cp}
   if not args.skip_memory_check:
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare_data(parser, args) -> int:
-  from cpjax.records import BadRecord, prepare_data
+  from cpjax.data.records import BadRecord, prepare_data
 
   if args.truncate and args.seq_len is None:
     parser.exit(2, "cpjax prepare-data: error: --truncate needs --seq-len\n")
@@ -456,7 +456,7 @@ def _plan_config(parser, args):
 
 
 def _plan(parser, args) -> int:
-  from cpjax import plan
+  from cpjax.training import plan
 
   if args.mesh is None and args.device_memory is None:
     parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
@@ -527,7 +527,7 @@ def _check_memory(parser, args, cfg, name: str, sizes: dict) -> None:
   cannot hold (instead of being killed by the kernel minutes later)."""
   import jax
 
-  from cpjax import plan
+  from cpjax.training import plan
 
   limit, what = _machine_memory()
   if limit is None:

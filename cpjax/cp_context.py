@@ -1,0 +1,197 @@
+"""What a model receives and returns under context parallelism.
+
+The contract between a model and the training step, below both:
+
+* :class:`CPContext`: where the forward runs (inside ``shard_map`` over the
+  ``cp`` axis, on a batch sharded by a :class:`cpjax.ShardLayout`) and which
+  ring backend and expert parallelism it uses. The step hands it to the
+  model's forward.
+* :class:`ContextParallelSharder`: how a model's batches are sharded.
+* :class:`HiddenStates`: what a forward may return instead of logits.
+* :func:`batch_specs`, :func:`state_specs`, :func:`manual_axes`: the
+  ``shard_map`` specs of a sharded batch and of a model's state, and the
+  axes that ``shard_map`` is manual over.
+
+Shape letters: ``B`` rows, ``L`` local tokens per row, ``D`` width, ``V``
+vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cpjax.kernels.targets import resolve_implementation
+from cpjax.layout import ShardLayout, local_token_indices
+
+__all__ = ["CPContext", "ContextParallelSharder", "HiddenStates", "batch_specs", "manual_axes",
+           "state_specs"]
+
+
+class HiddenStates(NamedTuple):
+  """What a forward may return instead of logits: the loss is then
+  :func:`linear_cross_entropy` of ``cap(hidden @ head.T)``, exactly
+  :func:`token_cross_entropy` of those logits, which are never whole.
+
+  Attributes:
+    hidden: [B, L, D] final hidden states (after the final norm).
+    head: [V, D] output projection (a tied embedding table as it is).
+    logits_soft_cap: ``cap`` of ``cap * tanh(logits / cap)``, or None.
+    metrics: None, or float32 arrays the training step reports beside the
+      loss, as sums over the tokens of this cp rank, every batch row (the
+      step sums them over the cp ranks and microbatches): Gemma 4's MoE gives ``expert_tokens``
+      [layers, E] and ``expert_dropped`` [layers].
+  """
+  hidden: jax.Array
+  head: jax.Array
+  logits_soft_cap: float | None = None
+  metrics: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CPContext:
+  """Where a forward runs: inside ``shard_map`` over ``axis_name``, on a batch
+  sharded by ``layout``, and which per-hop attention backend it uses. The
+  training step hands it to the model's forward.
+
+  Attributes:
+    layout: the batch's :class:`cpjax.ShardLayout`.
+    axis_name: the context-parallel mesh axis.
+    implementation, interpret: the ring's per-hop backend, as
+      :func:`cpjax.ring_attention` takes them (None: the backend's default).
+    expert_axes: mesh axes a mixture of experts is split over (expert
+      parallelism, :func:`cpjax.parallel.expert_axes`); empty for none.
+    capacity_factor: None (an expert never drops a token) or the factor
+      bounding each expert's tokens (:mod:`cpjax.experts`).
+
+  >>> import cpjax
+  >>> cp = cpjax.CPContext(cpjax.ShardLayout(6, 8, 2))
+  >>> cp.axis_name, cp.attention_options()
+  ('cp', {'implementation': None, 'interpret': False})
+  """
+
+  layout: ShardLayout
+  axis_name: str = "cp"
+  implementation: str | None = None
+  interpret: bool = False
+  expert_axes: tuple[str, ...] = ()
+  capacity_factor: float | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.layout, ShardLayout):
+      raise TypeError(f"layout must be a ShardLayout, got {type(self.layout).__name__}")
+    if not isinstance(self.axis_name, str):
+      raise TypeError(f"axis_name must be a mesh axis name (str), got "
+                      f"{type(self.axis_name).__name__} ({self.axis_name!r})")
+    if self.implementation is not None:
+      resolve_implementation(self.implementation)
+    if not isinstance(self.interpret, bool):
+      raise TypeError(f"interpret must be a bool, got {type(self.interpret).__name__}")
+    if (not isinstance(self.expert_axes, tuple)
+        or not all(isinstance(a, str) for a in self.expert_axes)):
+      raise TypeError(f"expert_axes must be a tuple of mesh axis names, got "
+                      f"{self.expert_axes!r}")
+    if self.capacity_factor is not None and (
+        isinstance(self.capacity_factor, bool)
+        or not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
+      raise ValueError(f"capacity_factor must be None or a positive number, got "
+                       f"{self.capacity_factor!r}")
+
+  def expert_options(self) -> dict:
+    """The keywords that pass this context's expert parallelism to a mixture of experts."""
+    return {"expert_axes": self.expert_axes, "capacity_factor": self.capacity_factor}
+
+  def attention_options(self) -> dict:
+    """The keywords that pass this context's backend to :func:`cpjax.ring_attention`."""
+    return {"implementation": self.implementation, "interpret": self.interpret}
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallelSharder:
+  """What a model hands the training loop to say how its batches are sharded.
+
+  Attributes:
+    shard_batch: ``(batch, mesh, **kw) -> (sharded_batch, ShardLayout)``,
+      e.g. :func:`cpjax.shard_batch` or the Gemma4 aux-only sharder.
+    local_token_indices: ``(layout, rank) -> int32[L]`` global token indices.
+
+  Example:
+    >>> import cpjax
+    >>> sharder = cpjax.ContextParallelSharder(cpjax.shard_batch)
+    >>> sharder.local_token_indices is cpjax.local_token_indices
+    True
+  """
+
+  shard_batch: Callable[..., tuple[dict, ShardLayout]]
+  local_token_indices: Callable[[ShardLayout, Any], jax.Array] = local_token_indices
+
+  def __post_init__(self):
+    for name in ("shard_batch", "local_token_indices"):
+      if not callable(getattr(self, name)):
+        raise TypeError(f"{name} must be callable, got {getattr(self, name)!r}")
+
+
+def batch_specs(batch: Mapping[str, Any]) -> dict:
+  """``shard_map`` in_specs of a sharded batch: each array's own ``PartitionSpec``.
+
+  The model's sharder decides where every key lives; this reads it back
+  (``jax.typeof(x).sharding`` under ``jit`` on an Explicit mesh, the array's
+  sharding outside). Keys with no named sharding (numpy arrays, scalars) are
+  replicated: ``P()``.
+
+  >>> import jax, numpy as np, cpjax
+  >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+  >>> batch, _ = cpjax.shard_batch({"input_ids": np.zeros((1, 6), np.int32),
+  ...                               "labels": np.zeros((1, 6), np.int32)}, mesh, aux_only=True)
+  >>> batch_specs(batch)["input_ids"], batch_specs(batch)["labels"]
+  (P(None, None), P(None, 'cp'))
+  """
+  def spec(x):
+    sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+    return sharding.spec if isinstance(sharding, NamedSharding) else P()
+  return {key: spec(x) for key, x in batch.items()}
+
+
+def manual_axes(mesh: Mesh, axis_name: str = "cp") -> frozenset[str]:
+  """The mesh axes the loss's ``shard_map`` is manual over: ``axis_name`` and
+  every axis that is not Auto.
+
+  Auto axes (``fsdp``, ``tp`` and ``dp`` of :func:`cpjax.make_mesh`) stay the
+  SPMD partitioner's: the parameters' and batch's shardings over them flow
+  through the model untouched (see :mod:`cpjax.parallel`).
+
+  >>> from cpjax.parallel import make_mesh
+  >>> sorted(manual_axes(make_mesh(fsdp=2, cp=2, tp=2)))
+  ['cp']
+  """
+  auto = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
+          if kind == jax.sharding.AxisType.Auto}
+  return frozenset(a for a in mesh.axis_names if a == axis_name or a not in auto)
+
+
+def state_specs(state, axes) -> Any:
+  """``shard_map`` in_specs of parameters (or frozen state) for a ``shard_map``
+  manual over ``axes``: ``P()`` for every leaf but those stored split over
+  one of ``axes`` (experts over ``cp``), which enter split as they are
+  stored (read from ``jax.typeof(x).sharding`` under ``jit``, which names
+  the Explicit axes)."""
+  if state is None:
+    return P()
+
+  def spec(x):
+    sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+    if not isinstance(sharding, NamedSharding):
+      return P()
+    parts = []
+    for part in sharding.spec:
+      names = part if isinstance(part, tuple) else (part,) if part else ()
+      kept = tuple(n for n in names if n in axes)
+      parts.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while parts and parts[-1] is None:
+      parts.pop()
+    return P(*parts)
+  return jax.tree.map(spec, state)

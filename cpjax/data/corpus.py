@@ -1,0 +1,360 @@
+"""Packed training rows from pre-tokenized documents, with grain.
+
+On disk: ArrayRecord files (grain's native random-access format), one record
+per document. Random access is what a seeded global shuffle and a
+per-process shard need without reading the corpus into memory;
+:func:`write_documents` writes the format. A record is either the token ids
+as little-endian int32 bytes (a document that counts whole in the loss), or
+an ``.npz`` archive of named arrays: ``input_ids`` int32[T] and
+``loss_mask`` uint8[T] (1 where the token is a target of the loss: the
+answers of a conversation, see :mod:`cpjax.data.tokenizer`), and for a document
+with images ``image_patches`` uint8[n, F] (the resized images' patches,
+:mod:`cpjax.data.images`), ``image_positions`` int32[n, 2] and ``image_sizes``
+int32[k] (patches per image). A corpus with images is a directory whose
+``summary.json`` (written by :func:`prepare_data`) gives the image processor.
+
+The pipeline (:func:`packed_rows`):
+
+1. shuffle all documents with ``seed`` (the same permutation on every
+   process), then keep every ``process_count``-th one from ``process_index``;
+2. cut documents longer than ``seq_len`` into ``seq_len``-token pieces, each
+   its own document;
+3. pack pieces into rows of ``seq_len`` tokens (grain's first-fit packing);
+4. emit the cpjax batch keys: ``input_ids``, ``_packed_seq_ids`` (1, 2, ...
+   per document, 0 on padding), ``position_ids`` (restarting in every
+   document), ``labels`` (the next token of the same document where the
+   loss mask holds it, else -100) and ``attention_mask``; with images, each
+   row has ``images_per_row`` image slots (``pixel_values`` float32[I, P,
+   F], ``image_position_ids`` int32[I, P, 2], the unused ones all padding)
+   and ``mm_token_type_ids``: packing keeps every document's images with it
+   and never puts more than ``images_per_row`` images in a row.
+
+It is deterministic, and resumable: the iterator's ``get_state()`` /
+``set_state()`` continue exactly where a run stopped.
+
+Texts and conversations in JSONL become such a corpus with
+:func:`cpjax.data.records.prepare_data` (``cpjax prepare-data``), tokenized with
+the checkpoint's own tokenizer and chat template.
+
+Shape letters: ``B`` rows per batch, ``S`` tokens per row.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from cpjax.batch import IGNORE_INDEX
+
+__all__ = ["corpus_images", "flatten_image_slots", "packed_batches", "packed_rows",
+           "write_documents"]
+
+
+_TOKEN = np.dtype("<i4")
+_NPZ_MAGIC = b"PK\x03\x04"   # never the first id of a raw record: 67324752 > any vocabulary
+
+
+_IMAGE_KEYS = ("image_patches", "image_positions", "image_sizes")
+
+
+def _record(doc, number: int) -> bytes:
+  """One document's record: raw int32 tokens, or an .npz with its loss mask
+  (and images)."""
+  if isinstance(doc, Mapping):
+    unknown = set(doc) - {"input_ids", "loss_mask", *_IMAGE_KEYS}
+    if unknown or "input_ids" not in doc:
+      raise ValueError(f"document {number} must have 'input_ids' and optionally 'loss_mask' "
+                       f"and {list(_IMAGE_KEYS)}, got keys {sorted(doc)}")
+    tokens, mask = np.asarray(doc["input_ids"]), doc.get("loss_mask")
+  else:
+    tokens, mask, doc = np.asarray(doc), None, {}
+  if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"document {number} must be a non-empty 1-D sequence of token ids, got "
+                     f"{tokens.dtype}{list(tokens.shape)}")
+  if mask is None and not any(k in doc for k in _IMAGE_KEYS):
+    return tokens.astype(_TOKEN).tobytes()
+  mask = np.ones(tokens.shape, np.uint8) if mask is None else np.asarray(mask)
+  if mask.shape != tokens.shape or not (mask.dtype == bool or np.isin(mask, (0, 1)).all()):
+    raise ValueError(f"document {number}: loss_mask must be 0/1 of the shape of input_ids "
+                     f"{tokens.shape}, got {mask.dtype}{list(mask.shape)}")
+  arrays = {"input_ids": tokens.astype(_TOKEN), "loss_mask": mask.astype(np.uint8)}
+  if any(k in doc for k in _IMAGE_KEYS):
+    patches, positions, sizes = (np.asarray(doc.get(k)) for k in _IMAGE_KEYS)
+    if (patches.dtype != np.uint8 or patches.ndim != 2 or positions.shape != (len(patches), 2)
+        or sizes.ndim != 1 or sizes.sum() != len(patches)):
+      raise ValueError(f"document {number}: image_patches must be uint8 [n, F], "
+                       f"image_positions [n, 2] and image_sizes [k] summing to n, got "
+                       f"{patches.dtype}{list(patches.shape)}, {list(positions.shape)}, "
+                       f"{sizes.tolist()}")
+    arrays.update(image_patches=patches, image_positions=positions.astype(np.int32),
+                  image_sizes=sizes.astype(np.int32))
+  out = io.BytesIO()
+  np.savez(out, **arrays)
+  return out.getvalue()
+
+
+def corpus_images(path) -> dict | None:
+  """The image processor of a corpus directory with images (its
+  ``summary.json``'s ``image_processor``: patch_size, max_soft_tokens,
+  pooling_kernel_size, image_token_id, and max_images_per_document), or None."""
+  if not isinstance(path, (str, os.PathLike)):
+    return None
+  path = os.fspath(path)
+  directory = path if os.path.isdir(path) else os.path.dirname(path)
+  file = os.path.join(directory, "summary.json")
+  if not os.path.isfile(file):
+    return None
+  import json
+
+  with open(file, encoding="utf-8") as f:
+    info = json.load(f)
+  if "image_processor" not in info:
+    return None
+  return {**info["image_processor"], "max_images_per_document": info["max_images_per_document"]}
+
+
+def write_documents(path: str | os.PathLike, documents: Iterable) -> int:
+  """Write documents to an ArrayRecord file; returns how many.
+
+  A document is a sequence of token ids (every token a target), or a dict
+  with ``input_ids`` and ``loss_mask`` (0/1 per token: which tokens are
+  targets of the loss).
+
+  >>> import tempfile, os
+  >>> path = os.path.join(tempfile.mkdtemp(), "docs.array_record")
+  >>> write_documents(path, [[5, 6, 7], {"input_ids": [8, 9], "loss_mask": [0, 1]}])
+  2
+  """
+  from array_record.python import array_record_module
+
+  writer = array_record_module.ArrayRecordWriter(os.fspath(path), "group_size:1")
+  count = 0
+  try:
+    for doc in documents:
+      writer.write(_record(doc, count))
+      count += 1
+  finally:
+    writer.close()
+  return count
+
+
+def _files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+  """The ArrayRecord files of a file, a directory, or a list of files."""
+  if isinstance(path, (str, os.PathLike)):
+    path = os.fspath(path)
+    if os.path.isdir(path):
+      files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".array_record"))
+      if not files:
+        raise FileNotFoundError(f"data directory {path} holds no .array_record files")
+      return files
+    paths = [path]
+  else:
+    paths = [os.fspath(p) for p in path]
+  for p in paths:
+    if not os.path.isfile(p):
+      raise FileNotFoundError(f"data file {p} does not exist")
+  return paths
+
+
+class _Decode:
+  """Record bytes -> ``{"input_ids", "loss_mask"}`` int32[T] (and the image
+  arrays, empty for a document without images, when ``features`` is the
+  corpus's patch width), naming the file set on a bad record."""
+
+  def __init__(self, where: str, features: int | None):
+    self.where = where
+    self.features = features
+
+  def __call__(self, record: bytes) -> dict:
+    if record[:4] == _NPZ_MAGIC:
+      with np.load(io.BytesIO(record)) as arrays:
+        doc = {"input_ids": arrays["input_ids"].astype(np.int32),
+               "loss_mask": arrays["loss_mask"].astype(np.int32)}
+        if "image_sizes" in arrays and self.features is None:
+          raise ValueError(f"a record in {self.where} holds images, but no summary.json "
+                           f"describes them: read the directory prepare_data wrote")
+        if self.features is not None and "image_sizes" in arrays:
+          doc.update({k: arrays[k] for k in _IMAGE_KEYS})
+    else:
+      if len(record) == 0 or len(record) % _TOKEN.itemsize:
+        raise ValueError(f"a record in {self.where} is {len(record)} bytes: not a document of "
+                         f"int32 token ids (written by cpjax.data.corpus.write_documents)")
+      tokens = np.frombuffer(record, _TOKEN).astype(np.int32)
+      doc = {"input_ids": tokens, "loss_mask": np.ones_like(tokens)}
+    if self.features is not None and "image_sizes" not in doc:
+      doc.update(image_patches=np.zeros((0, self.features), np.uint8),
+                 image_positions=np.zeros((0, 2), np.int32),
+                 image_sizes=np.zeros((0,), np.int32))
+    return doc
+
+
+def _pieces(seq_len: int, max_pieces: int):
+  import grain
+
+  class Pieces(grain.experimental.FlatMapTransform):
+    """A document cut into seq_len-token pieces (each its own document)."""
+
+    max_fan_out = max_pieces
+
+    def flat_map(self, doc):
+      n = len(doc["input_ids"])
+      if n <= seq_len:
+        return [doc]
+      if len(doc.get("image_sizes", ())):
+        raise ValueError(f"a document with images has {n} tokens, more than a row's "
+                         f"{seq_len}: it cannot be cut (prepare_data with seq_len drops it)")
+      return [{key: value[i:i + seq_len] for key, value in doc.items()}
+              for i in range(0, n, seq_len)]
+
+  return Pieces()
+
+
+class _ToBatchKeys:
+  """grain's packed features -> cpjax's batch keys (one row); with images,
+  the row's image slots laid out as Gemma 4's processor gives them."""
+
+  def __init__(self, images: dict | None, images_per_row: int):
+    self.images = images
+    self.images_per_row = images_per_row
+
+  def __call__(self, row: dict) -> dict:
+    ids = row["input_ids"].astype(np.int32)
+    docs = row["input_ids_segment_ids"].astype(np.int32)
+    nxt, nxt_doc = np.roll(ids, -1), np.roll(docs, -1)
+    # The next token is a target when it is of the same document and its loss
+    # mask holds it (the original's loss_mask, applied to the shifted labels).
+    same = (docs > 0) & (nxt_doc == docs) & (np.roll(row["loss_mask"], -1) > 0)
+    same[-1] = False
+    out = {"input_ids": ids, "_packed_seq_ids": docs,
+           "position_ids": row["input_ids_positions"].astype(np.int32),
+           "labels": np.where(same, nxt, IGNORE_INDEX).astype(np.int32),
+           "attention_mask": (docs > 0).astype(np.int32)}
+    if self.images is not None:
+      out.update(self._image_slots(row, ids))
+    return out
+
+  def _image_slots(self, row: dict, ids) -> dict:
+    from cpjax.data.images import pixel_values
+
+    k = self.images["pooling_kernel_size"]
+    slots, max_patches = self.images_per_row, self.images["max_soft_tokens"] * k * k
+    features = row["image_patches"].shape[-1]
+    pixels = np.zeros((slots, max_patches, features), np.float32)
+    positions = np.full((slots, max_patches, 2), -1, np.int32)
+    sizes = row["image_sizes"][row["image_sizes_segment_ids"] > 0]
+    start = 0
+    for i, n in enumerate(sizes):     # packed in document order, as their placeholders
+      pixels[i, :n] = pixel_values(row["image_patches"][start:start + n])
+      positions[i, :n] = row["image_positions"][start:start + n]
+      start += n
+    image = ids == self.images["image_token_id"]
+    return {"pixel_values": pixels, "image_position_ids": positions,
+            "mm_token_type_ids": image.astype(np.int32)}
+
+
+def packed_rows(path, *, seq_len: int, seed: int = 0, shuffle: bool = True,
+                process_index: int | None = None, process_count: int | None = None,
+                num_epochs: int | None = None, num_packing_bins: int = 16,
+                max_document_pieces: int = 4096, images_per_row: int | None = None):
+  """A grain ``IterDataset`` of packed rows (dicts of int32 [S] arrays).
+
+  Args:
+    path: an ArrayRecord file, a directory of them, or a list of files.
+    seq_len: tokens per row (S).
+    seed: the shuffle and packing seed; the same on every process.
+    shuffle: shuffle the documents (each epoch anew).
+    process_index, process_count: this process's share of the documents
+      (default: ``jax.process_index()`` / ``jax.process_count()``).
+    num_epochs: passes over the corpus; None repeats forever.
+    num_packing_bins: rows packed at once (more: fuller rows, more latency).
+    max_document_pieces: longest document allowed, in ``seq_len`` pieces.
+    images_per_row: image slots per row, for a corpus with images (default:
+      its largest document's image count).
+
+  Example:
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "docs.array_record")
+    >>> _ = write_documents(path, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
+    >>> row = next(iter(packed_rows(path, seq_len=8, shuffle=False, num_epochs=1,
+    ...                             process_index=0, process_count=1)))
+    >>> row["input_ids"].tolist(), row["_packed_seq_ids"].tolist()
+    ([5, 6, 7, 8, 9, 0, 0, 0], [1, 1, 1, 2, 2, 0, 0, 0])
+    >>> row["labels"].tolist(), row["position_ids"].tolist()
+    ([6, 7, -100, 9, -100, -100, -100, -100], [0, 1, 2, 0, 1, 0, 0, 0])
+  """
+  import grain
+
+  if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+    raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
+  if process_index is None or process_count is None:
+    import jax
+
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
+  files = _files(path)
+  try:
+    source = grain.sources.ArrayRecordDataSource(files)
+    size = len(source)
+  except Exception as e:  # array_record raises various errors on corrupt files
+    raise ValueError(f"cannot read ArrayRecord data {files}: {e}") from e
+  if size < process_count:
+    raise ValueError(f"{files} hold {size} documents, fewer than the {process_count} processes")
+  ds = grain.MapDataset.source(source)
+  if shuffle:
+    ds = ds.seed(seed).shuffle()
+  images = corpus_images(path)
+  lengths = {"input_ids": seq_len, "loss_mask": seq_len}
+  features = None
+  if images is not None:
+    most = images["max_images_per_document"]
+    images_per_row = most if images_per_row is None else images_per_row
+    if isinstance(images_per_row, bool) or not isinstance(images_per_row, int) or (
+        images_per_row < most):
+      raise ValueError(f"images_per_row must be an int >= {most} (the most images of a "
+                       f"document of {path}), got {images_per_row!r}")
+    k = images["pooling_kernel_size"]
+    patches = images_per_row * images["max_soft_tokens"] * k * k
+    # Packing fills a row only while every feature fits: the images of its
+    # documents then fit the row's slots (and their patches the slots' patches).
+    lengths.update(image_patches=patches, image_positions=patches, image_sizes=images_per_row)
+    features = 3 * images["patch_size"] ** 2
+  ds = ds[process_index::process_count].map(_Decode(", ".join(files), features))
+  ds = ds.repeat(num_epochs).to_iter_dataset()
+  ds = grain.experimental.FlatMapIterDataset(ds, _pieces(seq_len, max_document_pieces))
+  ds = grain.experimental.FirstFitPackIterDataset(
+      ds, length_struct=lengths, num_packing_bins=num_packing_bins, seed=seed,
+      shuffle_bins=shuffle)
+  return ds.map(_ToBatchKeys(images, images_per_row or 0))
+
+
+def packed_batches(path, *, batch_size: int, seq_len: int, **kwargs):
+  """:func:`packed_rows` stacked into batches: dicts of int32 [B, S] arrays
+  (and, with images, ``pixel_values`` [B * I, P, F] and
+  ``image_position_ids`` [B * I, P, 2]: the rows' image slots in row order,
+  as the model numbers soft tokens).
+
+  >>> import tempfile, os
+  >>> path = os.path.join(tempfile.mkdtemp(), "docs.array_record")
+  >>> _ = write_documents(path, [[5, 6, 7]] * 10)
+  >>> batch = next(iter(packed_batches(path, batch_size=2, seq_len=6, process_index=0,
+  ...                                  process_count=1)))
+  >>> sorted(batch), batch["input_ids"].shape
+  (['_packed_seq_ids', 'attention_mask', 'input_ids', 'labels', 'position_ids'], (2, 6))
+  """
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+  batches = packed_rows(path, seq_len=seq_len, **kwargs).batch(batch_size, drop_remainder=True)
+  return batches.map(flatten_image_slots)
+
+
+def flatten_image_slots(batch: dict) -> dict:
+  """Stacked rows' image slots [B, I, ...] -> the model's images [B * I, ...]."""
+  for key in ("pixel_values", "image_position_ids"):
+    if key in batch:
+      batch[key] = batch[key].reshape(-1, *batch[key].shape[2:])
+  return batch

@@ -1,0 +1,166 @@
+"""A batch's sequence streams: which keys are cut along the sequence, on which
+dimension, how they are padded, and how an array is given a mesh sharding.
+
+The helpers :mod:`cpjax.sharding` and :mod:`cpjax.context_parallel` share.
+Shape letters: ``B`` batch, ``S`` original length, ``Sp`` padded length,
+``T`` positions taken per row.
+
+>>> import numpy as np
+>>> sorted(_sequence_streams({"input_ids": np.zeros((1, 4)), "labels": np.zeros((1, 4)),
+...                           "pixel_values": np.zeros((1, 3))}, aux_only=False, extra={}).items())
+[('input_ids', 1), ('labels', 1)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cpjax import batch as batch_lib
+
+# Auxiliary (no-grad) streams and their right-pad values; the primary
+# streams follow. ``position_ids`` is special: it keeps counting.
+_AUX_PAD_VALUES = {
+    "labels": batch_lib.IGNORE_INDEX,
+    "loss_mask": 0,
+    "padding_mask": True,
+    batch_lib.DOCUMENT_IDS_KEY: 0,
+}
+_PRIMARY_STREAMS = ("input_ids", "inputs_embeds", "mm_token_type_ids")
+_REPLICATED_ALWAYS = ("pixel_values", "image_position_ids")
+
+
+def _mesh_axis_size(mesh: Mesh, name: str, argument: str) -> int:
+  if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if name not in mesh.axis_names:
+    raise ValueError(
+        f"{argument}={name!r} is not an axis of the mesh; mesh axes are "
+        f"{tuple(mesh.axis_names)}")
+  return dict(mesh.shape)[name]
+
+
+def _platform(mesh) -> str | None:
+  """The platform of a concrete mesh's devices (None for an abstract mesh)."""
+  devices = getattr(mesh, "devices", None)
+  return None if devices is None else np.asarray(devices).flat[0].platform
+
+
+def _place(x, mesh: Mesh, spec: P):
+  """Give ``x`` the sharding ``spec`` names, on Explicit and Auto meshes alike."""
+  sharding = NamedSharding(mesh, spec)
+  named = {a for part in spec if part is not None
+           for a in (part if isinstance(part, tuple) else (part,))}
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if named and all(types[a] == jax.sharding.AxisType.Auto for a in named):
+    return jax.lax.with_sharding_constraint(x, sharding)
+  return jax.reshard(x, sharding)
+
+
+def _spec(ndim: int, *, seq_dim: int | None, axis_name: str | None,
+          batch_dim: int | None, batch_axis: str | None) -> P:
+  parts = [None] * ndim
+  if batch_axis is not None and batch_dim is not None:
+    parts[batch_dim] = batch_axis
+  if seq_dim is not None and axis_name is not None:
+    parts[seq_dim] = axis_name
+  return P(*parts)
+
+
+def _pad_stream(key: str, x, seq_dim: int, pad_len: int, pad_value):
+  if pad_len == 0:
+    return x
+  if key == "position_ids":
+    # Positions keep counting past the last real token of every row.
+    last = jax.lax.index_in_dim(x, -1, axis=seq_dim, keepdims=True)
+    shape = [1] * x.ndim
+    shape[seq_dim] = pad_len
+    step = jnp.arange(1, pad_len + 1, dtype=x.dtype).reshape(shape)
+    return jnp.concatenate([x, last + step], axis=seq_dim)
+  widths = [(0, 0)] * x.ndim
+  widths[seq_dim] = (0, pad_len)
+  return jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
+
+
+def take_rows(x, index, *, seq_dim: int, batch_dim: int | None):
+  """``x`` gathered along ``seq_dim`` with a per-row index int[B, T]: row b
+  of the result takes positions ``index[b]`` (``batch_dim`` None: x has no
+  batch dimension and every row of ``index`` must be the same; row 0 is used)."""
+  if batch_dim is None:
+    return jnp.take(x, index[0], axis=seq_dim)
+  shape = [1] * x.ndim
+  shape[batch_dim], shape[seq_dim] = index.shape
+  full = list(x.shape)
+  full[seq_dim] = index.shape[1]
+  return jnp.take_along_axis(x, jnp.broadcast_to(index.reshape(shape), full), axis=seq_dim)
+
+
+def _check_extra_keys(batch: Mapping, extra_seq_keys, extra_pad_values):
+  extra = dict(extra_seq_keys or {})
+  for key, dim in extra.items():
+    if key not in batch:
+      raise KeyError(f"extra_seq_keys names {key!r}, which is not in the batch "
+                     f"(keys: {sorted(batch)})")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+      raise TypeError(f"extra_seq_keys[{key!r}] must be an int dimension, got {dim!r}")
+    ndim = jnp.ndim(batch[key])
+    if not -ndim <= dim < ndim:
+      raise ValueError(
+          f"extra_seq_keys[{key!r}] = {dim} is not a dimension of an array of shape "
+          f"{tuple(jnp.shape(batch[key]))}; expected {-ndim} <= dim < {ndim}")
+    extra[key] = dim % ndim
+  unknown = set(extra_pad_values or {}) - set(extra)
+  if unknown:
+    raise KeyError(f"extra_pad_values names {sorted(unknown)}, which are not in "
+                   f"extra_seq_keys {sorted(extra)}")
+  return extra
+
+
+def _batch_dims(batch: Mapping, streams: Mapping[str, int], extra: Mapping[str, int],
+                batch_size: int) -> dict:
+  """{key: batch dim or None} of the sharded streams.
+
+  A known stream has its batch just before its sequence dimension. An extra
+  key has one there only when that dimension has the batch size; otherwise it
+  holds no batch dimension and is replicated over ``batch_axis``.
+  """
+  dims = {}
+  for key, seq_dim in streams.items():
+    bdim = seq_dim - 1 if seq_dim >= 1 else None
+    if key in extra and bdim is not None and jnp.shape(batch[key])[bdim] != batch_size:
+      bdim = None
+    dims[key] = bdim
+  return dims
+
+
+def _sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int]):
+  """{key: seq_dim} of every stream that is padded and sharded."""
+  streams = {}
+  for key in (*_AUX_PAD_VALUES, "position_ids"):
+    if key in batch:
+      streams[key] = 2 if key == "position_ids" and jnp.ndim(batch[key]) == 3 else 1
+  if not aux_only:
+    for key in _PRIMARY_STREAMS:
+      if key in batch:
+        streams[key] = 1
+  streams.update(extra)
+  return streams
+
+
+def _gather_dim(x, dim: int):
+  """Un-shard dimension ``dim`` of ``x`` (other dimensions keep their sharding).
+
+  On an Explicit mesh a permuting gather along a sharded dimension has no
+  unambiguous output sharding, so the dimension is made whole first.
+  """
+  sharding = jax.typeof(x).sharding
+  spec = getattr(sharding, "spec", None)
+  if spec is None or dim >= len(spec) or spec[dim] is None:
+    return x
+  parts = list(spec)
+  parts[dim] = None
+  return jax.reshard(x, NamedSharding(sharding.mesh, P(*parts)))

@@ -1,0 +1,421 @@
+"""Plan before renting: per-device memory and FLOPs of a Gemma 4 training step on a mesh.
+
+Two independent answers for one (model, sequence length, mesh, remat):
+
+* :func:`compiled_plan` builds the real training step (AdamW, CP ring, FSDP
+  and TP shardings) with ``jax.ShapeDtypeStruct`` parameters and compiles it
+  for emulated CPU devices: no weight is materialised. XLA's
+  ``memory_analysis()`` gives the per-device arguments (parameters,
+  optimizer state, batch) and temporaries (activations, gathered weights,
+  gradients); ``cost_analysis()`` the FLOPs.
+* :func:`estimate` is the closed form below, written from the architecture.
+
+Closed form, per device (``N`` parameters, ``s = fsdp * tp`` shards, ``B``
+rows per batch shard, ``L = S / cp`` local tokens, ``a`` activation bytes):
+
+* state: parameters ``4N/s``, Adam moments ``8N/s`` (and a 4-byte step count),
+  gradients ``4N/s``, twice when ``cp > 1`` (the sum over the cp ranks is
+  a second buffer);
+* gathered weights (FSDP/TP gather a weight where it is used): the largest
+  decoder layer in float32. Embedding tables and the tied head are never
+  gathered (:func:`cpjax.parallel.lookup`, the vocabulary-parallel loss);
+* full-row inputs: only integer streams (ids, soft-token numbers, vision
+  groups) see the whole row, ``3 * B * S * 4``; the embeddings and the
+  per-layer inputs are made for the local tokens;
+* saved activations: per layer its input ``B * L * D * a`` with remat (plus
+  the per-layer input slice), or about ``B * L * (4D + 2(H + 2Hkv) Dh + 3I) * a``
+  without;
+* one layer's recompute / backward working set: ``2 * B * L * (2 H Dh +
+  4 Hkv Dh + 3 I) * a`` plus the ring's travelling K/V;
+* the loss (:func:`cpjax.training.loss.linear_cross_entropy`): four float32 buffers
+  of one chunk's logits ``C x V / s`` (``C`` from
+  :data:`cpjax.training.loss.LOSS_CHUNK_LOGITS`) and one log-sum-exp per token.
+
+FLOPs: ``6 * N_active * tokens`` (plus ``2 * N_active * tokens`` for a full
+remat's recompute) and attention ``4 * S_q * S_k_visible * H * Dh`` per
+layer forward, three times that with the backward.
+
+LoRA (``lora_rank``, :mod:`cpjax.training.lora`): ``N_a`` adapter values (``r * (in +
+out)`` per targeted projection). The frozen base takes ``b N / s`` (``b``:
+``base_dtype``'s bytes) and only the adapters have gradients and Adam
+moments: parameters ``b N / s + 4 N_a / s``, moments ``8 N_a / s``,
+gradients ``4 N_a / s`` (twice with ``cp > 1``); a gathered layer takes
+``b`` bytes a value. The activations are full fine-tuning's (the adapters'
+``B x L x r`` intermediates are left out: a few MB). FLOPs: the base needs
+no weight gradient, ``4 N_active`` per token (plus the remat's ``2``), and
+the adapters ``6 N_a``.
+
+Expert parallelism (``mesh["ep"]``, :mod:`cpjax.experts`): the ``N_e``
+expert values are stored ``N_e / ep`` per device, and the gathered layer
+leaves its experts out; when ``ep`` folds onto ``cp`` alone beside fsdp,
+fsdp also shards each group's experts (``N_e / (ep * fsdp)`` stored) and
+gathers a layer's group of them where used. The dispatch
+adds four buffers (sent, received, computed, returned) of
+``min(ep, c) * B * L * k * D * a`` (``k`` experts per token; ``c`` the
+capacity factor, or ``ep`` when no token may be dropped: each device's
+block for each group then has room for all its pairs).
+
+Where CPU compilation differs from TPU / GPU: XLA:CPU has no
+memory-space assignment or latency-hiding scheduler, so its temporaries are
+a liveness-based upper estimate of what the TPU compiler schedules; it
+keeps whole-program buffers live longer (no rematerialisation pass); and
+on this jax (0.10) the CPU SPMD partitioner aborts on bfloat16 weight
+gradients over an fsdp/tp axis inside the ring's shard_map, so the
+compiled plan uses float32 activations (the estimate reports both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+import numpy as np
+
+__all__ = ["Plan", "compile_step", "compiled_plan", "estimate", "format_bytes",
+           "lora_param_count", "parse_bytes", "smallest_mesh"]
+
+GiB = 2 ** 30
+LOSS_CHUNK_LOGITS = 1 << 26    # cpjax.training.loss.LOSS_CHUNK_LOGITS (plan imports no JAX)
+_UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+
+
+def parse_bytes(text: str) -> int:
+  """``"16GiB"`` -> 17179869184.
+
+  >>> parse_bytes("95GiB") / 2**30, parse_bytes("141 GiB") / 2**30
+  (95.0, 141.0)
+  """
+  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+  if not match or match.group(2).lower() not in _UNITS:
+    raise ValueError(f"device memory must look like 16GiB, 95GiB or 141GiB, got {text!r}")
+  return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+  """Bytes in the largest binary unit that keeps three significant digits.
+
+  >>> format_bytes(95 * 10**9), format_bytes(95 * 2**30), format_bytes(3.1 * 2**20)
+  ('88.5 GiB', '95 GiB', '3.10 MiB')
+  """
+  for unit, size in (("TiB", 2 ** 40), ("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if abs(n) >= size:
+      value = n / size
+      if value == int(value):
+        return f"{int(value)} {unit}"
+      return f"{value:.{0 if value >= 100 else 1 if value >= 10 else 2}f} {unit}"
+  return f"{n:.0f} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Per-device bytes of one training step (and its FLOPs per device)."""
+  model: str
+  seq_len: int
+  mesh: dict
+  remat: str
+  dtype: str
+  params: float
+  optimizer: float
+  activations: float         # everything else: temporaries, gradients, batch
+  total: float
+  flops: float
+  source: str                # "compiled" or "estimate"
+  lora_rank: int | None = None       # None: every weight trained
+  base_dtype: str = "float32"        # the frozen base's storage under LoRA
+
+  def fits(self, device_memory: int) -> bool:
+    return self.total <= device_memory
+
+  @property
+  def training(self) -> str:
+    """``"full"`` or ``"LoRA r=16 (bfloat16 base)"``."""
+    if self.lora_rank is None:
+      return "full"
+    return f"LoRA r={self.lora_rank} ({self.base_dtype} base)"
+
+  def row(self) -> str:
+    mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
+    return (f"{self.model:>4} S={self.seq_len:<7d} {mesh:<18} {self.source:<8} "
+            f"params {format_bytes(self.params):>9}  optimizer {format_bytes(self.optimizer):>9}"
+            f"  activations+temp {format_bytes(self.activations):>9}  total "
+            f"{format_bytes(self.total):>9}  {self.flops / 1e12:9.3g} TFLOP/device")
+
+
+@functools.lru_cache(maxsize=None)
+def _count(cfg) -> tuple[int, int, int, int]:
+  """(parameters, matmul parameters per text token, largest decoder layer's
+  parameters, MoE experts' parameters)."""
+  import jax
+  from flax import nnx
+
+  from cpjax.models.gemma4 import Gemma4
+
+  model = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
+  params = nnx.state(model, nnx.Param)
+  sizes = {jax.tree_util.keystr(p): int(np.prod(x.shape))
+           for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  total = sum(sizes.values())
+  t = cfg.text
+  layer = [0] * t.num_hidden_layers
+  experts = 0
+  for path, n in sizes.items():
+    m = re.search(r"\['layers'\]\[(\d+)\]", path)
+    if m and "language_model" in path:
+      layer[int(m.group(1))] += n
+      if "'experts'" in path:
+        experts += n
+  # Parameters a text token multiplies by: the decoder layers (only k of the
+  # experts) and the head (the tied embedding, V x D); embedding lookups and
+  # the vision tower (no images in a plan) do no matmul FLOPs.
+  active = sum(layer) - (experts * (1 - t.top_k_experts / t.num_experts)
+                         if t.enable_moe_block else 0)
+  active += t.vocab_size * t.hidden_size
+  per_layer = sum(n for p, n in sizes.items() if "per_layer_model_projection" in p)
+  return total, int(active + per_layer), max(layer), experts
+
+
+@functools.lru_cache(maxsize=None)
+def _projections(cfg) -> tuple[tuple[str, int, int], ...]:
+  """(dotted module path, out, in) of every projection weight ([out, in])."""
+  from flax import nnx
+
+  from cpjax.models.gemma4 import Gemma4
+  from cpjax.models.gemma4.layers import Linear
+
+  model = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
+  return tuple((".".join(map(str, path)), *m.weight.shape)
+               for path, m in nnx.iter_modules(model) if isinstance(m, Linear))
+
+
+def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
+  """Adapter values of rank ``rank`` on the projections ``targets`` matches
+  (default :data:`cpjax.training.lora.DEFAULT_LORA_TARGETS`): ``r * (in + out)`` each.
+
+  >>> from cpjax.models.gemma4 import Gemma4Config
+  >>> lora_param_count(Gemma4Config.preset("tiny"), rank=4)
+  24320
+  """
+  from cpjax.training.lora import DEFAULT_LORA_TARGETS, LoraSettings
+
+  settings = LoraSettings(rank=rank, targets=targets or DEFAULT_LORA_TARGETS)
+  return sum(rank * (out + inp) for path, out, inp in _projections(cfg)
+             if settings.matches(path))
+
+
+def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
+             batch_size: int | None = None, dtype: str = "bfloat16",
+             lora_rank: int | None = None, base_dtype: str = "float32",
+             lora_targets: str | None = None, capacity_factor: float | None = None) -> Plan:
+  """The closed form of the module docstring (LoRA with ``lora_rank``)."""
+  t = cfg.text
+  fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
+  cp, tp, ep = mesh.get("cp", 1), mesh.get("tp", 1), mesh.get("ep", 1)
+  shards = mesh.get("fsdp", 1) * tp
+  rows = (batch_size or fsdp) // fsdp
+  a = 2 if dtype == "bfloat16" else 4
+  n, active, largest, all_experts = _count(cfg)
+  # Expert parallelism (cpjax.experts): the experts split ep ways (and over
+  # fsdp too when ep folds onto cp alone, then gathered per group).
+  if ep > 1:
+    _check_ep(cfg, mesh)
+  experts = all_experts if ep > 1 else 0
+  expert_shards = ep * (mesh.get("fsdp", 1) if ep == cp else 1)
+  local = seq_len // cp
+  heads, kv, dh = t.num_attention_heads / tp, max(t.num_key_value_heads / tp, 1), t.head_dim
+  width = max(t.mlp_size(i) for i in range(t.num_hidden_layers)) / tp
+  if t.enable_moe_block:
+    width += t.top_k_experts * t.moe_intermediate_size / tp
+  d, layers, ple = t.hidden_size, t.num_hidden_layers, t.hidden_size_per_layer_input or 0
+  base = 2 if base_dtype == "bfloat16" else 4
+  stored = (n - experts) / shards + experts / expert_shards     # values per device
+  if lora_rank is None:
+    base, trained = 4, n
+    params = 4 * stored
+    optimizer, grads = 8 * stored + 4, 4 * stored      # + step count
+  else:
+    trained = lora_param_count(cfg, rank=lora_rank, targets=lora_targets)
+    params = base * stored + 4 * trained / shards
+    optimizer, grads = 8 * trained / shards + 4, 4 * trained / shards
+  if cp > 1:
+    grads *= 2
+  gathered = base * (largest - experts / layers) if shards > 1 else 0
+  if experts and expert_shards > ep:   # fsdp shards each group's experts: gathered where used
+    gathered += base * experts / layers / ep
+  if ep > 1:
+    # Dispatch buffers, sent, received, computed and returned: ep blocks of
+    # T * k rows when no token may be dropped, c * T * k rows in all with a
+    # capacity factor c.
+    blocks = ep if capacity_factor is None else min(ep, capacity_factor)
+    gathered += 4 * blocks * rows * local * t.top_k_experts * d * a
+  full_row = 3 * rows * seq_len * 4
+  if remat == "none":
+    saved = layers * rows * local * (4 * d + 2 * (heads + 2 * kv) * dh + 3 * width) * a
+  else:
+    saved = layers * rows * local * (d + ple) * a
+    if remat == "save_attention_out":
+      saved += layers * rows * local * heads * dh * a
+  working = 2 * rows * local * (2 * heads * dh + 4 * kv * t.global_head_dim + 3 * width) * a
+  chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // t.vocab_size))
+  logits = 4 * chunk * t.vocab_size / shards * 4 + rows * local * 4
+  activations = grads + gathered + full_row + saved + working + logits
+  tokens = rows * local
+  passes = 6 if lora_rank is None else 4       # forward, input and (full) weight gradients
+  matmul = (passes + (2 if remat != "none" else 0)) * active * tokens / tp
+  if lora_rank is not None:
+    matmul += 6 * trained * tokens / tp
+  attention = 0.0
+  for i in range(layers):
+    visible = (seq_len / 2 if t.is_full(i) else min(t.effective_sliding_window, seq_len))
+    attention += 4 * tokens * visible * t.num_attention_heads / tp * t.layer_head_dim(i)
+  flops = matmul + attention * (4 if remat != "none" else 3)
+  return Plan(model, seq_len, dict(mesh), remat, dtype, params, optimizer, activations,
+              params + optimizer + activations, flops, "estimate", lora_rank,
+              base_dtype if lora_rank is not None else "float32")
+
+
+def _check_ep(cfg, mesh: dict) -> None:
+  """``ValueError`` unless ``mesh["ep"]`` folds onto its token axes (as
+  :func:`cpjax.parallel.expert_axes`) and divides the experts; sizes only."""
+  t, ep = cfg.text, mesh["ep"]
+  if not t.enable_moe_block:
+    raise ValueError(f"ep={ep} needs a mixture of experts; this Gemma 4 has none")
+  if t.num_experts % ep:
+    raise ValueError(f"ep={ep} does not divide the {t.num_experts} experts")
+  if mesh.get("tp", 1) > 1:
+    raise ValueError(f"ep={ep} does not combine with tp={mesh['tp']}")
+  cp, rows = mesh.get("cp", 1), mesh.get("fsdp", 1) * mesh.get("dp", 1)
+  if ep not in (cp, rows, cp * rows):
+    raise ValueError(f"ep={ep} must equal the size of the token axes it folds onto: cp = {cp}, "
+                     f"the batch axis = {rows} or both = {cp * rows}")
+
+
+def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
+                 batch_size: int | None = None, dtype: str = "float32",
+                 lora_rank: int | None = None, base_dtype: str = "float32",
+                 lora_targets: str | None = None, capacity_factor: float | None = None):
+  """The training step of ``cfg`` compiled abstractly (no array is made) on
+  ``prod(mesh)`` devices: ``(compiled TrainStep, params, opt_state,
+  frozen base or None)``, the state as sharded ``ShapeDtypeStruct`` s.
+  ``mesh`` may carry ``ep`` (:func:`cpjax.parallel.expert_axes`);
+  ``capacity_factor`` as :mod:`cpjax.experts`.
+
+  The process must have at least that many JAX devices (``cpjax plan`` sets
+  ``jax_num_cpu_devices`` before JAX starts).
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  from jax.sharding import NamedSharding
+
+  from cpjax import parallel, training
+  from cpjax.models.gemma4 import Gemma4
+  from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
+
+  devices = math.prod(v for k, v in mesh.items() if k != "ep")
+  if jax.device_count() < devices:
+    raise ValueError(f"mesh {mesh} needs {devices} devices, this process has "
+                     f"{jax.device_count()}")
+  sizes = {k: v for k, v in mesh.items() if k != "ep"}
+  grid = parallel.make_mesh(**sizes)
+  ep = mesh.get("ep", 1)
+  expert_axes = parallel.expert_axes(grid, ep)
+  batch_axis = parallel.batch_axis_of(grid)
+  rows = batch_size or (grid.shape[batch_axis] if batch_axis else 1)
+  check_mesh(cfg, grid, seq_len=seq_len, batch_size=rows, ep=ep)
+  compute = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+  storage = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[base_dtype]
+  if lora_rank is None:
+    abstract = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat))
+    graphdef, params, frozen = nnx.split(abstract, nnx.Param, ...)
+  else:
+    # The adapters are made by running the model: abstractly here too.
+    from cpjax.training import lora
+
+    abstract = nnx.eval_shape(lambda: lora.apply_lora(
+        Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat, param_dtype=storage),
+        rank=lora_rank, targets=lora_targets or lora.DEFAULT_LORA_TARGETS))
+    graphdef, params, frozen = lora.split_lora(abstract)
+  rule = partition_rule(cfg, tp=mesh.get("tp", 1), expert_axes=expert_axes)
+
+  def placed(tree):
+    specs = parallel.param_specs(tree, grid, rule=rule)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                          sharding=NamedSharding(grid, s)),
+                        tree, specs)
+  params, frozen = placed(params), placed(frozen)
+  optimizer = optax.adamw(1e-4)
+  opt_state = parallel.shard_like_params(jax.eval_shape(optimizer.init, params), params)
+  text = {"input_ids": np.ones((rows, seq_len), np.int32),
+          "labels": np.ones((rows, seq_len), np.int32)}
+  sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout="load_balanced")["cp_sharder"]
+  batch, layout = sharder.shard_batch(text, grid, batch_axis=batch_axis)
+  step = training.make_train_step(graphdef, optimizer, mesh=grid, layout=layout, frozen=frozen,
+                               expert_axes=expert_axes, capacity_factor=capacity_factor)
+  compiled = step.compile(params, opt_state, batch)
+  base = None
+  if lora_rank is not None:
+    base = placed(nnx.split(abstract, nnx.LoRAParam, nnx.Param, ...)[2])
+  return compiled, params, opt_state, base
+
+
+def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
+                  batch_size: int | None = None, dtype: str = "float32",
+                  lora_rank: int | None = None, base_dtype: str = "float32",
+                  lora_targets: str | None = None, capacity_factor: float | None = None) -> Plan:
+  """The :class:`Plan` of :func:`compile_step`'s program: its memory analysis
+  and FLOPs, the parameters' and optimizer state's bytes per device."""
+  from cpjax import parallel
+
+  compiled, params, opt_state, base = compile_step(
+      cfg, seq_len=seq_len, mesh=mesh, remat=remat, batch_size=batch_size, dtype=dtype,
+      lora_rank=lora_rank, base_dtype=base_dtype, lora_targets=lora_targets,
+      capacity_factor=capacity_factor)
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  # The parameters: the trained ones, and under LoRA the frozen base (the
+  # buffers, a few numbers, count with the rest as the closed form does).
+  param_bytes = parallel.bytes_per_device(params)
+  if base is not None:
+    param_bytes += parallel.bytes_per_device(base)
+  opt_bytes = parallel.bytes_per_device(opt_state)
+  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  return Plan(model, seq_len, dict(mesh), remat, dtype, param_bytes, opt_bytes,
+              total - param_bytes - opt_bytes, total, float(cost.get("flops", 0.0)), "compiled",
+              lora_rank, base_dtype if lora_rank is not None else "float32")
+
+
+def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: str = "full",
+                  dtype: str = "bfloat16", max_devices: int = 4096,
+                  lora_rank: int | None = None, base_dtype: str = "float32",
+                  expert_parallel: bool = False,
+                  capacity_factor: float | None = None) -> Plan | None:
+  """The fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``
+  (ties: the one with more memory to spare); None when none up to ``max_devices``.
+  With ``expert_parallel`` each mesh folds the largest ``ep`` that divides the
+  experts onto its token axes (``cp * fsdp``, ``cp`` or ``fsdp``)."""
+  best = None
+  devices = 1
+  while devices <= max_devices and best is None:
+    for cp_log in range(int(math.log2(devices)) + 1):
+      cp = 2 ** cp_log
+      fsdp = devices // cp
+      if seq_len % (2 * cp) or cfg.text.num_attention_heads == 0:
+        continue
+      mesh = {"fsdp": fsdp, "cp": cp} if fsdp > 1 else {"cp": cp}
+      if expert_parallel and cfg.text.enable_moe_block:
+        ep = max((n for n in (cp * fsdp, cp, fsdp) if n > 1 and cfg.text.num_experts % n == 0),
+                 default=1)
+        mesh = {**mesh, "ep": ep} if ep > 1 else mesh
+      plan = estimate(cfg, model=model, seq_len=seq_len, mesh=mesh, remat=remat, dtype=dtype,
+                      lora_rank=lora_rank, base_dtype=base_dtype,
+                      capacity_factor=capacity_factor)
+      if plan.fits(device_memory) and (best is None or plan.total < best.total):
+        best = plan
+    devices *= 2
+  return best
