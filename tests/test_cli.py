@@ -76,7 +76,7 @@ def _run(*args, timeout=600):
 ])
 def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
   # JAX is already up with 8 CPU devices in this process: keep it as it is.
-  monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   with pytest.raises(SystemExit) as exc:
     cli.main(args)
   assert exc.value.code == 2
@@ -92,7 +92,7 @@ def test_errors_during_training_are_crashes_not_usage_errors(monkeypatch):
   def broken(job):
     raise ValueError("something inside the step")
 
-  monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   monkeypatch.setattr(cpjax.training.train_job, "run_train_job", broken)
   with pytest.raises(ValueError, match="something inside the step"):
     cli.main(["train", "--cp", "2", "--seq-len", "64"])
@@ -109,7 +109,7 @@ def test_skip_memory_check_starts_the_job(monkeypatch):
   """With --skip-memory-check the e2b run that is otherwise refused reaches the job."""
   import cpjax.training.train_job
 
-  monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   started = []
   monkeypatch.setattr(cpjax.training.train_job, "run_train_job", lambda job, **kw: started.append(job))
   assert cli.main(["train", "--model", "e2b", "--skip-memory-check"]) == 0
@@ -117,7 +117,7 @@ def test_skip_memory_check_starts_the_job(monkeypatch):
 
 
 def test_demo_prints_each_ranks_part(capsys, monkeypatch):
-  monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   assert cli.main(["demo", "--cp", "2", "--seq-len", "12"]) == 0
   out = capsys.readouterr().out
   # Rank 1's global positions, hand-worked: contiguous [6, 12); load-balanced
@@ -143,7 +143,7 @@ def test_plan_from_a_checkpoint_directory_reads_no_weight(capsys, monkeypatch, t
   import os
   import shutil
 
-  monkeypatch.setattr(cli, "_use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   shutil.copy(os.path.join(os.path.dirname(__file__), "fixtures", "gemma4", "published", "e2b",
                            "config.json"), tmp_path / "config.json")
   rows = []

@@ -306,7 +306,7 @@ def test_default_implementation_follows_the_backend(monkeypatch):
 
 def test_default_tiles_come_from_the_target_record():
   """Gemma 4's head dims: the record's tile, cut to divide the chunk."""
-  from cpjax.ring_attention import _block_sizes
+  from cpjax.ring_schedule import _block_sizes
   lay = cpjax.ShardLayout(32768, 32768, 8, "load_balanced")      # chunks of 2048 tokens
   assert _block_sizes(lay, "pallas_tpu", 256, 2, None, None) == (256, 512)
   assert _block_sizes(lay, "pallas_gpu", 512, 1, None, None) == (32, 32)

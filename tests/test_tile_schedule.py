@@ -11,7 +11,7 @@ import pytest
 import cpjax
 from cpjax.kernels import common
 # cpjax.ring_attention is also the function: import the module's names directly.
-from cpjax.ring_attention import _Config, _kernel_chunk, _tile_schedule, _tokens
+from cpjax.ring_passes import _Config, _kernel_chunk, _tile_schedule, _tokens
 
 KINDS = ("contiguous", "load_balanced")
 S, B = 128, 2

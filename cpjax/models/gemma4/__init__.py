@@ -1,6 +1,17 @@
 """Gemma 4 (transformers' ``Gemma4ForConditionalGeneration``) with the
-in-forward context-parallel path, Hugging Face checkpoints and CP evaluation."""
+in-forward context-parallel path, Hugging Face checkpoints and CP evaluation.
 
+The models layer: a model may import the core and :mod:`cpjax.data`, never
+the training layer or the command line.
+
+* ``config`` (with ``text_config``, ``vision_config``, ``hf_config``): the
+  configuration, its presets and ``config.json``;
+* ``layers``, ``text``, ``vision``, ``model``, ``remat``: the network;
+* ``cp_batch``: its batches and their sharder; ``cp_forward``: CP logits;
+* ``checkpoint``: safetensors in and out; ``partitioning``: its mesh rules.
+"""
+
+from cpjax.cp_context import CPContext as CPContext  # the model's CP context: cpjax's own
 from cpjax.models.gemma4.config import PRESETS as PRESETS
 from cpjax.models.gemma4.config import Gemma4Config as Gemma4Config
 from cpjax.models.gemma4.config import Gemma4TextConfig as Gemma4TextConfig
@@ -14,11 +25,10 @@ from cpjax.models.gemma4.cp_batch import synthetic_batch as synthetic_batch
 from cpjax.models.gemma4.cp_batch import (
     synthesize_single_document_seq_ids as synthesize_single_document_seq_ids,
 )
-from cpjax.cp_context import CPContext as CPContext  # the model's CP context: cpjax's own
+from cpjax.models.gemma4.cp_forward import cp_logits as cp_logits
 from cpjax.models.gemma4.model import Gemma4 as Gemma4
 from cpjax.models.gemma4.model import gemma4_masks as gemma4_masks
-from cpjax.models.gemma4.model import cp_logits as cp_logits
-from cpjax.models.gemma4.model import REMAT_POLICIES as REMAT_POLICIES
 from cpjax.models.gemma4.partitioning import check_expert_axes as check_expert_axes
 from cpjax.models.gemma4.partitioning import check_mesh as check_mesh
 from cpjax.models.gemma4.partitioning import partition_rule as partition_rule
+from cpjax.models.gemma4.remat import REMAT_POLICIES as REMAT_POLICIES

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cpjax import validation
 from cpjax.batch import DOCUMENT_IDS_KEY, SOURCE_INDEX_KEY, vision_group_ids
@@ -41,20 +40,15 @@ from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameSegment, 
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from cpjax.models.gemma4.cp_batch import IMAGE_OFFSET_KEY, image_token_offsets, shard_aux_only_cp_batch
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles
+from cpjax.models.gemma4.remat import _remat_policy, remat_after_cotangent
 from cpjax.models.gemma4.text import DecoderLayer, embed_scale
 from cpjax.models.gemma4.vision import MultimodalEmbedder, VisionTower
-from cpjax.parallel import gathered, key_names, lookup
+from cpjax.parallel import gathered, lookup
 from cpjax.reference import reference_attention
 from cpjax.ring_attention import ring_attention
 from cpjax.sharding import shard_sequence
 
-__all__ = ["Gemma4", "REMAT_POLICIES", "cp_logits", "gemma4_masks"]
-
-# Per-layer rematerialisation: what a decoder layer keeps for the backward pass.
-#   none: everything (no remat); full: only the layer's inputs (recompute all);
-#   save_attention_out: the inputs and the attention output (named
-#   "attention_out"), so the backward recomputes the layer but reuses it.
-REMAT_POLICIES = ("none", "full", "save_attention_out")
+__all__ = ["Gemma4", "gemma4_masks"]
 
 UNSUPPORTED_INPUTS = {
     "input_features": "audio inputs: cpjax ports Gemma 4's text decoder and vision tower, not "
@@ -432,129 +426,6 @@ class Gemma4(nnx.Module):
         min_stripe_len=t.effective_sliding_window,
         layer_windows=tuple(t.effective_sliding_window if kind == SLIDING else None
                             for kind in t.layer_types)))}
-
-
-def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "load_balanced",
-              axis_name: str = "cp", batch_axis: str | None = None,
-              implementation: str | None = None, interpret: bool = False,
-              expert_axes: tuple[str, ...] = ()) -> jax.Array:
-  """Full logits float32[B, S, V] of a :func:`prepare_batch` batch, computed
-  with context parallelism over ``axis_name`` of ``mesh`` (and the batch
-  over ``batch_axis``, if given) through the model's own sharder, gathered
-  back into natural token order without padding.
-
-  Evaluates sequences too long for one device; equals ``model(batch)``.
-  ``implementation`` and ``interpret`` pick the ring's per-hop backend (see
-  :func:`cpjax.ring_attention`). With ``expert_axes``
-  (:func:`cpjax.parallel.expert_axes`) the experts are split over those
-  axes and tokens travel to them (:mod:`cpjax.experts`).
-
-  Example:
-    >>> import jax, numpy as np
-    >>> from cpjax.models import gemma4
-    >>> cfg = gemma4.Gemma4Config.preset("tiny")
-    >>> model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
-    >>> batch = gemma4.prepare_batch({"input_ids": np.arange(1, 11)[None]}, cfg)
-    >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
-    >>> logits = gemma4.cp_logits(model, batch, mesh)
-    >>> logits.shape, bool(np.allclose(logits, model(batch), atol=1e-4))
-    ((1, 10, 512), True)
-  """
-  from cpjax.context_parallel import from_rank_order
-  from cpjax.models.gemma4.partitioning import check_expert_axes, partition_rule
-  from cpjax.cp_context import batch_specs, state_specs
-
-  check_expert_axes(model.cfg, mesh, expert_axes)
-  batch = dict(batch)
-  if "labels" not in batch:   # the sharder carries labels; these are never read
-    batch["labels"] = jnp.full(jnp.shape(batch["input_ids"]), -100, jnp.int32)
-  sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
-  sharded, shard_layout = sharder.shard_batch(batch, mesh, axis_name=axis_name,
-                                              batch_axis=batch_axis,
-                                              implementation=implementation)
-  graphdef, state = nnx.split(model)
-  context = CPContext(shard_layout, axis_name, implementation, interpret, tuple(expert_axes))
-  specs = batch_specs(sharded)
-
-  def local(state, local_batch):
-    return nnx.merge(graphdef, state)(local_batch, cp=context)
-
-  def run(state, sharded):
-    return jax.shard_map(local, mesh=mesh, in_specs=(state_specs(state, set(mesh.axis_names)),
-                                                     specs),
-                         out_specs=P(batch_axis, axis_name))(state, sharded)
-  # Experts split over the expert axes (as training stores them), the rest whole.
-  rule = partition_rule(model.cfg, tp=1, expert_axes=tuple(expert_axes))
-  placement = jax.tree.map_with_path(lambda path, x: rule(key_names(path), x.shape), state)
-  with jax.set_mesh(mesh):
-    state = jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), state,
-                         placement)
-    logits = jax.jit(run)(state, sharded)
-  return from_rank_order(logits, shard_layout, source_index=sharded.get(SOURCE_INDEX_KEY)
-                         )[:, :shard_layout.original_seq_len]
-
-
-def _remat_policy(remat: bool | str) -> str:
-  if remat is True or remat is False:
-    return "full" if remat else "none"
-  if remat not in REMAT_POLICIES:
-    raise ValueError(f"remat must be a bool or one of {REMAT_POLICIES}, got {remat!r}")
-  return remat
-
-
-def remat_after_cotangent(fn):
-  """``jax.checkpoint(fn)`` (save nothing) whose recomputation cannot start
-  before the backward pass reaches it; ``fn(state, x, *rest, masks)`` must
-  close over no array (pass them as arguments); ``masks`` gets no gradient.
-
-  With plain ``jax.checkpoint`` XLA is free to schedule a layer's
-  recomputation as soon as its saved input exists, i.e. during the forward
-  pass, and XLA:CPU does: it drops optimization barriers before scheduling,
-  and then every layer's recomputed intermediates are alive at once, so
-  remat saved nothing (measured on the E2B slice at S = 131072, cp = 8).
-  Here the backward ties the layer's input ``x`` to the incoming cotangent
-  by data (``x`` is replaced by zeros only if the cotangent's first value
-  is NaN, when every gradient is NaN anyway), which no scheduler can
-  reorder.
-
-  ``fn`` is traced once, when the forward runs, and the backward replays
-  that trace: a backward traced later, outside the context the forward ran
-  in, would otherwise recompute something else. qwix's LoRA is such a
-  context (it intercepts ``jnp.einsum`` only while the model's method runs;
-  a later re-trace recomputes the layer without its adapters, and their
-  gradients come out zero).
-  """
-  def run(*args):
-    flat, tree = jax.tree.flatten(args)
-    traced, out_shape = jax.make_jaxpr(lambda *leaves: fn(*tree.unflatten(leaves)),
-                                       return_shape=True)(*flat)
-    out_tree = jax.tree.structure(out_shape)
-
-    def replay(*args):
-      out = jax.core.eval_jaxpr(traced.jaxpr, traced.consts, *jax.tree.leaves(args))
-      return out_tree.unflatten(out)
-    return _tied_remat(replay, *args)
-  return run
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tied_remat(fn, *args):
-  return fn(*args)
-
-
-def _tied_remat_fwd(fn, *args):
-  return fn(*args), args
-
-
-def _tied_remat_bwd(fn, args, g):
-  first = jax.tree.leaves(g)[0].reshape(-1)[0]
-  state, x, *rest, masks = args
-  x = jnp.where(first != first, jnp.zeros_like(x), x)
-  # The masks (integer streams) get no cotangent.
-  return (*jax.vjp(lambda *a: fn(*a, masks), state, x, *rest)[1](g), None)
-
-
-_tied_remat.defvjp(_tied_remat_fwd, _tied_remat_bwd)
 
 
 def _run_layer(layer, x, per_layer_input, shared_kv, *, rope, attend, **experts):

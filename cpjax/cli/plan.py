@@ -1,0 +1,71 @@
+"""``cpjax plan``: memory per device for a model, a length and a mesh, or the smallest mesh that fits."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from cpjax.cli import machine
+
+
+def plan_config(parser, args):
+  """(config, display name) of --model or --checkpoint; a bad config.json is a usage error."""
+  from cpjax.models.gemma4 import Gemma4Config
+
+  if args.checkpoint is None:
+    return Gemma4Config.preset(args.model or "tiny"), args.model or "tiny"
+  if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+    parser.exit(2, f"cpjax {args.command}: error: --checkpoint {args.checkpoint} has no "
+                   f"config.json\n")
+  try:
+    cfg = Gemma4Config.from_hf(args.checkpoint)
+  except (ValueError, KeyError, TypeError) as e:
+    parser.exit(2, f"cpjax {args.command}: error: --checkpoint {args.checkpoint}: {e}\n")
+  return cfg, os.path.basename(os.path.normpath(args.checkpoint))
+
+
+def plan(parser, args) -> int:
+  from cpjax.training import plan
+
+  if args.mesh is None and args.device_memory is None:
+    parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
+  if args.base_dtype is not None and args.lora_rank is None:
+    parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
+  if args.expert_parallel and args.mesh is not None:
+    parser.exit(2, "cpjax plan: error: --expert-parallel searches meshes; with --mesh give "
+                   "ep in it (e.g. fsdp=2,cp=4,ep=8)\n")
+  lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32"}
+  cfg, name = plan_config(parser, args)
+  mesh = args.mesh
+  if mesh is None:
+    found = plan.smallest_mesh(cfg, model=name, seq_len=args.seq_len,
+                               device_memory=args.device_memory, remat=args.remat,
+                               expert_parallel=args.expert_parallel,
+                               capacity_factor=args.capacity_factor, **lora)
+    if found is None:
+      print(f"no fsdp x cp mesh up to 4096 devices fits {name} at S={args.seq_len} "
+            f"into {plan.format_bytes(args.device_memory)} per device (estimate)")
+      return 1
+    mesh = found.mesh
+  devices = math.prod(v for k, v in mesh.items() if k != "ep")
+  machine.use_cpu_devices(devices)
+  try:
+    rows = [plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
+                          remat=args.remat, batch_size=args.batch_size, dtype=dtype,
+                          capacity_factor=args.capacity_factor, **lora)
+            for dtype in ("bfloat16", "float32")]
+    if not args.estimate_only:
+      rows.append(plan.compiled_plan(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
+                                     remat=args.remat, batch_size=args.batch_size,
+                                     capacity_factor=args.capacity_factor, **lora))
+  except ValueError as e:   # a mesh the model cannot use: a usage error, before compiling
+    parser.exit(2, f"cpjax plan: error: {e}\n")
+  print(f"cpjax plan: Gemma 4 {name}, S={args.seq_len}, remat {args.remat}, "
+        f"{rows[0].training} training, {devices} devices; per device:")
+  for row in rows:
+    fits = ""
+    if args.device_memory is not None:
+      fits = ("  fits " if row.fits(args.device_memory) else "  does NOT fit ") + \
+          plan.format_bytes(args.device_memory)
+    print(f"  {row.row()} [{row.dtype} activations]{fits}")
+  return 0

@@ -1,0 +1,84 @@
+"""Per-layer rematerialisation for Gemma 4's decoder: the policies and a remat
+whose recomputation waits for the backward pass.
+
+>>> _remat_policy(True), _remat_policy("save_attention_out")
+('full', 'save_attention_out')
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["REMAT_POLICIES", "remat_after_cotangent"]
+
+# Per-layer rematerialisation: what a decoder layer keeps for the backward pass.
+#   none: everything (no remat); full: only the layer's inputs (recompute all);
+#   save_attention_out: the inputs and the attention output (named
+#   "attention_out"), so the backward recomputes the layer but reuses it.
+REMAT_POLICIES = ("none", "full", "save_attention_out")
+
+
+def _remat_policy(remat: bool | str) -> str:
+  if remat is True or remat is False:
+    return "full" if remat else "none"
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat must be a bool or one of {REMAT_POLICIES}, got {remat!r}")
+  return remat
+
+
+def remat_after_cotangent(fn):
+  """``jax.checkpoint(fn)`` (save nothing) whose recomputation cannot start
+  before the backward pass reaches it; ``fn(state, x, *rest, masks)`` must
+  close over no array (pass them as arguments); ``masks`` gets no gradient.
+
+  With plain ``jax.checkpoint`` XLA is free to schedule a layer's
+  recomputation as soon as its saved input exists, i.e. during the forward
+  pass, and XLA:CPU does: it drops optimization barriers before scheduling,
+  and then every layer's recomputed intermediates are alive at once, so
+  remat saved nothing (measured on the E2B slice at S = 131072, cp = 8).
+  Here the backward ties the layer's input ``x`` to the incoming cotangent
+  by data (``x`` is replaced by zeros only if the cotangent's first value
+  is NaN, when every gradient is NaN anyway), which no scheduler can
+  reorder.
+
+  ``fn`` is traced once, when the forward runs, and the backward replays
+  that trace: a backward traced later, outside the context the forward ran
+  in, would otherwise recompute something else. qwix's LoRA is such a
+  context (it intercepts ``jnp.einsum`` only while the model's method runs;
+  a later re-trace recomputes the layer without its adapters, and their
+  gradients come out zero).
+  """
+  def run(*args):
+    flat, tree = jax.tree.flatten(args)
+    traced, out_shape = jax.make_jaxpr(lambda *leaves: fn(*tree.unflatten(leaves)),
+                                       return_shape=True)(*flat)
+    out_tree = jax.tree.structure(out_shape)
+
+    def replay(*args):
+      out = jax.core.eval_jaxpr(traced.jaxpr, traced.consts, *jax.tree.leaves(args))
+      return out_tree.unflatten(out)
+    return _tied_remat(replay, *args)
+  return run
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tied_remat(fn, *args):
+  return fn(*args)
+
+
+def _tied_remat_fwd(fn, *args):
+  return fn(*args), args
+
+
+def _tied_remat_bwd(fn, args, g):
+  first = jax.tree.leaves(g)[0].reshape(-1)[0]
+  state, x, *rest, masks = args
+  x = jnp.where(first != first, jnp.zeros_like(x), x)
+  # The masks (integer streams) get no cotangent.
+  return (*jax.vjp(lambda *a: fn(*a, masks), state, x, *rest)[1](g), None)
+
+
+_tied_remat.defvjp(_tied_remat_fwd, _tied_remat_bwd)

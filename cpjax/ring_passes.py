@@ -1,0 +1,430 @@
+"""Ring attention's passes: ppermute K/V around the ring, flash-style online softmax.
+
+Called inside ``jax.shard_map`` by :func:`cpjax.ring_attention`, which
+checks the inputs and builds the static ``_Config``. K/V chunks (only the
+``Hkv`` heads, with the per-token mask metadata) travel around a
+``lax.ppermute`` ring; each rank folds every visiting chunk into float32
+online-softmax statistics, one ``block_q x block_kv`` tile at a time, and
+skips tiles the mask leaves empty (each hop's tile schedule, from the
+mask's block map). The backward pass (``jax.custom_vjp``) replays the ring
+from the saved log-sum-exp, rotating K/V together with their dK/dV
+accumulators so every gradient arrives home: per-device memory is O(L).
+
+Each hop's compute has two backends: the portable XLA tile loop (a
+``fori_loop`` over the hop's non-empty tiles), or the fused Pallas kernels of
+:mod:`cpjax.kernels`, which fold a visiting chunk into (out, lse) that the
+ring merges.
+
+Shape letters: ``B`` batch, ``L`` local tokens, ``Hkv`` key/value heads,
+``G`` query heads per KV head, ``D`` head dim, ``bq``/``bk`` tile sizes;
+q [B, Hkv, N = L*G, D] (row ``t*G + g`` is token t, head g), k/v
+[B, Hkv, L, D].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cpjax.kernels import common as kernel_common
+from cpjax.kernels.common import KernelParams
+from cpjax.kernels.common import vary_like as _vary_like
+from cpjax.kernels.common import varying_axes as _varying_axes
+from cpjax.kernels.targets import platform_guard
+from cpjax.layout import ShardLayout, local_token_indices
+from cpjax.masks import MaskRule, Tokens
+from cpjax.ring_schedule import RingPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Everything static about one ring-attention call (hashable)."""
+
+  layout: ShardLayout
+  axis_name: str
+  rule: MaskRule
+  plan: RingPlan
+  scale: float
+  soft_cap: float | None
+  block_q: int
+  block_kv: int
+  groups: int  # G = Hq // Hkv
+  implementation: str = "xla"
+  kernel: KernelParams | None = None  # the Pallas targets' static parameters
+
+  @property
+  def tile_rows(self) -> int:
+    """Query rows per tile: ``block_q`` tokens times ``G`` heads."""
+    return self.block_q * self.groups
+
+
+# ------------------------------------------------------------------ helpers
+def _shift(tree, cfg: _Config, offset: int):
+  """Send every leaf from rank i to rank i + offset on the ring."""
+  cp = cfg.layout.cp_size
+  if offset % cp == 0:
+    return tree
+  perm = [(i, (i + offset) % cp) for i in range(cp)]
+  return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
+
+
+def _tokens(cfg: _Config, rank, arrays) -> Tokens:
+  """The tokens rank ``rank`` holds: global positions and the mask's arrays."""
+  return Tokens(local_token_indices(cfg.layout, rank), arrays)
+
+
+def _scaled(cfg: _Config, q):
+  """q * scale, once per call, so no tile multiplies its scores (or, in the
+  backward, its score gradients) by the scale; exact for power-of-two scales."""
+  return q if cfg.scale == 1.0 else (q * cfg.scale).astype(q.dtype)
+
+
+def _soft_cap(cfg: _Config, s):
+  if cfg.soft_cap is not None:
+    s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+  return s
+
+
+def _tile_mask(cfg: _Config, q_info: Tokens, k_info: Tokens, i, j, *, keys_first=False):
+  """bool[B or 1, 1, bq*G, bk] mask of tile (i, j) ([.., bk, bq*G] if keys_first)."""
+  qi = q_info.slice(i * cfg.block_q, cfg.block_q)
+  kj = k_info.slice(j * cfg.block_kv, cfg.block_kv)
+  mask = cfg.rule.allowed(qi, kj)
+  b = mask.shape[0]
+  mask = jnp.broadcast_to(mask, (b, cfg.block_q, cfg.block_kv))
+  if keys_first:
+    mask = jnp.swapaxes(mask, 1, 2)                         # [B', bk, bq]
+    mask = jnp.broadcast_to(mask[..., None], mask.shape + (cfg.groups,))
+    return mask.reshape(b, 1, cfg.block_kv, cfg.tile_rows)
+  mask = jnp.broadcast_to(mask[:, :, None], (b, cfg.block_q, cfg.groups, cfg.block_kv))
+  return mask.reshape(b, 1, cfg.tile_rows, cfg.block_kv)
+
+
+class _Schedule(NamedTuple):
+  """The tiles worth computing for one (local queries, key chunk) pair.
+
+  ``tiles`` int32[nq * nk] holds the flat ids (``i * nk + j``) of the
+  non-empty tiles first, in row-major order, and ``count`` how many there
+  are; ``full`` bool[nq, nk] marks tiles that need no mask at all. Looping
+  over ``tiles[:count]`` visits only the work the mask leaves, with no
+  per-tile branch around the big accumulators.
+  """
+
+  k_info: Tokens
+  tiles: jax.Array
+  count: jax.Array
+  full: jax.Array
+
+  def tile(self, t):
+    """(i, j) of the t-th non-empty tile."""
+    nk = self.full.shape[1]
+    return self.tiles[t] // nk, self.tiles[t] % nk
+
+
+def _tile_schedule(cfg: _Config, q_info: Tokens, src_rank, k_arrays, active) -> _Schedule:
+  """Schedule the tiles of the local queries against the chunk of ``src_rank``."""
+  k_info = _tokens(cfg, src_rank, k_arrays)
+  blocks = cfg.rule.classify(q_info, k_info, cfg.block_q, cfg.block_kv)
+  # One schedule serves every batch row: visit a tile if any row needs it,
+  # skip its mask only if no row masks anything in it.
+  visit = (jnp.any(blocks.any, axis=0) & active).ravel()
+  tiles = jnp.nonzero(visit, size=visit.shape[0], fill_value=0)[0].astype(jnp.int32)
+  return _Schedule(k_info, tiles, jnp.sum(visit, dtype=jnp.int32), jnp.all(blocks.all, axis=0))
+
+
+def _cut(x, axis, start, size):
+  return lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+# ------------------------------------------------------------------ forward
+class _Stats(NamedTuple):
+  """Online-softmax state of all local queries (float32)."""
+
+  m: jax.Array    # [B, Hkv, N] running max of the logits (-inf: none yet)
+  l: jax.Array    # [B, Hkv, N] running sum of exp(logit - m)
+  acc: jax.Array  # [B, Hkv, N, D] running sum of exp(logit - m) * v
+
+
+def _attend_chunk(cfg: _Config, q, q_info: Tokens, stats: _Stats, kv, k_arrays,
+                  src_rank, active=True) -> _Stats:
+  """Fold one K/V chunk (owned by ``src_rank``) into the statistics."""
+  k, v = kv
+  plan = _tile_schedule(cfg, q_info, src_rank, k_arrays, active)
+  bk, rq = cfg.block_kv, cfg.tile_rows
+
+  def tile(i, j, carry, *, masked: bool):
+    m, l, acc = carry
+    qi, kj, vj = _cut(q, 2, i * rq, rq), _cut(k, 2, j * bk, bk), _cut(v, 2, j * bk, bk)
+    s = _soft_cap(cfg, jnp.einsum("bhnd,bhkd->bhnk", qi, kj, preferred_element_type=jnp.float32))
+    if masked:
+      mask = _tile_mask(cfg, q_info, plan.k_info, i, j)
+      m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
+      # A row that has seen nothing keeps m = -inf; subtracting a finite
+      # stand-in avoids inf - inf, and the mask zeroes its p exactly.
+      m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+      p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+    else:
+      # Every pair allowed: m_new is finite and there is no mask to build.
+      m_new = m_safe = jnp.maximum(m, jnp.max(s, axis=-1))
+      p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    l = alpha * l + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bhnk,bhkd->bhnd", p.astype(vj.dtype), vj,
+                    preferred_element_type=jnp.float32)
+    return m_new, l, alpha[..., None] * acc + pv
+
+  def step(t, stats):
+    i, j = plan.tile(t)
+    rows = tuple(_cut(x, 2, i * rq, rq) for x in stats)
+    rows = lax.cond(plan.full[i, j], functools.partial(tile, masked=False),
+                    functools.partial(tile, masked=True), i, j, rows)
+    return _Stats(*(lax.dynamic_update_slice_in_dim(x, r, i * rq, 2)
+                    for x, r in zip(stats, rows)))
+
+  return lax.fori_loop(0, plan.count, step, stats)
+
+
+def _rank(cfg: _Config):
+  if cfg.layout.cp_size == 1:
+    return jnp.int32(0)
+  return lax.axis_index(cfg.axis_name)
+
+
+def _xla_fold(cfg: _Config, q, q_info: Tokens):
+  """(initial state, attend, finish) of the XLA tile loop."""
+  init = _Stats(_vary_like(jnp.full(q.shape[:-1], -jnp.inf, jnp.float32), q),
+                _vary_like(jnp.zeros(q.shape[:-1], jnp.float32), q),
+                _vary_like(jnp.zeros(q.shape, jnp.float32), q))
+
+  def finish(stats):
+    seen = stats.l > 0
+    l_safe = jnp.where(seen, stats.l, 1.0)
+    out = jnp.where(seen[..., None], stats.acc / l_safe[..., None], 0.0)
+    return out, jnp.where(seen, stats.m + jnp.log(l_safe), -jnp.inf)
+
+  return init, functools.partial(_attend_chunk, cfg, _scaled(cfg, q), q_info), finish
+
+
+def _kernels(cfg: _Config):
+  """The module holding ``cfg.implementation``'s kernels (imported on first use)."""
+  if cfg.implementation == "pallas_tpu":
+    from cpjax.kernels import tpu as module
+  else:
+    from cpjax.kernels import gpu as module
+  return module
+
+
+def _guarded(cfg: _Config, x):
+  """``x``, tied to a lowering-time check that the platform suits the kernels."""
+  return x if cfg.kernel.interpret else platform_guard(x, cfg.implementation)
+
+
+def _kernel_chunk(cfg: _Config, q_info: Tokens, kv, k_arrays, src_rank, active):
+  """(k, v, key metadata, schedule) of one visiting chunk for the kernels."""
+  k_info = _tokens(cfg, src_rank, k_arrays)
+  blocks = cfg.rule.classify(q_info, k_info, cfg.block_q, cfg.block_kv)
+  sched = kernel_common.schedule(blocks, kv[0].shape[0], active)
+  k_meta = kernel_common.metadata(cfg.kernel, k_info.positions, k_info.arrays)
+  # A pallas_call's operands vary over the same mesh axes as its results.
+  k_meta, sched = jax.tree.map(lambda x: _vary_like(x, kv[0]), (k_meta, sched))
+  return kv[0], kv[1], k_meta, sched
+
+
+def _query_metadata(cfg: _Config, q_info: Tokens, q):
+  """Kernel metadata of the local query rows (each token repeated G times)."""
+  meta = kernel_common.metadata(cfg.kernel, q_info.positions, q_info.arrays, repeat=cfg.groups)
+  return jax.tree.map(lambda x: _vary_like(x, q), meta)
+
+
+def _pallas_fold(cfg: _Config, q, q_info: Tokens):
+  """(initial state, attend, finish) of the Pallas kernels: each chunk's
+  (out, lse) merge into the running pair, both float32."""
+  kernels = _kernels(cfg)
+  qs = _scaled(cfg, _guarded(cfg, q))
+  q_meta = _query_metadata(cfg, q_info, q)
+  init = (_vary_like(jnp.zeros(q.shape, jnp.float32), q),
+          _vary_like(jnp.full(q.shape[:-1] + (1,), -jnp.inf, jnp.float32), q))
+
+  def attend(state, kv, k_arrays, src_rank, active=True):
+    k, v, k_meta, sched = _kernel_chunk(cfg, q_info, kv, k_arrays, src_rank, active)
+    out_c, lse_c = kernels.forward(cfg.kernel, qs, k, v, q_meta, k_meta, sched)
+    out, lse = state
+    new = jnp.logaddexp(lse, lse_c)
+    # -inf: nothing allowed yet; a finite stand-in keeps exp() at exactly 0.
+    safe = jnp.where(new == -jnp.inf, 0.0, new)
+    return out * jnp.exp(lse - safe) + out_c * jnp.exp(lse_c - safe), new
+
+  return init, attend, lambda state: (state[0], state[1][..., 0])
+
+
+def _forward(cfg: _Config, q, k, v, arrays):
+  """Returns out [B, Hkv, N, D] (q's dtype) and lse f32[B, Hkv, N]."""
+  cp = cfg.layout.cp_size
+  rank = _rank(cfg)
+  q_info = _tokens(cfg, rank, arrays)
+  fold = _xla_fold if cfg.kernel is None else _pallas_fold
+  stats, attend, finish = fold(cfg, q, q_info)
+  travel = ((k, v), arrays)
+  hops, back = cfg.plan
+
+  if back == 0:
+    def step(h, carry):
+      stats, here = carry
+      nxt = _shift(here, cfg, +1)  # independent of this step's compute: overlaps
+      return attend(stats, *here, (rank - h) % cp), nxt
+
+    stats, here = lax.fori_loop(0, hops, step, (stats, travel))
+    stats = attend(stats, *here, (rank - hops) % cp)
+  else:
+    def step(h, carry):
+      stats, fwd, bwd = carry
+      nxt_f, nxt_b = _shift(fwd, cfg, +1), _shift(bwd, cfg, -1)
+      stats = attend(stats, *fwd, (rank - h) % cp)
+      stats = attend(stats, *bwd, (rank + h) % cp, active=h > 0)  # h = 0: own chunk, done
+      return stats, nxt_f, nxt_b
+
+    stats, fwd, bwd = lax.fori_loop(0, hops, step, (stats, travel, travel))
+    stats = attend(stats, *fwd, (rank - hops) % cp)
+    stats = attend(stats, *bwd, (rank + hops) % cp)
+
+  out, lse = finish(stats)
+  # +inf for rows with nothing allowed: exp(s - lse) is then exactly 0.
+  return out.astype(q.dtype), jnp.where(lse == -jnp.inf, jnp.inf, lse)
+
+
+# ----------------------------------------------------------------- backward
+def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: Tokens, dq, kv, dkv, k_arrays,
+                src_rank, active=True):
+  """Add one K/V chunk's contributions to dq (local) and dk/dv (travelling)."""
+  k, v = kv
+  plan = _tile_schedule(cfg, q_info, src_rank, k_arrays, active)
+  bk, rq = cfg.block_kv, cfg.tile_rows
+  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+
+  def tile(i, j, *, masked: bool):
+    """(dq_i, dk_j, dv_j) contributions of tile (i, j), float32.
+
+    Scores are built keys-first ([bk, bq*G]) so that dV = P^T dO and
+    dK = dS^T Q are plain matmuls; only dQ contracts over the leading axis.
+    """
+    qi, doi = _cut(q, 2, i * rq, rq), _cut(do, 2, i * rq, rq)
+    lse_i, delta_i = _cut(lse, 2, i * rq, rq), _cut(delta, 2, i * rq, rq)
+    kj, vj = _cut(k, 2, j * bk, bk), _cut(v, 2, j * bk, bk)
+    s = _soft_cap(cfg, f32("bhkd,bhnd->bhkn", kj, qi))
+    p = jnp.exp(s - lse_i[:, :, None, :])
+    if masked:
+      p = jnp.where(_tile_mask(cfg, q_info, plan.k_info, i, j, keys_first=True), p, 0.0)
+    dv_j = f32("bhkn,bhnd->bhkd", p.astype(doi.dtype), doi)
+    dp = f32("bhkd,bhnd->bhkn", vj, doi)
+    ds = p * (dp - delta_i[:, :, None, :])
+    if cfg.soft_cap is not None:
+      ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))  # d(c*tanh(x/c))/dx
+    ds = ds.astype(qi.dtype)
+    # qi is pre-scaled, so dk_j already carries the scale; dq gets it once
+    # at the end (_backward).
+    dk_j = f32("bhkn,bhnd->bhkd", ds, qi)
+    dq_i = f32("bhkn,bhkd->bhnd", ds, kj)
+    return dq_i, dk_j, dv_j
+
+  def add(x, delta, start, axis):
+    return lax.dynamic_update_slice_in_dim(
+        x, _cut(x, axis, start, delta.shape[axis]) + delta, start, axis)
+
+  def step(t, carry):
+    dq, (dk, dv) = carry
+    i, j = plan.tile(t)
+    dq_i, dk_j, dv_j = lax.cond(plan.full[i, j], functools.partial(tile, masked=False),
+                                functools.partial(tile, masked=True), i, j)
+    return add(dq, dq_i, i * rq, 2), (add(dk, dk_j, j * bk, 2), add(dv, dv_j, j * bk, 2))
+
+  return lax.fori_loop(0, plan.count, step, (dq, dkv))
+
+
+def _pallas_grad_chunk(cfg: _Config, q, do, lse, delta, q_info: Tokens, q_meta, dq, kv, dkv,
+                       k_arrays, src_rank, active=True):
+  """:func:`_grad_chunk` with the Pallas kernels; ``lse``/``delta`` f32[B, Hkv, N, 1]."""
+  k, v, k_meta, sched = _kernel_chunk(cfg, q_info, kv, k_arrays, src_rank, active)
+  dq_c, dk_c, dv_c = _kernels(cfg).backward(cfg.kernel, q, k, v, do, lse, delta, q_meta, k_meta,
+                                            sched)
+  return dq + dq_c, (dkv[0] + dk_c, dkv[1] + dv_c)
+
+
+def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
+  cp = cfg.layout.cp_size
+  rank = _rank(cfg)
+  q_info = _tokens(cfg, rank, arrays)
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  if cfg.kernel is None:
+    grad = functools.partial(_grad_chunk, cfg, _scaled(cfg, q), do, lse, delta, q_info)
+  else:
+    q_meta = _query_metadata(cfg, q_info, q)
+    grad = functools.partial(_pallas_grad_chunk, cfg, _scaled(cfg, _guarded(cfg, q)), do,
+                             lse[..., None], delta[..., None], q_info, q_meta)
+  dq = _vary_like(jnp.zeros(q.shape, jnp.float32), q)
+  zero_kv = _vary_like(jnp.zeros(k.shape, jnp.float32), k)
+  travel = ((k, v), arrays)
+  hops, back = cfg.plan
+
+  if back == 0:
+    def step(h, carry):
+      dq, here, dkv = carry
+      dq, dkv = grad(dq, *here[:1], dkv, here[1], (rank - h) % cp)
+      # The accumulators ride with their chunk towards its next visitor.
+      here, dkv = _shift((here, dkv), cfg, +1)
+      return dq, here, dkv
+
+    dq, here, dkv = lax.fori_loop(0, hops, step, (dq, travel, (zero_kv, zero_kv)))
+    dq, dkv = grad(dq, here[0], dkv, here[1], (rank - hops) % cp)
+    dk, dv = _shift(dkv, cfg, -hops)  # home: the chunk here is owned by rank - hops
+  else:
+    def step(h, carry):
+      dq, fwd, dkv_f, bwd, dkv_b = carry
+      dq, dkv_f = grad(dq, fwd[0], dkv_f, fwd[1], (rank - h) % cp)
+      dq, dkv_b = grad(dq, bwd[0], dkv_b, bwd[1], (rank + h) % cp, active=h > 0)
+      fwd, dkv_f = _shift((fwd, dkv_f), cfg, +1)
+      bwd, dkv_b = _shift((bwd, dkv_b), cfg, -1)
+      return dq, fwd, dkv_f, bwd, dkv_b
+
+    zeros = (zero_kv, zero_kv)
+    dq, fwd, dkv_f, bwd, dkv_b = lax.fori_loop(0, hops, step, (dq, travel, zeros, travel, zeros))
+    dq, dkv_f = grad(dq, fwd[0], dkv_f, fwd[1], (rank - hops) % cp)
+    dq, dkv_b = grad(dq, bwd[0], dkv_b, bwd[1], (rank + hops) % cp)
+    dkv_f, dkv_b = _shift(dkv_f, cfg, -hops), _shift(dkv_b, cfg, +hops)
+    dk, dv = dkv_f[0] + dkv_b[0], dkv_f[1] + dkv_b[1]
+  return (dq * cfg.scale).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: _Config, q, k, v, arrays):
+  return _forward(cfg, q, k, v, arrays)[0]
+
+
+def _ring_fwd(cfg: _Config, q, k, v, arrays):
+  out, lse = _forward(cfg, q, k, v, arrays)
+  return out, (q, k, v, arrays, out, lse)
+
+
+def _sum_over_replicas(grad, primal):
+  """The cotangent of ``primal``: summed over the mesh axes it is replicated on.
+
+  An input that does not vary over an axis (e.g. a model's activations at
+  cp_size 1, sliced without ``axis_index``) was used by every rank of it, so
+  its gradient is the sum of theirs (check_vma leaves this psum to us).
+  """
+  extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
+  return lax.psum(grad, extra) if extra else grad
+
+
+def _ring_bwd(cfg: _Config, residuals, do):
+  q, k, v, arrays, out, lse = residuals
+  grads = _backward(cfg, q, k, v, arrays, out, lse, do)
+  dq, dk, dv = (_sum_over_replicas(g, x) for g, x in zip(grads, (q, k, v)))
+  return dq, dk, dv, jax.tree.map(lambda _: None, arrays)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,187 @@
+"""The package's layers, read from its source (README, "Architecture").
+
+Every import in ``cpjax/`` (module level or inside a function) points to the
+same layer or one below it, no two modules import each other through any
+chain, and no module is over 500 lines. The layers, bottom up:
+
+* core: ``cpjax/*.py`` and ``cpjax/kernels``, ``cpjax/masks``: batch
+  preparation, layouts, sharding, masks, the ring and its kernels, meshes;
+* data: ``cpjax/data``;
+* models: ``cpjax/models``;
+* training: ``cpjax/training``;
+* top: the command line (``cpjax/cli``, ``cpjax/__main__``), the public API
+  (``cpjax/__init__``) and the old module paths that re-export moved modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "cpjax"
+LAYERS = ("core", "data", "models", "training", "top")
+MAX_LINES = 500
+
+# Module paths that moved; each old path re-exports the new one for existing code.
+MOVED = {
+    "cpjax.train": "cpjax.training",
+    "cpjax.lora": "cpjax.training.lora",
+    "cpjax.plan": "cpjax.training.plan",
+    "cpjax.checkpointing": "cpjax.training.checkpointing",
+    "cpjax.train_job": "cpjax.training.train_job",
+    "cpjax.corpus": "cpjax.data.corpus",
+    "cpjax.records": "cpjax.data.records",
+    "cpjax.tokenizer": "cpjax.data.tokenizer",
+    "cpjax.images": "cpjax.data.images",
+}
+
+
+def module_files() -> dict[str, pathlib.Path]:
+  """{dotted module name: file} of every module in the package."""
+  found = {}
+  for path in sorted(ROOT.rglob("*.py")):
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+      parts.pop()
+    found[".".join(parts)] = path
+  return found
+
+
+MODULES = module_files()
+
+
+def layer(module: str) -> str:
+  if module in ("cpjax", "cpjax.__main__") or module in MOVED:
+    return "top"
+  second = module.split(".")[1]
+  return {"cli": "top", "data": "data", "models": "models", "training": "training"}.get(second,
+                                                                                         "core")
+
+
+def imports(module: str) -> set[str]:
+  """The cpjax modules ``module`` imports."""
+  path = MODULES[module]
+  package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+  return imports_in(path.read_text(), module, package)
+
+
+def imports_in(source: str, module: str, package: str) -> set[str]:
+  """The cpjax modules that ``source`` (module ``module`` of ``package``)
+  imports, anywhere in it: ``from pkg import name`` counts as ``pkg.name``
+  when that is a module, else as ``pkg``."""
+  found = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      found.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+      for alias in node.names:
+        found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+  return {name for name in found if name in MODULES and name != module}
+
+
+GRAPH = {module: imports(module) for module in MODULES}
+
+
+def test_the_layers_are_what_the_docstring_says():
+  """Guards the test itself: every layer holds modules, and the core holds the ring."""
+  by_layer = {name: [m for m in MODULES if layer(m) == name] for name in LAYERS}
+  assert all(by_layer.values()), by_layer
+  assert {"cpjax.ring_attention", "cpjax.sharding", "cpjax.kernels.common",
+          "cpjax.masks.rules"} <= set(by_layer["core"])
+  assert "cpjax.training.step" in by_layer["training"] and "cpjax.cli.train" in by_layer["top"]
+
+
+def test_no_import_from_a_higher_layer():
+  upward = sorted(f"{m} ({layer(m)}) imports {d} ({layer(d)})"
+                  for m, deps in GRAPH.items() for d in deps
+                  if LAYERS.index(layer(d)) > LAYERS.index(layer(m)))
+  assert not upward, "\n".join(upward)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import cycle (its modules, the first repeated at the end), or None."""
+  done, path = set(), []
+
+  def visit(node):
+    if node in path:
+      return path[path.index(node):] + [node]
+    if node in done:
+      return None
+    path.append(node)
+    for dep in sorted(graph[node]):
+      cycle = visit(dep)
+      if cycle:
+        return cycle
+    path.pop()
+    done.add(node)
+    return None
+
+  for node in sorted(graph):
+    cycle = visit(node)
+    if cycle:
+      return cycle
+  return None
+
+
+def test_no_import_cycle():
+  assert find_cycle(GRAPH) is None, " -> ".join(find_cycle(GRAPH))
+
+
+def test_find_cycle_finds_one():
+  """The cycle check itself, on hand-made graphs."""
+  assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+  assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_an_upward_import_would_be_seen():
+  """The resolution the layer test relies on, on a hand-written module: an
+  import inside a function, ``from package import module`` and a relative
+  import each give an edge to the module they name."""
+  source = """
+from cpjax import validation
+from . import records
+
+def f():
+  from cpjax.training import step
+  import cpjax.models.gemma4.model
+"""
+  got = imports_in(source, "cpjax.data.corpus", "cpjax.data")
+  assert got == {"cpjax.validation", "cpjax.data.records", "cpjax.training.step",
+                 "cpjax.models.gemma4.model"}
+  assert [d for d in sorted(got) if LAYERS.index(layer(d)) > LAYERS.index("data")] == [
+      "cpjax.models.gemma4.model", "cpjax.training.step"]
+
+
+def test_no_module_over_500_lines():
+  long = {m: n for m, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+  assert not long, long
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_old_module_paths_re_export_the_moved_modules(old, new):
+  old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+  assert old_module.__all__ == new_module.__all__
+  for name in new_module.__all__:
+    assert getattr(old_module, name) is getattr(new_module, name), (old, name)
+
+
+def test_every_re_export_module_is_listed():
+  """A top-level module whose docstring says it moved is in MOVED, and back."""
+  shims = {m for m, path in MODULES.items()
+           if (ast.get_docstring(ast.parse(path.read_text())) or "").startswith("Moved to")}
+  assert shims == set(MOVED)
+
+
+def test_the_corpus_keeps_its_old_jsonl_names():
+  import cpjax.corpus
+  from cpjax.data import records
+
+  assert cpjax.corpus.prepare_data is records.prepare_data
+  assert cpjax.corpus.read_jsonl is records.read_jsonl
