@@ -3,6 +3,12 @@
 Batch preparation (pad and shard the token streams over a named ``cp`` mesh
 axis: contiguous, load-balanced, or document-balanced for packed rows) and
 ring attention, as pure functions.
+
+This module is the public API of the context-parallel core (the modules at
+the package's top level, with :mod:`cpjax.masks` and :mod:`cpjax.kernels`).
+Layers build on it, each importing only those below: :mod:`cpjax.data`,
+:mod:`cpjax.models`, :mod:`cpjax.training`, then the command line
+:mod:`cpjax.cli` (the README's Architecture section).
 """
 
 from cpjax.balance import balance_documents as balance_documents

@@ -103,7 +103,7 @@ def test_save_pretrained_refuses_adapters(tmp_path):
   from cpjax.models import gemma4
 
   model = lora.apply_lora(gemma4.Gemma4.from_pretrained(BASE), rank=2)
-  with pytest.raises(ValueError, match=r"has LoRA adapters .*cpjax\.lora\.merge_lora"):
+  with pytest.raises(ValueError, match=r"has LoRA adapters .*cpjax\.training\.lora\.merge_lora"):
     model.save_pretrained(tmp_path)
 
 

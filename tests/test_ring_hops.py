@@ -4,7 +4,6 @@ the (rank, source) pairs the ring plan says it visits, and the pairs it does
 not visit hold no allowed pair."""
 
 import collections
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +12,9 @@ import pytest
 from jax import lax
 
 import cpjax
+from cpjax import ring_passes as RA   # the ring's passes: where each hop's tiles are scheduled
 from tests import attention_harness as H
 from tests.test_tile_schedule import B, CASES, S, np_allowed, np_tiles
-
-RA = sys.modules["cpjax.ring_attention"]   # cpjax.ring_attention is also the function
 
 
 @pytest.mark.parametrize("case", ["causal", "window", "documents_padding", "vision_window"])
