@@ -7,7 +7,7 @@ command line (:mod:`cpjax.cli`) imports it.
 * :mod:`~cpjax.training.step`: ``make_train_step`` / ``make_loss_fn`` for
   any NNX model; :mod:`~cpjax.training.loss`: the cross entropy and its
   exact reduction over the ranks (both re-exported here).
-* :mod:`~cpjax.training.lora`, :mod:`~cpjax.training.peft_format`: LoRA
+* :mod:`~cpjax.training.lora` (with :mod:`~cpjax.training.lora.peft_format`): LoRA
   adapters and PEFT's file format.
 * :mod:`~cpjax.training.checkpointing`: orbax train state, resume.
 * :mod:`~cpjax.training.plan`: memory per device, closed form and compiled.
