@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/cpjax train
+	$(BIN)/cpjax train --recipe tiny --save runs/tiny
 
 # Two workers, one per core of the CI machine; each test file stays on one
 # worker so its module fixtures compile once, and files go out heaviest first

@@ -79,7 +79,7 @@ def test_targets_that_match_nothing_or_no_projection_are_job_errors():
   with pytest.raises(JobError, match=r"cannot carry adapters .*vision_tower"):
     run_train_job(TrainJob(**{**JOB.__dict__, "lora_targets": r".*vision_tower.*\.q_proj"}),
                   **QUIET)
-  with pytest.raises(JobError, match=r"--base-dtype bfloat16 needs --lora-rank"):
+  with pytest.raises(JobError, match=r"lora\.alpha, lora\.base_dtype needs lora\.rank"):
     run_train_job(TrainJob(**{**JOB.__dict__, "lora_rank": None, "base_dtype": "bfloat16"}),
                   **QUIET)
 

@@ -1,6 +1,7 @@
 """The ``cpjax`` command line.
 
-    cpjax train [--model NAME | --checkpoint DIR] [--remat] [--save DIR]
+    cpjax train [--recipe NAME | --config FILE] [--section.key VALUE ...]
+                [--model NAME | --checkpoint DIR] [--remat] [--save DIR]
                 [--data PATH [--tokenizer DIR] [--eval-data PATH --eval-every N] [--metrics F]]
                 [--lr X --lr-schedule KIND --warmup-steps N --max-grad-norm X]
                 [--state-dir DIR --save-every N | --resume DIR [--force-resume]]
@@ -13,7 +14,8 @@
     cpjax --version
 
 The command line on top of every layer: :mod:`~cpjax.cli.parser` declares
-the flags, and each command's module (:mod:`~cpjax.cli.train`,
+the flags (``cpjax train``'s come from the run config,
+:class:`~cpjax.training.run_config.RunConfig`, through jsonargparse), and each command's module (:mod:`~cpjax.cli.train`,
 :mod:`~cpjax.cli.plan`, :mod:`~cpjax.cli.prepare_data`) checks them and
 calls the library; :mod:`~cpjax.cli.demo` is ``cpjax demo``.
 """
@@ -23,15 +25,18 @@ from __future__ import annotations
 import sys
 
 from cpjax.cli import machine
-from cpjax.cli.parser import build_parser
+from cpjax.cli.parser import build_parser, train_parser
 from cpjax.cli.plan import plan as _plan
 from cpjax.cli.prepare_data import prepare_data as _prepare_data
 from cpjax.cli.train import train as _train
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "train_parser"]
 
 
 def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["train"]:
+    return _train(train_parser(), argv[1:])
   parser = build_parser()
   args = parser.parse_args(argv)
   if args.command == "demo":
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     return _plan(parser, args)
   if args.command == "prepare-data":
     return _prepare_data(parser, args)
-  return _train(parser, args)
+  return 2   # argparse's subcommands are exhaustive
 
 
 if __name__ == "__main__":

@@ -68,4 +68,44 @@ def plan(parser, args) -> int:
       fits = ("  fits " if row.fits(args.device_memory) else "  does NOT fit ") + \
           plan.format_bytes(args.device_memory)
     print(f"  {row.row()} [{row.dtype} activations]{fits}")
+  if args.write_config is not None:
+    _write_config(args, cfg, name, rows, mesh)
   return 0
+
+
+def _write_config(args, cfg, name: str, rows, mesh: dict) -> None:
+  """``--write-config FILE``: the plan as a run config. Activations in float32
+  when that fits ``--device-memory`` (or no memory was given), else bfloat16;
+  the first step's parity check (the step again on one device) only when one
+  device holds that step."""
+  from cpjax.training import plan
+  from cpjax.training.run_config import (DataConfig, ExpertsConfig, LoraConfig, ParallelConfig,
+                                         RunConfig)
+  from cpjax.training.run_file import to_yaml
+
+  estimates = {row.dtype: row for row in rows if row.source == "estimate"}
+  fitting = [d for d in ("float32", "bfloat16")
+             if args.device_memory is None or estimates[d].fits(args.device_memory)]
+  dtype = fitting[0] if fitting else "float32"
+  fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
+  parity = args.device_memory is None or plan.estimate(
+      cfg, model=name, seq_len=args.seq_len, mesh={}, remat=args.remat, dtype=dtype,
+      lora_rank=args.lora_rank, base_dtype=args.base_dtype or "float32").fits(args.device_memory)
+  run = RunConfig(model=args.model, checkpoint=args.checkpoint, dtype=dtype, remat=args.remat,
+                  parity_check=parity,
+                  dataset=DataConfig(seq_len=args.seq_len, batch_size=args.batch_size or fsdp),
+                  parallel=ParallelConfig(mesh=",".join(f"{k}={v}" for k, v in mesh.items())),
+                  lora=LoraConfig(rank=args.lora_rank, base_dtype=args.base_dtype or "float32"),
+                  experts=ExpertsConfig(capacity_factor=args.capacity_factor))
+  where = (f"{plan.format_bytes(args.device_memory)} per device" if args.device_memory
+           else "no device memory given")
+  est = estimates[dtype]
+  verdict = "" if args.device_memory is None else (
+      " fits" if est.fits(args.device_memory) else " does NOT fit")
+  row = " ".join(est.row().split())
+  note = (f"planned by cpjax plan: {row} [{dtype} activations]{verdict} "
+          f"({where})")
+  with open(args.write_config, "w") as f:
+    f.write(to_yaml(run, note))
+  print(f"wrote the run config to {args.write_config}: cpjax train --config "
+        f"{args.write_config} runs it")

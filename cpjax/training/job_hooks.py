@@ -10,13 +10,14 @@ import os
 
 import numpy as np
 
-from cpjax.training.job_config import TrainJob, learning_rate_schedule
+from cpjax.training.job_config import learning_rate_schedule
+from cpjax.training.run_config import RunConfig, as_run_config
 from cpjax.training.job_phases import Data, Trainer, check_vocabulary, corpus_path, host_value, run_identity
 
 __all__ = ["eval_hook", "eval_rows", "external_write", "make_hooks"]
 
 
-def make_hooks(job: TrainJob, trainer: Trainer, data: Data, batches, layout, checkpointer,
+def make_hooks(job: RunConfig, trainer: Trainer, data: Data, batches, layout, checkpointer,
            first_step: int, summary: dict, log) -> list:
   """The periodic work, in order (a later hook reads what an earlier one
   wrote into the step's record): parity at step 1, validation, the metrics
@@ -29,21 +30,21 @@ def make_hooks(job: TrainJob, trainer: Trainer, data: Data, batches, layout, che
 
   if job.parity_check and first_step == 0:
     add("parity check", parity_hook(job, trainer, batches, summary, log))
-  if job.eval_data:
+  if job.eval.data:
     add("validation", eval_hook(job, trainer, layout, summary, log))
-  metrics_file = job.metrics or (os.path.join(job.state_dir, "metrics.jsonl")
-                                 if job.state_dir else None)
+  metrics_file = job.logging.metrics or (os.path.join(job.checkpointing.state_dir, "metrics.jsonl")
+                                 if job.checkpointing.state_dir else None)
   if metrics_file:
     add("metrics file", metrics_hook(metrics_file, learning_rate_schedule(job), first_step))
     summary["metrics_file"] = metrics_file
-  if job.tensorboard:
-    add("TensorBoard", tensorboard_hook(job.tensorboard, learning_rate_schedule(job)))
+  if job.logging.tensorboard:
+    add("TensorBoard", tensorboard_hook(job.logging.tensorboard, learning_rate_schedule(job)))
   if checkpointer is not None:
     add("checkpoint", save_hook(job, trainer, data, checkpointer, log))
   return hooks
 
 
-def parity_hook(job: TrainJob, trainer: Trainer, batches, summary: dict, log):
+def parity_hook(job: RunConfig, trainer: Trainer, batches, summary: dict, log):
   """At step 1, the CP step's loss and gradient norm against the same rows on
   one device with unsharded parameters; a disagreement stops the run."""
   import jax
@@ -95,7 +96,7 @@ def parity_hook(job: TrainJob, trainer: Trainer, batches, summary: dict, log):
   return hook
 
 
-def save_hook(job: TrainJob, trainer: Trainer, data: Data, checkpointer, log):
+def save_hook(job: RunConfig, trainer: Trainer, data: Data, checkpointer, log):
   """Saves every ``--save-every`` steps and after the last one; closing it
   waits for the last save."""
   run = run_identity(job, trainer.cfg)
@@ -104,29 +105,30 @@ def save_hook(job: TrainJob, trainer: Trainer, data: Data, checkpointer, log):
     del metrics, record
     # The data state BEFORE the next fetch: a resumed run fetches that batch.
     checkpointer.maybe_save(i + 1, params=trainer.params, opt_state=trainer.opt_state,
-                            data_state=data.state(), run=run, force=i + 1 == job.steps)
+                            data_state=data.state(), run=run, force=i + 1 == job.optimizer.steps)
 
   def close():
     checkpointer.wait()
-    log(f"train state after step {checkpointer.latest_step()} saved to {job.state_dir}")
+    log(f"train state after step {checkpointer.latest_step()} saved to {job.checkpointing.state_dir}")
     checkpointer.close()
 
   hook.close = close
   return hook
 
 
-def eval_rows(job: TrainJob, trainer: Trainer, log) -> list[dict]:
+def eval_rows(job: RunConfig, trainer: Trainer, log) -> list[dict]:
   """The fixed validation rows: the first ``eval_rows`` packed rows of the
   validation data (in file order, one pass), in batches of the step's rows;
   the last batch is filled up with empty rows (they count no token)."""
+  job = as_run_config(job)   # a TrainJob too
   from cpjax.data.corpus import flatten_image_slots, packed_rows
 
-  path = corpus_path(job, job.eval_data, "--eval-data", log)
+  path = corpus_path(job, job.eval.data, "--eval-data", log)
   rows = []
-  for row in packed_rows(path, seq_len=job.seq_len, shuffle=False, num_epochs=1,
-                         process_index=0, process_count=1, images_per_row=job.images_per_row):
-    rows.append(check_vocabulary(row, trainer.cfg, f"--eval-data {job.eval_data}"))
-    if len(rows) == job.eval_rows:
+  for row in packed_rows(path, seq_len=job.dataset.seq_len, shuffle=False, num_epochs=1,
+                         process_index=0, process_count=1, images_per_row=job.dataset.images_per_row):
+    rows.append(check_vocabulary(row, trainer.cfg, f"--eval-data {job.eval.data}"))
+    if len(rows) == job.eval.rows:
       break
   # An empty row: no token, no label, and image slots that are all padding.
   fill = {"labels": -100, "image_position_ids": -1}
@@ -137,10 +139,11 @@ def eval_rows(job: TrainJob, trainer: Trainer, log) -> list[dict]:
           for i in range(0, len(rows), trainer.rows)]
 
 
-def eval_hook(job: TrainJob, trainer: Trainer, layout, summary: dict, log):
+def eval_hook(job: RunConfig, trainer: Trainer, layout, summary: dict, log):
   """Every ``eval_every`` steps and after the last one: the token-mean loss
   of the fixed validation rows, with the training step's CP forward and
   shardings (no gradient), into the step's record as ``eval_loss``."""
+  job = as_run_config(job)   # a TrainJob too
   import jax
 
   from cpjax import training
@@ -151,14 +154,14 @@ def eval_hook(job: TrainJob, trainer: Trainer, layout, summary: dict, log):
   assert all(lay == layout for _, lay in placed), "validation rows have the step's shape"
   loss_sums = jax.jit(training.make_loss_fn(trainer.graphdef, mesh=trainer.mesh, layout=layout,
                                          expert_axes=trainer.expert_axes,
-                                         capacity_factor=job.capacity_factor))
+                                         capacity_factor=job.experts.capacity_factor))
   counted = sum(int(np.sum(b["labels"] != -100)) for b in host)
   summary["eval_rows"] = sum(int(np.any(b["attention_mask"], axis=1).sum()) for b in host)
   summary["eval_losses"] = []
 
   def hook(i, metrics, record):
     del metrics
-    if not ((job.eval_every and (i + 1) % job.eval_every == 0) or i + 1 == job.steps):
+    if not ((job.eval.every and (i + 1) % job.eval.every == 0) or i + 1 == job.optimizer.steps):
       return
     ce_sum = count = 0.0
     with jax.set_mesh(trainer.mesh):

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from cpjax.training.job_config import JobError, TrainJob, make_optimizer
+from cpjax.training.job_config import JobError, make_optimizer
+from cpjax.training.run_config import RunConfig, as_run_config
 
 __all__ = ["Data", "Trainer", "build", "check_vocabulary", "corpus_path", "describe", "host_value",
            "open_data", "resume", "run_identity", "step_batches"]
@@ -94,7 +95,7 @@ class Data:
   set_state: Callable[[dict], None]
 
 
-def build(job: TrainJob) -> Trainer:
+def build(job: RunConfig) -> Trainer:
   """The mesh, the model (random init or a checkpoint, each device reading
   its own shards), the optimizer, and the sharded training state."""
   import jax
@@ -105,18 +106,16 @@ def build(job: TrainJob) -> Trainer:
   from cpjax.models import gemma4
   from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 
-  sizes = parallel.parse_mesh(job.mesh) if job.mesh else {"cp": job.cp}
+  job = as_run_config(job)
+  sizes = job.parallel.mesh_sizes()
   ep = sizes.pop("ep", 1)
   mesh = parallel.make_mesh(**sizes)
   try:
     expert_axes = parallel.expert_axes(mesh, ep)
   except ValueError as e:
-    raise JobError(f"--mesh {job.mesh}: {e}") from None
+    raise JobError(f"--mesh {job.parallel.mesh}: {e}") from None
   devices = list(mesh.devices.flat)
-  if job.batch_size % job.microbatches:
-    raise JobError(f"--microbatches {job.microbatches} does not divide --batch-size "
-                   f"{job.batch_size}")
-  rows = job.batch_size // job.microbatches
+  rows = job.dataset.batch_size // job.dataset.microbatches
   auto = [n for n in mesh.axis_names if n != "cp" and mesh.shape[n] > 1]
   if job.dtype == "bfloat16" and auto and devices[0].platform == "cpu":
     # jax 0.10's CPU SPMD partitioner aborts the process (a failed check,
@@ -126,22 +125,19 @@ def build(job: TrainJob) -> Trainer:
                    f"(an XLA:CPU partitioner limitation); use --dtype float32 there")
   compute = compute_dtype(job.dtype)
   cfg = (gemma4.Gemma4Config.from_hf(job.checkpoint) if job.checkpoint
-         else gemma4.Gemma4Config.preset(job.model))
+         else gemma4.Gemma4Config.preset(job.model or "tiny"))
   try:
     check_mesh(cfg, mesh, batch_size=rows, ep=ep)
-    if job.capacity_factor is not None and not cfg.text.enable_moe_block:
-      raise ValueError(f"--capacity-factor {job.capacity_factor:g} needs a mixture of experts; "
+    if job.experts.capacity_factor is not None and not cfg.text.enable_moe_block:
+      raise ValueError(f"--capacity-factor {job.experts.capacity_factor:g} needs a mixture of experts; "
                        f"this Gemma 4 has none")
   except ValueError as e:
-    raise JobError(f"{e} (--batch-size {job.batch_size}, --microbatches {job.microbatches})"
+    raise JobError(f"{e} (--batch-size {job.dataset.batch_size}, --microbatches {job.dataset.microbatches})"
                    ) from None
   rule = partition_rule(cfg, tp=sizes.get("tp", 1), expert_axes=expert_axes)
-  if job.base_dtype != "float32" and job.lora_rank is None:
-    raise JobError(f"--base-dtype {job.base_dtype} needs --lora-rank: full fine-tuning keeps "
-                   f"float32 parameters for the optimizer")
   # Full fine-tuning keeps float32 parameters for the optimizer; a frozen
   # LoRA base is stored in --base-dtype. Activations in job.dtype.
-  storage = compute_dtype(job.base_dtype)
+  storage = compute_dtype(job.lora.base_dtype)
   if job.checkpoint:
     # Each device reads only its shard of each tensor.
     model = gemma4.Gemma4.from_pretrained(job.checkpoint, remat=job.remat, mesh=mesh,
@@ -152,17 +148,17 @@ def build(job: TrainJob) -> Trainer:
   else:
     model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(job.seed), dtype=compute, remat=job.remat,
                           param_dtype=storage)
-    description = f"Gemma 4 {job.model!r} (random init)"
-  sharder = model.prepare_model_inputs_for_cp(layout=job.layout)["cp_sharder"]
-  if job.lora_rank is None:
+    description = f"Gemma 4 {job.model or 'tiny'!r} (random init)"
+  sharder = model.prepare_model_inputs_for_cp(layout=job.parallel.layout)["cp_sharder"]
+  if job.lora.rank is None:
     # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
     graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
   else:
     model, graphdef, params, frozen = add_lora(job, model)
-    description += (f", LoRA r={job.lora_rank} alpha={job.lora_alpha:g} on "
+    description += (f", LoRA r={job.lora.rank} alpha={job.lora.alpha:g} on "
                     f"{len(lora.adapted_modules(model))} projections "
                     f"({lora.lora_param_count(model):,} adapter values; base frozen in "
-                    f"{job.base_dtype})")
+                    f"{job.lora.base_dtype})")
   optimizer = make_optimizer(job)
   # FSDP / TP: each device keeps its shard of the parameters and of Adam's
   # moments (and of a frozen LoRA base).
@@ -184,14 +180,14 @@ def build(job: TrainJob) -> Trainer:
                   description=description, expert_axes=expert_axes)
 
 
-def add_lora(job: TrainJob, model):
+def add_lora(job: RunConfig, model):
   """``(model, graphdef, adapters, frozen)``: ``model`` with LoRA adapters
   (:func:`cpjax.training.lora.apply_lora`) split for the step."""
   from cpjax.training import lora
 
   try:
-    settings = lora.LoraSettings(rank=job.lora_rank, alpha=job.lora_alpha,
-                                 targets=job.lora_targets or lora.DEFAULT_LORA_TARGETS)
+    settings = lora.LoraSettings(rank=job.lora.rank, alpha=job.lora.alpha,
+                                 targets=job.lora.targets or lora.DEFAULT_LORA_TARGETS)
     model = lora.apply_lora(model, rank=settings.rank, alpha=settings.alpha,
                             targets=settings.targets, seed=job.seed)
   except (ValueError, TypeError) as e:
@@ -199,7 +195,7 @@ def add_lora(job: TrainJob, model):
   return (model, *lora.split_lora(model))
 
 
-def corpus_path(job: TrainJob, path: str, flag: str, log) -> str:
+def corpus_path(job: RunConfig, path: str, flag: str, log) -> str:
   """A corpus to read: ``path`` itself, or a JSONL file tokenized into one
   (with the tokenizer and chat template of ``--tokenizer`` or
   ``--checkpoint``) in a fresh temporary directory."""
@@ -209,15 +205,15 @@ def corpus_path(job: TrainJob, path: str, flag: str, log) -> str:
 
   from cpjax.data.records import prepare_data
 
-  source = job.tokenizer or job.checkpoint
+  source = job.dataset.tokenizer or job.checkpoint
   if source is None:
     raise JobError(f"{flag} {path} is JSONL: tokenizing it needs the checkpoint's tokenizer "
                    f"(--checkpoint DIR or --tokenizer DIR)")
   out = tempfile.mkdtemp(prefix="cpjax-corpus-")
   atexit.register(shutil.rmtree, out, ignore_errors=True)   # read lazily during the run
   try:
-    summary = prepare_data(path, out, checkpoint=source, seq_len=job.seq_len,
-                           truncate=job.truncate, progress=False)
+    summary = prepare_data(path, out, checkpoint=source, seq_len=job.dataset.seq_len,
+                           truncate=job.dataset.truncate, progress=False)
   except (ValueError, FileNotFoundError) as e:
     raise JobError(f"{flag} {path}: {e}") from None
   for line in summary.lines(show=5):
@@ -233,20 +229,20 @@ def check_vocabulary(batch: dict, cfg, where: str) -> dict:
   return batch
 
 
-def open_data(job: TrainJob, cfg, rows: int, log) -> Data:
+def open_data(job: RunConfig, cfg, rows: int, log) -> Data:
   """The corpus (``--data``) or synthetic packed multimodal rows."""
-  if job.data:
+  if job.dataset.path:
     from cpjax.data.corpus import packed_batches
 
     # Every process feeds the same global batch (the sharder places each
     # process's part), so every process reads the whole corpus here.
-    path = corpus_path(job, job.data, "--data", log)
-    stream = iter(packed_batches(path, batch_size=rows, seq_len=job.seq_len,
+    path = corpus_path(job, job.dataset.path, "--data", log)
+    stream = iter(packed_batches(path, batch_size=rows, seq_len=job.dataset.seq_len,
                                  seed=job.seed, process_index=0, process_count=1,
-                                 images_per_row=job.images_per_row))
+                                 images_per_row=job.dataset.images_per_row))
 
     def next_batch():
-      return check_vocabulary(next(stream), cfg, f"--data {job.data}")
+      return check_vocabulary(next(stream), cfg, f"--data {job.dataset.path}")
 
     return Data(next_batch, state=lambda: {"grain": stream.get_state()},
                  set_state=lambda state: stream.set_state(state["grain"]))
@@ -258,76 +254,77 @@ def open_data(job: TrainJob, cfg, rows: int, log) -> Data:
   def set_state(state):
     rng.bit_generator.state = state["numpy_bit_generator"]
 
-  return Data(lambda: gemma4.synthetic_batch(rng, cfg, batch_size=rows, seq_len=job.seq_len,
+  return Data(lambda: gemma4.synthetic_batch(rng, cfg, batch_size=rows, seq_len=job.dataset.seq_len,
                                               max_docs=6),
                state=lambda: {"numpy_bit_generator": rng.bit_generator.state},
                set_state=set_state)
 
 
-def run_identity(job: TrainJob, cfg) -> dict:
+def run_identity(job: RunConfig, cfg) -> dict:
   """What a resumed run must share with the saved one (see checkpointing)."""
+  job = as_run_config(job)
   from cpjax.training import lora
 
-  identity = {"model_config": cfg.to_hf(), "batch_size": job.batch_size,
-              "seq_len": job.seq_len, "microbatches": job.microbatches, "data": job.data,
+  identity = {"model_config": cfg.to_hf(), "batch_size": job.dataset.batch_size,
+              "seq_len": job.dataset.seq_len, "microbatches": job.dataset.microbatches, "data": job.dataset.path,
               "seed": job.seed}
-  if job.lora_rank is not None:        # what the saved adapters and moments are
-    identity["lora"] = {"rank": job.lora_rank, "alpha": job.lora_alpha,
-                        "targets": job.lora_targets or lora.DEFAULT_LORA_TARGETS,
-                        "base_dtype": job.base_dtype}
+  if job.lora.rank is not None:        # what the saved adapters and moments are
+    identity["lora"] = {"rank": job.lora.rank, "alpha": job.lora.alpha,
+                        "targets": job.lora.targets or lora.DEFAULT_LORA_TARGETS,
+                        "base_dtype": job.lora.base_dtype}
   return identity
 
 
-def resume(job: TrainJob, trainer: Trainer, data: Data, log):
+def resume(job: RunConfig, trainer: Trainer, data: Data, log):
   """``(first_step, checkpointer or None)``; with ``--resume`` the training
   state and the data's place come back from the latest checkpoint."""
   first_step, checkpointer = 0, None
-  if job.state_dir:
+  if job.checkpointing.state_dir:
     from cpjax.training.checkpointing import TrainCheckpointer, check_run_matches
 
-    checkpointer = TrainCheckpointer(job.state_dir, save_every=job.save_every)
-    if job.resume:
+    checkpointer = TrainCheckpointer(job.checkpointing.state_dir, save_every=job.checkpointing.save_every)
+    if job.checkpointing.resume:
       try:      # before any array is read: a different run's arrays may not even fit
         check_run_matches(checkpointer.saved_run(), run_identity(job, trainer.cfg),
-                          force=job.force_resume)
+                          force=job.checkpointing.force_resume)
       except ValueError as e:
         raise JobError(str(e)) from None
       first_step, restored = checkpointer.restore(params_like=trainer.params,
                                                   opt_state_like=trainer.opt_state)
       trainer.params, trainer.opt_state = restored["params"], restored["opt_state"]
       data.set_state(restored["data_state"])
-      log(f"resumed from {job.state_dir} after step {first_step}")
+      log(f"resumed from {job.checkpointing.state_dir} after step {first_step}")
     elif checkpointer.latest_step() is not None:
-      raise JobError(f"{job.state_dir} already holds a checkpoint (step "
+      raise JobError(f"{job.checkpointing.state_dir} already holds a checkpoint (step "
                      f"{checkpointer.latest_step()}); resume it with --resume or choose "
                      f"another directory")
-  if first_step >= job.steps:
-    raise JobError(f"the checkpoint is after step {first_step}; --steps {job.steps} leaves "
+  if first_step >= job.optimizer.steps:
+    raise JobError(f"the checkpoint is after step {first_step}; --steps {job.optimizer.steps} leaves "
                    f"nothing to train")
   return first_step, checkpointer
 
 
-def describe(job: TrainJob, trainer: Trainer, log) -> None:
+def describe(job: RunConfig, trainer: Trainer, log) -> None:
   import jax
 
   devices = list(trainer.mesh.devices.flat)
   procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
   t = trainer.cfg.text
   what = trainer.description
-  what += f", data {job.data}" if job.data else ", synthetic multimodal data"
+  what += f", data {job.dataset.path}" if job.dataset.path else ", synthetic multimodal data"
   mesh_text = " x ".join(f"{name}={size}" for name, size in trainer.mesh.shape.items())
-  accum = f" in {job.microbatches} microbatches" if job.microbatches > 1 else ""
+  accum = f" in {job.dataset.microbatches} microbatches" if job.dataset.microbatches > 1 else ""
   log(f"cpjax train: {what}: {t.num_hidden_layers} layers d={t.hidden_size}, "
-      f"S={job.seq_len} B={job.batch_size}{accum}, mesh {mesh_text} ({job.layout}) on "
+      f"S={job.dataset.seq_len} B={job.dataset.batch_size}{accum}, mesh {mesh_text} ({job.parallel.layout}) on "
       f"{len(devices)} {devices[0].platform.upper()} devices{procs}, {job.dtype}")
 
 
-def step_batches(job: TrainJob, trainer: Trainer, data: Data):
+def step_batches(job: RunConfig, trainer: Trainer, data: Data):
   """The step's rows (as microbatches), their sharded form and its layout."""
-  parts = [data.next_batch() for _ in range(job.microbatches)]
+  parts = [data.next_batch() for _ in range(job.dataset.microbatches)]
   placed = [trainer.sharder.shard_batch(b, trainer.mesh, batch_axis=trainer.batch_axis)
             for b in parts]
   layouts = {lay for _, lay in placed}
   assert len(layouts) == 1, "every batch has the same padded shape"
-  sharded = placed[0][0] if job.microbatches == 1 else [b for b, _ in placed]
+  sharded = placed[0][0] if job.dataset.microbatches == 1 else [b for b, _ in placed]
   return parts, sharded, placed[0][1]

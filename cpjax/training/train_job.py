@@ -23,16 +23,18 @@ import time
 
 import numpy as np
 
-from cpjax.training.job_config import LR_SCHEDULES, JobError, TrainJob, learning_rate_schedule, make_optimizer
+from cpjax.training.job_config import LR_SCHEDULES, JobError, learning_rate_schedule, make_optimizer
 from cpjax.training.job_hooks import make_hooks
-from cpjax.training.job_phases import (Data, Trainer, build, describe, host_value, open_data, resume,
-                              run_identity, step_batches)
+from cpjax.training.job_phases import (Data, Trainer, build, describe, host_value, open_data,
+                                      resume, run_identity, step_batches)
+from cpjax.training.run_config import RunConfig, TrainJob, as_run_config, check
+from cpjax.training.run_file import write_run_config
 
-__all__ = ["JobError", "LR_SCHEDULES", "TrainJob", "learning_rate_schedule", "make_optimizer",
+__all__ = ["JobError", "LR_SCHEDULES", "RunConfig", "TrainJob", "learning_rate_schedule", "make_optimizer",
            "run_train_job"]
 
 
-def run_train_job(job: TrainJob, *, log=print) -> dict:
+def run_train_job(job: RunConfig, *, log=print) -> dict:
   """Train and return a summary dict (what the closing lines print).
 
   The phases: build the model and mesh, open the data, resume, compile the
@@ -40,16 +42,25 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   the periodic work as hooks after each step; a hook with a ``close``
   method is closed after the loop), report.
 
+  ``job`` is a :class:`RunConfig` (or its flat form, a :class:`TrainJob`);
+  it is checked first (:func:`~cpjax.training.run_config.check`), and
+  written as ``run.yaml`` into ``checkpointing.state_dir`` when the run
+  starts and beside the ``checkpointing.save`` output at the end.
+
   In a multi-process cluster every process runs this with the same job;
   only process 0 logs.
   """
   import jax
 
+  job = as_run_config(job)
+  check(job)
   if jax.process_index() != 0:
     log = lambda *_: None  # noqa: E731
   trainer = build(job)
   data = open_data(job, trainer.cfg, trainer.rows, log)
   first_step, checkpointer = resume(job, trainer, data, log)
+  if job.checkpointing.state_dir and jax.process_index() == 0:
+    write_run_config(job, job.checkpointing.state_dir)
   describe(job, trainer, log)
 
   batches, sharded, layout = step_batches(job, trainer, data)
@@ -58,7 +69,7 @@ def run_train_job(job: TrainJob, *, log=print) -> dict:
   step = training.make_train_step(trainer.graphdef, trainer.optimizer, mesh=trainer.mesh,
                                layout=layout, frozen=trainer.frozen,
                                expert_axes=trainer.expert_axes,
-                               capacity_factor=job.capacity_factor)
+                               capacity_factor=job.experts.capacity_factor)
   step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
 
   summary = {"job": dataclasses.asdict(job)}
@@ -92,7 +103,7 @@ def _close(hooks) -> None:
     getattr(hook, "close", lambda: None)()
 
 
-def _save_after_failure(job: TrainJob, trainer, data, checkpointer, failure: _HookFailed,
+def _save_after_failure(job: RunConfig, trainer, data, checkpointer, failure: _HookFailed,
                         summary: dict, log) -> str:
   """Saves the training state after the failed step (``--state-dir``, unless
   the checkpoint hook already did or is what failed) and the ``--save``
@@ -115,19 +126,19 @@ def _save_after_failure(job: TrainJob, trainer, data, checkpointer, failure: _Ho
         checkpointer.maybe_save(step, params=trainer.params, opt_state=trainer.opt_state,
                                 data_state=data.state(), run=run_identity(job, trainer.cfg),
                                 force=True)
-      saved.append(f"the train state after step {step} is in {job.state_dir}")
+      saved.append(f"the train state after step {step} is in {job.checkpointing.state_dir}")
     except Exception as e:      # noqa: BLE001 -- reported, and --save still tried
       saved.append(f"saving the train state failed too: {type(e).__name__}: {e}")
-  if job.save:
+  if job.checkpointing.save:
     try:
       summary["saved"] = _save_model(job, trainer, log)
-      saved.append(f"the weights after step {step} are in {job.save}")
+      saved.append(f"the weights after step {step} are in {job.checkpointing.save}")
     except Exception as e:      # noqa: BLE001 -- reported with the hook's error
       saved.append(f"saving --save failed too: {type(e).__name__}: {e}")
   return "; ".join(saved) or "nothing was saved: no --save or --state-dir"
 
 
-def _loop(job: TrainJob, trainer: Trainer, data: Data, step, sharded, batches, layout, *,
+def _loop(job: RunConfig, trainer: Trainer, data: Data, step, sharded, batches, layout, *,
           first_step: int, hooks):
   """The step loop: ``(losses, real tokens, seconds per step)``. After each
   step every hook runs as ``hook(i, metrics, record)``: ``i`` counts from 0,
@@ -138,7 +149,7 @@ def _loop(job: TrainJob, trainer: Trainer, data: Data, step, sharded, batches, l
   from tqdm.auto import tqdm
 
   losses, real_tokens, times = [], 0, []
-  bar = tqdm(range(first_step, job.steps), desc="train", unit="step", leave=True,
+  bar = tqdm(range(first_step, job.optimizer.steps), desc="train", unit="step", leave=True,
              disable=jax.process_index() != 0)
   for i in bar:
     start = time.perf_counter()
@@ -164,10 +175,10 @@ def _loop(job: TrainJob, trainer: Trainer, data: Data, step, sharded, batches, l
   return losses, real_tokens, times
 
 
-def _save_model(job: TrainJob, trainer: Trainer, log) -> list[str] | None:
+def _save_model(job: RunConfig, trainer: Trainer, log) -> list[str] | None:
   """``--save``: the trained model as a Hugging Face checkpoint, or the LoRA
   adapter as PEFT's files (or merged into the base); the files written."""
-  if not job.save:
+  if not job.checkpointing.save:
     return None
   import jax
   from flax import nnx
@@ -175,29 +186,32 @@ def _save_model(job: TrainJob, trainer: Trainer, log) -> list[str] | None:
   from cpjax.training import lora
 
   trained = nnx.merge(trainer.graphdef, *jax.device_get((trainer.params, trainer.frozen)))
-  if job.lora_rank is not None and not job.merge_lora:
-    files = lora.save_adapter(trained, job.save, base_model_name_or_path=job.checkpoint)
-    log(f"saved the LoRA adapter to {job.save} (PEFT's adapter_config.json and "
-        f"adapter_model.safetensors)")
+  if job.lora.rank is not None and not job.lora.merge:
+    files = lora.save_adapter(trained, job.checkpointing.save, base_model_name_or_path=job.checkpoint)
+    write_run_config(job, job.checkpointing.save)
+    log(f"saved the LoRA adapter to {job.checkpointing.save} (PEFT's adapter_config.json, "
+        f"adapter_model.safetensors, and the run's run.yaml)")
     return files
-  if job.lora_rank is not None:
+  if job.lora.rank is not None:
     trained = lora.merge_lora(trained)
-  files = trained.save_pretrained(job.save)
+  files = trained.save_pretrained(job.checkpointing.save)
   # A fine-tuned checkpoint keeps the tokenizer and template it was trained
   # with (--tokenizer's, else the checkpoint's) and the checkpoint's processor
   # and generation settings, so that it loads as the original did.
   kept = []
   for name in _BESIDE_WEIGHTS:
-    source = job.tokenizer if job.tokenizer and name in _TOKENIZER_FILES else job.checkpoint
+    source = job.dataset.tokenizer if job.dataset.tokenizer and name in _TOKENIZER_FILES else job.checkpoint
     path = os.path.join(source, name) if source else None
     if path and os.path.isfile(path):
-      target = os.path.join(job.save, name)
+      target = os.path.join(job.checkpointing.save, name)
       if not (os.path.exists(target) and os.path.samefile(path, target)):
         shutil.copyfile(path, target)
       kept.append(name)
-  merged = " with the LoRA adapter merged in" if job.lora_rank is not None else ""
-  also = f", and {', '.join(kept)}" if kept else ""
-  log(f"saved a Hugging Face checkpoint{merged} to {job.save} ({len(files)} safetensors "
+  write_run_config(job, job.checkpointing.save)
+  kept.append("run.yaml")
+  merged = " with the LoRA adapter merged in" if job.lora.rank is not None else ""
+  also = f", and {', '.join(kept)}"
+  log(f"saved a Hugging Face checkpoint{merged} to {job.checkpointing.save} ({len(files)} safetensors "
       f"file(s){also})")
   return files
 
@@ -209,7 +223,7 @@ _BESIDE_WEIGHTS = ("generation_config.json", *_TOKENIZER_FILES, "processor_confi
                    "preprocessor_config.json")
 
 
-def _report(job: TrainJob, trainer: Trainer, step, summary: dict, losses, real_tokens, times,
+def _report(job: RunConfig, trainer: Trainer, step, summary: dict, losses, real_tokens, times,
             first_step: int, log) -> dict:
   mem = step.memory_analysis()
   steady = times[1:] or times
@@ -224,11 +238,11 @@ def _report(job: TrainJob, trainer: Trainer, step, summary: dict, losses, real_t
       "arguments_mib_per_device": mem.argument_size_in_bytes / 2**20,
   })
   ran = (f"over {len(losses)} steps" if first_step == 0 else
-         f"over steps {first_step + 1}-{job.steps} ({len(losses)} steps)")
+         f"over steps {first_step + 1}-{job.optimizer.steps} ({len(losses)} steps)")
   log(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} {ran}; "
       f"{summary['tokens_per_s']:.0f} real tokens/s after the first step "
       f"(first step {times[0]:.1f} s)")
-  if job.save:
+  if job.checkpointing.save:
     summary["saved"] = _save_model(job, trainer, log)
   log(f"per-device memory of the compiled step: scratch {summary['scratch_mib_per_device']:.1f} MiB, "
       f"arguments {summary['arguments_mib_per_device']:.1f} MiB")

@@ -1,0 +1,46 @@
+"""Shipped run recipes: YAML run configs for ``cpjax train --recipe NAME``.
+
+Each ``NAME.yaml`` here is a :class:`~cpjax.training.run_config.RunConfig`
+(its first comments say what it is for and how to run it); :data:`RECIPES`
+names the devices each was planned to fit with ``cpjax plan --write-config``
+(the closed form; the tests check that it still fits).
+
+>>> sorted(RECIPES)[:2]
+['31b-lora-128k', 'a4b-ep-128k']
+>>> path("tiny").endswith("tiny.yaml")
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["RECIPES", "Recipe", "path"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """The devices a recipe was planned for: ``devices`` of ``device_memory``
+  each (None: the tiny ones, which train here on emulated CPU devices)."""
+
+  device_memory: str | None = None
+  devices: int | None = None
+
+
+# What each recipe is for is in its file's first comments.
+RECIPES = {
+    "tiny": Recipe(),                          # what `make run` trains
+    "tiny-moe-ep": Recipe(),                   # the README's expert-parallel run
+    "e2b-lora-128k": Recipe("16GiB", 8),       # TPU v5e
+    "e2b-full-128k": Recipe("141GiB", 8),      # H200
+    "a4b-ep-128k": Recipe("141GiB", 8),        # H200
+    "31b-lora-128k": Recipe("141GiB", 2),      # H200
+}
+
+
+def path(name: str) -> str:
+  """The file of recipe ``name``; ``KeyError`` naming the recipes there are."""
+  if name not in RECIPES:
+    raise KeyError(f"no recipe {name!r}; the recipes are {sorted(RECIPES)}")
+  return os.path.join(os.path.dirname(__file__), f"{name}.yaml")

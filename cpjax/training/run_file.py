@@ -1,0 +1,240 @@
+"""A run's config as a YAML file (``run.yaml``), and the parser that reads it.
+
+The parser is jsonargparse's, built from :class:`~cpjax.training.run_config.RunConfig`:
+every setting is a dotted key on the command line (``--optimizer.lr 1e-4``)
+and in a YAML file (``optimizer: {lr: 1e-4}``), typed, documented and
+checked by jsonargparse from the dataclasses; ``--config FILE`` reads a file
+where it stands, so later keys override it. Each setting's older flat flag
+(``--lr``) is an alias of its dotted key, parsed as before.
+
+Every run writes its resolved config, defaults included, as ``run.yaml``;
+passed back with ``--config`` (or read with :func:`read_run_config`) it is
+the same run.
+
+>>> import tempfile
+>>> from cpjax.training.run_config import DataConfig, RunConfig
+>>> run = RunConfig(model="tiny", dataset=DataConfig(seq_len=64))
+>>> with tempfile.TemporaryDirectory() as d:
+...   read_run_config(write_run_config(run, d)) == run
+True
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import re
+import typing
+
+from cpjax.training.run_config import JobError, RunConfig, Setting, settings, with_values
+
+__all__ = ["RUN_FILE", "alias_flag", "given_keys", "positive_float", "positive_int", "read_run_config", "run_from_namespace",
+           "run_parser", "to_yaml", "write_run_config"]
+
+RUN_FILE = "run.yaml"
+_ALIAS = "alias__"    # an alias's argparse dest: alias__<key with dots as __>
+
+
+class _ArgType:
+  """An argparse type with a readable name in ``--help``."""
+
+  def __init__(self, name: str, parse):
+    self.name, self.parse = name, parse
+
+  def __call__(self, text: str):
+    return self.parse(text)
+
+  def __repr__(self):
+    return self.name
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+  return value
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+  return value
+
+
+positive_int = _ArgType("int >= 1", _positive_int)        # argparse type: an integer >= 1
+positive_float = _ArgType("float > 0", _positive_float)   # argparse type: a number > 0
+
+
+def _parse_mesh(text: str) -> str:
+  from cpjax.parallel import parse_mesh
+
+  try:
+    parse_mesh(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  return text
+
+
+_mesh = _ArgType("AXIS=N,...", _parse_mesh)
+
+
+def alias_flag(s: Setting) -> str | None:
+  """The older flat flag of a setting (``--seq-len``), or None."""
+  flags = s.alias.get("flags", ("--" + s.flat.replace("_", "-"),))
+  return flags[0] if flags else None
+
+
+def _alias_kwargs(s: Setting) -> dict:
+  """argparse keywords of the older flag: as the command line parsed it."""
+  kwargs = {k: v for k, v in s.alias.items() if k not in ("flags", "positive")}
+  if typing.get_origin(s.type) is not typing.Literal and s.type is not bool:
+    kwargs.setdefault("metavar", "N" if s.type in (int, typing.Optional[int]) else "X"
+                      if s.type in (float, typing.Optional[float]) else "VALUE")
+  base = [t for t in typing.get_args(s.type) if t is not type(None)] or [s.type]
+  base = base[0] if typing.get_origin(s.type) is typing.Union else s.type
+  if typing.get_origin(base) is typing.Literal:
+    kwargs.setdefault("choices", typing.get_args(base))
+  elif base is bool:
+    kwargs.setdefault("action", "store_true")
+  elif s.key == "parallel.mesh":
+    kwargs.setdefault("type", _mesh)
+  elif base in (int, float):
+    kwargs.setdefault("type", (positive_int if base is int else positive_float)
+                      if s.alias.get("positive") else base)
+  return kwargs
+
+
+class _RunParser:
+  """Mixed into jsonargparse's parser: a usage error is one line, exit 2."""
+
+  def error(self, message, ex=None):   # noqa: D401 -- argparse's hook
+    self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
+
+
+def one_line(message: str) -> str:
+  """jsonargparse's multi-line type errors as one line that names the key.
+
+  >>> one_line('Parser key "dataset.seq_len":\\n  Expected a <class \\'int\\'>. Got value: x')
+  "--dataset.seq_len: expected int, got 'x'"
+  """
+  key = re.match(r'Parser key "([^"]+)":', message)
+  value = re.search(r"(?:Got|Given) value: (.*)$", message.strip())
+  if key and value:
+    types = {s.key: s.type for s in settings()}
+    expected = types.get(key.group(1))
+    expected = (list(typing.get_args(expected)) if typing.get_origin(expected) is typing.Literal
+                else getattr(expected, "__name__", None) or str(expected).replace("typing.", ""))
+    return f"--{key.group(1)}: expected {expected}, got {value.group(1)!r}"
+  return " ".join(message.split())
+
+
+def run_parser(prog: str = "cpjax train", description: str | None = None, *,
+               aliases: bool = True):
+  """jsonargparse's parser of a :class:`RunConfig`: ``--config FILE`` and every
+  setting by its dotted key (the top-level ones, ``--model``, ``--dtype``,
+  ..., by their name), with the older flat flags as aliases."""
+  import jsonargparse
+
+  jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+  parser_class = type("RunParser", (_RunParser, jsonargparse.ArgumentParser), {})
+  parser = parser_class(prog=prog, description=description, exit_on_error=False)
+  parser.add_argument("--config", action=jsonargparse.ActionConfigFile, metavar="FILE",
+                      help="a YAML run config (a recipe, or the run.yaml a run wrote); keys "
+                           "after it on the command line override it")
+  hints = typing.get_type_hints(RunConfig)
+  groups = {f.name: parser.add_argument_group(hints[f.name].__doc__, name=f.name)
+            for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
+  top = parser.add_argument_group(RunConfig.__doc__)
+  for s in settings():
+    flag = alias_flag(s)
+    if "." not in s.key and flag == "--" + s.key:
+      # A top-level setting whose flag is its key (--model, --remat): parsed
+      # as that flag always was.
+      top.add_argument(flag, dest=s.key, default=s.default, help=_doc(s), **_alias_kwargs(s))
+      continue
+    group = groups[s.key.split(".")[0]] if "." in s.key else top
+    group.add_argument("--" + s.key, type=s.type, default=s.default, help=_doc(s))
+    if aliases and flag is not None:
+      kwargs = _alias_kwargs(s)
+      inverted = " false" if kwargs.get("action") == "store_false" else ""
+      dest = _ALIAS + s.key.replace(".", "__")
+      group.add_argument(flag, dest=dest, default=argparse.SUPPRESS,
+                         help=f"= --{s.key}{inverted}", **kwargs)
+  return parser
+
+
+def _doc(s: Setting) -> str:
+  """A setting's docstring (the string under its field), on one line."""
+  section, _, field = s.key.rpartition(".")
+  cls = typing.get_type_hints(RunConfig)[section] if section else RunConfig
+  return _field_docs(cls).get(field, "")
+
+
+@functools.cache
+def _field_docs(cls) -> dict[str, str]:
+  import docstring_parser
+
+  return {p.arg_name: " ".join((p.description or "").split())
+          for p in docstring_parser.parse_from_object(cls).params}
+
+
+def given_keys(namespace) -> dict[str, str]:
+  """``{dotted key: flag}`` for each alias the command line gave."""
+  out = {}
+  for s in settings():
+    if namespace.get(_ALIAS + s.key.replace(".", "__"), argparse.SUPPRESS) is not argparse.SUPPRESS:
+      out[s.key] = alias_flag(s)
+  return out
+
+
+def run_from_namespace(namespace) -> RunConfig:
+  """The :class:`RunConfig` a parsed command line (or file) describes; an
+  alias beats the dotted key's value (the file's, or the command line's)."""
+  values = {}
+  for s in settings():
+    alias = namespace.get(_ALIAS + s.key.replace(".", "__"), argparse.SUPPRESS)
+    values[s.key] = namespace.get(s.key) if alias is argparse.SUPPRESS else alias
+  return with_values(RunConfig(), values)
+
+
+def to_yaml(run: RunConfig, note: str | None = None) -> str:
+  """The resolved config as YAML, every value, under a comment naming cpjax's
+  version (and ``note``'s lines, as comments)."""
+  import importlib.metadata
+
+  import yaml
+
+  version = importlib.metadata.version("cpjax")
+  body = yaml.safe_dump(dataclasses.asdict(run), sort_keys=False, default_flow_style=False)
+  head = [f"cpjax {version} run config (cpjax train --config FILE runs it)"]
+  head += (note or "").splitlines()
+  return "".join(f"# {line}".rstrip() + "\n" for line in head) + body
+
+
+def write_run_config(run: RunConfig, directory: str | os.PathLike) -> str:
+  """Write ``directory/run.yaml`` and return its path."""
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, RUN_FILE)
+  with open(path, "w") as f:
+    f.write(to_yaml(run))
+  return path
+
+
+def read_run_config(path: str | os.PathLike) -> RunConfig:
+  """The :class:`RunConfig` of a YAML file (a ``run.yaml`` or a recipe);
+  unknown keys and wrong types raise :class:`JobError` naming the key."""
+  parser = run_parser(aliases=False)
+  try:
+    namespace = parser.parse_args(["--config", os.fspath(path)])
+  except argparse.ArgumentError as e:
+    raise JobError(f"{path}: {one_line(str(e))}") from None
+  return run_from_namespace(namespace)

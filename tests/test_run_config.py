@@ -1,0 +1,225 @@
+"""Run configs: the nested settings, YAML files with dotted overrides, the older
+flags as aliases, run.yaml written with every run, and the shipped recipes."""
+
+import json
+import os
+
+import pytest
+
+from cpjax import cli, recipes
+from cpjax.cli.parser import train_parser
+from cpjax.training import plan
+from cpjax.training.run_config import (DataConfig, JobError, OptimizerConfig, RunConfig, TrainJob,
+                                       as_run_config, check, devices_needed, settings)
+from cpjax.training.run_file import (alias_flag, read_run_config, run_from_namespace, to_yaml,
+                                     write_run_config)
+
+
+PARSER = train_parser()
+
+
+def parse(*argv) -> RunConfig:
+  return run_from_namespace(PARSER.parse_args(list(argv)))
+
+
+def test_every_recipe_round_trips_through_yaml(tmp_path):
+  for name in recipes.RECIPES:
+    run = read_run_config(recipes.path(name))
+    again = read_run_config(write_run_config(run, tmp_path / name))
+    assert again == run, name
+    check(run, files=False)
+  # Every file here is listed, and every listed recipe has its file.
+  files = {f[:-5] for f in os.listdir(os.path.dirname(recipes.__file__)) if f.endswith(".yaml")}
+  assert files == set(recipes.RECIPES)
+
+
+@pytest.mark.parametrize("name", [n for n, r in recipes.RECIPES.items() if r.devices])
+def test_each_published_size_recipe_fits_its_device(name):
+  """The closed form (cpjax plan's) of each recipe, as written, fits the
+  device it names, on the number of devices it names."""
+  from cpjax.models.gemma4 import Gemma4Config
+
+  run, target = read_run_config(recipes.path(name)), recipes.RECIPES[name]
+  assert devices_needed(run) == target.devices
+  est = plan.estimate(Gemma4Config.preset(run.model), model=run.model, seq_len=run.dataset.seq_len,
+                      mesh=run.parallel.mesh_sizes(), remat=run.remat, dtype=run.dtype,
+                      batch_size=run.dataset.batch_size // run.dataset.microbatches,
+                      lora_rank=run.lora.rank, base_dtype=run.lora.base_dtype,
+                      lora_targets=run.lora.targets,
+                      capacity_factor=run.experts.capacity_factor)
+  assert est.fits(plan.parse_bytes(target.device_memory)), est.row()
+  assert run.dataset.seq_len >= 131072 and not run.parity_check
+
+
+def test_overrides_beat_the_file_and_older_flags_beat_both(tmp_path):
+  path = tmp_path / "run.yaml"
+  path.write_text("optimizer:\n  lr: 0.5\n  steps: 7\ndataset:\n  seq_len: 96\n")
+  assert parse("--config", str(path)).optimizer == OptimizerConfig(lr=0.5, steps=7)
+  assert parse("--config", str(path), "--optimizer.lr", "0.25").optimizer.lr == 0.25
+  # A file read after a dotted key overrides it (keys apply in order) ...
+  assert parse("--optimizer.lr", "0.25", "--config", str(path)).optimizer.lr == 0.5
+  # ... and an older flag, given anywhere, beats both.
+  run = parse("--lr", "0.125", "--config", str(path), "--optimizer.lr", "0.25")
+  assert run.optimizer.lr == 0.125 and run.dataset.seq_len == 96 and run.optimizer.steps == 7
+
+
+# A value for each older flag, and what it sets (its dotted key's value).
+ALIAS_VALUES = {"--data": "x.jsonl", "--tokenizer": "tok", "--seq-len": "96", "--batch-size": "4",
+                "--microbatches": "2", "--images-per-row": "3", "--lr": "0.5",
+                "--lr-schedule": "cosine", "--warmup-steps": "3", "--max-grad-norm": "1.5",
+                "--steps": "9", "--mesh": "fsdp=2,cp=4", "--cp": "4",
+                "--layout": "document_balanced", "--lora-rank": "4", "--lora-alpha": "16",
+                "--lora-targets": ".*q_proj", "--base-dtype": "bfloat16",
+                "--capacity-factor": "1.25", "--eval-data": "e.jsonl", "--eval-every": "5",
+                "--eval-rows": "8", "--metrics": "m.jsonl", "--tensorboard": "tb",
+                "--state-dir": "s", "--save-every": "2", "--save": "out"}
+
+
+def test_every_older_flag_sets_its_dotted_key():
+  seen = set()
+  for s in settings():
+    flag = alias_flag(s)
+    if flag is None or flag == "--" + s.key:    # no alias, or the key itself (--model)
+      continue
+    seen.add(flag)
+    if flag in ALIAS_VALUES:
+      value = ALIAS_VALUES[flag]
+      assert parse(flag, value) == parse("--" + s.key, value), flag
+      assert parse(flag, value) != RunConfig(), flag
+    else:                                       # a switch: --truncate, --no-parity-check
+      want = "false" if flag.startswith("--no-") else "true"
+      assert parse(flag) == parse("--" + s.key, want) != RunConfig(), flag
+  assert seen >= set(ALIAS_VALUES) | {"--truncate", "--no-parity-check", "--merge-lora",
+                                      "--force-resume"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizer.lrr", "1"], "unrecognized arguments: --optimizer.lrr"),
+    (["--optimizer.lr", "fast"], "--optimizer.lr: expected float, got 'fast'"),
+    (["--parallel.layout", "zz"], "--parallel.layout: expected ['contiguous', 'load_balanced', "
+                                  "'document_balanced'], got 'zz'"),
+    (["--dataset.seq_len", "8"], "--dataset.seq_len must be >= 32, got 8"),
+    (["--optimizer.steps", "0"], "--optimizer.steps must be > 0, got 0"),
+    (["--recipe", "nope"], "--recipe: no recipe 'nope'; the recipes are ["),
+    (["--config", "FILE:lrr: 1\n"], "Option 'lrr' is not accepted"),
+    (["--config", "FILE:optimizer:\n  lrr: 1\n"], "Group 'optimizer' does not accept option 'lrr'"),
+    (["--config", "FILE:optimizer:\n  lr: fast\n"], "--optimizer.lr: expected float, got 'fast'"),
+    (["--recipe", "tiny", "--parallel.mesh", "fsdp=2", "--cp", "2"],
+     "--parallel.mesh sets the cp size; do not add --cp"),
+])
+def test_unknown_keys_and_wrong_types_are_one_line_exit_two(argv, message, capsys, tmp_path):
+  if argv[0] == "--config":
+    path = tmp_path / "bad.yaml"
+    path.write_text(argv[1].split(":", 1)[1])
+    argv = ["--config", str(path)]
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["train", *argv])
+  err = capsys.readouterr().err
+  assert exc.value.code == 2 and message in err, err
+  assert len(err.strip().splitlines()) == 1, err
+
+
+def test_the_command_line_replaces_what_a_file_trains_and_its_mesh(monkeypatch):
+  """`cpjax train --recipe NAME --checkpoint DIR` trains the checkpoint with
+  the recipe's other settings (the file's model gives way), and --cp replaces
+  the file's mesh."""
+  import cpjax.training.train_job
+
+  here = os.path.dirname(__file__)
+  ckpt = os.path.join(here, "fixtures", "gemma4", "ple_kv_sharing")
+  started = []
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(cpjax.training.train_job, "run_train_job", lambda run, **k: started.append(run))
+  assert cli.main(["train", "--recipe", "e2b-lora-128k", "--checkpoint", ckpt, "--seq-len", "64",
+                   "--skip-memory-check"]) == 0
+  run = started[0]
+  assert run.model is None and run.checkpoint == ckpt and run.dataset.seq_len == 64
+  assert run.lora == read_run_config(recipes.path("e2b-lora-128k")).lora
+  assert run.parallel.mesh == "fsdp=2,cp=4" and run.dtype == "bfloat16"
+  assert cli.main(["train", "--recipe", "tiny-moe-ep", "--cp", "2", "--skip-memory-check"]) == 0
+  assert started[1].parallel.mesh is None and started[1].parallel.cp == 2
+  assert started[1].model == "tiny-moe"
+
+
+def _losses(directory) -> list[float]:
+  with open(os.path.join(directory, "metrics.jsonl")) as f:
+    return [json.loads(line)["loss"] for line in f]
+
+
+def test_run_yaml_reruns_bit_for_bit_and_resume_reads_it(tmp_path, monkeypatch):
+  """A run writes run.yaml (every value, and cpjax's version); passed back
+  with --config it gives the same losses bit for bit; --resume DIR alone
+  continues the run with the settings it was saved with."""
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  a, b = tmp_path / "a", tmp_path / "b"
+  assert cli.main(["train", "--recipe", "tiny", "--seq-len", "64", "--cp", "2", "--steps", "2",
+                   "--lr", "1e-3", "--optimizer.schedule", "linear", "--state-dir", str(a),
+                   "--no-parity-check", "--seed", "3"]) == 0
+  text = (a / "run.yaml").read_text()
+  assert text.startswith("# cpjax ") and "  seq_len: 64\n" in text and "  schedule: linear\n" in text
+  saved = read_run_config(a / "run.yaml")
+  assert saved.seed == 3 and saved.optimizer.lr == 1e-3 and saved.parallel.cp == 2
+  assert cli.main(["train", "--config", str(a / "run.yaml"), "--state-dir", str(b)]) == 0
+  assert _losses(b) == _losses(a) and len(_losses(a)) == 2
+  # --resume reads the run's own settings: seq_len 64 (not the default 1024), cp 2, seed 3.
+  assert cli.main(["train", "--resume", str(a), "--steps", "3"]) == 0
+  resumed = read_run_config(a / "run.yaml")
+  assert resumed.checkpointing.resume and resumed.optimizer.steps == 3
+  assert resumed.dataset.seq_len == 64 and len(_losses(a)) == 3
+
+
+def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  path = tmp_path / "plan.yaml"
+  assert cli.main(["plan", "--model", "e2b", "--seq-len", "131072", "--lora-rank", "16",
+                   "--base-dtype", "bfloat16", "--device-memory", "16GiB", "--estimate-only",
+                   "--write-config", str(path)]) == 0
+  run = read_run_config(path)
+  # The plan's mesh and batch, bfloat16 activations (float32 does not fit 16 GiB),
+  # and no single-device parity step (one device cannot hold it).
+  assert (run.model, run.parallel.mesh, run.dataset.batch_size) == ("e2b", "fsdp=2,cp=4", 2)
+  assert (run.dtype, run.remat, run.lora.rank, run.parity_check) == ("bfloat16", "full", 16, False)
+  assert "fits (16 GiB per device)" in path.read_text()
+
+
+def test_python_users_get_dotted_keys_and_trainjob_still_works():
+  with pytest.raises(JobError, match=r"^dataset\.microbatches 3 must divide dataset\.batch_size 4$"):
+    check(RunConfig(dataset=DataConfig(batch_size=4, microbatches=3)))
+  with pytest.raises(JobError, match=r"^optimizer\.schedule must be one of"):
+    check(RunConfig(optimizer=OptimizerConfig(schedule="step")))
+  job = TrainJob(seq_len=64, learning_rate=0.1, lora_rank=4, mesh="fsdp=2,cp=4", remat=True)
+  run = as_run_config(job)
+  assert (run.dataset.seq_len, run.optimizer.lr, run.lora.rank, run.remat) == (64, 0.1, 4, "full")
+  assert run.model == "tiny" and devices_needed(run) == 8
+  assert as_run_config(TrainJob(checkpoint="c")).model is None   # the checkpoint replaces tiny
+  with pytest.raises(TypeError, match="expected a RunConfig or a TrainJob"):
+    as_run_config({"seq_len": 64})
+  assert to_yaml(run).count("\n") > len(settings())   # every value written
+
+
+def test_the_tiny_moe_recipe_trains(monkeypatch, capsys):
+  """The README's expert-parallel recipe (ep=4 over fsdp=2 x cp=2) trains, two
+  short steps (tests/test_experts.py checks that its step equals the
+  single-device step)."""
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  assert cli.main(["train", "--recipe", "tiny-moe-ep", "--steps", "2", "--seq-len", "64",
+                   "--no-parity-check"]) == 0
+  out = capsys.readouterr().out
+  assert "'tiny-moe'" in out and "mesh fsdp=2 x cp=2" in out and "over 2 steps" in out, out
+
+
+def test_the_readme_python_example_runs(tmp_path, monkeypatch):
+  import re
+  from pathlib import Path
+
+  import cpjax.training.train_job
+
+  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+  section = text.split("### Run configs and recipes\n", 1)[1].split("\n### ", 1)[0]
+  code = "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
+  started = []     # the job itself is tested above; here, what the example hands it
+  monkeypatch.setattr(cpjax.training.train_job, "run_train_job", lambda run: started.append(run))
+  monkeypatch.chdir(tmp_path)
+  exec(compile(code, "README.md", "exec"), {})  # noqa: S102
+  assert started[0].dataset.seq_len == 64 and started[0].parallel.cp == 2
+  assert (tmp_path / "runs" / "mine" / "run.yaml").is_file()
