@@ -180,6 +180,12 @@ def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   assert (run.model, run.parallel.mesh, run.dataset.batch_size) == ("e2b", "fsdp=2,cp=4", 2)
   assert (run.dtype, run.remat, run.lora.rank, run.parity_check) == ("bfloat16", "full", 16, False)
   assert "fits (16 GiB per device)" in path.read_text()
+  # Where float32 activations fit too, the plan keeps them.
+  assert cli.main(["plan", "--model", "e2b", "--seq-len", "131072", "--mesh", "cp=8",
+                   "--device-memory", "141GiB", "--estimate-only", "--write-config", str(path)]) == 0
+  run = read_run_config(path)
+  assert (run.parallel.mesh, run.dtype, run.lora.rank, run.parity_check) == ("cp=8", "float32",
+                                                                             None, False)
 
 
 def test_python_users_get_dotted_keys_and_trainjob_still_works():
@@ -195,6 +201,13 @@ def test_python_users_get_dotted_keys_and_trainjob_still_works():
   with pytest.raises(TypeError, match="expected a RunConfig or a TrainJob"):
     as_run_config({"seq_len": 64})
   assert to_yaml(run).count("\n") > len(settings())   # every value written
+
+
+def test_a_bad_file_read_in_python_is_a_job_error(tmp_path):
+  path = tmp_path / "bad.yaml"
+  path.write_text("dataset:\n  seq_len: long\n")
+  with pytest.raises(JobError, match=r"bad\.yaml: --dataset\.seq_len: expected int, got 'long'"):
+    read_run_config(path)
 
 
 def test_the_tiny_moe_recipe_trains(monkeypatch, capsys):

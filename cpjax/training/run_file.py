@@ -96,11 +96,11 @@ def alias_flag(s: Setting) -> str | None:
 def _alias_kwargs(s: Setting) -> dict:
   """argparse keywords of the older flag: as the command line parsed it."""
   kwargs = {k: v for k, v in s.alias.items() if k not in ("flags", "positive")}
-  if typing.get_origin(s.type) is not typing.Literal and s.type is not bool:
-    kwargs.setdefault("metavar", "N" if s.type in (int, typing.Optional[int]) else "X"
-                      if s.type in (float, typing.Optional[float]) else "VALUE")
-  base = [t for t in typing.get_args(s.type) if t is not type(None)] or [s.type]
-  base = base[0] if typing.get_origin(s.type) is typing.Union else s.type
+  base = s.type    # int for Optional[int]
+  if typing.get_origin(base) is typing.Union:
+    base = next(t for t in typing.get_args(base) if t is not type(None))
+  if typing.get_origin(base) is not typing.Literal and base is not bool:
+    kwargs.setdefault("metavar", {int: "N", float: "X"}.get(base, "VALUE"))
   if typing.get_origin(base) is typing.Literal:
     kwargs.setdefault("choices", typing.get_args(base))
   elif base is bool:
@@ -114,9 +114,12 @@ def _alias_kwargs(s: Setting) -> dict:
 
 
 class _RunParser:
-  """Mixed into jsonargparse's parser: a usage error is one line, exit 2."""
+  """Mixed into jsonargparse's parser: a usage error is one line, exit 2 (or,
+  reading a file from Python, a :class:`JobError`)."""
 
   def error(self, message, ex=None):   # noqa: D401 -- argparse's hook
+    if not self.exit_on_error:
+      raise JobError(one_line(message))
     self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
 
@@ -138,22 +141,22 @@ def one_line(message: str) -> str:
 
 
 def run_parser(prog: str = "cpjax train", description: str | None = None, *,
-               aliases: bool = True):
+               aliases: bool = True, exit_on_error: bool = True):
   """jsonargparse's parser of a :class:`RunConfig`: ``--config FILE`` and every
   setting by its dotted key (the top-level ones, ``--model``, ``--dtype``,
-  ..., by their name), with the older flat flags as aliases."""
+  ..., by their name), typed by their annotations, with the older flat flags
+  as aliases. Each setting's help is its docstring."""
   import jsonargparse
 
-  jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
   parser_class = type("RunParser", (_RunParser, jsonargparse.ArgumentParser), {})
-  parser = parser_class(prog=prog, description=description, exit_on_error=False)
+  parser = parser_class(prog=prog, description=description, exit_on_error=exit_on_error)
   parser.add_argument("--config", action=jsonargparse.ActionConfigFile, metavar="FILE",
                       help="a YAML run config (a recipe, or the run.yaml a run wrote); keys "
                            "after it on the command line override it")
   hints = typing.get_type_hints(RunConfig)
-  groups = {f.name: parser.add_argument_group(hints[f.name].__doc__, name=f.name)
+  groups = {f.name: parser.add_argument_group(hints[f.name].__doc__.rstrip("."), name=f.name)
             for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
-  top = parser.add_argument_group(RunConfig.__doc__)
+  top = parser.add_argument_group(RunConfig.__doc__.rstrip("."))
   for s in settings():
     flag = alias_flag(s)
     if "." not in s.key and flag == "--" + s.key:
@@ -232,9 +235,9 @@ def write_run_config(run: RunConfig, directory: str | os.PathLike) -> str:
 def read_run_config(path: str | os.PathLike) -> RunConfig:
   """The :class:`RunConfig` of a YAML file (a ``run.yaml`` or a recipe);
   unknown keys and wrong types raise :class:`JobError` naming the key."""
-  parser = run_parser(aliases=False)
+  parser = run_parser(aliases=False, exit_on_error=False)
   try:
     namespace = parser.parse_args(["--config", os.fspath(path)])
-  except argparse.ArgumentError as e:
-    raise JobError(f"{path}: {one_line(str(e))}") from None
+  except JobError as e:
+    raise JobError(f"{path}: {e}") from None
   return run_from_namespace(namespace)
