@@ -10,7 +10,8 @@ from cpjax import cli, recipes
 from cpjax.cli.parser import train_parser
 from cpjax.training import plan
 from cpjax.training.run_config import (DataConfig, JobError, OptimizerConfig, RunConfig, TrainJob,
-                                       as_run_config, check, devices_needed, settings)
+                                       as_run_config, check, devices_needed, settings,
+                                       with_values)
 from cpjax.training.run_file import (alias_flag, read_run_config, run_from_namespace, to_yaml,
                                      write_run_config)
 
@@ -56,11 +57,28 @@ def test_overrides_beat_the_file_and_older_flags_beat_both(tmp_path):
   path.write_text("optimizer:\n  lr: 0.5\n  steps: 7\ndataset:\n  seq_len: 96\n")
   assert parse("--config", str(path)).optimizer == OptimizerConfig(lr=0.5, steps=7)
   assert parse("--config", str(path), "--optimizer.lr", "0.25").optimizer.lr == 0.25
-  # A file read after a dotted key overrides it (keys apply in order) ...
-  assert parse("--optimizer.lr", "0.25", "--config", str(path)).optimizer.lr == 0.5
-  # ... and an older flag, given anywhere, beats both.
+  # An older flag beats both.
   run = parse("--lr", "0.125", "--config", str(path), "--optimizer.lr", "0.25")
   assert run.optimizer.lr == 0.125 and run.dataset.seq_len == 96 and run.optimizer.steps == 7
+
+
+def test_cpjax_train_reads_files_first_so_every_key_beats_them(monkeypatch, tmp_path):
+  """On `cpjax train`'s command line a key beats every file, wherever it
+  stands (files apply first, in their order)."""
+  import cpjax.training.train_job
+
+  path = tmp_path / "run.yaml"
+  path.write_text("optimizer:\n  lr: 0.5\n")
+  started = []
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(cpjax.training.train_job, "run_train_job", lambda run, **k: started.append(run))
+  for argv in (["--optimizer.lr", "0.25", "--recipe", "tiny", "--config", str(path)],
+               ["--recipe=tiny", "--optimizer.lr=0.25", f"--config={path}"]):
+    assert cli.main(["train", *argv, "--skip-memory-check", "--seq-len", "64"]) == 0
+    assert started[-1].optimizer.lr == 0.25
+  assert cli.main(["train", "--optimizer.steps", "3", "--config", str(path), "--recipe", "tiny",
+                   "--skip-memory-check"]) == 0
+  assert started[-1].optimizer.lr == 0.003 and started[-1].optimizer.steps == 3   # the recipe's, read last
 
 
 # A value for each older flag, and what it sets (its dotted key's value).
@@ -106,12 +124,20 @@ def test_every_older_flag_sets_its_dotted_key():
     (["--config", "FILE:optimizer:\n  lr: fast\n"], "--optimizer.lr: expected float, got 'fast'"),
     (["--recipe", "tiny", "--parallel.mesh", "fsdp=2", "--cp", "2"],
      "--parallel.mesh sets the cp size; do not add --cp"),
+    # A value from a file is named by its dotted key; a null where a value must be.
+    (["--config", "FILE:dataset:\n  seq_len: 16\n"], "error: dataset.seq_len must be >= 32, got 16"),
+    (["--config", "FILE:dataset:\n  seq_len: null\n"], "dataset.seq_len must be int, got None"),
+    (["--config", "FILE:parity_check: null\n"], "parity_check must be bool, got None"),
+    (["--checkpointing.resume", "true"], "--checkpointing.resume: use --resume DIR"),
+    (["--optimizer.l", "1"], "unrecognized arguments: --optimizer.l 1"),
 ])
-def test_unknown_keys_and_wrong_types_are_one_line_exit_two(argv, message, capsys, tmp_path):
+def test_unknown_keys_and_wrong_types_are_one_line_exit_two(argv, message, capsys, tmp_path,
+                                                            monkeypatch):
   if argv[0] == "--config":
     path = tmp_path / "bad.yaml"
     path.write_text(argv[1].split(":", 1)[1])
     argv = ["--config", str(path)]
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   with pytest.raises(SystemExit) as exc:
     cli.main(["train", *argv])
   err = capsys.readouterr().err
@@ -146,7 +172,7 @@ def _losses(directory) -> list[float]:
     return [json.loads(line)["loss"] for line in f]
 
 
-def test_run_yaml_reruns_bit_for_bit_and_resume_reads_it(tmp_path, monkeypatch):
+def test_run_yaml_reruns_bit_for_bit_and_resume_reads_it(tmp_path, monkeypatch, capsys):
   """A run writes run.yaml (every value, and cpjax's version); passed back
   with --config it gives the same losses bit for bit; --resume DIR alone
   continues the run with the settings it was saved with."""
@@ -159,13 +185,23 @@ def test_run_yaml_reruns_bit_for_bit_and_resume_reads_it(tmp_path, monkeypatch):
   assert text.startswith("# cpjax ") and "  seq_len: 64\n" in text and "  schedule: linear\n" in text
   saved = read_run_config(a / "run.yaml")
   assert saved.seed == 3 and saved.optimizer.lr == 1e-3 and saved.parallel.cp == 2
-  assert cli.main(["train", "--config", str(a / "run.yaml"), "--state-dir", str(b)]) == 0
+  assert cli.main(["train", "--config", str(a / "run.yaml"), "--state-dir", str(b),
+                   "--save", str(b / "model")]) == 0
   assert _losses(b) == _losses(a) and len(_losses(a)) == 2
+  # Beside --save's files too, as the run it was.
+  assert read_run_config(b / "model" / "run.yaml") == read_run_config(b / "run.yaml")
+  assert read_run_config(b / "run.yaml").checkpointing.save == str(b / "model")
+  # A resume that changes the run's shape is refused, naming the setting.
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["train", "--resume", str(a), "--steps", "3", "--seq-len", "96"])
+  assert exc.value.code == 2
+  assert "saved with seq_len=64, this run has seq_len=96" in capsys.readouterr().err
   # --resume reads the run's own settings: seq_len 64 (not the default 1024), cp 2, seed 3.
   assert cli.main(["train", "--resume", str(a), "--steps", "3"]) == 0
   resumed = read_run_config(a / "run.yaml")
-  assert resumed.checkpointing.resume and resumed.optimizer.steps == 3
-  assert resumed.dataset.seq_len == 64 and len(_losses(a)) == 3
+  assert resumed.optimizer.steps == 3 and resumed.dataset.seq_len == 64 and len(_losses(a)) == 3
+  # How a command started is not part of the run: the next --resume asks again.
+  assert not resumed.checkpointing.resume and not resumed.checkpointing.force_resume
 
 
 def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
@@ -186,6 +222,11 @@ def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   run = read_run_config(path)
   assert (run.parallel.mesh, run.dtype, run.lora.rank, run.parity_check) == ("cp=8", "float32",
                                                                              None, False)
+  # Where one device holds the step too, the first step's parity check stays on.
+  assert cli.main(["plan", "--model", "tiny", "--seq-len", "1024", "--mesh", "fsdp=2,cp=4",
+                   "--device-memory", "16GiB", "--estimate-only", "--write-config", str(path)]) == 0
+  run = read_run_config(path)
+  assert (run.parity_check, run.dtype, run.dataset.batch_size) == (True, "float32", 2)
 
 
 def test_python_users_get_dotted_keys_and_trainjob_still_works():
@@ -201,6 +242,8 @@ def test_python_users_get_dotted_keys_and_trainjob_still_works():
   with pytest.raises(TypeError, match="expected a RunConfig or a TrainJob"):
     as_run_config({"seq_len": 64})
   assert to_yaml(run).count("\n") > len(settings())   # every value written
+  forced = with_values(run, {"checkpointing.resume": True, "checkpointing.force_resume": True})
+  assert "  resume: false\n  force_resume: false\n" in to_yaml(forced)
 
 
 def test_a_bad_file_read_in_python_is_a_job_error(tmp_path):

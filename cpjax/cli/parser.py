@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from cpjax.training.run_config import MODEL_FLAGS
 from cpjax.training.run_file import positive_float as _positive_float
 from cpjax.training.run_file import positive_int as _positive
 
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "cpjax.training.plan). Without --mesh, finds the fewest-device fsdp x cp mesh that "
                   "the estimate fits into --device-memory.")
   what = plan.add_mutually_exclusive_group(required=True)
-  what.add_argument("--model", choices=("e2b", "e4b", "a4b", "31b", "tiny", "tiny-moe"),
+  what.add_argument("--model", choices=MODEL_FLAGS,
                     help="architecture preset (a4b is 26B-A4B)")
   what.add_argument("--checkpoint", metavar="DIR",
                     help="a Hugging Face Gemma 4 checkpoint directory: plans from its "

@@ -88,12 +88,14 @@ def _write_config(args, cfg, name: str, rows, mesh: dict) -> None:
              if args.device_memory is None or estimates[d].fits(args.device_memory)]
   dtype = fitting[0] if fitting else "float32"
   fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
+  batch = args.batch_size or fsdp
   parity = args.device_memory is None or plan.estimate(
       cfg, model=name, seq_len=args.seq_len, mesh={}, remat=args.remat, dtype=dtype,
-      lora_rank=args.lora_rank, base_dtype=args.base_dtype or "float32").fits(args.device_memory)
+      batch_size=batch, lora_rank=args.lora_rank,
+      base_dtype=args.base_dtype or "float32").fits(args.device_memory)
   run = RunConfig(model=args.model, checkpoint=args.checkpoint, dtype=dtype, remat=args.remat,
                   parity_check=parity,
-                  dataset=DataConfig(seq_len=args.seq_len, batch_size=args.batch_size or fsdp),
+                  dataset=DataConfig(seq_len=args.seq_len, batch_size=batch),
                   parallel=ParallelConfig(mesh=",".join(f"{k}={v}" for k, v in mesh.items())),
                   lora=LoraConfig(rank=args.lora_rank, base_dtype=args.base_dtype or "float32"),
                   experts=ExpertsConfig(capacity_factor=args.capacity_factor))

@@ -20,13 +20,14 @@ def train(parser, argv: list[str]) -> int:
   """``cpjax train``: read the run config (a recipe, files, dotted keys and
   their older flags, a resumed run's run.yaml), check it, start JAX on the
   devices it names, run the job."""
-  from cpjax.training.run_config import JobError, check, devices_needed, settings, with_values
+  from cpjax.training.run_config import (JobError, check, devices_needed, get, settings,
+                                         with_values)
   from cpjax.training.run_file import RUN_FILE, alias_flag, given_keys, run_from_namespace
 
   def fail(message):
     parser.exit(2, f"cpjax train: error: {message}\n")
 
-  argv = _recipe_as_config(parser, argv)
+  argv = _files_first(parser, argv)
   args = parser.parse_args(argv)
   if args.resume is not None:
     if not os.path.isdir(args.resume):
@@ -37,19 +38,25 @@ def train(parser, argv: list[str]) -> int:
   aliases = given_keys(args)
   typed = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
   flags = {s.key: alias_flag(s) or "--" + s.key for s in settings()}
+  defaults = {s.key: s.default for s in settings()}
 
   def given(key: str) -> bool:
     return key in aliases or "--" + key in typed
 
   def name(key: str) -> str:
-    """A setting as the user gave it: the flag typed, else its older flag."""
-    return aliases.get(key) or ("--" + key if "--" + key in typed else flags[key])
+    """A setting as the user gave it: the flag typed; the dotted key when a
+    file set it; else (a setting at its default) its older flag."""
+    if key in aliases or "--" + key in typed:
+      return aliases.get(key) or "--" + key
+    return key if get(run, key) != defaults[key] else flags[key]
 
   run = run_from_namespace(args)
   for pair in _ONE_OF:
     for key, other in (pair, pair[::-1]):
       if given(key) and not given(other):
         run = with_values(run, {other: None})
+  if given("checkpointing.resume"):
+    fail("--checkpointing.resume: use --resume DIR (it reads the run's run.yaml)")
   if args.resume is not None:
     if given("checkpointing.state_dir"):
       fail("--resume DIR saves into DIR; do not add --state-dir")
@@ -81,24 +88,30 @@ def train(parser, argv: list[str]) -> int:
   return 0
 
 
-def _recipe_as_config(parser, argv: list[str]) -> list[str]:
-  """``--recipe NAME`` read as ``--config`` of the shipped recipe's file."""
+def _files_first(parser, argv: list[str]) -> list[str]:
+  """``argv`` with its files first: each ``--recipe NAME`` (as ``--config``
+  of the shipped file) and ``--config FILE`` in the order given, then every
+  other argument, so that a key on the command line beats every file
+  wherever it stands."""
   from cpjax import recipes
 
-  out, i = [], 0
+  files, rest, i = [], [], 0
   while i < len(argv):
-    arg = argv[i]
-    if arg == "--recipe" or arg.startswith("--recipe="):
-      name = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-      i += 1 if "=" in arg else 2
-      try:
-        out += ["--config", recipes.path(name)]
-      except KeyError as e:
-        parser.exit(2, f"cpjax train: error: --recipe: {e.args[0]}\n")
-      continue
-    out.append(arg)
+    flag, _, value = argv[i].partition("=")
+    if flag in ("--recipe", "--config"):
+      if not value:
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        i += 1
+      if flag == "--recipe":
+        try:
+          value = recipes.path(value)
+        except KeyError as e:
+          parser.exit(2, f"cpjax train: error: --recipe: {e.args[0]}\n")
+      files += ["--config", value]
+    else:
+      rest.append(argv[i])
     i += 1
-  return out
+  return files + rest
 
 
 def _start_jax(parser, args, devices_needed: int) -> None:

@@ -26,6 +26,7 @@ import dataclasses
 import math
 import os
 import re
+import typing
 from typing import Callable, Literal, Optional
 
 
@@ -331,6 +332,8 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
     literal = getattr(s.type, "__args__", ())
     if getattr(s.type, "__origin__", None) is Literal and value not in literal:
       fail(f"{name(s.key)} must be one of {list(literal)}, got {value!r}")
+    if not _has_type(value, s.type):
+      fail(f"{name(s.key)} must be {_type_name(s.type)}, got {value!r}")
     if s.alias.get("positive") and value is not None and not value > 0:
       fail(f"{name(s.key)} must be > 0, got {value!r}")
   for key in ("optimizer.warmup_steps", "eval.every", "checkpointing.save_every"):
@@ -374,6 +377,27 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
       fail(f"{name('lora.targets')} {run.lora.targets!r} is not a regular expression: {e}")
   if files:
     _check_files(run, name, fail)
+
+
+def _has_type(value, hint) -> bool:
+  """``value`` is a ``hint`` (int, float, bool, str, Optional[...], Literal)."""
+  if typing.get_origin(hint) is typing.Union:
+    return any(_has_type(value, h) for h in typing.get_args(hint))
+  if hint is type(None):
+    return value is None
+  if typing.get_origin(hint) is Literal:
+    return True                                   # checked above, with its choices
+  if hint is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if hint is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  return isinstance(value, hint)
+
+
+def _type_name(hint) -> str:
+  if typing.get_origin(hint) is typing.Union:
+    return " or ".join(_type_name(h) for h in typing.get_args(hint))
+  return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
 def _check_files(run: RunConfig, name, fail) -> None:

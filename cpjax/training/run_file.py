@@ -99,7 +99,7 @@ def _alias_kwargs(s: Setting) -> dict:
   base = s.type    # int for Optional[int]
   if typing.get_origin(base) is typing.Union:
     base = next(t for t in typing.get_args(base) if t is not type(None))
-  if typing.get_origin(base) is not typing.Literal and base is not bool:
+  if typing.get_origin(base) is not typing.Literal and base is not bool and "choices" not in kwargs:
     kwargs.setdefault("metavar", {int: "N", float: "X"}.get(base, "VALUE"))
   if typing.get_origin(base) is typing.Literal:
     kwargs.setdefault("choices", typing.get_args(base))
@@ -149,7 +149,11 @@ def run_parser(prog: str = "cpjax train", description: str | None = None, *,
   import jsonargparse
 
   parser_class = type("RunParser", (_RunParser, jsonargparse.ArgumentParser), {})
-  parser = parser_class(prog=prog, description=description, exit_on_error=exit_on_error)
+  # No --print_config (it would print the parser's namespace, aliases and the
+  # command line's own flags, not the run: run.yaml is the run), and no
+  # abbreviated keys (what the user typed must be what it names).
+  parser = parser_class(prog=prog, description=description, exit_on_error=exit_on_error,
+                        print_config=None, allow_abbrev=False)
   parser.add_argument("--config", action=jsonargparse.ActionConfigFile, metavar="FILE",
                       help="a YAML run config (a recipe, or the run.yaml a run wrote); keys "
                            "after it on the command line override it")
@@ -211,12 +215,15 @@ def run_from_namespace(namespace) -> RunConfig:
 
 def to_yaml(run: RunConfig, note: str | None = None) -> str:
   """The resolved config as YAML, every value, under a comment naming cpjax's
-  version (and ``note``'s lines, as comments)."""
+  version (and ``note``'s lines, as comments). ``checkpointing.resume`` and
+  ``force_resume`` say how one command started, not what the run is: they
+  are written false (``--resume`` and ``--force-resume`` ask again)."""
   import importlib.metadata
 
   import yaml
 
   version = importlib.metadata.version("cpjax")
+  run = with_values(run, {"checkpointing.resume": False, "checkpointing.force_resume": False})
   body = yaml.safe_dump(dataclasses.asdict(run), sort_keys=False, default_flow_style=False)
   head = [f"cpjax {version} run config (cpjax train --config FILE runs it)"]
   head += (note or "").splitlines()
