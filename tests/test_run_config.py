@@ -172,7 +172,7 @@ def _losses(directory) -> list[float]:
     return [json.loads(line)["loss"] for line in f]
 
 
-def test_run_yaml_reruns_bit_for_bit_and_resume_reads_it(tmp_path, monkeypatch, capsys):
+def test_run_yaml_reruns_bit_for_bit_and_resume_reads_it(tmp_path, monkeypatch):
   """A run writes run.yaml (every value, and cpjax's version); passed back
   with --config it gives the same losses bit for bit; --resume DIR alone
   continues the run with the settings it was saved with."""
@@ -191,11 +191,6 @@ def test_run_yaml_reruns_bit_for_bit_and_resume_reads_it(tmp_path, monkeypatch, 
   # Beside --save's files too, as the run it was.
   assert read_run_config(b / "model" / "run.yaml") == read_run_config(b / "run.yaml")
   assert read_run_config(b / "run.yaml").checkpointing.save == str(b / "model")
-  # A resume that changes the run's shape is refused, naming the setting.
-  with pytest.raises(SystemExit) as exc:
-    cli.main(["train", "--resume", str(a), "--steps", "3", "--seq-len", "96"])
-  assert exc.value.code == 2
-  assert "saved with seq_len=64, this run has seq_len=96" in capsys.readouterr().err
   # --resume reads the run's own settings: seq_len 64 (not the default 1024), cp 2, seed 3.
   assert cli.main(["train", "--resume", str(a), "--steps", "3"]) == 0
   resumed = read_run_config(a / "run.yaml")
@@ -253,15 +248,19 @@ def test_a_bad_file_read_in_python_is_a_job_error(tmp_path):
     read_run_config(path)
 
 
-def test_the_tiny_moe_recipe_trains(monkeypatch, capsys):
-  """The README's expert-parallel recipe (ep=4 over fsdp=2 x cp=2) trains, two
-  short steps (tests/test_experts.py checks that its step equals the
-  single-device step)."""
-  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  assert cli.main(["train", "--recipe", "tiny-moe-ep", "--steps", "2", "--seq-len", "64",
-                   "--no-parity-check"]) == 0
-  out = capsys.readouterr().out
-  assert "'tiny-moe'" in out and "mesh fsdp=2 x cp=2" in out and "over 2 steps" in out, out
+def test_the_tiny_moe_recipe_is_the_readme_expert_parallel_command():
+  """The README's expert-parallel command trains in CI as written
+  (tests/test_experts.py::test_readme_ep_command_runs_and_reports_the_routing,
+  its first step checked against the single-device model); the recipe is
+  that run, setting for setting."""
+  import re
+  import shlex
+  from pathlib import Path
+
+  readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+  section = readme.split("**Expert parallelism** (Gemma 4's MoE)", 1)[1]
+  command = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip()
+  assert parse(*shlex.split(command)[2:]) == read_run_config(recipes.path("tiny-moe-ep"))
 
 
 def test_the_readme_python_example_runs(tmp_path, monkeypatch):

@@ -145,16 +145,25 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=8)
+def _abstract_model(cfg):
+  """The model with abstract parameters (shapes only): seconds at a published
+  size, so built once per config."""
+  from flax import nnx
+
+  from cpjax.models.gemma4 import Gemma4
+
+  return nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
+
+
+@functools.lru_cache(maxsize=8)
 def _count(cfg) -> tuple[int, int, int, int]:
   """(parameters, matmul parameters per text token, largest decoder layer's
   parameters, MoE experts' parameters)."""
   import jax
   from flax import nnx
 
-  from cpjax.models.gemma4 import Gemma4
-
-  model = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
-  params = nnx.state(model, nnx.Param)
+  params = nnx.state(_abstract_model(cfg), nnx.Param)
   sizes = {jax.tree_util.keystr(p): int(np.prod(x.shape))
            for p, x in jax.tree_util.tree_leaves_with_path(params)}
   total = sum(sizes.values())
@@ -182,12 +191,10 @@ def _projections(cfg) -> tuple[tuple[str, int, int], ...]:
   """(dotted module path, out, in) of every projection weight ([out, in])."""
   from flax import nnx
 
-  from cpjax.models.gemma4 import Gemma4
   from cpjax.models.gemma4.layers import Linear
 
-  model = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
   return tuple((".".join(map(str, path)), *m.weight.shape)
-               for path, m in nnx.iter_modules(model) if isinstance(m, Linear))
+               for path, m in nnx.iter_modules(_abstract_model(cfg)) if isinstance(m, Linear))
 
 
 def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
