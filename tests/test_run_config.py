@@ -249,7 +249,8 @@ def test_a_bad_file_read_in_python_is_a_job_error(tmp_path):
 
 
 def test_the_tiny_moe_recipe_is_the_readme_expert_parallel_command():
-  """The README's expert-parallel command trains in CI as written
+  """The README's expert-parallel command trains in CI on a checkpoint
+  transformers saved, and as written in `make soak`
   (tests/test_experts.py::test_readme_ep_command_runs_and_reports_the_routing,
   its first step checked against the single-device model); the recipe is
   that run, setting for setting."""
