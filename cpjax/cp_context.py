@@ -27,9 +27,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cpjax.kernels.targets import resolve_implementation
 from cpjax.layout import ShardLayout, local_token_indices
+from cpjax.parallel import key_names, lookup, ring_lookup
 
 __all__ = ["CPContext", "ContextParallelSharder", "HiddenStates", "batch_specs", "manual_axes",
-           "state_specs"]
+           "split_over", "state_specs"]
 
 
 class HiddenStates(NamedTuple):
@@ -41,6 +42,8 @@ class HiddenStates(NamedTuple):
     hidden: [B, L, D] final hidden states (after the final norm).
     head: [V, D] output projection (a tied embedding table as it is).
     logits_soft_cap: ``cap`` of ``cap * tanh(logits / cap)``, or None.
+    head_axis: None (``head`` whole), or the manual mesh axis whose rank
+      ``i`` holds block ``i`` of the head's rows (:meth:`CPContext.head`).
     metrics: None, or float32 arrays the training step reports beside the
       loss, as sums over the tokens of this cp rank, every batch row (the
       step sums them over the cp ranks and microbatches): Gemma 4's MoE gives ``expert_tokens``
@@ -50,6 +53,7 @@ class HiddenStates(NamedTuple):
   head: jax.Array
   logits_soft_cap: float | None = None
   metrics: dict | None = None
+  head_axis: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +84,8 @@ class CPContext:
   interpret: bool = False
   expert_axes: tuple[str, ...] = ()
   capacity_factor: float | None = None
+  # ((path, dim), ...): the state stored split over axis_name along dim (see gather).
+  gathered: tuple = ()
 
   def __post_init__(self):
     if not isinstance(self.layout, ShardLayout):
@@ -100,6 +106,47 @@ class CPContext:
         or not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
       raise ValueError(f"capacity_factor must be None or a positive number, got "
                        f"{self.capacity_factor!r}")
+
+  def gather(self, state, prefix: tuple[str, ...] = (), *, skip=()):
+    """``state`` with every leaf stored split over ``axis_name`` gathered
+    whole: an ``all_gather``, whose transpose reduce-scatters the gradient.
+
+    ``prefix`` is ``state``'s path in the model's whole state (a layer's, when
+    the model gathers one layer where it runs); leaves under a path in ``skip``
+    stay split. Without :attr:`gathered` (state whole over cp) this is ``state``.
+    """
+    if not self.gathered or state is None:
+      return state
+
+    def leaf(path, x):
+      keys = prefix + key_names(path)
+      if any(keys[:len(p)] == p for p in skip):
+        return x
+      return self._gathered(x, keys)
+    return jax.tree_util.tree_map_with_path(leaf, state)
+
+  def split_dim(self, path: tuple[str, ...]) -> int | None:
+    """The dimension the leaf at ``path`` is stored split along over ``axis_name``, or None."""
+    return dict(self.gathered).get(_leaf_path(path))
+
+  def _gathered(self, x, path):
+    dim = self.split_dim(path)
+    return x if dim is None else jax.lax.all_gather(x, self.axis_name, axis=dim, tiled=True)
+
+  def lookup(self, table, ids, path: tuple[str, ...]):
+    """``table[ids]`` of this rank's token ids [B, L]: a :func:`cpjax.parallel.ring_lookup`
+    when the table at ``path`` is stored split over its rows, else
+    :func:`cpjax.parallel.lookup` (the table gathered first if split otherwise)."""
+    if self.split_dim(path) == 0:
+      return ring_lookup(table, ids, self.axis_name)
+    return lookup(self._gathered(table, path), ids)
+
+  def head(self, head, path: tuple[str, ...]) -> tuple:
+    """``(head, head_axis)`` for :class:`HiddenStates`: a head stored split over
+    its rows stays split (the loss is vocabulary-parallel over ``axis_name``)."""
+    if self.split_dim(path) == 0:
+      return head, self.axis_name
+    return self._gathered(head, path), None
 
   def expert_options(self) -> dict:
     """The keywords that pass this context's expert parallelism to a mixture of experts."""
@@ -171,6 +218,27 @@ def manual_axes(mesh: Mesh, axis_name: str = "cp") -> frozenset[str]:
   auto = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
           if kind == jax.sharding.AxisType.Auto}
   return frozenset(a for a in mesh.axis_names if a == axis_name or a not in auto)
+
+
+def _leaf_path(keys) -> tuple[str, ...]:
+  """A state leaf's path without the ``value`` a Variable adds to it."""
+  keys = tuple(keys)
+  return keys[:-1] if keys[-1:] == ("value",) else keys
+
+
+def split_over(specs, axis_name: str, *, skip: Callable[[tuple[str, ...]], bool] = lambda k: False
+               ) -> tuple:
+  """``((path, dim), ...)``, sorted: the leaves whose ``PartitionSpec`` (from
+  :func:`state_specs`) splits ``dim`` over ``axis_name``, for
+  :attr:`CPContext.gathered`; those ``skip(path)`` rejects left out."""
+  split = {}
+  for path, spec in jax.tree_util.tree_leaves_with_path(specs,
+                                                        is_leaf=lambda x: isinstance(x, P)):
+    keys = _leaf_path(key_names(path))
+    for dim, part in enumerate(spec):
+      if axis_name in (part if isinstance(part, tuple) else (part,)) and not skip(keys):
+        split[keys] = dim
+  return tuple(sorted(split.items()))
 
 
 def state_specs(state, axes) -> Any:

@@ -5,7 +5,11 @@ One mesh holds up to three kinds of axis:
 * ``"dp"`` or ``"fsdp"``: rows of the batch. Under ``"fsdp"`` every parameter
   and its optimizer state is also sharded over the axis (ZeRO-3): each device
   stores 1/fsdp of it, and the compiler gathers a weight where it is used.
-* ``"cp"``: the sequence. The ring runs over it.
+* ``"cp"``: the sequence. The ring runs over it. By default the state is
+  split over ``fsdp x cp`` together (:data:`STATE_AXES`), as FSDP over
+  NeMo's ``dp_shard x cp``: a cp rank holds 1/(fsdp * cp) of it, and each
+  weight is gathered over ``cp`` inside the ring's ``shard_map`` where it
+  is used (a Gemma 4 decoder layer inside its remat scope).
 * ``"tp"``: attention heads and MLP hidden units (Megatron's column / row
   split), where the head counts allow.
 
@@ -35,8 +39,11 @@ Example:
   {'fsdp': 2, 'cp': 2, 'tp': 2}
   >>> params = {"w": np.zeros((8, 6), np.float32), "b": np.zeros((3,), np.float32)}
   >>> specs = param_specs(params, mesh, rule=lambda path, shape: P("tp", None) if shape == (8, 6) else P())
-  >>> specs["w"], specs["b"]       # tp from the rule, fsdp on the largest free dim it divides
-  (P('tp', 'fsdp'), P())
+  >>> specs["w"], specs["b"]       # tp from the rule, fsdp x cp on a free dim it divides
+  (P(('cp', 'fsdp', 'tp'),), P())
+  >>> param_specs(params, mesh, rule=lambda path, shape: P("tp", None) if shape == (8, 6) else P(),
+  ...             state_axes=("fsdp",))["w"]      # whole over cp: fsdp on the largest free dim
+  P('tp', 'fsdp')
 """
 
 from __future__ import annotations
@@ -50,11 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from cpjax.kernels.common import varying_axes
+from cpjax.kernels.common import vary_like, varying_axes
 
-__all__ = ["BATCH_AXES", "batch_axis_of", "bytes_per_device", "expert_axes", "gather_safe",
-           "gathered", "key_names", "lookup", "make_mesh", "param_specs", "parse_mesh", "shard_params",
-           "shard_like_params"]
+__all__ = ["BATCH_AXES", "STATE_AXES", "batch_axis_of", "bytes_per_device", "expert_axes",
+           "gather_safe", "gathered", "key_names", "lookup", "make_mesh", "param_specs", "parse_mesh",
+           "ring_lookup", "shard_params", "shard_like_params"]
 
 # Mesh axes that split the rows of the batch (one of them per mesh).
 BATCH_AXES = ("dp", "fsdp")
@@ -171,6 +178,11 @@ def _axis_size(mesh: Mesh, name: str) -> int:
   return int(mesh.shape[name]) if name in mesh.axis_names else 1
 
 
+# The token axes that split the training state by default (issue: state over
+# every device that shares the model, as FSDP over dp_shard x cp).
+STATE_AXES = ("fsdp", "cp")
+
+
 def key_names(path) -> tuple[str, ...]:
   """A pytree key path as strings, as a :data:`PartitionRule` receives it.
 
@@ -180,21 +192,34 @@ def key_names(path) -> tuple[str, ...]:
   return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
+def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None,
+                state_axes: Sequence[str] = STATE_AXES):
   """A ``PartitionSpec`` per parameter leaf (same tree as ``params``).
 
   ``rule(path, shape)`` gives the tensor-parallel part (``"tp"`` on the
   dimensions whose computation splits, experts' axes on their expert
   dimension; default: none); ``path`` is the leaf's key path as strings.
   Axes the rule names that ``mesh`` lacks are dropped (no ``tp`` axis: no
-  ``tp`` split). Storage is then split further, ZeRO-3 style:
-  ``fsdp`` goes on the leaf's largest dimension whose shard it divides, and
-  ``tp`` too when the rule did not use it (embeddings, norms, the vision
-  tower), so every device stores about ``1 / (fsdp * tp)`` of the model. A
-  leaf that no free dimension divides (an odd-width norm scale) stays
-  replicated over that axis. A rule that splits a dimension over axes whose
-  sizes do not divide it is a ``ValueError`` naming the parameter.
+  ``tp`` split). Storage is then split further, ZeRO-3 style, over the
+  token axes in ``state_axes`` that the rule left free: ``("fsdp", "cp")``
+  (the default) flattened into one split, ``cp`` major, on the leaf's
+  largest dimension whose shard it divides (each on its own when no
+  dimension takes both); ``("fsdp",)`` keeps the state whole over ``cp``.
+  ``tp`` goes there too when the rule did not use it (embeddings, norms, the
+  vision tower), so every device stores about ``1 / (fsdp * cp * tp)`` of
+  the model. A leaf that no free dimension divides (an odd-width norm scale)
+  stays replicated over that axis. A rule that splits a dimension over axes
+  whose sizes do not divide it is a ``ValueError`` naming the parameter.
+
+  The training step (:func:`cpjax.training.make_train_step`) reads where the
+  state lives from its shardings: a leaf split over ``cp`` enters the
+  ring's ``shard_map`` split and is gathered where it is used (a Gemma 4
+  decoder layer inside its remat scope, the rest when the step starts); its
+  gradient leaves reduce-scattered.
   """
+  state_axes = tuple(state_axes)
+  if not state_axes or any(a not in STATE_AXES for a in state_axes) or "fsdp" not in state_axes:
+    raise ValueError(f"state_axes must be ('fsdp',) or ('fsdp', 'cp'), got {state_axes!r}")
   if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   if rule is not None and not callable(rule):
@@ -218,15 +243,23 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None):
       if shape[d] % ways:
         raise ValueError(f"partition rule for {'.'.join(keys)} splits its dimension {d} of size "
                          f"{shape[d]} {ways} ways (over {tuple(names)}), which does not divide it")
-    for name in ("fsdp", "tp"):
-      size = _axis_size(mesh, name)
-      if size == 1 or any(name in a for a in axes):
+    def used(name):
+      return _axis_size(mesh, name) == 1 or any(name in a for a in axes)
+
+    # The state's token axes flattened into one split where a dimension takes
+    # it (cp major: the ring's shard_map takes the leaf split over cp as
+    # stored), else each on its own; then tp where the rule left it free.
+    token = [a for a in ("cp", "fsdp") if a in state_axes and not used(a)]
+    for group in ([token] if len(token) > 1 else []) + [[a] for a in token] + [["tp"]]:
+      if any(used(a) for a in group):
         continue
+      ways = int(np.prod([mesh.shape[a] for a in group], dtype=int))
       shard = [shape[d] // int(np.prod([mesh.shape[a] for a in axes[d]], dtype=int))
                for d in range(len(shape))]
-      free = [d for d in range(len(shape)) if shard[d] % size == 0]
+      free = [d for d in range(len(shape)) if shard[d] % ways == 0]
       if free:
-        axes[max(free, key=lambda d: (shard[d], -d))].append(name)
+        d = max(free, key=lambda d: (shard[d], -d))
+        axes[d] = group + axes[d] if "cp" in group else axes[d] + group
     parts = [None if not a else a[0] if len(a) == 1 else tuple(a) for a in axes]
     while parts and parts[-1] is None:
       parts.pop()
@@ -363,7 +396,9 @@ def row_placement(table: jax.Array, batch_rows: int) -> RowPlacement | None:
       if kind == AxisType.Auto and mesh.shape[n] > 1)
   if not auto:
     return None
-  spec = param_specs(jax.ShapeDtypeStruct(table.shape, table.dtype), mesh)
+  # The Auto axes' part: a split over cp was gathered when the ring's
+  # shard_map began (manual over cp, the table is whole over it here).
+  spec = param_specs(jax.ShapeDtypeStruct(table.shape, table.dtype), mesh, state_axes=("fsdp",))
   rows = spec[0] if len(spec) else None
   table_axes = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
   if any(p is not None for p in spec[1:]):
@@ -429,6 +464,53 @@ def _lookup_backward(where, ids, g):
 
 
 _sharded_lookup.defvjp(_lookup_forward, _lookup_backward)
+
+
+def ring_lookup(block: jax.Array, ids: jax.Array, axis_name: str = "cp") -> jax.Array:
+  """``table[ids]`` [B, L, D] inside a ``shard_map`` manual over ``axis_name``,
+  where each rank holds one block of the table's rows and its own tokens.
+
+  Rank ``i`` holds rows ``[i * Vb, (i + 1) * Vb)`` (``block`` [Vb, D], as
+  :func:`param_specs` stores a table over ``fsdp x cp``, cp major) and the
+  ids of its ``L`` tokens. Each rank's ids travel round the ring with their
+  partial rows: every rank adds the rows that fall in its block and passes
+  both on, and after ``n`` hops (one ``ppermute`` of ``[B, L, D]`` each, as
+  a reduce-scatter moves) they are home, complete. No rank holds the whole
+  table or more than one ``[B, L, D]`` partial at a time; the gradient is a
+  scatter-add into each rank's own block (the transposed ring). The block's
+  split over Auto axes (``fsdp``, ``tp``) is :func:`lookup`'s.
+
+  Args:
+    block: [Vb, D] this rank's rows of the table.
+    ids: int[B, ...] row numbers in ``[0, n * Vb)``, this rank's tokens.
+    axis_name: the manual mesh axis the rows are split over.
+
+  Example:
+    >>> import numpy as np
+    >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    >>> table = np.arange(8.0).reshape(4, 2)           # rank 0: rows 0-1, rank 1: rows 2-3
+    >>> ids = np.array([[3, 0, 1, 2]])                  # rank 0: [3, 0], rank 1: [1, 2]
+    >>> f = jax.shard_map(ring_lookup, mesh=mesh, in_specs=(P("cp"), P(None, "cp")),
+    ...                   out_specs=P(None, "cp"))
+    >>> put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    >>> np.asarray(jax.jit(f)(put(table, P("cp")), put(ids, P(None, "cp"))))[0, :, 0].tolist()
+    [6.0, 0.0, 2.0, 4.0]
+  """
+  n = jax.lax.axis_size(axis_name)
+  rows = block.shape[0]
+  start = jax.lax.axis_index(axis_name) * rows
+  hop = [(i, (i + 1) % n) for i in range(n)]
+  visiting = ids
+  total = vary_like(jnp.zeros((*ids.shape, *block.shape[1:]), block.dtype), ids)
+  for step in range(n):
+    rel = visiting - start
+    hit = (rel >= 0) & (rel < rows)
+    found = lookup(block, jnp.where(hit, rel, 0))
+    total = total + jnp.where(hit[..., None], found, jnp.zeros((), block.dtype))
+    total = jax.lax.ppermute(total, axis_name, hop)
+    if step < n - 1:
+      visiting = jax.lax.ppermute(visiting, axis_name, hop)
+  return total
 
 
 def gather_safe(x: jax.Array) -> jax.Array:

@@ -157,14 +157,19 @@ def test_linear_cross_entropy_bad_input():
 
 
 # The head split over its vocabulary as param_specs places it (fsdp and tp
-# on V); rows over the batch axis; tokens over cp. The loss runs inside the
-# ring's shard_map (manual over cp) and must equal the dense loss on one
-# device, with the head's gradient left in its shards and no device holding
-# the whole head.
-@pytest.mark.parametrize("shape", [{"fsdp": 2, "cp": 2, "tp": 2}, {"dp": 2, "cp": 2, "tp": 2},
-                                   {"fsdp": 4, "cp": 2}, {"cp": 8}],
-                         ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()))
-def test_linear_cross_entropy_is_vocabulary_parallel(shape, monkeypatch):
+# on V; with the state over fsdp x cp, cp too, as the head enters the ring's
+# shard_map split: vocab_axis="cp"); rows over the batch axis; tokens over
+# cp. The loss runs inside the ring's shard_map (manual over cp) and must
+# equal the dense loss on one device, with the head's gradient left in its
+# shards and no device holding the whole head.
+@pytest.mark.parametrize("shape,state_axes", [
+    ({"fsdp": 2, "cp": 2, "tp": 2}, ("fsdp",)), ({"dp": 2, "cp": 2, "tp": 2}, ("fsdp",)),
+    ({"fsdp": 4, "cp": 2}, ("fsdp",)), ({"cp": 8}, ("fsdp",)),
+    ({"fsdp": 2, "cp": 2, "tp": 2}, ("fsdp", "cp")), ({"fsdp": 2, "cp": 4}, ("fsdp", "cp")),
+    ({"dp": 2, "cp": 4}, ("fsdp", "cp")), ({"cp": 8}, ("fsdp", "cp"))],
+    ids=lambda v: "+".join(v) if isinstance(v, tuple) else "x".join(
+        f"{k}{n}" for k, n in v.items()))
+def test_linear_cross_entropy_is_vocabulary_parallel(shape, state_axes, monkeypatch):
   from cpjax import parallel
   rng = np.random.default_rng(5)
   rows, length, vocab, width = 4, 16, 40, 8
@@ -174,16 +179,20 @@ def test_linear_cross_entropy_is_vocabulary_parallel(shape, monkeypatch):
   labels[rng.random((rows, length)) < 0.3] = -100
   mesh = parallel.make_mesh(**shape)
   batch_axis = parallel.batch_axis_of(mesh)
-  head_spec = parallel.param_specs(head, mesh)
+  head_spec = parallel.param_specs(head, mesh, state_axes=state_axes)
+  over_cp = "cp" in jax.tree.leaves(tuple(head_spec))
+  assert over_cp == ("cp" in state_axes)
 
   monkeypatch.setattr("cpjax.training.loss.TILE_VALUES", 5 * width)  # 2+ tiles a block
 
   def objective(h, w, y):
     def local(h, w, y):
-      s, n = training.linear_cross_entropy(h, w, y, chunk_size=5, logits_soft_cap=CAP)
+      s, n = training.linear_cross_entropy(h, w, y, chunk_size=5, logits_soft_cap=CAP,
+                                           vocab_axis="cp" if over_cp else None)
       return jax.lax.psum(s, "cp") / jax.lax.psum(n, "cp")
-    return jax.shard_map(local, in_specs=(P(None, "cp"), P(), P(None, "cp")), out_specs=P(),
-                         axis_names={"cp"})(h, w, y)
+    return jax.shard_map(local, in_specs=(P(None, "cp"), P("cp") if over_cp else P(),
+                                          P(None, "cp")),
+                         out_specs=P(), axis_names={"cp"})(h, w, y)
 
   with jax.set_mesh(mesh):
     args = (jax.device_put(hidden, NamedSharding(mesh, P(batch_axis, "cp"))),

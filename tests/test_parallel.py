@@ -51,12 +51,18 @@ def single_device_step(preset):
   return float(metrics["loss"]), jax.device_get(new)
 
 
-def mesh_step(preset, shape, *, microbatches=1, optimizer=None):
-  """Shard the model over make_mesh(**shape), run one step; also return the compiled step."""
+def mesh_step(preset, shape, *, microbatches=1, optimizer=None,
+              state_axes=parallel.STATE_AXES, remat=None):
+  """Shard the model over make_mesh(**shape) (its state over ``state_axes``),
+  run one step; also return the compiled step."""
   cfg, model, graphdef, params, buffers, batch = setup(preset)
+  if remat is not None:
+    model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0), remat=remat)
+    graphdef, _, _ = nnx.split(model, nnx.Param, ...)
   mesh = parallel.make_mesh(**shape)
   check_mesh(cfg, mesh, seq_len=S, batch_size=B)
-  specs = parallel.param_specs(params, mesh, rule=partition_rule(cfg, tp=shape.get("tp", 1)))
+  specs = parallel.param_specs(params, mesh, rule=partition_rule(cfg, tp=shape.get("tp", 1)),
+                               state_axes=state_axes)
   placed = parallel.shard_params(copy(params), mesh, specs)
   opt = optimizer or optax.sgd(1.0)
   opt_state = parallel.shard_like_params(opt.init(placed), placed)
@@ -142,28 +148,30 @@ def test_mesh_step_equals_single_device_step(preset, shape, microbatches):
   assert_same_update(new, want, params)
   # The update keeps every leaf's sharding (step 2 reuses step 1's program).
   assert shardings(new) == shardings(placed)
-  # Per-device parameter bytes shrink by fsdp x tp: the shards the compiled
-  # program takes its parameters in (SGD keeps no optimizer state).
+  # Per-device parameter bytes shrink by fsdp x cp x tp (the state split over
+  # every device): the shards the compiled program takes its parameters in
+  # (SGD keeps no optimizer state).
   compiled_params = step.input_shardings[0]
   per_device = sum(int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
                    for x, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(compiled_params)))
   assert per_device == parallel.bytes_per_device(placed)
-  factor = shape.get("fsdp", 1) * shape.get("tp", 1)
+  factor = shape.get("fsdp", 1) * shape.get("cp", 1) * shape.get("tp", 1)
   full = parallel.bytes_per_device(params)
   assert full / per_device == pytest.approx(factor, rel=0.02), (full, per_device)
   # The rest is (at most) the batch's shard and the buffers (frozen state:
   # layer scalars, clip bounds), an argument of the step too.
   assert step.memory_analysis().argument_size_in_bytes <= (
       per_device + parallel.bytes_per_device(sharded) + parallel.bytes_per_device(buffers))
-  # The embedding tables (and the tied head) stay split over fsdp x tp: no
-  # buffer of the compiled step has a whole table's shape.
+  # The embedding tables (and the tied head) stay split over fsdp x tp (their
+  # split over cp is gathered when the step starts): no buffer of the compiled
+  # step has a whole table's shape.
   cfg = setup(preset)[0]
   t = cfg.text
   tables = [(t.vocab_size, t.hidden_size)]
   if t.hidden_size_per_layer_input:
     tables.append((t.vocab_size_per_layer_input,
                    t.num_hidden_layers * t.hidden_size_per_layer_input))
-  text = step._compiled().as_text()
+  text = step.as_text()
   for rows, cols in tables:
     assert f"f32[{rows},{cols}]" not in text, (rows, cols)
 
@@ -202,7 +210,8 @@ def test_optimizer_state_follows_parameter_shardings():
   placed = parallel.shard_params(copy(params), mesh, parallel.param_specs(params, mesh))
   state = parallel.shard_like_params(optax.adamw(1e-3).init(placed), placed)
   assert shardings(state[0].mu) == shardings(placed) == shardings(state[0].nu)
-  assert parallel.bytes_per_device(state) <= parallel.bytes_per_device(params) * 2 / 4 + 64
+  # Both moments split over fsdp x cp = 8 (the odd-sized leaves stay whole).
+  assert parallel.bytes_per_device(state) <= parallel.bytes_per_device(params) * 2 / 8 + 64
 
 
 def test_tp_splits_heads_and_hidden_units():
@@ -211,18 +220,21 @@ def test_tp_splits_heads_and_hidden_units():
   _, _, _, params, _, _ = setup("tiny-moe")
   specs = parallel.param_specs(params, mesh, rule=partition_rule(cfg, tp=2))
   layer = specs["model"]["language_model"]["layers"][0]
-  assert layer["self_attn"]["q_proj"]["weight"].get_value() == jax.P("tp", "fsdp")
-  assert layer["self_attn"]["o_proj"]["weight"].get_value() == jax.P("fsdp", "tp")
-  assert layer["mlp"]["down_proj"]["weight"].get_value() == jax.P("fsdp", "tp")
-  assert layer["experts"]["gate_up_proj"].get_value() == jax.P("tp", None, "fsdp")
+  # tp splits the computation; the state is stored split over fsdp x cp too,
+  # cp major, on a dimension tp left free.
+  token = ("cp", "fsdp")
+  assert layer["self_attn"]["q_proj"]["weight"].get_value() == jax.P("tp", token)
+  assert layer["self_attn"]["o_proj"]["weight"].get_value() == jax.P(token, "tp")
+  assert layer["mlp"]["down_proj"]["weight"].get_value() == jax.P(token, "tp")
+  assert layer["experts"]["gate_up_proj"].get_value() == jax.P("tp", None, token)
   # A full layer has one KV head here: tp cannot split its K projection, so
-  # the rule leaves it whole (storage still splits over fsdp and tp).
+  # the rule leaves it whole (storage still splits over fsdp, cp and tp).
   full = cfg.text.layer_types.index("full_attention")
   path = ("model", "language_model", "layers", str(full), "self_attn", "k_proj", "weight")
   assert partition_rule(cfg, tp=2)(path, (cfg.text.global_head_dim, 64)) == jax.P()
   k_proj = specs["model"]["language_model"]["layers"][full]["self_attn"]["k_proj"]["weight"]
   stored = jax.tree.leaves(tuple(k_proj.get_value()))
-  assert sorted(stored) == ["fsdp", "tp"], k_proj.get_value()
+  assert sorted(stored) == ["cp", "fsdp", "tp"], k_proj.get_value()
 
 
 @pytest.mark.parametrize("preset,shape,match", [
@@ -267,7 +279,8 @@ def test_lookup_keeps_the_table_sharded(shape):
   weights = rng.normal(size=(4, 6, 3)).astype(np.float32)
   mesh = parallel.make_mesh(**shape)
   batch_axis = parallel.batch_axis_of(mesh)
-  table_spec = parallel.param_specs(table, mesh)
+  # Whole over cp, as inside the ring's shard_map (the step gathers a split over cp there).
+  table_spec = parallel.param_specs(table, mesh, state_axes=("fsdp",))
   assert table_spec[0] is not None and len(table_spec) == 1     # rows split, as lookup assumes
 
   def objective(table, ids, weights):
@@ -289,6 +302,43 @@ def test_lookup_keeps_the_table_sharded(shape):
   assert grad.sharding.spec == table_spec
   # No device ever holds the whole table or its whole gradient.
   assert "f32[16,3]" not in text
+
+
+# The table stored over fsdp x cp (the default state), entering the ring's
+# shard_map split over cp as the step hands it in; each cp rank's ids are its
+# own tokens. Equal to table[ids] and its scatter-add gradient, the gradient
+# left split as the table is, no device ever holding the whole table.
+@pytest.mark.parametrize("shape", [{"cp": 4}, {"fsdp": 2, "cp": 2, "tp": 2}, {"fsdp": 2, "cp": 4}],
+                         ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()))
+def test_ring_lookup_keeps_the_table_split_over_cp(shape):
+  rng = np.random.default_rng(1)
+  table = rng.normal(size=(64, 3)).astype(np.float32)
+  ids = rng.integers(0, 64, size=(4, 8)).astype(np.int32)
+  weights = rng.normal(size=(4, 8, 3)).astype(np.float32)
+  mesh = parallel.make_mesh(**shape)
+  batch_axis = parallel.batch_axis_of(mesh)
+  table_spec = parallel.param_specs(table, mesh)
+  rows = table_spec[0] if isinstance(table_spec[0], tuple) else (table_spec[0],)
+  assert rows[0] == "cp" and len(table_spec) == 1     # rows split, cp major
+
+  def objective(table, ids, weights):
+    def local(table, ids, weights):
+      return jax.lax.psum(jnp.sum(parallel.ring_lookup(table, ids, "cp") * weights), "cp")
+    return jax.shard_map(local, in_specs=(P("cp"), P(None, "cp"), P(None, "cp")), out_specs=P(),
+                         axis_names={"cp"})(table, ids, weights)
+
+  with jax.set_mesh(mesh):
+    put = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))
+    args = (put(table, table_spec), put(ids, P(batch_axis, "cp")),
+            put(weights, P(batch_axis, "cp")))
+    value, grad = jax.jit(jax.value_and_grad(objective))(*args)
+    text = jax.jit(jax.grad(objective)).lower(*args).compile().as_text()
+  want_grad = np.zeros_like(table)
+  np.add.at(want_grad, ids, weights)
+  np.testing.assert_allclose(value, np.sum(table[ids] * weights), rtol=1e-6)
+  chex.assert_trees_all_close(grad, want_grad, atol=1e-6, rtol=0)
+  assert grad.sharding.is_equivalent_to(jax.NamedSharding(mesh, table_spec), 2)
+  assert "f32[64,3]" not in text
 
 
 def test_lookup_without_a_mesh_is_indexing():

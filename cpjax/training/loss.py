@@ -30,6 +30,15 @@ logit are combined over those axes with collectives of ``C`` values
 axis are all-gathered when that axis also splits the vocabulary; the
 hidden states' gradient returns to its rows with a reduce-scatter and the
 head's gradient stays in its shard. The head is never whole on a device.
+
+Over ``cp`` too (``vocab_axis``): when the training state is split over
+``fsdp x cp`` (:data:`cpjax.parallel.STATE_AXES`) the head enters the ring's
+``shard_map`` as this rank's block of rows, beside this rank's tokens. Each
+rank all-gathers the ``cp`` ranks' hidden states and labels (``[B, S, D]``,
+not ``[S, V]``), computes its block of every token's logits, and the
+statistics combine over ``cp`` as over the Auto axes; each rank counts its
+own tokens, and the hidden states' gradient returns to its ranks with a
+reduce-scatter over ``cp``.
 """
 
 from __future__ import annotations
@@ -65,10 +74,14 @@ def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX):
   (1.3863, 1.0)
   """
   if isinstance(output, HiddenStates):
-    chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // output.head.shape[0]))
+    # Chunks sized by the whole vocabulary, as with a head split over Auto
+    # axes: a rank's block of a chunk's logits then shrinks with the split.
+    vocab = output.head.shape[0] * (1 if output.head_axis is None
+                                    else jax.lax.axis_size(output.head_axis))
+    chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // vocab))
     return linear_cross_entropy(output.hidden, output.head, labels, chunk_size=chunk,
                                 logits_soft_cap=output.logits_soft_cap,
-                                ignore_index=ignore_index)
+                                ignore_index=ignore_index, vocab_axis=output.head_axis)
   return token_cross_entropy(output, labels, ignore_index=ignore_index)
 
 
@@ -126,7 +139,7 @@ def cross_entropy_sums(logits, labels, *, axis_names: tuple[str, ...] = ("cp",),
 
 def linear_cross_entropy(hidden, head, labels, *, chunk_size: int = 1024,
                          logits_soft_cap: float | None = None,
-                         ignore_index: int = IGNORE_INDEX):
+                         ignore_index: int = IGNORE_INDEX, vocab_axis: str | None = None):
   """(sum of per-token CE, number of counted tokens), both float32 scalars:
   :func:`token_cross_entropy` of ``cap(hidden @ head.T)``.
 
@@ -137,6 +150,10 @@ def linear_cross_entropy(hidden, head, labels, *, chunk_size: int = 1024,
     labels: int[B, L]; ``ignore_index`` is not counted.
     chunk_size: tokens per chunk ``C``; ``N`` need not be a multiple of it.
     logits_soft_cap: Gemma's final soft cap, or None.
+    vocab_axis: None, or (inside a ``shard_map`` manual over it) the mesh
+      axis whose rank ``i`` holds block ``i`` of the head's rows while
+      ``hidden`` and ``labels`` are that rank's own tokens (the ring's
+      ``cp``); the sums are then this rank's tokens'.
 
   Example:
     >>> import numpy as np
@@ -160,8 +177,10 @@ def linear_cross_entropy(hidden, head, labels, *, chunk_size: int = 1024,
   where = row_placement(head, hidden.shape[0])
   if where is not None and not where.table_axes:   # not split by vocabulary: whole
     head, where = gathered(head), None
-  setup = _Setup(min(chunk_size, max(hidden.shape[0] * hidden.shape[1], 1)), logits_soft_cap,
-                 ignore_index, where, varying_axes(head))
+  tokens = hidden.shape[0] * hidden.shape[1] * (1 if vocab_axis is None
+                                                 else jax.lax.axis_size(vocab_axis))
+  setup = _Setup(min(chunk_size, max(tokens, 1)), logits_soft_cap, ignore_index, where,
+                 varying_axes(head), vocab_axis)
   ce_sum = _ce_sum(hidden, head, labels, setup)
   return ce_sum, jnp.sum(labels != ignore_index, dtype=jnp.float32)
 
@@ -172,10 +191,30 @@ class _Setup(NamedTuple):
   ignore_index: int
   where: RowPlacement | None    # the head split over its vocabulary (None: whole here)
   head_vma: frozenset[str]      # manual axes the head varies over (the ring's cp: none)
+  vocab_axis: str | None = None  # a manual axis the head's rows are split over (the ring's cp)
 
 
 def _vocab_axes(s: _Setup) -> tuple[str, ...]:
-  return () if s.where is None else s.where.table_axes
+  """Every axis splitting the head's rows, major first: the manual one, then the Auto ones."""
+  manual = () if s.vocab_axis is None else (s.vocab_axis,)
+  return manual + (() if s.where is None else s.where.table_axes)
+
+
+def _gather_tokens(hidden, labels, s: _Setup):
+  """Every rank's tokens (rows gathered over the batch axis when it splits
+  the vocabulary, tokens over ``vocab_axis``), and which of them are this
+  rank's own: bool[B', L'], or None when all are."""
+  if _gathers_rows(s):
+    hidden = jax.lax.all_gather(hidden, s.where.batch, axis=0, tiled=True)
+    labels = jax.lax.all_gather(labels, s.where.batch, axis=0, tiled=True)
+  if s.vocab_axis is None:
+    return hidden, labels, None
+  length = hidden.shape[1]
+  hidden = jax.lax.all_gather(hidden, s.vocab_axis, axis=1, tiled=True)
+  labels = jax.lax.all_gather(labels, s.vocab_axis, axis=1, tiled=True)
+  rank = jnp.arange(labels.shape[1]) // length
+  own = jnp.broadcast_to(rank == jax.lax.axis_index(s.vocab_axis), labels.shape)
+  return hidden, labels, own
 
 
 def _gathers_rows(s: _Setup) -> bool:
@@ -192,6 +231,12 @@ def _chunks(hidden, labels, s: _Setup):
   h = jnp.pad(hidden.reshape(n, -1), ((0, pad), (0, 0))).reshape(-1, s.chunk, hidden.shape[-1])
   y = jnp.pad(labels.reshape(n), (0, pad), constant_values=s.ignore_index).reshape(-1, s.chunk)
   return h, y, y != s.ignore_index
+
+
+def _chunked_mask(mask, s: _Setup):
+  """bool[K, C]: ``mask`` [B, L] laid out as :func:`_chunks` lays out the tokens."""
+  n = mask.size
+  return jnp.pad(mask.reshape(n), (0, -n % s.chunk)).reshape(-1, s.chunk)
 
 
 def _logits(h, head, cap):
@@ -228,10 +273,12 @@ def _local_forward(hidden, head, labels, s: _Setup):
   """(CE sum of these rows, log-sum-exp per token [K, C]) on one device,
   with its block of the head; the blocks combine with small collectives."""
   axes = _vocab_axes(s)
-  if _gathers_rows(s):
-    hidden = jax.lax.all_gather(hidden, s.where.batch, axis=0, tiled=True)
-    labels = jax.lax.all_gather(labels, s.where.batch, axis=0, tiled=True)
+  hidden, labels, own = _gather_tokens(hidden, labels, s)
   start = _block_start(head, s)
+  h, y, valid = _chunks(hidden, labels, s)
+  # Every token's statistics over this block of the vocabulary; the sum is
+  # of this rank's own tokens.
+  counted = valid if own is None else valid & _chunked_mask(own, s)
 
   def chunk(total, xs):
     hc, yc, vc = xs
@@ -246,7 +293,7 @@ def _local_forward(hidden, head, labels, s: _Setup):
     return total + jnp.sum(jnp.where(vc, lse - picked, 0.0)), lse
 
   total = _zeros((), hidden, labels)
-  total, lse = jax.lax.scan(chunk, total, _chunks(hidden, labels, s))
+  total, lse = jax.lax.scan(chunk, total, (h, y, counted))
   if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
     total = jax.lax.psum(total, s.where.batch)    # rows split over dp: add them
   return total[None], lse
@@ -256,9 +303,7 @@ def _local_backward(hidden, head, labels, lse, g, s: _Setup):
   """(d hidden of these rows, d head of this device's block)."""
   axes = _vocab_axes(s)
   rows = hidden.shape
-  if _gathers_rows(s):
-    hidden = jax.lax.all_gather(hidden, s.where.batch, axis=0, tiled=True)
-    labels = jax.lax.all_gather(labels, s.where.batch, axis=0, tiled=True)
+  hidden, labels, _ = _gather_tokens(hidden, labels, s)
   start = _block_start(head, s)
 
   h, y, valid = _chunks(hidden, labels, s)
@@ -293,10 +338,14 @@ def _local_backward(hidden, head, labels, lse, g, s: _Setup):
   d_head = d_head.reshape(head.shape)
   n = hidden.shape[0] * hidden.shape[1]
   dh = dh.reshape(-1, rows[-1])[:n].reshape(hidden.shape)
-  # Each block's dh is a partial sum over its part of the vocabulary.
+  # Each block's dh is a partial sum over its part of the vocabulary. (Every
+  # rank's g is the same: the step sums the ranks' CE sums.)
+  if s.vocab_axis is not None:
+    dh = jax.lax.psum_scatter(dh, s.vocab_axis, scatter_dimension=1, tiled=True)
   if _gathers_rows(s):
     dh = jax.lax.psum_scatter(dh, s.where.batch, scatter_dimension=0, tiled=True)
-  rest = tuple(a for a in axes if not (_gathers_rows(s) and a == s.where.batch))
+  rest = tuple(a for a in axes if a != s.vocab_axis
+               and not (_gathers_rows(s) and a == s.where.batch))
   dh = jax.lax.psum(dh, rest) if rest else dh
   if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
     d_head = jax.lax.psum(d_head, s.where.batch)  # every dp shard's rows use the same head

@@ -14,6 +14,8 @@ The loss and its reduction over the ranks are :mod:`cpjax.training.loss`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,7 +25,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cpjax.cp_context import CPContext, HiddenStates, batch_specs, manual_axes, state_specs
+from cpjax.cp_context import (CPContext, HiddenStates, batch_specs, manual_axes, split_over,
+                              state_specs)
 from cpjax.kernels.common import varying_axes
 from cpjax.layout import ShardLayout
 from cpjax.training.loss import cross_entropy, cross_entropy_sums
@@ -134,7 +137,12 @@ def _loss_parts(graphdef, *, mesh, layout, axis_name, batch_axis, forward, batch
                       capacity_factor)
   specs_of = _own_specs if batch_specs is None else batch_specs
 
-  def local(params, batch, frozen):
+  def local(params, batch, frozen, context):
+    # State stored split over cp enters split: what the model gathers where
+    # it uses it (its GATHERED_AT_USE: each decoder layer inside its remat
+    # scope, the tables and head) stays split, the rest is gathered now.
+    at_use = getattr(type(merge(params, frozen)), "GATHERED_AT_USE", ())
+    params, frozen = (context.gather(tree, skip=at_use) for tree in (params, frozen))
     # Every rank uses the same parameters on its own tokens: marking them
     # varying once, here, makes each parameter's gradient ONE sum over the
     # ranks (the transpose of this cast), however many times the model uses
@@ -148,12 +156,21 @@ def _loss_parts(graphdef, *, mesh, layout, axis_name, batch_axis, forward, batch
     metrics = {k: jax.lax.psum(v, axes) if axes else v for k, v in metrics_of(output).items()}
     return ce_sum, count, metrics
 
+  def experts(keys):
+    # Experts split over the ring's axis by expert parallelism: each rank
+    # runs its own (a split over cp beside ep on the batch axis is storage).
+    return axis_name in expert_axes and "experts" in keys
+
   def sharded(params, batch, frozen=default_frozen):
     specs = specs_of(batch) if callable(specs_of) else dict(specs_of)
-    return jax.shard_map(local, mesh=mesh,
-                         in_specs=(state_specs(params, manual), specs,
-                                   state_specs(frozen, manual)),
-                         out_specs=P(), axis_names=manual)(params, batch, frozen)
+    in_specs = (state_specs(params, manual), specs, state_specs(frozen, manual))
+    # What is stored split over cp, to be gathered where it is used.
+    split = (split_over(in_specs[0], axis_name, skip=experts)
+             + split_over(in_specs[2], axis_name, skip=experts))
+    run = functools.partial(local, context=dataclasses.replace(context,
+                                                               gathered=tuple(sorted(split))))
+    return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=P(),
+                         axis_names=manual)(params, batch, frozen)
   return sharded
 
 
@@ -354,6 +371,10 @@ class TrainStep:
   def cost_analysis(self):
     return self._compiled().cost_analysis()
 
+  def as_text(self) -> str:
+    """The compiled program's text (HLO): its buffers' shapes and its collectives."""
+    return self._compiled().as_text()
+
   @property
   def input_shardings(self):
     """The compiled program's shardings of ``(params, opt_state, batch)``."""
@@ -361,6 +382,6 @@ class TrainStep:
 
   def _compiled(self):
     if self._executable is None:
-      raise ValueError("memory_analysis and cost_analysis need a compiled step: call "
+      raise ValueError("memory_analysis, cost_analysis and as_text need a compiled step: call "
                        ".compile(...) first")
     return self._executable

@@ -135,6 +135,11 @@ def gemma4_masks(cfg: Gemma4Config, *, segment_ids, padding_mask,
 MODEL_INPUTS = ("input_ids", "position_ids", "padding_mask", DOCUMENT_IDS_KEY)
 
 
+def _path(table: str) -> tuple[str, ...]:
+  """The state path of the language model's ``table``'s weight (for :class:`CPContext`)."""
+  return ("model", "language_model", table, "weight")
+
+
 class Gemma4(nnx.Module):
   """Gemma 4: ``logits = model(batch, cp=...)``.
 
@@ -155,6 +160,15 @@ class Gemma4(nnx.Module):
     >>> model(batch).shape
     (1, 8, 512)
   """
+
+  # State stored split over cp (cpjax.parallel.STATE_AXES) that the forward
+  # gathers where it is used: each decoder layer inside its remat scope, the
+  # tables looked up round the ring, the head left to the vocabulary-parallel
+  # loss. The training step gathers the rest when it starts.
+  GATHERED_AT_USE = (("model", "language_model", "layers"),
+                     ("model", "language_model", "embed_tokens"),
+                     ("model", "language_model", "embed_tokens_per_layer"),
+                     ("lm_head",))
 
   def __init__(self, cfg: Gemma4Config, *, rngs: nnx.Rngs | None, dtype=jnp.float32,
                param_dtype=jnp.float32, remat: bool | str = False):
@@ -253,7 +267,11 @@ class Gemma4(nnx.Module):
       text_ids, slot = cut(text_ids, pad_value=t.pad_token_id), cut(slot, pad_value=-1)
       groups = None if groups is None else cut(groups, pad_value=-1)
       inside = cut(inside, pad_value=False)
-    x = lookup(lm.embed_tokens.weight[...], text_ids).astype(dt) * embed_scale(t.hidden_size, dt)
+
+    def table_lookup(name):
+      table = getattr(lm, name).weight[...]
+      return lookup(table, text_ids) if cp is None else cp.lookup(table, text_ids, _path(name))
+    x = table_lookup("embed_tokens").astype(dt) * embed_scale(t.hidden_size, dt)
     if batch.get("pixel_values") is not None:
       x = self._place_images(x, slot, batch, cp)
     x = jnp.where(inside[..., None], x, 0)
@@ -262,7 +280,7 @@ class Gemma4(nnx.Module):
       b, l = text_ids.shape
       p = t.hidden_size_per_layer_input
       shape = (b, l, t.num_hidden_layers, p)
-      token = (lookup(lm.embed_tokens_per_layer.weight[...], text_ids).astype(dt)
+      token = (table_lookup("embed_tokens_per_layer").astype(dt)
                * embed_scale(p, dt)).reshape(shape)
       context = lm.per_layer_model_projection(x) * jnp.asarray(t.hidden_size ** -0.5, dt)
       context = lm.per_layer_projection_norm(context.reshape(shape))
@@ -375,7 +393,11 @@ class Gemma4(nnx.Module):
     for i, layer in enumerate(self.model.language_model.layers):
       kind = t.layer_types[i]
       pl = None if per_layer is None else per_layer[:, :, i]
+      prefix = ("model", "language_model", "layers", str(i))
       if self.remat == "none":
+        if cp is not None and cp.gathered:
+          graphdef, state = nnx.split(layer)
+          layer = nnx.merge(graphdef, cp.gather(state, prefix))
         x, kv, layer_stats = _run_layer(layer, x, pl, shared_kv, rope=ropes[kind],
                                         attend=make_attend(masks), **experts)
       else:
@@ -383,7 +405,9 @@ class Gemma4(nnx.Module):
         # over), as a custom VJP needs.
         graphdef, state = nnx.split(layer)
 
-        def body(st, x, pl, kv, rope, masks, graphdef=graphdef):
+        def body(st, x, pl, kv, rope, masks, graphdef=graphdef, prefix=prefix):
+          if cp is not None:   # this layer's weights, whole, only inside its remat scope
+            st = cp.gather(st, prefix)
           return _run_layer(nnx.merge(graphdef, st), x, pl, kv, rope=rope,
                             attend=make_attend(masks), **experts)
         if self.remat == "full":
@@ -398,14 +422,17 @@ class Gemma4(nnx.Module):
         stats.append(layer_stats)
     x = self.model.language_model.norm(x)
     if t.tie_word_embeddings:
-      head = self.model.language_model.embed_tokens.weight[...]
+      head, path = self.model.language_model.embed_tokens.weight[...], _path("embed_tokens")
     else:
-      head = self.lm_head.weight[...]
+      head, path = self.lm_head.weight[...], ("lm_head", "weight")
+    head_axis = None
+    if cp is not None:
+      head, head_axis = cp.head(head, path)
     metrics = None
     if stats:   # what the routers did, per MoE layer: the step reports it
       metrics = {"expert_tokens": jax.lax.stop_gradient(jnp.stack([s.tokens for s in stats])),
                  "expert_dropped": jax.lax.stop_gradient(jnp.stack([s.dropped for s in stats]))}
-    return HiddenStates(x, head.astype(x.dtype), t.final_logit_softcapping, metrics)
+    return HiddenStates(x, head.astype(x.dtype), t.final_logit_softcapping, metrics, head_axis)
 
   def prepare_model_inputs_for_cp(self, batch: Mapping[str, Any] | None = None, *,
                                   layout: str = "contiguous") -> dict:
