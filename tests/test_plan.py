@@ -27,16 +27,23 @@ def test_compiled_plan_state_equals_the_closed_form():
   assert closed.flops == pytest.approx(compiled.flops, rel=0.2)
 
 
-def test_estimate_shrinks_state_with_fsdp_and_activations_with_cp():
+def test_estimate_shrinks_state_with_fsdp_and_cp_and_activations_with_cp():
   cfg = gemma4.Gemma4Config.preset("e2b")
   base = plan.estimate(cfg, model="e2b", seq_len=32768, mesh={"fsdp": 2, "cp": 4})
   fsdp = plan.estimate(cfg, model="e2b", seq_len=32768, mesh={"fsdp": 4, "cp": 4})
   cp = plan.estimate(cfg, model="e2b", seq_len=32768, mesh={"fsdp": 2, "cp": 8})
-  assert fsdp.params == pytest.approx(base.params / 2)
-  assert fsdp.optimizer == pytest.approx(base.optimizer / 2)
+  for more in (fsdp, cp):          # the state splits over every token axis
+    assert more.params == pytest.approx(base.params / 2)
+    assert more.optimizer == pytest.approx(base.optimizer / 2, rel=1e-6)
   assert cp.activations < base.activations
   n = 4.80e9    # e2b's parameters, vision tower and per-layer embeddings included
-  assert base.params == pytest.approx(4 * n / 2, rel=0.01)
+  assert base.params == pytest.approx(4 * n / 8, rel=0.01)
+  # Whole over cp: 1/fsdp of the state, and the gradients twice.
+  whole = plan.estimate(cfg, model="e2b", seq_len=32768, mesh={"fsdp": 2, "cp": 4},
+                        shard_state="fsdp")
+  assert whole.params == pytest.approx(4 * n / 2, rel=0.01)
+  # (8n / 2 of gradients against 4n / 8, less the loss's gathered row.)
+  assert whole.activations - base.activations > 3 * n
 
 
 def test_smallest_mesh_fits_and_the_next_smaller_does_not():
@@ -88,26 +95,31 @@ def test_lora_compiled_plan_state_equals_the_closed_form():
   closed = plan.estimate(cfg, model="tiny", seq_len=256, mesh=mesh, dtype="float32", **lora)
   full = plan.estimate(cfg, model="tiny", seq_len=256, mesh=mesh, dtype="float32")
   assert compiled.params == closed.params and compiled.optimizer == closed.optimizer
-  n, adapters = full.params * 2 / 4, plan.lora_param_count(cfg, rank=4)
-  assert closed.params == (2 * n + 4 * adapters) / 2
-  assert closed.optimizer == 8 * adapters / 2 + 4
+  n = full.params * 4 / 4          # values: 4 bytes each, over fsdp x cp = 4 devices
+  adapters = plan.lora_param_count(cfg, rank=4)
+  assert closed.params == (2 * n + 4 * adapters) / 4        # over fsdp x cp = 4
+  assert closed.optimizer == 8 * adapters / 4 + 4
   assert closed.training == "LoRA r=4 (bfloat16 base)"
 
 
 @pytest.mark.parametrize("mesh", [{"cp": 4, "ep": 4}, {"fsdp": 2, "cp": 2, "ep": 2},
                                   {"fsdp": 2, "cp": 2, "ep": 4}])
 def test_expert_parallel_compiled_plan_state_equals_the_closed_form(mesh):
-  """ep: the experts' parameters and Adam moments split ep ways (and over
-  fsdp too where ep folds onto cp alone), the rest over fsdp: compiled =
-  closed form, exactly; and the experts take 1/ep (or 1/(ep x fsdp)) of
-  the whole."""
+  """ep: the experts' parameters and Adam moments split ep ways and over the
+  token axes ep leaves, the rest over fsdp x cp: compiled = closed form,
+  exactly; so ep changes no state bytes. Whole over cp, the experts take
+  1/ep (or 1/(ep x fsdp) where ep folds onto cp alone) of the whole, the
+  rest 1/fsdp."""
   cfg = gemma4.Gemma4Config.preset("tiny-moe")
   compiled = plan.compiled_plan(cfg, model="tiny-moe", seq_len=256, mesh=mesh)
   closed = plan.estimate(cfg, model="tiny-moe", seq_len=256, mesh=mesh, dtype="float32")
   assert compiled.params == closed.params and compiled.optimizer == closed.optimizer
-  without = plan.estimate(cfg, model="tiny-moe", seq_len=256,
-                          mesh={k: v for k, v in mesh.items() if k != "ep"}, dtype="float32")
+  no_ep = {k: v for k, v in mesh.items() if k != "ep"}
+  without = plan.estimate(cfg, model="tiny-moe", seq_len=256, mesh=no_ep, dtype="float32")
+  assert without.params == closed.params
+  whole = {"shard_state": "fsdp", "dtype": "float32", "seq_len": 256, "model": "tiny-moe"}
+  with_ep, without = plan.estimate(cfg, mesh=mesh, **whole), plan.estimate(cfg, mesh=no_ep, **whole)
   fsdp, ep = mesh.get("fsdp", 1), mesh["ep"]
   shards = ep * fsdp if ep == mesh["cp"] else ep
   n_e = plan._count(cfg)[3]
-  assert without.params - closed.params == pytest.approx(4 * n_e / fsdp - 4 * n_e / shards)
+  assert without.params - with_ep.params == pytest.approx(4 * n_e / fsdp - 4 * n_e / shards)

@@ -7,8 +7,9 @@ Bad flags are one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import typing
 
-from cpjax.training.run_config import MODEL_FLAGS
+from cpjax.training.run_config import MODEL_FLAGS, ShardState
 from cpjax.training.run_file import positive_float as _positive_float
 from cpjax.training.run_file import positive_int as _positive
 
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--capacity-factor", type=_positive_float, default=None, metavar="C",
                     help="MoE with ep: the dispatch's capacity factor (default: never drop, "
                          "buffers sized for the worst case)")
+  plan.add_argument("--shard-state", choices=typing.get_args(ShardState), default="fsdp+cp",
+                    help="which axes split the parameters, gradients and optimizer state, as "
+                         "cpjax train --shard-state (default: fsdp+cp, every token axis)")
   plan.add_argument("--write-config", metavar="FILE", default=None,
                     help="write the plan as a run config (its mesh, batch, remat, and the "
                          "activation dtype that fits) that cpjax train --config FILE runs")

@@ -34,7 +34,8 @@ def plan(parser, args) -> int:
   if args.expert_parallel and args.mesh is not None:
     parser.exit(2, "cpjax plan: error: --expert-parallel searches meshes; with --mesh give "
                    "ep in it (e.g. fsdp=2,cp=4,ep=8)\n")
-  lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32"}
+  lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32",
+          "shard_state": args.shard_state}
   cfg, name = plan_config(parser, args)
   mesh = args.mesh
   if mesh is None:
@@ -96,7 +97,8 @@ def _write_config(args, cfg, name: str, rows, mesh: dict) -> None:
   run = RunConfig(model=args.model, checkpoint=args.checkpoint, dtype=dtype, remat=args.remat,
                   parity_check=parity,
                   dataset=DataConfig(seq_len=args.seq_len, batch_size=batch),
-                  parallel=ParallelConfig(mesh=",".join(f"{k}={v}" for k, v in mesh.items())),
+                  parallel=ParallelConfig(mesh=",".join(f"{k}={v}" for k, v in mesh.items()),
+                                          shard_state=args.shard_state),
                   lora=LoraConfig(rank=args.lora_rank, base_dtype=args.base_dtype or "float32"),
                   experts=ExpertsConfig(capacity_factor=args.capacity_factor))
   where = (f"{plan.format_bytes(args.device_memory)} per device" if args.device_memory

@@ -166,8 +166,8 @@ def _check_memory(parser, run) -> None:
                lora_rank=run.lora.rank, base_dtype=run.lora.base_dtype,
                lora_targets=run.lora.targets)
   try:
-    est = plan.estimate(cfg, model=name, mesh=sizes,
-                        capacity_factor=run.experts.capacity_factor, **shape)
+    est = plan.estimate(cfg, model=name, mesh=sizes, capacity_factor=run.experts.capacity_factor,
+                        shard_state=run.parallel.shard_state, **shape)
   except ValueError as e:   # a mesh the model cannot use (ep), before any compute
     parser.exit(2, f"cpjax train: error: --mesh: {e}\n")
   devices = math.prod(v for k, v in sizes.items() if k != "ep")

@@ -31,7 +31,7 @@ def host_value(x) -> float:
   return float(np.asarray(x.addressable_data(0)))
 
 
-def checkpoint_sharding(cfg, mesh, rule):
+def checkpoint_sharding(cfg, mesh, rule, state_axes=("fsdp",)):
   """``sharding(key, shape)`` for ``Gemma4.from_pretrained``: each parameter as
   the training step keeps it (:func:`cpjax.parallel.param_specs`); buffers
   replicated on the mesh, where every jitted program that reads them runs."""
@@ -50,7 +50,7 @@ def checkpoint_sharding(cfg, mesh, rule):
       for name in parents:
         node = node.setdefault(name, {})
       node[leaf] = var.get_value()
-  specs = parallel.param_specs(nested, mesh, rule=rule)
+  specs = parallel.param_specs(nested, mesh, rule=rule, state_axes=state_axes)
 
   def sharding(key, shape):
     node = specs
@@ -140,9 +140,9 @@ def build(job: RunConfig) -> Trainer:
   storage = compute_dtype(job.lora.base_dtype)
   if job.checkpoint:
     # Each device reads only its shard of each tensor.
+    sharding = checkpoint_sharding(cfg, mesh, rule, job.parallel.state_axes())
     model = gemma4.Gemma4.from_pretrained(job.checkpoint, remat=job.remat, mesh=mesh,
-                                          sharding=checkpoint_sharding(cfg, mesh, rule),
-                                          dtype=storage)
+                                          sharding=sharding, dtype=storage)
     model.dtype = compute
     description = f"Gemma 4 from {job.checkpoint}"
   else:
@@ -162,7 +162,8 @@ def build(job: RunConfig) -> Trainer:
   optimizer = make_optimizer(job)
   # FSDP / TP: each device keeps its shard of the parameters and of Adam's
   # moments (and of a frozen LoRA base).
-  specs = parallel.param_specs(params, mesh, rule=rule)
+  state_axes = job.parallel.state_axes()
+  specs = parallel.param_specs(params, mesh, rule=rule, state_axes=state_axes)
   # The parity reference runs on one device, as a user's single-device model would.
   # (Through the host: an array placed on an Explicit mesh keeps the mesh in
   # its type, and a single-device jit refuses it.)
@@ -172,7 +173,8 @@ def build(job: RunConfig) -> Trainer:
   # What the step only reads lives on the mesh too (a random init's buffers
   # are uncommitted, a checkpoint's are read there): jitted programs over the
   # mesh (the step, validation) refuse arrays committed elsewhere.
-  frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
+  frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule,
+                                                                    state_axes=state_axes))
   opt_state = parallel.shard_like_params(optimizer.init(params), params)
   return Trainer(cfg=cfg, mesh=mesh, rows=rows, batch_axis=parallel.batch_axis_of(mesh),
                   sharder=sharder, graphdef=graphdef, frozen=frozen, optimizer=optimizer,

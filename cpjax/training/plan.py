@@ -10,15 +10,22 @@ Two independent answers for one (model, sequence length, mesh, remat):
   gradients); ``cost_analysis()`` the FLOPs.
 * :func:`estimate` is the closed form below, written from the architecture.
 
-Closed form, per device (``N`` parameters, ``s = fsdp * tp`` shards, ``B``
-rows per batch shard, ``L = S / cp`` local tokens, ``a`` activation bytes):
+Closed form, per device (``N`` parameters, ``s = fsdp * cp * tp`` shards
+with the state over every token axis, the default, or ``s = fsdp * tp``
+with ``shard_state="fsdp"``; ``B`` rows per batch shard, ``L = S / cp``
+local tokens, ``a`` activation bytes):
 
 * state: parameters ``4N/s``, Adam moments ``8N/s`` (and a 4-byte step count),
-  gradients ``4N/s``, twice when ``cp > 1`` (the sum over the cp ranks is
+  gradients ``4N/s`` (reduce-scattered); whole over cp (``"fsdp"``) the
+  gradients are there twice when ``cp > 1`` (the sum over the cp ranks is
   a second buffer);
-* gathered weights (FSDP/TP gather a weight where it is used): the largest
-  decoder layer in float32. Embedding tables and the tied head are never
-  gathered (:func:`cpjax.parallel.lookup`, the vocabulary-parallel loss);
+* gathered weights (FSDP/TP gather a weight where it is used, and the ring
+  a decoder layer's split over cp): the largest decoder layer in float32.
+  Embedding tables and the tied head are never gathered
+  (:func:`cpjax.parallel.lookup` and :func:`cpjax.parallel.ring_lookup`,
+  the vocabulary-parallel loss); with the head split over cp the loss
+  gathers the row's hidden states and labels and holds their float32
+  gradient, ``B * S * (a + 4) * D``;
 * full-row inputs: only integer streams (ids, soft-token numbers, vision
   groups) see the whole row, ``3 * B * S * 4``; the embeddings and the
   per-layer inputs are made for the local tokens;
@@ -46,10 +53,11 @@ no weight gradient, ``4 N_active`` per token (plus the remat's ``2``), and
 the adapters ``6 N_a``.
 
 Expert parallelism (``mesh["ep"]``, :mod:`cpjax.experts`): the ``N_e``
-expert values are stored ``N_e / ep`` per device, and the gathered layer
-leaves its experts out; when ``ep`` folds onto ``cp`` alone beside fsdp,
-fsdp also shards each group's experts (``N_e / (ep * fsdp)`` stored) and
-gathers a layer's group of them where used. The dispatch
+expert values are split ``ep`` ways, and the gathered layer leaves its
+experts out; the token axes ``ep`` does not fold onto split each group's
+experts further (``N_e / (fsdp * cp)`` stored; whole over cp, ``N_e / ep``,
+or ``N_e / (ep * fsdp)`` when ``ep`` folds onto ``cp`` alone) and gather a
+layer's group of them where used. The dispatch
 adds four buffers (sent, received, computed, returned) of
 ``min(ep, c) * B * L * k * D * a`` (``k`` experts per token; ``c`` the
 capacity factor, or ``ep`` when no token may be dropped: each device's
@@ -70,13 +78,17 @@ import dataclasses
 import functools
 import math
 import re
+import typing
 
 import numpy as np
+
+from cpjax.training.run_config import ShardState, state_axes
 
 __all__ = ["Plan", "compile_step", "compiled_plan", "estimate", "format_bytes",
            "lora_param_count", "parse_bytes", "smallest_mesh"]
 
 GiB = 2 ** 30
+SHARD_STATE = typing.get_args(ShardState)    # cpjax train --shard-state's choices
 LOSS_CHUNK_LOGITS = 1 << 26    # cpjax.training.loss.LOSS_CHUNK_LOGITS (plan imports no JAX)
 _UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
@@ -144,7 +156,6 @@ class Plan:
             f"{format_bytes(self.total):>9}  {self.flops / 1e12:9.3g} TFLOP/device")
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=8)
 def _abstract_model(cfg):
   """The model with abstract parameters (shapes only): seconds at a published
@@ -215,12 +226,20 @@ def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
 def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
              batch_size: int | None = None, dtype: str = "bfloat16",
              lora_rank: int | None = None, base_dtype: str = "float32",
-             lora_targets: str | None = None, capacity_factor: float | None = None) -> Plan:
-  """The closed form of the module docstring (LoRA with ``lora_rank``)."""
+             lora_targets: str | None = None, capacity_factor: float | None = None,
+             shard_state: str = "fsdp+cp") -> Plan:
+  """The closed form of the module docstring (LoRA with ``lora_rank``;
+  ``shard_state`` as ``cpjax train --shard-state``: the state over ``fsdp x cp``
+  or whole over ``cp``)."""
+  if shard_state not in SHARD_STATE:
+    raise ValueError(f"shard_state must be one of {SHARD_STATE}, got {shard_state!r}")
   t = cfg.text
   fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
   cp, tp, ep = mesh.get("cp", 1), mesh.get("tp", 1), mesh.get("ep", 1)
-  shards = mesh.get("fsdp", 1) * tp
+  over_cp = shard_state == "fsdp+cp" and cp > 1
+  # The devices one copy of the state is split over.
+  token_shards = mesh.get("fsdp", 1) * (cp if over_cp else 1)
+  shards = token_shards * tp
   rows = (batch_size or fsdp) // fsdp
   a = 2 if dtype == "bfloat16" else 4
   n, active, largest, all_experts = _count(cfg)
@@ -229,7 +248,8 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   if ep > 1:
     _check_ep(cfg, mesh)
   experts = all_experts if ep > 1 else 0
-  expert_shards = ep * (mesh.get("fsdp", 1) if ep == cp else 1)
+  # ep's axes, and the token axes it leaves, which store each group's share.
+  expert_shards = token_shards if over_cp else ep * (mesh.get("fsdp", 1) if ep == cp else 1)
   local = seq_len // cp
   heads, kv, dh = t.num_attention_heads / tp, max(t.num_key_value_heads / tp, 1), t.head_dim
   width = max(t.mlp_size(i) for i in range(t.num_hidden_layers)) / tp
@@ -246,8 +266,8 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     trained = lora_param_count(cfg, rank=lora_rank, targets=lora_targets)
     params = base * stored + 4 * trained / shards
     optimizer, grads = 8 * trained / shards + 4, 4 * trained / shards
-  if cp > 1:
-    grads *= 2
+  if cp > 1 and not over_cp:
+    grads *= 2     # the sum over the cp ranks is a second buffer
   gathered = base * (largest - experts / layers) if shards > 1 else 0
   if experts and expert_shards > ep:   # fsdp shards each group's experts: gathered where used
     gathered += base * experts / layers / ep
@@ -267,6 +287,11 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   working = 2 * rows * local * (2 * heads * dh + 4 * kv * t.global_head_dim + 3 * width) * a
   chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // t.vocab_size))
   logits = 4 * chunk * t.vocab_size / shards * 4 + rows * local * 4
+  if over_cp:
+    # The head split over cp: every cp rank's hidden states and labels
+    # gathered, and the hidden states' float32 gradient before it is
+    # reduce-scattered; one log-sum-exp per token of the row.
+    logits += rows * seq_len * (d * a + 4 * d + 4 + 4)
   activations = grads + gathered + full_row + saved + working + logits
   tokens = rows * local
   passes = 6 if lora_rank is None else 4       # forward, input and (full) weight gradients
@@ -302,7 +327,8 @@ def _check_ep(cfg, mesh: dict) -> None:
 def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
                  batch_size: int | None = None, dtype: str = "float32",
                  lora_rank: int | None = None, base_dtype: str = "float32",
-                 lora_targets: str | None = None, capacity_factor: float | None = None):
+                 lora_targets: str | None = None, capacity_factor: float | None = None,
+                 shard_state: str = "fsdp+cp"):
   """The training step of ``cfg`` compiled abstractly (no array is made) on
   ``prod(mesh)`` devices: ``(compiled TrainStep, params, opt_state,
   frozen base or None)``, the state as sharded ``ShapeDtypeStruct`` s.
@@ -349,7 +375,7 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
   rule = partition_rule(cfg, tp=mesh.get("tp", 1), expert_axes=expert_axes)
 
   def placed(tree):
-    specs = parallel.param_specs(tree, grid, rule=rule)
+    specs = parallel.param_specs(tree, grid, rule=rule, state_axes=state_axes(shard_state))
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                           sharding=NamedSharding(grid, s)),
                         tree, specs)
@@ -372,7 +398,8 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
 def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
                   batch_size: int | None = None, dtype: str = "float32",
                   lora_rank: int | None = None, base_dtype: str = "float32",
-                  lora_targets: str | None = None, capacity_factor: float | None = None) -> Plan:
+                  lora_targets: str | None = None, capacity_factor: float | None = None,
+                  shard_state: str = "fsdp+cp") -> Plan:
   """The :class:`Plan` of :func:`compile_step`'s program: its memory analysis
   and FLOPs, the parameters' and optimizer state's bytes per device."""
   from cpjax import parallel
@@ -380,7 +407,7 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
   compiled, params, opt_state, base = compile_step(
       cfg, seq_len=seq_len, mesh=mesh, remat=remat, batch_size=batch_size, dtype=dtype,
       lora_rank=lora_rank, base_dtype=base_dtype, lora_targets=lora_targets,
-      capacity_factor=capacity_factor)
+      capacity_factor=capacity_factor, shard_state=shard_state)
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -401,7 +428,8 @@ def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: s
                   dtype: str = "bfloat16", max_devices: int = 4096,
                   lora_rank: int | None = None, base_dtype: str = "float32",
                   expert_parallel: bool = False,
-                  capacity_factor: float | None = None) -> Plan | None:
+                  capacity_factor: float | None = None,
+                  shard_state: str = "fsdp+cp") -> Plan | None:
   """The fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``
   (ties: the one with more memory to spare); None when none up to ``max_devices``.
   With ``expert_parallel`` each mesh folds the largest ``ep`` that divides the
@@ -421,7 +449,7 @@ def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: s
         mesh = {**mesh, "ep": ep} if ep > 1 else mesh
       plan = estimate(cfg, model=model, seq_len=seq_len, mesh=mesh, remat=remat, dtype=dtype,
                       lora_rank=lora_rank, base_dtype=base_dtype,
-                      capacity_factor=capacity_factor)
+                      capacity_factor=capacity_factor, shard_state=shard_state)
       if plan.fits(device_memory) and (best is None or plan.total < best.total):
         best = plan
     devices *= 2

@@ -38,6 +38,13 @@ Dtype = Literal["float32", "bfloat16"]
 Remat = Literal["none", "full", "save_attention_out"]
 Layout = Literal["contiguous", "load_balanced", "document_balanced"]
 Schedule = Literal["constant", "cosine", "linear"]
+ShardState = Literal["fsdp+cp", "fsdp"]
+
+
+def state_axes(shard_state: str) -> tuple[str, ...]:
+  """The mesh axes :func:`cpjax.parallel.param_specs` splits the state over for
+  ``shard_state`` (``"fsdp+cp"``: ``("fsdp", "cp")``)."""
+  return tuple(shard_state.split("+"))
 
 
 class JobError(ValueError):
@@ -109,6 +116,15 @@ class ParallelConfig:
   layout: Layout = _setting("load_balanced")
   """how the sequence is split over the cp ranks (document_balanced evens out
   packed rows)"""
+  shard_state: ShardState = _setting("fsdp+cp")
+  """which axes split the parameters, their gradients and the optimizer state:
+  fsdp+cp (every device that shares the model holds 1 / (fsdp * cp) of it; each
+  layer's weights are gathered where it runs) or fsdp (whole over cp: no gathers,
+  for small models)"""
+
+  def state_axes(self) -> tuple[str, ...]:
+    """The mesh axes :func:`cpjax.parallel.param_specs` splits the state over."""
+    return state_axes(self.shard_state)
 
   def mesh_sizes(self) -> dict:
     """``{axis: size}`` of the mesh, ep included (``{"cp": 8}`` by default)."""
