@@ -1,18 +1,23 @@
-"""Per-device memory of a Gemma 4 training step as cp grows: the compiled
-program's activations and temporaries (everything but parameters and
-optimizer state) for a slice of E2B, beside cpjax.training.plan's closed form.
+"""Per-device memory of a Gemma 4 training step as cp grows, with the training
+state split over fsdp x cp (the default) and whole over cp (``--shard-state
+fsdp``): the compiled program's parameters + optimizer state, activations and
+temporaries, total, and the bytes its collectives move, for a slice of E2B,
+beside cpjax.training.plan's closed form.
 
     python benchmarks/memory_scaling.py                 # S = 16384 and 131072, cp = 2, 4, 8
-    python benchmarks/memory_scaling.py --seq-lens 16384 --cps 8
+    python benchmarks/memory_scaling.py --seq-lens 16384 --cps 8 --shard-states fsdp+cp
 
 The slice: E2B's vocabulary (262144), width (1536), per-layer inputs (256
 per layer) and attention, with 5 layers (4 sliding + 1 full), remat
 "full", a cp-only mesh, one row, float32 (the compiled plan's dtype, see
-cpjax.training.plan). Each row compiles the real step abstractly on emulated CPU
-devices (no weight is materialised); XLA:CPU's temporaries are a
-liveness-based upper estimate of an accelerator compiler's. On a cp-only
-mesh the float32 parameter gradients (mostly the two tables) are a floor
-that only fsdp / tp remove: reported on their own. Writes
+cpjax.training.plan), AdamW. Each row compiles the real step abstractly on
+emulated CPU devices (no weight is materialised); XLA:CPU's temporaries are
+a liveness-based upper estimate of an accelerator compiler's. The state of
+fsdp = 8 (the same 8 devices splitting rows instead of the sequence) is the
+reference a cp rank's state should match. Collective bytes are the output
+bytes of every collective in the compiled program's text: a loop's body
+(the ring's hops over K/V, the loss's chunks) counts once, so they are a
+floor on what moves, comparable between the two forms. Writes
 results/memory_scaling.json.
 """
 
@@ -20,9 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -31,6 +39,23 @@ from benchmarks.common import print_table, setup_devices, write_json  # noqa: E4
 # The issue's measurements before local embeddings and the chunked loss
 # (the same slice, S -> {cp: GiB}); S = 131072 was measured at cp = 8 only.
 BEFORE = {16384: {2: 44.3, 4: 23.0, 8: 12.6}, 131072: {8: 90.3}}
+
+_COLLECTIVE = re.compile(r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|reduce-scatter|all-reduce|"
+                         r"collective-permute|all-to-all)(?:-start)?\(")
+_SHAPE = re.compile(r"(pred|s8|u8|s32|u32|f32|bf16|f16|s64|u64|f64)\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2,
+          "s64": 8, "u64": 8, "f64": 8}
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+  """{kind: output bytes} of the collectives in a compiled program's text
+  (per device; a loop body once)."""
+  out: dict[str, int] = {}
+  for shapes, kind in _COLLECTIVE.findall(hlo):
+    for dtype, dims in _SHAPE.findall(shapes):
+      size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+      out[kind] = out.get(kind, 0) + size * _BYTES[dtype]
+  return out
 
 
 def e2b_slice():
@@ -43,39 +68,64 @@ def e2b_slice():
   return dataclasses.replace(cfg, text=text, vision=None)
 
 
+def measure(cfg, *, seq_len: int, mesh: dict, shard_state: str) -> dict:
+  """GiB per device of the compiled step, and its collective bytes."""
+  from cpjax import parallel
+  from cpjax.training import plan
+
+  compiled, params, opt_state, _ = plan.compile_step(cfg, seq_len=seq_len, mesh=mesh,
+                                                     shard_state=shard_state)
+  memory = compiled.memory_analysis()
+  state = parallel.bytes_per_device(params) + parallel.bytes_per_device(opt_state)
+  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  moved = collective_bytes(compiled.as_text())
+  return {"state": state / plan.GiB, "activations": (total - state) / plan.GiB,
+          "total": total / plan.GiB, "collective": sum(moved.values()) / plan.GiB,
+          "collectives": {k: v / plan.GiB for k, v in sorted(moved.items())}}
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 131072])
   parser.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8])
+  parser.add_argument("--shard-states", nargs="+", default=["fsdp+cp", "fsdp"],
+                      choices=["fsdp+cp", "fsdp"])
   args = parser.parse_args(argv)
-  setup_devices(max(args.cps))
+  setup_devices(max(max(args.cps), 8))
   from cpjax.training import plan
 
   cfg = e2b_slice()
   n = plan._count(cfg)[0]
-  grads = 4 * n
+  # The reference: fsdp = 8 splits the same state over 8 devices (its batch
+  # rows are 8, the state does not depend on S).
+  fsdp8 = measure(cfg, seq_len=1024, mesh={"fsdp": 8}, shard_state="fsdp")["state"]
+  print(f"fsdp=8: parameters + optimizer state {fsdp8:.3f} GiB per device")
   rows = []
   for seq_len in args.seq_lens:
     for cp in args.cps:
-      start = time.perf_counter()
-      compiled = plan.compiled_plan(cfg, model="e2b-slice", seq_len=seq_len, mesh={"cp": cp})
-      closed = plan.estimate(cfg, model="e2b-slice", seq_len=seq_len, mesh={"cp": cp},
-                             dtype="float32")
-      row = {"S": seq_len, "cp": cp,
-             "compiled GiB": compiled.activations / plan.GiB,
-             "beyond grads GiB": (compiled.activations - grads) / plan.GiB,
-             "closed form GiB": closed.activations / plan.GiB,
-             "before GiB": BEFORE.get(seq_len, {}).get(cp),
-             "param grads GiB": grads / plan.GiB,
-             "compile s": round(time.perf_counter() - start, 1)}
-      rows.append(row)
-      print_table([row], list(row))
-      sys.stdout.flush()
+      for shard_state in args.shard_states:
+        start = time.perf_counter()
+        got = measure(cfg, seq_len=seq_len, mesh={"cp": cp}, shard_state=shard_state)
+        closed = plan.estimate(cfg, model="e2b-slice", seq_len=seq_len, mesh={"cp": cp},
+                               dtype="float32", shard_state=shard_state)
+        row = {"S": seq_len, "cp": cp, "state over": shard_state,
+               "params+opt GiB": got["state"], "/ fsdp=8's": got["state"] / fsdp8,
+               "act+temp GiB": got["activations"], "total GiB": got["total"],
+               "closed form total GiB": closed.total / plan.GiB,
+               "collective GiB": got["collective"],
+               "before act GiB": BEFORE.get(seq_len, {}).get(cp) if shard_state == "fsdp"
+               else None,
+               "compile s": round(time.perf_counter() - start, 1)}
+        rows.append({**row, "collectives GiB": got["collectives"]})
+        print_table([row], list(row))
+        sys.stdout.flush()
   print()
-  print_table(rows, list(rows[0]))
+  columns = [c for c in rows[0] if c != "collectives GiB"]
+  print_table(rows, columns)
   path = write_json("memory_scaling", {"model": "e2b slice: 5 layers (4 sliding + 1 full)",
                                        "parameters": n, "remat": "full", "dtype": "float32",
-                                       "rows": rows})
+                                       "fsdp8 params+opt GiB": fsdp8, "rows": rows})
   print(f"wrote {path}")
 
 
