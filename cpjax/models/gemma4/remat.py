@@ -12,6 +12,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from cpjax.kernels.common import varying_axes
+
 __all__ = ["REMAT_POLICIES", "remat_after_cotangent"]
 
 # Per-layer rematerialisation: what a decoder layer keeps for the backward pass.
@@ -39,10 +41,10 @@ def remat_after_cotangent(fn):
   pass, and XLA:CPU does: it drops optimization barriers before scheduling,
   and then every layer's recomputed intermediates are alive at once, so
   remat saved nothing (measured on the E2B slice at S = 131072, cp = 8).
-  Here the backward ties the layer's input ``x`` to the incoming cotangent
-  by data (``x`` is replaced by zeros only if the cotangent's first value
-  is NaN, when every gradient is NaN anyway), which no scheduler can
-  reorder.
+  Here the backward ties the layer's input ``x`` and its weights ``state``
+  to the incoming cotangent by data (each is replaced by zeros only if the
+  cotangent's first value is NaN, when every gradient is NaN anyway), which
+  no scheduler can reorder.
 
   ``fn`` is traced once, when the forward runs, and the backward replays
   that trace: a backward traced later, outside the context the forward ran
@@ -76,7 +78,19 @@ def _tied_remat_fwd(fn, *args):
 def _tied_remat_bwd(fn, args, g):
   first = jax.tree.leaves(g)[0].reshape(-1)[0]
   state, x, *rest, masks = args
-  x = jnp.where(first != first, jnp.zeros_like(x), x)
+  # The layer's weights too: stored split over cp, they are gathered inside
+  # the recomputation, and a gather that depends on the cotangent can be
+  # neither merged with the forward's (keeping every layer's gathered weights
+  # alive from the forward on) nor hoisted ahead of the backward.
+  # (Only what already varies as the cotangent does: the replayed trace
+  # keeps each value's type, and a leaf the same on every rank stays so.)
+  nan = first != first
+
+  def tie(v):
+    if not varying_axes(nan) <= varying_axes(v):
+      return v
+    return jnp.where(nan, jnp.zeros_like(v), v)
+  x, state = tie(x), jax.tree.map(tie, state)
   # The masks (integer streams) get no cotangent.
   return (*jax.vjp(lambda *a: fn(*a, masks), state, x, *rest)[1](g), None)
 
