@@ -218,7 +218,7 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None,
   gradient leaves reduce-scattered.
   """
   state_axes = tuple(state_axes)
-  if not state_axes or any(a not in STATE_AXES for a in state_axes) or "fsdp" not in state_axes:
+  if set(state_axes) not in ({"fsdp"}, {"fsdp", "cp"}) or len(set(state_axes)) < len(state_axes):
     raise ValueError(f"state_axes must be ('fsdp',) or ('fsdp', 'cp'), got {state_axes!r}")
   if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")

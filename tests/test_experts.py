@@ -192,6 +192,7 @@ def single_device():
     (dict(fsdp=2, cp=2), 4, "contiguous", 1),         # with fsdp and cp
     (dict(fsdp=2, cp=2), 2, "load_balanced", 1),      # on cp; fsdp shards each group's experts
     (dict(cp=2), 2, "load_balanced", 2),              # accumulated over 2 microbatches
+    (dict(fsdp=4, cp=2), 4, "contiguous", 1),         # on fsdp; cp splits each group's store
 ])
 def test_ep_step_equals_the_single_device_step(shape, ep, layout, microbatches):
   want, want_metrics = single_device()

@@ -57,3 +57,28 @@ def test_a_cp_rank_holds_what_an_fsdp_rank_holds():
 def test_state_axes_must_name_the_token_axes(state_axes):
   with pytest.raises(ValueError, match="state_axes must be"):
     parallel.param_specs({"w": np.ones((4, 4))}, parallel.make_mesh(cp=2), state_axes=state_axes)
+
+
+@pytest.mark.parametrize("shard_state,lora_rank", [("fsdp+cp", None), ("fsdp", None),
+                                                   ("fsdp+cp", 4)])
+def test_cpjax_train_places_the_state_as_shard_state_says(shard_state, lora_rank):
+  """`cpjax train --shard-state` (parallel.shard_state): the job's trained
+  state and its Adam moments, and under LoRA the frozen base, split over cp
+  or whole over it; per device, 1/8 of the state or all of it on cp=8."""
+  from cpjax.training.job_phases import build
+  from cpjax.training.run_config import LoraConfig, ParallelConfig, RunConfig
+
+  run = RunConfig(model="tiny", parallel=ParallelConfig(cp=8, shard_state=shard_state),
+                  lora=LoraConfig(rank=lora_rank), parity_check=False)
+  trainer = build(run)
+  over_cp = shard_state == "fsdp+cp"
+  trees = {"params": trainer.params, "moments": trainer.opt_state}
+  if lora_rank is not None:
+    trees["frozen base"] = trainer.frozen
+  for name, tree in trees.items():
+    arrays = [x for x in jax.tree.leaves(tree) if getattr(x, "size", 0) > 1]
+    whole = sum(x.nbytes for x in arrays)
+    held = parallel.bytes_per_device(arrays)
+    # Leaves no dimension of which 8 divides stay whole (a few scalars and
+    # odd widths): within 2% of an eighth.
+    assert held == (pytest.approx(whole / 8, rel=0.02) if over_cp else whole), (name, held, whole)

@@ -109,8 +109,9 @@ class ParallelConfig:
   """The device mesh and how each row is split over its cp axis."""
 
   mesh: Optional[str] = _setting(metavar="AXIS=N,...")
-  """a mesh such as fsdp=2,cp=4 or fsdp=2,cp=2,tp=2 (state sharded over fsdp and
-  tp); ep=N folds expert parallelism onto cp and/or the batch axis"""
+  """a mesh such as fsdp=2,cp=4 or fsdp=2,cp=2,tp=2 (state sharded over fsdp, cp
+  and tp, see shard_state); ep=N folds expert parallelism onto cp and/or the batch
+  axis"""
   cp: Optional[int] = _setting(positive=True)
   """a cp-only mesh of this size, instead of mesh (default: 8)"""
   layout: Layout = _setting("load_balanced")
