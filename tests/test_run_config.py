@@ -86,7 +86,8 @@ ALIAS_VALUES = {"--data": "x.jsonl", "--tokenizer": "tok", "--seq-len": "96", "-
                 "--microbatches": "2", "--images-per-row": "3", "--lr": "0.5",
                 "--lr-schedule": "cosine", "--warmup-steps": "3", "--max-grad-norm": "1.5",
                 "--steps": "9", "--mesh": "fsdp=2,cp=4", "--cp": "4",
-                "--layout": "document_balanced", "--lora-rank": "4", "--lora-alpha": "16",
+                "--layout": "document_balanced", "--shard-state": "fsdp", "--lora-rank": "4",
+                "--lora-alpha": "16",
                 "--lora-targets": ".*q_proj", "--base-dtype": "bfloat16",
                 "--capacity-factor": "1.25", "--eval-data": "e.jsonl", "--eval-every": "5",
                 "--eval-rows": "8", "--metrics": "m.jsonl", "--tensorboard": "tb",
@@ -208,7 +209,7 @@ def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   run = read_run_config(path)
   # The plan's mesh and batch, bfloat16 activations (float32 does not fit 16 GiB),
   # and no single-device parity step (one device cannot hold it).
-  assert (run.model, run.parallel.mesh, run.dataset.batch_size) == ("e2b", "fsdp=2,cp=4", 2)
+  assert (run.model, run.parallel.mesh, run.dataset.batch_size) == ("e2b", "cp=4", 1)
   assert (run.dtype, run.remat, run.lora.rank, run.parity_check) == ("bfloat16", "full", 16, False)
   assert "fits (16 GiB per device)" in path.read_text()
   # Where float32 activations fit too, the plan keeps them.
