@@ -266,66 +266,23 @@ def test_make_mesh_errors():
     parallel.make_mesh(tp=0)
 
 
-# The table split over its rows as param_specs places it; the ids' rows over
-# the batch axis; the lookup runs inside a shard_map manual over cp (as in the
-# model), where each cp rank has its own ids.
-@pytest.mark.parametrize("shape", [{"fsdp": 2, "cp": 2, "tp": 2}, {"fsdp": 4, "cp": 2},
-                                   {"dp": 2, "cp": 2, "tp": 2}, {"cp": 2, "tp": 4}],
-                         ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()))
-def test_lookup_keeps_the_table_sharded(shape):
-  rng = np.random.default_rng(0)
-  table = rng.normal(size=(16, 3)).astype(np.float32)
-  ids = rng.integers(0, 16, size=(4, 6)).astype(np.int32)
-  weights = rng.normal(size=(4, 6, 3)).astype(np.float32)
-  mesh = parallel.make_mesh(**shape)
-  batch_axis = parallel.batch_axis_of(mesh)
-  # Whole over cp, as inside the ring's shard_map (the step gathers a split over cp there).
-  table_spec = parallel.param_specs(table, mesh, state_axes=("fsdp",))
-  assert table_spec[0] is not None and len(table_spec) == 1     # rows split, as lookup assumes
-
-  def objective(table, ids, weights):
-    def local(table, ids, weights):
-      return jax.lax.psum(jnp.sum(parallel.lookup(table, ids) * weights), "cp")
-    return jax.shard_map(local, in_specs=(P(), P(None, "cp"), P(None, "cp")), out_specs=P(),
-                         axis_names={"cp"})(table, ids, weights)
-
-  with jax.set_mesh(mesh):
-    put = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))
-    args = (put(table, table_spec), put(ids, P(batch_axis, "cp")),
-            put(weights, P(batch_axis, "cp")))
-    value, grad = jax.jit(jax.value_and_grad(objective))(*args)
-    text = jax.jit(jax.grad(objective)).lower(*args).compile().as_text()
-  want_grad = np.zeros_like(table)
-  np.add.at(want_grad, ids, weights)
-  np.testing.assert_allclose(value, np.sum(table[ids] * weights), rtol=1e-6)
-  chex.assert_trees_all_close(grad, want_grad, atol=1e-6, rtol=0)
-  assert grad.sharding.spec == table_spec
-  # No device ever holds the whole table or its whole gradient.
-  assert "f32[16,3]" not in text
-
-
-# The table stored over fsdp x cp (the default state), entering the ring's
-# shard_map split over cp as the step hands it in; each cp rank's ids are its
-# own tokens. Equal to table[ids] and its scatter-add gradient, the gradient
-# left split as the table is, no device ever holding the whole table.
-@pytest.mark.parametrize("shape", [{"cp": 4}, {"fsdp": 2, "cp": 2, "tp": 2}, {"fsdp": 2, "cp": 4}],
-                         ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()))
-def test_ring_lookup_keeps_the_table_split_over_cp(shape):
-  rng = np.random.default_rng(1)
-  table = rng.normal(size=(64, 3)).astype(np.float32)
-  ids = rng.integers(0, 64, size=(4, 8)).astype(np.int32)
+def check_lookup(mesh, rows: int, table_spec, lookup, *, over_cp: bool, seed: int):
+  """``lookup(table, ids)`` inside a shard_map manual over cp (as in the model,
+  each cp rank with its own ids; the table entering split over cp or whole)
+  equals ``table[ids]`` and its scatter-add gradient, the gradient placed as
+  the table, and no device of the compiled program holds the whole table."""
+  rng = np.random.default_rng(seed)
+  table = rng.normal(size=(rows, 3)).astype(np.float32)
+  ids = rng.integers(0, rows, size=(4, 8)).astype(np.int32)
   weights = rng.normal(size=(4, 8, 3)).astype(np.float32)
-  mesh = parallel.make_mesh(**shape)
   batch_axis = parallel.batch_axis_of(mesh)
-  table_spec = parallel.param_specs(table, mesh)
-  rows = table_spec[0] if isinstance(table_spec[0], tuple) else (table_spec[0],)
-  assert rows[0] == "cp" and len(table_spec) == 1     # rows split, cp major
 
   def objective(table, ids, weights):
     def local(table, ids, weights):
-      return jax.lax.psum(jnp.sum(parallel.ring_lookup(table, ids, "cp") * weights), "cp")
-    return jax.shard_map(local, in_specs=(P("cp"), P(None, "cp"), P(None, "cp")), out_specs=P(),
-                         axis_names={"cp"})(table, ids, weights)
+      return jax.lax.psum(jnp.sum(lookup(table, ids) * weights), "cp")
+    return jax.shard_map(local, in_specs=(P("cp") if over_cp else P(), P(None, "cp"),
+                                          P(None, "cp")),
+                         out_specs=P(), axis_names={"cp"})(table, ids, weights)
 
   with jax.set_mesh(mesh):
     put = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))
@@ -338,7 +295,33 @@ def test_ring_lookup_keeps_the_table_split_over_cp(shape):
   np.testing.assert_allclose(value, np.sum(table[ids] * weights), rtol=1e-6)
   chex.assert_trees_all_close(grad, want_grad, atol=1e-6, rtol=0)
   assert grad.sharding.is_equivalent_to(jax.NamedSharding(mesh, table_spec), 2)
-  assert "f32[64,3]" not in text
+  assert f"f32[{rows},3]" not in text
+
+
+# The table split over its rows as param_specs places it whole over cp (as
+# the step gathers a split over cp before a plain lookup); the ids' rows over
+# the batch axis.
+@pytest.mark.parametrize("shape", [{"fsdp": 2, "cp": 2, "tp": 2}, {"fsdp": 4, "cp": 2},
+                                   {"dp": 2, "cp": 2, "tp": 2}, {"cp": 2, "tp": 4}],
+                         ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()))
+def test_lookup_keeps_the_table_sharded(shape):
+  mesh = parallel.make_mesh(**shape)
+  table_spec = parallel.param_specs(np.zeros((16, 3)), mesh, state_axes=("fsdp",))
+  assert table_spec[0] is not None and len(table_spec) == 1     # rows split, as lookup assumes
+  check_lookup(mesh, 16, table_spec, parallel.lookup, over_cp=False, seed=0)
+
+
+# The table stored over fsdp x cp (the default state), entering the ring's
+# shard_map split over cp as the step hands it in: ring_lookup.
+@pytest.mark.parametrize("shape", [{"cp": 4}, {"fsdp": 2, "cp": 2, "tp": 2}, {"fsdp": 2, "cp": 4}],
+                         ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()))
+def test_ring_lookup_keeps_the_table_split_over_cp(shape):
+  mesh = parallel.make_mesh(**shape)
+  table_spec = parallel.param_specs(np.zeros((64, 3)), mesh)
+  rows = table_spec[0] if isinstance(table_spec[0], tuple) else (table_spec[0],)
+  assert rows[0] == "cp" and len(table_spec) == 1     # rows split, cp major
+  check_lookup(mesh, 64, table_spec, functools.partial(parallel.ring_lookup, axis_name="cp"),
+               over_cp=True, seed=1)
 
 
 def test_lookup_without_a_mesh_is_indexing():
