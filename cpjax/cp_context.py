@@ -71,6 +71,10 @@ class CPContext:
       parallelism, :func:`cpjax.parallel.expert_axes`); empty for none.
     capacity_factor: None (an expert never drops a token) or the factor
       bounding each expert's tokens (:mod:`cpjax.experts`).
+    gathered: ``((path, dim), ...)``, the state stored split over
+      ``axis_name`` along ``dim`` (the training step fills it from the
+      shardings; empty when the state is whole over cp): what :meth:`gather`,
+      :meth:`lookup` and :meth:`head` read.
 
   >>> import cpjax
   >>> cp = cpjax.CPContext(cpjax.ShardLayout(6, 8, 2))
@@ -84,7 +88,6 @@ class CPContext:
   interpret: bool = False
   expert_axes: tuple[str, ...] = ()
   capacity_factor: float | None = None
-  # ((path, dim), ...): the state stored split over axis_name along dim (see gather).
   gathered: tuple = ()
 
   def __post_init__(self):
