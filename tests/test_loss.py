@@ -2,6 +2,9 @@
 entropy and a float64 numpy formula, on random soft-capped logits with
 ignored labels; and the CP reduction against the same numbers."""
 
+import math
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -207,3 +210,9 @@ def test_linear_cross_entropy_is_vocabulary_parallel(shape, state_axes, monkeypa
   assert grads[1].sharding.is_equivalent_to(NamedSharding(mesh, head_spec), 2)
   if len(head_spec):           # split over the vocabulary: never whole on a device
     assert f"f32[{vocab},{width}]" not in text
+  if over_cp:                  # the tokens travel the ring: never a whole row's on a device
+    split = jax.tree.leaves(tuple(head_spec))
+    rows_here = rows if batch_axis in split else rows // mesh.shape.get(batch_axis, 1)
+    held = [math.prod(map(int, dims.split(",")))
+            for dims in re.findall(rf"f32\[([\d,]+),{width}\]", text)]
+    assert max(held) < rows_here * length, (max(held), rows_here * length)

@@ -33,12 +33,14 @@ head's gradient stays in its shard. The head is never whole on a device.
 
 Over ``cp`` too (``vocab_axis``): when the training state is split over
 ``fsdp x cp`` (:data:`cpjax.parallel.STATE_AXES`) the head enters the ring's
-``shard_map`` as this rank's block of rows, beside this rank's tokens. Each
-rank all-gathers the ``cp`` ranks' hidden states and labels (``[B, S, D]``,
-not ``[S, V]``), computes its block of every token's logits, and the
-statistics combine over ``cp`` as over the Auto axes; each rank counts its
-own tokens, and the hidden states' gradient returns to its ranks with a
-reduce-scatter over ``cp``.
+``shard_map`` as this rank's block of rows, beside this rank's tokens. The
+tokens then travel the ``cp`` ring, as the ring attention's keys do: each
+rank adds its block's statistics (the online log-sum-exp's maximum and sum,
+and the label's logit) to the visiting chunk's, which travel with it and
+come home whole; the backward sends the chunks round again with their
+log-sum-exps and their hidden states' gradient, which each rank adds its
+block's part to, while the head's gradient stays on its rank. No rank holds
+more than two ranks' tokens (``[B, 2 L, D]``), never the whole row's.
 """
 
 from __future__ import annotations
@@ -197,24 +199,20 @@ class _Setup(NamedTuple):
 def _vocab_axes(s: _Setup) -> tuple[str, ...]:
   """Every axis splitting the head's rows, major first: the manual one, then the Auto ones."""
   manual = () if s.vocab_axis is None else (s.vocab_axis,)
-  return manual + (() if s.where is None else s.where.table_axes)
+  return manual + _auto_axes(s)
 
 
-def _gather_tokens(hidden, labels, s: _Setup):
-  """Every rank's tokens (rows gathered over the batch axis when it splits
-  the vocabulary, tokens over ``vocab_axis``), and which of them are this
-  rank's own: bool[B', L'], or None when all are."""
+def _auto_axes(s: _Setup) -> tuple[str, ...]:
+  """The Auto axes splitting the head's rows: every device of them sees the same tokens."""
+  return () if s.where is None else s.where.table_axes
+
+
+def _gather_rows(hidden, labels, s: _Setup):
+  """Every row's tokens when the batch axis also splits the vocabulary, else these rows'."""
   if _gathers_rows(s):
     hidden = jax.lax.all_gather(hidden, s.where.batch, axis=0, tiled=True)
     labels = jax.lax.all_gather(labels, s.where.batch, axis=0, tiled=True)
-  if s.vocab_axis is None:
-    return hidden, labels, None
-  length = hidden.shape[1]
-  hidden = jax.lax.all_gather(hidden, s.vocab_axis, axis=1, tiled=True)
-  labels = jax.lax.all_gather(labels, s.vocab_axis, axis=1, tiled=True)
-  rank = jnp.arange(labels.shape[1]) // length
-  own = jnp.broadcast_to(rank == jax.lax.axis_index(s.vocab_axis), labels.shape)
-  return hidden, labels, own
+  return hidden, labels
 
 
 def _gathers_rows(s: _Setup) -> bool:
@@ -224,19 +222,13 @@ def _gathers_rows(s: _Setup) -> bool:
 
 
 def _chunks(hidden, labels, s: _Setup):
-  """[K, C, D] hidden, int[K, C] labels, bool[K, C] counted: the tokens in
-  chunks, padded with ignored tokens (they add nothing to either sum)."""
+  """[K, C, D] hidden, int[K, C] labels: the tokens in chunks, padded with
+  ignored tokens (they add nothing to either sum)."""
   n = hidden.shape[0] * hidden.shape[1]
   pad = -n % s.chunk
   h = jnp.pad(hidden.reshape(n, -1), ((0, pad), (0, 0))).reshape(-1, s.chunk, hidden.shape[-1])
   y = jnp.pad(labels.reshape(n), (0, pad), constant_values=s.ignore_index).reshape(-1, s.chunk)
-  return h, y, y != s.ignore_index
-
-
-def _chunked_mask(mask, s: _Setup):
-  """bool[K, C]: ``mask`` [B, L] laid out as :func:`_chunks` lays out the tokens."""
-  n = mask.size
-  return jnp.pad(mask.reshape(n), (0, -n % s.chunk)).reshape(-1, s.chunk)
+  return h, y
 
 
 def _logits(h, head, cap):
@@ -269,19 +261,31 @@ def _zeros(shape, *refs):
   return out
 
 
-def _local_forward(hidden, head, labels, s: _Setup):
-  """(CE sum of these rows, log-sum-exp per token [K, C]) on one device,
-  with its block of the head; the blocks combine with small collectives."""
-  axes = _vocab_axes(s)
-  hidden, labels, own = _gather_tokens(hidden, labels, s)
-  start = _block_start(head, s)
-  h, y, valid = _chunks(hidden, labels, s)
-  # Every token's statistics over this block of the vocabulary; the sum is
-  # of this rank's own tokens.
-  counted = valid if own is None else valid & _chunked_mask(own, s)
+class _Stats(NamedTuple):
+  """Per token [K, C]: the largest logit, the sum of exp(logit - top) and the
+  label's logit, over the part of the vocabulary seen so far."""
+  top: jax.Array
+  sum_exp: jax.Array
+  picked: jax.Array
 
-  def chunk(total, xs):
-    hc, yc, vc = xs
+  def merge(self, other: "_Stats") -> "_Stats":
+    # The online log-sum-exp: an empty side (top -inf, sum 0) adds nothing.
+    top = jnp.maximum(self.top, other.top)
+    return _Stats(top, self.sum_exp * jnp.exp(self.top - top)
+                  + other.sum_exp * jnp.exp(other.top - top), self.picked + other.picked)
+
+  def lse(self):
+    return self.top + jnp.log(self.sum_exp)
+
+
+def _block_stats(h, y, head, s: _Setup) -> _Stats:
+  """The statistics of chunks h [K, C, D] over this device's block of the
+  vocabulary, combined over the Auto axes splitting it (collectives of ``C``
+  values)."""
+  axes, start = _auto_axes(s), _block_start(head, s)
+
+  def chunk(_, xs):
+    hc, yc = xs
     z, _ = _logits(hc, head, s.cap)
     top = jnp.max(z, axis=-1)
     top = jax.lax.pmax(top, axes) if axes else top
@@ -289,63 +293,120 @@ def _local_forward(hidden, head, labels, s: _Setup):
     picked = jnp.sum(jnp.where(_is_label(z, yc, start), z, 0.0), axis=-1)
     if axes:
       sum_exp, picked = jax.lax.psum((sum_exp, picked), axes)
-    lse = top + jnp.log(sum_exp)
-    return total + jnp.sum(jnp.where(vc, lse - picked, 0.0)), lse
+    return None, _Stats(top, sum_exp, picked)
 
-  total = _zeros((), hidden, labels)
-  total, lse = jax.lax.scan(chunk, total, (h, y, counted))
+  return jax.lax.scan(chunk, None, (h, y))[1]
+
+
+def _ring_hop(s: _Setup):
+  """One hop of the ``vocab_axis`` ring: rank ``i`` sends to rank ``i + 1``."""
+  n = jax.lax.axis_size(s.vocab_axis)
+  return functools.partial(jax.lax.ppermute, axis_name=s.vocab_axis,
+                           perm=[(i, (i + 1) % n) for i in range(n)])
+
+
+def _ring(step, moving, kept, home, s: _Setup):
+  """Runs ``step(moving, kept) -> (moving, kept)`` on every rank's tokens in
+  turn: ``moving`` (a chunk and what is known of it) travels the
+  ``vocab_axis`` ring after each step, ``kept`` stays; after the last rank's
+  step only ``home(moving)`` makes the hop back to the tokens' own rank.
+  Returns (that, kept)."""
+  hop = _ring_hop(s)
+
+  def visit(carry, _):
+    moving, kept = step(*carry)
+    return (hop(moving), kept), None
+
+  carry, _ = jax.lax.scan(visit, (moving, kept), None,
+                          length=jax.lax.axis_size(s.vocab_axis) - 1)
+  moving, kept = step(*carry)
+  return hop(home(moving)), kept
+
+
+def _local_forward(hidden, head, labels, s: _Setup):
+  """(CE sum of these rows, log-sum-exp per token [K, C]) on one device,
+  with its block of the head; the blocks combine with small collectives.
+
+  Over ``vocab_axis`` the tokens travel the ring: each rank adds its block's
+  statistics to the visiting chunk's, which travel with it and come home
+  whole, so no rank holds more than two ranks' tokens."""
+  hidden, labels = _gather_rows(hidden, labels, s)
+  h, y = _chunks(hidden, labels, s)
+  if s.vocab_axis is None:
+    stats = _block_stats(h, y, head, s)
+  else:
+    def step(moving, _):
+      h, y, stats = moving
+      return (h, y, stats.merge(_block_stats(h, y, head, s))), None
+    empty = _zeros(y.shape, h, y)    # combined over the Auto axes: varies as the tokens do
+    stats, _ = _ring(step, (h, y, _Stats(empty - jnp.inf, empty, empty)), None,
+                     lambda moving: moving[2], s)
+  lse = stats.lse()
+  total = jnp.sum(jnp.where(y != s.ignore_index, lse - stats.picked, 0.0))
   if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
     total = jax.lax.psum(total, s.where.batch)    # rows split over dp: add them
   return total[None], lse
 
 
-def _local_backward(hidden, head, labels, lse, g, s: _Setup):
-  """(d hidden of these rows, d head of this device's block)."""
-  axes = _vocab_axes(s)
-  rows = hidden.shape
-  hidden, labels, _ = _gather_tokens(hidden, labels, s)
+def _block_grads(h, y, lse, head, g, dh, d_head, s: _Setup):
+  """(dh + this block's part of the chunks' d hidden [K, C, D], d_head + this
+  block's gradient from them), in float32.
+
+  The vocabulary goes a tile of ``Vt`` rows at a time: each tile's gradient
+  accumulates over every token chunk and is added into ``d_head`` in place,
+  so one [V, D] buffer (the gradient itself) is alive, not an accumulator
+  beside each chunk's product."""
   start = _block_start(head, s)
+  rows = _vocab_tile(head.shape[0], head.shape[1])
 
-  h, y, valid = _chunks(hidden, labels, s)
-  per_tile = _vocab_tile(head.shape[0], head.shape[1])
-
-  def tile(dh, block):
-    """One [Vt, D] tile of the head against every token chunk: its whole
-    gradient, and its part of every token's dh. Tiling the vocabulary keeps
-    a single [V, D] buffer (the gradient itself) alive, not an accumulator
-    beside each chunk's product."""
-    w, offset = block
+  def tile(i, carry):
+    dh, d_head = carry
+    w = jax.lax.dynamic_slice_in_dim(head, i * rows, rows)
 
     def chunk(d_w, xs):
-      hc, yc, vc, lc = xs
+      hc, yc, lc, dhc = xs
       z, t = _logits(hc, w, s.cap)
       # d CE / d z = softmax - onehot on counted tokens; through the cap,
       # d (cap tanh(x / cap)) / dx = 1 - tanh^2.
-      dz = jnp.exp(z - lc[:, None]) - _is_label(z, yc, start + offset)
-      dz = jnp.where(vc[:, None], dz, 0.0) * g
+      dz = jnp.exp(z - lc[:, None]) - _is_label(z, yc, start + i * rows)
+      dz = jnp.where((yc != s.ignore_index)[:, None], dz, 0.0) * g
       if t is not None:
         dz = dz * (1.0 - t * t)
       d_w = d_w + jnp.einsum("cv,cd->vd", dz, hc, preferred_element_type=jnp.float32)
-      return d_w, jnp.einsum("cv,vd->cd", dz, w, preferred_element_type=jnp.float32)
+      return d_w, dhc + jnp.einsum("cv,vd->cd", dz, w, preferred_element_type=jnp.float32)
 
-    d_w, dh_part = jax.lax.scan(chunk, _zeros(w.shape, hidden, labels, head),
-                                (h, y, valid, lse))
-    return dh + dh_part, d_w
+    d_w, dh = jax.lax.scan(chunk, jax.lax.dynamic_slice_in_dim(d_head, i * rows, rows),
+                           (h, y, lse, dh))
+    return dh, jax.lax.dynamic_update_slice_in_dim(d_head, d_w, i * rows, 0)
 
-  tiles = head.reshape(-1, per_tile, head.shape[1])
-  offsets = jnp.arange(tiles.shape[0], dtype=jnp.int32) * per_tile
-  dh, d_head = jax.lax.scan(tile, _zeros(h.shape, hidden, labels, head), (tiles, offsets))
-  d_head = d_head.reshape(head.shape)
+  return jax.lax.fori_loop(0, head.shape[0] // rows, tile, (dh, d_head))
+
+
+def _local_backward(hidden, head, labels, lse, g, s: _Setup):
+  """(d hidden of these rows, d head of this device's block).
+
+  Over ``vocab_axis`` the chunks travel the ring again, with their log-sum-
+  exps and their d hidden, which each rank adds its block's part to; the
+  head's gradient stays on its rank."""
+  rows = hidden.shape
+  hidden, labels = _gather_rows(hidden, labels, s)
+  h, y = _chunks(hidden, labels, s)
+  dh, d_head = _zeros(h.shape, h, y, head), _zeros(head.shape, h, y, head)
+  if s.vocab_axis is None:
+    dh, d_head = _block_grads(h, y, lse, head, g, dh, d_head, s)
+  else:
+    def step(moving, d_head):
+      h, y, lse, dh = moving
+      dh, d_head = _block_grads(h, y, lse, head, g, dh, d_head, s)
+      return (h, y, lse, dh), d_head
+    dh, d_head = _ring(step, (h, y, lse, dh), d_head, lambda moving: moving[3], s)
   n = hidden.shape[0] * hidden.shape[1]
   dh = dh.reshape(-1, rows[-1])[:n].reshape(hidden.shape)
   # Each block's dh is a partial sum over its part of the vocabulary. (Every
   # rank's g is the same: the step sums the ranks' CE sums.)
-  if s.vocab_axis is not None:
-    dh = jax.lax.psum_scatter(dh, s.vocab_axis, scatter_dimension=1, tiled=True)
   if _gathers_rows(s):
     dh = jax.lax.psum_scatter(dh, s.where.batch, scatter_dimension=0, tiled=True)
-  rest = tuple(a for a in axes if a != s.vocab_axis
-               and not (_gathers_rows(s) and a == s.where.batch))
+  rest = tuple(a for a in _auto_axes(s) if not (_gathers_rows(s) and a == s.where.batch))
   dh = jax.lax.psum(dh, rest) if rest else dh
   if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
     d_head = jax.lax.psum(d_head, s.where.batch)  # every dp shard's rows use the same head
