@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from cpjax.kernels.common import vary_like, varying_axes
+from cpjax.kernels.common import filled_after, vary_like, varying_axes
 from cpjax.mesh import BATCH_AXES, axis_size, batch_axis_of, expert_axes, make_mesh, parse_mesh
 
 __all__ = ["BATCH_AXES", "STATE_AXES", "batch_axis_of", "bytes_per_device", "expert_axes",
@@ -340,7 +340,8 @@ def _lookup_backward(where, ids, g):
     if batch in table_axes:
       g = jax.lax.all_gather(g, batch, axis=0, tiled=True)
     g = jnp.where(hit[..., None], g, jnp.zeros((), g.dtype))
-    block = jnp.zeros((size, g.shape[-1]), where.dtype).at[rel].add(g.astype(where.dtype))
+    block = filled_after(g, (size, g.shape[-1]), dtype=where.dtype)
+    block = block.at[rel].add(g.astype(where.dtype))
     # Rows split over a batch axis that does not split the table (dp) all
     # add into the same (replicated) block.
     return block if batch in table_axes or batch is None else jax.lax.psum(block, batch)
@@ -430,7 +431,7 @@ def _ring_backward(axis_name, residuals, g):
   # adds those that fall in its block into one buffer.
   block, ids = residuals
   n, hop, hits = _ring(ids, axis_name, block.shape[0])
-  d_block = vary_like(jnp.zeros(block.shape, block.dtype), g)
+  d_block = filled_after(g, block.shape, dtype=block.dtype)
   whole = row_placement(block, ids.shape[0]) is None    # no Auto axis splits the block
   visiting = ids
   for step in range(n):

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cpjax.kernels import common as kernel_common
-from cpjax.kernels.common import KernelParams
+from cpjax.kernels.common import KernelParams, filled_after
 from cpjax.kernels.common import vary_like as _vary_like
 from cpjax.kernels.common import varying_axes as _varying_axes
 from cpjax.kernels.targets import platform_guard
@@ -197,9 +197,8 @@ def _rank(cfg: _Config):
 
 def _xla_fold(cfg: _Config, q, q_info: Tokens):
   """(initial state, attend, finish) of the XLA tile loop."""
-  init = _Stats(_vary_like(jnp.full(q.shape[:-1], -jnp.inf, jnp.float32), q),
-                _vary_like(jnp.zeros(q.shape[:-1], jnp.float32), q),
-                _vary_like(jnp.zeros(q.shape, jnp.float32), q))
+  init = _Stats(filled_after(q, q.shape[:-1], -jnp.inf), filled_after(q, q.shape[:-1]),
+                filled_after(q, q.shape))
 
   def finish(stats):
     seen = stats.l > 0
@@ -247,8 +246,7 @@ def _pallas_fold(cfg: _Config, q, q_info: Tokens):
   kernels = _kernels(cfg)
   qs = _scaled(cfg, _guarded(cfg, q))
   q_meta = _query_metadata(cfg, q_info, q)
-  init = (_vary_like(jnp.zeros(q.shape, jnp.float32), q),
-          _vary_like(jnp.full(q.shape[:-1] + (1,), -jnp.inf, jnp.float32), q))
+  init = (filled_after(q, q.shape), filled_after(q, q.shape[:-1] + (1,), -jnp.inf))
 
   def attend(state, kv, k_arrays, src_rank, active=True):
     k, v, k_meta, sched = _kernel_chunk(cfg, q_info, kv, k_arrays, src_rank, active)
@@ -365,8 +363,8 @@ def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
     q_meta = _query_metadata(cfg, q_info, q)
     grad = functools.partial(_pallas_grad_chunk, cfg, _scaled(cfg, _guarded(cfg, q)), do,
                              lse[..., None], delta[..., None], q_info, q_meta)
-  dq = _vary_like(jnp.zeros(q.shape, jnp.float32), q)
-  zero_kv = _vary_like(jnp.zeros(k.shape, jnp.float32), k)
+  dq = filled_after(do, q.shape)
+  zero_kv = _vary_like(filled_after(do, k.shape), k)
   travel = ((k, v), arrays)
   hops, back = cfg.plan
 

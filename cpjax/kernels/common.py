@@ -26,8 +26,8 @@ from jax import lax
 from cpjax.kernels import interpret as _interpret
 from cpjax.masks import BlockMap, MaskRule, Tokens
 
-__all__ = ["KernelParams", "Metadata", "Schedule", "f32_like", "fold_tile", "grad_tile",
-           "metadata", "schedule", "tile_mask", "vary_like", "varying_axes"]
+__all__ = ["KernelParams", "Metadata", "Schedule", "f32_like", "filled_after", "fold_tile",
+           "grad_tile", "metadata", "schedule", "tile_mask", "vary_like", "varying_axes"]
 
 
 def varying_axes(x) -> frozenset:
@@ -40,6 +40,26 @@ def vary_like(x, ref):
   """``x`` made varying over the mesh axes ``ref`` varies over (check_vma)."""
   missing = tuple(sorted(varying_axes(ref) - varying_axes(x)))
   return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def filled_after(ref, shape, fill=0.0, dtype=jnp.float32):
+  """``fill`` everywhere in ``shape``, varying as ``ref`` does, and computed
+  from ``ref``: an accumulator's initial value that no schedule can build
+  before ``ref`` exists.
+
+  A constant fill (``jnp.zeros``) is one broadcast, which XLA shares between
+  every layer's loops; XLA:CPU builds it when the program starts and copies
+  it for each loop there, so every copy stays alive until its loop runs
+  (1.5 GiB of zeros through the step on the E2B slice at S = 131072, cp = 8).
+  A zero made from ``ref``'s first value (0 whatever it is, even NaN) ties
+  the fill to ``ref`` by data.
+
+  >>> filled_after(jnp.ones(3), (2,), -jnp.inf)
+  Array([-inf, -inf], dtype=float32)
+  """
+  first = ref.reshape(-1)[0]
+  zero = (first != first).astype(dtype) * 0       # 0 or 0 * 1: never NaN
+  return vary_like(jnp.full(shape, fill, dtype) + zero, ref)
 
 
 def f32_like(shape, ref) -> jax.ShapeDtypeStruct:

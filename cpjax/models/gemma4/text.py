@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cpjax.experts import ExpertStats, routed_experts
+from cpjax.kernels.common import filled_after
 from cpjax.models.gemma4.config import Gemma4TextConfig
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, apply_rope, gelu, rms_normalize
 from cpjax.parallel import gather_safe
@@ -69,13 +70,56 @@ class TextAttention(nnx.Module):
     return self.o_proj(out.astype(h.dtype).reshape(b, s, -1)), (k, v)
 
 
+# Values of one [B, T, I] intermediate per tile of a long row's MLP (64 MiB
+# in float32).
+MLP_TILE_VALUES = 1 << 24
+
+
 class TextMLP(nnx.Module):
+  """Gemma's gated MLP, ``down(gelu(gate(x)) * up(x))``: x [B, S, D] -> [B, S, D],
+  through ``I`` hidden units; a long row goes ``T`` tokens at a time.
+
+  A long row's largest activations are this MLP's [B, S, I] intermediates and
+  their gradients (E2B at S = 16384 tokens per rank: 384 MiB each in float32,
+  eight alive at once in a layer's backward). Past ``MLP_TILE_VALUES`` values
+  per intermediate the row goes through a map over tiles of ``T`` tokens
+  whose body is rematerialised (DeepSpeed ALST's tiled MLP), so the backward
+  recomputes one tile's intermediates at a time and the weights' gradients
+  add up over the tiles. Each token's output is the same computation.
+
+  >>> mlp = TextMLP(4, 8, rngs=nnx.Rngs(0))
+  >>> mlp(jnp.ones((1, 3, 4))).shape
+  (1, 3, 4)
+  """
+
   def __init__(self, d: int, hidden: int, *, rngs):
     self.gate_proj = Linear(d, hidden, rngs=rngs)
     self.up_proj = Linear(d, hidden, rngs=rngs)
     self.down_proj = Linear(hidden, d, rngs=rngs)
 
   def __call__(self, x):
+    b, s, d = x.shape
+    hidden = self.gate_proj.weight.shape[0]
+    # A power of two, so that a power-of-two row needs no padding.
+    tile = 1 << max(0, (MLP_TILE_VALUES // (b * hidden)).bit_length() - 1)
+    if s <= tile:
+      return self._mlp(x)
+    # Tiles of the sequence, not of B * S: the rows keep their split.
+    pad = -s % tile
+    tiles = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, tile, d).swapaxes(0, 1)
+    # The tile's MLP runs on a copy of this module made inside the loop, so
+    # what runs in it may set attributes there (qwix's LoRA does).
+    graphdef, state = nnx.split(self)
+    mlp = jax.checkpoint(lambda state, x: nnx.merge(graphdef, state)._mlp(x))
+
+    def one(i, out):
+      return jax.lax.dynamic_update_index_in_dim(out, mlp(state, tiles[i]), i, 0)
+    # The output written tile by tile into a buffer made from x (not a
+    # zeros constant, which XLA:CPU builds and copies when the step starts).
+    out = jax.lax.fori_loop(0, tiles.shape[0], one, filled_after(x, tiles.shape, dtype=x.dtype))
+    return out.swapaxes(0, 1).reshape(b, -1, d)[:, :s]
+
+  def _mlp(self, x):
     return self.down_proj(gelu(self.gate_proj(x)) * self.up_proj(x))
 
 
