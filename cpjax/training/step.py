@@ -136,12 +136,13 @@ def _loss_parts(graphdef, *, mesh, layout, axis_name, batch_axis, forward, batch
   context = CPContext(layout, axis_name, implementation, interpret, tuple(expert_axes),
                       capacity_factor)
   specs_of = _own_specs if batch_specs is None else batch_specs
+  # The model's class, from the graph definition (its first node).
+  at_use = getattr(graphdef.nodes[0].type, "GATHERED_AT_USE", ())
 
   def local(params, batch, frozen, context):
     # State stored split over cp enters split: what the model gathers where
     # it uses it (its GATHERED_AT_USE: each decoder layer inside its remat
     # scope, the tables and head) stays split, the rest is gathered now.
-    at_use = getattr(type(merge(params, frozen)), "GATHERED_AT_USE", ())
     params, frozen = (context.gather(tree, skip=at_use) for tree in (params, frozen))
     # Every rank uses the same parameters on its own tokens: marking them
     # varying once, here, makes each parameter's gradient ONE sum over the
