@@ -58,9 +58,11 @@ def test_smallest_mesh_fits_and_the_next_smaller_does_not():
       assert not plan.estimate(cfg, model="e4b", seq_len=131072, mesh=smaller).fits(memory)
 
 
-def test_the_closed_form_uses_the_training_loss_chunk():
+def test_the_closed_form_uses_the_training_loss_chunk_and_mlp_tile():
   from cpjax import training
+  from cpjax.models.gemma4 import text
   assert plan.LOSS_CHUNK_LOGITS == training.LOSS_CHUNK_LOGITS
+  assert plan.MLP_TILE_VALUES == text.MLP_TILE_VALUES
 
 
 def test_parse_bytes_errors():

@@ -23,17 +23,19 @@ local tokens, ``a`` activation bytes):
   a decoder layer's split over cp): the largest decoder layer in float32.
   Embedding tables and the tied head are never gathered
   (:func:`cpjax.parallel.lookup` and :func:`cpjax.parallel.ring_lookup`,
-  the vocabulary-parallel loss); with the head split over cp the loss
-  gathers the row's hidden states and labels and holds their float32
-  gradient, ``B * S * (a + 4) * D``;
+  the vocabulary-parallel loss); with the head split over cp the loss's
+  tokens travel the cp ring, two ranks' worth at a time with their float32
+  gradient, ``2 * B * L * (a + 4) * D``;
 * full-row inputs: only integer streams (ids, soft-token numbers, vision
   groups) see the whole row, ``3 * B * S * 4``; the embeddings and the
   per-layer inputs are made for the local tokens;
 * saved activations: per layer its input ``B * L * D * a`` with remat (plus
   the per-layer input slice), or about ``B * L * (4D + 2(H + 2Hkv) Dh + 3I) * a``
   without;
-* one layer's recompute / backward working set: ``2 * B * L * (2 H Dh +
-  4 Hkv Dh + 3 I) * a`` plus the ring's travelling K/V;
+* one layer's recompute / backward working set: ``2 * B * (L * (2 H Dh +
+  4 Hkv Dh) + T * 3 I) * a`` plus the ring's travelling K/V, the MLP taking
+  ``T = min(L, tile)`` tokens at a time
+  (:data:`cpjax.models.gemma4.text.MLP_TILE_VALUES`);
 * the loss (:func:`cpjax.training.loss.linear_cross_entropy`): four float32 buffers
   of one chunk's logits ``C x V / s`` (``C`` from
   :data:`cpjax.training.loss.LOSS_CHUNK_LOGITS`) and one log-sum-exp per token.
@@ -90,6 +92,7 @@ __all__ = ["Plan", "compile_step", "compiled_plan", "estimate", "format_bytes",
 GiB = 2 ** 30
 SHARD_STATE = typing.get_args(ShardState)    # cpjax train --shard-state's choices
 LOSS_CHUNK_LOGITS = 1 << 26    # cpjax.training.loss.LOSS_CHUNK_LOGITS (plan imports no JAX)
+MLP_TILE_VALUES = 1 << 24      # cpjax.models.gemma4.text.MLP_TILE_VALUES
 _UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 
@@ -252,9 +255,9 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   expert_shards = token_shards if over_cp else ep * (mesh.get("fsdp", 1) if ep == cp else 1)
   local = seq_len // cp
   heads, kv, dh = t.num_attention_heads / tp, max(t.num_key_value_heads / tp, 1), t.head_dim
-  width = max(t.mlp_size(i) for i in range(t.num_hidden_layers)) / tp
-  if t.enable_moe_block:
-    width += t.top_k_experts * t.moe_intermediate_size / tp
+  dense = max(t.mlp_size(i) for i in range(t.num_hidden_layers))
+  routed = t.top_k_experts * t.moe_intermediate_size / tp if t.enable_moe_block else 0
+  width = dense / tp + routed
   d, layers, ple = t.hidden_size, t.num_hidden_layers, t.hidden_size_per_layer_input or 0
   base = 2 if base_dtype == "bfloat16" else 4
   stored = (n - experts) / shards + experts / expert_shards     # values per device
@@ -284,14 +287,19 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     saved = layers * rows * local * (d + ple) * a
     if remat == "save_attention_out":
       saved += layers * rows * local * heads * dh * a
-  working = 2 * rows * local * (2 * heads * dh + 4 * kv * t.global_head_dim + 3 * width) * a
+  # The dense MLP's intermediates for one tile of tokens (the whole row when
+  # short; the tile counts the MLP's whole width, as the model does); the
+  # experts' for every token.
+  tile = 1 << max(0, (MLP_TILE_VALUES // (rows * dense)).bit_length() - 1)
+  working = 2 * rows * (local * (2 * heads * dh + 4 * kv * t.global_head_dim + 3 * routed)
+                        + min(local, tile) * 3 * dense / tp) * a
   chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // t.vocab_size))
   logits = 4 * chunk * t.vocab_size / shards * 4 + rows * local * 4
   if over_cp:
-    # The head split over cp: every cp rank's hidden states and labels
-    # gathered, and the hidden states' float32 gradient before it is
-    # reduce-scattered; one log-sum-exp per token of the row.
-    logits += rows * seq_len * (d * a + 4 * d + 4 + 4)
+    # The head split over cp: the tokens travel the cp ring, two ranks'
+    # worth in flight (this hop's and the next's), with their labels and
+    # log-sum-exps and, in the backward, their float32 d hidden.
+    logits += 2 * rows * local * (d * a + 4 * d + 4 + 4)
   activations = grads + gathered + full_row + saved + working + logits
   tokens = rows * local
   passes = 6 if lora_rank is None else 4       # forward, input and (full) weight gradients
