@@ -16,6 +16,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# The tests compile far more than they run (tiny models, a step or two), and
+# most of an XLA:CPU compile is LLVM's: at optimisation level 0 the suite
+# compiles about 15% faster. The HLO passes, buffer assignment and memory
+# analysis the tests read do not depend on it. (Subprocesses inherit it.)
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 

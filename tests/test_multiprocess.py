@@ -31,7 +31,10 @@ def _run_cluster(tmp_path, nproc=2):
   """Start the workers; kill them all and fail if any fails or hangs."""
   port, out = _free_port(), tmp_path / "cluster.npz"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-  env.pop("XLA_FLAGS", None)
+  # The workers choose their own devices; they compile as this process does
+  # (conftest.py's LLVM level), so their numbers can be compared with its.
+  env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                              if f.startswith("--xla_backend_optimization_level"))
   env.pop("JAX_COMPILATION_CACHE_DIR", None)   # each process compiles its own program
   procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"),
                              str(port), str(i), str(nproc), str(out)],
