@@ -209,15 +209,16 @@ def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   run = read_run_config(path)
   # The plan's mesh and batch, bfloat16 activations (float32 does not fit 16 GiB),
   # and no single-device parity step (one device cannot hold it).
-  assert (run.model, run.parallel.mesh, run.dataset.batch_size) == ("e2b", "cp=4", 1)
+  assert (run.model, run.parallel.mesh, run.dataset.batch_size) == ("e2b", "cp=2", 1)
   assert (run.dtype, run.remat, run.lora.rank, run.parity_check) == ("bfloat16", "full", 16, False)
   assert "fits (16 GiB per device)" in path.read_text()
-  # Where float32 activations fit too, the plan keeps them.
+  # Where float32 activations fit too, the plan keeps them; one 141 GiB
+  # device holds this step too (with the MLP in tiles), so the parity check stays.
   assert cli.main(["plan", "--model", "e2b", "--seq-len", "131072", "--mesh", "cp=8",
                    "--device-memory", "141GiB", "--estimate-only", "--write-config", str(path)]) == 0
   run = read_run_config(path)
   assert (run.parallel.mesh, run.dtype, run.lora.rank, run.parity_check) == ("cp=8", "float32",
-                                                                             None, False)
+                                                                             None, True)
   # Where one device holds the step too, the first step's parity check stays on.
   assert cli.main(["plan", "--model", "tiny", "--seq-len", "1024", "--mesh", "fsdp=2,cp=4",
                    "--device-memory", "16GiB", "--estimate-only", "--write-config", str(path)]) == 0
