@@ -64,6 +64,7 @@ def test_filled_after_is_the_fill_and_follows_its_reference():
   np.testing.assert_array_equal(common.filled_after(x, (2, 3)), np.zeros((2, 3)))
   np.testing.assert_array_equal(common.filled_after(x, (2,), -np.inf), [-np.inf, -np.inf])
   assert common.filled_after(x, (1,), dtype=jnp.bfloat16).dtype == jnp.bfloat16
+  np.testing.assert_array_equal(common.filled_after(jnp.zeros((0,)), (2,)), [0.0, 0.0])
 
 
 def test_accumulators_are_made_where_their_loops_run(monkeypatch):

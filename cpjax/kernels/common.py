@@ -57,9 +57,11 @@ def filled_after(ref, shape, fill=0.0, dtype=jnp.float32):
   >>> filled_after(jnp.ones(3), (2,), -jnp.inf)
   Array([-inf, -inf], dtype=float32)
   """
-  first = ref.reshape(-1)[0]
-  zero = (first != first).astype(dtype) * 0       # 0 or 0 * 1: never NaN
-  return vary_like(jnp.full(shape, fill, dtype) + zero, ref)
+  out = jnp.full(shape, fill, dtype)
+  if ref.size:                # (an empty ref has nothing to wait for)
+    first = ref.reshape(-1)[0]
+    out = out + (first != first).astype(dtype) * 0     # 0 or 0 * 1: never NaN
+  return vary_like(out, ref)
 
 
 def f32_like(shape, ref) -> jax.ShapeDtypeStruct:
