@@ -82,7 +82,7 @@ class TextMLP(nnx.Module):
   A long row's largest activations are this MLP's [B, S, I] intermediates and
   their gradients (E2B at S = 16384 tokens per rank: 384 MiB each in float32,
   eight alive at once in a layer's backward). Past ``MLP_TILE_VALUES`` values
-  per intermediate the row goes through a map over tiles of ``T`` tokens
+  per intermediate the row goes through a loop over tiles of ``T`` tokens
   whose body is rematerialised (DeepSpeed ALST's tiled MLP), so the backward
   recomputes one tile's intermediates at a time and the weights' gradients
   add up over the tiles. Each token's output is the same computation.
