@@ -92,7 +92,7 @@ __all__ = ["Plan", "compile_step", "compiled_plan", "estimate", "format_bytes",
 GiB = 2 ** 30
 SHARD_STATE = typing.get_args(ShardState)    # cpjax train --shard-state's choices
 LOSS_CHUNK_LOGITS = 1 << 26    # cpjax.training.loss.LOSS_CHUNK_LOGITS (plan imports no JAX)
-MLP_TILE_VALUES = 1 << 24      # cpjax.models.gemma4.text.MLP_TILE_VALUES
+MLP_TILE_VALUES = 1 << 23      # cpjax.models.gemma4.text.MLP_TILE_VALUES
 _UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 

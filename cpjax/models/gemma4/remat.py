@@ -1,5 +1,6 @@
-"""Per-layer rematerialisation for Gemma 4's decoder: the policies and a remat
-whose recomputation waits for the backward pass.
+"""Rematerialisation for Gemma 4's decoder: the per-layer policies, a remat
+whose recomputation waits for the backward pass, and a loop over tiles of
+tokens whose backward recomputes one tile at a time.
 
 >>> _remat_policy(True), _remat_policy("save_attention_out")
 ('full', 'save_attention_out')
@@ -11,10 +12,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-from cpjax.kernels.common import varying_axes
+from cpjax.kernels.common import filled_after, vary_like, varying_axes
 
-__all__ = ["REMAT_POLICIES", "remat_after_cotangent"]
+__all__ = ["REMAT_POLICIES", "remat_after_cotangent", "remat_tiles"]
 
 # Per-layer rematerialisation: what a decoder layer keeps for the backward pass.
 #   none: everything (no remat); full: only the layer's inputs (recompute all);
@@ -96,3 +99,67 @@ def _tied_remat_bwd(fn, args, g):
 
 
 _tied_remat.defvjp(_tied_remat_fwd, _tied_remat_bwd)
+
+
+def remat_tiles(fn, state, tiles):
+  """``out[i] = fn(state, tiles[i])`` for each tile, in a loop whose backward
+  recomputes one tile at a time: tiles [N, ...] -> [N, ...] (``fn`` keeps a
+  tile's shape and dtype; ``state`` a pytree of arrays, differentiated).
+
+  This is ``fori_loop`` over ``jax.checkpoint(fn)`` with the backward written
+  out. JAX's own transpose of that loop starts the input's gradient and every
+  weight's from zeros constants, which XLA:CPU builds when the step starts
+  and keeps alive until the loop runs (eight [N, B, T, D] buffers through
+  the E2B slice's step at S = 131072, cp = 8). Here they are made from the
+  cotangent, where the backward's loop runs (that step's temporaries: 5.89
+  GiB to 4.52). ``fn`` is traced once, here,
+  and the backward replays that trace (as :func:`remat_after_cotangent`
+  does, for qwix's LoRA). The weights are made varying as the tiles are
+  before the loop, so that their gradients add up over the tiles on each
+  rank and are summed over the mesh once, not once per tile.
+
+  >>> remat_tiles(lambda w, t: t * w, jnp.float32(2), jnp.ones((3, 2)))
+  Array([[2., 2.],
+         [2., 2.],
+         [2., 2.]], dtype=float32)
+  """
+  leaves, tree = jax.tree.flatten(state)
+  leaves = [vary_like(leaf, tiles) for leaf in leaves]
+  traced = jax.make_jaxpr(lambda leaves, tile: fn(tree.unflatten(leaves), tile))(leaves, tiles[0])
+
+  def one_tile(leaves, tile):
+    return jax.core.eval_jaxpr(traced.jaxpr, traced.consts, *leaves, tile)[0]
+  return _remat_tiles(one_tile, leaves, tiles)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _remat_tiles(one_tile, leaves, tiles):
+  def one(i, out):
+    return lax.dynamic_update_index_in_dim(out, one_tile(leaves, tiles[i]), i, 0)
+  return lax.fori_loop(0, tiles.shape[0], one, filled_after(tiles, tiles.shape, dtype=tiles.dtype))
+
+
+def _remat_tiles_fwd(one_tile, leaves, tiles):
+  return _remat_tiles(one_tile, leaves, tiles), (leaves, tiles)
+
+
+def _remat_tiles_bwd(one_tile, residuals, g):
+  leaves, tiles = residuals
+  # Integer leaves (none in Gemma 4's MLP) take a float0 cotangent.
+  grows = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+
+  def one(i, carry):
+    d_leaves, d_tiles = carry
+    d_leaf, d_tile = jax.vjp(one_tile, leaves, tiles[i])[1](g[i])
+    d_leaves = [d + d_leaf[j] for d, j in zip(d_leaves, grows)]
+    return d_leaves, lax.dynamic_update_index_in_dim(d_tiles, d_tile, i, 0)
+  init = ([filled_after(g, leaves[j].shape, dtype=leaves[j].dtype) for j in grows],
+          filled_after(g, tiles.shape, dtype=tiles.dtype))
+  d_grown, d_tiles = lax.fori_loop(0, tiles.shape[0], one, init)
+  d_leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in leaves]
+  for j, d in zip(grows, d_grown):
+    d_leaves[j] = d
+  return d_leaves, d_tiles
+
+
+_remat_tiles.defvjp(_remat_tiles_fwd, _remat_tiles_bwd)

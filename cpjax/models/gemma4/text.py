@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cpjax.experts import ExpertStats, routed_experts
-from cpjax.kernels.common import filled_after
 from cpjax.models.gemma4.config import Gemma4TextConfig
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, apply_rope, gelu, rms_normalize
+from cpjax.models.gemma4.remat import remat_tiles
 from cpjax.parallel import gather_safe
 
 __all__ = ["DecoderLayer"]
@@ -70,9 +70,10 @@ class TextAttention(nnx.Module):
     return self.o_proj(out.astype(h.dtype).reshape(b, s, -1)), (k, v)
 
 
-# Values of one [B, T, I] intermediate per tile of a long row's MLP (64 MiB
-# in float32).
-MLP_TILE_VALUES = 1 << 24
+# Values of one [B, T, I] intermediate per tile of a long row's MLP (32 MiB
+# in float32; E2B: 1024 tokens). Smaller tiles add up the weights' gradients
+# more often for little less memory.
+MLP_TILE_VALUES = 1 << 23
 
 
 class TextMLP(nnx.Module):
@@ -83,9 +84,10 @@ class TextMLP(nnx.Module):
   their gradients (E2B at S = 16384 tokens per rank: 384 MiB each in float32,
   eight alive at once in a layer's backward). Past ``MLP_TILE_VALUES`` values
   per intermediate the row goes through a loop over tiles of ``T`` tokens
-  whose body is rematerialised (DeepSpeed ALST's tiled MLP), so the backward
-  recomputes one tile's intermediates at a time and the weights' gradients
-  add up over the tiles. Each token's output is the same computation.
+  (DeepSpeed ALST's tiled MLP, :func:`~cpjax.models.gemma4.remat.remat_tiles`):
+  the backward recomputes one tile's intermediates at a time, writes the
+  tile's input gradient in place and adds up the weights' gradients over the
+  tiles. Each token's output is the same computation.
 
   >>> mlp = TextMLP(4, 8, rngs=nnx.Rngs(0))
   >>> mlp(jnp.ones((1, 3, 4))).shape
@@ -110,13 +112,7 @@ class TextMLP(nnx.Module):
     # The tile's MLP runs on a copy of this module made inside the loop, so
     # what runs in it may set attributes there (qwix's LoRA does).
     graphdef, state = nnx.split(self)
-    mlp = jax.checkpoint(lambda state, x: nnx.merge(graphdef, state)._mlp(x))
-
-    def one(i, out):
-      return jax.lax.dynamic_update_index_in_dim(out, mlp(state, tiles[i]), i, 0)
-    # The output written tile by tile into a buffer made from x (not a
-    # zeros constant, which XLA:CPU builds and copies when the step starts).
-    out = jax.lax.fori_loop(0, tiles.shape[0], one, filled_after(x, tiles.shape, dtype=x.dtype))
+    out = remat_tiles(lambda state, x: nnx.merge(graphdef, state)._mlp(x), state, tiles)
     return out.swapaxes(0, 1).reshape(b, -1, d)[:, :s]
 
   def _mlp(self, x):
