@@ -47,9 +47,16 @@ def test_each_published_size_recipe_fits_its_device(name):
                       batch_size=run.dataset.batch_size // run.dataset.microbatches,
                       lora_rank=run.lora.rank, base_dtype=run.lora.base_dtype,
                       lora_targets=run.lora.targets,
-                      capacity_factor=run.experts.capacity_factor)
-  assert est.fits(plan.parse_bytes(target.device_memory)), est.row()
+                      capacity_factor=run.experts.capacity_factor,
+                      shard_state=run.parallel.shard_state)
+  memory = plan.parse_bytes(target.device_memory)
+  assert est.fits(memory), est.row()
   assert run.dataset.seq_len >= 131072 and not run.parity_check
+  # The file's note of its plan is the closed form's answer today.
+  note = (f"# planned by cpjax plan: {' '.join(est.row().split())} [{run.dtype} activations] "
+          f"fits ({plan.format_bytes(memory)} per device)")
+  with open(recipes.path(name)) as f:
+    assert note in f.read().splitlines(), note
 
 
 def test_overrides_beat_the_file_and_older_flags_beat_both(tmp_path):
