@@ -104,7 +104,8 @@ _tied_remat.defvjp(_tied_remat_fwd, _tied_remat_bwd)
 def remat_tiles(fn, state, tiles):
   """``out[i] = fn(state, tiles[i])`` for each tile, in a loop whose backward
   recomputes one tile at a time: tiles [N, ...] -> [N, ...] (``fn`` keeps a
-  tile's shape and dtype; ``state`` a pytree of arrays, differentiated).
+  tile's shape and dtype and closes over no array; ``state`` is a pytree of
+  the arrays it uses, differentiated).
 
   This is ``fori_loop`` over ``jax.checkpoint(fn)`` with the backward written
   out. JAX's own transpose of that loop starts the input's gradient and every
