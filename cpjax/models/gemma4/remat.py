@@ -115,9 +115,10 @@ def remat_tiles(fn, state, tiles):
   cotangent, where the backward's loop runs (that step's temporaries: 5.89
   GiB to 4.52). ``fn`` is traced once, here,
   and the backward replays that trace (as :func:`remat_after_cotangent`
-  does, for qwix's LoRA). The weights are made varying as the tiles are
-  before the loop, so that their gradients add up over the tiles on each
-  rank and are summed over the mesh once, not once per tile.
+  does, for qwix's LoRA). Inside ``shard_map`` the weights may vary over
+  fewer mesh axes than the tiles, not more: they are made varying as the
+  tiles are before the loop, so that their gradients add up over the tiles
+  on each rank and are summed over the other ranks once, not once per tile.
 
   >>> remat_tiles(lambda w, t: t * w, jnp.float32(2), jnp.ones((3, 2)))
   Array([[2., 2.],
