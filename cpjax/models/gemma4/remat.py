@@ -113,12 +113,12 @@ def remat_tiles(fn, state, tiles):
   and keeps alive until the loop runs (eight [N, B, T, D] buffers through
   the E2B slice's step at S = 131072, cp = 8). Here they are made from the
   cotangent, where the backward's loop runs (that step's temporaries: 5.89
-  GiB to 4.52). ``fn`` is traced once, here,
-  and the backward replays that trace (as :func:`remat_after_cotangent`
-  does, for qwix's LoRA). Inside ``shard_map`` the weights may vary over
-  fewer mesh axes than the tiles, not more: they are made varying as the
-  tiles are before the loop, so that their gradients add up over the tiles
-  on each rank and are summed over the other ranks once, not once per tile.
+  GiB to 4.52). ``fn`` is traced once, here, and the backward replays that
+  trace (as :func:`remat_after_cotangent` does, for qwix's LoRA). Inside
+  ``shard_map`` the weights may vary over fewer mesh axes than the tiles,
+  not more: they are made varying as the tiles are before the loop, so that
+  their gradients add up over the tiles on each rank and are summed over the
+  other ranks once, not once per tile.
 
   >>> remat_tiles(lambda w, t: t * w, jnp.float32(2), jnp.ones((3, 2)))
   Array([[2., 2.],

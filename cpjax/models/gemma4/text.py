@@ -71,8 +71,8 @@ class TextAttention(nnx.Module):
 
 
 # Values of one [B, T, I] intermediate per tile of a long row's MLP, at most
-# (32 MiB in float32; E2B's 6144 hidden units: tiles of 1024 tokens). Smaller tiles add up the weights' gradients
-# more often for little less memory.
+# (32 MiB in float32; E2B's 6144 hidden units: tiles of 1024 tokens). Smaller
+# tiles add up the weights' gradients more often for little less memory.
 MLP_TILE_VALUES = 1 << 23
 
 
