@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from cpjax import validation
+from cpjax.kernels.targets import mesh_platform, resolve_implementation
 from cpjax.layout import ShardLayout, rank_order
 from cpjax.masks import AttentionMask, resolve_mask
 from cpjax.ring_attention import ring_attention
@@ -215,6 +216,8 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, layout: ShardLayout, axis
                      "head finds its key/value head on the same device")
   mask = resolve_mask(mask, **mask_keywords).validate(b, s, where="[B, S] (q's first two "
                                                      "dimensions, rank order)")
+  # The mesh's own backend by default (a TPU mesh compiled from a CPU host too).
+  implementation = resolve_implementation(implementation, platform=mesh_platform(mesh))
   x_spec = P(batch_axis, axis_name, head_axis)
   mask_spec = jax.tree.map(lambda _: P(batch_axis, axis_name), mask)
 

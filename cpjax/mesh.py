@@ -16,10 +16,12 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["BATCH_AXES", "axis_size", "batch_axis_of", "expert_axes", "make_mesh", "parse_mesh"]
+__all__ = ["BATCH_AXES", "HEAD_AXIS", "axis_size", "batch_axis_of", "expert_axes", "make_mesh", "parse_mesh"]
 
 # Mesh axes that split the rows of the batch (one of them per mesh).
 BATCH_AXES = ("dp", "fsdp")
+# The mesh axis that splits attention heads and hidden units.
+HEAD_AXIS = "tp"
 _AXIS_ORDER = ("dp", "fsdp", "cp", "tp")
 
 def make_mesh(*, cp: int = 1, fsdp: int = 1, dp: int = 1, tp: int = 1,

@@ -37,12 +37,12 @@ from cpjax import balance
 from cpjax import batch as batch_lib
 from cpjax import validation
 from cpjax.cp_context import ContextParallelSharder, CPContext  # their home before cp_context
-from cpjax.kernels.targets import TARGETS, resolve_implementation
+from cpjax.kernels.targets import TARGETS, mesh_platform, resolve_implementation
 from cpjax.layout import (LAYOUT_KINDS, MIN_STRIPE_LEN, ShardLayout, default_stripes,
                           local_token_indices, padded_length, rank_order)
 from cpjax.streams import (_AUX_PAD_VALUES, _PRIMARY_STREAMS, _REPLICATED_ALWAYS, _batch_dims,
                            _check_extra_keys, _gather_dim, _mesh_axis_size, _pad_stream, _place,
-                           _platform, _sequence_streams, _spec, take_rows)
+                           _sequence_streams, _spec, take_rows)
 
 __all__ = [
     "CPContext",
@@ -211,7 +211,7 @@ def shard_batch(
 
   chunk_multiple = 1
   if pad_multiple == 1:     # the caller's own pad_multiple wins
-    target = resolve_implementation(implementation, platform=_platform(mesh))
+    target = resolve_implementation(implementation, platform=mesh_platform(mesh))
     chunk_multiple = TARGETS[target].chunk_multiple if target in TARGETS else 1
   validation.integer("min_stripe_len", min_stripe_len, minimum=1)
   stripes = None

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cpjax import batch as batch_lib
@@ -42,12 +41,6 @@ def _mesh_axis_size(mesh: Mesh, name: str, argument: str) -> int:
         f"{argument}={name!r} is not an axis of the mesh; mesh axes are "
         f"{tuple(mesh.axis_names)}")
   return dict(mesh.shape)[name]
-
-
-def _platform(mesh) -> str | None:
-  """The platform of a concrete mesh's devices (None for an abstract mesh)."""
-  devices = getattr(mesh, "devices", None)
-  return None if devices is None else np.asarray(devices).flat[0].platform
 
 
 def _place(x, mesh: Mesh, spec: P):

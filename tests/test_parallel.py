@@ -52,9 +52,10 @@ def single_device_step(preset):
 
 
 def mesh_step(preset, shape, *, microbatches=1, optimizer=None,
-              state_axes=parallel.STATE_AXES, remat=None):
+              state_axes=parallel.STATE_AXES, remat=None, implementation=None, interpret=False):
   """Shard the model over make_mesh(**shape) (its state over ``state_axes``),
-  run one step; also return the compiled step."""
+  run one step (the ring's hops on ``implementation``); also return the
+  compiled step."""
   cfg, model, graphdef, params, buffers, batch = setup(preset)
   if remat is not None:
     model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0), remat=remat)
@@ -69,13 +70,15 @@ def mesh_step(preset, shape, *, microbatches=1, optimizer=None,
   sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
   batch_axis = parallel.batch_axis_of(mesh)
   if microbatches == 1:
-    sharded, layout = sharder.shard_batch(batch, mesh, batch_axis=batch_axis)
+    sharded, layout = sharder.shard_batch(batch, mesh, batch_axis=batch_axis,
+                                          implementation=implementation)
   else:
     rows = B // microbatches
     parts = [sharder.shard_batch(_rows(batch, i * rows, (i + 1) * rows), mesh,
                                  batch_axis=batch_axis) for i in range(microbatches)]
     sharded, layout = [p[0] for p in parts], parts[0][1]
-  step = training.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers)
+  step = training.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers,
+                                  implementation=implementation, interpret=interpret)
   step = step.compile(placed, opt_state, sharded)
   new, _, metrics = step(placed, opt_state, sharded)
   return float(metrics["loss"]), new, step, placed, sharded
@@ -174,6 +177,18 @@ def test_mesh_step_equals_single_device_step(preset, shape, microbatches):
   text = step.as_text()
   for rows, cols in tables:
     assert f"f32[{rows},{cols}]" not in text, (rows, cols)
+
+
+def test_kernels_split_over_the_axes_the_partitioner_shards():
+  """The Pallas kernels run in a shard_map manual over fsdp and tp too (Mosaic
+  cannot be partitioned automatically): batch rows over fsdp, KV heads over
+  tp. Run in Pallas' interpreter, the step equals the single-device step, so
+  each device got its own rows and heads."""
+  want_loss, want = single_device_step("tiny")
+  loss, new, step, _, _ = mesh_step("tiny", {"fsdp": 2, "cp": 2, "tp": 2},
+                                    implementation="pallas_gpu", interpret=True)
+  assert abs(loss - want_loss) <= 1e-6 * want_loss
+  assert_same_update(new, want, setup("tiny")[3])
 
 
 def test_gradient_accumulation_equals_whole_batch_step():

@@ -17,17 +17,22 @@ tile, ``nq``/``nk`` row and key blocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType, PartitionSpec as P
 
 from cpjax.kernels import interpret as _interpret
 from cpjax.masks import BlockMap, MaskRule, Tokens
+from cpjax.mesh import BATCH_AXES, HEAD_AXIS
 
 __all__ = ["KernelParams", "Metadata", "Schedule", "f32_like", "filled_after", "fold_tile",
-           "grad_tile", "metadata", "schedule", "tile_mask", "vary_like", "varying_axes"]
+           "grad_tile", "manual_over_mesh", "metadata", "schedule", "tile_mask", "vary_like",
+           "varying_axes"]
 
 
 def varying_axes(x) -> frozenset:
@@ -39,6 +44,11 @@ def varying_axes(x) -> frozenset:
 def vary_like(x, ref):
   """``x`` made varying over the mesh axes ``ref`` varies over (check_vma)."""
   missing = tuple(sorted(varying_axes(ref) - varying_axes(x)))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _vary_over(x, axes: frozenset):
+  missing = tuple(sorted(axes - varying_axes(x)))
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -171,6 +181,70 @@ def schedule(blocks: BlockMap, batch: int, active) -> Schedule:
   rows, nrows = _compact(jnp.swapaxes(visit, 1, 2))
   full = jnp.broadcast_to(blocks.all, shape).astype(jnp.int32)
   return Schedule(cols, ncols, rows, nrows, full)
+
+
+def _split_of(mesh, free: tuple[str, ...], batch: int, heads: int):
+  """(axes over the batch, axes over the KV heads) of a kernel's operands: the
+  batch axes and ``tp`` where they divide, as the step's shardings put them
+  there; any other free axis (or one that does not divide) holds the whole
+  operand, every device of it computing the same kernel."""
+  over_b, over_h = [], []
+  for name in free:
+    size = mesh.shape[name]
+    if size == 1:
+      continue
+    if name in BATCH_AXES and batch % (math.prod(mesh.shape[a] for a in over_b) * size) == 0:
+      over_b.append(name)
+    elif name == HEAD_AXIS and heads % size == 0:
+      over_h.append(name)
+  return tuple(over_b) or None, tuple(over_h) or None
+
+
+def manual_over_mesh(kernel):
+  """``kernel(params, *operands)`` run where no mesh axis is left to XLA's partitioner.
+
+  Mosaic (and Triton) calls cannot be partitioned automatically: inside the
+  training step's ``shard_map``, manual over ``cp`` only, the fsdp and tp
+  axes are XLA's to split, and a kernel there fails to compile for a TPU
+  ("Mosaic kernels cannot be automatically partitioned"). This wraps the
+  kernel in a ``shard_map`` manual over every axis of the current mesh that
+  is not manual yet: the batch over the batch axes (``dp``, ``fsdp``) and
+  the KV heads over ``tp`` where they divide, every other axis holding the
+  operands whole. The operands' leaves are ``[B, Hkv, ...]`` (4-D: q, k, v
+  and their gradients' inputs), ``[B, ...]`` (per-token arrays, the tile
+  schedule) or ``[1, T]`` (token positions, the same for every row); the
+  results are 4-D. Without such axes (one device, or already manual
+  everywhere) the kernel runs as it is.
+  """
+
+  @functools.wraps(kernel)
+  def run(params: KernelParams, *operands):
+    mesh = jax.sharding.get_abstract_mesh()
+    free = () if mesh.empty else tuple(
+        n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+    if not free:
+      return kernel(params, *operands)
+    ref = next(x for x in jax.tree.leaves(operands) if x.ndim == 4)
+    batch = ref.shape[0]
+    over_b, over_h = _split_of(mesh, free, batch, ref.shape[1])
+
+    def spec(x):
+      if x.ndim == 4:
+        return P(over_b, over_h)
+      # Per-row tables lead with the batch; token positions ([1, T]) are shared.
+      return P(over_b) if x.shape[0] == batch else P()
+
+    specs = jax.tree.map(spec, operands)
+
+    def local(*operands):
+      # A pallas_call's operands vary over the same mesh axes as its results.
+      axes = frozenset().union(*map(varying_axes, jax.tree.leaves(operands)))
+      return kernel(params, *jax.tree.map(lambda x: _vary_over(x, axes), operands))
+
+    return jax.shard_map(local, in_specs=specs, out_specs=P(over_b, over_h),
+                         axis_names=set(free))(*operands)
+
+  return run
 
 
 def launch(params: KernelParams, make_call, *args):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -101,6 +100,7 @@ def _forward_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs,
   lse_ref[...] = lse
 
 
+@common.manual_over_mesh
 def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
             sched: Schedule):
   """(out f32[B, Hkv, N, D], lse f32[B, Hkv, N, 1]) of q against one K/V chunk."""
@@ -163,6 +163,7 @@ def _dkdv_kernel(rows_ref, nrows_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse
   dv_ref[...] = dv
 
 
+@common.manual_over_mesh
 def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
              k_meta: Metadata, sched: Schedule):
   """(dq f32[B, Hkv, N, D], dk f32[B, Hkv, L, D], dv f32[B, Hkv, L, D]) of one chunk;

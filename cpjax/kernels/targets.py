@@ -22,11 +22,12 @@ import dataclasses
 import functools
 
 import jax
+import numpy as np
 from jax._src import core as jax_core
 from jax._src import dispatch
 from jax._src.interpreters import mlir
 
-__all__ = ["IMPLEMENTATIONS", "KernelTarget", "TARGETS", "resolve_implementation"]
+__all__ = ["IMPLEMENTATIONS", "KernelTarget", "TARGETS", "mesh_platform", "resolve_implementation"]
 
 IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
 
@@ -96,6 +97,13 @@ TARGETS = {
     "pallas_gpu": KernelTarget("pallas_gpu", ("cuda",),
                                ((64, 128, 128), (128, 128, 64), (256, 64, 64), (512, 32, 32))),
 }
+
+
+def mesh_platform(mesh) -> str | None:
+  """The platform of a concrete mesh's devices ("tpu" for compile-only TPU
+  devices too); None for an abstract mesh (then the default backend's)."""
+  devices = getattr(mesh, "devices", None)
+  return None if devices is None else np.asarray(devices).flat[0].platform
 
 
 def resolve_implementation(implementation: str | None, *, platform: str | None = None) -> str:

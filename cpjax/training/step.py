@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cpjax.cp_context import (CPContext, HiddenStates, batch_specs, manual_axes, split_over,
                               state_specs)
 from cpjax.kernels.common import varying_axes
+from cpjax.kernels.targets import mesh_platform, resolve_implementation
 from cpjax.layout import ShardLayout
 from cpjax.training.loss import cross_entropy, cross_entropy_sums
 
@@ -131,6 +132,9 @@ def _loss_parts(graphdef, *, mesh, layout, axis_name, batch_axis, forward, batch
   if layout is None:
     raise ValueError("layout is required with a mesh: pass the ShardLayout the sharder returned")
   manual = manual_axes(mesh, axis_name)
+  # The default backend is the mesh's, not the process's: a mesh of TPU
+  # devices compiled from a CPU host (cpjax plan --target) takes the TPU kernels.
+  implementation = resolve_implementation(implementation, platform=mesh_platform(mesh))
   axes = tuple(a for a in mesh.axis_names if a in manual and a in (batch_axis, axis_name))
   varied = tuple(a for a in manual if mesh.shape[a] > 1)
   context = CPContext(layout, axis_name, implementation, interpret, tuple(expert_axes),
