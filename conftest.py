@@ -6,6 +6,10 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes a lock file so that one process at a time drives the chips;
+# the tests only compile for compile-only TPU devices, from two xdist
+# workers and their subprocesses at once (tests/test_compile_targets.py).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # One persistent XLA compilation cache per test run, shared by the xdist
 # workers and every subprocess (the CLI, notebook kernels) through the
 # environment: many tests compile the same program (a job and its resume,

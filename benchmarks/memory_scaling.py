@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -39,24 +37,6 @@ from benchmarks.common import print_table, setup_devices, write_json  # noqa: E4
 # The issue's measurements before local embeddings and the chunked loss
 # (the same slice, S -> {cp: GiB}); S = 131072 was measured at cp = 8 only.
 BEFORE = {16384: {2: 44.3, 4: 23.0, 8: 12.6}, 131072: {8: 90.3}}
-
-_COLLECTIVE = re.compile(r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|reduce-scatter|all-reduce|"
-                         r"collective-permute|all-to-all)(?:-start)?\(")
-_SHAPE = re.compile(r"(pred|s8|u8|s32|u32|f32|bf16|f16|s64|u64|f64)\[([0-9,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2,
-          "s64": 8, "u64": 8, "f64": 8}
-
-
-def collective_bytes(hlo: str) -> dict[str, int]:
-  """{kind: output bytes} of the collectives in a compiled program's text
-  (per device; a loop body once)."""
-  out: dict[str, int] = {}
-  for shapes, kind in _COLLECTIVE.findall(hlo):
-    for dtype, dims in _SHAPE.findall(shapes):
-      size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-      out[kind] = out.get(kind, 0) + size * _BYTES[dtype]
-  return out
-
 
 def e2b_slice():
   from cpjax.models.gemma4 import Gemma4Config
@@ -79,7 +59,7 @@ def measure(cfg, *, seq_len: int, mesh: dict, shard_state: str) -> dict:
   state = parallel.bytes_per_device(params) + parallel.bytes_per_device(opt_state)
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
-  moved = collective_bytes(compiled.as_text())
+  moved = plan.collective_bytes(compiled.as_text())
   return {"state": state / plan.GiB, "activations": (total - state) / plan.GiB,
           "total": total / plan.GiB, "collective": sum(moved.values()) / plan.GiB,
           "collectives": {k: v / plan.GiB for k, v in sorted(moved.items())}}

@@ -8,8 +8,9 @@
                 [--seq-len N] [--cp N] [--layout KIND] [--steps N] [--seed N] [--dtype T]
                 [--coordinator-address HOST:PORT --num-processes N --process-id I]
     cpjax prepare-data IN.jsonl OUT --checkpoint DIR [--seq-len N] [--truncate] [--strict]
-    cpjax plan  (--model NAME | --checkpoint DIR) --seq-len N [--mesh AXIS=N,...]
-                [--device-memory SIZE] [--estimate-only]
+    cpjax plan  (--model NAME | --checkpoint DIR | --recipe NAME | --config FILE)
+                [--seq-len N] [--mesh AXIS=N,...] [--target CHIPS] [--device-memory SIZE]
+                [--estimate-only]
     cpjax demo  [--cp N] [--seq-len N]
     cpjax --version
 
@@ -35,6 +36,7 @@ __all__ = ["build_parser", "main", "train_parser"]
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
+  machine.cpu_unless_accelerators()
   if argv[:1] == ["train"]:
     return _train(train_parser(), argv[1:])
   parser = build_parser()

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import glob
 import os
+
+# Device nodes of the accelerators JAX's plugins drive: TPU VMs (/dev/accel*,
+# or VFIO groups on v5e and later) and NVIDIA GPUs.
+_ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")
+
+
+def cpu_unless_accelerators() -> None:
+  """On a machine with no TPU or GPU device node, run JAX on the CPU alone
+  (``JAX_PLATFORMS=cpu``) unless the user chose: libtpu and the CUDA plugin,
+  installed to compile for chips (``cpjax plan --target``), would otherwise
+  probe for chips at start-up and print errors about the ones not there.
+  Must run before JAX initialises."""
+  if "JAX_PLATFORMS" not in os.environ and not any(glob.glob(p) for p in _ACCELERATOR_NODES):
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def use_cpu_devices(n: int, *, collectives: str | None = None) -> None:

@@ -100,22 +100,40 @@ def build_parser() -> argparse.ArgumentParser:
   plan = sub.add_parser(
       "plan", help="per-device memory and FLOPs of a training step, before renting devices",
       description="Compile the Gemma 4 training step (AdamW, CP ring, FSDP/TP shardings) "
-                  "abstractly for emulated CPU devices: no weights are materialised. Reports "
-                  "per-device parameters, optimizer state, activations and temporaries, FLOPs, "
-                  "and whether it fits --device-memory, beside a closed-form estimate (see "
-                  "cpjax.training.plan). Without --mesh, finds the fewest-device fsdp x cp mesh that "
-                  "the estimate fits into --device-memory.")
-  what = plan.add_mutually_exclusive_group(required=True)
+                  "abstractly: no weights are materialised. Reports per-device parameters, "
+                  "optimizer state, activations and temporaries, FLOPs, and whether it fits "
+                  "--device-memory, beside a closed-form estimate (see cpjax.training.plan). "
+                  "By default it compiles with XLA:CPU for emulated CPU devices; --target v5e-8 "
+                  "(or h200-8, ...) compiles with that chip's own compiler and kernels, on any "
+                  "machine, and checks the fit against the chip's memory. The run comes from "
+                  "--model / --checkpoint and the flags, or from a run config as cpjax train "
+                  "takes it (--recipe NAME, --config FILE; flags given here override it). "
+                  "Without --mesh, finds the fewest-device fsdp x cp mesh that the estimate "
+                  "fits into --device-memory.")
+  what = plan.add_mutually_exclusive_group()
   what.add_argument("--model", choices=MODEL_FLAGS,
                     help="architecture preset (a4b is 26B-A4B)")
   what.add_argument("--checkpoint", metavar="DIR",
                     help="a Hugging Face Gemma 4 checkpoint directory: plans from its "
                          "config.json without reading any weight")
-  plan.add_argument("--seq-len", type=_positive, required=True, help="tokens per row")
+  what.add_argument("--recipe", metavar="NAME",
+                    help="plan a shipped run recipe (cpjax train --recipe NAME): its model, "
+                         "length, mesh, batch, remat, dtype, LoRA and experts")
+  what.add_argument("--config", metavar="FILE",
+                    help="plan a run config file (cpjax train --config FILE), as --recipe")
+  plan.add_argument("--target", metavar="CHIPS", default=None,
+                    help="compile for these chips with their own compiler (no chip needed): "
+                         "Cloud TPU's v4-8, v5litepod-8 or v5e-8, v5p-16, v6e-8, ..., a topology "
+                         "such as v5e:2x4, or GPUs h100-8, h200-8, h200-2x8 (hosts x GPUs); "
+                         "needs pip install 'cpjax[tpu]' or 'cpjax[cuda]'. Exits 1 when the "
+                         "step does not fit the chip's memory")
+  plan.add_argument("--seq-len", type=_positive, default=None,
+                    help="tokens per row (required without --recipe / --config)")
   plan.add_argument("--mesh", type=_mesh, default=None, metavar="AXIS=N,...",
-                    help="e.g. fsdp=8,cp=16 or fsdp=4,cp=4,tp=2 (default: search with "
+                    help="e.g. fsdp=8,cp=16 or fsdp=4,cp=4,tp=2 (default: the run config's; "
+                         "with --target, cp over all its chips; else search with "
                          "--device-memory)")
-  plan.add_argument("--remat", default="full", choices=("none", "full", "save_attention_out"),
+  plan.add_argument("--remat", default=None, choices=("none", "full", "save_attention_out"),
                     help="per-layer rematerialisation (default full)")
   plan.add_argument("--batch-size", type=_positive, default=None,
                     help="rows per step (default: one per batch shard)")
@@ -131,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--capacity-factor", type=_positive_float, default=None, metavar="C",
                     help="MoE with ep: the dispatch's capacity factor (default: never drop, "
                          "buffers sized for the worst case)")
-  plan.add_argument("--shard-state", choices=typing.get_args(ShardState), default="fsdp+cp",
+  plan.add_argument("--shard-state", choices=typing.get_args(ShardState), default=None,
                     help="which axes split the parameters, gradients and optimizer state, as "
                          "cpjax train --shard-state (default: fsdp+cp, every token axis)")
   plan.add_argument("--write-config", metavar="FILE", default=None,

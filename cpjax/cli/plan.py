@@ -24,9 +24,73 @@ def plan_config(parser, args):
   return cfg, os.path.basename(os.path.normpath(args.checkpoint))
 
 
+def _from_run(parser, args) -> None:
+  """Fill the flags not given from ``--recipe`` / ``--config``'s run config,
+  as cpjax train would run it; the defaults for the rest."""
+  run = None
+  if args.recipe is not None or args.config is not None:
+    from cpjax import recipes
+    from cpjax.training.run_config import JobError
+    from cpjax.training.run_file import read_run_config
+
+    try:
+      path = recipes.path(args.recipe) if args.recipe is not None else args.config
+      run = read_run_config(path)
+    except KeyError as e:
+      parser.exit(2, f"cpjax plan: error: --recipe: {e.args[0]}\n")
+    except (OSError, JobError) as e:
+      parser.exit(2, f"cpjax plan: error: --config: {e}\n")
+  if run is None:
+    if args.model is None and args.checkpoint is None:
+      args.model = "tiny"
+    if args.seq_len is None:
+      parser.exit(2, "cpjax plan: error: give --seq-len (or a run config: --recipe, --config)\n")
+  else:
+    args.model, args.checkpoint = run.model, run.checkpoint
+    given = {"seq_len": run.dataset.seq_len, "batch_size": run.dataset.batch_size,
+             "remat": run.remat, "shard_state": run.parallel.shard_state,
+             "lora_rank": run.lora.rank, "capacity_factor": run.experts.capacity_factor,
+             "mesh": run.parallel.mesh_sizes(),
+             "base_dtype": run.lora.base_dtype if run.lora.rank is not None else None}
+    for key, value in given.items():
+      if getattr(args, key) is None:
+        setattr(args, key, value)
+  args.remat = args.remat or "full"
+  args.shard_state = args.shard_state or "fsdp+cp"
+  # The compiled step's activations: the run's dtype; float32 without a run
+  # (XLA:CPU's partitioner aborts on bfloat16 weight gradients over fsdp/tp).
+  args.dtype = run.dtype if run is not None else "float32"
+
+
+def _target(parser, args):
+  """The ``--target`` chips (None without), its mesh and memory filled in."""
+  if args.target is None:
+    return None
+  from cpjax.training import targets
+
+  try:
+    target = targets.parse_target(args.target)
+  except ValueError as e:
+    parser.exit(2, f"cpjax plan: error: --target: {e}\n")
+  if args.mesh is None:
+    args.mesh = {"cp": target.num_devices}
+  devices = math.prod(v for k, v in args.mesh.items() if k != "ep")
+  if devices != target.num_devices:
+    mesh = ",".join(f"{k}={v}" for k, v in args.mesh.items())
+    parser.exit(2, f"cpjax plan: error: --mesh {mesh} has {devices} devices, --target "
+                   f"{args.target} has {target.num_devices} ({target.topology})\n")
+  if args.device_memory is None:
+    args.device_memory = target.chip.memory
+  return target
+
+
 def plan(parser, args) -> int:
+  import time
+
   from cpjax.training import plan
 
+  _from_run(parser, args)
+  target = _target(parser, args)
   if args.mesh is None and args.device_memory is None:
     parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
   if args.base_dtype is not None and args.lora_rank is None:
@@ -34,6 +98,8 @@ def plan(parser, args) -> int:
   if args.expert_parallel and args.mesh is not None:
     parser.exit(2, "cpjax plan: error: --expert-parallel searches meshes; with --mesh give "
                    "ep in it (e.g. fsdp=2,cp=4,ep=8)\n")
+  if target is not None and args.estimate_only:
+    parser.exit(2, "cpjax plan: error: --target compiles; it does not go with --estimate-only\n")
   lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32",
           "shard_state": args.shard_state}
   cfg, name = plan_config(parser, args)
@@ -49,28 +115,45 @@ def plan(parser, args) -> int:
       return 1
     mesh = found.mesh
   devices = math.prod(v for k, v in mesh.items() if k != "ep")
+  # (With --target the CPU devices only lay out the abstract batch.)
   machine.use_cpu_devices(devices)
+  seconds = None
   try:
     rows = [plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
                           remat=args.remat, batch_size=args.batch_size, dtype=dtype,
                           capacity_factor=args.capacity_factor, **lora)
             for dtype in ("bfloat16", "float32")]
     if not args.estimate_only:
+      start = time.perf_counter()
       rows.append(plan.compiled_plan(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
                                      remat=args.remat, batch_size=args.batch_size,
-                                     capacity_factor=args.capacity_factor, **lora))
+                                     capacity_factor=args.capacity_factor, target=target,
+                                     dtype=args.dtype if target is not None else "float32",
+                                     **lora))
+      seconds = time.perf_counter() - start
+  except ImportError as e:  # a target's compiler is not installed
+    parser.exit(2, f"cpjax plan: error: --target: {e}\n")
   except ValueError as e:   # a mesh the model cannot use: a usage error, before compiling
     parser.exit(2, f"cpjax plan: error: {e}\n")
+  where = "" if target is None else f" ({target.chip.kind}, {target.topology})"
   print(f"cpjax plan: Gemma 4 {name}, S={args.seq_len}, remat {args.remat}, "
-        f"{rows[0].training} training, {devices} devices; per device:")
+        f"{rows[0].training} training, {devices} devices{where}; per device:")
   for row in rows:
     fits = ""
     if args.device_memory is not None:
       fits = ("  fits " if row.fits(args.device_memory) else "  does NOT fit ") + \
           plan.format_bytes(args.device_memory)
     print(f"  {row.row()} [{row.dtype} activations]{fits}")
+  if seconds is not None:
+    compiled = rows[-1]
+    moved = ", ".join(f"{k} {plan.format_bytes(v)}" for k, v in sorted(compiled.collectives.items()))
+    compiler = "XLA:CPU" if target is None else f"{target.name}'s compiler"
+    print(f"  compiled by {compiler} in {seconds:.0f} s; collectives per step (outputs, a loop "
+          f"body once): {moved or 'none'}")
   if args.write_config is not None:
     _write_config(args, cfg, name, rows, mesh)
+  if target is not None and not rows[-1].fits(args.device_memory):
+    return 1
   return 0
 
 

@@ -86,7 +86,7 @@ import numpy as np
 
 from cpjax.training.run_config import ShardState, state_axes
 
-__all__ = ["Plan", "compile_step", "compiled_plan", "estimate", "format_bytes",
+__all__ = ["Plan", "collective_bytes", "compile_step", "compiled_plan", "estimate", "format_bytes",
            "lora_param_count", "parse_bytes", "smallest_mesh"]
 
 GiB = 2 ** 30
@@ -136,10 +136,11 @@ class Plan:
   optimizer: float
   activations: float         # everything else: temporaries, gradients, batch
   total: float
-  flops: float
-  source: str                # "compiled" or "estimate"
+  flops: float               # NaN where the compiler gives none (XLA:GPU without a device)
+  source: str                # "estimate", "compiled" (XLA:CPU) or a target ("v5e-8")
   lora_rank: int | None = None       # None: every weight trained
   base_dtype: str = "float32"        # the frozen base's storage under LoRA
+  collectives: dict = dataclasses.field(default_factory=dict)  # compiled: {kind: bytes}
 
   def fits(self, device_memory: int) -> bool:
     return self.total <= device_memory
@@ -153,10 +154,11 @@ class Plan:
 
   def row(self) -> str:
     mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
+    flops = "      n/a" if math.isnan(self.flops) else f"{self.flops / 1e12:9.3g}"
     return (f"{self.model:>4} S={self.seq_len:<7d} {mesh:<18} {self.source:<8} "
             f"params {format_bytes(self.params):>9}  optimizer {format_bytes(self.optimizer):>9}"
             f"  activations+temp {format_bytes(self.activations):>9}  total "
-            f"{format_bytes(self.total):>9}  {self.flops / 1e12:9.3g} TFLOP/device")
+            f"{format_bytes(self.total):>9}  {flops} TFLOP/device")
 
 
 @functools.lru_cache(maxsize=8)
@@ -336,15 +338,18 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
                  batch_size: int | None = None, dtype: str = "float32",
                  lora_rank: int | None = None, base_dtype: str = "float32",
                  lora_targets: str | None = None, capacity_factor: float | None = None,
-                 shard_state: str = "fsdp+cp"):
+                 shard_state: str = "fsdp+cp", devices=None):
   """The training step of ``cfg`` compiled abstractly (no array is made) on
   ``prod(mesh)`` devices: ``(compiled TrainStep, params, opt_state,
   frozen base or None)``, the state as sharded ``ShapeDtypeStruct`` s.
   ``mesh`` may carry ``ep`` (:func:`cpjax.parallel.expert_axes`);
   ``capacity_factor`` as :mod:`cpjax.experts`.
 
-  The process must have at least that many JAX devices (``cpjax plan`` sets
-  ``jax_num_cpu_devices`` before JAX starts).
+  ``devices``: the devices to compile for, by default the process's own
+  (``cpjax plan`` sets ``jax_num_cpu_devices`` before JAX starts); or a
+  target's compile-only ones (:meth:`cpjax.training.targets.Target.devices`),
+  which compile with their own chip's kernels and compiler. The batch is
+  laid out on as many CPU devices (its shapes and shardings only).
   """
   import jax
   import jax.numpy as jnp
@@ -353,15 +358,22 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
   from jax.sharding import NamedSharding
 
   from cpjax import parallel, training
+  from cpjax.kernels.targets import mesh_platform, resolve_implementation
   from cpjax.models.gemma4 import Gemma4
   from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 
-  devices = math.prod(v for k, v in mesh.items() if k != "ep")
-  if jax.device_count() < devices:
-    raise ValueError(f"mesh {mesh} needs {devices} devices, this process has "
+  count = math.prod(v for k, v in mesh.items() if k != "ep")
+  if devices is not None and len(devices) != count:
+    raise ValueError(f"mesh {mesh} has {count} devices, the target has {len(devices)}: give a "
+                     f"mesh of {len(devices)}")
+  if jax.device_count() < count:     # (a target's batch is laid out on as many)
+    raise ValueError(f"mesh {mesh} needs {count} devices, this process has "
                      f"{jax.device_count()}")
   sizes = {k: v for k, v in mesh.items() if k != "ep"}
-  grid = parallel.make_mesh(**sizes)
+  grid = parallel.make_mesh(**sizes, devices=devices)
+  # A compile-only device holds no array: the batch is laid out on a CPU mesh
+  # of the same axes, and only its shapes and shardings cross over.
+  host = grid if devices is None else parallel.make_mesh(**sizes)
   ep = mesh.get("ep", 1)
   expert_axes = parallel.expert_axes(grid, ep)
   batch_axis = parallel.batch_axis_of(grid)
@@ -393,7 +405,11 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
   text = {"input_ids": np.ones((rows, seq_len), np.int32),
           "labels": np.ones((rows, seq_len), np.int32)}
   sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout="load_balanced")["cp_sharder"]
-  batch, layout = sharder.shard_batch(text, grid, batch_axis=batch_axis)
+  kernels = resolve_implementation(None, platform=mesh_platform(grid))
+  batch, layout = sharder.shard_batch(text, host, batch_axis=batch_axis, implementation=kernels)
+  if host is not grid:
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(grid, x.sharding.spec)), batch)
   step = training.make_train_step(graphdef, optimizer, mesh=grid, layout=layout, frozen=frozen,
                                expert_axes=expert_axes, capacity_factor=capacity_factor)
   compiled = step.compile(params, opt_state, batch)
@@ -403,22 +419,47 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
   return compiled, params, opt_state, base
 
 
+_COLLECTIVE = re.compile(r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|reduce-scatter|all-reduce|"
+                         r"collective-permute|all-to-all)(?:-start)?\(")
+_SHAPE = re.compile(r"(pred|s8|u8|s32|u32|f32|bf16|f16|s64|u64|f64)\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2,
+          "s64": 8, "u64": 8, "f64": 8}
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+  """{kind: output bytes} of the collectives in a compiled program's text
+  (per device; a loop body counted once).
+
+  >>> collective_bytes("%x = f32[4,8]{1,0} all-gather(f32[1,8] %y), dimensions={0}")
+  {'all-gather': 128}
+  """
+  out: dict[str, int] = {}
+  for shapes, kind in _COLLECTIVE.findall(hlo):
+    for dtype, dims in _SHAPE.findall(shapes):
+      size = math.prod(int(d) for d in dims.split(",") if d)
+      out[kind] = out.get(kind, 0) + size * _BYTES[dtype]
+  return out
+
+
 def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
                   batch_size: int | None = None, dtype: str = "float32",
                   lora_rank: int | None = None, base_dtype: str = "float32",
                   lora_targets: str | None = None, capacity_factor: float | None = None,
-                  shard_state: str = "fsdp+cp") -> Plan:
-  """The :class:`Plan` of :func:`compile_step`'s program: its memory analysis
-  and FLOPs, the parameters' and optimizer state's bytes per device."""
+                  shard_state: str = "fsdp+cp", target=None) -> Plan:
+  """The :class:`Plan` of :func:`compile_step`'s program: its memory analysis,
+  FLOPs and collective bytes, the parameters' and optimizer state's bytes per
+  device. ``target``: a :class:`cpjax.training.targets.Target` to compile
+  for with its own compiler and kernels (default: this process's devices)."""
   from cpjax import parallel
 
   compiled, params, opt_state, base = compile_step(
       cfg, seq_len=seq_len, mesh=mesh, remat=remat, batch_size=batch_size, dtype=dtype,
       lora_rank=lora_rank, base_dtype=base_dtype, lora_targets=lora_targets,
-      capacity_factor=capacity_factor, shard_state=shard_state)
+      capacity_factor=capacity_factor, shard_state=shard_state,
+      devices=None if target is None else target.devices())
   memory = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  cost = compiled.cost_analysis()      # None from XLA:GPU without a device
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   # The parameters: the trained ones, and under LoRA the frozen base (the
   # buffers, a few numbers, count with the rest as the closed form does).
   param_bytes = parallel.bytes_per_device(params)
@@ -428,8 +469,10 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
   return Plan(model, seq_len, dict(mesh), remat, dtype, param_bytes, opt_bytes,
-              total - param_bytes - opt_bytes, total, float(cost.get("flops", 0.0)), "compiled",
-              lora_rank, base_dtype if lora_rank is not None else "float32")
+              total - param_bytes - opt_bytes, total, float(cost.get("flops", math.nan)),
+              "compiled" if target is None else target.name, lora_rank,
+              base_dtype if lora_rank is not None else "float32",
+              collective_bytes(compiled.as_text()))
 
 
 def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: str = "full",

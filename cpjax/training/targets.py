@@ -1,0 +1,220 @@
+"""Chips to compile for without having them: TPU slices and NVIDIA GPUs by name.
+
+A :class:`Target` names an accelerator as a user rents it (Cloud TPU's
+accelerator types ``v4-8``, ``v5litepod-8`` / ``v5e-8``, ``v5p-16``,
+``v6e-8``, or an explicit topology ``v5e:2x4``; GPUs ``h100-8``, ``h200-8``,
+``h200-2x8`` for hosts x GPUs) and makes its compile-only devices
+(:func:`Target.devices`): XLA:TPU with Mosaic (libtpu) or XLA:GPU with
+ptxas (jax's CUDA plugin) compile for them on any machine, CPU-only ones
+included. No array can live on such a device: programs are compiled from
+``jax.ShapeDtypeStruct`` s, and ``memory_analysis()`` is the real
+compiler's per-device memory.
+
+Cloud TPU's names count TensorCores on v4 and v5p (two a chip, one JAX
+device: ``v4-8`` is 4 chips) and chips on v5e and v6e (``v5e-8`` is 8).
+
+>>> t = parse_target("v5litepod-8")
+>>> t.chip.name, t.topology, t.num_devices, t.chip.memory // 2**30
+('v5e', 'v5e:2x4', 8, 16)
+>>> parse_target("v5p-16").topology, parse_target("h200-2x8").topology
+('v5p:2x2x2', '1x2x8')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import re
+
+__all__ = ["CHIPS", "Chip", "Target", "parse_target"]
+
+GiB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One accelerator chip as its compiler sees it.
+
+  Attributes:
+    name: the short name (``"v5e"``, ``"h200"``).
+    platform: ``"tpu"`` or ``"cuda"``.
+    memory: bytes of memory of one JAX device (the chip's HBM).
+    kind: the ``device_kind`` its compile-only devices report.
+    cores_per_chip: TensorCores a chip counts for in Cloud TPU's accelerator
+      name (``v4-8``: 8 cores, 4 chips); 1 where the name counts chips.
+    mesh_dims: 2 (v5e, v6e: a 2-D torus) or 3 (v4, v5p); 0 for GPUs.
+    chip_config: libtpu's chip configuration (``"megacore"``: one device a chip).
+    host: chips one host holds along each topology dimension.
+    gpu: for GPUs, ``(SMs, compute capability major, minor, shared memory per
+      block opt-in, per SM)``: what XLA:GPU and ptxas need of the chip.
+  """
+
+  name: str
+  platform: str
+  memory: int
+  kind: str
+  cores_per_chip: int = 1
+  mesh_dims: int = 0
+  chip_config: str = "default"
+  host: tuple[int, ...] = ()
+  gpu: tuple[int, ...] = ()
+
+  def target_config(self) -> str:
+    """XLA's ``GpuTargetConfigProto`` of this GPU, in protobuf text format."""
+    sms, major, minor, smem_optin, smem_sm = self.gpu
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: {smem_optin}
+  shared_memory_per_core: {smem_sm}
+  threads_per_core_limit: 2048
+  core_count: {sms}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  device_memory_size: {self.memory}
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  cuda_compute_capability {{
+    major: {major}
+    minor: {minor}
+    feature_extension: ACCELERATED_FEATURES
+  }}
+  device_vendor: "NVIDIA Corporation"
+  device_address_bits: 64
+  name: "{self.kind}"
+}}
+platform_name: "CUDA"
+dnn_version_info {{
+  major: 9
+  minor: 10
+}}
+device_description_str: "{self.kind}"
+"""
+
+
+# Memory per device: Cloud TPU's HBM per chip (v4 and v5p as one megacore
+# device), and the GPUs' device memory as their drivers report it.
+CHIPS = {
+    "v4": Chip("v4", "tpu", 32 * GiB, "TPU v4", cores_per_chip=2, mesh_dims=3,
+               chip_config="megacore", host=(2, 2, 1)),
+    "v5e": Chip("v5e", "tpu", 16 * GiB, "TPU v5 lite", mesh_dims=2, host=(2, 4, 1)),
+    "v5p": Chip("v5p", "tpu", 95 * GiB, "TPU v5", cores_per_chip=2, mesh_dims=3,
+                host=(2, 2, 1)),
+    "v6e": Chip("v6e", "tpu", 32 * GiB, "TPU v6 lite", mesh_dims=2, host=(2, 4, 1)),
+    "h100": Chip("h100", "cuda", 84942979072, "NVIDIA H100 80GB HBM3",
+                 gpu=(132, 9, 0, 232448, 233472)),
+    "h200": Chip("h200", "cuda", 151397597184, "NVIDIA H200 141GB HBM3e",
+                 gpu=(132, 9, 0, 232448, 233472)),
+}
+_ALIASES = {"v5litepod": "v5e"}
+_EXTRAS = {"tpu": ("libtpu", "tpu"), "cuda": ("jax_cuda12_plugin", "cuda")}
+
+
+def _torus(chips: int, dims: int) -> tuple[int, ...]:
+  """The most nearly cubic power-of-two shape of ``chips``, small sides first
+  (8 chips: 2x4 on a 2-D torus, 2x2x2 on a 3-D one; 4 on 3-D: 2x2x1)."""
+  shape = [1] * dims
+  for _ in range(int(math.log2(chips))):
+    i = min(range(dims), key=lambda d: (shape[d], d))
+    shape[i] *= 2
+  shape = sorted(shape)
+  return tuple(shape[1:] + shape[:1]) if dims == 3 and shape[0] == 1 else tuple(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A slice of ``chip`` s: ``topology`` is libtpu's (``"v5e:2x4"``) or the
+  CUDA plugin's (``"1x1x8"``: slices x hosts x GPUs)."""
+
+  name: str
+  chip: Chip
+  topology: str
+  num_devices: int
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(int(n) for n in self.topology.split(":")[-1].split("x"))
+
+  def devices(self) -> list:
+    """The target's compile-only JAX devices (libtpu or the CUDA plugin needed)."""
+    module, extra = _EXTRAS[self.chip.platform]
+    if importlib.util.find_spec(module) is None:
+      raise ImportError(f"compiling for {self.name} needs {module}: pip install "
+                        f"'cpjax[{extra}]' (it installs it at jax's version)")
+    from jax.experimental import topologies
+
+    if self.chip.platform == "tpu":
+      host = tuple(min(h, s) for h, s in zip(self.chip.host, self.shape + (1,)))
+      topo = topologies.get_topology_desc(
+          platform="tpu", topology_name=self.topology, chip_config_name=self.chip.chip_config,
+          chips_per_host_bounds=host, num_slices=1)
+    else:
+      topo = topologies.get_topology_desc(platform="cuda", topology=self.topology,
+                                          target_config=self.chip.target_config())
+    devices = list(topo.devices)
+    if len(devices) != self.num_devices:     # (libtpu's own count, should it differ)
+      raise ValueError(f"{self.name}: the {self.topology} topology has {len(devices)} devices, "
+                       f"expected {self.num_devices}")
+    return devices
+
+
+def known_targets() -> str:
+  """The names :func:`parse_target` takes, for error messages and ``--help``."""
+  tpus = ", ".join(f"{c.name}-N" for c in CHIPS.values() if c.platform == "tpu")
+  gpus = ", ".join(f"{c.name}-N or {c.name}-HxN" for c in CHIPS.values() if c.platform == "cuda")
+  return (f"{tpus} (Cloud TPU's accelerator types; v5litepod-N too), a topology such as "
+          f"v5e:2x4 or v5p:2x2x2, or {gpus} (H hosts of N GPUs)")
+
+
+def parse_target(text: str) -> Target:
+  """The :class:`Target` that ``text`` names (see the module docstring).
+
+  >>> parse_target("v4-8").num_devices, parse_target("v5e:4x4").num_devices
+  (4, 16)
+  >>> parse_target("tpu-8")
+  Traceback (most recent call last):
+  ...
+  ValueError: unknown target 'tpu-8': give v4-N, v5e-N, v5p-N, v6e-N (...), ...
+  """
+  if not isinstance(text, str):
+    raise TypeError(f"target must be a str such as 'v5e-8', got {type(text).__name__}")
+  name = text.strip().lower()
+  match = re.fullmatch(r"([a-z0-9]+)(?::((?:\d+x)*\d+)|-(?:(\d+)x)?(\d+))", name)
+  chip = CHIPS.get(_ALIASES.get(match.group(1), match.group(1))) if match else None
+  if chip is None:
+    raise ValueError(f"unknown target {text!r}: give {known_targets()}")
+  topology, hosts, count = match.group(2), match.group(3), match.group(4)
+  if chip.platform == "cuda":
+    if topology is not None:
+      raise ValueError(f"target {text!r}: a GPU target is {chip.name}-N or {chip.name}-HxN "
+                       f"(H hosts of N GPUs), not a topology")
+    hosts, gpus = int(hosts or 1), int(count)
+    if hosts < 1 or gpus < 1:
+      raise ValueError(f"target {text!r} needs at least one host of one GPU")
+    return Target(text, chip, f"1x{hosts}x{gpus}", hosts * gpus)
+  if topology is not None:
+    shape = tuple(int(n) for n in topology.split("x"))
+    if len(shape) != chip.mesh_dims or min(shape) < 1:
+      raise ValueError(f"target {text!r}: a {chip.name} topology has {chip.mesh_dims} "
+                       f"positive sides (such as {chip.name}:{'x'.join(['2'] * chip.mesh_dims)})"
+                       f", got {topology!r}")
+    return Target(text, chip, f"{chip.name}:{topology}", math.prod(shape))
+  if hosts is not None:
+    raise ValueError(f"target {text!r}: a TPU slice is {chip.name}-N, not hosts x chips")
+  cores = int(count)
+  chips, rest = divmod(cores, chip.cores_per_chip)
+  if rest or chips < 1 or chips & (chips - 1):
+    per = "TensorCores (two a chip)" if chip.cores_per_chip == 2 else "chips"
+    raise ValueError(f"target {text!r}: {chip.name}-N counts {per}; N must give a power of two "
+                     f"of chips, got {cores}")
+  shape = _torus(chips, chip.mesh_dims)
+  return Target(text, chip, f"{chip.name}:{'x'.join(map(str, shape))}", chips)

@@ -1,0 +1,172 @@
+"""The ring's kernels and the training step compiled by the real TPU and GPU compilers.
+
+Lowering is not compiling: Mosaic (libtpu) and ptxas (jax's CUDA plugin) only
+run at ``.compile()``, and they reject what XLA:CPU and Pallas' interpreter
+accept. Here they compile for compile-only devices of a v5e slice and of 8
+H200s (:mod:`cpjax.training.targets`), on this CPU machine: every mask rule,
+Gemma 4's head dims (256 and 512), GQA groups 1 to 8, bfloat16 and float32,
+the three layouts and the window-shortened ring, forward and backward; and
+Gemma 4's training step on meshes whose fsdp and tp axes XLA partitions
+(the kernels must sit in a ``shard_map`` manual over them,
+:func:`cpjax.kernels.common.manual_over_mesh`). Skipped without
+``pip install 'cpjax[tpu]'`` / ``'cpjax[cuda]'``.
+"""
+
+import collections
+import dataclasses
+import functools
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cpjax
+from cpjax import parallel
+from cpjax.training import plan, targets
+
+needs = {
+    "v5e-8": pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason="needs libtpu: pip install 'cpjax[tpu]'"),
+    "h200-8": pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                                 reason="needs jax's CUDA plugin: pip install 'cpjax[cuda]'"),
+}
+KERNEL = {"v5e-8": ("tpu_custom_call", "pallas_tpu"), "h200-8": ("__gpu$xla.gpu.triton",
+                                                                 "pallas_gpu")}
+
+
+@functools.lru_cache(maxsize=None)
+def devices(name):
+  return targets.parse_target(name).devices()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLM(cpjax.MaskRule):
+  """A user's rule: the first ``prefix`` tokens attend both ways."""
+
+  prefix: int
+
+  def allowed(self, q, k):
+    return ((q.positions[:, None] < self.prefix) & (k.positions[None, :] < self.prefix))[None]
+
+  def classify(self, q, k, block_q, block_kv):
+    qb, kb = q.blocks(block_q), k.blocks(block_kv)
+    some = (qb.min(-1)[:, None] < self.prefix) & (kb.min(-1)[None, :] < self.prefix)
+    every = (qb.max(-1)[:, None] < self.prefix) & (kb.max(-1)[None, :] < self.prefix)
+    return cpjax.masks.BlockMap(some[None], every[None])
+
+  def reach(self):
+    return cpjax.masks.Reach(self.prefix - 1, self.prefix - 1)
+
+
+# (mask, layout, head dim, query heads, KV heads, dtype): each rule, head dim,
+# group size, dtype and layout at least once, in as few compiles as that takes.
+RING_CASES = {
+    "causal-d256-g8-bf16-load_balanced": ("causal", "load_balanced", 256, 8, 1, jnp.bfloat16),
+    "window-d512-g1-f32-contiguous": ("window", "contiguous", 512, 2, 2, jnp.float32),
+    "documents-padding-d256-g2-bf16-document_balanced": ("documents", "document_balanced", 256,
+                                                         4, 2, jnp.bfloat16),
+    "vision-d256-g4-f32-load_balanced": ("vision", "load_balanced", 256, 4, 1, jnp.float32),
+    "user-rule-d512-g8-bf16-load_balanced": ("user", "load_balanced", 512, 8, 1, jnp.bfloat16),
+}
+S, CP = 2048, 8
+
+
+def _mask(kind):
+  """(AttentionMask of abstract [1, S] arrays or None, mask keywords)."""
+  ids = jax.ShapeDtypeStruct((1, S), jnp.int32)
+  if kind == "causal":
+    return None, {}
+  if kind == "window":       # 512 keys reach one rank back: a shortened ring
+    return None, {"sliding_window": 512}
+  if kind == "documents":
+    return None, {"segment_ids": ids, "padding_mask": jax.ShapeDtypeStruct((1, S), jnp.bool_)}
+  if kind == "vision":
+    return None, {"vision_group_ids": ids, "sliding_window": 128}
+  return cpjax.AttentionMask(cpjax.LocalWindow(None, 0) | PrefixLM(300)), {}
+
+
+def compiled_ring(target, kind, layout_kind, d, hq, hkv, dtype):
+  mesh = parallel.make_mesh(cp=CP, devices=devices(target))
+  layout = cpjax.ShardLayout(S, S, CP, layout_kind)
+  mask, keywords = _mask(kind)
+  rows = NamedSharding(mesh, P(None, "cp"))
+  q = jax.ShapeDtypeStruct((1, S, hq, d), dtype, sharding=rows)
+  kv = jax.ShapeDtypeStruct((1, S, hkv, d), dtype, sharding=rows)
+  static = {k: v for k, v in keywords.items() if isinstance(v, int)}
+  arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
+            for k, v in keywords.items() if k not in static}
+
+  def loss(q, k, v, arrays):
+    out = cpjax.context_parallel_attention(q, k, v, mesh=mesh, layout=layout, mask=mask,
+                                           **static, **arrays)
+    return jnp.sum(out.astype(jnp.float32))
+
+  with jax.set_mesh(mesh):
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, arrays).lower().compile()
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, marks=m) for t, m in needs.items()])
+@pytest.mark.parametrize("case", list(RING_CASES))
+def test_the_ring_kernels_compile_for_the_chip(target, case):
+  """Forward and backward of the ring with the chip's kernels (the default on
+  its mesh): every kernel of both passes is in the compiled program, which a
+  fallback to the XLA tile loop, or a kernel its compiler rejects, fails."""
+  compiled = compiled_ring(target, *RING_CASES[case])
+  text = compiled.as_text()
+  call, _ = KERNEL[target]
+  assert text.count(call) >= 3, collections.Counter(re.findall(r"custom_call_target=\"[^\"]+",
+                                                               text))
+  names = set(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text))
+  assert names == {"forward", "dq", "dkdv"}, names
+  assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+# The training step on meshes XLA partitions over fsdp and tp; each with the
+# compiled memory per device it was recorded at (bytes, arguments + outputs -
+# aliases + temporaries): a change that makes the step grow by more than 10%
+# fails here, and one that shrinks it should lower the record.
+STEPS = {
+    ("v5e-8", "tiny", (("fsdp", 2), ("cp", 2), ("tp", 2))): 36_196_352,
+    ("h200-8", "tiny", (("fsdp", 2), ("cp", 2), ("tp", 2))): 29_801_108,
+    ("v5e-8", "tiny-moe", (("fsdp", 2), ("cp", 4), ("ep", 4))): 107_097_600,
+}
+SLOW_STEPS = {
+    ("v5e-8", "tiny", (("cp", 4), ("tp", 2))): 51_367_936,
+    ("h200-8", "tiny", (("fsdp", 2), ("cp", 4))): 20_767_156,
+    ("h200-8", "tiny-moe", (("fsdp", 2), ("cp", 4), ("ep", 4))): 80_068_704,
+}
+
+
+def _step_params():
+  out = []
+  for table, marks in ((STEPS, ()), (SLOW_STEPS, (pytest.mark.slow,))):
+    for (target, preset, mesh), record in table.items():
+      ident = f"{preset}-{target}-" + "x".join(f"{k}{v}" for k, v in mesh)
+      out.append(pytest.param(target, preset, dict(mesh), record, id=ident,
+                              marks=(needs[target], *marks)))
+  return out
+
+
+@pytest.mark.parametrize("target, preset, mesh, record", _step_params())
+def test_the_training_step_compiles_for_the_chip(target, preset, mesh, record):
+  """Gemma 4's whole step (AdamW, the ring with the chip's kernels, FSDP / TP
+  shardings, expert parallelism) through the real compiler, as
+  ``cpjax plan --target`` compiles it, and its memory against the record."""
+  from cpjax.models.gemma4 import Gemma4Config
+
+  compiled, _, _, _ = plan.compile_step(Gemma4Config.preset(preset), seq_len=4096, mesh=mesh,
+                                        devices=devices(target))
+  text = compiled.as_text()
+  call, _ = KERNEL[target]
+  assert set(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text)) == {"forward", "dq", "dkdv"}
+  assert call in text
+  memory = compiled.memory_analysis()
+  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  print(f"{target} {preset} {mesh}: {total} bytes per device")
+  if record is not None:
+    assert total <= 1.1 * record, (total, record)

@@ -1,0 +1,63 @@
+"""Target names: Cloud TPU's accelerator types and GPU slices, as a user rents them."""
+
+import pytest
+
+from cpjax.training.targets import CHIPS, parse_target
+
+
+@pytest.mark.parametrize("name, chip, topology, devices", [
+    # v4 and v5p count TensorCores (two a chip, one megacore device).
+    ("v4-8", "v4", "v4:2x2x1", 4),
+    ("v4-16", "v4", "v4:2x2x2", 8),
+    ("v5p-8", "v5p", "v5p:2x2x1", 4),
+    ("v5p-16", "v5p", "v5p:2x2x2", 8),
+    ("v5p-128", "v5p", "v5p:4x4x4", 64),
+    # v5e and v6e count chips.
+    ("v5litepod-1", "v5e", "v5e:1x1", 1),
+    ("v5e-4", "v5e", "v5e:2x2", 4),
+    ("V5E-8", "v5e", "v5e:2x4", 8),
+    ("v5e-256", "v5e", "v5e:16x16", 256),
+    ("v6e-8", "v6e", "v6e:2x4", 8),
+    ("v6e-32", "v6e", "v6e:4x8", 32),
+    ("v5e:4x8", "v5e", "v5e:4x8", 32),
+    ("v5p:2x2x4", "v5p", "v5p:2x2x4", 16),
+    # GPUs: slices x hosts x GPUs per host.
+    ("h100-8", "h100", "1x1x8", 8),
+    ("h200-8", "h200", "1x1x8", 8),
+    ("h200-2x8", "h200", "1x2x8", 16),
+])
+def test_accelerator_names_give_their_topology(name, chip, topology, devices):
+  target = parse_target(name)
+  assert (target.chip.name, target.topology, target.num_devices) == (chip, topology, devices)
+  assert target.name == name
+
+
+def test_chip_memory_is_the_devices_own():
+  """The fit is judged against these: Cloud TPU's HBM per chip, the GPUs' driver-reported
+  device memory (H100 80 GB is 79.1 GiB, H200 141 GiB)."""
+  gib = {name: chip.memory / 2**30 for name, chip in CHIPS.items()}
+  assert gib["v4"] == 32 and gib["v5e"] == 16 and gib["v5p"] == 95 and gib["v6e"] == 32
+  assert gib["h100"] == pytest.approx(79.1, abs=0.05)
+  assert gib["h200"] == pytest.approx(141.0, abs=0.05)
+
+
+@pytest.mark.parametrize("name, match", [
+    ("tpu-8", r"unknown target 'tpu-8': give v4-N, v5e-N, v5p-N, v6e-N .* h200-HxN"),
+    ("v5e", r"unknown target 'v5e'"),
+    ("v5e-6", r"v5e-N counts chips; N must give a power of two of chips, got 6"),
+    ("v4-6", r"v4-N counts TensorCores \(two a chip\); .* got 6"),
+    ("v5p-3", r"counts TensorCores"),
+    ("v5e:2x2x2", r"a v5e topology has 2 positive sides \(such as v5e:2x2\), got '2x2x2'"),
+    ("v5p:2x4", r"a v5p topology has 3 positive sides"),
+    ("v5e-2x4", r"a TPU slice is v5e-N, not hosts x chips"),
+    ("h200:2x4", r"a GPU target is h200-N or h200-HxN"),
+    ("h100-0", r"at least one host of one GPU"),
+])
+def test_unknown_or_malformed_targets_are_value_errors(name, match):
+  with pytest.raises(ValueError, match=match):
+    parse_target(name)
+
+
+def test_a_target_must_be_a_string():
+  with pytest.raises(TypeError, match="target must be a str such as 'v5e-8', got int"):
+    parse_target(8)
