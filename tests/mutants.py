@@ -36,6 +36,19 @@ class Mutant:
 TILES = "tests/test_tile_schedule.py"
 
 MUTANTS = (
+    # --- the kernels wherever a mesh puts them (issue 44)
+    Mutant("kernels: left to XLA's partitioner over fsdp and tp", "cpjax/kernels/common.py",
+           "    if not free:\n      return kernel(params, *operands)",
+           "    if True:\n      return kernel(params, *operands)",
+           ("tests/test_compile_targets.py::test_the_training_step_compiles_for_the_chip",)),
+    Mutant("kernels: per-row tables whole over the batch axes", "cpjax/kernels/common.py",
+           "      return P(over_b) if x.shape[0] == batch else P()",
+           "      return P(over_b) if x.ndim == 3 else P()",
+           ("tests/test_parallel.py::test_kernels_split_over_the_axes_the_partitioner_shards",)),
+    Mutant("kernels: the step's default is the process's backend", "cpjax/training/step.py",
+           "  implementation = resolve_implementation(implementation, platform=mesh_platform(mesh))",
+           "  implementation = resolve_implementation(implementation, platform=None)",
+           ("tests/test_compile_targets.py::test_the_training_step_compiles_for_the_chip",)),
     # --- training state over fsdp x cp (issue 34)
     Mutant("state: whole over cp by default", "cpjax/parallel.py",
            'STATE_AXES = ("fsdp", "cp")',

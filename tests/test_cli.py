@@ -60,6 +60,15 @@ def _run(*args, timeout=600):
      "--checkpoint /nonexistent has no config.json"),
     (["plan", "--model", "e2b", "--checkpoint", "x", "--seq-len", "8"],
      "argument --checkpoint: not allowed with argument --model"),
+    (["plan", "--model", "tiny"], "give --seq-len (or a run config: --recipe, --config)"),
+    (["plan", "--recipe", "e2b-lora-64k"], "--recipe: no recipe 'e2b-lora-64k'; the recipes are"),
+    (["plan", "--config", "/nonexistent.yaml"], "--config: "),
+    (["plan", "--model", "tiny", "--seq-len", "64", "--target", "tpu-8"],
+     "--target: unknown target 'tpu-8': give v4-N, v5e-N, v5p-N, v6e-N"),
+    (["plan", "--model", "tiny", "--seq-len", "64", "--target", "v5e-8", "--mesh", "cp=4"],
+     "--mesh cp=4 has 4 devices, --target v5e-8 has 8 (v5e:2x4)"),
+    (["plan", "--model", "tiny", "--seq-len", "64", "--target", "h200-8", "--estimate-only"],
+     "--target compiles; it does not go with --estimate-only"),
     # Found by the job before any training compute: still one line, exit 2.
     (["train", "--mesh", "fsdp=2,cp=4", "--batch-size", "3", "--no-parity-check"],
      "mesh axis 'fsdp' of size 2 does not divide the batch size 3"),
@@ -198,3 +207,21 @@ def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
   assert "loss " in proc.stdout and "->" in proc.stdout
   saved = gemma4.Gemma4.from_pretrained(tmp_path / "out")
   assert saved.cfg == gemma4.Gemma4Config.preset("tiny")
+
+
+def test_the_cpu_is_chosen_only_where_no_accelerator_is(monkeypatch):
+  """With libtpu or the CUDA plugin installed on a machine without chips,
+  cpjax's commands start JAX on the CPU (no plugin start-up errors); a TPU or
+  GPU device node, or the user's own JAX_PLATFORMS, leaves the choice to JAX."""
+  from cpjax.cli import machine
+
+  for nodes, given, want in (([], None, "cpu"), (["/dev/accel0"], None, None),
+                             (["/dev/nvidia0"], None, None), ([], "tpu", "tpu")):
+    monkeypatch.setattr(machine.glob, "glob", lambda pattern, nodes=nodes: [
+        n for n in nodes if n.startswith(pattern.split("*")[0].split("[")[0])])
+    if given is None:
+      monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    else:
+      monkeypatch.setenv("JAX_PLATFORMS", given)
+    machine.cpu_unless_accelerators()
+    assert os.environ.get("JAX_PLATFORMS") == want, (nodes, given)

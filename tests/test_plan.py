@@ -1,6 +1,8 @@
 """cpjax plan: the compiled step's per-device memory against the closed form."""
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -85,6 +87,26 @@ def test_cli_plan_rejects_a_mesh_the_model_cannot_use():
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert out.returncode != 0
   assert "mesh axis 'tp' of size 8 does not divide the 4 attention heads" in out.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs libtpu: pip install 'cpjax[tpu]'")
+def test_cli_plan_for_a_target_prints_its_compilers_memory_and_fit():
+  """A recipe compiled for a v5e slice by XLA:TPU: the row is the chip's, the
+  fit is judged against --device-memory (here too small, so exit 1; without
+  it the chip's 16 GiB)."""
+  out = subprocess.run([sys.executable, "-m", "cpjax", "plan", "--recipe", "tiny", "--seq-len",
+                        "2048", "--target", "v5e-8", "--device-memory", "1MiB"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert out.returncode == 1, out.stderr
+  assert "cpjax plan: Gemma 4 tiny, S=2048" in out.stdout
+  assert "8 devices (TPU v5 lite, v5e:2x4)" in out.stdout
+  rows = [line for line in out.stdout.splitlines() if " v5e-8 " in line]
+  assert len(rows) == 1 and "does NOT fit 1 MiB" in rows[0], out.stdout
+  assert re.search(r"compiled by v5e-8's compiler in \d+ s; collectives .*collective-permute",
+                   out.stdout), out.stdout
+  # The tiny recipe's cp=8 mesh, from its run config.
+  assert "cp=8" in rows[0]
 
 
 def test_lora_compiled_plan_state_equals_the_closed_form():

@@ -1,4 +1,5 @@
-"""``cpjax plan``: memory per device for a model, a length and a mesh, or the smallest mesh that fits."""
+"""``cpjax plan``: memory per device for a model, a length and a mesh (compiled for
+this machine or for a target's chips), or the smallest mesh that fits."""
 
 from __future__ import annotations
 
@@ -146,7 +147,8 @@ def plan(parser, args) -> int:
     print(f"  {row.row()} [{row.dtype} activations]{fits}")
   if seconds is not None:
     compiled = rows[-1]
-    moved = ", ".join(f"{k} {plan.format_bytes(v)}" for k, v in sorted(compiled.collectives.items()))
+    moved = ", ".join(f"{k} {plan.format_bytes(v)}"
+                      for k, v in sorted(compiled.collectives.items()))
     compiler = "XLA:CPU" if target is None else f"{target.name}'s compiler"
     print(f"  compiled by {compiler} in {seconds:.0f} s; collectives per step (outputs, a loop "
           f"body once): {moved or 'none'}")

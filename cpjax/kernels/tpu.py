@@ -7,6 +7,13 @@ non-empty tile, and the tail of a list repeats its last entry so the
 pipeline fetches nothing there. Statistics live in VMEM scratch across the
 walk; full tiles skip the mask.
 
+The scalar tables sit in SMEM (1 MiB on a v5e core), so each is one flat
+int32 array with one word per tile: the block index shifted left by one and
+the tile's "full" bit in bit 0 (:func:`_packed`). Three-dimensional tables
+[B, nq, nk] would be padded there to 128 words on their last dimension, and a
+separate ``full`` table would double them: the E2B recipe at S = 131072 on 4
+cp ranks ran out of SMEM so (two 512 KiB tables).
+
 * forward: grid (B, Hkv, nq, nk), returns this chunk's (out, lse);
 * dq: the same grid, accumulates dq over the row block's key blocks;
 * dk/dv: grid (B, Hkv, nk, nq), accumulates over the key block's row blocks.
@@ -49,6 +56,29 @@ def _split_meta(params: KernelParams, refs):
           common.tokens(params, second[0][...], [r[...] for r in second[1:]]), refs[2 * n:])
 
 
+def _packed(lists, full_of):
+  """Flat int32[B * n * m] of ``lists`` [B, n, m] block indices, each shifted
+  left by one with bit 0 set where ``full_of`` [B, n, m] (the tile it names
+  needs no mask)."""
+  return (lists * 2 + full_of.astype(jnp.int32)).reshape(-1)
+
+
+def _tables(sched: Schedule, *, by_rows: bool):
+  """(packed tile lists, counts flat [B * n]) of the schedule walked by row
+  blocks (forward, dq: each row block's key blocks) or by key blocks (dk/dv)."""
+  if by_rows:
+    full = jnp.take_along_axis(sched.full, sched.cols, axis=2)
+    return _packed(sched.cols, full), sched.ncols.reshape(-1)
+  full = jnp.take_along_axis(jnp.swapaxes(sched.full, 1, 2), sched.rows, axis=2)
+  return _packed(sched.rows, full), sched.nrows.reshape(-1)
+
+
+def _entry(lists, counts, b, x, t, n, m):
+  """(block index, full, within the list) of step t of list (b, x) of n lists of m."""
+  word = lists[(b * n + x) * m + t]
+  return word >> 1, (word & 1) != 0, t < counts[b * n + x]
+
+
 def _visit(visit, full, step):
   """Run ``step(masked=False)`` on a full tile, ``step(masked=True)`` on a
   partial one, nothing past the end of the tile list."""
@@ -57,10 +87,10 @@ def _visit(visit, full, step):
 
 
 # ------------------------------------------------------------------ forward
-def _forward_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs,
-                    params: KernelParams):
+def _forward_kernel(cols_ref, ncols_ref, q_ref, k_ref, v_ref, *refs, params: KernelParams):
   q_tok, k_tok, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _split_meta(params, refs)
   b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  nq, nk = pl.num_programs(2), pl.num_programs(3)
 
   @pl.when(t == 0)
   def _():
@@ -74,7 +104,8 @@ def _forward_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs,
                                  m_sc[...], l_sc[...], acc_sc[...])
     m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
-  _visit(t < ncols_ref[b, i], full_ref[b, i, cols_ref[b, i, t]] != 0, step)
+  _, full, within = _entry(cols_ref, ncols_ref, b, i, t, nq, nk)
+  _visit(within, full, step)
 
   @pl.when(t == pl.num_programs(3) - 1)
   def _():
@@ -90,14 +121,15 @@ def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
   b, h, n, d = q.shape
   r, kb = params.rows, params.block_kv
   nq, nk = n // r, k.shape[2] // kb
-  col = lambda b_, i, t, cols, *_: cols[b_, i, t]  # noqa: E731
+  col = lambda b_, i, t, cols, *_: cols[(b_ * nq + i) * nk + t] >> 1  # noqa: E731
   row = lambda b_, i, t, *_: i  # noqa: E731
+  key_blk = pl.BlockSpec((None, None, kb, d), lambda b_, h_, i, t, *s: (b_, h_, col(b_, i, t, *s),
+                                                                         0))
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3, grid=(b, h, nq, nk),
+      num_scalar_prefetch=2, grid=(b, h, nq, nk),
       in_specs=[
           pl.BlockSpec((None, None, r, d), lambda b_, h_, i, t, *_: (b_, h_, i, 0)),
-          pl.BlockSpec((None, None, kb, d), lambda b_, h_, i, t, c, *_: (b_, h_, c[b_, i, t], 0)),
-          pl.BlockSpec((None, None, kb, d), lambda b_, h_, i, t, c, *_: (b_, h_, c[b_, i, t], 0)),
+          key_blk, key_blk,
           *_meta_specs(params, r, row), *_meta_specs(params, kb, col)],
       out_specs=[pl.BlockSpec((None, None, r, d), lambda b_, h_, i, t, *_: (b_, h_, i, 0)),
                  pl.BlockSpec((None, None, r, 1), lambda b_, h_, i, t, *_: (b_, h_, i, 0))],
@@ -108,15 +140,16 @@ def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
           pl.pallas_call, functools.partial(_forward_kernel, params=params), grid_spec=grid_spec,
           out_shape=[common.f32_like((b, h, n, d), q), common.f32_like((b, h, n, 1), q)],
           compiler_params=_compiler_params(), name="cpjax_ring_forward"),
-      sched.cols, sched.ncols, sched.full, q, k, v, q_meta.positions, *q_meta.arrays,
+      *_tables(sched, by_rows=True), q, k, v, q_meta.positions, *q_meta.arrays,
       k_meta.positions, *k_meta.arrays)
 
 
 # ----------------------------------------------------------------- backward
-def _dq_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               *refs, params: KernelParams):
+def _dq_kernel(cols_ref, ncols_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
+               params: KernelParams):
   q_tok, k_tok, (dq_ref, dq_sc) = _split_meta(params, refs)
   b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  nq, nk = pl.num_programs(2), pl.num_programs(3)
 
   @pl.when(t == 0)
   def _():
@@ -128,19 +161,20 @@ def _dq_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                                 lse_ref[...], delta_ref[...], mask)
     dq_sc[...] += dq
 
-  _visit(t < ncols_ref[b, i], full_ref[b, i, cols_ref[b, i, t]] != 0, step)
+  _, full, within = _entry(cols_ref, ncols_ref, b, i, t, nq, nk)
+  _visit(within, full, step)
 
   @pl.when(t == pl.num_programs(3) - 1)
   def _():
     dq_ref[...] = dq_sc[...]
 
 
-def _dkdv_kernel(rows_ref, nrows_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                 *refs, params: KernelParams):
+def _dkdv_kernel(rows_ref, nrows_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
+                 params: KernelParams):
   # The metadata comes key side first here (the fixed block of this grid).
   k_tok, q_tok, (dk_ref, dv_ref, dk_sc, dv_sc) = _split_meta(params, refs)
   b, j, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  i = rows_ref[b, j, t]
+  nk, nq = pl.num_programs(2), pl.num_programs(3)
 
   @pl.when(t == 0)
   def _():
@@ -154,7 +188,8 @@ def _dkdv_kernel(rows_ref, nrows_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse
     dk_sc[...] += dk
     dv_sc[...] += dv
 
-  _visit(t < nrows_ref[b, j], full_ref[b, i, j] != 0, step)
+  _, full, within = _entry(rows_ref, nrows_ref, b, j, t, nk, nq)
+  _visit(within, full, step)
 
   @pl.when(t == pl.num_programs(3) - 1)
   def _():
@@ -171,17 +206,16 @@ def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
   length = k.shape[2]
   r, kb = params.rows, params.block_kv
   nq, nk = n // r, length // kb
-  tables = (sched.cols, sched.ncols, sched.full)
-  by_col = lambda b_, i, t, cols, *_: cols[b_, i, t]  # noqa: E731
+  by_col = lambda b_, i, t, cols, *_: cols[(b_ * nq + i) * nk + t] >> 1  # noqa: E731
   fixed = lambda b_, x, t, *_: x  # noqa: E731
   row_blk = lambda shape: pl.BlockSpec(shape, lambda b_, h_, i, t, *_: (b_, h_, i, 0))  # noqa: E731
   col_blk = lambda shape: pl.BlockSpec(  # noqa: E731
-      shape, lambda b_, h_, i, t, c, *_: (b_, h_, c[b_, i, t], 0))
+      shape, lambda b_, h_, i, t, *s: (b_, h_, by_col(b_, i, t, *s), 0))
   dq = common.launch(
       params, functools.partial(
           pl.pallas_call, functools.partial(_dq_kernel, params=params),
           grid_spec=pltpu.PrefetchScalarGridSpec(
-              num_scalar_prefetch=3, grid=(b, h, nq, nk),
+              num_scalar_prefetch=2, grid=(b, h, nq, nk),
               in_specs=[row_blk((None, None, r, d)), col_blk((None, None, kb, d)),
                         col_blk((None, None, kb, d)), row_blk((None, None, r, d)),
                         row_blk((None, None, r, 1)), row_blk((None, None, r, 1)),
@@ -190,19 +224,20 @@ def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
               scratch_shapes=[pltpu.VMEM((r, d), jnp.float32)]),
           out_shape=common.f32_like((b, h, n, d), q),
           compiler_params=_compiler_params(), name="cpjax_ring_dq"),
-      *tables, q, k, v, do, lse, delta, q_meta.positions, *q_meta.arrays, k_meta.positions,
+      *_tables(sched, by_rows=True), q, k, v, do, lse, delta, q_meta.positions, *q_meta.arrays,
+      k_meta.positions,
       *k_meta.arrays)
 
   # Walk the row blocks of each key block: the schedule's transposed lists.
   key_blk = lambda shape: pl.BlockSpec(shape, lambda b_, h_, j, t, *_: (b_, h_, j, 0))  # noqa: E731
-  by_row = lambda b_, j, t, rows, *_: rows[b_, j, t]  # noqa: E731
+  by_row = lambda b_, j, t, rows, *_: rows[(b_ * nk + j) * nq + t] >> 1  # noqa: E731
   q_blk = lambda shape: pl.BlockSpec(  # noqa: E731
-      shape, lambda b_, h_, j, t, rows, *_: (b_, h_, rows[b_, j, t], 0))
+      shape, lambda b_, h_, j, t, *s: (b_, h_, by_row(b_, j, t, *s), 0))
   dk, dv = common.launch(
       params, functools.partial(
           pl.pallas_call, functools.partial(_dkdv_kernel, params=params),
           grid_spec=pltpu.PrefetchScalarGridSpec(
-              num_scalar_prefetch=3, grid=(b, h, nk, nq),
+              num_scalar_prefetch=2, grid=(b, h, nk, nq),
               in_specs=[q_blk((None, None, r, d)), key_blk((None, None, kb, d)),
                         key_blk((None, None, kb, d)), q_blk((None, None, r, d)),
                         q_blk((None, None, r, 1)), q_blk((None, None, r, 1)),
@@ -211,6 +246,6 @@ def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
               scratch_shapes=[pltpu.VMEM((kb, d), jnp.float32), pltpu.VMEM((kb, d), jnp.float32)]),
           out_shape=[common.f32_like((b, h, length, d), q)] * 2,
           compiler_params=_compiler_params(), name="cpjax_ring_dkdv"),
-      sched.rows, sched.nrows, sched.full, q, k, v, do, lse, delta, k_meta.positions,
+      *_tables(sched, by_rows=False), q, k, v, do, lse, delta, k_meta.positions,
       *k_meta.arrays, q_meta.positions, *q_meta.arrays)
   return dq, dk, dv
