@@ -140,7 +140,7 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
   else:
     interpret = bool(interpret)
   g = hq // hkv
-  block_q, block_kv = _block_sizes(layout, implementation, d, g, block_q, block_kv)
+  block_q, block_kv = _block_sizes(layout, implementation, d, g, block_q, block_kv, q.dtype)
   kernel = None
   if implementation != "xla":
     kernel = KernelParams(rule=mask.rule, soft_cap=logits_soft_cap, block_q=block_q,

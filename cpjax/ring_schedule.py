@@ -108,7 +108,7 @@ def _divisors(n: int, top: int):
 
 
 def _block_sizes(layout: ShardLayout, implementation: str, head_dim: int, groups: int,
-                 block_q, block_kv) -> tuple[int, int]:
+                 block_q, block_kv, dtype=None) -> tuple[int, int]:
   """(block_q, block_kv) for this call: checked if given, else the default.
 
   Tiles never straddle a chunk, so both divide ``layout.chunk_len``; a
@@ -130,7 +130,7 @@ def _block_sizes(layout: ShardLayout, implementation: str, head_dim: int, groups
   if problem:
     raise ValueError(f"implementation={implementation!r} cannot tile head dim {head_dim}: it "
                      f"must be {problem}; pad the head dim or use implementation='xla'")
-  rows, keys = target.default_tile(head_dim)
+  rows, keys = target.default_tile(head_dim, dtype)
   local = layout.local_seq_len
 
   def fits(bq, bk):

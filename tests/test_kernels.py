@@ -309,8 +309,10 @@ def test_default_tiles_come_from_the_target_record():
   from cpjax.ring_schedule import _block_sizes
   lay = cpjax.ShardLayout(32768, 32768, 8, "load_balanced")      # chunks of 2048 tokens
   assert _block_sizes(lay, "pallas_tpu", 256, 2, None, None) == (256, 512)
-  assert _block_sizes(lay, "pallas_gpu", 512, 1, None, None) == (32, 32)
+  assert _block_sizes(lay, "pallas_gpu", 512, 1, None, None) == (16, 16)
   assert _block_sizes(lay, "pallas_gpu", 128, 4, None, None) == (32, 64)
+  assert _block_sizes(lay, "pallas_gpu", 128, 4, None, None, jnp.float32) == (8, 32)
+  assert _block_sizes(lay, "pallas_gpu", 256, 8, None, None, jnp.bfloat16) == (4, 32)
   assert _block_sizes(lay, "xla", 128, 4, None, None) == (128, 128)
 
 

@@ -46,11 +46,15 @@ class KernelTarget:
     platforms: XLA platform names the kernels lower for.
     tiles: ``((max head dim, rows R, keys K), ...)`` ascending: the default
       tile for head dims up to that size. ``R = block_q * G`` query rows.
+    f32_tiles: the same for float32 inputs, where they differ (empty: ``tiles``).
+    chosen_on: which chip and compile the records were chosen on.
   """
 
   name: str
   platforms: tuple[str, ...]
   tiles: tuple[tuple[int, int, int], ...]
+  f32_tiles: tuple[tuple[int, int, int], ...] = ()
+  chosen_on: str = ""
 
   @property
   def chunk_multiple(self) -> int:
@@ -59,12 +63,14 @@ class KernelTarget:
     smallest power-of-two tile."""
     return 128 if self.name == "pallas_tpu" else 16
 
-  def default_tile(self, head_dim: int) -> tuple[int, int]:
-    """(rows, keys) of the tile record for ``head_dim``."""
-    for max_d, rows, keys in self.tiles:
+  def default_tile(self, head_dim: int, dtype=None) -> tuple[int, int]:
+    """(rows, keys) of the tile record for ``head_dim`` and the inputs' ``dtype``."""
+    table = self.f32_tiles if self.f32_tiles and np.dtype(dtype or np.float16) == np.float32 \
+        else self.tiles
+    for max_d, rows, keys in table:
       if head_dim <= max_d:
         return rows, keys
-    return self.tiles[-1][1:]
+    return table[-1][1:]
 
   def head_dim_problem(self, head_dim: int) -> str | None:
     if self.name == "pallas_gpu" and not (_pow2(head_dim) and head_dim >= 16):
@@ -87,15 +93,23 @@ class KernelTarget:
     return None
 
 
-# Starting points from the public flash kernels' defaults (splash attention on
-# TPU, the Triton flash tutorial on GPU), scaled so a tile's f32 state stays
-# within on-chip memory for each head dim. They have not been tuned on
-# hardware yet: see benchmarks/accelerator.py.
+# TPU: splash attention's defaults, scaled so a tile's f32 state stays within
+# VMEM for each head dim; Mosaic accepts them for v5e at head dims 256 and
+# 512, bfloat16 and float32 (tests/test_compile_targets.py). GPU: the largest
+# tiles that ptxas compiles for sm_90a (8 warps) without spilling registers,
+# read from ptxas -v (cpjax.kernels.ptxas) on the ring's three kernels; with
+# float32 inputs at head dims 256 and 512 even 16 x 16 tiles spill in dK/dV
+# (tests/test_compile_targets.py records how much). Neither is tuned for speed
+# on hardware yet: see benchmarks/accelerator.py.
 TARGETS = {
     "pallas_tpu": KernelTarget("pallas_tpu", ("tpu",),
-                               ((128, 1024, 512), (256, 512, 512), (512, 256, 512))),
+                               ((128, 1024, 512), (256, 512, 512), (512, 256, 512)),
+                               chosen_on="Mosaic for TPU v5e (compile-only, libtpu 0.0.42)"),
     "pallas_gpu": KernelTarget("pallas_gpu", ("cuda",),
-                               ((64, 128, 128), (128, 128, 64), (256, 64, 64), (512, 32, 32))),
+                               ((64, 128, 128), (128, 128, 64), (256, 32, 32), (512, 16, 16)),
+                               f32_tiles=((64, 64, 32), (128, 32, 32), (256, 16, 16),
+                                          (512, 16, 16)),
+                               chosen_on="ptxas for sm_90a (H200, compile-only, CUDA 12)"),
 }
 
 
