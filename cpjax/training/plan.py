@@ -85,6 +85,7 @@ import typing
 import numpy as np
 
 from cpjax.training.run_config import ShardState, state_axes
+from cpjax.training.targets import collective_bytes
 
 __all__ = ["Plan", "collective_bytes", "compile_step", "compiled_plan", "estimate", "format_bytes",
            "lora_param_count", "parse_bytes", "smallest_mesh"]
@@ -417,28 +418,6 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
   if lora_rank is not None:
     base = placed(nnx.split(abstract, nnx.LoRAParam, nnx.Param, ...)[2])
   return compiled, params, opt_state, base
-
-
-_COLLECTIVE = re.compile(r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|reduce-scatter|all-reduce|"
-                         r"collective-permute|all-to-all)(?:-start)?\(")
-_SHAPE = re.compile(r"(pred|s8|u8|s32|u32|f32|bf16|f16|s64|u64|f64)\[([0-9,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2,
-          "s64": 8, "u64": 8, "f64": 8}
-
-
-def collective_bytes(hlo: str) -> dict[str, int]:
-  """{kind: output bytes} of the collectives in a compiled program's text
-  (per device; a loop body counted once).
-
-  >>> collective_bytes("%x = f32[4,8]{1,0} all-gather(f32[1,8] %y), dimensions={0}")
-  {'all-gather': 128}
-  """
-  out: dict[str, int] = {}
-  for shapes, kind in _COLLECTIVE.findall(hlo):
-    for dtype, dims in _SHAPE.findall(shapes):
-      size = math.prod(int(d) for d in dims.split(",") if d)
-      out[kind] = out.get(kind, 0) + size * _BYTES[dtype]
-  return out
 
 
 def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",

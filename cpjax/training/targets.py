@@ -27,7 +27,7 @@ import importlib.util
 import math
 import re
 
-__all__ = ["CHIPS", "Chip", "Target", "parse_target"]
+__all__ = ["CHIPS", "Chip", "Target", "collective_bytes", "parse_target"]
 
 GiB = 2 ** 30
 
@@ -218,3 +218,26 @@ def parse_target(text: str) -> Target:
                      f"of chips, got {cores}")
   shape = _torus(chips, chip.mesh_dims)
   return Target(text, chip, f"{chip.name}:{'x'.join(map(str, shape))}", chips)
+
+
+# ------------------------------------------- what a compiled program moves
+_COLLECTIVE = re.compile(r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|reduce-scatter|all-reduce|"
+                         r"collective-permute|all-to-all)(?:-start)?\(")
+_SHAPE = re.compile(r"(pred|s8|u8|s32|u32|f32|bf16|f16|s64|u64|f64)\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2,
+          "s64": 8, "u64": 8, "f64": 8}
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+  """{kind: output bytes} of the collectives in a compiled program's text
+  (per device; a loop body counted once).
+
+  >>> collective_bytes("%x = f32[4,8]{1,0} all-gather(f32[1,8] %y), dimensions={0}")
+  {'all-gather': 128}
+  """
+  out: dict[str, int] = {}
+  for shapes, kind in _COLLECTIVE.findall(hlo):
+    for dtype, dims in _SHAPE.findall(shapes):
+      size = math.prod(int(d) for d in dims.split(",") if d)
+      out[kind] = out.get(kind, 0) + size * _BYTES[dtype]
+  return out
