@@ -56,7 +56,8 @@ hypothesis.settings.load_profile(os.environ.get("CPJAX_HYPOTHESIS_PROFILE", "def
 # on many small files and both workers finish together; the rest keep their
 # collection order.
 HEAVY_FIRST = ("test_multiprocess.py", "test_cli.py", "test_parallel.py", "test_checkpointing.py",
-               "test_notebooks.py", "test_readme.py", "test_plan.py", "test_lora_peft.py",
+               "test_notebooks.py", "test_readme.py", "test_plan.py", "test_compile_targets.py",
+               "test_lora_peft.py",
                "test_lora_job.py", "test_lora.py", "test_run_config.py", "test_experts.py",
                "test_state_sharding.py",
                "test_gemma4_checkpoint.py",

@@ -163,8 +163,10 @@ def test_flax_attention_fn_passes_the_backend_through():
   chex.assert_trees_all_close(kernels(x, mask=mask), xla(x, mask=mask), **F32)
 
 
+@pytest.mark.slow
 def test_the_training_loss_of_gemma4_lowers_with_the_tpu_kernels():
-  """make_loss_fn -> CPContext -> the model's every layer: the kernels, no tile loop."""
+  """make_loss_fn -> CPContext -> the model's every layer: the kernels, no tile loop.
+  (CI compiles the whole step for TPU instead: tests/test_compile_targets.py.)"""
   from flax import nnx
 
   from cpjax import training

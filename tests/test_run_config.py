@@ -8,7 +8,7 @@ import pytest
 
 from cpjax import cli, recipes
 from cpjax.cli.parser import train_parser
-from cpjax.training import plan
+from cpjax.training import plan, targets
 from cpjax.training.run_config import (DataConfig, JobError, OptimizerConfig, RunConfig, TrainJob,
                                        as_run_config, check, devices_needed, settings,
                                        with_values)
@@ -42,6 +42,10 @@ def test_each_published_size_recipe_fits_its_device(name):
 
   run, target = read_run_config(recipes.path(name)), recipes.RECIPES[name]
   assert devices_needed(run) == target.devices
+  # The chips it names are those devices.
+  chips = targets.parse_target(target.target)
+  assert chips.num_devices == target.devices
+  assert abs(chips.chip.memory - plan.parse_bytes(target.device_memory)) < 2**30
   est = plan.estimate(Gemma4Config.preset(run.model), model=run.model, seq_len=run.dataset.seq_len,
                       mesh=run.parallel.mesh_sizes(), remat=run.remat, dtype=run.dtype,
                       batch_size=run.dataset.batch_size // run.dataset.microbatches,

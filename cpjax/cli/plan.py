@@ -48,7 +48,9 @@ def _from_run(parser, args) -> None:
       parser.exit(2, "cpjax plan: error: give --seq-len (or a run config: --recipe, --config)\n")
   else:
     args.model, args.checkpoint = run.model, run.checkpoint
-    given = {"seq_len": run.dataset.seq_len, "batch_size": run.dataset.batch_size,
+    # A step holds one microbatch at a time.
+    rows = run.dataset.batch_size // run.dataset.microbatches
+    given = {"seq_len": run.dataset.seq_len, "batch_size": rows,
              "remat": run.remat, "shard_state": run.parallel.shard_state,
              "lora_rank": run.lora.rank, "capacity_factor": run.experts.capacity_factor,
              "mesh": run.parallel.mesh_sizes(),

@@ -22,20 +22,23 @@ __all__ = ["RECIPES", "Recipe", "path"]
 @dataclasses.dataclass(frozen=True)
 class Recipe:
   """The devices a recipe was planned for: ``devices`` of ``device_memory``
-  each (None: the tiny ones, which train here on emulated CPU devices)."""
+  each (None: the tiny ones, which train here on emulated CPU devices), and
+  the chips by name (``cpjax plan --recipe NAME --target TARGET`` compiles it
+  for them)."""
 
   device_memory: str | None = None
   devices: int | None = None
+  target: str | None = None
 
 
 # What each recipe is for is in its file's first comments.
 RECIPES = {
     "tiny": Recipe(),                          # what `make run` trains
     "tiny-moe-ep": Recipe(),                   # the README's expert-parallel run
-    "e2b-lora-128k": Recipe("16GiB", 8),       # TPU v5e
-    "e2b-full-128k": Recipe("141GiB", 8),      # H200
-    "a4b-ep-128k": Recipe("141GiB", 8),        # H200
-    "31b-lora-128k": Recipe("141GiB", 2),      # H200
+    "e2b-lora-128k": Recipe("16GiB", 8, "v5e-8"),
+    "e2b-full-128k": Recipe("141GiB", 8, "h200-8"),
+    "a4b-ep-128k": Recipe("141GiB", 8, "h200-8"),
+    "31b-lora-128k": Recipe("141GiB", 2, "h200-2"),
 }
 
 
