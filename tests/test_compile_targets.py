@@ -13,7 +13,6 @@ Gemma 4's training step on meshes whose fsdp and tp axes XLA partitions
 """
 
 import collections
-import dataclasses
 import functools
 import importlib.util
 import re
@@ -26,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import cpjax
 from cpjax import parallel, recipes
 from cpjax.training import plan, targets
+from tests.test_context_parallel import PrefixLM  # a user's rule
 
 needs = {
     "v5e-8": pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
@@ -40,25 +40,6 @@ KERNEL = {"v5e-8": ("tpu_custom_call", "pallas_tpu"), "h200-8": ("__gpu$xla.gpu.
 @functools.lru_cache(maxsize=None)
 def devices(name):
   return targets.parse_target(name).devices()
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefixLM(cpjax.MaskRule):
-  """A user's rule: the first ``prefix`` tokens attend both ways."""
-
-  prefix: int
-
-  def allowed(self, q, k):
-    return ((q.positions[:, None] < self.prefix) & (k.positions[None, :] < self.prefix))[None]
-
-  def classify(self, q, k, block_q, block_kv):
-    qb, kb = q.blocks(block_q), k.blocks(block_kv)
-    some = (qb.min(-1)[:, None] < self.prefix) & (kb.min(-1)[None, :] < self.prefix)
-    every = (qb.max(-1)[:, None] < self.prefix) & (kb.max(-1)[None, :] < self.prefix)
-    return cpjax.masks.BlockMap(some[None], every[None])
-
-  def reach(self):
-    return cpjax.masks.Reach(self.prefix - 1, self.prefix - 1)
 
 
 # (mask, layout, head dim, query heads, KV heads, dtype): each rule, head dim,
