@@ -173,7 +173,7 @@ def test_the_command_line_replaces_what_a_file_trains_and_its_mesh(monkeypatch):
   run = started[0]
   assert run.model is None and run.checkpoint == ckpt and run.dataset.seq_len == 64
   assert run.lora == read_run_config(recipes.path("e2b-lora-128k")).lora
-  assert run.parallel.mesh == "fsdp=2,cp=4" and run.dtype == "bfloat16"
+  assert run.parallel.mesh == "cp=8" and run.dtype == "bfloat16"
   assert cli.main(["train", "--recipe", "tiny-moe-ep", "--cp", "2", "--skip-memory-check"]) == 0
   assert started[1].parallel.mesh is None and started[1].parallel.cp == 2
   assert started[1].model == "tiny-moe"
