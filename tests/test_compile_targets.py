@@ -116,10 +116,10 @@ STEPS = {
 # MoE step's axes are the tiny step's (fsdp and cp; ep folds onto them).
 SLOW_STEPS = {
     ("v5e-8", "tiny-moe", (("fsdp", 2), ("cp", 4), ("ep", 4))): 107_097_600,
-    ("h200-8", "tiny", (("fsdp", 2), ("cp", 2), ("tp", 2))): 29_801_108,
+    ("h200-8", "tiny", (("fsdp", 2), ("cp", 2), ("tp", 2))): 29_887_380,
     ("v5e-8", "tiny", (("cp", 4), ("tp", 2))): 51_367_936,
-    ("h200-8", "tiny", (("fsdp", 2), ("cp", 4))): 20_767_156,
-    ("h200-8", "tiny-moe", (("fsdp", 2), ("cp", 4), ("ep", 4))): 80_068_704,
+    ("h200-8", "tiny", (("fsdp", 2), ("cp", 4))): 20_809_396,
+    ("h200-8", "tiny-moe", (("fsdp", 2), ("cp", 4), ("ep", 4))): 80_070_496,
 }
 
 
