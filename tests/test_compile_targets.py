@@ -19,6 +19,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -69,13 +70,13 @@ def _mask(kind):
   return cpjax.AttentionMask(cpjax.LocalWindow(None, 0) | PrefixLM(300)), {}
 
 
-def compiled_ring(target, kind, layout_kind, d, hq, hkv, dtype):
+def compiled_ring(target, kind, layout_kind, d, hq, hkv, dtype, seq_len=S):
   mesh = parallel.make_mesh(cp=CP, devices=devices(target))
-  layout = cpjax.ShardLayout(S, S, CP, layout_kind)
+  layout = cpjax.ShardLayout(seq_len, seq_len, CP, layout_kind)
   mask, keywords = _mask(kind)
   rows = NamedSharding(mesh, P(None, "cp"))
-  q = jax.ShapeDtypeStruct((1, S, hq, d), dtype, sharding=rows)
-  kv = jax.ShapeDtypeStruct((1, S, hkv, d), dtype, sharding=rows)
+  q = jax.ShapeDtypeStruct((1, seq_len, hq, d), dtype, sharding=rows)
+  kv = jax.ShapeDtypeStruct((1, seq_len, hkv, d), dtype, sharding=rows)
   static = {k: v for k, v in keywords.items() if isinstance(v, int)}
   arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
             for k, v in keywords.items() if k not in static}
@@ -102,6 +103,27 @@ def test_the_ring_kernels_compile_for_the_chip(target, case):
                                                                text))
   names = set(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text))
   assert names == {"forward", "dq", "dkdv"}, names
+
+
+@needs["v5e-8"]
+def test_the_tpu_kernels_compile_at_a_million_tokens_on_8_ranks():
+  """131072 tokens a rank at head dim 512, 8 query heads on one KV head: each
+  hop's tile table (4 MiB of int32 in one call) is more than a v5e core's
+  1 MiB of SMEM, so the kernels run as pieces of it
+  (:data:`cpjax.kernels.tpu.TABLE_WORDS`) and Mosaic compiles every one."""
+  from cpjax.kernels import tpu
+
+  compiled = compiled_ring("v5e-8", "causal", "load_balanced", 512, 8, 1, jnp.bfloat16,
+                           seq_len=1 << 20)
+  calls = collections.Counter(re.findall(
+      r"custom_call_target=\"tpu_custom_call\"[^\n]*?cpjax_ring_(forward|dq|dkdv)",
+      compiled.as_text()))
+  # A hop walks 8 x 131072 / 256 = 4096 row blocks of 131072 / 512 = 256 key
+  # blocks (the tiles at head dim 512); each kernel is called at two sites
+  # (the first hop, and the ring's loop), each as that many pieces.
+  pieces = 4096 * 256 // tpu.TABLE_WORDS
+  assert pieces > 1 and calls == {"forward": 2 * pieces, "dq": 2 * pieces,
+                                  "dkdv": 2 * pieces}, (pieces, calls)
   assert compiled.memory_analysis().temp_size_in_bytes > 0
 
 
@@ -213,3 +235,42 @@ def test_each_published_recipe_fits_its_chips_by_their_compiler(name):
       capacity_factor=run.experts.capacity_factor, shard_state=run.parallel.shard_state,
       target=target)
   assert got.fits(target.chip.memory), got.row()
+
+
+# The dense single-device step of the training notebook on one v5e (bytes).
+NOTEBOOK_STEP_BYTES = 4_806_962_176
+
+
+@needs["v5e-8"]
+def test_the_training_notebooks_single_chip_step_compiles_for_one_v5e():
+  """On a Colab TPU runtime of one chip (v5e-1) the training notebook runs the
+  ring on 8 CPU devices beside it and the dense single-device step on the
+  chip (notebooks/build_notebooks.py): that step, at the notebook's longest
+  memory-curve row (8 x 64 tokens on each of 8 ranks, two rows), compiles
+  for one v5e and fits its 16 GiB, at the memory it was recorded at."""
+  import optax
+  from flax import nnx
+
+  from cpjax import training
+  from cpjax.models import gemma4
+
+  (chip,) = targets.parse_target("v5e-1").devices()
+  on_chip = jax.sharding.SingleDeviceSharding(chip)
+  cfg = gemma4.Gemma4Config.preset("tiny")
+  graphdef, params, buffers = nnx.split(nnx.eval_shape(lambda: gemma4.Gemma4(
+      cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  opt = optax.adamw(3e-3)
+  put = lambda tree: jax.tree.map(  # noqa: E731
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip), tree)
+  seq_len = 8 * 64 * 8
+  rows = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=2, seq_len=seq_len)
+  batch = gemma4.prepare_batch(rows, cfg)
+  step = training.make_train_step(graphdef, opt, frozen=put(buffers))
+  compiled = step.compile(put(params), put(jax.eval_shape(opt.init, params)), put(batch))
+  memory = compiled.memory_analysis()
+  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  print(f"notebook's dense step on one v5e: {total} bytes")
+  assert "TPU v5" in chip.device_kind, chip.device_kind
+  # Dense attention's [B, H, S, S] float32 scores make most of it.
+  assert total <= 1.1 * NOTEBOOK_STEP_BYTES and total < targets.CHIPS["v5e"].memory, total

@@ -101,6 +101,34 @@ def test_tpu_kernels_interpreted(case):
   check("pallas_tpu", **TPU_CASES[case])
 
 
+def test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces(monkeypatch):
+  """A hop whose tile table passes ``TABLE_WORDS`` runs as several calls over
+  pieces of the row blocks (forward, dq) and key blocks (dk/dv), each with its
+  piece of the table: with room for 4 words, every call here walks a single
+  tile list, and values and gradients are still the dense reference's."""
+  from cpjax.kernels import tpu
+
+  monkeypatch.setattr(tpu, "TABLE_WORDS", 4)
+  assert tpu._pieces(1, 4, 4) == [slice(i, i + 1) for i in range(4)]
+  assert tpu._pieces(1, 8, 1) == [slice(0, 4), slice(4, 8)]
+  assert tpu._pieces(1, 6, 1) == [slice(0, 3), slice(3, 6)]
+  assert tpu._pieces(2, 4, 4) == [slice(i, i + 1) for i in range(4)]   # nothing smaller
+  grids = collections.defaultdict(list)
+  launch = common.launch
+
+  def recorded(params, make_call, *args):
+    grids[make_call.keywords["name"]].append(make_call.keywords["grid_spec"].grid)
+    return launch(params, make_call, *args)
+
+  monkeypatch.setattr(common, "launch", recorded)
+  check("pallas_tpu", cp=2, kind="load_balanced", s=1024, hq=2, hkv=1, d=16, docs=True,
+        pad_from=1000, sliding_window=300, block_q=64, block_kv=128)
+  assert set(grids) == {"cpjax_ring_forward", "cpjax_ring_dq", "cpjax_ring_dkdv"}, grids
+  # Unsplit, each call walks 8 row blocks of 4 key blocks (dk/dv: 4 of 8).
+  for name, calls in grids.items():
+    assert {grid[2] for grid in calls} == {1}, (name, calls)    # one tile list a call
+
+
 @pytest.mark.parametrize("target, shape", [
     ("pallas_gpu", dict(cp=4, kind="load_balanced", s=128, pad_from=64, block_q=16, block_kv=16)),
     ("pallas_tpu", dict(cp=2, kind="load_balanced", s=512, pad_from=256)),

@@ -12,7 +12,11 @@ int32 array with one word per tile: the block index shifted left by one and
 the tile's "full" bit in bit 0 (:func:`_packed`). Three-dimensional tables
 [B, nq, nk] would be padded there to 128 words on their last dimension, and a
 separate ``full`` table would double them: the E2B recipe at S = 131072 on 4
-cp ranks ran out of SMEM so (two 512 KiB tables).
+cp ranks ran out of SMEM so (two 512 KiB tables). The packed table still
+grows with the square of the tokens per rank, so a hop whose table passes
+:data:`TABLE_WORDS` runs as several calls, each over a piece of the walked
+lists (row blocks for forward and dq, key blocks for dk/dv) with its piece
+of the table: the tiles visited are the same.
 
 * forward: grid (B, Hkv, nq, nk), returns this chunk's (out, lse);
 * dq: the same grid, accumulates dq over the row block's key blocks;
@@ -33,6 +37,10 @@ from cpjax.kernels import common
 from cpjax.kernels.common import KernelParams, Metadata, Schedule
 
 _SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+# One call's tile table stays within this many words: 256 KiB of a v5e
+# core's 1 MiB of SMEM, which also holds Mosaic's own scalars (a 512 KiB
+# table beside another was too many for it).
+TABLE_WORDS = 1 << 16
 
 
 def _compiler_params():
@@ -79,6 +87,43 @@ def _entry(lists, counts, b, x, t, n, m):
   return word >> 1, (word & 1) != 0, t < counts[b * n + x]
 
 
+def _pieces(batch: int, lists: int, per_list: int):
+  """Slices of ``lists`` (tile lists of ``per_list`` entries, per batch row)
+  cut into the fewest equal pieces whose tables fit :data:`TABLE_WORDS`."""
+  count = next((p for p in range(1, lists + 1)
+                if lists % p == 0 and batch * (lists // p) * per_list <= TABLE_WORDS), lists)
+  size = lists // count
+  return [slice(i * size, (i + 1) * size) for i in range(count)]
+
+
+def _span(blocks: slice, block: int) -> slice:
+  """The tokens of ``blocks``, ``block`` tokens (or rows) each."""
+  return slice(blocks.start * block, blocks.stop * block)
+
+
+def _meta_piece(meta: Metadata, tokens: slice) -> Metadata:
+  return Metadata(meta.positions[..., tokens], tuple(a[..., tokens] for a in meta.arrays))
+
+
+def _row_piece(sched: Schedule, blocks: slice) -> Schedule:
+  """The schedule of row blocks ``blocks``, walked by rows (forward, dq)."""
+  return sched._replace(cols=sched.cols[:, blocks], ncols=sched.ncols[:, blocks],
+                        full=sched.full[:, blocks])
+
+
+def _key_piece(sched: Schedule, blocks: slice) -> Schedule:
+  """The schedule of key blocks ``blocks``, walked by keys (dk/dv)."""
+  return sched._replace(rows=sched.rows[:, blocks], nrows=sched.nrows[:, blocks],
+                        full=sched.full[:, :, blocks])
+
+
+def _joined(parts):
+  """The pieces' results (each a list of [B, Hkv, T, ...]) joined along T."""
+  if len(parts) == 1:
+    return parts[0]
+  return [jnp.concatenate(xs, axis=2) for xs in zip(*parts)]
+
+
 def _visit(visit, full, step):
   """Run ``step(masked=False)`` on a full tile, ``step(masked=True)`` on a
   partial one, nothing past the end of the tile list."""
@@ -118,6 +163,15 @@ def _forward_kernel(cols_ref, ncols_ref, q_ref, k_ref, v_ref, *refs, params: Ker
 def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
             sched: Schedule):
   """(out f32[B, Hkv, N, D], lse f32[B, Hkv, N, 1]) of q against one K/V chunk."""
+  r, nk = params.rows, k.shape[2] // params.block_kv
+  return _joined([
+      _forward(params, q[:, :, _span(s, r)], k, v, _meta_piece(q_meta, _span(s, r)),
+               k_meta, _row_piece(sched, s))
+      for s in _pieces(q.shape[0], q.shape[2] // r, nk)])
+
+
+def _forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
+             sched: Schedule):
   b, h, n, d = q.shape
   r, kb = params.rows, params.block_kv
   nq, nk = n // r, k.shape[2] // kb
@@ -202,16 +256,34 @@ def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
              k_meta: Metadata, sched: Schedule):
   """(dq f32[B, Hkv, N, D], dk f32[B, Hkv, L, D], dv f32[B, Hkv, L, D]) of one chunk;
   ``lse``/``delta`` f32[B, Hkv, N, 1]."""
+  b, r, kb = q.shape[0], params.rows, params.block_kv
+  nq, nk = q.shape[2] // r, k.shape[2] // kb
+  dq_parts = []
+  for s in _pieces(b, nq, nk):
+    rows = _span(s, r)
+    dq_parts.append([_dq(params, q[:, :, rows], k, v, do[:, :, rows], lse[:, :, rows],
+                         delta[:, :, rows], _meta_piece(q_meta, rows), k_meta,
+                         _row_piece(sched, s))])
+  dk_dv = []
+  for s in _pieces(b, nk, nq):
+    keys = _span(s, kb)
+    dk_dv.append(_dkdv(params, q, k[:, :, keys], v[:, :, keys], do, lse, delta, q_meta,
+                       _meta_piece(k_meta, keys), _key_piece(sched, s)))
+  (dq,), (dk, dv) = _joined(dq_parts), _joined(dk_dv)
+  return dq, dk, dv
+
+
+def _dq(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta: Metadata,
+        sched: Schedule):
   b, h, n, d = q.shape
-  length = k.shape[2]
   r, kb = params.rows, params.block_kv
-  nq, nk = n // r, length // kb
+  nq, nk = n // r, k.shape[2] // kb
   by_col = lambda b_, i, t, cols, *_: cols[(b_ * nq + i) * nk + t] >> 1  # noqa: E731
   fixed = lambda b_, x, t, *_: x  # noqa: E731
   row_blk = lambda shape: pl.BlockSpec(shape, lambda b_, h_, i, t, *_: (b_, h_, i, 0))  # noqa: E731
   col_blk = lambda shape: pl.BlockSpec(  # noqa: E731
       shape, lambda b_, h_, i, t, *s: (b_, h_, by_col(b_, i, t, *s), 0))
-  dq = common.launch(
+  return common.launch(
       params, functools.partial(
           pl.pallas_call, functools.partial(_dq_kernel, params=params),
           grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -225,15 +297,22 @@ def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
           out_shape=common.f32_like((b, h, n, d), q),
           compiler_params=_compiler_params(), name="cpjax_ring_dq"),
       *_tables(sched, by_rows=True), q, k, v, do, lse, delta, q_meta.positions, *q_meta.arrays,
-      k_meta.positions,
-      *k_meta.arrays)
+      k_meta.positions, *k_meta.arrays)
 
+
+def _dkdv(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta: Metadata,
+          sched: Schedule):
   # Walk the row blocks of each key block: the schedule's transposed lists.
+  b, h, n, d = q.shape
+  length = k.shape[2]
+  r, kb = params.rows, params.block_kv
+  nq, nk = n // r, length // kb
+  fixed = lambda b_, x, t, *_: x  # noqa: E731
   key_blk = lambda shape: pl.BlockSpec(shape, lambda b_, h_, j, t, *_: (b_, h_, j, 0))  # noqa: E731
   by_row = lambda b_, j, t, rows, *_: rows[(b_ * nk + j) * nq + t] >> 1  # noqa: E731
   q_blk = lambda shape: pl.BlockSpec(  # noqa: E731
       shape, lambda b_, h_, j, t, *s: (b_, h_, by_row(b_, j, t, *s), 0))
-  dk, dv = common.launch(
+  return common.launch(
       params, functools.partial(
           pl.pallas_call, functools.partial(_dkdv_kernel, params=params),
           grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -248,4 +327,3 @@ def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
           compiler_params=_compiler_params(), name="cpjax_ring_dkdv"),
       *_tables(sched, by_rows=False), q, k, v, do, lse, delta, k_meta.positions,
       *k_meta.arrays, q_meta.positions, *q_meta.arrays)
-  return dq, dk, dv
