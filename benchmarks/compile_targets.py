@@ -12,7 +12,9 @@ shard, for each sequence length x mesh x training (full / LoRA r=16 on a
 bfloat16 base) x activation dtype. XLA:CPU refuses bfloat16 activations on a
 mesh with an fsdp axis (see cpjax.training.plan), so those cells stay empty.
 Each cell is GiB per device (arguments + outputs - aliases + temporaries);
-the compile seconds are the column beside. Needs pip install 'cpjax[tpu]'
+the compile seconds are the column beside. XLA:TPU refuses a program past
+the chip's HBM (v5e: 16 GiB) and names what its temporaries alone need:
+"> N (temporaries)". Needs pip install 'cpjax[tpu]'
 and 'cpjax[cuda]' for the accelerator columns. Writes
 results/compile_targets.json.
 """
@@ -20,6 +22,7 @@ results/compile_targets.json.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -30,6 +33,16 @@ from benchmarks.common import print_table, setup_devices, write_json  # noqa: E4
 from benchmarks.memory_scaling import e2b_slice  # noqa: E402
 
 JUDGES = {"cpu": None, "tpu": "v5e-8", "gpu": "h200-8"}
+
+
+def _refusal(error: Exception) -> str:
+  """A compiler's refusal as a cell: XLA:TPU stops at the chip's HBM and says
+  how much the temporaries alone needed ("> N (temporaries)")."""
+  text = str(error)
+  needed = re.search(r"required for HLO temporaries \(([0-9.]+)G\)", text)
+  if needed:
+    return f"> {float(needed.group(1)):.4g} (temporaries)"
+  return f"fails: {type(error).__name__}: {text.splitlines()[0][:80]}"
 
 
 def main(argv=None) -> None:
@@ -71,7 +84,7 @@ def main(argv=None) -> None:
                                        targets.parse_target(name))
               row[judge] = got.total / plan.GiB
             except Exception as e:  # a compiler's refusal is a result too
-              row[judge] = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+              row[judge] = _refusal(e)
             row[f"{judge} s"] = round(time.perf_counter() - start)
           rows.append(row)
           print_table([row], list(row))

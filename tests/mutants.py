@@ -36,6 +36,19 @@ class Mutant:
 TILES = "tests/test_tile_schedule.py"
 
 MUTANTS = (
+    # --- tile tables within SMEM, and the closed form against XLA:TPU (issue 44)
+    Mutant("TPU kernels: one call however long its tile table", "cpjax/kernels/tpu.py",
+           "if lists % p == 0 and batch * (lists // p) * per_list <= TABLE_WORDS), lists)",
+           "if lists % p == 0), lists)",
+           ("tests/test_kernels.py::test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces",)),
+    Mutant("TPU kernels: every piece computes the first piece's tokens", "cpjax/kernels/tpu.py",
+           "  return slice(blocks.start * block, blocks.stop * block)",
+           "  return slice(0, (blocks.stop - blocks.start) * block)",
+           ("tests/test_kernels.py::test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces",)),
+    Mutant("plan: the ring's float32 buffers left out", "cpjax/training/plan.py",
+           "  ring = 4 * rows * local * widest * 4 * (heads + kv)",
+           "  ring = 0",
+           ("tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_xla_tpu_on_the_e2b_slice",)),
     # --- the kernels wherever a mesh puts them (issue 44)
     Mutant("kernels: left to XLA's partitioner over fsdp and tp", "cpjax/kernels/common.py",
            "    if not free:\n      return kernel(params, *operands)",

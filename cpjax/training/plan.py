@@ -20,7 +20,11 @@ local tokens, ``a`` activation bytes):
   gradients are there twice when ``cp > 1`` (the sum over the cp ranks is
   a second buffer);
 * gathered weights (FSDP/TP gather a weight where it is used, and the ring
-  a decoder layer's split over cp): the largest decoder layer in float32.
+  a decoder layer's split over cp): the largest decoder layer in its stored
+  dtype, plus its cast copy when the activations' dtype differs; full
+  fine-tuning also makes the embedding tables' float32 gradient (the
+  lookups' transposes) beside the gradient it is added into,
+  ``4 * V * (D + layers * D_ple) / s``.
   Embedding tables and the tied head are never gathered
   (:func:`cpjax.parallel.lookup` and :func:`cpjax.parallel.ring_lookup`,
   the vocabulary-parallel loss); with the head split over cp the loss's
@@ -33,7 +37,10 @@ local tokens, ``a`` activation bytes):
   the per-layer input slice), or about ``B * L * (4D + 2(H + 2Hkv) Dh + 3I) * a``
   without;
 * one layer's recompute / backward working set: ``2 * B * (L * (2 H Dh +
-  4 Hkv Dh) + T * 3 I) * a`` plus the ring's travelling K/V, the MLP taking
+  4 Hkv Dh) + T * 3 I) * a`` at the widest layer's ``Dh`` (512 on Gemma 4's
+  full layers), plus the ring's float32 hop results and accumulators
+  (forward out, dq: ``[B, L, H, Dh]``; dk, dv: ``[B, L, Hkv, Dh]``; two of
+  each), ``16 * B * L * Dh * (H + Hkv)``, the MLP taking
   ``T = min(L, tile)`` tokens at a time
   (:data:`cpjax.models.gemma4.text.MLP_TILE_VALUES`);
 * the loss (:func:`cpjax.training.loss.linear_cross_entropy`): four float32 buffers
@@ -64,6 +71,10 @@ adds four buffers (sent, received, computed, returned) of
 ``min(ep, c) * B * L * k * D * a`` (``k`` experts per token; ``c`` the
 capacity factor, or ``ep`` when no token may be dropped: each device's
 block for each group then has room for all its pairs).
+
+The last three terms come from XLA:TPU's buffer report (v5e, compile-only):
+with them the closed form is 0.898x to 1.44x of XLA:TPU on the E2B slice at
+S = 16384 and 131072 (``benchmarks/compile_targets.py``); XLA:GPU asks more.
 
 Where CPU compilation differs from TPU / GPU: XLA:CPU has no
 memory-space assignment or latency-hiding scheduler, so its temporaries are
@@ -274,9 +285,12 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     optimizer, grads = 8 * trained / shards + 4, 4 * trained / shards
   if cp > 1 and not over_cp:
     grads *= 2     # the sum over the cp ranks is a second buffer
-  gathered = base * (largest - experts / layers) if shards > 1 else 0
+  # A gathered weight in its stored dtype and, where the compute dtype
+  # differs, its cast copy.
+  cast = base + (a if a != base else 0)
+  gathered = cast * (largest - experts / layers) if shards > 1 else 0
   if experts and expert_shards > ep:   # fsdp shards each group's experts: gathered where used
-    gathered += base * experts / layers / ep
+    gathered += cast * experts / layers / ep
   if ep > 1:
     # Dispatch buffers, sent, received, computed and returned: ep blocks of
     # T * k rows when no token may be dropped, c * T * k rows in all with a
@@ -294,7 +308,8 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   # short; the tile counts the MLP's whole width, as the model does); the
   # experts' for every token.
   tile = 1 << max(0, (MLP_TILE_VALUES // (rows * dense)).bit_length() - 1)
-  working = 2 * rows * (local * (2 * heads * dh + 4 * kv * t.global_head_dim + 3 * routed)
+  widest = max(t.layer_head_dim(i) for i in range(layers))
+  working = 2 * rows * (local * (2 * heads * widest + 4 * kv * widest + 3 * routed)
                         + min(local, tile) * 3 * dense / tp) * a
   chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // t.vocab_size))
   logits = 4 * chunk * t.vocab_size / shards * 4 + rows * local * 4
@@ -303,7 +318,17 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     # worth in flight (this hop's and the next's), with their labels and
     # log-sum-exps and, in the backward, their float32 d hidden.
     logits += 2 * rows * local * (d * a + 4 * d + 4 + 4)
-  activations = grads + gathered + full_row + saved + working + logits
+  # The ring's float32 buffers in one layer's backward, at the widest head:
+  # the recomputed forward's hop output and running accumulator, dq's hop
+  # result and accumulator ([B, L, H, Dh] each), dk and dv's ([B, L, Hkv, Dh]).
+  ring = 4 * rows * local * widest * 4 * (heads + kv)
+  # Full fine-tuning: the embedding tables' gradient (the lookups'
+  # transposes, vocabulary-sharded) is made in float32 beside the gradient
+  # it is added into: one more table-sized buffer per device.
+  tables = t.vocab_size * (d + ple * layers) / shards
+  tables_grad = 4 * tables if lora_rank is None else 0
+  activations = (grads + gathered + ring + tables_grad
+                 + full_row + saved + working + logits)
   tokens = rows * local
   passes = 6 if lora_rank is None else 4       # forward, input and (full) weight gradients
   matmul = (passes + (2 if remat != "none" else 0)) * active * tokens / tp
