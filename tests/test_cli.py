@@ -69,6 +69,8 @@ def _run(*args, timeout=600):
      "--mesh cp=4 has 4 devices, --target v5e-8 has 8 (v5e:2x4)"),
     (["plan", "--model", "tiny", "--seq-len", "64", "--target", "h200-8", "--estimate-only"],
      "--target compiles; it does not go with --estimate-only"),
+    (["plan", "--model", "tiny", "--seq-len", "64", "--mesh", "cp=8", "--dtype", "bfloat16"],
+     "--dtype sets the activations of a --target compile; XLA:CPU compiles float32"),
     # Found by the job before any training compute: still one line, exit 2.
     (["train", "--mesh", "fsdp=2,cp=4", "--batch-size", "3", "--no-parity-check"],
      "mesh axis 'fsdp' of size 2 does not divide the batch size 3"),

@@ -115,14 +115,17 @@ def test_cli_plan_rejects_a_mesh_the_model_cannot_use():
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="needs libtpu: pip install 'cpjax[tpu]'")
-def test_cli_plan_for_a_target_prints_its_compilers_memory_and_fit():
+def test_cli_plan_for_a_target_prints_its_compilers_memory_and_fit(tmp_path):
   """A recipe compiled for a v5e slice by XLA:TPU: the row is the chip's, the
-  fit is judged against --device-memory (here too small, so exit 1; without
-  it the chip's 16 GiB)."""
+  fit is judged against --device-memory (here too small, so exit 1, and no
+  run config is written; without it the chip's 16 GiB)."""
+  path = tmp_path / "plan.yaml"
   out = subprocess.run([sys.executable, "-m", "cpjax", "plan", "--recipe", "tiny", "--seq-len",
-                        "2048", "--target", "v5e-8", "--device-memory", "1MiB"],
+                        "2048", "--target", "v5e-8", "--device-memory", "1MiB",
+                        "--write-config", str(path)],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
   assert out.returncode == 1, out.stderr
+  assert not path.exists() and "not written" in out.stdout, out.stdout
   assert "cpjax plan: Gemma 4 tiny, S=2048" in out.stdout
   assert "8 devices (TPU v5 lite, v5e:2x4)" in out.stdout
   rows = [line for line in out.stdout.splitlines() if " v5e-8 " in line]
@@ -131,6 +134,25 @@ def test_cli_plan_for_a_target_prints_its_compilers_memory_and_fit():
                    out.stdout), out.stdout
   # The tiny recipe's cp=8 mesh, from its run config.
   assert "cp=8" in rows[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs cpjax[tpu]")
+def test_cli_plan_writes_the_run_config_its_targets_compiler_accepted(tmp_path):
+  """--write-config with --target: the compiled activations' dtype, and the
+  compiler's figure in the note beside the closed form's."""
+  from cpjax.training.run_file import read_run_config
+
+  path = tmp_path / "plan.yaml"
+  out = subprocess.run([sys.executable, "-m", "cpjax", "plan", "--model", "tiny", "--seq-len",
+                        "2048", "--target", "v5e-8", "--dtype", "bfloat16",
+                        "--write-config", str(path)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert out.returncode == 0, out.stderr
+  run = read_run_config(path)
+  assert (run.model, run.parallel.mesh, run.dtype) == ("tiny", "cp=8", "bfloat16")
+  compiled = re.search(r"v5e-8 +params .* total +([0-9.]+ [KMG]iB)", out.stdout).group(1)
+  assert f"# compiled by v5e-8's compiler: {compiled} per device, fits" in path.read_text()
 
 
 def test_lora_compiled_plan_state_equals_the_closed_form():

@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--shard-state", choices=typing.get_args(ShardState), default=None,
                     help="which axes split the parameters, gradients and optimizer state, as "
                          "cpjax train --shard-state (default: fsdp+cp, every token axis)")
+  plan.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="the compiled step's activation dtype (default: the run config's, "
+                         "else float32); the estimate prints both")
   plan.add_argument("--write-config", metavar="FILE", default=None,
                     help="write the plan as a run config (its mesh, batch, remat, and the "
                          "activation dtype that fits) that cpjax train --config FILE runs")

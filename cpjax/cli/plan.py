@@ -62,7 +62,9 @@ def _from_run(parser, args) -> None:
   args.shard_state = args.shard_state or "fsdp+cp"
   # The compiled step's activations: the run's dtype; float32 without a run
   # (XLA:CPU's partitioner aborts on bfloat16 weight gradients over fsdp/tp).
-  args.dtype = run.dtype if run is not None else "float32"
+  args.dtype_flag = args.dtype
+  if args.dtype is None:
+    args.dtype = run.dtype if run is not None else "float32"
 
 
 def _target(parser, args):
@@ -101,6 +103,10 @@ def plan(parser, args) -> int:
   if args.expert_parallel and args.mesh is not None:
     parser.exit(2, "cpjax plan: error: --expert-parallel searches meshes; with --mesh give "
                    "ep in it (e.g. fsdp=2,cp=4,ep=8)\n")
+  if args.dtype_flag is not None and target is None:
+    parser.exit(2, "cpjax plan: error: --dtype sets the activations of a --target compile; "
+                   "XLA:CPU compiles float32 (its partitioner aborts on bfloat16 gradients "
+                   "over fsdp/tp), and the estimate prints both\n")
   if target is not None and args.estimate_only:
     parser.exit(2, "cpjax plan: error: --target compiles; it does not go with --estimate-only\n")
   lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32",
@@ -154,17 +160,24 @@ def plan(parser, args) -> int:
     compiler = "XLA:CPU" if target is None else f"{target.name}'s compiler"
     print(f"  compiled by {compiler} in {seconds:.0f} s; collectives per step (outputs, a loop "
           f"body once): {moved or 'none'}")
+  compiled = rows[-1] if target is not None else None
   if args.write_config is not None:
-    _write_config(args, cfg, name, rows, mesh)
-  if target is not None and not rows[-1].fits(args.device_memory):
+    if compiled is not None and not compiled.fits(args.device_memory):
+      print(f"not written: {args.write_config} (the step does not fit by {target.name}'s "
+            f"compiler)")
+    else:
+      _write_config(args, cfg, name, rows, mesh, compiled)
+  if compiled is not None and not compiled.fits(args.device_memory):
     return 1
   return 0
 
 
-def _write_config(args, cfg, name: str, rows, mesh: dict) -> None:
+def _write_config(args, cfg, name: str, rows, mesh: dict, compiled=None) -> None:
   """``--write-config FILE``: the plan as a run config. Activations in float32
   when that fits ``--device-memory`` (or no memory was given), else bfloat16;
-  the first step's parity check (the step again on one device) only when one
+  with ``--target``, the activations its compiler accepted (``compiled``, a
+  step that fits), whose figure the note gives beside the closed form's. The
+  first step's parity check (the step again on one device) only when one
   device holds that step."""
   from cpjax.training import plan
   from cpjax.training.run_config import (DataConfig, ExpertsConfig, LoraConfig, ParallelConfig,
@@ -175,6 +188,8 @@ def _write_config(args, cfg, name: str, rows, mesh: dict) -> None:
   fitting = [d for d in ("float32", "bfloat16")
              if args.device_memory is None or estimates[d].fits(args.device_memory)]
   dtype = fitting[0] if fitting else "float32"
+  if compiled is not None:
+    dtype = compiled.dtype
   fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
   batch = args.batch_size or fsdp
   parity = args.device_memory is None or plan.estimate(
@@ -196,6 +211,9 @@ def _write_config(args, cfg, name: str, rows, mesh: dict) -> None:
   row = " ".join(est.row().split())
   note = (f"planned by cpjax plan: {row} [{dtype} activations]{verdict} "
           f"({where})")
+  if compiled is not None:
+    note += (f"\ncompiled by {compiled.source}'s compiler: "
+             f"{plan.format_bytes(compiled.total)} per device, fits")
   with open(args.write_config, "w") as f:
     f.write(to_yaml(run, note))
   print(f"wrote the run config to {args.write_config}: cpjax train --config "

@@ -22,27 +22,22 @@ local tokens, ``a`` activation bytes):
 * gathered weights (FSDP/TP gather a weight where it is used, and the ring
   a decoder layer's split over cp): the largest decoder layer in its stored
   dtype, plus its cast copy when the activations' dtype differs; full
-  fine-tuning also makes the embedding tables' float32 gradient (the
-  lookups' transposes) beside the gradient it is added into,
-  ``4 * V * (D + layers * D_ple) / s``.
-  Embedding tables and the tied head are never gathered
+  fine-tuning makes the embedding tables' float32 gradient beside the one it
+  is added into, ``4 V (D + layers D_ple) / s``. Embedding tables and the tied head are never gathered
   (:func:`cpjax.parallel.lookup` and :func:`cpjax.parallel.ring_lookup`,
   the vocabulary-parallel loss); with the head split over cp the loss's
   tokens travel the cp ring, two ranks' worth at a time with their float32
   gradient, ``2 * B * L * (a + 4) * D``;
 * full-row inputs: only integer streams (ids, soft-token numbers, vision
-  groups) see the whole row, ``3 * B * S * 4``; the embeddings and the
-  per-layer inputs are made for the local tokens;
+  groups) see the whole row, ``3 * B * S * 4``;
 * saved activations: per layer its input ``B * L * D * a`` with remat (plus
   the per-layer input slice), or about ``B * L * (4D + 2(H + 2Hkv) Dh + 3I) * a``
   without;
 * one layer's recompute / backward working set: ``2 * B * (L * (2 H Dh +
   4 Hkv Dh) + T * 3 I) * a`` at the widest layer's ``Dh`` (512 on Gemma 4's
-  full layers), plus the ring's float32 hop results and accumulators
-  (forward out, dq: ``[B, L, H, Dh]``; dk, dv: ``[B, L, Hkv, Dh]``; two of
-  each), ``16 * B * L * Dh * (H + Hkv)``, the MLP taking
-  ``T = min(L, tile)`` tokens at a time
-  (:data:`cpjax.models.gemma4.text.MLP_TILE_VALUES`);
+  full layers), plus the ring's float32 hop results and accumulators (out,
+  dq, dk, dv), ``16 * B * L * Dh * (H + Hkv)``, the MLP taking ``T = min(L,
+  tile)`` tokens at a time (:data:`cpjax.models.gemma4.text.MLP_TILE_VALUES`);
 * the loss (:func:`cpjax.training.loss.linear_cross_entropy`): four float32 buffers
   of one chunk's logits ``C x V / s`` (``C`` from
   :data:`cpjax.training.loss.LOSS_CHUNK_LOGITS`) and one log-sum-exp per token.
@@ -66,15 +61,13 @@ expert values are split ``ep`` ways, and the gathered layer leaves its
 experts out; the token axes ``ep`` does not fold onto split each group's
 experts further (``N_e / (fsdp * cp)`` stored; whole over cp, ``N_e / ep``,
 or ``N_e / (ep * fsdp)`` when ``ep`` folds onto ``cp`` alone) and gather a
-layer's group of them where used. The dispatch
-adds four buffers (sent, received, computed, returned) of
-``min(ep, c) * B * L * k * D * a`` (``k`` experts per token; ``c`` the
-capacity factor, or ``ep`` when no token may be dropped: each device's
-block for each group then has room for all its pairs).
+layer's group of them where used. The dispatch adds four buffers (sent,
+received, computed, returned) of ``min(ep, c) * B * L * k * D * a`` (``k``
+experts per token; ``c`` the capacity factor, or ``ep`` when no token may be
+dropped: each device's block for each group has room for all its pairs).
 
-The last three terms come from XLA:TPU's buffer report (v5e, compile-only):
-with them the closed form is 0.898x to 1.44x of XLA:TPU on the E2B slice at
-S = 16384 and 131072 (``benchmarks/compile_targets.py``); XLA:GPU asks more.
+The cast copy, table gradient, widest Dh and ring buffers are from XLA:TPU's
+buffer report: 0.898x to 1.44x of it on the E2B slice (benchmarks/compile_targets.py).
 
 Where CPU compilation differs from TPU / GPU: XLA:CPU has no
 memory-space assignment or latency-hiding scheduler, so its temporaries are
@@ -285,8 +278,7 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     optimizer, grads = 8 * trained / shards + 4, 4 * trained / shards
   if cp > 1 and not over_cp:
     grads *= 2     # the sum over the cp ranks is a second buffer
-  # A gathered weight in its stored dtype and, where the compute dtype
-  # differs, its cast copy.
+  # A gathered weight in its stored dtype, and its cast copy for compute.
   cast = base + (a if a != base else 0)
   gathered = cast * (largest - experts / layers) if shards > 1 else 0
   if experts and expert_shards > ep:   # fsdp shards each group's experts: gathered where used
@@ -318,15 +310,12 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     # worth in flight (this hop's and the next's), with their labels and
     # log-sum-exps and, in the backward, their float32 d hidden.
     logits += 2 * rows * local * (d * a + 4 * d + 4 + 4)
-  # The ring's float32 buffers in one layer's backward, at the widest head:
-  # the recomputed forward's hop output and running accumulator, dq's hop
-  # result and accumulator ([B, L, H, Dh] each), dk and dv's ([B, L, Hkv, Dh]).
+  # The ring's float32 hop results and accumulators in a layer's backward,
+  # at the widest head: forward out and dq [B, L, H, Dh], dk and dv [B, L, Hkv, Dh].
   ring = 4 * rows * local * widest * 4 * (heads + kv)
-  # Full fine-tuning: the embedding tables' gradient (the lookups'
-  # transposes, vocabulary-sharded) is made in float32 beside the gradient
-  # it is added into: one more table-sized buffer per device.
-  tables = t.vocab_size * (d + ple * layers) / shards
-  tables_grad = 4 * tables if lora_rank is None else 0
+  # Full fine-tuning: the lookups' transposes make the tables' gradient in
+  # float32 beside the one it is added into (one more table-sized buffer).
+  tables_grad = 4 * t.vocab_size * (d + ple * layers) / shards if lora_rank is None else 0
   activations = (grads + gathered + ring + tables_grad
                  + full_row + saved + working + logits)
   tokens = rows * local
