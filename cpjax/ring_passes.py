@@ -35,7 +35,7 @@ from cpjax.kernels import common as kernel_common
 from cpjax.kernels.common import KernelParams, filled_after
 from cpjax.kernels.common import vary_like as _vary_like
 from cpjax.kernels.common import varying_axes as _varying_axes
-from cpjax.kernels.targets import platform_guard
+from cpjax.kernels.targets import TARGETS, platform_guard
 from cpjax.layout import ShardLayout, local_token_indices
 from cpjax.masks import MaskRule, Tokens
 from cpjax.ring_schedule import RingPlan
@@ -61,6 +61,14 @@ class _Config:
   def tile_rows(self) -> int:
     """Query rows per tile: ``block_q`` tokens times ``G`` heads."""
     return self.block_q * self.groups
+
+  @property
+  def schedule_blocks(self) -> tuple[int, int]:
+    """(query tokens, keys) per block of a kernel hop's schedule (see
+    :meth:`cpjax.kernels.targets.KernelTarget.schedule_blocks`)."""
+    return TARGETS[self.implementation].schedule_blocks(
+        self.block_q, self.block_kv, chunk_len=self.layout.chunk_len,
+        local_len=self.layout.local_seq_len)
 
 
 # ------------------------------------------------------------------ helpers
@@ -226,7 +234,7 @@ def _guarded(cfg: _Config, x):
 def _kernel_chunk(cfg: _Config, q_info: Tokens, kv, k_arrays, src_rank, active):
   """(k, v, key metadata, schedule) of one visiting chunk for the kernels."""
   k_info = _tokens(cfg, src_rank, k_arrays)
-  blocks = cfg.rule.classify(q_info, k_info, cfg.block_q, cfg.block_kv)
+  blocks = cfg.rule.classify(q_info, k_info, *cfg.schedule_blocks)
   sched = kernel_common.schedule(blocks, kv[0].shape[0], active)
   k_meta = kernel_common.metadata(cfg.kernel, k_info.positions, k_info.arrays)
   # A pallas_call's operands vary over the same mesh axes as its results.

@@ -7,6 +7,7 @@ tiling rules: 128-row tiles for Mosaic TPU, power-of-two tiles for Triton.
 """
 
 import collections
+import dataclasses
 import re
 
 import chex
@@ -70,6 +71,33 @@ GPU_CASES = {
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gpu_kernels_interpreted(case):
   check("pallas_gpu", block_q=16, block_kv=16, **GPU_CASES[case])
+
+
+@pytest.mark.parametrize("case", ["lb-docs-padding-window", "db-vision-gqa4"])
+def test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block(monkeypatch, case):
+  """Past ``schedule_tiles`` blocks a hop, the GPU schedule lists blocks of
+  several tiles and each program walks the tiles of every listed block (with
+  room for 4 blocks, 8 x 8 tiles of 16 tokens go as 2 x 2 blocks of 4 x 4
+  tiles): values and gradients are still the dense reference's, padded rows
+  and windows cutting through a block included."""
+  from cpjax.kernels import targets
+
+  monkeypatch.setitem(targets.TARGETS, "pallas_gpu",
+                      dataclasses.replace(targets.TARGETS["pallas_gpu"], schedule_tiles=4))
+  groups = []
+  tiles_per_block = common.Schedule.tiles_per_block
+
+  def recorded(sched, *tiles):
+    groups.append(tiles_per_block(sched, *tiles))
+    return groups[-1]
+
+  monkeypatch.setattr(common.Schedule, "tiles_per_block", recorded)
+  shape = {"lb-docs-padding-window": dict(kind="load_balanced", docs=True, pad_from=200,
+                                          sliding_window=40, d=16),
+           "db-vision-gqa4": dict(kind="document_balanced", hq=8, hkv=2, docs=True,
+                                  vision=True, stripes=2, d=16)}[case]
+  check("pallas_gpu", cp=2, s=256, block_q=16, block_kv=16, **shape)
+  assert groups and set(groups) == {(4, 4)}, groups    # forward, dq and dk/dv
 
 
 # Mosaic tiles are multiples of 128 rows and keys: chunks of 128 tokens and

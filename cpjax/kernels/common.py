@@ -137,7 +137,11 @@ def tile_mask(params: KernelParams, q: Tokens, k: Tokens) -> jax.Array:
 
 
 class Schedule(NamedTuple):
-  """The tiles of one hop worth computing, per batch row, in both orders.
+  """The blocks of one hop worth computing, per batch row, in both orders.
+
+  A block is a whole number of tiles: one tile, unless the target groups
+  them to keep the schedule small (``KernelTarget.schedule_blocks``; the
+  kernels read the grouping off the shapes, :meth:`tiles_per_block`).
 
   Fields (int32):
     cols: [B, nq, nk]; ``cols[b, i, :ncols[b, i]]`` are the non-empty key
@@ -145,7 +149,7 @@ class Schedule(NamedTuple):
       a kernel stepping through it fetches nothing new.
     ncols: [B, nq].
     rows, nrows: the same per key block ([B, nk, nq], [B, nk]).
-    full: [B, nq, nk]; 1 where the tile needs no mask.
+    full: [B, nq, nk]; 1 where the block needs no mask.
   """
 
   cols: jax.Array
@@ -153,6 +157,14 @@ class Schedule(NamedTuple):
   rows: jax.Array
   nrows: jax.Array
   full: jax.Array
+
+  def tiles_per_block(self, row_tiles: int, key_tiles: int) -> tuple[int, int]:
+    """(row tiles, key tiles) in one block, given the tiles of a hop's side."""
+    nq, nk = self.cols.shape[1:]
+    if row_tiles % nq or key_tiles % nk:
+      raise ValueError(f"a schedule of {nq} x {nk} blocks cannot group {row_tiles} x "
+                       f"{key_tiles} tiles")
+    return row_tiles // nq, key_tiles // nk
 
 
 def _compact(visit):

@@ -12,7 +12,11 @@ the one place to swap when it goes.
 Triton has no sequential grid dimension with scratch memory, so each program
 owns one row block (forward, dq) or one key block (dk/dv) and loops over the
 hop's :class:`cpjax.kernels.common.Schedule` list in the kernel with a
-dynamic trip count: empty tiles cost nothing. Full tiles skip the mask.
+dynamic trip count: empty blocks cost nothing. Full blocks skip the mask.
+Triton's tiles are small (16 x 16 at head dim 512), so past a million tiles a
+hop the schedule lists blocks of several tiles
+(``KernelTarget.schedule_blocks``), and a program walks each listed block's
+tiles in turn.
 
 Shape letters as in :mod:`cpjax.kernels.common`.
 """
@@ -66,14 +70,30 @@ def _tile(visit_full, step, carry):
                   functools.partial(step, masked=True), carry)
 
 
+def _in_block(t, per: int):
+  """(list entry, tile within its block) of step t over blocks of ``per`` tiles
+  (``lax``'s truncating div/rem: t >= 0, and Triton lowers jnp's floor forms badly)."""
+  return (t, 0) if per == 1 else (lax.div(t, per), lax.rem(t, per))
+
+
 # ------------------------------------------------------------------ forward
-def _walk_keys(params: KernelParams, tables, b, i, q_tok, k_ref, v_ref, k_meta, fold, init):
-  """Fold row block i's non-empty key blocks, in order: ``fold(k, v, mask, carry)``."""
+def _walk_keys(params: KernelParams, tables, group, b, i, q_tok, k_ref, v_ref, k_meta, fold,
+               init):
+  """Fold row tile i's non-empty key tiles, in order: ``fold(k, v, mask, carry)``.
+
+  ``group`` (row tiles, key tiles) per schedule block: row tile i reads its
+  block's list, and each listed key block is that many key tiles, walked in
+  the same loop (a nested loop makes ptxas spill dK/dV's tiles).
+  """
   cols_ref, ncols_ref, full_ref = tables
   kb = params.block_kv
+  per_row, per_key = group
+  ib = i // per_row
 
   def body(t, carry):
-    j = cols_ref[b, i, t]
+    entry, within = _in_block(t, per_key)
+    jb = cols_ref[b, ib, entry]
+    j = jb * per_key + within
 
     def step(carry, masked):
       k, v = k_ref[pl.ds(j * kb, kb), :], v_ref[pl.ds(j * kb, kb), :]
@@ -81,20 +101,20 @@ def _walk_keys(params: KernelParams, tables, b, i, q_tok, k_ref, v_ref, k_meta, 
               if masked else None)
       return fold(k, v, mask, carry)
 
-    return _tile(full_ref[b, i, j] != 0, step, carry)
+    return _tile(full_ref[b, ib, jb] != 0, step, carry)
 
-  return lax.fori_loop(0, ncols_ref[b, i], body, init)
+  return lax.fori_loop(0, ncols_ref[b, ib] * per_key, body, init)
 
 
 def _forward_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs,
-                    params: KernelParams):
+                    params: KernelParams, group):
   q_meta, k_meta, (o_ref, lse_ref) = _split(params, refs)
   b, i = pl.program_id(0), pl.program_id(2)
   r = params.rows
   q = q_ref[...]
   init = (jnp.full((r, 1), -jnp.inf, jnp.float32), jnp.zeros((r, 1), jnp.float32),
           jnp.zeros(q.shape, jnp.float32))
-  state = _walk_keys(params, (cols_ref, ncols_ref, full_ref), b, i,
+  state = _walk_keys(params, (cols_ref, ncols_ref, full_ref), group, b, i,
                      _block_tokens(params, q_meta, i * r, r), k_ref, v_ref, k_meta,
                      lambda k, v, mask, c: common.fold_tile(params, q, k, v, mask, *c), init)
   out, lse = common.finish(*state)
@@ -108,11 +128,13 @@ def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
   """(out f32[B, Hkv, N, D], lse f32[B, Hkv, N, 1]) of q against one K/V chunk."""
   b, h, n, d = q.shape
   r = params.rows
+  group = sched.tiles_per_block(n // r, k.shape[2] // params.block_kv)
   row = lambda shape: pl.BlockSpec(shape, lambda b_, h_, i: (b_, h_, i, 0))  # noqa: E731
   tables = (sched.cols, sched.ncols, sched.full)
   return common.launch(
       params, functools.partial(
-          pl.pallas_call, functools.partial(_forward_kernel, params=params), grid=(b, h, n // r),
+          pl.pallas_call, functools.partial(_forward_kernel, params=params, group=group),
+          grid=(b, h, n // r),
           in_specs=[pl.no_block_spec] * 3 + [row((None, None, r, d)), _whole(k.shape),
                                              _whole(v.shape), *_meta_specs(q_meta),
                                              *_meta_specs(k_meta)],
@@ -124,7 +146,7 @@ def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
 
 # ----------------------------------------------------------------- backward
 def _dq_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               *refs, params: KernelParams):
+               *refs, params: KernelParams, group):
   q_meta, k_meta, (dq_ref,) = _split(params, refs)
   b, i = pl.program_id(0), pl.program_id(2)
   r = params.rows
@@ -133,34 +155,38 @@ def _dq_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   def fold(k, v, mask, dq):
     return dq + common.grad_tile(params, q, k, v, do, lse, delta, mask)[0]
 
-  dq_ref[...] = _walk_keys(params, (cols_ref, ncols_ref, full_ref), b, i,
+  dq_ref[...] = _walk_keys(params, (cols_ref, ncols_ref, full_ref), group, b, i,
                            _block_tokens(params, q_meta, i * r, r), k_ref, v_ref, k_meta, fold,
                            jnp.zeros(q.shape, jnp.float32))
 
 
 def _dkdv_kernel(rows_ref, nrows_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                 *refs, params: KernelParams):
+                 *refs, params: KernelParams, group):
   k_meta, q_meta, (dk_ref, dv_ref) = _split(params, refs)
   b, j = pl.program_id(0), pl.program_id(2)
   r, kb = params.rows, params.block_kv
+  per_row, per_key = group
+  jb = j // per_key
   k, v = k_ref[...], v_ref[...]
   k_tok = _block_tokens(params, k_meta, j * kb, kb)
 
   def body(t, carry):
-    i = rows_ref[b, j, t]
+    entry, within = _in_block(t, per_row)
+    ib = rows_ref[b, jb, entry]
+    start = (ib * per_row + within) * r
 
     def step(carry, masked):
-      rows = pl.ds(i * r, r)
-      mask = (common.tile_mask(params, _block_tokens(params, q_meta, i * r, r), k_tok)
+      rows = pl.ds(start, r)
+      mask = (common.tile_mask(params, _block_tokens(params, q_meta, start, r), k_tok)
               if masked else None)
       _, dk, dv = common.grad_tile(params, q_ref[rows, :], k, v, do_ref[rows, :],
                                    lse_ref[rows, :], delta_ref[rows, :], mask)
       return carry[0] + dk, carry[1] + dv
 
-    return _tile(full_ref[b, i, j] != 0, step, carry)
+    return _tile(full_ref[b, ib, jb] != 0, step, carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = lax.fori_loop(0, nrows_ref[b, j], body, (zeros, zeros))
+  dk, dv = lax.fori_loop(0, nrows_ref[b, jb] * per_row, body, (zeros, zeros))
   dk_ref[...] = dk
   dv_ref[...] = dv
 
@@ -173,10 +199,12 @@ def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
   b, h, n, d = q.shape
   length = k.shape[2]
   r, kb = params.rows, params.block_kv
+  group = sched.tiles_per_block(n // r, length // kb)
   row = lambda shape: pl.BlockSpec(shape, lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
   dq = common.launch(
       params, functools.partial(
-          pl.pallas_call, functools.partial(_dq_kernel, params=params), grid=(b, h, n // r),
+          pl.pallas_call, functools.partial(_dq_kernel, params=params, group=group),
+          grid=(b, h, n // r),
           in_specs=[pl.no_block_spec] * 3 + [
               row((None, None, r, d)), _whole(k.shape), _whole(v.shape), row((None, None, r, d)),
               row((None, None, r, 1)), row((None, None, r, 1)), *_meta_specs(q_meta),
@@ -188,7 +216,8 @@ def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
       *q_meta.arrays, k_meta.positions, *k_meta.arrays)
   dk, dv = common.launch(
       params, functools.partial(
-          pl.pallas_call, functools.partial(_dkdv_kernel, params=params), grid=(b, h, length // kb),
+          pl.pallas_call, functools.partial(_dkdv_kernel, params=params, group=group),
+          grid=(b, h, length // kb),
           in_specs=[pl.no_block_spec] * 3 + [
               _whole(q.shape), row((None, None, kb, d)), row((None, None, kb, d)), _whole(do.shape),
               _whole(lse.shape), _whole(delta.shape), *_meta_specs(k_meta), *_meta_specs(q_meta)],

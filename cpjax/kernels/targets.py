@@ -47,6 +47,9 @@ class KernelTarget:
     tiles: ``((max head dim, rows R, keys K), ...)`` ascending: the default
       tile for head dims up to that size. ``R = block_q * G`` query rows.
     f32_tiles: the same for float32 inputs, where they differ (empty: ``tiles``).
+    schedule_tiles: the most (row block, key block) pairs one hop's schedule
+      may hold; past it, :meth:`schedule_blocks` groups tiles into larger
+      blocks (None: every tile its own block).
     chosen_on: which chip and compile the records were chosen on.
   """
 
@@ -54,6 +57,7 @@ class KernelTarget:
   platforms: tuple[str, ...]
   tiles: tuple[tuple[int, int, int], ...]
   f32_tiles: tuple[tuple[int, int, int], ...] = ()
+  schedule_tiles: int | None = None
   chosen_on: str = ""
 
   @property
@@ -71,6 +75,37 @@ class KernelTarget:
       if head_dim <= max_d:
         return rows, keys
     return table[-1][1:]
+
+  def schedule_blocks(self, block_q: int, block_kv: int, *, chunk_len: int,
+                      local_len: int) -> tuple[int, int]:
+    """(query tokens, keys) per block of a hop's schedule: the tile, grown in
+    powers of two until the schedule has at most ``schedule_tiles`` blocks.
+
+    A schedule is dense in (row block, key block), so with small tiles it
+    grows as L**2: Triton's 16-row tiles at head dim 512 and L = 262144 local
+    tokens made 8 GiB tables per hop. Each doubling goes to the side with
+    fewer tokens (queries first on a tie: a query tile holds G rows a token),
+    and a block never straddles a chunk. The kernels walk every tile inside
+    a scheduled block; a block the mask leaves empty is still skipped whole.
+
+    >>> gpu = TARGETS["pallas_gpu"]
+    >>> gpu.schedule_blocks(2, 16, chunk_len=131072, local_len=262144)
+    (256, 256)
+    >>> gpu.schedule_blocks(2, 16, chunk_len=1024, local_len=2048)   # 131072 blocks: as is
+    (2, 16)
+    """
+    bq, bk = block_q, block_kv
+    if self.schedule_tiles is None:
+      return bq, bk
+    while (local_len // bq) * (local_len // bk) > self.schedule_tiles:
+      sides = [side for side, size in (("q", bq), ("k", bk)) if chunk_len % (2 * size) == 0]
+      if not sides:
+        break
+      if min(sides, key=lambda side: (bq if side == "q" else bk, side)) == "q":
+        bq *= 2
+      else:
+        bk *= 2
+    return bq, bk
 
   def head_dim_problem(self, head_dim: int) -> str | None:
     if self.name == "pallas_gpu" and not (_pow2(head_dim) and head_dim >= 16):
@@ -99,8 +134,10 @@ class KernelTarget:
 # tiles that ptxas compiles for sm_90a (8 warps) without spilling registers,
 # read from ptxas -v (cpjax.kernels.ptxas) on the ring's three kernels; with
 # float32 inputs at head dims 256 and 512 even 16 x 16 tiles spill in dK/dV
-# (tests/test_compile_targets.py records how much). Neither is tuned for speed
-# on hardware yet: see benchmarks/accelerator.py.
+# (tests/test_compile_targets.py records how much). Those small tiles are why
+# only the GPU groups its schedule's tiles (schedule_tiles); the TPU's are 256
+# to 1024 rows, and their tables go to SMEM in pieces (cpjax.kernels.tpu).
+# Neither is tuned for speed on hardware yet: see benchmarks/accelerator.py.
 TARGETS = {
     "pallas_tpu": KernelTarget("pallas_tpu", ("tpu",),
                                ((128, 1024, 512), (256, 512, 512), (512, 256, 512)),
@@ -109,6 +146,7 @@ TARGETS = {
                                ((64, 128, 128), (128, 128, 64), (256, 32, 32), (512, 16, 16)),
                                f32_tiles=((64, 64, 32), (128, 32, 32), (256, 16, 16),
                                           (512, 16, 16)),
+                               schedule_tiles=1 << 20,
                                chosen_on="ptxas for sm_90a (H200, compile-only, CUDA 12)"),
 }
 
