@@ -5,6 +5,7 @@ this CPU machine with compile-only devices (no chip needed).
 
     python benchmarks/compile_targets.py                              # the default rows
     python benchmarks/compile_targets.py --seq-lens 16384 --meshes cp=8 --judges tpu gpu
+    python benchmarks/compile_targets.py --judges gpu --keep   # rerun one judge's cells
 
 Rows: the E2B slice of benchmarks/memory_scaling.py (real vocabulary, width,
 per-layer inputs; 4 sliding + 1 full layer), remat full, one row per batch
@@ -22,6 +23,7 @@ results/compile_targets.json.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -29,10 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import print_table, setup_devices, write_json  # noqa: E402
+from benchmarks.common import RESULTS, print_table, setup_devices, write_json  # noqa: E402
 from benchmarks.memory_scaling import e2b_slice  # noqa: E402
 
 JUDGES = {"cpu": None, "tpu": "v5e-8", "gpu": "h200-8"}
+JUDGE_CELLS = [c for j in JUDGES for c in (j, f"{j} s")]
 
 
 def _refusal(error: Exception) -> str:
@@ -45,6 +48,17 @@ def _refusal(error: Exception) -> str:
   return f"fails: {type(error).__name__}: {text.splitlines()[0][:80]}"
 
 
+def _kept_cells(judges) -> dict:
+  """{(S, mesh, training, dtype): cells of the judges not rerun} of the saved table."""
+  path = RESULTS / "compile_targets.json"
+  if not path.exists():
+    return {}
+  rerun = {c for j in judges for c in (j, f"{j} s")}
+  return {(r["S"], r["mesh"], r["training"], r["dtype"]):
+          {c: v for c, v in r.items() if c in JUDGE_CELLS and c not in rerun}
+          for r in json.loads(path.read_text())["rows"]}
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 131072])
@@ -54,7 +68,12 @@ def main(argv=None) -> None:
   parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
                       choices=["bfloat16", "float32"])
   parser.add_argument("--judges", nargs="+", default=list(JUDGES), choices=list(JUDGES))
+  parser.add_argument("--keep", action="store_true",
+                      help="keep the other judges' cells of the rows in "
+                           "results/compile_targets.json (rows of the same S, mesh, "
+                           "training and activations)")
   args = parser.parse_args(argv)
+  kept = _kept_cells(args.judges) if args.keep else {}
   setup_devices(8)
   from cpjax.parallel import parse_mesh
   from cpjax.training import plan, targets
@@ -71,6 +90,7 @@ def main(argv=None) -> None:
                                  dtype=dtype, **lora)
           row = {"S": seq_len, "mesh": mesh_text, "training": training, "dtype": dtype,
                  "closed form": closed.total / plan.GiB}
+          row.update(kept.get((seq_len, mesh_text, training, dtype), {}))
           for judge in args.judges:
             name = JUDGES[judge]
             if judge == "cpu" and dtype == "bfloat16" and "fsdp" in mesh:

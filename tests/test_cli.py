@@ -60,7 +60,7 @@ def _run(*args, timeout=600):
      "--checkpoint /nonexistent has no config.json"),
     (["plan", "--model", "e2b", "--checkpoint", "x", "--seq-len", "8"],
      "argument --checkpoint: not allowed with argument --model"),
-    (["plan", "--model", "tiny"], "give --seq-len (or a run config: --recipe, --config)"),
+    (["plan", "--model", "tiny"], "give --seq-len (or a run config: --recipe, --config, --dataset.seq_len)"),
     (["plan", "--recipe", "e2b-lora-64k"], "--recipe: no recipe 'e2b-lora-64k'; the recipes are"),
     (["plan", "--config", "/nonexistent.yaml"], "--config: "),
     (["plan", "--model", "tiny", "--seq-len", "64", "--target", "tpu-8"],

@@ -238,6 +238,42 @@ def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   assert (run.parity_check, run.dtype, run.dataset.batch_size) == (True, "float32", 2)
 
 
+def test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings(tmp_path, capsys,
+                                                                    monkeypatch):
+  """cpjax plan reads --recipe / --config and dotted keys as cpjax train does;
+  --write-config keeps every setting the plan does not choose (the recipe's
+  steps, a dotted key's learning rate), and a microbatched batch stays whole."""
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  path = tmp_path / "plan.yaml"
+  assert cli.main(["plan", "--recipe", "tiny", "--dataset.seq_len", "512", "--optimizer.lr",
+                   "0.01", "--dataset.batch_size=4", "--dataset.microbatches=2", "--mesh",
+                   "fsdp=2,cp=4",
+                   "--estimate-only", "--write-config", str(path)]) == 0
+  assert "cpjax plan: Gemma 4 tiny, S=512" in capsys.readouterr().out
+  run = read_run_config(path)
+  assert (run.dataset.seq_len, run.optimizer.lr, run.optimizer.steps) == (512, 0.01, 20)
+  assert (run.parallel.mesh, run.parallel.cp, run.remat) == ("fsdp=2,cp=4", None, "none")
+  # A batch of 4 in 2 microbatches plans a step of 2 rows; written back whole.
+  assert (run.dataset.batch_size, run.dataset.microbatches) == (4, 2)
+  # Dotted keys alone name only what they set; the plan's own flags beat them.
+  assert cli.main(["plan", "--model", "e2b", "--dataset.seq_len", "65536", "--parallel.mesh",
+                   "cp=8", "--estimate-only"]) == 0
+  assert "Gemma 4 e2b, S=65536, remat full, full training, 8 devices" in capsys.readouterr().out
+  assert cli.main(["plan", "--dataset.seq_len", "65536", "--seq-len", "4096", "--mesh", "cp=2",
+                   "--estimate-only"]) == 0
+  assert "Gemma 4 tiny, S=4096" in capsys.readouterr().out
+  for argv, message in (
+      (["--dataset.seq_len", "long"], "dataset.seq_len"),
+      (["--dataset.seqlen", "64"], "dataset.seqlen"),
+      (["--bogus", "3"], "unrecognized arguments: --bogus"),
+      (["--dataset.batch_size", "3", "--mesh", "fsdp=2,cp=1"], "must be a multiple of the "
+                                                               "mesh's fsdp x dp = 2"),
+  ):
+    with pytest.raises(SystemExit) as e:
+      cli.main(["plan", "--mesh", "cp=2", "--seq-len", "64", "--estimate-only", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err, argv
+
+
 def test_python_users_get_dotted_keys_and_trainjob_still_works():
   with pytest.raises(JobError, match=r"^dataset\.microbatches 3 must divide dataset\.batch_size 4$"):
     check(RunConfig(dataset=DataConfig(batch_size=4, microbatches=3)))

@@ -9,7 +9,8 @@
                 [--coordinator-address HOST:PORT --num-processes N --process-id I]
     cpjax prepare-data IN.jsonl OUT --checkpoint DIR [--seq-len N] [--truncate] [--strict]
     cpjax plan  (--model NAME | --checkpoint DIR | --recipe NAME | --config FILE)
-                [--seq-len N] [--mesh AXIS=N,...] [--target CHIPS] [--device-memory SIZE]
+                [--section.key VALUE ...] [--seq-len N] [--mesh AXIS=N,...]
+                [--target CHIPS] [--device-memory SIZE] [--write-config FILE]
                 [--estimate-only]
     cpjax demo  [--cp N] [--seq-len N]
     cpjax --version
@@ -40,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
   if argv[:1] == ["train"]:
     return _train(train_parser(), argv[1:])
   parser = build_parser()
-  args = parser.parse_args(argv)
+  # cpjax plan also takes a run's dotted keys (--dataset.seq_len N), as cpjax
+  # train does: they are checked against the run config in cpjax.cli.plan.
+  args, extra = parser.parse_known_args(argv)
+  if extra and args.command != "plan":
+    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+  args.run_keys = extra
   if args.command == "demo":
     if args.seq_len < 6:
       parser.exit(2, "cpjax demo: error: --seq-len must be >= 6\n")

@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "(or h200-8, ...) compiles with that chip's own compiler and kernels, on any "
                   "machine, and checks the fit against the chip's memory. The run comes from "
                   "--model / --checkpoint and the flags, or from a run config as cpjax train "
-                  "takes it (--recipe NAME, --config FILE; flags given here override it). "
+                  "takes it (--recipe NAME, --config FILE, and its dotted keys such as "
+                  "--dataset.seq_len 262144 or --parallel.mesh fsdp=2,cp=4; the flags "
+                  "below override them). "
                   "Without --mesh, finds the fewest-device fsdp x cp mesh that the estimate "
                   "fits into --device-memory.")
   what = plan.add_mutually_exclusive_group()

@@ -25,46 +25,74 @@ def plan_config(parser, args):
   return cfg, os.path.basename(os.path.normpath(args.checkpoint))
 
 
-def _from_run(parser, args) -> None:
-  """Fill the flags not given from ``--recipe`` / ``--config``'s run config,
-  as cpjax train would run it; the defaults for the rest."""
-  run = None
-  if args.recipe is not None or args.config is not None:
-    from cpjax import recipes
-    from cpjax.training.run_config import JobError
-    from cpjax.training.run_file import read_run_config
+def _run_of(parser, args):
+  """The :class:`RunConfig` of ``--recipe`` / ``--config`` and the dotted keys
+  after them (``--dataset.seq_len 262144``), read as cpjax train reads them;
+  None when none was given."""
+  keys = args.run_keys
+  if args.recipe is None and args.config is None and not keys:
+    return None
+  stray = [k for k in keys if k.startswith("--") and "." not in k.split("=", 1)[0]]
+  if stray or (keys and not keys[0].startswith("--")):
+    parser.exit(2, f"cpjax plan: error: unrecognized arguments: {' '.join(stray or keys)} "
+                   f"(a run's settings are dotted keys, --section.key VALUE)\n")
+  from cpjax import recipes
+  from cpjax.training.run_config import JobError
+  from cpjax.training.run_file import run_from_namespace, run_parser
 
-    try:
-      path = recipes.path(args.recipe) if args.recipe is not None else args.config
-      run = read_run_config(path)
-    except KeyError as e:
-      parser.exit(2, f"cpjax plan: error: --recipe: {e.args[0]}\n")
-    except (OSError, JobError) as e:
-      parser.exit(2, f"cpjax plan: error: --config: {e}\n")
-  if run is None:
-    if args.model is None and args.checkpoint is None:
-      args.model = "tiny"
-    if args.seq_len is None:
-      parser.exit(2, "cpjax plan: error: give --seq-len (or a run config: --recipe, --config)\n")
-  else:
+  try:
+    path = recipes.path(args.recipe) if args.recipe is not None else args.config
+  except KeyError as e:
+    parser.exit(2, f"cpjax plan: error: --recipe: {e.args[0]}\n")
+  argv = (["--config", path] if path is not None else []) + list(keys)
+  try:
+    return run_from_namespace(run_parser(aliases=False, exit_on_error=False).parse_args(argv))
+  except (OSError, JobError) as e:
+    what = "--recipe" if args.recipe is not None else "--config" if path else "a dotted key"
+    parser.exit(2, f"cpjax plan: error: {what}: {e}\n")
+
+
+def _from_run(parser, args) -> None:
+  """Fill the flags not given from the run config (``--recipe`` / ``--config``
+  and dotted keys), as cpjax train would run it; the defaults for the rest."""
+  args.run_keys = list(getattr(args, "run_keys", []))   # set by cpjax.cli.main
+  run = args.run = _run_of(parser, args)
+  # Without a file, only the settings the dotted keys name come from the run.
+  typed = {k.split("=", 1)[0][2:] for k in args.run_keys if k.startswith("--")}
+  whole = args.recipe is not None or args.config is not None
+
+  def named(*keys):
+    return run is not None and (whole or any(k in typed for k in keys))
+
+  if named("model", "checkpoint") and args.model is None and args.checkpoint is None:
     args.model, args.checkpoint = run.model, run.checkpoint
+  if args.model is None and args.checkpoint is None:
+    args.model = "tiny"
+  if run is not None:
     # A step holds one microbatch at a time.
     rows = run.dataset.batch_size // run.dataset.microbatches
-    given = {"seq_len": run.dataset.seq_len, "batch_size": rows,
-             "remat": run.remat, "shard_state": run.parallel.shard_state,
-             "lora_rank": run.lora.rank, "capacity_factor": run.experts.capacity_factor,
-             "mesh": run.parallel.mesh_sizes(),
-             "base_dtype": run.lora.base_dtype if run.lora.rank is not None else None}
-    for key, value in given.items():
-      if getattr(args, key) is None:
+    given = {"seq_len": (run.dataset.seq_len, ("dataset.seq_len",)),
+             "batch_size": (rows, ("dataset.batch_size", "dataset.microbatches")),
+             "remat": (run.remat, ("remat",)),
+             "shard_state": (run.parallel.shard_state, ("parallel.shard_state",)),
+             "lora_rank": (run.lora.rank, ("lora.rank",)),
+             "capacity_factor": (run.experts.capacity_factor, ("experts.capacity_factor",)),
+             "mesh": (run.parallel.mesh_sizes(), ("parallel.mesh", "parallel.cp")),
+             "base_dtype": (run.lora.base_dtype if run.lora.rank is not None else None,
+                            ("lora.base_dtype", "lora.rank"))}
+    for key, (value, keys) in given.items():
+      if getattr(args, key) is None and named(*keys):
         setattr(args, key, value)
+  if args.seq_len is None:
+    parser.exit(2, "cpjax plan: error: give --seq-len (or a run config: --recipe, --config, "
+                   "--dataset.seq_len)\n")
   args.remat = args.remat or "full"
   args.shard_state = args.shard_state or "fsdp+cp"
   # The compiled step's activations: the run's dtype; float32 without a run
   # (XLA:CPU's partitioner aborts on bfloat16 weight gradients over fsdp/tp).
   args.dtype_flag = args.dtype
   if args.dtype is None:
-    args.dtype = run.dtype if run is not None else "float32"
+    args.dtype = run.dtype if named("dtype") else "float32"
 
 
 def _target(parser, args):
@@ -123,6 +151,11 @@ def plan(parser, args) -> int:
             f"into {plan.format_bytes(args.device_memory)} per device (estimate)")
       return 1
     mesh = found.mesh
+  shards = mesh.get("fsdp", 1) * mesh.get("dp", 1)
+  if args.batch_size is not None and args.batch_size % shards:
+    parser.exit(2, f"cpjax plan: error: a step's {args.batch_size} row(s) (--batch-size, or the "
+                   f"run's dataset.batch_size / dataset.microbatches) must be a multiple of "
+                   f"the mesh's fsdp x dp = {shards}\n")
   devices = math.prod(v for k, v in mesh.items() if k != "ep")
   # (With --target the CPU devices only lay out the abstract batch.)
   machine.use_cpu_devices(devices)
@@ -180,8 +213,7 @@ def _write_config(args, cfg, name: str, rows, mesh: dict, compiled=None) -> None
   first step's parity check (the step again on one device) only when one
   device holds that step."""
   from cpjax.training import plan
-  from cpjax.training.run_config import (DataConfig, ExpertsConfig, LoraConfig, ParallelConfig,
-                                         RunConfig)
+  from cpjax.training.run_config import RunConfig, with_values
   from cpjax.training.run_file import to_yaml
 
   estimates = {row.dtype: row for row in rows if row.source == "estimate"}
@@ -196,13 +228,18 @@ def _write_config(args, cfg, name: str, rows, mesh: dict, compiled=None) -> None
       cfg, model=name, seq_len=args.seq_len, mesh={}, remat=args.remat, dtype=dtype,
       batch_size=batch, lora_rank=args.lora_rank,
       base_dtype=args.base_dtype or "float32").fits(args.device_memory)
-  run = RunConfig(model=args.model, checkpoint=args.checkpoint, dtype=dtype, remat=args.remat,
-                  parity_check=parity,
-                  dataset=DataConfig(seq_len=args.seq_len, batch_size=batch),
-                  parallel=ParallelConfig(mesh=",".join(f"{k}={v}" for k, v in mesh.items()),
-                                          shard_state=args.shard_state),
-                  lora=LoraConfig(rank=args.lora_rank, base_dtype=args.base_dtype or "float32"),
-                  experts=ExpertsConfig(capacity_factor=args.capacity_factor))
+  # The run read (a recipe, a file, dotted keys) keeps every setting the plan
+  # does not choose: its data, optimizer, checkpointing, ...
+  base = args.run if args.run is not None else RunConfig()
+  run = with_values(base, {
+      "model": args.model, "checkpoint": args.checkpoint, "dtype": dtype,
+      "remat": args.remat, "parity_check": parity, "dataset.seq_len": args.seq_len,
+      # plan's batch is one microbatch's rows
+      "dataset.batch_size": batch * base.dataset.microbatches,
+      "parallel.mesh": ",".join(f"{k}={v}" for k, v in mesh.items()), "parallel.cp": None,
+      "parallel.shard_state": args.shard_state, "lora.rank": args.lora_rank,
+      "lora.base_dtype": args.base_dtype or "float32",
+      "experts.capacity_factor": args.capacity_factor})
   where = (f"{plan.format_bytes(args.device_memory)} per device" if args.device_memory
            else "no device memory given")
   est = estimates[dtype]
