@@ -96,19 +96,22 @@ def test_parse_bytes_errors():
     plan.parse_bytes("sixteen")
 
 
+def _cpjax_plan(*args: str) -> subprocess.CompletedProcess:
+  """``cpjax plan ARGS`` in a fresh process, from the repository root."""
+  return subprocess.run([sys.executable, "-m", "cpjax", "plan", *args], capture_output=True,
+                        text=True, cwd=ROOT, timeout=600)
+
+
 def test_cli_plan_estimate_only():
-  out = subprocess.run([sys.executable, "-m", "cpjax", "plan", "--model", "e2b", "--seq-len",
-                        "32768", "--device-memory", "95GiB", "--estimate-only"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+  out = _cpjax_plan("--model", "e2b", "--seq-len", "32768", "--device-memory", "95GiB",
+                    "--estimate-only")
   assert out.returncode == 0, out.stderr
   assert "cpjax plan: Gemma 4 e2b, S=32768" in out.stdout
   assert "fits 95 GiB" in out.stdout
 
 
 def test_cli_plan_rejects_a_mesh_the_model_cannot_use():
-  out = subprocess.run([sys.executable, "-m", "cpjax", "plan", "--model", "tiny", "--seq-len",
-                        "64", "--mesh", "cp=2,tp=8"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+  out = _cpjax_plan("--model", "tiny", "--seq-len", "64", "--mesh", "cp=2,tp=8")
   assert out.returncode != 0
   assert "mesh axis 'tp' of size 8 does not divide the 4 attention heads" in out.stderr
 
@@ -120,10 +123,8 @@ def test_cli_plan_for_a_target_prints_its_compilers_memory_and_fit(tmp_path):
   fit is judged against --device-memory (here too small, so exit 1, and no
   run config is written; without it the chip's 16 GiB)."""
   path = tmp_path / "plan.yaml"
-  out = subprocess.run([sys.executable, "-m", "cpjax", "plan", "--recipe", "tiny", "--seq-len",
-                        "2048", "--target", "v5e-8", "--device-memory", "1MiB",
-                        "--write-config", str(path)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+  out = _cpjax_plan("--recipe", "tiny", "--seq-len", "2048", "--target", "v5e-8",
+                    "--device-memory", "1MiB", "--write-config", str(path))
   assert out.returncode == 1, out.stderr
   assert not path.exists() and "not written" in out.stdout, out.stdout
   assert "cpjax plan: Gemma 4 tiny, S=2048" in out.stdout
@@ -144,10 +145,8 @@ def test_cli_plan_writes_the_run_config_its_targets_compiler_accepted(tmp_path):
   from cpjax.training.run_file import read_run_config
 
   path = tmp_path / "plan.yaml"
-  out = subprocess.run([sys.executable, "-m", "cpjax", "plan", "--model", "tiny", "--seq-len",
-                        "2048", "--target", "v5e-8", "--dtype", "bfloat16",
-                        "--write-config", str(path)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+  out = _cpjax_plan("--model", "tiny", "--seq-len", "2048", "--target", "v5e-8", "--dtype",
+                    "bfloat16", "--write-config", str(path))
   assert out.returncode == 0, out.stderr
   run = read_run_config(path)
   assert (run.model, run.parallel.mesh, run.dtype) == ("tiny", "cp=8", "bfloat16")
