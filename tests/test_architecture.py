@@ -1,8 +1,9 @@
 """The package's layers, read from its source (README, "Architecture").
 
 Every import in ``cpjax/`` (module level or inside a function) points to the
-same layer or one below it, no two modules import each other through any
-chain, and no module is over 500 lines. The layers, bottom up:
+same layer or one below it, and no two modules import each other through any
+chain. (A module is as long as its concept needs: there is no line cap.)
+The layers, bottom up:
 
 * core: ``cpjax/*.py`` and ``cpjax/kernels``, ``cpjax/masks``: batch
   preparation, layouts, sharding, masks, the ring and its kernels, meshes;
@@ -23,7 +24,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "cpjax"
 LAYERS = ("core", "data", "models", "training", "top")
-MAX_LINES = 500
 
 # Module paths that moved; each old path re-exports the new one for existing code.
 MOVED = {
@@ -158,10 +158,6 @@ def f():
   assert [d for d in sorted(got) if LAYERS.index(layer(d)) > LAYERS.index("data")] == [
       "cpjax.models.gemma4.model", "cpjax.training.step"]
 
-
-def test_no_module_over_500_lines():
-  long = {m: n for m, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-  assert not long, long
 
 
 @pytest.mark.parametrize("old, new", sorted(MOVED.items()))
