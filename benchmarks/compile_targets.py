@@ -6,6 +6,9 @@ this CPU machine with compile-only devices (no chip needed).
     python benchmarks/compile_targets.py                              # the default rows
     python benchmarks/compile_targets.py --seq-lens 16384 --meshes cp=8 --judges tpu gpu
     python benchmarks/compile_targets.py --judges gpu --keep   # rerun one judge's cells
+    python benchmarks/compile_targets.py --model a4b-slice --judges tpu gpu   # v5p-16, h200-8
+
+The closed form is the TPU's and, beside it, the GPU's (platform="cuda").
 
 Rows: the E2B slice of benchmarks/memory_scaling.py (real vocabulary, width,
 per-layer inputs; 4 sliding + 1 full layer), remat full, one row per batch
@@ -36,6 +39,21 @@ from benchmarks.memory_scaling import e2b_slice  # noqa: E402
 
 JUDGES = {"cpu": None, "tpu": "v5e-8", "gpu": "h200-8"}
 JUDGE_CELLS = [c for j in JUDGES for c in (j, f"{j} s")]
+# model -> (its TPU judge, its results' name, its default S and meshes)
+MODELS = {"e2b-slice": ("v5e-8", "compile_targets", [16384, 131072], ["cp=8", "fsdp=2,cp=4"]),
+          "a4b-slice": ("v5p-16", "compile_targets_a4b", [8192, 32768], ["fsdp=2,cp=4,ep=8"])}
+
+
+def a4b_slice():
+  """26B-A4B's first sliding layer and a full one (real width, experts,
+  vocabulary), no vision tower."""
+  import dataclasses
+
+  from cpjax.models.gemma4 import Gemma4Config
+
+  cfg = Gemma4Config.preset("a4b", num_hidden_layers=2,
+                            layer_types=("sliding_attention", "full_attention"))
+  return dataclasses.replace(cfg, vision=None)
 
 
 def _refusal(error: Exception) -> str:
@@ -48,9 +66,9 @@ def _refusal(error: Exception) -> str:
   return f"fails: {type(error).__name__}: {text.splitlines()[0][:80]}"
 
 
-def _kept_cells(judges) -> dict:
+def _kept_cells(judges, name: str) -> dict:
   """{(S, mesh, training, dtype): cells of the judges not rerun} of the saved table."""
-  path = RESULTS / "compile_targets.json"
+  path = RESULTS / f"{name}.json"
   if not path.exists():
     return {}
   rerun = {c for j in judges for c in (j, f"{j} s")}
@@ -61,8 +79,9 @@ def _kept_cells(judges) -> dict:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 131072])
-  parser.add_argument("--meshes", nargs="+", default=["cp=8", "fsdp=2,cp=4"])
+  parser.add_argument("--model", choices=list(MODELS), default="e2b-slice")
+  parser.add_argument("--seq-lens", type=int, nargs="+")
+  parser.add_argument("--meshes", nargs="+")
   parser.add_argument("--trainings", nargs="+", default=["full", "lora"],
                       choices=["full", "lora"])
   parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
@@ -73,12 +92,15 @@ def main(argv=None) -> None:
                            "results/compile_targets.json (rows of the same S, mesh, "
                            "training and activations)")
   args = parser.parse_args(argv)
-  kept = _kept_cells(args.judges) if args.keep else {}
+  tpu, name, seq_lens, meshes = MODELS[args.model]
+  args.seq_lens, args.meshes = args.seq_lens or seq_lens, args.meshes or meshes
+  judges = {**JUDGES, "tpu": tpu}
+  kept = _kept_cells(args.judges, name) if args.keep else {}
   setup_devices(8)
   from cpjax.parallel import parse_mesh
   from cpjax.training import plan, targets
 
-  cfg = e2b_slice()
+  cfg = e2b_slice() if args.model == "e2b-slice" else a4b_slice()
   rows = []
   for seq_len in args.seq_lens:
     for mesh_text in args.meshes:
@@ -86,22 +108,23 @@ def main(argv=None) -> None:
       for training in args.trainings:
         lora = ({"lora_rank": 16, "base_dtype": "bfloat16"} if training == "lora" else {})
         for dtype in args.dtypes:
-          closed = plan.estimate(cfg, model="e2b-slice", seq_len=seq_len, mesh=mesh,
-                                 dtype=dtype, **lora)
+          closed = {p: plan.estimate(cfg, model=args.model, seq_len=seq_len, mesh=mesh,
+                                     dtype=dtype, platform=p, **lora).total / plan.GiB
+                    for p in plan.PLATFORMS}
           row = {"S": seq_len, "mesh": mesh_text, "training": training, "dtype": dtype,
-                 "closed form": closed.total / plan.GiB}
+                 "closed form": closed["tpu"], "closed form gpu": closed["cuda"]}
           row.update(kept.get((seq_len, mesh_text, training, dtype), {}))
           for judge in args.judges:
-            name = JUDGES[judge]
+            chips = judges[judge]
             if judge == "cpu" and dtype == "bfloat16" and "fsdp" in mesh:
               row[judge], row[f"{judge} s"] = None, None
               continue
             start = time.perf_counter()
             try:
-              got = plan.compiled_plan(cfg, model="e2b-slice", seq_len=seq_len, mesh=mesh,
+              got = plan.compiled_plan(cfg, model=args.model, seq_len=seq_len, mesh=mesh,
                                        dtype=dtype, **lora,
-                                       target=None if name is None else
-                                       targets.parse_target(name))
+                                       target=None if chips is None else
+                                       targets.parse_target(chips))
               row[judge] = got.total / plan.GiB
             except Exception as e:  # a compiler's refusal is a result too
               row[judge] = _refusal(e)
@@ -111,9 +134,10 @@ def main(argv=None) -> None:
           sys.stdout.flush()
   print()
   print_table(rows, list(rows[0]))
-  path = write_json("compile_targets", {"model": "e2b slice: 5 layers (4 sliding + 1 full)",
-                                        "remat": "full", "unit": "GiB per device",
-                                        "judges": JUDGES, "rows": rows})
+  what = {"e2b-slice": "e2b slice: 5 layers (4 sliding + 1 full)",
+          "a4b-slice": "26B-A4B slice: 2 layers (1 sliding + 1 full), 128 experts"}
+  path = write_json(name, {"model": what[args.model], "remat": "full", "unit": "GiB per device",
+                           "judges": judges, "rows": rows})
   print(f"wrote {path}")
 
 

@@ -12,7 +12,7 @@ folds onto ``cp`` alone beside a batch axis, FSDP still shards each group's
 experts over that axis and gathers them where used). Tokens travel instead: each device sorts
 its (token, slot) pairs by expert, one ``all_to_all`` over the expert axes
 carries them to the devices owning their experts, the local experts run
-through ``jax.lax.ragged_dot``, and a second ``all_to_all`` brings the
+through :func:`grouped_matmul`, and a second ``all_to_all`` brings the
 results back to their tokens, where the router weights are applied.
 
 Shape letters: ``T`` tokens here, ``D`` model width, ``k`` experts per
@@ -52,9 +52,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
-__all__ = ["ExpertStats", "routed_experts"]
+from cpjax.kernels.common import vary_like
+
+__all__ = ["ExpertStats", "grouped_matmul", "routed_experts"]
+
+# Rows a tile of grouped_matmul's loop off TPU (at most; a divisor of M).
+GROUPED_TILE = 512
 
 # expert_fn(rows [R, D], group_sizes int32[E_here], params_here) -> [R, D]:
 # rows arrive grouped by expert (sizes in order); rows after sum(group_sizes)
@@ -298,3 +304,103 @@ def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
   w = weights.reshape(-1)[order]
   out = jnp.zeros((t, d), jnp.float32).at[order // k].add(y * w[:, None]).astype(dt)
   return out.reshape(x.shape), _stats(sizes, keep)
+
+
+def grouped_matmul(rows, weights, sizes, *, tile: int = GROUPED_TILE):
+  """``rows[i] @ weights[g]`` for each row ``i`` of group ``g``, as
+  ``jax.lax.ragged_dot``: rows [M, K] in group order (``sizes`` int32[G]
+  rows a group; rows past ``sum(sizes)`` give zeros), weights [G, K, N] ->
+  [M, N] in the operands' dtype (float32 accumulation).
+
+  On TPU this is ``ragged_dot`` (XLA:TPU's grouped matmul). Elsewhere JAX
+  lowers ``ragged_dot`` and its transposes by expanding the rows to a dense
+  [G, M, K]: on 8 H200s the 26B-A4B slice's step (2 layers, S = 8192,
+  fsdp=2 x cp=4, ep=8) held three float32 [16, 131072, 2816] of them, 22 GiB
+  each, and computed every row with every group's weights. There it is a
+  loop over (tile of ``tile`` rows, group) pairs, as megablox's grouped
+  matmul walks them: a tile meets the groups its rows belong to, so at most
+  ``M / tile + G - 1`` products of [tile, K] x [K, N], masked to the
+  group's rows; its backward (rows' and weights' gradients) walks the same
+  pairs.
+
+  >>> w = jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])            # G = 2
+  >>> grouped_matmul(jnp.ones((3, 2)), w, jnp.array([1, 1], jnp.int32))
+  Array([[1., 1.],
+         [2., 2.],
+         [0., 0.]], dtype=float32)
+  """
+  rows, weights, sizes = jnp.asarray(rows), jnp.asarray(weights), jnp.asarray(sizes)
+  tile = math.gcd(rows.shape[0], tile)      # a divisor of M (M itself when small)
+
+  def looped(rows, weights, sizes):
+    # Inside shard_map: operands varying over the same axes, so the weights'
+    # gradient is summed over the rows' other axes outside (pcast's transpose).
+    rows, weights = vary_like(rows, weights), vary_like(weights, rows)
+    return _looped_matmul(tile, rows, weights, sizes)
+  return lax.platform_dependent(rows, weights, sizes, tpu=lax.ragged_dot, default=looped)
+
+
+def _pairs(sizes, m: int, tile: int):
+  """The (tile, group) pairs whose products make the grouped matmul:
+  ``(tiles, groups, valid)`` int32/bool [P], P = M / tile + G - 1 (pairs past
+  the last are not valid), and each row's group (``G`` past the last)."""
+  g = sizes.shape[0]
+  ends = jnp.cumsum(sizes)
+  group = jnp.searchsorted(ends, jnp.arange(m, dtype=sizes.dtype), side="right")
+  first = group[::tile]                                  # [M / tile]
+  last = jnp.minimum(group[tile - 1::tile], g - 1)
+  count = jnp.where(first < g, last - first + 1, 0)
+  start = jnp.cumsum(count) - count
+  p = jnp.arange(m // tile + g - 1, dtype=sizes.dtype)
+  tiles = jnp.clip(jnp.searchsorted(start + count, p, side="right"), 0, m // tile - 1)
+  return tiles, first[tiles] + p - start[tiles], p < jnp.sum(count), group
+
+
+def _zeros(shape, dtype, *refs):
+  out = jnp.zeros(shape, dtype)
+  for ref in refs:
+    out = vary_like(out, ref)
+  return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _looped_matmul(tile, rows, weights, sizes):
+  tiles, groups, valid, group = _pairs(sizes, rows.shape[0], tile)
+
+  def one(p, out):
+    at, g = tiles[p] * tile, groups[p]
+    x = lax.dynamic_slice_in_dim(rows, at, tile)
+    mine = ((lax.dynamic_slice_in_dim(group, at, tile) == g) & valid[p])[:, None]
+    product = jnp.dot(x, weights[g], preferred_element_type=jnp.float32).astype(out.dtype)
+    now = lax.dynamic_slice_in_dim(out, at, tile)
+    return lax.dynamic_update_slice_in_dim(out, jnp.where(mine, product, now), at, 0)
+  init = _zeros((rows.shape[0], weights.shape[-1]), rows.dtype, rows, weights)
+  return lax.fori_loop(0, tiles.shape[0], one, init)
+
+
+def _looped_matmul_fwd(tile, rows, weights, sizes):
+  return _looped_matmul(tile, rows, weights, sizes), (rows, weights, sizes)
+
+
+def _looped_matmul_bwd(tile, residuals, d_out):
+  rows, weights, sizes = residuals
+  tiles, groups, valid, group = _pairs(sizes, rows.shape[0], tile)
+
+  def one(p, carry):
+    d_rows, d_weights = carry
+    at, g = tiles[p] * tile, groups[p]
+    mine = ((lax.dynamic_slice_in_dim(group, at, tile) == g) & valid[p])[:, None]
+    x = jnp.where(mine, lax.dynamic_slice_in_dim(rows, at, tile), jnp.zeros((), rows.dtype))
+    dy = lax.dynamic_slice_in_dim(d_out, at, tile)
+    back = jnp.dot(dy, weights[g].T, preferred_element_type=jnp.float32).astype(d_rows.dtype)
+    now = lax.dynamic_slice_in_dim(d_rows, at, tile)
+    d_rows = lax.dynamic_update_slice_in_dim(d_rows, jnp.where(mine, back, now), at, 0)
+    d_w = d_weights[g] + jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
+    return d_rows, lax.dynamic_update_index_in_dim(d_weights, d_w, g, 0)
+  init = (_zeros(rows.shape, rows.dtype, rows, d_out, weights),
+          _zeros(weights.shape, jnp.float32, weights, rows, d_out))
+  d_rows, d_weights = lax.fori_loop(0, tiles.shape[0], one, init)
+  return d_rows, d_weights.astype(weights.dtype), None
+
+
+_looped_matmul.defvjp(_looped_matmul_fwd, _looped_matmul_bwd)

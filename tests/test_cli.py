@@ -227,3 +227,24 @@ def test_the_cpu_is_chosen_only_where_no_accelerator_is(monkeypatch):
       monkeypatch.setenv("JAX_PLATFORMS", given)
     machine.cpu_unless_accelerators()
     assert os.environ.get("JAX_PLATFORMS") == want, (nodes, given)
+
+
+@pytest.mark.parametrize("target, platform", [("h200-8", "cuda"), ("v5e-8", "tpu")])
+def test_plan_target_follows_the_gpu_compiler(target, platform, capsys, monkeypatch):
+  """With --target the printed closed form is that compiler's: XLA:GPU's on
+  H200s (more than XLA:TPU's), XLA:TPU's on a v5e. (The compile itself is
+  tested in tests/test_plan.py; here it is replaced by the estimate.)"""
+  from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.training import plan
+
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(plan, "compiled_plan", lambda cfg, **kw: plan.estimate(
+      cfg, **{k: v for k, v in kw.items() if k != "target"}))
+  cli.main(["plan", "--model", "e2b", "--seq-len", "131072", "--target", target])
+  out = capsys.readouterr().out
+  cfg = Gemma4Config.preset("e2b")
+  for dtype in ("bfloat16", "float32"):
+    want = {p: plan.estimate(cfg, model="e2b", seq_len=131072, mesh={"cp": 8}, dtype=dtype,
+                             platform=p) for p in plan.PLATFORMS}
+    assert want["cuda"].total > want["tpu"].total
+    assert f"  {want[platform].row()} [{dtype} activations]" in out, out

@@ -299,3 +299,29 @@ def test_the_training_notebooks_single_chip_step_compiles_for_one_v5e():
   assert "TPU v5" in chip.device_kind, chip.device_kind
   # Dense attention's [B, H, S, S] float32 scores make most of it.
   assert total <= 1.1 * NOTEBOOK_STEP_BYTES and total < targets.CHIPS["v5e"].memory, total
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, marks=needs[t]) for t in needs])
+def test_the_experts_grouped_matmul_compiles_without_a_dense_expansion(target):
+  """The experts' grouped matmul and its gradients for each chip: XLA:TPU's
+  ragged dot on TPU; on the GPU the loop over (tile, group) pairs, whose
+  temporaries stay near the operands' size (JAX's own lowering of
+  ``ragged_dot`` expands the rows to a dense [G, M, K]: 1 GiB here)."""
+  from cpjax.experts import grouped_matmul
+
+  m, k, n, g = 16384, 1024, 512, 16
+  mesh = jax.sharding.Mesh(devices(target)[:1], ("x",))
+  whole = NamedSharding(mesh, P())
+  rows = jax.ShapeDtypeStruct((m, k), jnp.float32, sharding=whole)
+  weights = jax.ShapeDtypeStruct((g, k, n), jnp.float32, sharding=whole)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32, sharding=whole)
+
+  def loss(rows, weights, sizes):
+    return jnp.sum(jnp.sin(grouped_matmul(rows, weights, sizes)))
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(rows, weights, sizes).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  print(target, temp)
+  operands = 4 * (m * k + g * k * n + m * n)
+  assert temp <= 2 * operands, (temp, operands)
+  if target.startswith("v5e"):
+    assert "ragged" in compiled.as_text()

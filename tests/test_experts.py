@@ -365,3 +365,48 @@ def test_cli_refuses_an_ep_that_does_not_fold(command, message, capsys):
     cli.main(command.split())
   assert exit_.value.code == 2
   assert message in capsys.readouterr().err
+
+
+# (M rows, group sizes, tile): one tile; tiles that split groups, with empty
+# groups before, between and after; one group taking every row; rows past
+# the last group; no row in any group; a tile that does not divide M.
+GROUPED_CASES = [(3, (1, 1), 512), (64, (10, 0, 30, 3, 12), 8), (64, (0, 0, 0, 5), 4),
+                 (64, (64, 0, 0, 0), 16), (60, (7, 20, 1), 512), (32, (0,) * 6, 8),
+                 (48, (5, 17, 9, 0, 11), 32)]
+
+
+@pytest.mark.parametrize("m, sizes, tile", GROUPED_CASES)
+def test_grouped_matmul_off_tpu_equals_each_groups_product(m, sizes, tile):
+  """The loop over (tile, group) pairs that runs off TPU against numpy's
+  per-group products, and its gradients against JAX's own ``ragged_dot``
+  (the dense expansion), in float32."""
+  from cpjax.experts import grouped_matmul
+
+  rng = np.random.default_rng(m + tile)
+  x = rng.normal(size=(m, 6)).astype(np.float32)
+  w = rng.normal(size=(len(sizes), 6, 5)).astype(np.float32)
+  s = jnp.array(sizes, jnp.int32)
+  want = np.zeros((m, 5), np.float32)
+  starts = np.cumsum((0,) + sizes)
+  for g, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+    want[a:b] = x[a:b].astype(np.float64) @ w[g].astype(np.float64)
+  got = jax.jit(lambda x, w: grouped_matmul(x, w, s, tile=tile))(x, w)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+
+  def grads(fn):
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w)) * jnp.arange(5.0)),
+                            argnums=(0, 1)))(x, w)
+  chex.assert_trees_all_close(grads(lambda x, w: grouped_matmul(x, w, s, tile=tile)),
+                              grads(lambda x, w: jax.lax.ragged_dot(x, w, s)),
+                              rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_keeps_bfloat16_and_accumulates_in_float32():
+  from cpjax.experts import grouped_matmul
+
+  x = jnp.full((16, 64), 1.0 + 2.0 ** -7, jnp.bfloat16)
+  w = jnp.ones((2, 64, 3), jnp.bfloat16)
+  got = grouped_matmul(x, w, jnp.array([8, 8], jnp.int32), tile=4)
+  assert got.dtype == jnp.bfloat16
+  # 64 * (1 + 2^-7) = 64.5, which bfloat16 holds.
+  chex.assert_trees_all_equal(got, jnp.full((16, 3), 64.5, jnp.bfloat16))

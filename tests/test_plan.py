@@ -67,12 +67,15 @@ def test_the_closed_form_uses_the_training_loss_chunk_and_mlp_tile():
   assert plan.MLP_TILE_VALUES == text.MLP_TILE_VALUES
 
 
-def test_the_closed_form_is_at_most_a_tenth_below_xla_tpu_on_the_e2b_slice():
-  """Against XLA:TPU's compiled memory for a v5e-8, as
-  ``benchmarks/compile_targets.py`` measured it (its committed table): the
-  E2B slice at S=16384 and 131072 on cp=8 and fsdp=2 x cp=4, full and LoRA,
-  bfloat16 and float32. The closed form may be above the compiler (it plans
-  the fit), not more than about a tenth below (0.898x at worst)."""
+@pytest.mark.parametrize("judge, platform, rows", [("tpu", "tpu", 16), ("gpu", "cuda", 24)])
+def test_the_closed_form_is_at_most_a_tenth_below_the_accelerators_on_the_e2b_slice(
+    judge, platform, rows):
+  """Against XLA:TPU's compiled memory for a v5e-8 and XLA:GPU's for 8 H200s,
+  as ``benchmarks/compile_targets.py`` measured them (its committed table):
+  the E2B slice at S=16384, 131072 (and on the GPU 1,048,576) on cp=8 and
+  fsdp=2 x cp=4, full and LoRA, bfloat16 and float32. The closed form for
+  that compiler may be above it (it plans the fit), not more than about a
+  tenth below (0.898x at worst on the TPU, 0.908x on the GPU)."""
   import json
   from pathlib import Path
 
@@ -82,13 +85,13 @@ def test_the_closed_form_is_at_most_a_tenth_below_xla_tpu_on_the_e2b_slice():
   table = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "results"
                       / "compile_targets.json").read_text())
   cfg = e2b_slice()
-  rows = [r for r in table["rows"] if isinstance(r["tpu"], float) and r["S"] <= 131072]
-  assert len(rows) == 16
-  for r in rows:
+  measured = [r for r in table["rows"] if isinstance(r[judge], float)]
+  assert len(measured) == rows
+  for r in measured:
     lora = {"lora_rank": 16, "base_dtype": "bfloat16"} if r["training"] == "lora" else {}
     got = plan.estimate(cfg, model="e2b-slice", seq_len=r["S"], mesh=parse_mesh(r["mesh"]),
-                        dtype=r["dtype"], **lora).total / plan.GiB
-    assert got >= 0.895 * r["tpu"], (r, got)
+                        dtype=r["dtype"], platform=platform, **lora).total / plan.GiB
+    assert got >= 0.895 * r[judge], (r, got)
 
 
 def test_parse_bytes_errors():

@@ -140,12 +140,14 @@ def plan(parser, args) -> int:
   lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32",
           "shard_state": args.shard_state}
   cfg, name = plan_config(parser, args)
+  # The closed form follows the target's compiler (XLA:TPU's without one).
+  platform = target.chip.platform if target is not None else "tpu"
   mesh = args.mesh
   if mesh is None:
     found = plan.smallest_mesh(cfg, model=name, seq_len=args.seq_len,
                                device_memory=args.device_memory, remat=args.remat,
                                expert_parallel=args.expert_parallel,
-                               capacity_factor=args.capacity_factor, **lora)
+                               capacity_factor=args.capacity_factor, platform=platform, **lora)
     if found is None:
       print(f"no fsdp x cp mesh up to 4096 devices fits {name} at S={args.seq_len} "
             f"into {plan.format_bytes(args.device_memory)} per device (estimate)")
@@ -163,7 +165,7 @@ def plan(parser, args) -> int:
   try:
     rows = [plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
                           remat=args.remat, batch_size=args.batch_size, dtype=dtype,
-                          capacity_factor=args.capacity_factor, **lora)
+                          capacity_factor=args.capacity_factor, platform=platform, **lora)
             for dtype in ("bfloat16", "float32")]
     if not args.estimate_only:
       start = time.perf_counter()
@@ -199,13 +201,14 @@ def plan(parser, args) -> int:
       print(f"not written: {args.write_config} (the step does not fit by {target.name}'s "
             f"compiler)")
     else:
-      _write_config(args, cfg, name, rows, mesh, compiled)
+      _write_config(args, cfg, name, rows, mesh, compiled, platform)
   if compiled is not None and not compiled.fits(args.device_memory):
     return 1
   return 0
 
 
-def _write_config(args, cfg, name: str, rows, mesh: dict, compiled=None) -> None:
+def _write_config(args, cfg, name: str, rows, mesh: dict, compiled=None,
+                  platform: str = "tpu") -> None:
   """``--write-config FILE``: the plan as a run config. Activations in float32
   when that fits ``--device-memory`` (or no memory was given), else bfloat16;
   with ``--target``, the activations its compiler accepted (``compiled``, a
@@ -226,7 +229,7 @@ def _write_config(args, cfg, name: str, rows, mesh: dict, compiled=None) -> None
   batch = args.batch_size or fsdp
   parity = args.device_memory is None or plan.estimate(
       cfg, model=name, seq_len=args.seq_len, mesh={}, remat=args.remat, dtype=dtype,
-      batch_size=batch, lora_rank=args.lora_rank,
+      batch_size=batch, lora_rank=args.lora_rank, platform=platform,
       base_dtype=args.base_dtype or "float32").fits(args.device_memory)
   # The run read (a recipe, a file, dotted keys) keeps every setting the plan
   # does not choose: its data, optimizer, checkpointing, ...

@@ -165,9 +165,11 @@ def _check_memory(parser, run) -> None:
                batch_size=run.dataset.batch_size // run.dataset.microbatches,
                lora_rank=run.lora.rank, base_dtype=run.lora.base_dtype,
                lora_targets=run.lora.targets)
+  # The closed form as the compiler that will run it (XLA:TPU's off a GPU).
+  platform = "cuda" if jax.devices()[0].platform == "gpu" else "tpu"
   try:
     est = plan.estimate(cfg, model=name, mesh=sizes, capacity_factor=run.experts.capacity_factor,
-                        shard_state=run.parallel.shard_state, **shape)
+                        shard_state=run.parallel.shard_state, platform=platform, **shape)
   except ValueError as e:   # a mesh the model cannot use (ep), before any compute
     parser.exit(2, f"cpjax train: error: --mesh: {e}\n")
   devices = math.prod(v for k, v in sizes.items() if k != "ep")

@@ -68,6 +68,10 @@ dropped: each device's block for each group has room for all its pairs).
 
 The cast copy, table gradient, widest Dh and ring buffers are from XLA:TPU's
 buffer report: 0.898x to 1.44x of it on the E2B slice (benchmarks/compile_targets.py).
+For a GPU (``platform="cuda"``) XLA:GPU's live-range report adds about
+:data:`GPU_LAYER_VALUES` float32 ``B * L * D`` a layer (norm outputs and the
+MLP loop's, which XLA:TPU fuses into their consumers): 0.908x to 1.32x of
+XLA:GPU for 8 H200s on the same rows.
 
 Where CPU compilation differs from TPU / GPU: XLA:CPU has no
 memory-space assignment or latency-hiding scheduler, so its temporaries are
@@ -98,6 +102,10 @@ GiB = 2 ** 30
 SHARD_STATE = typing.get_args(ShardState)    # cpjax train --shard-state's choices
 LOSS_CHUNK_LOGITS = 1 << 26    # cpjax.training.loss.LOSS_CHUNK_LOGITS (plan imports no JAX)
 MLP_TILE_VALUES = 1 << 23      # cpjax.models.gemma4.text.MLP_TILE_VALUES
+PLATFORMS = ("tpu", "cuda")    # the compilers the closed form follows
+# XLA:GPU's float32 [B, L, D] values a layer beyond XLA:TPU's, fitted to the
+# H200 column of benchmarks/compile_targets.py (within 10% of it, or above).
+GPU_LAYER_VALUES = 4.5
 _UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 
@@ -237,12 +245,15 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
              batch_size: int | None = None, dtype: str = "bfloat16",
              lora_rank: int | None = None, base_dtype: str = "float32",
              lora_targets: str | None = None, capacity_factor: float | None = None,
-             shard_state: str = "fsdp+cp") -> Plan:
+             shard_state: str = "fsdp+cp", platform: str = "tpu") -> Plan:
   """The closed form of the module docstring (LoRA with ``lora_rank``;
   ``shard_state`` as ``cpjax train --shard-state``: the state over ``fsdp x cp``
-  or whole over ``cp``)."""
+  or whole over ``cp``; ``platform`` the compiler it follows, ``"tpu"`` or
+  ``"cuda"``, a :class:`~cpjax.training.targets.Chip`'s)."""
   if shard_state not in SHARD_STATE:
     raise ValueError(f"shard_state must be one of {SHARD_STATE}, got {shard_state!r}")
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
   t = cfg.text
   fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
   cp, tp, ep = mesh.get("cp", 1), mesh.get("tp", 1), mesh.get("ep", 1)
@@ -316,8 +327,12 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   # Full fine-tuning: the lookups' transposes make the tables' gradient in
   # float32 beside the one it is added into (one more table-sized buffer).
   tables_grad = 4 * t.vocab_size * (d + ple * layers) / shards if lora_rank is None else 0
+  # XLA:GPU keeps float32 [B, L, D] values of every layer into the backward
+  # that XLA:TPU fuses away: its norms' multi-output fusions and the MLP
+  # loop's output and copies (its live-range report at the peak).
+  gpu = GPU_LAYER_VALUES * 4 * layers * rows * local * d if platform == "cuda" else 0
   activations = (grads + gathered + ring + tables_grad
-                 + full_row + saved + working + logits)
+                 + full_row + saved + working + logits + gpu)
   tokens = rows * local
   passes = 6 if lora_rank is None else 4       # forward, input and (full) weight gradients
   matmul = (passes + (2 if remat != "none" else 0)) * active * tokens / tp
@@ -473,7 +488,7 @@ def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: s
                   lora_rank: int | None = None, base_dtype: str = "float32",
                   expert_parallel: bool = False,
                   capacity_factor: float | None = None,
-                  shard_state: str = "fsdp+cp") -> Plan | None:
+                  shard_state: str = "fsdp+cp", platform: str = "tpu") -> Plan | None:
   """The fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``
   (ties: the one with more memory to spare); None when none up to ``max_devices``.
   With ``expert_parallel`` each mesh folds the largest ``ep`` that divides the
@@ -493,7 +508,8 @@ def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: s
         mesh = {**mesh, "ep": ep} if ep > 1 else mesh
       plan = estimate(cfg, model=model, seq_len=seq_len, mesh=mesh, remat=remat, dtype=dtype,
                       lora_rank=lora_rank, base_dtype=base_dtype,
-                      capacity_factor=capacity_factor, shard_state=shard_state)
+                      capacity_factor=capacity_factor, shard_state=shard_state,
+                      platform=platform)
       if plan.fits(device_memory) and (best is None or plan.total < best.total):
         best = plan
     devices *= 2

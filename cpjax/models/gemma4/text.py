@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cpjax.experts import ExpertStats, routed_experts
+from cpjax.experts import ExpertStats, grouped_matmul, routed_experts
 from cpjax.models.gemma4.config import Gemma4TextConfig
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, apply_rope, gelu, rms_normalize
 from cpjax.models.gemma4.remat import remat_tiles
@@ -144,7 +144,9 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
   """E gated experts as raw [E, out, in] tensors (``gate_up_proj`` stacks
   gate then up). Tokens are grouped by expert and run through
-  ``jax.lax.ragged_dot``: each token costs its k experts, not all E."""
+  :func:`cpjax.experts.grouped_matmul`: each token costs its k experts, not
+  all E (on TPU; elsewhere each of the G experts here computes every row,
+  masked, as JAX's own lowering of ``ragged_dot`` does)."""
 
   def __init__(self, cfg: Gemma4TextConfig, *, rngs):
     e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -165,9 +167,9 @@ class Experts(nnx.Module):
     def run(rows, sizes, params):
       gate_up, down = params                          # [E, 2I, D], [E, D, I] (those here)
       dt = rows.dtype
-      gu = jax.lax.ragged_dot(rows, jnp.swapaxes(gate_up, 1, 2).astype(dt), sizes)
-      return jax.lax.ragged_dot(gelu(gu[:, :hidden]) * gu[:, hidden:],
-                                jnp.swapaxes(down, 1, 2).astype(dt), sizes)
+      gu = grouped_matmul(rows, jnp.swapaxes(gate_up, 1, 2).astype(dt), sizes)
+      return grouped_matmul(gelu(gu[:, :hidden]) * gu[:, hidden:],
+                            jnp.swapaxes(down, 1, 2).astype(dt), sizes)
 
     return routed_experts(x, weights, idx, (self.gate_up_proj[...], self.down_proj[...]), run,
                           num_experts=self.num_experts, expert_axes=expert_axes,
