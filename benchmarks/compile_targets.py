@@ -6,6 +6,7 @@ this CPU machine with compile-only devices (no chip needed).
     python benchmarks/compile_targets.py                              # the default rows
     python benchmarks/compile_targets.py --seq-lens 16384 --meshes cp=8 --judges tpu gpu
     python benchmarks/compile_targets.py --judges gpu --keep   # rerun one judge's cells
+    python benchmarks/compile_targets.py --judges --keep       # the closed forms only
     python benchmarks/compile_targets.py --model a4b-slice --judges tpu gpu   # v5p-16, h200-8
 
 The closed form is the TPU's and, beside it, the GPU's (platform="cuda").
@@ -86,7 +87,9 @@ def main(argv=None) -> None:
                       choices=["full", "lora"])
   parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
                       choices=["bfloat16", "float32"])
-  parser.add_argument("--judges", nargs="+", default=list(JUDGES), choices=list(JUDGES))
+  parser.add_argument("--judges", nargs="*", default=list(JUDGES), choices=list(JUDGES),
+                      help="the compilers to run (none, with --keep: the closed forms "
+                           "recomputed beside the saved cells)")
   parser.add_argument("--keep", action="store_true",
                       help="keep the other judges' cells of the rows in "
                            "results/compile_targets.json (rows of the same S, mesh, "

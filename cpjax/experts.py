@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
-from cpjax.kernels.common import vary_like
+from cpjax.kernels.common import filled_after, vary_like
 
 __all__ = ["ExpertStats", "grouped_matmul", "routed_experts"]
 
@@ -287,7 +287,10 @@ def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
   kept_per_group = jax.ops.segment_sum(keep.astype(jnp.int32), group, num_segments=groups)
   first = jnp.cumsum(kept_per_group) - kept_per_group
   slot = jnp.where(keep, group * rows + kept_before - first[group], groups * rows)
-  send = jnp.zeros((groups * rows, d), dt).at[slot].set(flat_x[order // k], mode="drop")
+  # (Buffers filled after their data exists: XLA:GPU would build every
+  # layer's zeros at the step's start.)
+  send = filled_after(flat_x, (groups * rows, d), dtype=dt).at[slot].set(flat_x[order // k],
+                                                                        mode="drop")
   local_expert = jnp.full((groups * rows,), per_group, jnp.int32).at[slot].set(
       expert % per_group, mode="drop")
   a2a = lambda v: jax.lax.all_to_all(v, expert_axes, 0, 0, tiled=True)
@@ -298,7 +301,7 @@ def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
   out = expert_fn(received[regroup], counts, params)
   out = jnp.where((jnp.arange(groups * rows) < jnp.sum(counts))[:, None], out,
                   jnp.zeros((), out.dtype))
-  back = a2a(jnp.zeros_like(out).at[regroup].set(out))
+  back = a2a(filled_after(out, out.shape, dtype=out.dtype).at[regroup].set(out))
   # A dropped pair's slot is past the end: it reads zeros.
   y = back.at[slot].get(mode="fill", fill_value=0).astype(jnp.float32)
   w = weights.reshape(-1)[order]
@@ -357,8 +360,10 @@ def _pairs(sizes, m: int, tile: int):
 
 
 def _zeros(shape, dtype, *refs):
-  out = jnp.zeros(shape, dtype)
-  for ref in refs:
+  """Zeros filled after ``refs[0]`` exists (XLA:GPU builds operandless fills
+  at the step's start, every layer's at once), varying as all ``refs``."""
+  out = filled_after(refs[0], shape, dtype=dtype)
+  for ref in refs[1:]:
     out = vary_like(out, ref)
   return out
 
@@ -397,8 +402,8 @@ def _looped_matmul_bwd(tile, residuals, d_out):
     d_rows = lax.dynamic_update_slice_in_dim(d_rows, jnp.where(mine, back, now), at, 0)
     d_w = d_weights[g] + jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
     return d_rows, lax.dynamic_update_index_in_dim(d_weights, d_w, g, 0)
-  init = (_zeros(rows.shape, rows.dtype, rows, d_out, weights),
-          _zeros(weights.shape, jnp.float32, weights, rows, d_out))
+  init = (_zeros(rows.shape, rows.dtype, d_out, rows, weights),
+          _zeros(weights.shape, jnp.float32, d_out, weights, rows))
   d_rows, d_weights = lax.fori_loop(0, tiles.shape[0], one, init)
   return d_rows, d_weights.astype(weights.dtype), None
 

@@ -62,7 +62,10 @@ def filled_after(ref, shape, fill=0.0, dtype=jnp.float32):
   it for each loop there, so every copy stays alive until its loop runs
   (1.5 GiB of zeros through the step on the E2B slice at S = 131072, cp = 8).
   A zero made from ``ref``'s first value (0 whatever it is, even NaN) ties
-  the fill to ``ref`` by data.
+  the fill to ``ref`` by data. It passes an optimization barrier with that
+  value: XLA:GPU's simplifier otherwise folds ``convert(pred) * 0`` to a
+  constant and fuses every such fill into one operandless fusion, all of
+  them alive from the step's start.
 
   >>> filled_after(jnp.ones(3), (2,), -jnp.inf)
   Array([-inf, -inf], dtype=float32)
@@ -70,7 +73,8 @@ def filled_after(ref, shape, fill=0.0, dtype=jnp.float32):
   out = jnp.full(shape, fill, dtype)
   if ref.size:                # (an empty ref has nothing to wait for)
     first = ref.reshape(-1)[0]
-    out = out + (first != first).astype(dtype) * 0     # 0 or 0 * 1: never NaN
+    zero, _ = lax.optimization_barrier(((first != first).astype(dtype) * 0, first))
+    out = out + zero                                    # 0 or 0 * 1: never NaN
   return vary_like(out, ref)
 
 

@@ -64,7 +64,11 @@ or ``N_e / (ep * fsdp)`` when ``ep`` folds onto ``cp`` alone) and gather a
 layer's group of them where used. The dispatch adds four buffers (sent,
 received, computed, returned) of ``min(ep, c) * B * L * k * D * a`` (``k``
 experts per token; ``c`` the capacity factor, or ``ep`` when no token may be
-dropped: each device's block for each group has room for all its pairs).
+dropped: each device's block for each group has room for all its pairs), and
+its backward four more in float32 on XLA:TPU, :data:`DISPATCH_GPU` more on
+XLA:GPU (the 26B-A4B slice, 2 layers, S = 8192 and 32768 on fsdp=2 x cp=4,
+ep=8, judged on a v5p-16 and 8 H200s: benchmarks/compile_targets.py
+--model a4b-slice).
 
 The cast copy, table gradient, widest Dh and ring buffers are from XLA:TPU's
 buffer report: 0.898x to 1.44x of it on the E2B slice (benchmarks/compile_targets.py).
@@ -106,6 +110,9 @@ PLATFORMS = ("tpu", "cuda")    # the compilers the closed form follows
 # XLA:GPU's float32 [B, L, D] values a layer beyond XLA:TPU's, fitted to the
 # H200 column of benchmarks/compile_targets.py (within 10% of it, or above).
 GPU_LAYER_VALUES = 4.5
+# XLA:GPU's buffers of the expert dispatch's size beyond the four it sends,
+# receives, computes and returns, fitted to the 26B-A4B slice's H200 rows.
+DISPATCH_GPU = 23
 _UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 
@@ -299,7 +306,11 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
     # T * k rows when no token may be dropped, c * T * k rows in all with a
     # capacity factor c.
     blocks = ep if capacity_factor is None else min(ep, capacity_factor)
-    gathered += 4 * blocks * rows * local * t.top_k_experts * d * a
+    dispatch = blocks * rows * local * t.top_k_experts * d      # values a buffer
+    # Their transposes in the backward hold more of that size (the 26B-A4B
+    # slice's buffer reports): XLA:TPU four in float32, XLA:GPU (each zero
+    # fill and copy its own buffer) about DISPATCH_GPU in the activations'.
+    gathered += (4 * a + (DISPATCH_GPU * a if platform == "cuda" else 4 * 4)) * dispatch
   full_row = 3 * rows * seq_len * 4
   if remat == "none":
     saved = layers * rows * local * (4 * d + 2 * (heads + 2 * kv) * dh + 3 * width) * a

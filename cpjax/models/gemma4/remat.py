@@ -87,7 +87,9 @@ def _tied_remat_bwd(fn, args, g):
   # alive from the forward on) nor hoisted ahead of the backward.
   # (Only what already varies as the cotangent does: the replayed trace
   # keeps each value's type, and a leaf the same on every rank stays so.)
-  nan = first != first
+  # Through an optimization barrier: XLA:GPU's simplifier may take ``x != x``
+  # for false (it folds filled_after's fill without one), dropping the tie.
+  nan = lax.optimization_barrier(first != first)
 
   def tie(v):
     if not varying_axes(nan) <= varying_axes(v):
