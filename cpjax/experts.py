@@ -348,15 +348,23 @@ def _pairs(sizes, m: int, tile: int):
   ``(tiles, groups, valid)`` int32/bool [P], P = M / tile + G - 1 (pairs past
   the last are not valid), and each row's group (``G`` past the last)."""
   g = sizes.shape[0]
-  ends = jnp.cumsum(sizes)
-  group = jnp.searchsorted(ends, jnp.arange(m, dtype=sizes.dtype), side="right")
+  group = _at_most(jnp.cumsum(sizes), m)
   first = group[::tile]                                  # [M / tile]
   last = jnp.minimum(group[tile - 1::tile], g - 1)
   count = jnp.where(first < g, last - first + 1, 0)
   start = jnp.cumsum(count) - count
   p = jnp.arange(m // tile + g - 1, dtype=sizes.dtype)
-  tiles = jnp.clip(jnp.searchsorted(start + count, p, side="right"), 0, m // tile - 1)
+  tiles = jnp.clip(_at_most(start + count, p.shape[0]), 0, m // tile - 1)
   return tiles, first[tiles] + p - start[tiles], p < jnp.sum(count), group
+
+
+def _at_most(ends, n: int):
+  """For each i < ``n``, how many of the sorted ``ends`` [G] are at most i:
+  int [n], ``searchsorted(ends, arange(n), side="right")`` as a histogram's
+  running sum. (In this JAX, jnp.searchsorted fails its shape check on
+  operands varying over a mesh axis in a shard_map manual over only some.)"""
+  marks = vary_like(jnp.zeros((n + 1,), ends.dtype), ends)
+  return jnp.cumsum(marks.at[jnp.minimum(ends, n)].add(1))[:n]
 
 
 def _zeros(shape, dtype, *refs):
