@@ -173,7 +173,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import optax
 from flax import nnx
-from cpjax import train
+from cpjax import training
 from cpjax.models import gemma4
 
 cp = mesh.shape["cp"]
@@ -190,8 +190,8 @@ opt = optax.adamw(3e-3)'''),
     ("code", r'''# With CP: the aux streams are sharded, the model slices its own streams.
 sharded = [sharder.shard_batch(b, mesh) for b in batches]
 layout = sharded[0][1]
-cp_step = train.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers,
-                                implementation=implementation)
+cp_step = training.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers,
+                                   implementation=implementation)
 params, state = jax.tree.map(lambda x: x.copy(), params0), opt.init(params0)
 cp_losses = []
 for sb, _ in sharded:
@@ -199,7 +199,7 @@ for sb, _ in sharded:
     cp_losses.append(float(np.asarray(m["loss"].addressable_data(0))))
 
 # Single device, dense attention, the same batches.
-single_step = train.make_train_step(graphdef, opt, frozen=buffers)
+single_step = training.make_train_step(graphdef, opt, frozen=buffers)
 p1 = jax.device_put(jax.tree.map(lambda x: x.copy(), params0), single_device)
 s1 = jax.device_put(opt.init(params0), single_device)
 single_losses = []
@@ -232,10 +232,10 @@ rows = []
 for s in lengths:
     b = gemma4.synthetic_batch(np.random.default_rng(1), cfg, batch_size=2, seq_len=s)
     sb, lay = sharder.shard_batch(b, mesh)
-    st = train.make_train_step(graphdef, opt, mesh=mesh, layout=lay, frozen=buffers,
-                               implementation=implementation)
+    st = training.make_train_step(graphdef, opt, mesh=mesh, layout=lay, frozen=buffers,
+                                  implementation=implementation)
     cp_mib = st.compile(params0, opt.init(params0), sb).memory_analysis().temp_size_in_bytes / 2**20
-    dense = train.make_train_step(graphdef, opt, frozen=buffers).compile(
+    dense = training.make_train_step(graphdef, opt, frozen=buffers).compile(
         params0, opt.init(params0), gemma4.prepare_batch(b, cfg))
     rows.append((s, cp_mib, dense.memory_analysis().temp_size_in_bytes / 2**20))
 s_, cp_m, dense_m = zip(*rows)

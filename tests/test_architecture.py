@@ -17,27 +17,12 @@ The layers, bottom up:
 from __future__ import annotations
 
 import ast
-import importlib
 import pathlib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "cpjax"
 LAYERS = ("core", "data", "models", "training", "top")
-
-# Module paths that moved; each old path re-exports the new one for existing code.
-MOVED = {
-    "cpjax.train": "cpjax.training",
-    "cpjax.lora": "cpjax.training.lora",
-    "cpjax.plan": "cpjax.training.plan",
-    "cpjax.checkpointing": "cpjax.training.checkpointing",
-    "cpjax.train_job": "cpjax.training.train_job",
-    "cpjax.corpus": "cpjax.data.corpus",
-    "cpjax.records": "cpjax.data.records",
-    "cpjax.tokenizer": "cpjax.data.tokenizer",
-    "cpjax.images": "cpjax.data.images",
-}
-
 
 def module_files() -> dict[str, pathlib.Path]:
   """{dotted module name: file} of every module in the package."""
@@ -54,7 +39,7 @@ MODULES = module_files()
 
 
 def layer(module: str) -> str:
-  if module in ("cpjax", "cpjax.__main__") or module in MOVED:
+  if module in ("cpjax", "cpjax.__main__"):
     return "top"
   second = module.split(".")[1]
   return {"cli": "top", "data": "data", "models": "models", "training": "training"}.get(second,
@@ -160,24 +145,23 @@ def f():
 
 
 
-@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
-def test_old_module_paths_re_export_the_moved_modules(old, new):
-  old_module, new_module = importlib.import_module(old), importlib.import_module(new)
-  assert old_module.__all__ == new_module.__all__
-  for name in new_module.__all__:
-    assert getattr(old_module, name) is getattr(new_module, name), (old, name)
-
-
-def test_every_re_export_module_is_listed():
-  """A top-level module whose docstring says it moved is in MOVED, and back."""
+def test_no_module_only_re_exports_another():
+  """One path per name: no module is a shim that re-exports a moved one."""
   shims = {m for m, path in MODULES.items()
-           if (ast.get_docstring(ast.parse(path.read_text())) or "").startswith("Moved to")}
-  assert shims == set(MOVED)
+           if (ast.get_docstring(ast.parse(path.read_text())) or "").startswith("Moved to")
+           or "import *" in path.read_text()}
+  assert shims == set()
 
 
-def test_the_corpus_keeps_its_old_jsonl_names():
-  import cpjax.corpus
-  from cpjax.data import records
+def test_the_public_api_lists_what_it_imports():
+  """``cpjax.__all__`` names every public object ``cpjax/__init__.py``
+  imports, once, and each resolves."""
+  import cpjax
 
-  assert cpjax.corpus.prepare_data is records.prepare_data
-  assert cpjax.corpus.read_jsonl is records.read_jsonl
+  tree = ast.parse(MODULES["cpjax"].read_text())
+  bound = [alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+           for alias in node.names]
+  assert len(cpjax.__all__) == len(set(cpjax.__all__))
+  assert sorted(cpjax.__all__) == sorted(n for n in bound if not n.startswith("_"))
+  for name in cpjax.__all__:
+    assert getattr(cpjax, name) is not None, name
