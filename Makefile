@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test soak mutants bench clean
+.PHONY: run test lint soak mutants bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ run: $(STAMP)
 # the suite must stay under 30 minutes on 2 cores.
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+
+# ruff: pyflakes, pycodestyle and import order ([tool.ruff] in pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # Every property test with 200 examples each, the slow-marked cases and the
 # mutation check (not in CI: about 30 minutes on 2 cores).

@@ -95,8 +95,8 @@ def vendor_attention(platform: str, case, *, interpret: bool = False):
     return functools.partial(jax.nn.dot_product_attention, is_causal=True,
                              local_window_size=local,
                              implementation="cudnn" if platform == "gpu" else "xla"), name
-  from jax.experimental.pallas.ops.tpu.splash_attention import (
-      splash_attention_kernel as splash, splash_attention_mask as masks)
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
   hq, hkv = 16, case["hkv"]
   one = (masks.CausalMask((s, s)) if window is None else
          masks.LocalMask((s, s), (window - 1, 0), offset=0))

@@ -130,7 +130,8 @@ def ring_rows(s: int, cp: int, mesh, *, repeats: int) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import cpjax
   from cpjax.ring_attention import default_block_size

@@ -71,8 +71,8 @@ def main() -> None:
   parser.add_argument("--seq-len", type=int, default=32768)
   args = parser.parse_args()
   setup_devices(max(m[1] for m in MESHES))
-  from cpjax.training import plan
   from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.training import plan
 
   cfg = Gemma4Config.preset("a4b", num_hidden_layers=args.layers, layer_types=None)
   t = cfg.text

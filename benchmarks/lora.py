@@ -99,8 +99,8 @@ def e2b_step(seq_len: int, steps: int) -> dict:
   import optax
 
   from cpjax import training
-  from cpjax.training import lora
   from cpjax.models import gemma4
+  from cpjax.training import lora
 
   cfg = gemma4.Gemma4Config.from_hf(str(PUBLISHED))
   start = time.perf_counter()
@@ -140,8 +140,8 @@ def a4b_slice(seq_len: int, layers: int, steps: int) -> dict:
   import optax
 
   from cpjax import parallel, training
-  from cpjax.training import lora
   from cpjax.models import gemma4
+  from cpjax.training import lora
 
   cfg = gemma4.Gemma4Config.from_hf(str(PUBLISHED_A4B))
   text = cfg.text
@@ -209,9 +209,8 @@ def tiny_sweep(budget: int, seq_lens: list[int]) -> dict:
   from flax import nnx
 
   from cpjax import parallel, training
-  from cpjax.training import lora
-  from cpjax.training import plan
   from cpjax.models import gemma4
+  from cpjax.training import lora, plan
 
   cfg = gemma4.Gemma4Config.preset("tiny")
   mesh = parallel.make_mesh(cp=8)
@@ -262,9 +261,9 @@ def main() -> None:
   parser.add_argument("--a4b-seq-len", type=int, default=2048)
   args = parser.parse_args()
   common.setup_devices(8)
-  from cpjax.training import plan
-
   import json
+
+  from cpjax.training import plan
 
   previous = common.RESULTS / "lora.json"
   out = json.loads(previous.read_text()) if previous.exists() else {}

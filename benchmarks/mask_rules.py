@@ -36,7 +36,8 @@ def main(argv=None):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import cpjax
 

@@ -71,8 +71,8 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices",
                       max(math.prod(v for k, v in parse_mesh(mesh).items() if k != "ep")
                           for _, _, mesh in compile_rows))
-  from cpjax.training import plan
   from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.training import plan
 
   print(f"{'model':>5} {'S':>7} {'device':>6}  {'mesh (fsdp x cp)':<18} {'devices':>7} "
         f"{'params':>7} {'optim':>7} {'activ':>7} {'total GiB':>9} {'TFLOP/dev':>9}")

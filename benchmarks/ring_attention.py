@@ -77,7 +77,8 @@ def allowed_pairs(s: int, *, causal=True, window=None, docs=None) -> int:
 # ---------------------------------------------------------------- methods
 def sharded(mesh, x, order):
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   return jax.device_put(x[:, order], NamedSharding(mesh, P(None, "cp")))
 
@@ -121,10 +122,9 @@ def allgather_fn(mesh, layout, *, causal=True, **_):
 def peer_fn(mesh, layout, *, causal=True, chunk=256, **_):
   """haoliuhl/ringattention's pure-JAX ring (contiguous layout, no GQA)."""
   import jax
+  import jax._src.xla_bridge as xb
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec as P
-
-  import jax._src.xla_bridge as xb
   jax.lib.xla_bridge = xb  # the package still imports a removed module path
   from ringattention import ringattention_jax
 

@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from cpjax.kernels.targets import resolve_implementation
 from cpjax.layout import ShardLayout, local_token_indices

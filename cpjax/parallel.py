@@ -55,7 +55,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from cpjax.kernels.common import filled_after, vary_like, varying_axes
 from cpjax.mesh import BATCH_AXES, axis_size, batch_axis_of, expert_axes, make_mesh, parse_mesh

@@ -33,16 +33,33 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from cpjax import balance
+from cpjax import balance, validation
 from cpjax import batch as batch_lib
-from cpjax import validation
 from cpjax.cp_context import ContextParallelSharder, CPContext  # their home before cp_context
 from cpjax.kernels.targets import TARGETS, mesh_platform, resolve_implementation
-from cpjax.layout import (LAYOUT_KINDS, MIN_STRIPE_LEN, ShardLayout, default_stripes,
-                          local_token_indices, padded_length, rank_order)
-from cpjax.streams import (_AUX_PAD_VALUES, _PRIMARY_STREAMS, _REPLICATED_ALWAYS, _batch_dims,
-                           _check_extra_keys, _gather_dim, _mesh_axis_size, _pad_stream, _place,
-                           _sequence_streams, _spec, take_rows)
+from cpjax.layout import (
+  LAYOUT_KINDS,
+  MIN_STRIPE_LEN,
+  ShardLayout,
+  default_stripes,
+  local_token_indices,
+  padded_length,
+  rank_order,
+)
+from cpjax.streams import (
+  _AUX_PAD_VALUES,
+  _PRIMARY_STREAMS,
+  _REPLICATED_ALWAYS,
+  _batch_dims,
+  _check_extra_keys,
+  _gather_dim,
+  _mesh_axis_size,
+  _pad_stream,
+  _place,
+  _sequence_streams,
+  _spec,
+  take_rows,
+)
 
 __all__ = [
     "CPContext",

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from cpjax import batch as batch_lib
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 import ast
 import pathlib
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "cpjax"
 LAYERS = ("core", "data", "models", "training", "top")
 

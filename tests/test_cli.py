@@ -190,7 +190,6 @@ def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
   import os
 
   from cpjax.models import gemma4
-
   from cpjax.training.train_job import TrainJob, run_train_job
 
   here = os.path.dirname(__file__)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import cpjax

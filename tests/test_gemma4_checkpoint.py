@@ -160,8 +160,9 @@ def test_each_device_reads_its_block_in_chunks(tmp_path, monkeypatch, chunk_byte
   holding only its block; a float32 file loads as bfloat16 like numpy's cast.
   Chunks land by a copy into the CPU buffer's memory, or by the donated
   dynamic_update_slice that accelerators use."""
-  from cpjax.models.gemma4 import checkpoint
   from safetensors.numpy import load_file
+
+  from cpjax.models.gemma4 import checkpoint
 
   monkeypatch.setattr(checkpoint, "CHUNK_BYTES", chunk_bytes)
   monkeypatch.setattr(checkpoint, "CPU_HOST_WRITES", host_writes)

@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 from cpjax import parallel, training
-from cpjax.training import lora
 from cpjax.models import gemma4
 from cpjax.models.gemma4.partitioning import partition_rule
+from cpjax.training import lora
 from tests.test_gemma4 import FIXTURES, assert_grads_close, training_batch
 
 # Written by transformers: E2B-like (PLE, K/V sharing, a vision tower) and

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from cpjax.training import lora
 from cpjax.models import gemma4
+from cpjax.training import lora
 from tests.test_gemma4 import FIXTURES
 from tests.test_lora import randomize_adapters
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import chex
 import jax
 import numpy as np
-from flax import nnx
 import pytest
+from flax import nnx
 
 from tests import multiprocess_cases as cases
 from tests.helpers import cp_mesh

@@ -7,7 +7,8 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import cpjax
 from tests.helpers import cp_mesh

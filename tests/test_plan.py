@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from cpjax.training import plan
 from cpjax.models import gemma4
+from cpjax.training import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

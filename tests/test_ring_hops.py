@@ -12,9 +12,9 @@ import pytest
 from jax import lax
 
 import cpjax
-from cpjax import ring_passes as RA   # the ring's passes: where each hop's tiles are scheduled
+from cpjax import ring_passes as RA  # the ring's passes: where each hop's tiles are scheduled
 from tests import attention_harness as H
-from tests.test_tile_schedule import B, CASES, S, np_allowed, np_tiles
+from tests.test_tile_schedule import CASES, B, S, np_allowed, np_tiles
 
 
 @pytest.mark.parametrize("case", ["causal", "window", "documents_padding", "vision_window"])

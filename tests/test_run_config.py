@@ -9,12 +9,25 @@ import pytest
 from cpjax import cli, recipes
 from cpjax.cli.parser import train_parser
 from cpjax.training import plan, targets
-from cpjax.training.run_config import (DataConfig, JobError, OptimizerConfig, RunConfig, TrainJob,
-                                       as_run_config, check, devices_needed, settings,
-                                       with_values)
-from cpjax.training.run_file import (alias_flag, read_run_config, run_from_namespace, to_yaml,
-                                     write_run_config)
-
+from cpjax.training.run_config import (
+  DataConfig,
+  JobError,
+  OptimizerConfig,
+  RunConfig,
+  TrainJob,
+  as_run_config,
+  check,
+  devices_needed,
+  settings,
+  with_values,
+)
+from cpjax.training.run_file import (
+  alias_flag,
+  read_run_config,
+  run_from_namespace,
+  to_yaml,
+  write_run_config,
+)
 
 PARSER = train_parser()
 

@@ -10,6 +10,7 @@ import pytest
 
 import cpjax
 from cpjax.kernels import common
+
 # cpjax.ring_attention is also the function: import the module's names directly.
 from cpjax.ring_passes import _Config, _kernel_chunk, _tile_schedule, _tokens
 

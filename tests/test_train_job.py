@@ -109,10 +109,9 @@ def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch, wh
   the state, the weights still saved."""
   from flax import nnx
 
-  from cpjax.training import job_hooks
-  from cpjax.training import train_job
-  from cpjax.training.checkpointing import TrainCheckpointer
   from cpjax.models import gemma4
+  from cpjax.training import job_hooks, train_job
+  from cpjax.training.checkpointing import TrainCheckpointer
 
   name = {"validation": "eval_hook", "checkpoint": "save_hook"}[which]
   real = getattr(job_hooks, name)

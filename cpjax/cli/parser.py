@@ -22,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _mesh(text: str) -> dict:
-  from cpjax.parallel import parse_mesh   # imports nothing of JAX's backends
+  from cpjax.parallel import parse_mesh  # imports nothing of JAX's backends
 
   try:
     return parse_mesh(text)

@@ -9,7 +9,6 @@ import os
 from cpjax.cli import machine
 from cpjax.cli.plan import plan_config
 
-
 # Pairs of settings that name the same thing; one given on the command line
 # replaces the other's value from a file (a recipe's `model: e2b` gives way
 # to --checkpoint DIR, its mesh to --cp N).
@@ -20,8 +19,7 @@ def train(parser, argv: list[str]) -> int:
   """``cpjax train``: read the run config (a recipe, files, dotted keys and
   their older flags, a resumed run's run.yaml), check it, start JAX on the
   devices it names, run the job."""
-  from cpjax.training.run_config import (JobError, check, devices_needed, get, settings,
-                                         with_values)
+  from cpjax.training.run_config import JobError, check, devices_needed, get, settings, with_values
   from cpjax.training.run_file import RUN_FILE, alias_flag, given_keys, run_from_namespace
 
   def fail(message):

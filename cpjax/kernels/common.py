@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from cpjax.kernels import interpret as _interpret
 from cpjax.masks import BlockMap, MaskRule, Tokens

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import functools
 
-from jax._src import config
+from jax._src import config, dispatch
 from jax._src import core as jax_core
-from jax._src import dispatch
 from jax._src.interpreters import mlir
 
 __all__ = ["run"]

@@ -18,8 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpjax import validation
-from cpjax.masks.rules import (ARRAY_KINDS, KeyNotPadding, LocalWindow, MaskRule, Reach,
-                               SameSegment, SameVisionGroup, Tokens)
+from cpjax.masks.rules import (
+  ARRAY_KINDS,
+  KeyNotPadding,
+  LocalWindow,
+  MaskRule,
+  Reach,
+  SameSegment,
+  SameVisionGroup,
+  Tokens,
+)
 
 __all__ = ["MASK_KEYWORDS", "AttentionMask", "MaskSpec", "resolve_mask"]
 

@@ -11,8 +11,15 @@ import os
 import numpy as np
 
 from cpjax.training.job_config import learning_rate_schedule
+from cpjax.training.job_phases import (
+  Data,
+  Trainer,
+  check_vocabulary,
+  corpus_path,
+  host_value,
+  run_identity,
+)
 from cpjax.training.run_config import RunConfig, as_run_config
-from cpjax.training.job_phases import Data, Trainer, check_vocabulary, corpus_path, host_value, run_identity
 
 __all__ = ["eval_hook", "eval_rows", "external_write", "make_hooks"]
 

@@ -102,9 +102,9 @@ def build(job: RunConfig) -> Trainer:
   from flax import nnx
 
   from cpjax import parallel
-  from cpjax.training import lora
   from cpjax.models import gemma4
   from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
+  from cpjax.training import lora
 
   job = as_run_config(job)
   sizes = job.parallel.mesh_sizes()

@@ -29,7 +29,6 @@ import re
 import typing
 from typing import Callable, Literal, Optional
 
-
 __all__ = ["CheckpointingConfig", "JobError", "DataConfig", "EvalConfig", "ExpertsConfig", "LoggingConfig",
            "LoraConfig", "OptimizerConfig", "ParallelConfig", "RunConfig", "TrainJob",
            "as_run_config", "check", "flat_settings", "from_flat", "settings"]

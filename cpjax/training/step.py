@@ -23,10 +23,17 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from cpjax.cp_context import (CPContext, HiddenStates, batch_specs, manual_axes, split_over,
-                              state_specs)
+from cpjax.cp_context import (
+  CPContext,
+  HiddenStates,
+  batch_specs,
+  manual_axes,
+  split_over,
+  state_specs,
+)
 from cpjax.kernels.common import varying_axes
 from cpjax.kernels.targets import mesh_platform, resolve_implementation
 from cpjax.layout import ShardLayout

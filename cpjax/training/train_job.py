@@ -25,8 +25,17 @@ import numpy as np
 
 from cpjax.training.job_config import LR_SCHEDULES, JobError, learning_rate_schedule, make_optimizer
 from cpjax.training.job_hooks import make_hooks
-from cpjax.training.job_phases import (Data, Trainer, build, describe, host_value, open_data,
-                                      resume, run_identity, step_batches)
+from cpjax.training.job_phases import (
+  Data,
+  Trainer,
+  build,
+  describe,
+  host_value,
+  open_data,
+  resume,
+  run_identity,
+  step_batches,
+)
 from cpjax.training.run_config import RunConfig, TrainJob, as_run_config, check
 from cpjax.training.run_file import write_run_config
 

@@ -21,10 +21,10 @@ from cpjax.models.gemma4.cp_batch import (
 )
 from cpjax.models.gemma4.cp_batch import prepare_batch as prepare_batch
 from cpjax.models.gemma4.cp_batch import shard_aux_only_cp_batch as shard_aux_only_cp_batch
-from cpjax.models.gemma4.cp_batch import synthetic_batch as synthetic_batch
 from cpjax.models.gemma4.cp_batch import (
     synthesize_single_document_seq_ids as synthesize_single_document_seq_ids,
 )
+from cpjax.models.gemma4.cp_batch import synthetic_batch as synthetic_batch
 from cpjax.models.gemma4.cp_forward import cp_logits as cp_logits
 from cpjax.models.gemma4.model import Gemma4 as Gemma4
 from cpjax.models.gemma4.model import gemma4_masks as gemma4_masks

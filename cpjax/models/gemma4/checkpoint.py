@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.models.gemma4.layers import Buffer

@@ -25,8 +25,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from cpjax.models.gemma4.hf_config import (IGNORED_CONFIG_KEYS, _check_keys, _text_from_hf,
-                                           _vision_from_hf)
+from cpjax.models.gemma4.hf_config import (
+  IGNORED_CONFIG_KEYS,
+  _check_keys,
+  _text_from_hf,
+  _vision_from_hf,
+)
 from cpjax.models.gemma4.text_config import _ACTIVATION, FULL, SLIDING, Gemma4TextConfig
 from cpjax.models.gemma4.vision_config import Gemma4VisionConfig
 

@@ -8,7 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from cpjax.batch import SOURCE_INDEX_KEY
 from cpjax.context_parallel import from_rank_order

@@ -38,7 +38,11 @@ from cpjax.cp_context import ContextParallelSharder, CPContext, HiddenStates
 from cpjax.layout import LAYOUT_KINDS
 from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameSegment, SameVisionGroup
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
-from cpjax.models.gemma4.cp_batch import IMAGE_OFFSET_KEY, image_token_offsets, shard_aux_only_cp_batch
+from cpjax.models.gemma4.cp_batch import (
+  IMAGE_OFFSET_KEY,
+  image_token_offsets,
+  shard_aux_only_cp_batch,
+)
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles
 from cpjax.models.gemma4.remat import _remat_policy, remat_after_cotangent
 from cpjax.models.gemma4.text import DecoderLayer, embed_scale

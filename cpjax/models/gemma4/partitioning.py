@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import math
 
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 
 from cpjax import validation
-
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.parallel import PartitionRule, batch_axis_of, expert_axes
 

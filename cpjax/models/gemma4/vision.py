@@ -22,8 +22,15 @@ import numpy as np
 from flax import nnx
 
 from cpjax.models.gemma4.config import Gemma4VisionConfig
-from cpjax.models.gemma4.layers import (Buffer, ClippableLinear, Linear, RMSNorm, apply_rope, gelu,
-                                        rope_angles)
+from cpjax.models.gemma4.layers import (
+  Buffer,
+  ClippableLinear,
+  Linear,
+  RMSNorm,
+  apply_rope,
+  gelu,
+  rope_angles,
+)
 from cpjax.parallel import gathered
 
 __all__ = ["VisionTower", "MultimodalEmbedder", "soft_token_counts"]

@@ -22,8 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpjax.training.lora.adapters import (LoraSettings, _adapter_pairs, _module_paths, _settings,
-                                          adapted_modules, apply_lora)
+from cpjax.training.lora.adapters import (
+  LoraSettings,
+  _adapter_pairs,
+  _module_paths,
+  _settings,
+  adapted_modules,
+  apply_lora,
+)
 
 __all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "load_adapter", "read_adapter_config",
            "save_adapter"]
