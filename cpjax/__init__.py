@@ -22,8 +22,8 @@ from cpjax.context_parallel import from_rank_order as from_rank_order
 from cpjax.context_parallel import to_rank_order as to_rank_order
 from cpjax.cp_context import ContextParallelSharder as ContextParallelSharder
 from cpjax.cp_context import CPContext as CPContext
-from cpjax.flax_attention import context_parallel as context_parallel
 from cpjax.flax_attention import ring_attention_fn as ring_attention_fn
+from cpjax.flax_attention import use_cp as use_cp
 from cpjax.layout import ShardLayout as ShardLayout
 from cpjax.layout import default_stripes as default_stripes
 from cpjax.layout import local_token_indices as local_token_indices
@@ -62,8 +62,8 @@ __all__ = [
     "to_rank_order",
     "ContextParallelSharder",
     "CPContext",
-    "context_parallel",
     "ring_attention_fn",
+    "use_cp",
     "ShardLayout",
     "default_stripes",
     "local_token_indices",

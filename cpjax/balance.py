@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpjax import validation
+from cpjax import checks
 from cpjax.layout import ShardLayout, rank_order
 
 __all__ = ["balance_documents", "rank_work", "renumber_documents", "token_work"]
@@ -72,7 +72,7 @@ def _windows(layer_windows) -> tuple[tuple[int | None, int], ...]:
     raise ValueError("layer_windows must name at least one attention layer, got []")
   for i, w in enumerate(layer_windows):
     if w is not None:
-      validation.integer(f"layer_windows[{i}]", w, minimum=1)
+      checks.integer(f"layer_windows[{i}]", w, minimum=1)
   counts = {}
   for w in layer_windows:
     w = None if w is None else int(w)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpjax import validation
+from cpjax import checks
 
 __all__ = [
     "DOCUMENT_IDS_KEY",
@@ -101,7 +101,7 @@ def attention_mask_to_padding_mask(batch: Mapping) -> dict:
     >>> sorted(out), np.asarray(out["padding_mask"]).tolist()
     (['padding_mask'], [[False, False, True]])
   """
-  out = validation.mapping("batch", batch)
+  out = checks.mapping("batch", batch)
   mask = out.pop("attention_mask", None)
   if mask is None:
     return out
@@ -151,8 +151,8 @@ def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
     >>> np.asarray(ids).tolist()
     [[1, 1, 1, 1, 0, 0]]
   """
-  out = validation.mapping("batch", batch)
-  seq_len = validation.integer("seq_len", seq_len, minimum=1)
+  out = checks.mapping("batch", batch)
+  seq_len = checks.integer("seq_len", seq_len, minimum=1)
   for key in (*PRIMARY_KEYS, "padding_mask"):
     if key in out and jnp.ndim(out[key]) < 2:
       raise ValueError(f"the batch's {key} must be [B, S, ...], got shape "
@@ -189,7 +189,7 @@ def vision_group_ids(mm_token_type_ids) -> jax.Array:
     >>> np.asarray(vision_group_ids(np.array([[0, 1, 1, 0, 2, 2, 3]]))).tolist()
     [[-1, 0, 0, -1, 1, 1, -1]]
   """
-  validation.token_stream("mm_token_type_ids", mm_token_type_ids, kind="int")
+  checks.token_stream("mm_token_type_ids", mm_token_type_ids, kind="int")
   types = jnp.asarray(mm_token_type_ids)
   vision = (types == 1) | (types == 2)
   prev = jnp.pad(vision[:, :-1], ((0, 0), (1, 0)))
@@ -221,8 +221,8 @@ def next_token_labels(input_ids, document_ids=None, ignore_index: int = IGNORE_I
     >>> np.asarray(next_token_labels(ids, docs)).tolist()
     [[6, -100, 8, 9, -100, -100]]
   """
-  validation.integer("ignore_index", ignore_index)
-  validation.fits_int32("input_ids", input_ids)
+  checks.integer("ignore_index", ignore_index)
+  checks.fits_int32("input_ids", input_ids)
   ids = jnp.asarray(input_ids)
   if ids.ndim != 2 or not _is_integer(ids):
     raise ValueError(
@@ -274,7 +274,7 @@ def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = Tr
     ValueError: sequence lengths or batch sizes that disagree, bad ranks.
     TypeError: non-integer ids, labels or positions.
   """
-  batch = validation.mapping("batch", batch)
+  batch = checks.mapping("batch", batch)
   key = primary_key(batch)
   primary = batch[key]
   want_ndim = 2 if key == "input_ids" else 3
@@ -297,9 +297,9 @@ def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = Tr
     if k in out and not _is_integer(out[k]):
       raise TypeError(f"{k} must have an integer dtype, got {jnp.result_type(out[k])}")
     if k in out:
-      validation.fits_int32(k, out[k])
+      checks.fits_int32(k, out[k])
   if "padding_mask" in out:
-    validation.token_stream("padding_mask", out["padding_mask"], kind="bool_or_int")
+    checks.token_stream("padding_mask", out["padding_mask"], kind="bool_or_int")
   for k in (*PRIMARY_KEYS, *_INTEGER_KEYS, "loss_mask", "padding_mask"):
     if k in out:
       out[k] = jnp.asarray(out[k])

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from cpjax import validation
+from cpjax import checks
 from cpjax.kernels.targets import mesh_platform, resolve_implementation
 from cpjax.layout import ShardLayout, rank_order
 from cpjax.masks import AttentionMask, resolve_mask
@@ -202,8 +202,8 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, layout: ShardLayout, axis
     if axis in axes.values():
       raise ValueError(f"{name}={axis!r} must differ from the other axes {axes}")
     axes[name] = axis
-  b, s, _, _, _ = validation.attention_inputs(q, k, v, length="S")
-  validation.attention_options(scale=scale, logits_soft_cap=logits_soft_cap)
+  b, s, _, _, _ = checks.attention_inputs(q, k, v, length="S")
+  checks.attention_options(scale=scale, logits_soft_cap=logits_soft_cap)
   if s != layout.padded_seq_len:
     raise ValueError(f"q must hold layout.padded_seq_len = {layout.padded_seq_len} tokens on "
                      f"dim 1 (global arrays in rank order), got shape {tuple(jnp.shape(q))}")

@@ -4,7 +4,7 @@
 its attention through :func:`cpjax.ring_attention`. The module does not know
 whether it runs context-parallel: that is said where the model is called,
 
-* inside ``shard_map`` under ``with cpjax.context_parallel(cp):`` (``cp`` a
+* inside ``shard_map`` under ``with cpjax.use_cp(cp):`` (``cp`` a
   :class:`cpjax.CPContext`, the one :func:`cpjax.training.step.make_train_step` hands
   its ``forward``), every attention call is a ring over ``cp.axis_name``;
 * outside any context, the same call is exact attention over the whole
@@ -33,14 +33,14 @@ from cpjax.layout import ShardLayout
 from cpjax.masks import AttentionMask
 from cpjax.ring_attention import ring_attention
 
-__all__ = ["context_parallel", "current_context", "ring_attention_fn"]
+__all__ = ["use_cp", "current_context", "ring_attention_fn"]
 
 _CONTEXT: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar(
     "cpjax_context_parallel", default=None)
 
 
 @contextlib.contextmanager
-def context_parallel(cp: CPContext | None) -> Iterator[CPContext | None]:
+def use_cp(cp: CPContext | None) -> Iterator[CPContext | None]:
   """Run the :func:`ring_attention_fn` calls traced inside as a ring described by ``cp``.
 
   ``cp=None`` leaves them single-device, so one ``forward`` serves both runs.
@@ -48,7 +48,7 @@ def context_parallel(cp: CPContext | None) -> Iterator[CPContext | None]:
   (or :func:`cpjax.training.step.make_train_step`) traces.
 
   >>> import cpjax
-  >>> with cpjax.context_parallel(cpjax.CPContext(cpjax.ShardLayout(8, 8, 2))) as cp:
+  >>> with cpjax.use_cp(cpjax.CPContext(cpjax.ShardLayout(8, 8, 2))) as cp:
   ...   cpjax.flax_attention.current_context() is cp
   True
   """
@@ -62,7 +62,7 @@ def context_parallel(cp: CPContext | None) -> Iterator[CPContext | None]:
 
 
 def current_context() -> CPContext | None:
-  """The innermost :func:`context_parallel` context, or None."""
+  """The innermost :func:`use_cp` context, or None."""
   return _CONTEXT.get()
 
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpjax import validation
+from cpjax import checks
 
 __all__ = [
     "LAYOUT_KINDS",
@@ -90,16 +90,16 @@ class ShardLayout:
   stripes: int | None = None
 
   def __post_init__(self):
-    validation.integer("original_seq_len", self.original_seq_len, minimum=1)
-    validation.integer("padded_seq_len", self.padded_seq_len, minimum=1)
-    validation.integer("cp_size", self.cp_size, minimum=1)
+    checks.integer("original_seq_len", self.original_seq_len, minimum=1)
+    checks.integer("padded_seq_len", self.padded_seq_len, minimum=1)
+    checks.integer("cp_size", self.cp_size, minimum=1)
     if self.kind not in LAYOUT_KINDS:
       raise ValueError(f"kind must be one of {LAYOUT_KINDS}, got {self.kind!r}")
     fixed = {"contiguous": 1, "load_balanced": 2}.get(self.kind)
     stripes = self.stripes
     if stripes is None:
       stripes = fixed or default_stripes(self.original_seq_len, self.cp_size)
-    validation.integer("stripes", stripes, minimum=1)
+    checks.integer("stripes", stripes, minimum=1)
     if fixed is not None and stripes != fixed:
       raise ValueError(f"a {self.kind!r} layout has stripes={fixed}, got {stripes}")
     if fixed is None and stripes % 2:
@@ -162,9 +162,9 @@ def default_stripes(seq_len: int, cp_size: int, *, min_stripe_len: int = MIN_STR
   >>> default_stripes(32768, 8), default_stripes(32768, 8, min_stripe_len=256)
   (4, 16)
   """
-  validation.integer("seq_len", seq_len, minimum=1)
-  validation.integer("cp_size", cp_size, minimum=1)
-  validation.integer("min_stripe_len", min_stripe_len, minimum=1)
+  checks.integer("seq_len", seq_len, minimum=1)
+  checks.integer("cp_size", cp_size, minimum=1)
+  checks.integer("min_stripe_len", min_stripe_len, minimum=1)
   for r in range(MAX_STRIPES, 2, -2):
     if seq_len // (cp_size * r) >= min_stripe_len:
       return r
@@ -191,16 +191,16 @@ def padded_length(seq_len: int, cp_size: int, *, kind: str = "contiguous",
   >>> padded_length(56, 2, kind="load_balanced", chunk_multiple=16)   # 4 chunks of 16
   64
   """
-  validation.integer("seq_len", seq_len, minimum=1)
-  validation.integer("cp_size", cp_size, minimum=1)
-  validation.integer("pad_multiple", pad_multiple, minimum=1)
-  validation.integer("chunk_multiple", chunk_multiple, minimum=1)
+  checks.integer("seq_len", seq_len, minimum=1)
+  checks.integer("cp_size", cp_size, minimum=1)
+  checks.integer("pad_multiple", pad_multiple, minimum=1)
+  checks.integer("chunk_multiple", chunk_multiple, minimum=1)
   if kind not in LAYOUT_KINDS:
     raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {kind!r}")
   fixed = {"contiguous": 1, "load_balanced": 2}.get(kind)
   if stripes is None:
     stripes = fixed or default_stripes(seq_len, cp_size)
-  validation.integer("stripes", stripes, minimum=1)
+  checks.integer("stripes", stripes, minimum=1)
   multiple = math.lcm(cp_size * max(pad_multiple, 2), cp_size * stripes * chunk_multiple)
   return -(-seq_len // multiple) * multiple
 

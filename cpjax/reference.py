@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cpjax import validation
+from cpjax import checks
 from cpjax.masks import AttentionMask, resolve_mask
 
 __all__ = ["reference_attention"]
@@ -48,8 +48,8 @@ def reference_attention(q, k, v, *, mask: AttentionMask | None = None, causal: b
   """
   # The same checks as ring_attention: inputs, options, then the mask (its
   # arrays' shapes, dtypes and the window), before any compute.
-  b, s, hq, hkv, d = validation.attention_inputs(q, k, v, length="S")
-  scale, logits_soft_cap = validation.attention_options(scale=scale,
+  b, s, hq, hkv, d = checks.attention_inputs(q, k, v, length="S")
+  scale, logits_soft_cap = checks.attention_options(scale=scale,
                                                         logits_soft_cap=logits_soft_cap)
   checked = resolve_mask(mask, causal=causal, sliding_window=sliding_window,
                          segment_ids=segment_ids, padding_mask=padding_mask,

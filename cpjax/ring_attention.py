@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from cpjax import validation
+from cpjax import checks
 from cpjax.kernels.common import KernelParams
 from cpjax.kernels.common import vary_like as _vary_like
 from cpjax.kernels.targets import resolve_implementation
@@ -118,10 +118,10 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
   if not isinstance(axis_name, str):
     raise TypeError(f"axis_name must be a mesh axis name (str), got {type(axis_name).__name__}")
-  b, l, hq, hkv, d = validation.attention_inputs(q, k, v)
-  scale, logits_soft_cap = validation.attention_options(scale=scale,
+  b, l, hq, hkv, d = checks.attention_inputs(q, k, v)
+  scale, logits_soft_cap = checks.attention_options(scale=scale,
                                                         logits_soft_cap=logits_soft_cap)
-  validation.cp_axis("ring_attention", axis_name, layout.cp_size)
+  checks.cp_axis("ring_attention", axis_name, layout.cp_size)
   if l != layout.local_seq_len:
     raise ValueError(f"q must hold layout.local_seq_len = {layout.local_seq_len} tokens on dim 1, "
                      f"got {l}")

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from cpjax import balance, validation
+from cpjax import balance, checks
 from cpjax import batch as batch_lib
 from cpjax.cp_context import ContextParallelSharder, CPContext  # their home before cp_context
 from cpjax.kernels.targets import TARGETS, mesh_platform, resolve_implementation
@@ -207,10 +207,10 @@ def shard_batch(
     raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
   if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
     raise ValueError(f"pad_multiple must be an int >= 1, got {pad_multiple!r}")
-  validation.integer("padding_token_id", padding_token_id)
+  checks.integer("padding_token_id", padding_token_id)
   if not isinstance(aux_only, (bool, np.bool_)):
     raise TypeError(f"aux_only must be a bool, got {type(aux_only).__name__} ({aux_only!r})")
-  validation.fits_int32("padding_token_id", np.asarray(padding_token_id))
+  checks.fits_int32("padding_token_id", np.asarray(padding_token_id))
 
   norm = batch_lib.normalize_batch(batch, loss_mask=loss_mask)
   extra = _check_extra_keys(norm, extra_seq_keys, extra_pad_values)
@@ -230,7 +230,7 @@ def shard_batch(
   if pad_multiple == 1:     # the caller's own pad_multiple wins
     target = resolve_implementation(implementation, platform=mesh_platform(mesh))
     chunk_multiple = TARGETS[target].chunk_multiple if target in TARGETS else 1
-  validation.integer("min_stripe_len", min_stripe_len, minimum=1)
+  checks.integer("min_stripe_len", min_stripe_len, minimum=1)
   stripes = None
   if layout == "document_balanced":
     stripes = default_stripes(seq_len, cp_size, min_stripe_len=max(min_stripe_len, chunk_multiple))
@@ -315,7 +315,7 @@ def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
     >>> np.asarray(back["labels"]).tolist()
     [[0, 1, 2, 3, 4, 5]]
   """
-  batch = validation.mapping("batch", batch)
+  batch = checks.mapping("batch", batch)
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
   extra = _check_extra_keys(batch, extra_seq_keys, None)
@@ -416,7 +416,7 @@ def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
   """
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
-  validation.integer("seq_axis", seq_axis)
+  checks.integer("seq_axis", seq_axis)
   x = jnp.asarray(x)
   if not -max(x.ndim, 1) <= seq_axis < max(x.ndim, 1):
     raise ValueError(f"seq_axis={seq_axis} is not a dimension of x, shape {tuple(x.shape)}")
@@ -426,7 +426,7 @@ def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
     raise ValueError(
         f"x must have length {layout.original_seq_len} (or the padded "
         f"{layout.padded_seq_len}) on seq_axis={seq_axis}, got shape {tuple(x.shape)}")
-  validation.cp_axis("shard_sequence", axis_name, layout.cp_size)
+  checks.cp_axis("shard_sequence", axis_name, layout.cp_size)
   widths = [(0, 0)] * x.ndim
   widths[seq_axis] = (0, layout.padded_seq_len - length)
   x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))

@@ -49,7 +49,7 @@ def cp_forward(model, batch, cp):
   """The user's forward: the same code on one device (cp=None) and under CP."""
   mask = cpjax.AttentionMask.create(segment_ids=batch["_packed_seq_ids"],
                                     padding_mask=batch["padding_mask"])
-  with cpjax.context_parallel(cp):
+  with cpjax.use_cp(cp):
     return model(batch["input_ids"], batch["position_ids"], mask)
 
 
@@ -170,5 +170,5 @@ def test_attention_fn_rejects_what_the_ring_cannot_do():
                                       rngs=nnx.Rngs(0))
     attn_sow(x, sow_weights=True)
   with pytest.raises(TypeError, match=r"cp must be a cpjax.CPContext or None, got ShardLayout"):
-    with cpjax.context_parallel(cpjax.ShardLayout(4, 4, 1)):
+    with cpjax.use_cp(cpjax.ShardLayout(4, 4, 1)):
       pass

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpjax import validation
+from cpjax import checks
 from cpjax.masks.rules import (
   ARRAY_KINDS,
   KeyNotPadding,
@@ -154,7 +154,7 @@ class AttentionMask:
                          f"got {list(shape)}")
       _check_array_kind(name, x, kind)
       if kind == "int":
-        validation.fits_int32(f"mask array {name}", x)
+        checks.fits_int32(f"mask array {name}", x)
         x = jnp.asarray(x, jnp.int32)
       out[name] = jnp.asarray(x)
     return AttentionMask(self.rule, out)

@@ -13,7 +13,7 @@ import numpy as np
 from cpjax.training.job_config import learning_rate_schedule
 from cpjax.training.job_phases import (
   Data,
-  Trainer,
+  TrainState,
   check_vocabulary,
   corpus_path,
   host_value,
@@ -24,7 +24,7 @@ from cpjax.training.run_config import RunConfig, as_run_config
 __all__ = ["eval_hook", "eval_rows", "external_write", "make_hooks"]
 
 
-def make_hooks(job: RunConfig, trainer: Trainer, data: Data, batches, layout, checkpointer,
+def make_hooks(job: RunConfig, trainer: TrainState, data: Data, batches, layout, checkpointer,
            first_step: int, summary: dict, log) -> list:
   """The periodic work, in order (a later hook reads what an earlier one
   wrote into the step's record): parity at step 1, validation, the metrics
@@ -51,7 +51,7 @@ def make_hooks(job: RunConfig, trainer: Trainer, data: Data, batches, layout, ch
   return hooks
 
 
-def parity_hook(job: RunConfig, trainer: Trainer, batches, summary: dict, log):
+def parity_hook(job: RunConfig, trainer: TrainState, batches, summary: dict, log):
   """At step 1, the CP step's loss and gradient norm against the same rows on
   one device with unsharded parameters; a disagreement stops the run."""
   import jax
@@ -103,7 +103,7 @@ def parity_hook(job: RunConfig, trainer: Trainer, batches, summary: dict, log):
   return hook
 
 
-def save_hook(job: RunConfig, trainer: Trainer, data: Data, checkpointer, log):
+def save_hook(job: RunConfig, trainer: TrainState, data: Data, checkpointer, log):
   """Saves every ``--save-every`` steps and after the last one; closing it
   waits for the last save."""
   run = run_identity(job, trainer.cfg)
@@ -123,7 +123,7 @@ def save_hook(job: RunConfig, trainer: Trainer, data: Data, checkpointer, log):
   return hook
 
 
-def eval_rows(job: RunConfig, trainer: Trainer, log) -> list[dict]:
+def eval_rows(job: RunConfig, trainer: TrainState, log) -> list[dict]:
   """The fixed validation rows: the first ``eval_rows`` packed rows of the
   validation data (in file order, one pass), in batches of the step's rows;
   the last batch is filled up with empty rows (they count no token)."""
@@ -146,7 +146,7 @@ def eval_rows(job: RunConfig, trainer: Trainer, log) -> list[dict]:
           for i in range(0, len(rows), trainer.rows)]
 
 
-def eval_hook(job: RunConfig, trainer: Trainer, layout, summary: dict, log):
+def eval_hook(job: RunConfig, trainer: TrainState, layout, summary: dict, log):
   """Every ``eval_every`` steps and after the last one: the token-mean loss
   of the fixed validation rows, with the training step's CP forward and
   shardings (no gradient), into the step's record as ``eval_loss``."""

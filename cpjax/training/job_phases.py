@@ -16,7 +16,7 @@ import numpy as np
 from cpjax.training.job_config import JobError, make_optimizer
 from cpjax.training.run_config import RunConfig, as_run_config
 
-__all__ = ["Data", "Trainer", "build", "check_vocabulary", "corpus_path", "describe", "host_value",
+__all__ = ["Data", "TrainState", "build", "check_vocabulary", "corpus_path", "describe", "host_value",
            "open_data", "resume", "run_identity", "step_batches"]
 
 
@@ -64,7 +64,7 @@ def checkpoint_sharding(cfg, mesh, rule, state_axes=("fsdp",)):
 
 
 @dataclasses.dataclass
-class Trainer:
+class TrainState:
   """What the phases share: the model split for the step, its sharder and
   the mesh, and the training state (``params``, ``opt_state``) as it moves.
   ``params`` are what is trained (every weight, or the LoRA adapters);
@@ -95,7 +95,7 @@ class Data:
   set_state: Callable[[dict], None]
 
 
-def build(job: RunConfig) -> Trainer:
+def build(job: RunConfig) -> TrainState:
   """The mesh, the model (random init or a checkpoint, each device reading
   its own shards), the optimizer, and the sharded training state."""
   import jax
@@ -176,7 +176,7 @@ def build(job: RunConfig) -> Trainer:
   frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule,
                                                                     state_axes=state_axes))
   opt_state = parallel.shard_like_params(optimizer.init(params), params)
-  return Trainer(cfg=cfg, mesh=mesh, rows=rows, batch_axis=parallel.batch_axis_of(mesh),
+  return TrainState(cfg=cfg, mesh=mesh, rows=rows, batch_axis=parallel.batch_axis_of(mesh),
                   sharder=sharder, graphdef=graphdef, frozen=frozen, optimizer=optimizer,
                   params=params, opt_state=opt_state, reference=reference,
                   description=description, expert_axes=expert_axes)
@@ -277,7 +277,7 @@ def run_identity(job: RunConfig, cfg) -> dict:
   return identity
 
 
-def resume(job: RunConfig, trainer: Trainer, data: Data, log):
+def resume(job: RunConfig, trainer: TrainState, data: Data, log):
   """``(first_step, checkpointer or None)``; with ``--resume`` the training
   state and the data's place come back from the latest checkpoint."""
   first_step, checkpointer = 0, None
@@ -306,7 +306,7 @@ def resume(job: RunConfig, trainer: Trainer, data: Data, log):
   return first_step, checkpointer
 
 
-def describe(job: RunConfig, trainer: Trainer, log) -> None:
+def describe(job: RunConfig, trainer: TrainState, log) -> None:
   import jax
 
   devices = list(trainer.mesh.devices.flat)
@@ -321,7 +321,7 @@ def describe(job: RunConfig, trainer: Trainer, log) -> None:
       f"{len(devices)} {devices[0].platform.upper()} devices{procs}, {job.dtype}")
 
 
-def step_batches(job: RunConfig, trainer: Trainer, data: Data):
+def step_batches(job: RunConfig, trainer: TrainState, data: Data):
   """The step's rows (as microbatches), their sharded form and its layout."""
   parts = [data.next_batch() for _ in range(job.dataset.microbatches)]
   placed = [trainer.sharder.shard_batch(b, trainer.mesh, batch_axis=trainer.batch_axis)

@@ -27,7 +27,7 @@ from cpjax.training.job_config import LR_SCHEDULES, JobError, learning_rate_sche
 from cpjax.training.job_hooks import make_hooks
 from cpjax.training.job_phases import (
   Data,
-  Trainer,
+  TrainState,
   build,
   describe,
   host_value,
@@ -147,7 +147,7 @@ def _save_after_failure(job: RunConfig, trainer, data, checkpointer, failure: _H
   return "; ".join(saved) or "nothing was saved: no --save or --state-dir"
 
 
-def _loop(job: RunConfig, trainer: Trainer, data: Data, step, sharded, batches, layout, *,
+def _loop(job: RunConfig, trainer: TrainState, data: Data, step, sharded, batches, layout, *,
           first_step: int, hooks):
   """The step loop: ``(losses, real tokens, seconds per step)``. After each
   step every hook runs as ``hook(i, metrics, record)``: ``i`` counts from 0,
@@ -184,7 +184,7 @@ def _loop(job: RunConfig, trainer: Trainer, data: Data, step, sharded, batches, 
   return losses, real_tokens, times
 
 
-def _save_model(job: RunConfig, trainer: Trainer, log) -> list[str] | None:
+def _save_model(job: RunConfig, trainer: TrainState, log) -> list[str] | None:
   """``--save``: the trained model as a Hugging Face checkpoint, or the LoRA
   adapter as PEFT's files (or merged into the base); the files written."""
   if not job.checkpointing.save:
@@ -232,7 +232,7 @@ _BESIDE_WEIGHTS = ("generation_config.json", *_TOKENIZER_FILES, "processor_confi
                    "preprocessor_config.json")
 
 
-def _report(job: RunConfig, trainer: Trainer, step, summary: dict, losses, real_tokens, times,
+def _report(job: RunConfig, trainer: TrainState, step, summary: dict, losses, real_tokens, times,
             first_step: int, log) -> dict:
   mem = step.memory_analysis()
   steady = times[1:] or times

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cpjax import batch as batch_lib
-from cpjax import validation
+from cpjax import checks
 from cpjax.layout import MIN_STRIPE_LEN, ShardLayout
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.sharding import shard_batch
@@ -189,7 +189,7 @@ def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> d
     >>> sorted(out)
     ['_packed_seq_ids', 'input_ids', 'labels', 'padding_mask', 'position_ids']
   """
-  batch = validation.mapping("batch", batch)
+  batch = checks.mapping("batch", batch)
   if config is not None and not isinstance(config, Gemma4Config):
     raise TypeError(f"config must be a Gemma4Config or None, got {type(config).__name__}")
   for key in ("input_features", "input_features_mask", "pixel_values_videos"):
@@ -304,10 +304,10 @@ def synthetic_batch(rng, config, *, batch_size: int, seq_len: int, images_per_ro
                     f"{type(rng).__name__}")
   if not isinstance(config, Gemma4Config):
     raise TypeError(f"config must be a Gemma4Config, got {type(config).__name__}")
-  validation.integer("batch_size", batch_size, minimum=1)
-  validation.integer("seq_len", seq_len, minimum=1)
-  validation.integer("images_per_row", images_per_row, minimum=0)
-  validation.integer("max_docs", max_docs, minimum=1)
+  checks.integer("batch_size", batch_size, minimum=1)
+  checks.integer("seq_len", seq_len, minimum=1)
+  checks.integer("images_per_row", images_per_row, minimum=0)
+  checks.integer("max_docs", max_docs, minimum=1)
   v = config.vision
   if v is None:
     images_per_row = 0

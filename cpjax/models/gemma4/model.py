@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from cpjax import validation
+from cpjax import checks
 from cpjax.batch import DOCUMENT_IDS_KEY, SOURCE_INDEX_KEY, vision_group_ids
 from cpjax.cp_context import ContextParallelSharder, CPContext, HiddenStates
 from cpjax.layout import LAYOUT_KINDS
@@ -358,7 +358,7 @@ class Gemma4(nnx.Module):
     head [V, D] and the final soft cap: what :func:`cpjax.training.step.make_train_step`
     trains through (:func:`cpjax.training.loss.linear_cross_entropy`). Same
     arguments as calling the model."""
-    validation.mapping("batch", batch)
+    checks.mapping("batch", batch)
     missing = [k for k in MODEL_INPUTS if k not in batch]
     if missing:
       raise KeyError(f"the model's batch lacks {missing}: pass a batch through "

@@ -27,7 +27,7 @@ import math
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
-from cpjax import validation
+from cpjax import checks
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.parallel import PartitionRule, batch_axis_of, expert_axes
 
@@ -44,7 +44,7 @@ def partition_rule(cfg: Gemma4Config, *, tp: int,
   dimension split over those axes, the first major)."""
   if not isinstance(cfg, Gemma4Config):
     raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")
-  validation.integer("tp", tp, minimum=1)
+  checks.integer("tp", tp, minimum=1)
   if not isinstance(expert_axes, tuple) or not all(isinstance(a, str) for a in expert_axes):
     raise TypeError(f"expert_axes must be a tuple of mesh axis names, got {expert_axes!r}")
   t = cfg.text
@@ -123,7 +123,7 @@ def check_mesh(cfg: Gemma4Config, mesh: Mesh, *, seq_len: int | None = None,
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
     if value is not None:
-      validation.integer(name, value, minimum=1)
+      checks.integer(name, value, minimum=1)
   t = cfg.text
   tp = int(mesh.shape["tp"]) if "tp" in mesh.axis_names else 1
   if t.num_attention_heads % tp:
