@@ -35,9 +35,9 @@ soak: $(STAMP) mutants
 	$(BIN)/python -m pytest -m slow -p no:cacheprovider tests
 
 # One-line mutants of the core functions, each against the tests that must catch
-# it (tests/mutants.py); fails if any survives.
+# it (tools/mutants.py); fails if any survives.
 mutants: $(STAMP)
-	$(BIN)/python tests/mutants.py
+	$(BIN)/python tools/mutants.py
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[peers]"

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 import cpjax  # noqa: E402
 from benchmarks.common import median_time, print_table, write_json  # noqa: E402
-from cpjax.kernels import resolve_implementation  # noqa: E402
+from cpjax.ring.kernels import resolve_implementation  # noqa: E402
 
 D = 128
 FLOPS_PER_PAIR = 12 * D   # forward + backward, per head

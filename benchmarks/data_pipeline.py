@@ -44,11 +44,14 @@ def main(argv=None):
   import jax
 
   jax.config.update("jax_num_cpu_devices", 8)
-  from cpjax.training.train_job import TrainJob, run_train_job
+  from cpjax.training.run_config import RunConfig, with_values
+  from cpjax.training.trainer import run_train_job
 
   loader, fill = loader_tokens_per_s(args.batches, 2, 1024)
-  summary = run_train_job(TrainJob(seq_len=1024, batch_size=2, steps=args.train_steps,
-                                   data=str(CORPUS), parity_check=False), log=lambda *_: None)
+  summary = run_train_job(with_values(RunConfig(), {"dataset.seq_len": 1024, "dataset.batch_size": 2,
+                                                    "optimizer.steps": args.train_steps,
+                                                    "dataset.path": str(CORPUS),
+                                                    "parity_check": False}), log=lambda *_: None)
   train = summary["tokens_per_s"]
   row = {"loader_tokens_per_s": loader, "row_fill": fill, "train_tokens_per_s": train,
          "loader_over_train": loader / train}

@@ -134,7 +134,7 @@ def ring_rows(s: int, cp: int, mesh, *, repeats: int) -> list[dict]:
   from jax.sharding import PartitionSpec as P
 
   import cpjax
-  from cpjax.ring_attention import default_block_size
+  from cpjax.ring import default_block_size
 
   rng = np.random.default_rng(1)
   cases = {"packed, median 4k": packed_row(rng, s, 4096 * s // 32768, 1.0)[None],

@@ -108,7 +108,7 @@ def e2b_step(seq_len: int, steps: int) -> dict:
   made = time.perf_counter() - start
   base_gb = sum(int(np.prod(v.shape)) * v.dtype.itemsize for _, v in nnx_leaves(model)) / 1e9
   start = time.perf_counter()
-  model = lora.apply_lora(model, rank=RANK, alpha=2.0 * RANK)
+  model = lora.apply_lora(model, lora.LoraConfig(rank=RANK, alpha=2.0 * RANK))
   adapters_s = time.perf_counter() - start
   graphdef, adapters, frozen = lora.split_lora(model)
   optimizer = optax.adamw(1e-4)
@@ -149,7 +149,7 @@ def a4b_slice(seq_len: int, layers: int, steps: int) -> dict:
       text, num_hidden_layers=layers, layer_types=tuple(text.layer_types[:layers])))
   model = random_bfloat16_model(cfg)
   start = time.perf_counter()
-  model = lora.apply_lora(model, rank=RANK, alpha=2.0 * RANK)
+  model = lora.apply_lora(model, lora.LoraConfig(rank=RANK, alpha=2.0 * RANK))
   adapters_s = time.perf_counter() - start
   adapter_values = lora.lora_param_count(model)
   mesh = parallel.make_mesh(fsdp=2, cp=2)
@@ -218,7 +218,7 @@ def tiny_sweep(budget: int, seq_lens: list[int]) -> dict:
   for kind in ("full", "lora"):
     model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0), remat="full")
     if kind == "lora":
-      model = lora.apply_lora(model, rank=RANK, alpha=2.0 * RANK)
+      model = lora.apply_lora(model, lora.LoraConfig(rank=RANK, alpha=2.0 * RANK))
       graphdef, params, frozen = lora.split_lora(model)
     else:
       graphdef, params, frozen = nnx.split(model, nnx.Param, ...)

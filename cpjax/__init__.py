@@ -5,7 +5,7 @@ axis: contiguous, load-balanced, or document-balanced for packed rows) and
 ring attention, as pure functions.
 
 This module is the public API of the context-parallel core (the modules at
-the package's top level, with :mod:`cpjax.masks` and :mod:`cpjax.kernels`).
+the package's top level, with :mod:`cpjax.masks` and :mod:`cpjax.ring.kernels`).
 Layers build on it, each importing only those below: :mod:`cpjax.data`,
 :mod:`cpjax.models`, :mod:`cpjax.training`, then the command line
 :mod:`cpjax.cli` (the README's Architecture section).
@@ -17,13 +17,13 @@ from cpjax.batch import next_token_labels as next_token_labels
 from cpjax.batch import normalize_batch as normalize_batch
 from cpjax.batch import synthesize_document_ids as synthesize_document_ids
 from cpjax.batch import vision_group_ids as vision_group_ids
-from cpjax.context_parallel import context_parallel_attention as context_parallel_attention
-from cpjax.context_parallel import from_rank_order as from_rank_order
-from cpjax.context_parallel import to_rank_order as to_rank_order
 from cpjax.cp_context import ContextParallelSharder as ContextParallelSharder
 from cpjax.cp_context import CPContext as CPContext
 from cpjax.flax_attention import ring_attention_fn as ring_attention_fn
 from cpjax.flax_attention import use_cp as use_cp
+from cpjax.global_attention import context_parallel_attention as context_parallel_attention
+from cpjax.global_attention import from_rank_order as from_rank_order
+from cpjax.global_attention import to_rank_order as to_rank_order
 from cpjax.layout import ShardLayout as ShardLayout
 from cpjax.layout import default_stripes as default_stripes
 from cpjax.layout import local_token_indices as local_token_indices
@@ -43,9 +43,9 @@ from cpjax.parallel import param_specs as param_specs
 from cpjax.parallel import shard_like_params as shard_like_params
 from cpjax.parallel import shard_params as shard_params
 from cpjax.reference import reference_attention as reference_attention
-from cpjax.ring_attention import RingPlan as RingPlan
-from cpjax.ring_attention import ring_attention as ring_attention
-from cpjax.ring_attention import ring_plan as ring_plan
+from cpjax.ring import RingPlan as RingPlan
+from cpjax.ring import ring_attention as ring_attention
+from cpjax.ring import ring_plan as ring_plan
 from cpjax.sharding import shard_batch as shard_batch
 from cpjax.sharding import shard_sequence as shard_sequence
 from cpjax.sharding import unshard_batch as unshard_batch

@@ -26,9 +26,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cpjax.kernels.targets import resolve_implementation
 from cpjax.layout import ShardLayout, local_token_indices
 from cpjax.parallel import key_names, lookup, ring_lookup
+from cpjax.ring.kernels import resolve_implementation
 
 __all__ = ["CPContext", "ContextParallelSharder", "HiddenStates", "batch_specs", "manual_axes",
            "split_over", "state_specs"]

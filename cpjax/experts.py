@@ -56,7 +56,7 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from cpjax.kernels.common import filled_after, vary_like
+from cpjax.parallel import filled_after, vary_like
 
 __all__ = ["ExpertStats", "grouped_matmul", "routed_experts"]
 

@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterator
 import jax.numpy as jnp
 
 from cpjax.cp_context import CPContext
-from cpjax.kernels.targets import resolve_implementation
 from cpjax.layout import ShardLayout
 from cpjax.masks import AttentionMask
-from cpjax.ring_attention import ring_attention
+from cpjax.ring import ring_attention
+from cpjax.ring.kernels import resolve_implementation
 
 __all__ = ["use_cp", "current_context", "ring_attention_fn"]
 

@@ -55,19 +55,182 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cpjax.kernels.common import filled_after, vary_like, varying_axes
-from cpjax.mesh import BATCH_AXES, axis_size, batch_axis_of, expert_axes, make_mesh, parse_mesh
-
-__all__ = ["BATCH_AXES", "STATE_AXES", "batch_axis_of", "bytes_per_device", "expert_axes",
-           "gather_safe", "gathered", "key_names", "lookup", "make_mesh", "param_specs", "parse_mesh",
-           "ring_lookup", "shard_params", "shard_like_params"]
+__all__ = ["BATCH_AXES", "HEAD_AXIS", "STATE_AXES", "axis_size", "batch_axis_of",
+           "bytes_per_device", "expert_axes", "filled_after", "gather_safe", "gathered", "key_names",
+           "lookup", "make_mesh", "param_specs", "parse_mesh", "ring_lookup", "shard_params",
+           "shard_like_params", "vary_like", "vary_over", "varying_axes"]
 
 # rule(path, shape) -> PartitionSpec naming "tp" (or an expert's axes, or nothing) per dimension.
 PartitionRule = Callable[[tuple[str, ...], tuple[int, ...]], P]
 
+
+# -- Meshes -------------------------------------------------------------------
+
+# Mesh axes that split the rows of the batch (one of them per mesh).
+BATCH_AXES = ("dp", "fsdp")
+# The mesh axis that splits attention heads and hidden units.
+HEAD_AXIS = "tp"
+_AXIS_ORDER = ("dp", "fsdp", "cp", "tp")
+
+def make_mesh(*, cp: int = 1, fsdp: int = 1, dp: int = 1, tp: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A training mesh with axes ``dp`` or ``fsdp`` (when > 1), ``cp`` (always), ``tp`` (when > 1).
+
+  Uses the first ``dp * fsdp * cp * tp`` of ``devices`` (default: all), with
+  ``tp`` innermost so that its collectives stay on the nearest devices.
+  ``cp`` is Explicit and the other axes Auto (see the module docstring).
+
+  >>> make_mesh(fsdp=4, cp=2).axis_names
+  ('fsdp', 'cp')
+  """
+  sizes = {"dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
+  for name, size in sizes.items():
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+      raise ValueError(f"mesh axis {name!r} must be a positive int, got {size!r}")
+  if dp > 1 and fsdp > 1:
+    raise ValueError(f"a mesh splits the batch over one axis: got dp={dp} and fsdp={fsdp}; "
+                     f"use fsdp alone (it is dp that also shards the parameters)")
+  devices = list(jax.devices() if devices is None else devices)
+  if not all(isinstance(d, jax.Device) for d in devices):
+    raise TypeError(f"devices must be jax.Device objects (jax.devices()), got "
+                    f"{sorted({type(d).__name__ for d in devices})}")
+  need = dp * fsdp * cp * tp
+  if need > len(devices):
+    raise ValueError(f"mesh dp={dp} fsdp={fsdp} cp={cp} tp={tp} needs {need} devices, "
+                     f"{len(devices)} available")
+  names = tuple(n for n in _AXIS_ORDER if sizes[n] > 1 or n == "cp")
+  types = tuple(AxisType.Explicit if n == "cp" else AxisType.Auto for n in names)
+  return jax.make_mesh(tuple(sizes[n] for n in names), names, axis_types=types,
+                       devices=devices[:need])
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """``"fsdp=2,cp=4"`` -> ``{"fsdp": 2, "cp": 4}`` (the ``--mesh`` flag's format).
+
+  ``ep=N`` may follow: the expert parallelism folded onto the other axes
+  (:func:`expert_axes`), not an axis of its own.
+
+  >>> parse_mesh("fsdp=2,cp=2,tp=2")
+  {'fsdp': 2, 'cp': 2, 'tp': 2}
+  >>> parse_mesh("cp=4,ep=4")
+  {'cp': 4, 'ep': 4}
+  """
+  sizes: dict[str, int] = {}
+  for part in text.split(","):
+    name, eq, value = part.strip().partition("=")
+    if not eq or name not in (*_AXIS_ORDER, "ep"):
+      raise ValueError(f"mesh {text!r}: expected comma-separated AXIS=SIZE with AXIS in "
+                       f"{(*_AXIS_ORDER, 'ep')}, got {part.strip()!r}")
+    if name in sizes:
+      raise ValueError(f"mesh {text!r} names axis {name!r} twice")
+    if not value.isdigit() or int(value) < 1:
+      raise ValueError(f"mesh {text!r}: axis {name!r} needs a positive integer size, got "
+                       f"{value!r}")
+    sizes[name] = int(value)
+  return sizes
+
+
+def expert_axes(mesh: Mesh, ep: int) -> tuple[str, ...]:
+  """The mesh axes ``ep``-way expert parallelism folds onto: ``()`` for
+  ``ep = 1``, else ``("cp",)``, the batch axis, or ``("cp", batch axis)``,
+  whichever has ``ep`` devices (``cp`` first when two do: its ranks are the
+  nearest, see :func:`make_mesh`). The experts' leading dimension is split
+  over them in that order, ``cp`` major.
+
+  Tokens must differ across the devices that hold different experts, so
+  ``ep`` can only fold onto axes that split tokens (``tp`` ranks hold the
+  same tokens). A mesh with ``tp`` does not take ``ep`` (on this JAX the
+  SPMD partitioner aborts on the dispatch beside an Auto ``tp`` axis);
+  without ``ep`` its experts split over ``tp`` instead.
+
+  >>> expert_axes(make_mesh(fsdp=2, cp=4), 8)
+  ('cp', 'fsdp')
+  >>> expert_axes(make_mesh(fsdp=2, cp=2), 2)
+  ('cp',)
+  """
+  if isinstance(ep, bool) or not isinstance(ep, (int, np.integer)) or ep < 1:
+    raise ValueError(f"ep must be a positive int, got {ep!r}")
+  if ep == 1:
+    return ()
+  if axis_size(mesh, "tp") > 1:
+    raise ValueError(f"ep={ep} does not combine with tp={mesh.shape['tp']}: fold the experts "
+                     f"onto cp and the batch axis without tp (tp splits them by expert)")
+  batch = batch_axis_of(mesh)
+  options = [("cp",), (batch,), ("cp", batch)] if batch else [("cp",)]
+  options = [o for o in options if all(a in mesh.axis_names for a in o)]
+  sizes = {o: int(np.prod([mesh.shape[a] for a in o])) for o in options}
+  for option in options:
+    if sizes[option] == ep:
+      return option
+  allowed = ", ".join(f"{'*'.join(o)} = {n}" for o, n in sizes.items())
+  raise ValueError(f"ep={ep} must equal the size of the token axes it folds onto "
+                   f"({allowed}) of mesh {dict(mesh.shape)}")
+
+
+def batch_axis_of(mesh: Mesh) -> str | None:
+  """The mesh's batch axis (``"dp"`` or ``"fsdp"``), or None."""
+  found = [a for a in mesh.axis_names if a in BATCH_AXES]
+  if len(found) > 1:
+    raise ValueError(f"a mesh splits the batch over one axis, this one has {found}")
+  return found[0] if found else None
+
+
+def axis_size(mesh: Mesh, name: str) -> int:
+  """The size of ``mesh``'s axis ``name``, 1 when the mesh has no such axis."""
+  return int(mesh.shape[name]) if name in mesh.axis_names else 1
+
+
+# -- Values inside shard_map: the manual axes they vary over -----------------
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return getattr(mat, "varying", frozenset())
+
+
+def vary_like(x, ref):
+  """``x`` made varying over the mesh axes ``ref`` varies over (check_vma)."""
+  missing = tuple(sorted(varying_axes(ref) - varying_axes(x)))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_over(x, axes: frozenset):
+  """``x`` made varying over ``axes`` too (check_vma)."""
+  missing = tuple(sorted(axes - varying_axes(x)))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def filled_after(ref, shape, fill=0.0, dtype=jnp.float32):
+  """``fill`` everywhere in ``shape``, varying as ``ref`` does, and computed
+  from ``ref``: an accumulator's initial value that no schedule can build
+  before ``ref`` exists.
+
+  A constant fill (``jnp.zeros``) is one broadcast, which XLA shares between
+  every layer's loops; XLA:CPU builds it when the program starts and copies
+  it for each loop there, so every copy stays alive until its loop runs
+  (1.5 GiB of zeros through the step on the E2B slice at S = 131072, cp = 8).
+  A zero made from ``ref``'s first value (0 whatever it is, even NaN) ties
+  the fill to ``ref`` by data. It passes an optimization barrier with that
+  value: XLA:GPU's simplifier otherwise folds ``convert(pred) * 0`` to a
+  constant and fuses every such fill into one operandless fusion, all of
+  them alive from the step's start.
+
+  >>> filled_after(jnp.ones(3), (2,), -jnp.inf)
+  Array([-inf, -inf], dtype=float32)
+  """
+  out = jnp.full(shape, fill, dtype)
+  if ref.size:                # (an empty ref has nothing to wait for)
+    first = ref.reshape(-1)[0]
+    zero, _ = lax.optimization_barrier(((first != first).astype(dtype) * 0, first))
+    out = out + zero                                    # 0 or 0 * 1: never NaN
+  return vary_like(out, ref)
+
+
+# -- The training state's placement -----------------------------------------
 
 # The token axes that split the training state by default (issue: state over
 # every device that shares the model, as FSDP over dp_shard x cp).

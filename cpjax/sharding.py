@@ -35,8 +35,6 @@ from jax.sharding import Mesh
 
 from cpjax import balance, checks
 from cpjax import batch as batch_lib
-from cpjax.cp_context import ContextParallelSharder, CPContext  # their home before cp_context
-from cpjax.kernels.targets import TARGETS, mesh_platform, resolve_implementation
 from cpjax.layout import (
   LAYOUT_KINDS,
   MIN_STRIPE_LEN,
@@ -46,6 +44,7 @@ from cpjax.layout import (
   padded_length,
   rank_order,
 )
+from cpjax.ring.kernels import TARGETS, mesh_platform, resolve_implementation
 from cpjax.streams import (
   _AUX_PAD_VALUES,
   _PRIMARY_STREAMS,
@@ -62,8 +61,6 @@ from cpjax.streams import (
 )
 
 __all__ = [
-    "CPContext",
-    "ContextParallelSharder",
     "shard_batch",
     "shard_sequence",
     "unshard_batch",

@@ -1,7 +1,7 @@
 """A batch's sequence streams: which keys are cut along the sequence, on which
 dimension, how they are padded, and how an array is given a mesh sharding.
 
-The helpers :mod:`cpjax.sharding` and :mod:`cpjax.context_parallel` share.
+The helpers :mod:`cpjax.sharding` and :mod:`cpjax.global_attention` share.
 Shape letters: ``B`` batch, ``S`` original length, ``Sp`` padded length,
 ``T`` positions taken per row.
 

@@ -41,7 +41,7 @@ print(f"context parallelism over {where}; mesh {dict(mesh.shape)}")
 
 # The ring's per-hop backend on the mesh's devices: fused Pallas kernels on
 # TPU or GPU chips, the XLA tile loop on CPU devices.
-from cpjax.kernels import resolve_implementation
+from cpjax.ring.kernels import resolve_implementation
 implementation = resolve_implementation(None, platform=cp_devices[0].platform)
 print(f"ring attention per hop: {implementation}")
 # Mosaic TPU tiles are 128 tokens: give each rank chunks of at least that.

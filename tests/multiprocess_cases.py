@@ -92,7 +92,7 @@ def _lora_step(mesh, specs, sharded) -> dict:
   from cpjax import parallel
   from cpjax.training import lora
 
-  model = lora.apply_lora(gemma4.Gemma4(CFG, rngs=nnx.Rngs(0)), rank=4, alpha=8.0)
+  model = lora.apply_lora(gemma4.Gemma4(CFG, rngs=nnx.Rngs(0)), lora.LoraConfig(rank=4, alpha=8.0))
   for i, (_, var) in enumerate(nnx.iter_graph(model)):   # B away from zero: A gets gradients
     if isinstance(var, nnx.LoRAParam):
       var.set_value(jax.random.normal(jax.random.key(i), var.shape) * 0.05)

@@ -5,13 +5,13 @@ same layer or one below it, and no two modules import each other through any
 chain. (A module is as long as its concept needs: there is no line cap.)
 The layers, bottom up:
 
-* core: ``cpjax/*.py`` and ``cpjax/kernels``, ``cpjax/masks``: batch
+* core: ``cpjax/*.py`` and ``cpjax/masks``, ``cpjax/ring``: batch
   preparation, layouts, sharding, masks, the ring and its kernels, meshes;
 * data: ``cpjax/data``;
 * models: ``cpjax/models``;
 * training: ``cpjax/training``;
 * top: the command line (``cpjax/cli``, ``cpjax/__main__``), the public API
-  (``cpjax/__init__``) and the old module paths that re-export moved modules.
+  (``cpjax/__init__``).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def test_the_layers_are_what_the_docstring_says():
   """Guards the test itself: every layer holds modules, and the core holds the ring."""
   by_layer = {name: [m for m in MODULES if layer(m) == name] for name in LAYERS}
   assert all(by_layer.values()), by_layer
-  assert {"cpjax.ring_attention", "cpjax.sharding", "cpjax.kernels.common",
-          "cpjax.masks.rules"} <= set(by_layer["core"])
+  assert {"cpjax.ring._attention", "cpjax.sharding", "cpjax.ring.kernels._common",
+          "cpjax.masks._rules"} <= set(by_layer["core"])
   assert "cpjax.training.step" in by_layer["training"] and "cpjax.cli.train" in by_layer["top"]
 
 
@@ -171,6 +171,43 @@ def test_no_public_name_hides_a_module():
   import cpjax
 
   modules = {m.split(".")[1] for m in MODULES if m.count(".") >= 1}
-  # The one left: the function hides its module until the ring becomes the
-  # subpackage cpjax.ring (issue 45, item 3).
-  assert modules & set(cpjax.__all__) == {"ring_attention"}
+  assert modules & set(cpjax.__all__) == set()
+
+
+def public_modules() -> list[str]:
+  """The package's modules whose dotted names have no ``_`` part."""
+  return [m for m in MODULES if not any(p.startswith("_") for p in m.split("."))]
+
+
+def export_places() -> dict[tuple[str, str], set[str]]:
+  """{(defining module, qualified name): the public modules that export it}
+  for every function and class of the package. A module exports an object
+  it defines, lists in ``__all__``, or (a package) imports; ruff's unused
+  import check catches a plain module's re-export outside ``__all__``."""
+  import importlib
+  import inspect
+
+  places: dict[tuple[str, str], set[str]] = {}
+  for name in public_modules():
+    module = importlib.import_module(name)
+    package = MODULES[name].name == "__init__.py"
+    listed = set(getattr(module, "__all__", ()))
+    for attr, obj in vars(module).items():
+      if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+        continue
+      if not getattr(obj, "__module__", "").startswith("cpjax"):
+        continue
+      if obj.__module__ == name or attr in listed or package:
+        places.setdefault((obj.__module__, obj.__qualname__), set()).add(name)
+  return places
+
+
+def test_no_object_is_exported_from_more_than_two_places():
+  """One path per name: an object's home (its module, or the package of an
+  internal ``_module``) and, at most, one package above it (``cpjax`` for
+  the core)."""
+  places = export_places()
+  assert places[("cpjax.ring._attention", "ring_attention")] == {"cpjax", "cpjax.ring"}
+  assert places[("cpjax.parallel", "make_mesh")] == {"cpjax", "cpjax.parallel"}
+  many = {key: sorted(where) for key, where in places.items() if len(where) > 2}
+  assert many == {}

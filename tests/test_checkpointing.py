@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from cpjax.training.checkpointing import TrainCheckpointer, check_run_matches
-from cpjax.training.train_job import TrainJob, run_train_job
+from cpjax.training.run_config import RunConfig, with_values
+from cpjax.training.trainer import run_train_job
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "tiny_corpus.array_record")
 QUIET = {"log": lambda *_: None}
@@ -21,14 +22,15 @@ MODEL = "tiny-bidirectional"   # the smallest real-architecture preset: quick to
 
 @pytest.mark.parametrize("data", [None, CORPUS], ids=["synthetic", "corpus"])
 def test_resume_continues_with_bit_identical_losses(tmp_path, data):
-  job = TrainJob(seq_len=64, cp=2, steps=6, batch_size=2, parity_check=False, data=data,
-                 model=MODEL)
-  whole = run_train_job(TrainJob(**{**job.__dict__, "state_dir": str(tmp_path / "a"),
-                                    "save_every": 3}), **QUIET)
-  first = run_train_job(TrainJob(**{**job.__dict__, "steps": 3,
-                                    "state_dir": str(tmp_path / "b")}), **QUIET)
-  second = run_train_job(TrainJob(**{**job.__dict__, "state_dir": str(tmp_path / "b"),
-                                     "resume": True}), **QUIET)
+  job = with_values(RunConfig(), {"dataset.seq_len": 64, "parallel.cp": 2, "optimizer.steps": 6,
+                                  "dataset.batch_size": 2, "parity_check": False, "dataset.path": data,
+                                  "model": MODEL})
+  whole = run_train_job(with_values(job, {"checkpointing.state_dir": str(tmp_path / "a"),
+                                          "checkpointing.save_every": 3}), **QUIET)
+  first = run_train_job(with_values(job, {"optimizer.steps": 3,
+                                          "checkpointing.state_dir": str(tmp_path / "b")}), **QUIET)
+  second = run_train_job(with_values(job, {"checkpointing.state_dir": str(tmp_path / "b"),
+                                           "checkpointing.resume": True}), **QUIET)
   assert second["first_step"] == 3
   assert first["losses"] == whole["losses"][:3]
   assert second["losses"] == whole["losses"][3:]        # bit for bit: floats compared exactly
@@ -40,31 +42,39 @@ def test_resume_onto_another_mesh_gives_the_same_next_loss(tmp_path):
   uninterrupted run's (to float32 reduction order: the meshes sum differently)."""
   import shutil
 
-  job = TrainJob(seq_len=64, steps=2, batch_size=4, parity_check=False, model=MODEL,
-                 mesh="fsdp=4,cp=2", state_dir=str(tmp_path), save_every=1)
+  job = with_values(RunConfig(), {"dataset.seq_len": 64, "optimizer.steps": 2, "dataset.batch_size": 4,
+                                  "parity_check": False, "model": MODEL,
+                                  "parallel.mesh": "fsdp=4,cp=2",
+                                  "checkpointing.state_dir": str(tmp_path),
+                                  "checkpointing.save_every": 1})
   whole = run_train_job(job, **QUIET)
   shutil.rmtree(tmp_path / "2")           # as if the run had died after step 1
-  resumed = run_train_job(TrainJob(**{**job.__dict__, "mesh": "fsdp=2,cp=4", "resume": True}),
+  resumed = run_train_job(with_values(job, {"parallel.mesh": "fsdp=2,cp=4",
+                                            "checkpointing.resume": True}),
                           **QUIET)
   assert resumed["first_step"] == 1
   np.testing.assert_allclose(resumed["losses"], whole["losses"][1:], rtol=1e-6)
 
 
 def test_resume_refuses_a_changed_run(tmp_path):
-  job = TrainJob(seq_len=64, cp=2, steps=2, batch_size=2, parity_check=False,
-                 state_dir=str(tmp_path), model=MODEL)
+  job = with_values(RunConfig(), {"dataset.seq_len": 64, "parallel.cp": 2, "optimizer.steps": 2,
+                                  "dataset.batch_size": 2, "parity_check": False,
+                                  "checkpointing.state_dir": str(tmp_path), "model": MODEL})
   run_train_job(job, **QUIET)
   with pytest.raises(ValueError, match=r"saved with seq_len=64, this run has seq_len=96"):
-    run_train_job(TrainJob(**{**job.__dict__, "seq_len": 96, "steps": 4, "resume": True}),
+    run_train_job(with_values(job, {"dataset.seq_len": 96, "optimizer.steps": 4,
+                                    "checkpointing.resume": True}),
                   **QUIET)
   with pytest.raises(ValueError, match=r"saved with batch_size=2, this run has batch_size=4"):
-    run_train_job(TrainJob(**{**job.__dict__, "batch_size": 4, "steps": 4, "resume": True}),
+    run_train_job(with_values(job, {"dataset.batch_size": 4, "optimizer.steps": 4,
+                                    "checkpointing.resume": True}),
                   **QUIET)
   with pytest.raises(ValueError, match="already holds a checkpoint"):
     run_train_job(job, **QUIET)
   # --force-resume takes the changed length and goes on from step 2.
-  forced = run_train_job(TrainJob(**{**job.__dict__, "seq_len": 96, "steps": 3, "resume": True,
-                                     "force_resume": True}), **QUIET)
+  forced = run_train_job(with_values(job, {"dataset.seq_len": 96, "optimizer.steps": 3,
+                                           "checkpointing.resume": True,
+                                           "checkpointing.force_resume": True}), **QUIET)
   assert forced["first_step"] == 2 and len(forced["losses"]) == 1
   with pytest.raises(ValueError, match="different model config"):
     check_run_matches({"model_config": {"a": 1}}, {"model_config": {"a": 2}}, force=True)
@@ -123,25 +133,26 @@ def test_a_process_killed_while_saving_leaves_the_last_checkpoint_intact(tmp_pat
 
 
 @pytest.mark.parametrize("change,message,forced", [
-    ({"seq_len": 128}, "saved with seq_len=64, this run has seq_len=128", False),
-    ({"batch_size": 4}, "saved with batch_size=2, this run has batch_size=4", False),
-    ({"microbatches": 2}, "saved with microbatches=1, this run has microbatches=2", False),
+    ({"dataset.seq_len": 128}, "saved with seq_len=64, this run has seq_len=128", False),
+    ({"dataset.batch_size": 4}, "saved with batch_size=2, this run has batch_size=4", False),
+    ({"dataset.microbatches": 2}, "saved with microbatches=1, this run has microbatches=2", False),
     ({"model": "tiny-moe"}, "saved by a different model config", True),
-    ({"lora_rank": 8}, "trained LoRA rank=4, .* this run trains LoRA rank=8", True),
-    ({"lora_alpha": 4.0}, "alpha=16.0, .* this run trains .*alpha=4.0", True),
-    ({"lora_targets": "q_proj"}, "this run trains .*targets=q_proj", True),
-    ({"base_dtype": "bfloat16"}, "base_dtype=float32, this run .*base_dtype=bfloat16", True),
-    ({"lora_rank": None}, "trained LoRA rank=4.* this run trains every weight", True)])
+    ({"lora.rank": 8}, "trained LoRA rank=4, .* this run trains LoRA rank=8", True),
+    ({"lora.alpha": 4.0}, "alpha=16.0, .* this run trains .*alpha=4.0", True),
+    ({"lora.targets": "q_proj"}, "this run trains .*targets=q_proj", True),
+    ({"lora.base_dtype": "bfloat16"}, "base_dtype=float32, this run .*base_dtype=bfloat16", True),
+    ({"lora.rank": None}, "trained LoRA rank=4.* this run trains every weight", True)])
 def test_every_setting_resume_compares_refuses_a_change(change, message, forced):
   """Each setting of the run's identity, changed on resume, is refused with
   a message naming it; --force-resume lets the shape settings through (the
   data stream continues with them) but never another model or another
   trained set of parameters."""
   from cpjax.models import gemma4
-  from cpjax.training.job_phases import run_identity
+  from cpjax.training.trainer import run_identity
 
-  saved_job = TrainJob(seq_len=64, batch_size=2, lora_rank=4, lora_alpha=16.0)
-  now = TrainJob(**{**saved_job.__dict__, **change})
+  saved_job = with_values(RunConfig(model="tiny"), {"dataset.seq_len": 64, "dataset.batch_size": 2,
+                                                    "lora.rank": 4, "lora.alpha": 16.0})
+  now = with_values(saved_job, change)
   identity = lambda job: run_identity(job, gemma4.Gemma4Config.preset(job.model))
   check_run_matches(identity(saved_job), identity(saved_job))
   with pytest.raises(ValueError, match=message):

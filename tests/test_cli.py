@@ -98,13 +98,13 @@ def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
 
 def test_errors_during_training_are_crashes_not_usage_errors(monkeypatch):
   """A ValueError raised by the job propagates (traceback, exit status 1)."""
-  import cpjax.training.train_job
+  import cpjax.training.trainer
 
   def broken(job):
     raise ValueError("something inside the step")
 
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  monkeypatch.setattr(cpjax.training.train_job, "run_train_job", broken)
+  monkeypatch.setattr(cpjax.training.trainer, "run_train_job", broken)
   with pytest.raises(ValueError, match="something inside the step"):
     cli.main(["train", "--cp", "2", "--seq-len", "64"])
 
@@ -118,11 +118,11 @@ def train_help(capsys) -> str:
 
 def test_skip_memory_check_starts_the_job(monkeypatch):
   """With --skip-memory-check the e2b run that is otherwise refused reaches the job."""
-  import cpjax.training.train_job
+  import cpjax.training.trainer
 
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   started = []
-  monkeypatch.setattr(cpjax.training.train_job, "run_train_job", lambda job, **kw: started.append(job))
+  monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda job, **kw: started.append(job))
   assert cli.main(["train", "--model", "e2b", "--skip-memory-check"]) == 0
   assert started and started[0].model == "e2b"
 
@@ -190,7 +190,8 @@ def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
   import os
 
   from cpjax.models import gemma4
-  from cpjax.training.train_job import TrainJob, run_train_job
+  from cpjax.training.run_config import RunConfig, with_values
+  from cpjax.training.trainer import run_train_job
 
   here = os.path.dirname(__file__)
   corpus = os.path.join(here, "data", "tiny_corpus.array_record")
@@ -198,8 +199,9 @@ def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
   # a crash (exit status 1 from the command), found before any compute.
   with pytest.raises(ValueError, match=r"holds token id 5\d\d, outside the model's vocabulary "
                                        r"of 256"):
-    run_train_job(TrainJob(checkpoint=os.path.join(here, "fixtures", "gemma4", "ple_kv_sharing"),
-                           data=corpus, seq_len=64, steps=2, cp=2), log=lambda *a: None)
+    run_train_job(with_values(RunConfig(), {"checkpoint": os.path.join(here, "fixtures", "gemma4", "ple_kv_sharing"),
+                                            "dataset.path": corpus, "dataset.seq_len": 64,
+                                            "optimizer.steps": 2, "parallel.cp": 2}), log=lambda *a: None)
   proc = _run("train", "--model", "tiny", "--data", corpus, "--remat",
               "--save", str(tmp_path / "out"), "--seq-len", "64", "--steps", "2", "--cp", "2",
               "--dtype", "bfloat16")

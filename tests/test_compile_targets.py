@@ -8,7 +8,7 @@ Gemma 4's head dims (256 and 512), GQA groups 1 to 8, bfloat16 and float32,
 the three layouts and the window-shortened ring, forward and backward; and
 Gemma 4's training step on meshes whose fsdp and tp axes XLA partitions
 (the kernels must sit in a ``shard_map`` manual over them,
-:func:`cpjax.kernels.common.manual_over_mesh`). Skipped without
+:func:`cpjax.ring.kernels._common.manual_over_mesh`). Skipped without
 ``pip install 'cpjax[tpu]'`` / ``'cpjax[cuda]'``.
 """
 
@@ -111,8 +111,8 @@ def test_the_tpu_kernels_compile_at_a_million_tokens_on_8_ranks():
   """131072 tokens a rank at head dim 512, 8 query heads on one KV head: each
   hop's tile table (4 MiB of int32 in one call) is more than a v5e core's
   1 MiB of SMEM, so the kernels run as pieces of it
-  (:data:`cpjax.kernels.tpu.TABLE_WORDS`) and Mosaic compiles every one."""
-  from cpjax.kernels import tpu
+  (:data:`cpjax.ring.kernels._tpu.TABLE_WORDS`) and Mosaic compiles every one."""
+  from cpjax.ring.kernels import _tpu as tpu
 
   compiled = compiled_ring("v5e-8", "causal", "load_balanced", 512, 8, 1, jnp.bfloat16,
                            seq_len=1 << 20)
@@ -206,12 +206,12 @@ F32_SPILLS = {256: {"cpjax_ring_dkdv": (212, 232)},
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
 def test_the_gpu_kernels_fit_the_registers(monkeypatch, d, dtype, grouped):
   """ptxas -v on the ring's Triton kernels for sm_90a (8 query heads on one
-  K/V head): the default tiles (cpjax.kernels.TARGETS) spill no register,
+  K/V head): the default tiles (cpjax.ring.kernels.TARGETS) spill no register,
   also where the schedule groups tiles into blocks (a loop more a kernel)."""
   import dataclasses
 
-  from cpjax.kernels import ptxas
-  from cpjax.kernels import targets as kernel_targets
+  from cpjax.ring.kernels import _targets as kernel_targets
+  from cpjax.ring.kernels import ptxas
 
   if grouped:
     monkeypatch.setitem(kernel_targets.TARGETS, "pallas_gpu", dataclasses.replace(

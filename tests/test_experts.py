@@ -186,10 +186,12 @@ def single_device():
   return jax.device_get(new), jax.device_get(metrics)
 
 
+# CI folds ep onto cp (beside fsdp), onto fsdp (beside cp), onto both, and
+# accumulates; ep alone on one axis runs in `make soak`.
 @pytest.mark.parametrize("shape,ep,layout,microbatches", [
-    (dict(cp=2), 2, "contiguous", 1),                 # ep alone, on cp
-    (dict(fsdp=4), 4, "contiguous", 1),               # ep alone, on the batch axis
-    (dict(cp=4), 4, "load_balanced", 1),              # with cp, load-balanced
+    pytest.param(dict(cp=2), 2, "contiguous", 1, marks=pytest.mark.slow),    # ep alone, on cp
+    pytest.param(dict(fsdp=4), 4, "contiguous", 1, marks=pytest.mark.slow),  # on the batch axis
+    pytest.param(dict(cp=4), 4, "load_balanced", 1, marks=pytest.mark.slow),  # cp, load-balanced
     (dict(fsdp=2, cp=2), 4, "contiguous", 1),         # with fsdp and cp
     (dict(fsdp=2, cp=2), 2, "load_balanced", 1),      # on cp; fsdp shards each group's experts
     (dict(cp=2), 2, "load_balanced", 2),              # accumulated over 2 microbatches

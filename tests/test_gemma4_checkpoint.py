@@ -217,7 +217,8 @@ def test_fine_tune_a_checkpoint_on_chat_jsonl_with_images(tmp_path):
   from PIL import Image
 
   from cpjax.data.tokenizer import CheckpointTokenizer
-  from cpjax.training.train_job import TrainJob, run_train_job
+  from cpjax.training.run_config import RunConfig, with_values
+  from cpjax.training.trainer import run_train_job
   from tests.data.make_chat_example import SPECIAL_TOKENS, gemma_style_tokenizer
 
   markers = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
@@ -248,15 +249,17 @@ def test_fine_tune_a_checkpoint_on_chat_jsonl_with_images(tmp_path):
   batch = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=4, seq_len=256)
   text = batch["input_ids"][(batch["mm_token_type_ids"] == 0) & (batch["attention_mask"] == 1)]
   assert not np.isin(text, cfg.special_token_ids).any()
-  job = TrainJob(checkpoint=str(tmp_path), data=str(tmp_path / "chat.jsonl"), seq_len=128, cp=2,
-                 steps=2, batch_size=2, parity_check=False,
-                 eval_data=str(tmp_path / "chat.jsonl"), eval_rows=3)
-  summary = run_train_job(dataclasses.replace(job, eval_data=None), log=lambda *a: None)
+  job = with_values(RunConfig(), {"checkpoint": str(tmp_path),
+                                  "dataset.path": str(tmp_path / "chat.jsonl"), "dataset.seq_len": 128,
+                                  "parallel.cp": 2, "optimizer.steps": 2, "dataset.batch_size": 2,
+                                  "parity_check": False,
+                                  "eval.data": str(tmp_path / "chat.jsonl"), "eval.rows": 3})
+  summary = run_train_job(with_values(job, {"eval.data": None}), log=lambda *a: None)
   assert len(summary["losses"]) == 2 and np.isfinite(summary["losses"]).all()
   # The validation rows: 3 rows and an empty one, whose image slots are all
   # padding; every row's placeholders are its slots' soft tokens.
   from cpjax.models.gemma4.vision import soft_token_counts
-  from cpjax.training.job_hooks import eval_rows
+  from cpjax.training.trainer import eval_rows
 
   trainer = type("T", (), {"rows": 2, "cfg": cfg})()
   rows = eval_rows(job, trainer, lambda *a: None)

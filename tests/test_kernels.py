@@ -19,8 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cpjax
-from cpjax.kernels import common, resolve_implementation
 from cpjax.masks import BlockMap
+from cpjax.ring.kernels import _common as common
+from cpjax.ring.kernels import resolve_implementation
 from tests import attention_harness as H
 from tests.helpers import cp_mesh
 
@@ -81,7 +82,7 @@ def test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block(monkeypatch, ca
   room for 4 blocks, 8 x 8 tiles of 16 tokens go as 2 x 2 blocks of 4 x 4
   tiles): values and gradients are still the dense reference's, padded rows
   and windows cutting through a block included."""
-  from cpjax.kernels import targets
+  from cpjax.ring.kernels import _targets as targets
 
   monkeypatch.setitem(targets.TARGETS, "pallas_gpu",
                       dataclasses.replace(targets.TARGETS["pallas_gpu"], schedule_tiles=4))
@@ -135,7 +136,7 @@ def test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces(monkeypatch):
   pieces of the row blocks (forward, dq) and key blocks (dk/dv), each with its
   piece of the table: with room for 4 words, every call here walks a single
   tile list, and values and gradients are still the dense reference's."""
-  from cpjax.kernels import tpu
+  from cpjax.ring.kernels import _tpu as tpu
 
   monkeypatch.setattr(tpu, "TABLE_WORDS", 4)
   assert tpu._pieces(1, 4, 4) == [slice(i, i + 1) for i in range(4)]
@@ -365,7 +366,7 @@ def test_default_implementation_follows_the_backend(monkeypatch):
 
 def test_default_tiles_come_from_the_target_record():
   """Gemma 4's head dims: the record's tile, cut to divide the chunk."""
-  from cpjax.ring_schedule import _block_sizes
+  from cpjax.ring._schedule import _block_sizes
   lay = cpjax.ShardLayout(32768, 32768, 8, "load_balanced")      # chunks of 2048 tokens
   assert _block_sizes(lay, "pallas_tpu", 256, 2, None, None) == (256, 512)
   assert _block_sizes(lay, "pallas_gpu", 512, 1, None, None) == (16, 16)

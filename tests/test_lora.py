@@ -5,6 +5,7 @@ fsdp x cp x tp and expert-parallel meshes."""
 
 import functools
 import os
+import re
 
 import chex
 import jax
@@ -36,7 +37,7 @@ def randomize_adapters(model, seed=0, scale=0.05):
 def adapted(remat="none", name=NAME):
   model, batch = training_batch(name)
   model = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name), remat=remat)
-  model = lora.apply_lora(model, rank=RANK, alpha=ALPHA)
+  model = lora.apply_lora(model, lora.LoraConfig(rank=RANK, alpha=ALPHA))
   randomize_adapters(model)
   return model, gemma4.prepare_batch(batch, model.cfg)
 
@@ -84,7 +85,7 @@ def test_fresh_adapters_leave_the_logits_exactly_unchanged(name):
   model, batch = training_batch(name)
   base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name))
   batch = gemma4.prepare_batch(batch, base.cfg)
-  fresh = lora.apply_lora(base, rank=RANK, alpha=ALPHA)
+  fresh = lora.apply_lora(base, lora.LoraConfig(rank=RANK, alpha=ALPHA))
   a = fresh.model.language_model.layers[1].mlp.up_proj.weight_lora_a[...]
   assert float(jnp.abs(a).max()) > 0 and a.dtype == jnp.float32   # A is random, B zero
   chex.assert_trees_all_equal(fresh(batch), base(batch))
@@ -93,7 +94,7 @@ def test_fresh_adapters_leave_the_logits_exactly_unchanged(name):
 def dense_reference(model, batch, name=NAME):
   """Loss and {module: (dA, dB)} of the plain base model (no qwix) whose
   targeted weights are ``W + scale * (A B).T``."""
-  scale = model.lora_settings.scale
+  scale = model.lora_config.scale
   plain = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name))
   graphdef, params, buffers = nnx.split(plain, nnx.Param, ...)
   pairs = {p: (m.weight_lora_a[...], m.weight_lora_b[...])
@@ -154,13 +155,13 @@ def test_adapter_gradients_with_the_mlp_in_tiles(monkeypatch):
   assert_grads_close(got, ref_grads)
 
 
-# Both layouts in CI (load_balanced on the 3-axis mesh); cp alone
-# load-balanced in `make soak`. The MoE: experts split over cp (ep=4,
-# load-balanced), over fsdp x cp (ep=4, contiguous), and (`make soak`)
-# replicated beside tp.
+# Both layouts in CI (load_balanced on the 3-axis mesh, contiguous on the
+# MoE's fsdp x cp); the dense model on cp alone in `make soak`. The MoE:
+# experts split over cp (ep=4, load-balanced), over fsdp x cp (ep=4,
+# contiguous), and (`make soak`) replicated beside tp.
 @pytest.mark.parametrize("name,mesh_sizes,layout", [
     pytest.param(NAME, {"cp": 4}, "load_balanced", marks=pytest.mark.slow),
-    (NAME, {"cp": 4}, "contiguous"),
+    pytest.param(NAME, {"cp": 4}, "contiguous", marks=pytest.mark.slow),
     (NAME, {"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced"),
     (MOE, {"cp": 4, "ep": 4}, "load_balanced"),
     (MOE, {"fsdp": 2, "cp": 2, "ep": 4}, "contiguous"),
@@ -199,8 +200,9 @@ def test_adapters_made_on_a_mesh_equal_those_made_on_one_device():
   path = os.path.join(FIXTURES, MOE)
   base = gemma4.Gemma4.from_pretrained(path, mesh=mesh)
   placed = {k: v.get_value().sharding for k, v in checkpoint_keys(base).items()}
-  on_mesh = lora.apply_lora(base, rank=RANK, alpha=ALPHA)
-  one = lora.apply_lora(gemma4.Gemma4.from_pretrained(path), rank=RANK, alpha=ALPHA)
+  on_mesh = lora.apply_lora(base, lora.LoraConfig(rank=RANK, alpha=ALPHA))
+  one = lora.apply_lora(gemma4.Gemma4.from_pretrained(path),
+                        lora.LoraConfig(rank=RANK, alpha=ALPHA))
   assert {k: v.get_value().sharding for k, v in checkpoint_keys(base).items()} == placed
   for key, var in checkpoint_keys(on_mesh).items():
     if key in placed:
@@ -231,7 +233,7 @@ def test_bfloat16_base_keeps_the_activation_dtype():
   import jax.numpy as jnp
 
   base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, NAME), dtype=jnp.bfloat16)
-  model = lora.apply_lora(base, rank=RANK)
+  model = lora.apply_lora(base, lora.LoraConfig(rank=RANK))
   randomize_adapters(model)
   proj = model.model.language_model.layers[0].self_attn.q_proj
   assert proj.weight[...].dtype == jnp.bfloat16 and proj.weight_lora_a[...].dtype == jnp.float32
@@ -255,7 +257,8 @@ def test_merged_model_equals_the_adapted_model_for_every_option(alpha, rslora, t
 
   _, batch = adapted()
   base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, NAME))
-  model = lora.apply_lora(base, rank=RANK, alpha=alpha, use_rslora=rslora, targets=targets)
+  config = lora.LoraConfig(rank=RANK, alpha=alpha, use_rslora=rslora, targets=targets)
+  model = lora.apply_lora(base, config)
   randomize_adapters(model, scale=0.2)
   merged = lora.merge_lora(model)
   assert type(merged) is gemma4.Gemma4 and not lora.adapted_modules(merged)
@@ -266,3 +269,32 @@ def test_merged_model_equals_the_adapted_model_for_every_option(alpha, rslora, t
   moved = {k for k, v in checkpoint_keys(merged).items()
            if not jnp.array_equal(v.get_value(), checkpoint_keys(base)[k].get_value())}
   assert moved == {p + ".weight" for p in lora.adapted_modules(model)}
+
+
+@pytest.mark.parametrize("config, error, message", [
+    ({"rank": 4}, TypeError, "apply_lora's config must be a LoraConfig"),
+    (lora.LoraConfig(), ValueError, "LoRA rank must be an integer >= 1, got None"),
+    (lora.LoraConfig(rank=0), ValueError, "LoRA rank must be an integer >= 1, got 0"),
+    (lora.LoraConfig(rank=2, alpha=float("nan")), ValueError,
+     "LoRA alpha must be a positive number, got nan"),
+    (lora.LoraConfig(rank=2, targets="(q"), ValueError, "is not a regular expression"),
+    (lora.LoraConfig(rank=2, targets=("q_proj", "")), TypeError,
+     "LoRA targets must be a regex string or a non-empty tuple of module names"),
+])
+def test_a_bad_lora_config_is_refused_before_the_model_runs(config, error, message):
+  """apply_lora checks its one config (the run config's lora section, the
+  same class) before qwix runs the model."""
+  base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, NAME))
+  with pytest.raises(error, match=re.escape(message)):
+    lora.apply_lora(base, config)
+
+
+def test_peft_list_targets_become_a_tuple():
+  """PEFT's target_modules may be a JSON list; the config keeps it as a
+  (hashable) tuple of names, matched as PEFT matches them."""
+  config = lora.LoraConfig(rank=2, targets=["q_proj", "layers.1.mlp.down_proj"])
+  assert config.targets == ("q_proj", "layers.1.mlp.down_proj")
+  assert config.matches("model.language_model.layers.0.self_attn.q_proj")
+  assert config.matches("model.language_model.layers.1.mlp.down_proj")
+  assert not config.matches("model.language_model.layers.0.self_attn.k_proj")
+  assert not config.matches("model.language_model.layers.0.self_attn.xq_proj")

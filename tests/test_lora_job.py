@@ -12,30 +12,35 @@ import safetensors.numpy
 
 from cpjax import cli
 from cpjax.training import lora
-from cpjax.training.train_job import JobError, TrainJob, run_train_job
+from cpjax.training.run_config import JobError, RunConfig, with_values
+from cpjax.training.trainer import run_train_job
 
 HERE = os.path.dirname(__file__)
 BASE = os.path.join(HERE, "fixtures", "gemma4", "ple_kv_sharing")
 QUIET = {"log": lambda *_: None}
-JOB = TrainJob(checkpoint=BASE, seq_len=64, cp=2, steps=4, batch_size=2, parity_check=False,
-               lora_rank=4, lora_alpha=16.0, learning_rate=1e-2)
+JOB = with_values(RunConfig(), {"checkpoint": BASE, "dataset.seq_len": 64, "parallel.cp": 2,
+                                "optimizer.steps": 4, "dataset.batch_size": 2, "parity_check": False,
+                                "lora.rank": 4, "lora.alpha": 16.0, "optimizer.lr": 1e-2})
 
 
 def test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base(tmp_path):
-  whole = run_train_job(TrainJob(**{**JOB.__dict__, "save": str(tmp_path / "adapter"),
-                                    "state_dir": str(tmp_path / "a"), "save_every": 2}), **QUIET)
-  first = run_train_job(TrainJob(**{**JOB.__dict__, "steps": 2,
-                                    "state_dir": str(tmp_path / "b")}), **QUIET)
-  second = run_train_job(TrainJob(**{**JOB.__dict__, "state_dir": str(tmp_path / "b"),
-                                     "resume": True, "save": str(tmp_path / "merged"),
-                                     "merge_lora": True}), **QUIET)
+  whole = run_train_job(with_values(JOB, {"checkpointing.save": str(tmp_path / "adapter"),
+                                          "checkpointing.state_dir": str(tmp_path / "a"),
+                                          "checkpointing.save_every": 2}), **QUIET)
+  first = run_train_job(with_values(JOB, {"optimizer.steps": 2,
+                                          "checkpointing.state_dir": str(tmp_path / "b")}), **QUIET)
+  second = run_train_job(with_values(JOB, {"checkpointing.state_dir": str(tmp_path / "b"),
+                                           "checkpointing.resume": True,
+                                           "checkpointing.save": str(tmp_path / "merged"),
+                                           "lora.merge": True}), **QUIET)
   assert whole["losses"][-1] < whole["losses"][0]
   assert first["losses"] + second["losses"] == whole["losses"]     # bit for bit
   # Another rank's adapters are another run: refused before any array is read.
   with pytest.raises(ValueError, match=r"the checkpoint trained LoRA rank=4, .* this run trains "
                                        r"LoRA rank=8"):
-    run_train_job(TrainJob(**{**JOB.__dict__, "lora_rank": 8, "state_dir": str(tmp_path / "a"),
-                              "resume": True}), **QUIET)
+    run_train_job(with_values(JOB, {"lora.rank": 8,
+                                    "checkpointing.state_dir": str(tmp_path / "a"),
+                                    "checkpointing.resume": True}), **QUIET)
   with open(tmp_path / "adapter" / "adapter_config.json") as f:
     config = json.load(f)
   assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 16.0, BASE)
@@ -61,9 +66,10 @@ def test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base(tm
 
 def test_bfloat16_base_keeps_float32_adapters(tmp_path):
   lines = []
-  run_train_job(TrainJob(**{**JOB.__dict__, "steps": 2, "base_dtype": "bfloat16",
-                            "dtype": "bfloat16", "parity_check": True,
-                            "save": str(tmp_path / "merged"), "merge_lora": True}),
+  run_train_job(with_values(JOB, {"optimizer.steps": 2, "lora.base_dtype": "bfloat16",
+                                  "dtype": "bfloat16", "parity_check": True,
+                                  "checkpointing.save": str(tmp_path / "merged"),
+                                  "lora.merge": True}),
                 log=lines.append)
   assert any("base frozen in bfloat16" in line for line in lines)
   assert any("parity with the single-device model" in line for line in lines)
@@ -74,13 +80,13 @@ def test_bfloat16_base_keeps_float32_adapters(tmp_path):
 
 def test_targets_that_match_nothing_or_no_projection_are_job_errors():
   with pytest.raises(JobError, match=r"LoRA: LoRA targets 'nothing' match no module"):
-    run_train_job(TrainJob(**{**JOB.__dict__, "lora_targets": "nothing"}), **QUIET)
+    run_train_job(with_values(JOB, {"lora.targets": "nothing"}), **QUIET)
   # The clipped vision linears' wrapper holds no weight (its .linear does).
   with pytest.raises(JobError, match=r"cannot carry adapters .*vision_tower"):
-    run_train_job(TrainJob(**{**JOB.__dict__, "lora_targets": r".*vision_tower.*\.q_proj"}),
+    run_train_job(with_values(JOB, {"lora.targets": r".*vision_tower.*\.q_proj"}),
                   **QUIET)
   with pytest.raises(JobError, match=r"lora\.alpha, lora\.base_dtype needs lora\.rank"):
-    run_train_job(TrainJob(**{**JOB.__dict__, "lora_rank": None, "base_dtype": "bfloat16"}),
+    run_train_job(with_values(JOB, {"lora.rank": None, "lora.base_dtype": "bfloat16"}),
                   **QUIET)
 
 
@@ -102,7 +108,7 @@ def test_lora_flag_errors_exit_two(args, message, capsys):
 def test_save_pretrained_refuses_adapters(tmp_path):
   from cpjax.models import gemma4
 
-  model = lora.apply_lora(gemma4.Gemma4.from_pretrained(BASE), rank=2)
+  model = lora.apply_lora(gemma4.Gemma4.from_pretrained(BASE), lora.LoraConfig(rank=2))
   with pytest.raises(ValueError, match=r"has LoRA adapters .*cpjax\.training\.lora\.merge_lora"):
     model.save_pretrained(tmp_path)
 
@@ -114,13 +120,15 @@ def test_lora_on_an_moe_checkpoint_with_ep_accumulation_remat_and_resume(tmp_pat
   single-device LoRA step passes inside the run; it resumes from its state
   and the saved adapter leaves the experts out (they stay frozen). (Resume
   bit for bit: the dense test above; it does not depend on the model.)"""
-  job = TrainJob(checkpoint=hf_checkpoint("moe"), seq_len=64, mesh="fsdp=2,cp=2,ep=2", steps=1,
-                 batch_size=4, microbatches=2, remat="full", lora_rank=4, lora_alpha=16.0,
-                 learning_rate=1e-2, state_dir=str(tmp_path / "a"))
+  job = with_values(RunConfig(), {"checkpoint": hf_checkpoint("moe"), "dataset.seq_len": 64,
+                                  "parallel.mesh": "fsdp=2,cp=2,ep=2", "optimizer.steps": 1,
+                                  "dataset.batch_size": 4, "dataset.microbatches": 2, "remat": "full",
+                                  "lora.rank": 4, "lora.alpha": 16.0, "optimizer.lr": 1e-2,
+                                  "checkpointing.state_dir": str(tmp_path / "a")})
   first = run_train_job(job, **QUIET)
   assert first["parity"]["rel_loss"] <= 1e-4 and first["parity"]["rel_grad_norm"] <= 1e-4
-  second = run_train_job(TrainJob(**{**job.__dict__, "steps": 2, "resume": True,
-                                     "save": str(tmp_path / "adapter")}), **QUIET)
+  second = run_train_job(with_values(job, {"optimizer.steps": 2, "checkpointing.resume": True,
+                                           "checkpointing.save": str(tmp_path / "adapter")}), **QUIET)
   assert second["first_step"] == 1 and len(second["losses"]) == 1
   factors = safetensors.numpy.load_file(tmp_path / "adapter" / "adapter_model.safetensors")
   assert factors and not any("experts" in k for k in factors)

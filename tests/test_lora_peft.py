@@ -58,7 +58,7 @@ def hf_logits(adapter, inputs):
 def test_peft_loads_what_cpjax_saves_and_merging_equals_it(tmp_path):
   inputs = fixtures_module().batch("images", 7)
   base = gemma4.Gemma4.from_pretrained(BASE)
-  model = lora.apply_lora(base, rank=4, alpha=16.0)
+  model = lora.apply_lora(base, lora.LoraConfig(rank=4, alpha=16.0))
   randomize_adapters(model, seed=3, scale=0.1)
   files = lora.save_adapter(model, tmp_path / "adapter", base_model_name_or_path=BASE)
   assert [os.path.basename(f) for f in files] == ["adapter_config.json",

@@ -45,7 +45,7 @@ def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsy
   import struct
 
   from cpjax import cli
-  from cpjax.training.train_job import TrainJob, learning_rate_schedule
+  from cpjax.training.run_config import OptimizerConfig
 
   section = README.read_text().split("### Your own data\n", 1)[1].split("\n## ", 1)[0]
   commands = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip().splitlines()
@@ -77,8 +77,7 @@ def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsy
   lines = [json.loads(x) for x in (tmp_path / "chat-metrics.jsonl").read_text().splitlines()]
   assert [x["step"] for x in lines] == [1, 2, 3, 4]
   assert ["eval_loss" in x for x in lines] == [False, True, False, True]
-  schedule = learning_rate_schedule(TrainJob(learning_rate=3e-3, steps=4, warmup_steps=1,
-                                             lr_schedule="cosine"))
+  schedule = OptimizerConfig(lr=3e-3, steps=4, warmup_steps=1, schedule="cosine").lr_schedule()
   np.testing.assert_allclose([x["learning_rate"] for x in lines],
                              [float(schedule(i)) for i in range(4)], rtol=1e-6)
   assert all(x["tokens"] <= 2 * 256 and x["target_tokens"] < x["tokens"] for x in lines)
@@ -105,14 +104,15 @@ def _eval_loss_is_the_saved_models(tmp_path, base, eval_loss):
 
   from cpjax import training
   from cpjax.models import gemma4
-  from cpjax.training.job_hooks import eval_rows
-  from cpjax.training.train_job import TrainJob
+  from cpjax.training.run_config import RunConfig, with_values
+  from cpjax.training.trainer import eval_rows
 
   saved = gemma4.Gemma4.from_pretrained(tmp_path / "saved")     # one device, as a user loads it
   for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja"):     # what the checkpoint had besides its weights
     assert (tmp_path / "saved" / name).read_bytes() == (Path(base) / name).read_bytes(), name
-  job = TrainJob(checkpoint=base, seq_len=256, eval_data="cpjax/examples/chat/eval.jsonl")
+  job = with_values(RunConfig(), {"checkpoint": base, "dataset.seq_len": 256,
+                                  "eval.data": "cpjax/examples/chat/eval.jsonl"})
   rows = eval_rows(job, type("T", (), {"rows": 2, "cfg": saved.cfg})(), lambda *_: None)
   graphdef, params, rest = nnx.split(saved, nnx.Param, ...)
   single = jax.jit(training.make_loss_fn(graphdef, frozen=rest))

@@ -1,4 +1,4 @@
-"""Run configs: the nested settings, YAML files with dotted overrides, the older
+"""Run configs: the nested settings, YAML files with dotted overrides, the short
 flags as aliases, run.yaml written with every run, and the shipped recipes."""
 
 import json
@@ -10,12 +10,10 @@ from cpjax import cli, recipes
 from cpjax.cli.parser import train_parser
 from cpjax.training import plan, targets
 from cpjax.training.run_config import (
-  DataConfig,
+  DatasetConfig,
   JobError,
   OptimizerConfig,
   RunConfig,
-  TrainJob,
-  as_run_config,
   check,
   devices_needed,
   settings,
@@ -76,12 +74,12 @@ def test_each_published_size_recipe_fits_its_device(name):
     assert note in f.read().splitlines(), note
 
 
-def test_overrides_beat_the_file_and_older_flags_beat_both(tmp_path):
+def test_overrides_beat_the_file_and_short_flags_beat_both(tmp_path):
   path = tmp_path / "run.yaml"
   path.write_text("optimizer:\n  lr: 0.5\n  steps: 7\ndataset:\n  seq_len: 96\n")
   assert parse("--config", str(path)).optimizer == OptimizerConfig(lr=0.5, steps=7)
   assert parse("--config", str(path), "--optimizer.lr", "0.25").optimizer.lr == 0.25
-  # An older flag beats both.
+  # A short flag beats both.
   run = parse("--lr", "0.125", "--config", str(path), "--optimizer.lr", "0.25")
   assert run.optimizer.lr == 0.125 and run.dataset.seq_len == 96 and run.optimizer.steps == 7
 
@@ -89,13 +87,13 @@ def test_overrides_beat_the_file_and_older_flags_beat_both(tmp_path):
 def test_cpjax_train_reads_files_first_so_every_key_beats_them(monkeypatch, tmp_path):
   """On `cpjax train`'s command line a key beats every file, wherever it
   stands (files apply first, in their order)."""
-  import cpjax.training.train_job
+  import cpjax.training.trainer
 
   path = tmp_path / "run.yaml"
   path.write_text("optimizer:\n  lr: 0.5\n")
   started = []
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  monkeypatch.setattr(cpjax.training.train_job, "run_train_job", lambda run, **k: started.append(run))
+  monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda run, **k: started.append(run))
   for argv in (["--optimizer.lr", "0.25", "--recipe", "tiny", "--config", str(path)],
                ["--recipe=tiny", "--optimizer.lr=0.25", f"--config={path}"]):
     assert cli.main(["train", *argv, "--skip-memory-check", "--seq-len", "64"]) == 0
@@ -105,7 +103,7 @@ def test_cpjax_train_reads_files_first_so_every_key_beats_them(monkeypatch, tmp_
   assert started[-1].optimizer.lr == 0.003 and started[-1].optimizer.steps == 3   # the recipe's, read last
 
 
-# A value for each older flag, and what it sets (its dotted key's value).
+# A value for each short flag, and what it sets (its dotted key's value).
 ALIAS_VALUES = {"--data": "x.jsonl", "--tokenizer": "tok", "--seq-len": "96", "--batch-size": "4",
                 "--microbatches": "2", "--images-per-row": "3", "--lr": "0.5",
                 "--lr-schedule": "cosine", "--warmup-steps": "3", "--max-grad-norm": "1.5",
@@ -118,7 +116,7 @@ ALIAS_VALUES = {"--data": "x.jsonl", "--tokenizer": "tok", "--seq-len": "96", "-
                 "--state-dir": "s", "--save-every": "2", "--save": "out"}
 
 
-def test_every_older_flag_sets_its_dotted_key():
+def test_every_short_flag_sets_its_dotted_key():
   seen = set()
   for s in settings():
     flag = alias_flag(s)
@@ -174,13 +172,13 @@ def test_the_command_line_replaces_what_a_file_trains_and_its_mesh(monkeypatch):
   """`cpjax train --recipe NAME --checkpoint DIR` trains the checkpoint with
   the recipe's other settings (the file's model gives way), and --cp replaces
   the file's mesh."""
-  import cpjax.training.train_job
+  import cpjax.training.trainer
 
   here = os.path.dirname(__file__)
   ckpt = os.path.join(here, "fixtures", "gemma4", "ple_kv_sharing")
   started = []
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  monkeypatch.setattr(cpjax.training.train_job, "run_train_job", lambda run, **k: started.append(run))
+  monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda run, **k: started.append(run))
   assert cli.main(["train", "--recipe", "e2b-lora-128k", "--checkpoint", ckpt, "--seq-len", "64",
                    "--skip-memory-check"]) == 0
   run = started[0]
@@ -287,21 +285,36 @@ def test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings(tmp_path, c
     assert e.value.code == 2 and message in capsys.readouterr().err, argv
 
 
-def test_python_users_get_dotted_keys_and_trainjob_still_works():
+def test_python_users_get_dotted_keys():
   with pytest.raises(JobError, match=r"^dataset\.microbatches 3 must divide dataset\.batch_size 4$"):
-    check(RunConfig(dataset=DataConfig(batch_size=4, microbatches=3)))
+    check(RunConfig(dataset=DatasetConfig(batch_size=4, microbatches=3)))
   with pytest.raises(JobError, match=r"^optimizer\.schedule must be one of"):
     check(RunConfig(optimizer=OptimizerConfig(schedule="step")))
-  job = TrainJob(seq_len=64, learning_rate=0.1, lora_rank=4, mesh="fsdp=2,cp=4", remat=True)
-  run = as_run_config(job)
+  run = with_values(RunConfig(), {"dataset.seq_len": 64, "optimizer.lr": 0.1, "lora.rank": 4,
+                                  "parallel.mesh": "fsdp=2,cp=4", "remat": "full"})
   assert (run.dataset.seq_len, run.optimizer.lr, run.lora.rank, run.remat) == (64, 0.1, 4, "full")
-  assert run.model == "tiny" and devices_needed(run) == 8
-  assert as_run_config(TrainJob(checkpoint="c")).model is None   # the checkpoint replaces tiny
-  with pytest.raises(TypeError, match="expected a RunConfig or a TrainJob"):
-    as_run_config({"seq_len": 64})
+  assert run.model is None and devices_needed(run) == 8
+  with pytest.raises(KeyError, match=r"unknown run settings \['dataset\.seqlen'\]"):
+    with_values(run, {"dataset.seqlen": 64})
   assert to_yaml(run).count("\n") > len(settings())   # every value written
   forced = with_values(run, {"checkpointing.resume": True, "checkpointing.force_resume": True})
   assert "  resume: false\n  force_resume: false\n" in to_yaml(forced)
+
+
+def test_lora_targets_may_be_module_names_in_yaml(tmp_path):
+  """lora.targets is PEFT's target_modules: a regex or a list of module
+  names; a list round-trips through run.yaml as a list, and each entry must
+  be a name."""
+  run = with_values(RunConfig(), {"lora.rank": 4, "lora.targets": ("q_proj", "v_proj")})
+  check(run, files=False)
+  text = to_yaml(run)
+  assert "  targets:\n  - q_proj\n  - v_proj\n" in text
+  assert read_run_config(write_run_config(run, tmp_path)) == run
+  with pytest.raises(JobError, match=r"^lora\.targets must be a regex string or a non-empty "
+                                     r"tuple of module names, got \(\)$"):
+    check(with_values(run, {"lora.targets": ()}), files=False)
+  with pytest.raises(JobError, match=r"^lora\.targets '\(' is not a regular expression"):
+    check(with_values(run, {"lora.targets": "("}), files=False)
 
 
 def test_a_bad_file_read_in_python_is_a_job_error(tmp_path):
@@ -331,13 +344,13 @@ def test_the_readme_python_example_runs(tmp_path, monkeypatch):
   import re
   from pathlib import Path
 
-  import cpjax.training.train_job
+  import cpjax.training.trainer
 
   text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
   section = text.split("### Run configs and recipes\n", 1)[1].split("\n### ", 1)[0]
   code = "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
   started = []     # the job itself is tested above; here, what the example hands it
-  monkeypatch.setattr(cpjax.training.train_job, "run_train_job", lambda run: started.append(run))
+  monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda run: started.append(run))
   monkeypatch.chdir(tmp_path)
   exec(compile(code, "README.md", "exec"), {})  # noqa: S102
   assert started[0].dataset.seq_len == 64 and started[0].parallel.cp == 2

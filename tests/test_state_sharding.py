@@ -65,8 +65,8 @@ def test_cpjax_train_places_the_state_as_shard_state_says(shard_state, lora_rank
   """`cpjax train --shard-state` (parallel.shard_state): the job's trained
   state and its Adam moments, and under LoRA the frozen base, split over cp
   or whole over it; per device, 1/8 of the state or all of it on cp=8."""
-  from cpjax.training.job_phases import build
   from cpjax.training.run_config import LoraConfig, ParallelConfig, RunConfig
+  from cpjax.training.trainer import build
 
   run = RunConfig(model="tiny", parallel=ParallelConfig(cp=8, shard_state=shard_state),
                   lora=LoraConfig(rank=lora_rank), parity_check=False)

@@ -12,9 +12,9 @@ from flax import nnx
 from jax.extend.core import Jaxpr
 from jax.sharding import PartitionSpec as P
 
-from cpjax import parallel, ring_passes
-from cpjax.kernels import common
+from cpjax import parallel
 from cpjax.models.gemma4 import remat, text
+from cpjax.ring import _passes as ring_passes
 from cpjax.training import loss
 from tests import test_parallel as tp
 
@@ -87,8 +87,8 @@ def test_the_mlp_tiles_backward_makes_its_buffers_where_it_runs(monkeypatch):
   def constant_where(weights: bool):
     def fill(ref, shape, fill=0.0, dtype=jnp.float32):
       if (len(shape) == 2) == weights:          # the weights are [out, in]; tiles [N, B, T, D]
-        return common.vary_like(jnp.full(shape, fill, dtype), ref)
-      return common.filled_after(ref, shape, fill, dtype)
+        return parallel.vary_like(jnp.full(shape, fill, dtype), ref)
+      return parallel.filled_after(ref, shape, fill, dtype)
     return fill
   for weights in (True, False):
     monkeypatch.setattr(remat, "filled_after", constant_where(weights))
@@ -146,10 +146,10 @@ def test_the_step_with_the_mlp_in_tiles_equals_the_single_device_step(
 
 def test_filled_after_is_the_fill_and_follows_its_reference():
   x = jnp.array([np.nan, 1.0])         # NaN in the reference still gives the fill
-  np.testing.assert_array_equal(common.filled_after(x, (2, 3)), np.zeros((2, 3)))
-  np.testing.assert_array_equal(common.filled_after(x, (2,), -np.inf), [-np.inf, -np.inf])
-  assert common.filled_after(x, (1,), dtype=jnp.bfloat16).dtype == jnp.bfloat16
-  np.testing.assert_array_equal(common.filled_after(jnp.zeros((0,)), (2,)), [0.0, 0.0])
+  np.testing.assert_array_equal(parallel.filled_after(x, (2, 3)), np.zeros((2, 3)))
+  np.testing.assert_array_equal(parallel.filled_after(x, (2,), -np.inf), [-np.inf, -np.inf])
+  assert parallel.filled_after(x, (1,), dtype=jnp.bfloat16).dtype == jnp.bfloat16
+  np.testing.assert_array_equal(parallel.filled_after(jnp.zeros((0,)), (2,)), [0.0, 0.0])
 
 
 def test_accumulators_are_made_where_their_loops_run(monkeypatch):
@@ -161,7 +161,7 @@ def test_accumulators_are_made_where_their_loops_run(monkeypatch):
   tied = tp.mesh_step("tiny", {"cp": 8}, remat="full")[2].memory_analysis().temp_size_in_bytes
 
   def constant(ref, shape, fill=0.0, dtype=jnp.float32):
-    return common.vary_like(jnp.full(shape, fill, dtype), ref)
+    return parallel.vary_like(jnp.full(shape, fill, dtype), ref)
   for module in (ring_passes, loss, parallel, remat):
     monkeypatch.setattr(module, "filled_after", constant)
   shared = tp.mesh_step("tiny", {"cp": 8}, remat="full")[2].memory_analysis().temp_size_in_bytes

@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 
 import cpjax
-from cpjax.kernels import common
-
-# cpjax.ring_attention is also the function: import the module's names directly.
-from cpjax.ring_passes import _Config, _kernel_chunk, _tile_schedule, _tokens
+from cpjax.ring._passes import _Config, _kernel_chunk, _tile_schedule, _tokens
+from cpjax.ring.kernels import _common as common
 
 KINDS = ("contiguous", "load_balanced")
 S, B = 128, 2

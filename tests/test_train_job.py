@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from cpjax.training.train_job import TrainJob, learning_rate_schedule, make_optimizer
+from cpjax.training.run_config import OptimizerConfig, RunConfig, with_values
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "cpjax", "examples", "chat")
 QUIET = lambda *_: None  # noqa: E731
@@ -19,8 +19,7 @@ def test_schedules_equal_transformers(kind, warmup):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   steps, lr = 12, 3e-3
-  ours = learning_rate_schedule(TrainJob(learning_rate=lr, steps=steps, warmup_steps=warmup,
-                                         lr_schedule=kind))
+  ours = OptimizerConfig(lr=lr, steps=steps, warmup_steps=warmup, schedule=kind).lr_schedule()
   make = {"constant": transformers.get_constant_schedule_with_warmup,
           "cosine": transformers.get_cosine_schedule_with_warmup,
           "linear": transformers.get_linear_schedule_with_warmup}[kind]
@@ -37,12 +36,13 @@ def test_schedules_equal_transformers(kind, warmup):
 
 
 def test_bad_schedules_are_job_errors():
-  from cpjax.training.train_job import JobError
+  from cpjax.training.run_config import JobError
 
-  with pytest.raises(JobError, match="--warmup-steps 5 must be >= 0, and below --steps 5"):
-    learning_rate_schedule(TrainJob(steps=5, warmup_steps=5, lr_schedule="cosine"))
-  with pytest.raises(JobError, match="lr_schedule must be one of"):
-    learning_rate_schedule(TrainJob(lr_schedule="step"))
+  with pytest.raises(JobError, match="optimizer.warmup_steps 5 must be >= 0, and below "
+                                     "optimizer.steps 5"):
+    OptimizerConfig(steps=5, warmup_steps=5, schedule="cosine").lr_schedule()
+  with pytest.raises(JobError, match="optimizer.schedule must be one of"):
+    OptimizerConfig(schedule="step").lr_schedule()
 
 
 def test_clipping_scales_the_gradient_to_max_grad_norm():
@@ -51,8 +51,7 @@ def test_clipping_scales_the_gradient_to_max_grad_norm():
 
   grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([[12.0]])}       # global norm 13
   params = {"a": jnp.zeros(2), "b": jnp.ones((1, 1))}
-  job = TrainJob(learning_rate=0.1, max_grad_norm=1.3)
-  clipped = make_optimizer(job)
+  clipped = OptimizerConfig(lr=0.1, max_grad_norm=1.3).build()
   updates, _ = clipped.update(grads, clipped.init(params), params)
   # numpy: g * min(1, c / |g|), then plain AdamW on the clipped gradient.
   scaled = {k: np.asarray(v) * min(1.0, 1.3 / 13.0) for k, v in grads.items()}
@@ -60,7 +59,7 @@ def test_clipping_scales_the_gradient_to_max_grad_norm():
   expected, _ = plain.update(scaled, plain.init(params), params)
   for k in grads:
     np.testing.assert_allclose(updates[k], expected[k], rtol=1e-6)
-  unclipped = make_optimizer(TrainJob(learning_rate=0.1))        # max_grad_norm=None
+  unclipped = OptimizerConfig(lr=0.1).build()        # max_grad_norm=None
   updates, _ = unclipped.update(grads, unclipped.init(params), params)
   expected, _ = plain.update(grads, plain.init(params), params)
   for k in grads:
@@ -72,12 +71,13 @@ def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
 
   from cpjax import training
   from cpjax.models import gemma4
-  from cpjax.training.job_hooks import eval_hook, eval_rows
-  from cpjax.training.job_phases import build
+  from cpjax.training.trainer import build, eval_hook, eval_rows
 
-  job = TrainJob(seq_len=128, cp=4, steps=4, batch_size=2, model="tiny-bidirectional",
-                 parity_check=False, tokenizer=EXAMPLE, eval_rows=3, eval_every=2,
-                 eval_data=os.path.join(EXAMPLE, "eval.jsonl"))
+  job = with_values(RunConfig(), {"dataset.seq_len": 128, "parallel.cp": 4, "optimizer.steps": 4,
+                                  "dataset.batch_size": 2, "model": "tiny-bidirectional",
+                                  "parity_check": False, "dataset.tokenizer": EXAMPLE,
+                                  "eval.rows": 3, "eval.every": 2,
+                                  "eval.data": os.path.join(EXAMPLE, "eval.jsonl")})
   trainer = build(job)
   host = eval_rows(job, trainer, QUIET)
   # 3 rows, filled up to whole batches of the step's 2 rows with an empty one
@@ -110,11 +110,11 @@ def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch, wh
   from flax import nnx
 
   from cpjax.models import gemma4
-  from cpjax.training import job_hooks, train_job
+  from cpjax.training import trainer
   from cpjax.training.checkpointing import TrainCheckpointer
 
   name = {"validation": "eval_hook", "checkpoint": "save_hook"}[which]
-  real = getattr(job_hooks, name)
+  real = getattr(trainer, name)
 
   def failing(*args, **kwargs):
     hook = real(*args, **kwargs)
@@ -126,17 +126,20 @@ def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch, wh
     wrapped.close = getattr(hook, "close", lambda: None)
     return wrapped
 
-  monkeypatch.setattr(job_hooks, name, failing)
-  job = TrainJob(seq_len=64, cp=2, steps=3, batch_size=2, parity_check=False, tokenizer=EXAMPLE,
-                 eval_rows=2, eval_every=1, eval_data=os.path.join(EXAMPLE, "eval.jsonl"),
-                 state_dir=str(tmp_path / "state"), save=str(tmp_path / "out"))
+  monkeypatch.setattr(trainer, name, failing)
+  job = with_values(RunConfig(), {"dataset.seq_len": 64, "parallel.cp": 2, "optimizer.steps": 3,
+                                  "dataset.batch_size": 2, "parity_check": False,
+                                  "dataset.tokenizer": EXAMPLE, "eval.rows": 2, "eval.every": 1,
+                                  "eval.data": os.path.join(EXAMPLE, "eval.jsonl"),
+                                  "checkpointing.state_dir": str(tmp_path / "state"),
+                                  "checkpointing.save": str(tmp_path / "out")})
   state = (r"the train state after step 2 is in .*state; " if which == "validation" else "")
   with pytest.raises(RuntimeError, match=rf"the {which} hook failed after step 2: OSError: "
                                          rf"the disk is full \({state}the weights after step 2 "
                                          rf"are in .*out\)"):
-    train_job.run_train_job(job, log=QUIET)
-  assert TrainCheckpointer(job.state_dir).latest_step() == (2 if which == "validation" else None)
-  saved = gemma4.Gemma4.from_pretrained(job.save)      # a whole checkpoint, trained
+    trainer.run_train_job(job, log=QUIET)
+  assert TrainCheckpointer(job.checkpointing.state_dir).latest_step() == (2 if which == "validation" else None)
+  saved = gemma4.Gemma4.from_pretrained(job.checkpointing.save)      # a whole checkpoint, trained
   initial = gemma4.Gemma4(saved.cfg, rngs=nnx.Rngs(job.seed))
   assert not np.array_equal(saved.model.language_model.embed_tokens.weight[...],
                             initial.model.language_model.embed_tokens.weight[...])

@@ -45,7 +45,7 @@ TRAIN_DESCRIPTION = (
     "(documents of random lengths, image spans, padding) or your own (--data), with its "
     "sequence split over a cp mesh axis; checks the first step against the single-device model "
     "and prints a summary. Settings come from a YAML run config (--config FILE, or --recipe "
-    "NAME from cpjax/recipes), overridden by dotted keys (--optimizer.lr 1e-4) or their older "
+    "NAME from cpjax/recipes), overridden by dotted keys (--optimizer.lr 1e-4) or their short "
     "flags (--lr 1e-4); the run writes its resolved config as run.yaml. It runs on JAX's "
     "default backend (the TPU or GPU chips when JAX finds them); only when that backend is the "
     "CPU (JAX_PLATFORMS=cpu, or no accelerator) does it emulate max(devices, 8) CPU devices.")

@@ -17,7 +17,7 @@ _ONE_OF = (("model", "checkpoint"), ("parallel.mesh", "parallel.cp"))
 
 def train(parser, argv: list[str]) -> int:
   """``cpjax train``: read the run config (a recipe, files, dotted keys and
-  their older flags, a resumed run's run.yaml), check it, start JAX on the
+  their short flags, a resumed run's run.yaml), check it, start JAX on the
   devices it names, run the job."""
   from cpjax.training.run_config import JobError, check, devices_needed, get, settings, with_values
   from cpjax.training.run_file import RUN_FILE, alias_flag, given_keys, run_from_namespace
@@ -43,7 +43,7 @@ def train(parser, argv: list[str]) -> int:
 
   def name(key: str) -> str:
     """A setting as the user gave it: the flag typed; the dotted key when a
-    file set it; else (a setting at its default) its older flag."""
+    file set it; else (a setting at its default) its short flag."""
     if key in aliases or "--" + key in typed:
       return aliases.get(key) or "--" + key
     return key if get(run, key) != defaults[key] else flags[key]
@@ -73,14 +73,14 @@ def train(parser, argv: list[str]) -> int:
     what = "--mesh" if run.parallel.mesh else f"--cp {run.parallel.cp or 8}"
     fail(f"{what} needs {devices} devices, found {jax.device_count()} "
          f"{jax.devices()[0].platform.upper()} devices")
-  from cpjax.training import train_job
+  from cpjax.training import trainer
 
   if not args.skip_memory_check:
     _check_memory(parser, run)
   # A JobError is a usage error found before any training compute; anything
   # else raised from here on is a crash: it propagates with its traceback.
   try:
-    train_job.run_train_job(run)
+    trainer.run_train_job(run)
   except JobError as e:
     fail(e)
   return 0

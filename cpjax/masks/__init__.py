@@ -27,28 +27,28 @@ Rules only see global indices and per-token arrays, so any layout
 :class:`AttentionMask` pairs a static, hashable rule with the per-token arrays
 it reads: a pytree whose leaves are those arrays.
 
-Adding a rule is one class in :mod:`cpjax.masks.rules`: subclass :class:`MaskRule`,
+Adding a rule is one class in :mod:`cpjax.masks._rules`: subclass :class:`MaskRule`,
 declare the per-token arrays it reads in ``arrays``, and write the three methods.
 
 Shape letters: ``B`` batch (``B'`` is B or 1), ``Q``/``K`` query and key
 tokens, ``nq``/``nk`` query and key blocks.
 """
 
-from cpjax.masks.attention_mask import MASK_KEYWORDS as MASK_KEYWORDS
-from cpjax.masks.attention_mask import AttentionMask as AttentionMask
-from cpjax.masks.attention_mask import MaskSpec as MaskSpec
-from cpjax.masks.attention_mask import resolve_mask as resolve_mask
-from cpjax.masks.rules import ARRAY_KINDS as ARRAY_KINDS
-from cpjax.masks.rules import AllOf as AllOf
-from cpjax.masks.rules import AnyOf as AnyOf
-from cpjax.masks.rules import BlockMap as BlockMap
-from cpjax.masks.rules import KeyNotPadding as KeyNotPadding
-from cpjax.masks.rules import LocalWindow as LocalWindow
-from cpjax.masks.rules import MaskRule as MaskRule
-from cpjax.masks.rules import Reach as Reach
-from cpjax.masks.rules import SameSegment as SameSegment
-from cpjax.masks.rules import SameVisionGroup as SameVisionGroup
-from cpjax.masks.rules import Tokens as Tokens
+from cpjax.masks._attention_mask import MASK_KEYWORDS as MASK_KEYWORDS
+from cpjax.masks._attention_mask import AttentionMask as AttentionMask
+from cpjax.masks._attention_mask import MaskSpec as MaskSpec
+from cpjax.masks._attention_mask import resolve_mask as resolve_mask
+from cpjax.masks._rules import ARRAY_KINDS as ARRAY_KINDS
+from cpjax.masks._rules import AllOf as AllOf
+from cpjax.masks._rules import AnyOf as AnyOf
+from cpjax.masks._rules import BlockMap as BlockMap
+from cpjax.masks._rules import KeyNotPadding as KeyNotPadding
+from cpjax.masks._rules import LocalWindow as LocalWindow
+from cpjax.masks._rules import MaskRule as MaskRule
+from cpjax.masks._rules import Reach as Reach
+from cpjax.masks._rules import SameSegment as SameSegment
+from cpjax.masks._rules import SameVisionGroup as SameVisionGroup
+from cpjax.masks._rules import Tokens as Tokens
 
 __all__ = [
     "AllOf", "AnyOf", "AttentionMask", "BlockMap", "KeyNotPadding", "LocalWindow", "MaskRule",

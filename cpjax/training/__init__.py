@@ -1,6 +1,6 @@
 """The training layer: the step and its loss, LoRA, checkpoints, the plan and the job.
 
-It may import the core (``cpjax/*.py``, ``cpjax/kernels``), the data
+It may import the core (``cpjax/*.py``, ``cpjax/masks``, ``cpjax/ring``), the data
 pipeline (:mod:`cpjax.data`) and the models (:mod:`cpjax.models`); only the
 command line (:mod:`cpjax.cli`) imports it.
 
@@ -11,8 +11,9 @@ command line (:mod:`cpjax.cli`) imports it.
   adapters and PEFT's file format.
 * :mod:`~cpjax.training.checkpointing`: orbax train state, resume.
 * :mod:`~cpjax.training.plan`: memory per device, closed form and compiled.
-* :mod:`~cpjax.training.train_job` (with ``job_config``, ``job_phases``,
-  ``job_hooks``): the ``cpjax train`` run.
+* :mod:`~cpjax.training.run_config` (with its YAML file and command line,
+  :mod:`~cpjax.training.run_file`): a run's one config;
+  :mod:`~cpjax.training.trainer`: the ``cpjax train`` job that runs it.
 
 >>> from cpjax import training
 >>> training.make_train_step is training.step.make_train_step

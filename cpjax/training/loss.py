@@ -54,8 +54,14 @@ from jax.sharding import PartitionSpec as P
 
 from cpjax.batch import IGNORE_INDEX
 from cpjax.cp_context import HiddenStates
-from cpjax.kernels.common import filled_after, vary_like, varying_axes
-from cpjax.parallel import RowPlacement, gathered, row_placement
+from cpjax.parallel import (
+  RowPlacement,
+  filled_after,
+  gathered,
+  row_placement,
+  vary_like,
+  varying_axes,
+)
 
 __all__ = ["LOSS_CHUNK_LOGITS", "cross_entropy", "cross_entropy_sums", "linear_cross_entropy",
            "token_cross_entropy"]
@@ -255,7 +261,7 @@ def _block_start(head, s: _Setup):
 def _zeros(shape, *refs):
   """float32 zeros varying over every mesh axis one of ``refs`` varies over
   (a scan carry must keep one type; check_vma), made after the first of them
-  (:func:`cpjax.kernels.common.filled_after`)."""
+  (:func:`cpjax.parallel.filled_after`)."""
   out = filled_after(refs[0], shape)
   for ref in refs[1:]:
     out = vary_like(out, ref)

@@ -241,9 +241,9 @@ def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
   >>> lora_param_count(Gemma4Config.preset("tiny"), rank=4)
   24320
   """
-  from cpjax.training.lora import DEFAULT_LORA_TARGETS, LoraSettings
+  from cpjax.training.lora import DEFAULT_LORA_TARGETS, LoraConfig
 
-  settings = LoraSettings(rank=rank, targets=targets or DEFAULT_LORA_TARGETS)
+  settings = LoraConfig(rank=rank, targets=targets or DEFAULT_LORA_TARGETS)
   return sum(rank * (out + inp) for path, out, inp in _projections(cfg)
              if settings.matches(path))
 
@@ -399,9 +399,9 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
   from jax.sharding import NamedSharding
 
   from cpjax import parallel, training
-  from cpjax.kernels.targets import mesh_platform, resolve_implementation
   from cpjax.models.gemma4 import Gemma4
   from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
+  from cpjax.ring.kernels import mesh_platform, resolve_implementation
 
   count = math.prod(v for k, v in mesh.items() if k != "ep")
   if devices is not None and len(devices) != count:
@@ -431,7 +431,7 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
 
     abstract = nnx.eval_shape(lambda: lora.apply_lora(
         Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat, param_dtype=storage),
-        rank=lora_rank, targets=lora_targets or lora.DEFAULT_LORA_TARGETS))
+        lora.LoraConfig(rank=lora_rank, targets=lora_targets or lora.DEFAULT_LORA_TARGETS)))
     graphdef, params, frozen = lora.split_lora(abstract)
   rule = partition_rule(cfg, tp=mesh.get("tp", 1), expert_axes=expert_axes)
 

@@ -1,22 +1,24 @@
-"""A training run's settings, as a nested config: :class:`RunConfig`.
+"""Configure a training run: :class:`RunConfig`, the one config of ``cpjax train``.
 
 Sections a reader recognises, each a small frozen dataclass: ``dataset``,
-``optimizer`` (and its schedule), ``parallel``, ``lora``, ``experts``,
-``eval``, ``logging`` and ``checkpointing``; what is trained (``model`` or
-``checkpoint``), in which ``dtype``, with which ``remat``, from which ``seed``,
-sits at the top. A YAML run file (see :mod:`cpjax.training.run_file`) has
-this shape, and ``cpjax train`` takes every setting as a dotted key
-(``--optimizer.lr 1e-4``) or by its older flat flag (``--lr 1e-4``).
+``optimizer`` (which builds its optax transform), ``parallel``, ``lora``
+(:class:`cpjax.training.lora.LoraConfig`, the config :func:`apply_lora`
+takes), ``experts``, ``eval``, ``logging`` and ``checkpointing``; what is
+trained (``model`` or ``checkpoint``), in which ``dtype``, with which
+``remat``, from which ``seed``, sits at the top. A YAML run file (see
+:mod:`cpjax.training.run_file`) has this shape, and ``cpjax train`` takes
+every setting as a dotted key (``--optimizer.lr 1e-4``), the most used ones
+also by a short flag (``--lr 1e-4``, :data:`cpjax.training.run_file.FLAGS`).
 
-Each setting is declared once, here: its type, its default, its docstring
-(the ``--help`` text), and in its field metadata the flat name that
-:class:`TrainJob` and the command line's older flag use. :func:`check`
-validates a config in one place, naming each setting by its dotted key.
+Each setting is declared once, here: its type, its default and its
+docstring (the ``--help`` text). :func:`check` validates a config in one
+place, naming each setting by its dotted key; :func:`with_values` replaces
+settings by their dotted keys.
 
->>> run = RunConfig(model="tiny", dataset=DataConfig(seq_len=64, batch_size=2))
+>>> run = with_values(RunConfig(model="tiny"), {"dataset.seq_len": 64, "dataset.batch_size": 2})
 >>> run.dataset.seq_len, run.optimizer.lr, run.parallel.mesh_sizes()
 (64, 0.003, {'cp': 8})
->>> check(RunConfig(dataset=DataConfig(seq_len=16)))
+>>> check(RunConfig(dataset=DatasetConfig(seq_len=16)))
 Traceback (most recent call last):
 ...
 cpjax.training.run_config.JobError: dataset.seq_len must be >= 32, got 16
@@ -25,13 +27,14 @@ cpjax.training.run_config.JobError: dataset.seq_len must be >= 32, got 16
 import dataclasses
 import math
 import os
-import re
 import typing
 from typing import Callable, Literal, Optional
 
-__all__ = ["CheckpointingConfig", "JobError", "DataConfig", "EvalConfig", "ExpertsConfig", "LoggingConfig",
-           "LoraConfig", "OptimizerConfig", "ParallelConfig", "RunConfig", "TrainJob",
-           "as_run_config", "check", "flat_settings", "from_flat", "settings"]
+from cpjax.training.lora.adapters import LoraConfig, check_lora_config
+
+__all__ = ["CheckpointingConfig", "DatasetConfig", "EvalConfig", "ExpertsConfig", "JobError",
+           "LR_SCHEDULES", "LoggingConfig", "OptimizerConfig", "ParallelConfig", "RunConfig",
+           "check", "get", "settings", "with_values"]
 
 Dtype = Literal["float32", "bfloat16"]
 Remat = Literal["none", "full", "save_attention_out"]
@@ -51,28 +54,24 @@ class JobError(ValueError):
   (``cpjax train`` prints it as a one-line usage error, exit status 2)."""
 
 MODEL_FLAGS = ("tiny", "tiny-moe", "e2b", "e4b", "a4b", "31b")   # what --model offers
+LR_SCHEDULES = typing.get_args(Schedule)
 
 
-def _flat(name: str | None = None, **alias) -> dict:
-  """Field metadata: the flat name (:class:`TrainJob`'s field; ``--flat-name``
-  on the command line) and how that older flag parses (argparse keywords)."""
-  return {"flat": name, "alias": alias}
-
-
-def _setting(default=None, *, flat: str | None = None, factory=None, **alias):
+def _setting(default=None, *, factory=None, positive: bool = False):
+  """A field of a section; ``positive``: :func:`check` requires a value > 0 (or None)."""
   if factory is not None:
     return dataclasses.field(default_factory=factory)
-  return dataclasses.field(default=default, metadata=_flat(flat, **alias))
+  return dataclasses.field(default=default, metadata={"positive": positive})
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class DatasetConfig:
   """The training data and the rows it is packed into."""
 
-  path: Optional[str] = _setting(flat="data", metavar="PATH")
+  path: Optional[str] = _setting()
   """a corpus from cpjax prepare-data (directory or file) or a .jsonl file
   (default: synthetic packed multimodal rows)"""
-  tokenizer: Optional[str] = _setting(metavar="DIR")
+  tokenizer: Optional[str] = _setting()
   """the directory of tokenizer.json and the chat template, for .jsonl data
   (default: the checkpoint)"""
   truncate: bool = _setting(False)
@@ -81,9 +80,9 @@ class DataConfig:
   """tokens per row before padding"""
   batch_size: int = _setting(2, positive=True)
   """rows per optimizer step"""
-  microbatches: int = _setting(1, positive=True, metavar="K")
+  microbatches: int = _setting(1, positive=True)
   """gradient accumulation: each step sums K microbatches of batch_size / K rows"""
-  images_per_row: Optional[int] = _setting(positive=True, metavar="N")
+  images_per_row: Optional[int] = _setting(positive=True)
   """image slots per packed row (default: the most images of one document)"""
 
 
@@ -91,23 +90,69 @@ class DataConfig:
 class OptimizerConfig:
   """AdamW (weight decay 0.01) and its learning-rate schedule."""
 
-  lr: float = _setting(3e-3, flat="learning_rate", flags=("--lr",), positive=True)
+  lr: float = _setting(3e-3, positive=True)
   """the peak learning rate"""
-  schedule: Schedule = _setting("constant", flat="lr_schedule")
+  schedule: Schedule = _setting("constant")
   """after the warmup: constant, or a cosine or linear decay to 0 at the last step"""
-  warmup_steps: int = _setting(0, metavar="N")
+  warmup_steps: int = _setting(0)
   """linear warmup from 0 over N steps"""
-  max_grad_norm: Optional[float] = _setting(positive=True, metavar="X")
+  max_grad_norm: Optional[float] = _setting(positive=True)
   """clip the global gradient norm to X (default: no clipping)"""
   steps: int = _setting(20, positive=True)
   """optimizer steps"""
+
+  def lr_schedule(self):
+    """The optax schedule: step -> learning rate (step 0 is the first update).
+
+    As transformers' ``get_{constant,cosine,linear}_schedule_with_warmup``:
+    ``lr * s / warmup`` during the warmup, then constant, a half cosine or a
+    straight line from ``lr`` to 0 at ``steps``.
+
+    Returns:
+      An ``optax.Schedule``.
+
+    >>> s = OptimizerConfig(lr=1.0, steps=10, warmup_steps=2, schedule="linear").lr_schedule()
+    >>> [round(float(s(i)), 3) for i in (0, 1, 2, 6, 10)]
+    [0.0, 0.5, 1.0, 0.5, 0.0]
+    """
+    import optax
+
+    if self.schedule not in LR_SCHEDULES:
+      raise JobError(f"optimizer.schedule must be one of {list(LR_SCHEDULES)}, got "
+                     f"{self.schedule!r}")
+    if self.warmup_steps < 0 or (self.schedule != "constant" and self.warmup_steps >= self.steps):
+      raise JobError(f"optimizer.warmup_steps {self.warmup_steps} must be >= 0, and below "
+                     f"optimizer.steps {self.steps} for a {self.schedule} schedule (it decays "
+                     f"after the warmup)")
+    lr, warm, rest = self.lr, self.warmup_steps, max(self.steps - self.warmup_steps, 1)
+    after = {"constant": optax.constant_schedule(lr),
+             "cosine": optax.cosine_decay_schedule(lr, rest),
+             "linear": optax.linear_schedule(lr, 0.0, rest)}[self.schedule]
+    if warm == 0:
+      return after
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
+
+  def build(self):
+    """Build the optax transform: AdamW (weight decay 0.01) on
+    :meth:`lr_schedule`, after clipping the global gradient norm to
+    ``max_grad_norm`` when set.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+    """
+    import optax
+
+    optimizer = optax.adamw(self.lr_schedule(), weight_decay=0.01)
+    if self.max_grad_norm is None:
+      return optimizer
+    return optax.chain(optax.clip_by_global_norm(self.max_grad_norm), optimizer)
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
   """The device mesh and how each row is split over its cp axis."""
 
-  mesh: Optional[str] = _setting(metavar="AXIS=N,...")
+  mesh: Optional[str] = _setting()
   """a mesh such as fsdp=2,cp=4 or fsdp=2,cp=2,tp=2 (state sharded over fsdp, cp
   and tp, see shard_state); ep=N folds expert parallelism onto cp and/or the batch
   axis"""
@@ -134,29 +179,10 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraConfig:
-  """Low-rank adapters on a frozen base instead of every weight (PEFT's format)."""
-
-  rank: Optional[int] = _setting(flat="lora_rank", positive=True, metavar="R")
-  """train rank-R adapters; the base is frozen (default: train every weight)"""
-  alpha: float = _setting(8.0, flat="lora_alpha", positive=True, metavar="A")
-  """the adapters' scale is alpha / rank (PEFT's default 8)"""
-  targets: Optional[str] = _setting(flat="lora_targets", metavar="REGEX")
-  """modules to adapt, a regex matched in full against paths such as
-  model.language_model.layers.0.self_attn.q_proj (default: the decoder's
-  q/k/v/o and gate/up/down projections)"""
-  base_dtype: Dtype = _setting("float32", flat="base_dtype")
-  """the frozen base's storage dtype"""
-  merge: bool = _setting(False, flat="merge_lora")
-  """with checkpointing.save: write the base with the adapter merged in,
-  instead of the adapter"""
-
-
-@dataclasses.dataclass(frozen=True)
 class ExpertsConfig:
   """Mixture-of-experts dispatch."""
 
-  capacity_factor: Optional[float] = _setting(positive=True, metavar="C")
+  capacity_factor: Optional[float] = _setting(positive=True)
   """each expert takes at most ceil(C * T * k / E) (token, expert) pairs of a
   dispatch's T tokens; later ones are dropped and counted (default: never drop)"""
 
@@ -165,11 +191,11 @@ class ExpertsConfig:
 class EvalConfig:
   """A validation loss on fixed rows, with the same CP forward."""
 
-  data: Optional[str] = _setting(flat="eval_data", metavar="PATH")
+  data: Optional[str] = _setting()
   """validation data (as dataset.path)"""
-  every: int = _setting(0, flat="eval_every", metavar="N")
+  every: int = _setting(0)
   """validate every N steps (0: only after the last step)"""
-  rows: int = _setting(16, flat="eval_rows", positive=True, metavar="N")
+  rows: int = _setting(16, positive=True)
   """validation rows: the first ones of eval.data"""
 
 
@@ -177,9 +203,9 @@ class EvalConfig:
 class LoggingConfig:
   """Per-step metrics."""
 
-  metrics: Optional[str] = _setting(metavar="FILE")
+  metrics: Optional[str] = _setting()
   """one JSON line per step (default: STATE_DIR/metrics.jsonl with a state dir)"""
-  tensorboard: Optional[str] = _setting(metavar="DIR")
+  tensorboard: Optional[str] = _setting()
   """also write the metrics as TensorBoard event files here"""
 
 
@@ -187,15 +213,15 @@ class LoggingConfig:
 class CheckpointingConfig:
   """The resumable train state (orbax) and the model written at the end."""
 
-  state_dir: Optional[str] = _setting(metavar="DIR")
+  state_dir: Optional[str] = _setting()
   """save the train state (parameters, optimizer state, data position) here"""
-  save_every: int = _setting(0, metavar="N")
+  save_every: int = _setting(0)
   """save it every N steps (0: only after the last step)"""
-  resume: bool = _setting(False, flags=())
+  resume: bool = _setting(False)
   """continue the run saved in state_dir"""
   force_resume: bool = _setting(False)
   """resume even with a different batch_size, seq_len or microbatches"""
-  save: Optional[str] = _setting(metavar="DIR")
+  save: Optional[str] = _setting()
   """write the trained model as a Hugging Face checkpoint at the end (with
   LoRA: the adapter, as PEFT saves it)"""
 
@@ -204,21 +230,21 @@ class CheckpointingConfig:
 class RunConfig:
   """A ``cpjax train`` run: what is trained, on what, and how."""
 
-  model: Optional[str] = _setting(choices=MODEL_FLAGS)
+  model: Optional[str] = _setting()
   """an architecture preset, randomly initialised (default tiny; a4b is 26B-A4B,
   tiny-moe a small one like it)"""
-  checkpoint: Optional[str] = _setting(metavar="DIR")
+  checkpoint: Optional[str] = _setting()
   """fine-tune this Hugging Face Gemma 4 checkpoint directory instead of model"""
   dtype: Dtype = _setting("float32")
   """activation dtype; trained parameters stay float32"""
-  remat: Remat = _setting("none", nargs="?", const="full", metavar="POLICY")
+  remat: Remat = _setting("none")
   """per-layer rematerialisation: full (keep only each layer's inputs),
   save_attention_out (keep the attention output too) or none"""
-  seed: int = _setting(0, type=int)
+  seed: int = _setting(0)
   """seed for the data and the initialisation"""
-  parity_check: bool = _setting(True, flags=("--no-parity-check",), action="store_false")
+  parity_check: bool = _setting(True)
   """compare the first step with the single-device model"""
-  dataset: DataConfig = _setting(factory=DataConfig)
+  dataset: DatasetConfig = _setting(factory=DatasetConfig)
   optimizer: OptimizerConfig = _setting(factory=OptimizerConfig)
   parallel: ParallelConfig = _setting(factory=ParallelConfig)
   lora: LoraConfig = _setting(factory=LoraConfig)
@@ -230,40 +256,29 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """One leaf of :class:`RunConfig`: its dotted key, flat name, type, default
-  and how its older flag parses."""
+  """One leaf of :class:`RunConfig`: its dotted key, type and default, and
+  whether it must be positive."""
 
   key: str
-  flat: str
   type: object
   default: object
-  alias: dict
+  positive: bool = False
 
 
 def settings(cls=RunConfig, prefix: str = "") -> list[Setting]:
-  """Every leaf setting of ``cls`` in declaration order.
+  """List every leaf setting of ``cls`` in declaration order.
 
   >>> [s.key for s in settings()][:6]
   ['model', 'checkpoint', 'dtype', 'remat', 'seed', 'parity_check']
   """
-  import typing
-
   hints = typing.get_type_hints(cls)
   out = []
   for f in dataclasses.fields(cls):
     if dataclasses.is_dataclass(hints[f.name]):
       out += settings(hints[f.name], f"{prefix}{f.name}.")
     else:
-      flat = f.metadata.get("flat") or f.name
-      out.append(Setting(f"{prefix}{f.name}", flat, hints[f.name], f.default,
-                         dict(f.metadata.get("alias", {}))))
-  return out
-
-
-def flat_settings() -> dict[str, Setting]:
-  """``{flat name: setting}``: :class:`TrainJob`'s fields."""
-  out = {s.flat: s for s in settings()}
-  assert len(out) == len(settings()), "two settings share a flat name"
+      out.append(Setting(f"{prefix}{f.name}", hints[f.name], f.default,
+                         bool(f.metadata.get("positive"))))
   return out
 
 
@@ -275,58 +290,29 @@ def _replace(run, key: str, value):
 
 
 def get(run: RunConfig, key: str):
-  """The value of a dotted key: ``get(run, "optimizer.lr")``."""
+  """Read a dotted key: ``get(run, "optimizer.lr")``."""
   for part in key.split("."):
     run = getattr(run, part)
   return run
 
 
 def with_values(run: RunConfig, values: dict) -> RunConfig:
-  """``run`` with ``{dotted key: value}`` replaced."""
+  """Replace settings by their dotted keys.
+
+  Args:
+    run: the config to start from.
+    values: ``{dotted key: value}``, e.g. ``{"optimizer.steps": 3}``.
+
+  Returns:
+    A new :class:`RunConfig`; a key that names no setting raises ``KeyError``.
+  """
+  known = {s.key for s in settings()}
+  unknown = sorted(set(values) - known)
+  if unknown:
+    raise KeyError(f"unknown run settings {unknown}; known: {sorted(known)}")
   for key, value in values.items():
     run = _replace(run, key, value)
   return run
-
-
-def from_flat(**flat) -> RunConfig:
-  """A :class:`RunConfig` from :class:`TrainJob`'s flat names (unknown names:
-  ``TypeError``). ``remat`` may be a bool as before (True is ``full``)."""
-  table = flat_settings()
-  unknown = sorted(set(flat) - set(table))
-  if unknown:
-    raise TypeError(f"unknown TrainJob settings {unknown}; known: {sorted(table)}")
-  if isinstance(flat.get("remat"), bool):
-    flat["remat"] = "full" if flat["remat"] else "none"
-  if flat.get("checkpoint") is not None and flat.get("model") == _FLAT_DEFAULTS["model"]:
-    flat["model"] = None      # TrainJob's default model gives way to a checkpoint, as before
-  return with_values(RunConfig(), {table[k].key: v for k, v in flat.items()})
-
-
-# The flat form: one field per leaf, named by its flat name, as the job's
-# settings were before they had sections. Generated, so that a setting is
-# declared once (above); its model defaults to tiny, as it always did.
-_FLAT_DEFAULTS = {"model": "tiny"}
-TrainJob = dataclasses.make_dataclass(
-    "TrainJob", [(s.flat, s.type, dataclasses.field(default=_FLAT_DEFAULTS.get(s.flat, s.default)))
-                 for s in flat_settings().values()],
-    frozen=True)
-TrainJob.__module__ = __name__
-TrainJob.__doc__ = """The run's settings under their flat names (``seq_len``,
-``learning_rate``, ``lora_rank``, ...), for code written before
-:class:`RunConfig`; :func:`as_run_config` turns one into a RunConfig.
-
->>> as_run_config(TrainJob(seq_len=64, learning_rate=0.1)).optimizer.lr
-0.1
-"""
-
-
-def as_run_config(job) -> RunConfig:
-  """``job`` as a :class:`RunConfig` (a TrainJob is converted)."""
-  if isinstance(job, RunConfig):
-    return job
-  if isinstance(job, TrainJob):
-    return from_flat(**{f.name: getattr(job, f.name) for f in dataclasses.fields(job)})
-  raise TypeError(f"expected a RunConfig or a TrainJob, got {type(job).__name__}")
 
 
 def _dotted(key: str) -> str:
@@ -350,11 +336,16 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
       fail(f"{name(s.key)} must be one of {list(literal)}, got {value!r}")
     if not _has_type(value, s.type):
       fail(f"{name(s.key)} must be {_type_name(s.type)}, got {value!r}")
-    if s.alias.get("positive") and value is not None and not value > 0:
+    if s.positive and value is not None and not value > 0:
       fail(f"{name(s.key)} must be > 0, got {value!r}")
   for key in ("optimizer.warmup_steps", "eval.every", "checkpointing.save_every"):
     if get(run, key) < 0:
       fail(f"{name(key)} must be >= 0, got {get(run, key)}")
+  opt = run.optimizer
+  if opt.schedule != "constant" and opt.warmup_steps >= opt.steps:
+    fail(f"{name('optimizer.warmup_steps')} {opt.warmup_steps} must be >= 0, and below "
+         f"{name('optimizer.steps')} {opt.steps} for a {opt.schedule} schedule (it decays after "
+         f"the warmup)")
   if run.dataset.seq_len < 32:
     fail(f"{name('dataset.seq_len')} must be >= 32, got {run.dataset.seq_len}")
   if run.model is not None and run.model not in PRESETS:
@@ -383,14 +374,14 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
              if getattr(run.lora, f.name) != f.default]
     if given:
       fail(f"{', '.join(given)} needs {name('lora.rank')}")
+  else:
+    try:
+      check_lora_config(run.lora, name=lambda field: name(f"lora.{field}"))
+    except (ValueError, TypeError) as e:
+      fail(str(e))
   if run.lora.merge and run.checkpointing.save is None:
     fail(f"{name('lora.merge')} says what {name('checkpointing.save')} writes; add "
          f"{name('checkpointing.save')} DIR")
-  if run.lora.targets is not None:
-    try:
-      re.compile(run.lora.targets)
-    except re.error as e:
-      fail(f"{name('lora.targets')} {run.lora.targets!r} is not a regular expression: {e}")
   if files:
     _check_files(run, name, fail)
 
@@ -403,6 +394,8 @@ def _has_type(value, hint) -> bool:
     return value is None
   if typing.get_origin(hint) is Literal:
     return True                                   # checked above, with its choices
+  if typing.get_origin(hint) is tuple:               # tuple[str, ...]
+    return isinstance(value, tuple) and all(_has_type(v, typing.get_args(hint)[0]) for v in value)
   if hint is float:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
   if hint is int:
@@ -413,6 +406,8 @@ def _has_type(value, hint) -> bool:
 def _type_name(hint) -> str:
   if typing.get_origin(hint) is typing.Union:
     return " or ".join(_type_name(h) for h in typing.get_args(hint))
+  if typing.get_origin(hint) is tuple:
+    return f"a list of {_type_name(typing.get_args(hint)[0])}"
   return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 

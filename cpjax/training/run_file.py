@@ -4,16 +4,16 @@ The parser is jsonargparse's, built from :class:`~cpjax.training.run_config.RunC
 every setting is a dotted key on the command line (``--optimizer.lr 1e-4``)
 and in a YAML file (``optimizer: {lr: 1e-4}``), typed, documented and
 checked by jsonargparse from the dataclasses; ``--config FILE`` reads a file
-where it stands, so later keys override it. Each setting's older flat flag
-(``--lr``) is an alias of its dotted key, parsed as before.
+where it stands, so later keys override it. The short flags of
+:data:`FLAGS` (``--lr``, ``--seq-len``, ...) are aliases of dotted keys.
 
 Every run writes its resolved config, defaults included, as ``run.yaml``;
 passed back with ``--config`` (or read with :func:`read_run_config`) it is
 the same run.
 
 >>> import tempfile
->>> from cpjax.training.run_config import DataConfig, RunConfig
->>> run = RunConfig(model="tiny", dataset=DataConfig(seq_len=64))
+>>> from cpjax.training.run_config import DatasetConfig, RunConfig
+>>> run = RunConfig(model="tiny", dataset=DatasetConfig(seq_len=64))
 >>> with tempfile.TemporaryDirectory() as d:
 ...   read_run_config(write_run_config(run, d)) == run
 True
@@ -28,10 +28,17 @@ import os
 import re
 import typing
 
-from cpjax.training.run_config import JobError, RunConfig, Setting, settings, with_values
+from cpjax.training.run_config import (
+  MODEL_FLAGS,
+  JobError,
+  RunConfig,
+  Setting,
+  settings,
+  with_values,
+)
 
-__all__ = ["RUN_FILE", "alias_flag", "given_keys", "positive_float", "positive_int", "read_run_config", "run_from_namespace",
-           "run_parser", "to_yaml", "write_run_config"]
+__all__ = ["FLAGS", "RUN_FILE", "alias_flag", "given_keys", "positive_float", "positive_int",
+           "read_run_config", "run_from_namespace", "run_parser", "to_yaml", "write_run_config"]
 
 RUN_FILE = "run.yaml"
 _ALIAS = "alias__"    # an alias's argparse dest: alias__<key with dots as __>
@@ -87,15 +94,59 @@ def _parse_mesh(text: str) -> str:
 _mesh = _ArgType("AXIS=N,...", _parse_mesh)
 
 
+# The command line's short flags: {dotted key: (flag, argparse keywords)}.
+# Each is an alias of its key (``--lr 1e-4`` is ``--optimizer.lr 1e-4``);
+# the keywords say how it parses beyond what the setting's type gives. A
+# top-level setting whose flag is its key (``--model``) is that flag itself.
+FLAGS: dict[str, tuple[str, dict]] = {
+    "model": ("--model", {"choices": MODEL_FLAGS}),
+    "checkpoint": ("--checkpoint", {"metavar": "DIR"}),
+    "dtype": ("--dtype", {}),
+    "remat": ("--remat", {"nargs": "?", "const": "full", "metavar": "POLICY"}),
+    "seed": ("--seed", {"type": int}),
+    "parity_check": ("--no-parity-check", {"action": "store_false"}),
+    "dataset.path": ("--data", {"metavar": "PATH"}),
+    "dataset.tokenizer": ("--tokenizer", {"metavar": "DIR"}),
+    "dataset.truncate": ("--truncate", {}),
+    "dataset.seq_len": ("--seq-len", {}),
+    "dataset.batch_size": ("--batch-size", {}),
+    "dataset.microbatches": ("--microbatches", {"metavar": "K"}),
+    "dataset.images_per_row": ("--images-per-row", {"metavar": "N"}),
+    "optimizer.lr": ("--lr", {}),
+    "optimizer.schedule": ("--lr-schedule", {}),
+    "optimizer.warmup_steps": ("--warmup-steps", {"metavar": "N"}),
+    "optimizer.max_grad_norm": ("--max-grad-norm", {"metavar": "X"}),
+    "optimizer.steps": ("--steps", {}),
+    "parallel.mesh": ("--mesh", {"metavar": "AXIS=N,..."}),
+    "parallel.cp": ("--cp", {}),
+    "parallel.layout": ("--layout", {}),
+    "parallel.shard_state": ("--shard-state", {}),
+    "lora.rank": ("--lora-rank", {"metavar": "R"}),
+    "lora.alpha": ("--lora-alpha", {"metavar": "A"}),
+    "lora.targets": ("--lora-targets", {"metavar": "REGEX"}),
+    "lora.base_dtype": ("--base-dtype", {}),
+    "lora.merge": ("--merge-lora", {}),
+    "experts.capacity_factor": ("--capacity-factor", {"metavar": "C"}),
+    "eval.data": ("--eval-data", {"metavar": "PATH"}),
+    "eval.every": ("--eval-every", {"metavar": "N"}),
+    "eval.rows": ("--eval-rows", {"metavar": "N"}),
+    "logging.metrics": ("--metrics", {"metavar": "FILE"}),
+    "logging.tensorboard": ("--tensorboard", {"metavar": "DIR"}),
+    "checkpointing.state_dir": ("--state-dir", {"metavar": "DIR"}),
+    "checkpointing.save_every": ("--save-every", {"metavar": "N"}),
+    "checkpointing.force_resume": ("--force-resume", {}),
+    "checkpointing.save": ("--save", {"metavar": "DIR"}),
+}
+
+
 def alias_flag(s: Setting) -> str | None:
-  """The older flat flag of a setting (``--seq-len``), or None."""
-  flags = s.alias.get("flags", ("--" + s.flat.replace("_", "-"),))
-  return flags[0] if flags else None
+  """The short flag of a setting (``--seq-len``), or None."""
+  return FLAGS[s.key][0] if s.key in FLAGS else None
 
 
 def _alias_kwargs(s: Setting) -> dict:
-  """argparse keywords of the older flag: as the command line parsed it."""
-  kwargs = {k: v for k, v in s.alias.items() if k not in ("flags", "positive")}
+  """argparse keywords of the short flag."""
+  kwargs = dict(FLAGS[s.key][1])
   base = s.type    # int for Optional[int]
   if typing.get_origin(base) is typing.Union:
     base = next(t for t in typing.get_args(base) if t is not type(None))
@@ -109,7 +160,7 @@ def _alias_kwargs(s: Setting) -> dict:
     kwargs.setdefault("type", _mesh)
   elif base in (int, float):
     kwargs.setdefault("type", (positive_int if base is int else positive_float)
-                      if s.alias.get("positive") else base)
+                      if s.positive else base)
   return kwargs
 
 
@@ -142,10 +193,11 @@ def one_line(message: str) -> str:
 
 def run_parser(prog: str = "cpjax train", description: str | None = None, *,
                aliases: bool = True, exit_on_error: bool = True):
-  """jsonargparse's parser of a :class:`RunConfig`: ``--config FILE`` and every
-  setting by its dotted key (the top-level ones, ``--model``, ``--dtype``,
-  ..., by their name), typed by their annotations, with the older flat flags
-  as aliases. Each setting's help is its docstring."""
+  """Build jsonargparse's parser of a :class:`RunConfig`: ``--config FILE``
+  and every setting by its dotted key (the top-level ones, ``--model``,
+  ``--dtype``, ..., by their name), typed by their annotations, with the
+  short flags of :data:`FLAGS` as aliases. Each setting's help is its
+  docstring."""
   import jsonargparse
 
   parser_class = type("RunParser", (_RunParser, jsonargparse.ArgumentParser), {})
@@ -158,14 +210,15 @@ def run_parser(prog: str = "cpjax train", description: str | None = None, *,
                       help="a YAML run config (a recipe, or the run.yaml a run wrote); keys "
                            "after it on the command line override it")
   hints = typing.get_type_hints(RunConfig)
-  groups = {f.name: parser.add_argument_group(hints[f.name].__doc__.rstrip("."), name=f.name)
+  groups = {f.name: parser.add_argument_group(hints[f.name].__doc__.split("\n")[0].rstrip("."),
+                                              name=f.name)
             for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
   top = parser.add_argument_group(RunConfig.__doc__.rstrip("."))
   for s in settings():
     flag = alias_flag(s)
     if "." not in s.key and flag == "--" + s.key:
-      # A top-level setting whose flag is its key (--model, --remat): parsed
-      # as that flag always was.
+      # A top-level setting whose flag is its key (--model, --remat): one
+      # argument, parsed with its FLAGS keywords (--remat alone means full).
       top.add_argument(flag, dest=s.key, default=s.default, help=_doc(s), **_alias_kwargs(s))
       continue
     group = groups[s.key.split(".")[0]] if "." in s.key else top
@@ -224,7 +277,13 @@ def to_yaml(run: RunConfig, note: str | None = None) -> str:
 
   version = importlib.metadata.version("cpjax")
   run = with_values(run, {"checkpointing.resume": False, "checkpointing.force_resume": False})
-  body = yaml.safe_dump(dataclasses.asdict(run), sort_keys=False, default_flow_style=False)
+  def plain(value):          # YAML has lists, not tuples (lora.targets' module names)
+    if isinstance(value, dict):
+      return {k: plain(v) for k, v in value.items()}
+    return list(value) if isinstance(value, tuple) else value
+
+  body = yaml.safe_dump(plain(dataclasses.asdict(run)), sort_keys=False,
+                        default_flow_style=False)
   head = [f"cpjax {version} run config (cpjax train --config FILE runs it)"]
   head += (note or "").splitlines()
   return "".join(f"# {line}".rstrip() + "\n" for line in head) + body

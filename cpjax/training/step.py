@@ -34,9 +34,9 @@ from cpjax.cp_context import (
   split_over,
   state_specs,
 )
-from cpjax.kernels.common import varying_axes
-from cpjax.kernels.targets import mesh_platform, resolve_implementation
 from cpjax.layout import ShardLayout
+from cpjax.parallel import varying_axes
+from cpjax.ring.kernels import mesh_platform, resolve_implementation
 from cpjax.training.loss import cross_entropy, cross_entropy_sums
 
 __all__ = ["TrainStep", "default_forward", "make_loss_fn", "make_train_step",

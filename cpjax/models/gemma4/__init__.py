@@ -11,11 +11,8 @@ the training layer or the command line.
 * ``checkpoint``: safetensors in and out; ``partitioning``: its mesh rules.
 """
 
-from cpjax.cp_context import CPContext as CPContext  # the model's CP context: cpjax's own
 from cpjax.models.gemma4.config import PRESETS as PRESETS
 from cpjax.models.gemma4.config import Gemma4Config as Gemma4Config
-from cpjax.models.gemma4.config import Gemma4TextConfig as Gemma4TextConfig
-from cpjax.models.gemma4.config import Gemma4VisionConfig as Gemma4VisionConfig
 from cpjax.models.gemma4.cp_batch import (
     make_contiguous_aux_only_shard_cp_batch as make_contiguous_aux_only_shard_cp_batch,
 )
@@ -32,3 +29,5 @@ from cpjax.models.gemma4.partitioning import check_expert_axes as check_expert_a
 from cpjax.models.gemma4.partitioning import check_mesh as check_mesh
 from cpjax.models.gemma4.partitioning import partition_rule as partition_rule
 from cpjax.models.gemma4.remat import REMAT_POLICIES as REMAT_POLICIES
+from cpjax.models.gemma4.text_config import Gemma4TextConfig as Gemma4TextConfig
+from cpjax.models.gemma4.vision_config import Gemma4VisionConfig as Gemma4VisionConfig

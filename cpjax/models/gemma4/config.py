@@ -34,8 +34,7 @@ from cpjax.models.gemma4.hf_config import (
 from cpjax.models.gemma4.text_config import _ACTIVATION, FULL, SLIDING, Gemma4TextConfig
 from cpjax.models.gemma4.vision_config import Gemma4VisionConfig
 
-__all__ = ["FULL", "Gemma4Config", "Gemma4TextConfig", "Gemma4VisionConfig", "IGNORED_CONFIG_KEYS",
-           "PRESETS", "SLIDING"]
+__all__ = ["FULL", "Gemma4Config", "IGNORED_CONFIG_KEYS", "PRESETS", "SLIDING"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cpjax.batch import SOURCE_INDEX_KEY
-from cpjax.context_parallel import from_rank_order
 from cpjax.cp_context import CPContext, batch_specs, state_specs
+from cpjax.global_attention import from_rank_order
 from cpjax.models.gemma4.model import Gemma4
 from cpjax.models.gemma4.partitioning import check_expert_axes, partition_rule
 from cpjax.parallel import key_names

@@ -49,7 +49,7 @@ from cpjax.models.gemma4.text import DecoderLayer, embed_scale
 from cpjax.models.gemma4.vision import MultimodalEmbedder, VisionTower
 from cpjax.parallel import gathered, lookup
 from cpjax.reference import reference_attention
-from cpjax.ring_attention import ring_attention
+from cpjax.ring import ring_attention
 from cpjax.sharding import shard_sequence
 
 __all__ = ["Gemma4", "gemma4_masks"]

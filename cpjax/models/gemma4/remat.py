@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from cpjax.kernels.common import filled_after, vary_like, varying_axes
+from cpjax.parallel import filled_after, vary_like, varying_axes
 
 __all__ = ["REMAT_POLICIES", "remat_after_cotangent", "remat_tiles"]
 

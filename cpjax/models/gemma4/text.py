@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cpjax.experts import ExpertStats, grouped_matmul, routed_experts
-from cpjax.models.gemma4.config import Gemma4TextConfig
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, apply_rope, gelu, rms_normalize
 from cpjax.models.gemma4.remat import remat_tiles
+from cpjax.models.gemma4.text_config import Gemma4TextConfig
 from cpjax.parallel import gather_safe
 
 __all__ = ["DecoderLayer"]

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpjax.models.gemma4.config import Gemma4VisionConfig
 from cpjax.models.gemma4.layers import (
   Buffer,
   ClippableLinear,
@@ -31,6 +30,7 @@ from cpjax.models.gemma4.layers import (
   gelu,
   rope_angles,
 )
+from cpjax.models.gemma4.vision_config import Gemma4VisionConfig
 from cpjax.parallel import gathered
 
 __all__ = ["VisionTower", "MultimodalEmbedder", "soft_token_counts"]

@@ -45,9 +45,10 @@ The adapters are :mod:`~cpjax.training.lora.adapters`, PEFT's files
 """
 
 from cpjax.training.lora.adapters import DEFAULT_LORA_TARGETS as DEFAULT_LORA_TARGETS
-from cpjax.training.lora.adapters import LoraSettings as LoraSettings
+from cpjax.training.lora.adapters import LoraConfig as LoraConfig
 from cpjax.training.lora.adapters import adapted_modules as adapted_modules
 from cpjax.training.lora.adapters import apply_lora as apply_lora
+from cpjax.training.lora.adapters import check_lora_config as check_lora_config
 from cpjax.training.lora.adapters import lora_param_count as lora_param_count
 from cpjax.training.lora.adapters import merge_lora as merge_lora
 from cpjax.training.lora.adapters import split_lora as split_lora
@@ -57,6 +58,6 @@ from cpjax.training.lora.peft_format import load_adapter as load_adapter
 from cpjax.training.lora.peft_format import read_adapter_config as read_adapter_config
 from cpjax.training.lora.peft_format import save_adapter as save_adapter
 
-__all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "DEFAULT_LORA_TARGETS", "LoraSettings",
-           "adapted_modules", "apply_lora", "load_adapter", "lora_param_count", "merge_lora",
+__all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "DEFAULT_LORA_TARGETS", "LoraConfig",
+           "adapted_modules", "apply_lora", "check_lora_config", "load_adapter", "lora_param_count", "merge_lora",
            "read_adapter_config", "save_adapter", "split_lora"]

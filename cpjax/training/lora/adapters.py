@@ -13,16 +13,15 @@ import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["DEFAULT_LORA_TARGETS", "LoraSettings", "adapted_modules", "apply_lora",
-           "lora_param_count", "merge_lora", "split_lora"]
+__all__ = ["DEFAULT_LORA_TARGETS", "LoraConfig", "adapted_modules", "apply_lora",
+           "check_lora_config", "lora_param_count", "merge_lora", "split_lora"]
 
 # The attention and MLP projections of Gemma 4's text decoder, by the names
 # PEFT users know (q_proj ... down_proj). Restricted to the language model:
@@ -33,37 +32,37 @@ DEFAULT_LORA_TARGETS = (r".*language_model\.layers\.\d+\."
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraSettings:
-  """What a LoRA model was built with (kept on the model as ``lora_settings``).
+class LoraConfig:
+  """Low-rank adapters on a frozen base instead of every weight (PEFT's format).
 
-  Attributes:
-    rank: ``r``.
-    alpha: ``lora_alpha``; the adapters' term is scaled by ``alpha / r``
-      (``alpha / sqrt(r)`` with ``use_rslora``).
-    targets: PEFT's ``target_modules`` (a regex string or a tuple of names).
-    use_rslora: rank-stabilised scaling.
+  What :func:`apply_lora` builds, the ``lora`` section of a run config
+  (:class:`cpjax.training.run_config.RunConfig`), and what a PEFT
+  ``adapter_config.json`` reads into (:func:`read_adapter_config`).
+
+  >>> LoraConfig(rank=4, alpha=16.0).scale
+  4.0
   """
-  rank: int
-  alpha: float = 8.0
-  targets: str | tuple[str, ...] = DEFAULT_LORA_TARGETS
+
+  rank: Optional[int] = dataclasses.field(default=None, metadata={"positive": True})
+  """train rank-R adapters; the base is frozen (default: train every weight)"""
+  alpha: float = dataclasses.field(default=8.0, metadata={"positive": True})
+  """the adapters' scale is alpha / rank (PEFT's default 8)"""
+  targets: Union[str, tuple[str, ...]] = DEFAULT_LORA_TARGETS
+  """modules to adapt: a regex matched in full against paths such as
+  model.language_model.layers.0.self_attn.q_proj, or a list of module names
+  (PEFT's target_modules; default: the decoder's q/k/v/o and gate/up/down
+  projections)"""
   use_rslora: bool = False
+  """rank-stabilised LoRA: scale by alpha / sqrt(rank) instead"""
+  base_dtype: Literal["float32", "bfloat16"] = "float32"
+  """the frozen base's storage dtype (cpjax train casts the base to it)"""
+  merge: bool = False
+  """with checkpointing.save: write the base with the adapter merged in,
+  instead of the adapter"""
 
   def __post_init__(self):
-    if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-      raise ValueError(f"LoRA rank must be an integer >= 1, got {self.rank!r}")
-    if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
-        math.isfinite(self.alpha) and self.alpha > 0):
-      raise ValueError(f"LoRA alpha must be a positive number, got {self.alpha!r}")
-    if isinstance(self.targets, str):
-      try:
-        re.compile(self.targets)
-      except re.error as e:
-        raise ValueError(f"LoRA targets {self.targets!r} is not a regular expression: {e}"
-                         ) from None
-    elif not (isinstance(self.targets, tuple) and self.targets
-              and all(isinstance(t, str) and t for t in self.targets)):
-      raise TypeError(f"LoRA targets must be a regex string or a non-empty tuple of module "
-                      f"names, got {self.targets!r}")
+    if isinstance(self.targets, list):       # PEFT's JSON list of module names
+      object.__setattr__(self, "targets", tuple(self.targets))
 
   @property
   def scale(self) -> float:
@@ -75,6 +74,44 @@ class LoraSettings:
     if isinstance(self.targets, str):
       return re.fullmatch(self.targets, path) is not None
     return any(path == t or path.endswith("." + t) for t in self.targets)
+
+
+def check_lora_config(config: LoraConfig, *, name=lambda field: f"LoRA {field}") -> None:
+  """Check that :func:`apply_lora` can build ``config``.
+
+  Args:
+    config: the adapters' settings.
+    name: how a message names a field (the run config says ``lora.rank``).
+
+  Raises:
+    ValueError: a rank that is not an integer >= 1, an alpha that is not a
+      positive number, or targets that are not a regular expression.
+    TypeError: targets that are neither a string nor a non-empty tuple of
+      module names.
+
+  >>> check_lora_config(LoraConfig(rank=0))
+  Traceback (most recent call last):
+  ...
+  ValueError: LoRA rank must be an integer >= 1, got 0
+  """
+  if not isinstance(config, LoraConfig):
+    raise TypeError(f"expected a LoraConfig, got {type(config).__name__}")
+  rank, alpha, targets = config.rank, config.alpha, config.targets
+  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    raise ValueError(f"{name('rank')} must be an integer >= 1, got {rank!r}")
+  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
+      math.isfinite(alpha) and alpha > 0):
+    raise ValueError(f"{name('alpha')} must be a positive number, got {alpha!r}")
+  if isinstance(targets, str):
+    try:
+      re.compile(targets)
+    except re.error as e:
+      raise ValueError(f"{name('targets')} {targets!r} is not a regular expression: {e}"
+                       ) from None
+  elif not (isinstance(targets, tuple) and targets
+            and all(isinstance(t, str) and t for t in targets)):
+    raise TypeError(f"{name('targets')} must be a regex string or a non-empty tuple of module "
+                    f"names, got {targets!r}")
 
 
 def _peft_init(key, shape, dtype=jnp.float32):
@@ -90,7 +127,7 @@ def _zeros(key, shape, dtype=jnp.float32):
   return jnp.zeros(shape, jnp.float32)
 
 
-def _provider(module_path: str, settings: LoraSettings):
+def _provider(module_path: str, settings: LoraConfig):
   """qwix's LoRA provider, with PEFT's numerics: float32 adapters whose sum
   with the base projection is cast back to the base output's dtype."""
   import qwix
@@ -145,18 +182,27 @@ def _example_inputs(model):
                   f"give the model an example_inputs() method returning (args, kwargs))")
 
 
-def apply_lora(model: nnx.Module, *example_inputs, rank: int, alpha: float = 8.0,
-               targets: str | Sequence[str] = DEFAULT_LORA_TARGETS, use_rslora: bool = False,
-               seed: int = 0, method: str | None = None, **example_kwargs) -> nnx.Module:
-  """A copy of ``model`` with LoRA adapters on the ``targets`` projections.
+def apply_lora(model: nnx.Module, config: LoraConfig, *example_inputs, seed: int = 0,
+               method: str | None = None, **example_kwargs) -> nnx.Module:
+  """Add LoRA adapters to a copy of ``model`` on ``config.targets``' projections.
 
   qwix runs the model once on ``example_inputs`` (any values of the right
   structure; without them, the model's own ``example_inputs()`` method's
   ``(args, kwargs)``: a Gemma 4 makes an 8-token batch) to create the adapters.
-  ``method`` is the model method qwix intercepts: default
-  ``hidden_states`` when the model has one (Gemma 4; its ``__call__`` goes
-  through it), else ``__call__``. Adapters are float32, ``A`` seeded by
-  ``seed``; the base keeps its dtype.
+  Adapters are float32, ``A`` seeded by ``seed``; the base keeps its dtype.
+
+  Args:
+    model: a Flax NNX module without adapters.
+    config: the rank, alpha, targets and scaling (``base_dtype`` and
+      ``merge`` are the training job's: not read here).
+    *example_inputs, **example_kwargs: what the model runs on once.
+    seed: seeds ``A``.
+    method: the model method qwix intercepts: default ``hidden_states``
+      when the model has one (Gemma 4; its ``__call__`` goes through it),
+      else ``__call__``.
+
+  Returns:
+    The adapted model; its ``lora_config`` is ``config``.
 
   Raises ``ValueError`` when a target matches no module, or matches a
   module that runs no intercepted product on a parameter of its own (an
@@ -171,7 +217,7 @@ def apply_lora(model: nnx.Module, *example_inputs, rank: int, alpha: float = 8.0
     ...     return self.down(jax.nn.relu(self.up(x)))
     >>> base = Tiny(nnx.Rngs(0))
     >>> x = np.ones((3, 4), np.float32)
-    >>> model = apply_lora(base, x, rank=2, alpha=4.0, targets=("up", "down"))
+    >>> model = apply_lora(base, LoraConfig(rank=2, alpha=4.0, targets=("up", "down")), x)
     >>> sorted(adapted_modules(model)), model.up.kernel_lora_a.shape, model.up.kernel_lora_b.shape
     (['down', 'up'], (4, 2), (2, 8))
     >>> bool(jnp.array_equal(model(x), base(x)))        # B starts at zero
@@ -182,8 +228,11 @@ def apply_lora(model: nnx.Module, *example_inputs, rank: int, alpha: float = 8.0
   """
   import qwix
 
-  settings = LoraSettings(rank=rank, alpha=float(alpha), use_rslora=bool(use_rslora),
-                          targets=targets if isinstance(targets, str) else tuple(targets))
+  if not isinstance(config, LoraConfig):
+    raise TypeError(f"apply_lora's config must be a LoraConfig (LoraConfig(rank=...)), got "
+                    f"{type(config).__name__}")
+  check_lora_config(config)
+  settings = config
   if not isinstance(model, nnx.Module):
     raise TypeError(f"apply_lora takes a Flax NNX module, got {type(model).__name__}")
   if adapted_modules(model):
@@ -221,7 +270,7 @@ def apply_lora(model: nnx.Module, *example_inputs, rank: int, alpha: float = 8.0
                      f"adapters (no jnp.einsum / lax.dot_general / jnp.dot on a parameter of "
                      f"their own while {method} runs): {missing[:6]}"
                      f"{' ...' if len(missing) > 6 else ''}")
-  adapted.lora_settings = settings
+  adapted.lora_config = settings
   return adapted
 
 
@@ -287,9 +336,9 @@ def lora_param_count(model: nnx.Module) -> int:
              if isinstance(v, nnx.LoRAParam))
 
 
-def _settings(model) -> LoraSettings:
-  settings = getattr(model, "lora_settings", None)
-  if not isinstance(settings, LoraSettings):
+def _settings(model) -> LoraConfig:
+  settings = getattr(model, "lora_config", None)
+  if not isinstance(settings, LoraConfig):
     raise ValueError("the model has no LoRA settings: build it with apply_lora or load_adapter")
   return settings
 
@@ -323,7 +372,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
   ...   def __call__(self, x):
   ...     return self.proj(x)
   >>> x = np.arange(6, dtype=np.float32).reshape(2, 3)
-  >>> model = apply_lora(One(nnx.Rngs(0)), x, rank=1, alpha=2.0, targets=("proj",))
+  >>> model = apply_lora(One(nnx.Rngs(0)), LoraConfig(rank=1, alpha=2.0, targets=("proj",)), x)
   >>> model.proj.kernel_lora_b.set_value(jnp.ones((1, 2)))
   >>> merged = merge_lora(model)
   >>> type(merged).__name__, sorted(adapted_modules(merged))
@@ -346,6 +395,6 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     for attr in ("qwix_path", "qwix_rngs", "disable_quant_stats_update"):
       if attr in vars(module):
         delattr(module, attr)
-  del model.lora_settings
+  del model.lora_config
   model.__class__ = model.__class__._unquantized_type  # qwix's subclass of the model's class
   return model

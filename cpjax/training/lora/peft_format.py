@@ -13,6 +13,7 @@ Shape letters: ``I`` a projection's input width, ``O`` its output width,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from cpjax.training.lora.adapters import (
-  LoraSettings,
+  LoraConfig,
   _adapter_pairs,
   _module_paths,
   _settings,
@@ -95,8 +96,8 @@ _UNSUPPORTED = {
 }
 
 
-def read_adapter_config(path) -> LoraSettings:
-  """The :class:`LoraSettings` of a PEFT adapter directory's
+def read_adapter_config(path) -> LoraConfig:
+  """The :class:`LoraConfig` of a PEFT adapter directory's
   ``adapter_config.json``; ``ValueError`` naming the field for what cpjax
   does not compute (DoRA, biases, per-module ranks ...)."""
   file = os.path.join(path, ADAPTER_CONFIG_FILE)
@@ -113,7 +114,7 @@ def read_adapter_config(path) -> LoraSettings:
   targets = config.get("target_modules")
   if targets is None:
     raise ValueError(f"{file}: target_modules is missing")
-  return LoraSettings(rank=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
+  return LoraConfig(rank=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
                       targets=targets if isinstance(targets, str) else tuple(targets),
                       use_rslora=bool(config.get("use_rslora", False)))
 
@@ -154,9 +155,9 @@ def load_adapter(model: nnx.Module, path, *example_inputs, **example_kwargs) -> 
     raise ValueError(f"{weights_file}: adapters for modules outside target_modules "
                      f"{settings.targets!r}: {stray[:6]}")
   exact = "|".join(re.escape(p) for p in sorted(found))
-  adapted = apply_lora(model, *example_inputs, rank=settings.rank, alpha=settings.alpha,
-                       targets=exact, use_rslora=settings.use_rslora, **example_kwargs)
-  adapted.lora_settings = settings
+  exact_config = dataclasses.replace(settings, targets=exact)
+  adapted = apply_lora(model, exact_config, *example_inputs, **example_kwargs)
+  adapted.lora_config = settings
   for module_path, module in adapted_modules(adapted).items():
     (a, b), = _adapter_pairs(module).values()
     want_a, want_b = found[module_path]["A"].T, found[module_path]["B"].T

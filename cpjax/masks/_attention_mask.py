@@ -3,7 +3,7 @@
 :class:`AttentionMask` is a pytree whose leaves are the arrays; its rule is
 static and hashable. :class:`MaskSpec` is the static part of the standard
 mask, and :func:`resolve_mask` turns the attention functions' keywords into
-an :class:`AttentionMask`. The rules are :mod:`cpjax.masks.rules`.
+an :class:`AttentionMask`. The rules are :mod:`cpjax.masks._rules`.
 
 Shape letters: ``B`` batch, ``S`` tokens, ``T`` tokens the arrays cover.
 """
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpjax import checks
-from cpjax.masks.rules import (
+from cpjax.masks._rules import (
   ARRAY_KINDS,
   KeyNotPadding,
   LocalWindow,

@@ -12,7 +12,7 @@ accumulators so every gradient arrives home: per-device memory is O(L).
 
 Each hop's compute has two backends: the portable XLA tile loop (a
 ``fori_loop`` over the hop's non-empty tiles), or the fused Pallas kernels of
-:mod:`cpjax.kernels`, which fold a visiting chunk into (out, lse) that the
+:mod:`cpjax.ring.kernels`, which fold a visiting chunk into (out, lse) that the
 ring merges.
 
 Shape letters: ``B`` batch, ``L`` local tokens, ``Hkv`` key/value heads,
@@ -31,14 +31,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cpjax.kernels import common as kernel_common
-from cpjax.kernels.common import KernelParams, filled_after
-from cpjax.kernels.common import vary_like as _vary_like
-from cpjax.kernels.common import varying_axes as _varying_axes
-from cpjax.kernels.targets import TARGETS, platform_guard
 from cpjax.layout import ShardLayout, local_token_indices
 from cpjax.masks import MaskRule, Tokens
-from cpjax.ring_schedule import RingPlan
+from cpjax.parallel import filled_after
+from cpjax.parallel import vary_like as _vary_like
+from cpjax.parallel import varying_axes as _varying_axes
+from cpjax.ring._schedule import RingPlan
+from cpjax.ring.kernels import _common as kernel_common
+from cpjax.ring.kernels._common import KernelParams
+from cpjax.ring.kernels._targets import TARGETS, platform_guard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ class _Config:
   @property
   def schedule_blocks(self) -> tuple[int, int]:
     """(query tokens, keys) per block of a kernel hop's schedule (see
-    :meth:`cpjax.kernels.targets.KernelTarget.schedule_blocks`)."""
+    :meth:`cpjax.ring.kernels.KernelTarget.schedule_blocks`)."""
     return TARGETS[self.implementation].schedule_blocks(
         self.block_q, self.block_kv, chunk_len=self.layout.chunk_len,
         local_len=self.layout.local_seq_len)
@@ -220,9 +221,9 @@ def _xla_fold(cfg: _Config, q, q_info: Tokens):
 def _kernels(cfg: _Config):
   """The module holding ``cfg.implementation``'s kernels (imported on first use)."""
   if cfg.implementation == "pallas_tpu":
-    from cpjax.kernels import tpu as module
+    from cpjax.ring.kernels import _tpu as module
   else:
-    from cpjax.kernels import gpu as module
+    from cpjax.ring.kernels import _gpu as module
   return module
 
 

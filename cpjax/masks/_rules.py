@@ -1,7 +1,7 @@
 """Mask rules: the token-level predicate, the block map and the reach of each rule.
 
 See :mod:`cpjax.masks` for the rules' semantics; the mask object that pairs a
-rule with its per-token arrays is :mod:`cpjax.masks.attention_mask`.
+rule with its per-token arrays is :mod:`cpjax.masks._attention_mask`.
 
 Shape letters: ``B`` batch (``B'`` is B or 1), ``Q``/``K`` query and key
 tokens, ``nq``/``nk`` query and key blocks.

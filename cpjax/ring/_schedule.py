@@ -9,7 +9,7 @@ Everything here is decided before tracing, from the layout and the mask:
 * :func:`default_block_size` and ``_block_sizes``: the ``block_q x
   block_kv`` tiles of one hop, checked against a Pallas target's tiling rules.
 
-The passes that run the schedule are :mod:`cpjax.ring_passes`; the public
+The passes that run the schedule are :mod:`cpjax.ring._passes`; the public
 entry point is :func:`cpjax.ring_attention`.
 """
 
@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cpjax.kernels.targets import TARGETS
 from cpjax.layout import ShardLayout
 from cpjax.masks import AttentionMask, MaskRule, MaskSpec, Reach
+from cpjax.ring.kernels._targets import TARGETS
 
 __all__ = ["DEFAULT_BLOCK", "RingPlan", "default_block_size", "ring_plan"]
 

@@ -2,10 +2,10 @@
 
 ``implementation`` names the backend of every ring hop:
 
-* ``"xla"``: the portable tile loop of :mod:`cpjax.ring_attention` (CPU, or
+* ``"xla"``: the portable tile loop of :mod:`cpjax.ring` (CPU, or
   any backend);
-* ``"pallas_tpu"``: Mosaic kernels (:mod:`cpjax.kernels.tpu`);
-* ``"pallas_gpu"``: Triton kernels (:mod:`cpjax.kernels.gpu`);
+* ``"pallas_tpu"``: Mosaic kernels (:mod:`cpjax.ring.kernels._tpu`);
+* ``"pallas_gpu"``: Triton kernels (:mod:`cpjax.ring.kernels._gpu`);
 * ``None``: the Pallas target of the default backend, XLA on CPU.
 
 A Pallas target compiled for another platform fails when the program is
@@ -132,11 +132,11 @@ class KernelTarget:
 # VMEM for each head dim; Mosaic accepts them for v5e at head dims 256 and
 # 512, bfloat16 and float32 (tests/test_compile_targets.py). GPU: the largest
 # tiles that ptxas compiles for sm_90a (8 warps) without spilling registers,
-# read from ptxas -v (cpjax.kernels.ptxas) on the ring's three kernels; with
+# read from ptxas -v (cpjax.ring.kernels.ptxas) on the ring's three kernels; with
 # float32 inputs at head dims 256 and 512 even 16 x 16 tiles spill in dK/dV
 # (tests/test_compile_targets.py records how much). Those small tiles are why
 # only the GPU groups its schedule's tiles (schedule_tiles); the TPU's are 256
-# to 1024 rows, and their tables go to SMEM in pieces (cpjax.kernels.tpu).
+# to 1024 rows, and their tables go to SMEM in pieces (cpjax.ring.kernels._tpu).
 # Neither is tuned for speed on hardware yet: see benchmarks/accelerator.py.
 TARGETS = {
     "pallas_tpu": KernelTarget("pallas_tpu", ("tpu",),

@@ -11,7 +11,7 @@ dK/dV accumulators so every gradient arrives home: per-device memory is O(L).
 
 Each hop's compute has two backends (``implementation``): the portable XLA
 tile loop below (a ``fori_loop`` over the hop's non-empty tiles), or fused
-Pallas kernels for TPU (Mosaic) and GPU (Triton) from :mod:`cpjax.kernels`,
+Pallas kernels for TPU (Mosaic) and GPU (Triton) from :mod:`cpjax.ring.kernels`,
 which fold a visiting chunk into (out, lse) that the ring merges, and take the
 saved global lse for their dq and dk/dv kernels. Both read the same per-hop
 tile schedule from the mask's block map and keep the same ring around them.
@@ -32,7 +32,7 @@ g), k/v [B, Hkv, L, D]. A query tile is then ``bq*G`` consecutive rows and
 every tile product is a plain 4-D matmul, with no layout copies on CPU.
 
 This module checks the inputs and runs the ring; the static schedule is
-:mod:`cpjax.ring_schedule` and the passes are :mod:`cpjax.ring_passes`.
+:mod:`cpjax.ring._schedule` and the passes are :mod:`cpjax.ring._passes`.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from cpjax import checks
-from cpjax.kernels.common import KernelParams
-from cpjax.kernels.common import vary_like as _vary_like
-from cpjax.kernels.targets import resolve_implementation
 from cpjax.layout import ShardLayout
 from cpjax.masks import AttentionMask, resolve_mask
-from cpjax.ring_passes import _Config, _ring
-from cpjax.ring_schedule import RingPlan, _block_sizes, default_block_size, ring_plan
+from cpjax.parallel import vary_like as _vary_like
+from cpjax.ring._passes import _Config, _ring
+from cpjax.ring._schedule import _block_sizes, ring_plan
+from cpjax.ring.kernels._common import KernelParams
+from cpjax.ring.kernels._targets import resolve_implementation
 
-__all__ = ["RingPlan", "default_block_size", "ring_attention", "ring_plan"]
+__all__ = ["ring_attention"]
 
 
 def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
@@ -86,7 +86,7 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
     logits_soft_cap: ``c`` for ``c * tanh(logits / c)``.
     block_q, block_kv: tile sizes in tokens; must divide ``layout.chunk_len``
       (default: :func:`default_block_size` for XLA, the target's tile record
-      for Pallas; see :mod:`cpjax.kernels.targets`).
+      for Pallas; see :mod:`cpjax.ring.kernels`).
     implementation: the per-hop backend: ``"xla"`` (a tile loop, any
       backend), ``"pallas_tpu"`` or ``"pallas_gpu"`` (fused kernels), or
       None for the default backend's Pallas target (XLA on CPU).

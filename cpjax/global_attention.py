@@ -23,10 +23,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from cpjax import checks
-from cpjax.kernels.targets import mesh_platform, resolve_implementation
 from cpjax.layout import ShardLayout, rank_order
 from cpjax.masks import AttentionMask, resolve_mask
-from cpjax.ring_attention import ring_attention
+from cpjax.ring import ring_attention
+from cpjax.ring.kernels import mesh_platform, resolve_implementation
 from cpjax.streams import _gather_dim, _mesh_axis_size, _place, take_rows
 
 __all__ = ["context_parallel_attention", "from_rank_order", "to_rank_order"]

@@ -27,56 +27,12 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from cpjax.kernels import interpret as _interpret
 from cpjax.masks import BlockMap, MaskRule, Tokens
-from cpjax.mesh import BATCH_AXES, HEAD_AXIS
+from cpjax.parallel import BATCH_AXES, HEAD_AXIS, vary_over, varying_axes
+from cpjax.ring.kernels import _interpret
 
-__all__ = ["KernelParams", "Metadata", "Schedule", "f32_like", "filled_after", "fold_tile",
-           "grad_tile", "manual_over_mesh", "metadata", "schedule", "tile_mask", "vary_like",
-           "varying_axes"]
-
-
-def varying_axes(x) -> frozenset:
-  """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
-  mat = getattr(jax.typeof(x), "manual_axis_type", None)
-  return getattr(mat, "varying", frozenset())
-
-
-def vary_like(x, ref):
-  """``x`` made varying over the mesh axes ``ref`` varies over (check_vma)."""
-  missing = tuple(sorted(varying_axes(ref) - varying_axes(x)))
-  return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _vary_over(x, axes: frozenset):
-  missing = tuple(sorted(axes - varying_axes(x)))
-  return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def filled_after(ref, shape, fill=0.0, dtype=jnp.float32):
-  """``fill`` everywhere in ``shape``, varying as ``ref`` does, and computed
-  from ``ref``: an accumulator's initial value that no schedule can build
-  before ``ref`` exists.
-
-  A constant fill (``jnp.zeros``) is one broadcast, which XLA shares between
-  every layer's loops; XLA:CPU builds it when the program starts and copies
-  it for each loop there, so every copy stays alive until its loop runs
-  (1.5 GiB of zeros through the step on the E2B slice at S = 131072, cp = 8).
-  A zero made from ``ref``'s first value (0 whatever it is, even NaN) ties
-  the fill to ``ref`` by data. It passes an optimization barrier with that
-  value: XLA:GPU's simplifier otherwise folds ``convert(pred) * 0`` to a
-  constant and fuses every such fill into one operandless fusion, all of
-  them alive from the step's start.
-
-  >>> filled_after(jnp.ones(3), (2,), -jnp.inf)
-  Array([-inf, -inf], dtype=float32)
-  """
-  out = jnp.full(shape, fill, dtype)
-  if ref.size:                # (an empty ref has nothing to wait for)
-    first = ref.reshape(-1)[0]
-    zero, _ = lax.optimization_barrier(((first != first).astype(dtype) * 0, first))
-    out = out + zero                                    # 0 or 0 * 1: never NaN
-  return vary_like(out, ref)
+__all__ = ["KernelParams", "Metadata", "Schedule", "f32_like", "fold_tile",
+           "grad_tile", "manual_over_mesh", "metadata", "schedule", "tile_mask"]
 
 
 def f32_like(shape, ref) -> jax.ShapeDtypeStruct:
@@ -256,7 +212,7 @@ def manual_over_mesh(kernel):
     def local(*operands):
       # A pallas_call's operands vary over the same mesh axes as its results.
       axes = frozenset().union(*map(varying_axes, jax.tree.leaves(operands)))
-      return kernel(params, *jax.tree.map(lambda x: _vary_over(x, axes), operands))
+      return kernel(params, *jax.tree.map(lambda x: vary_over(x, axes), operands))
 
     return jax.shard_map(local, in_specs=specs, out_specs=P(over_b, over_h),
                          axis_names=set(free))(*operands)
@@ -267,7 +223,7 @@ def manual_over_mesh(kernel):
 def launch(params: KernelParams, make_call, *args):
   """Run ``make_call(interpret=...)`` (a partial ``pl.pallas_call``) on ``args``:
   compiled for its target, or in Pallas' HLO interpreter when
-  ``params.interpret`` (see :mod:`cpjax.kernels.interpret`)."""
+  ``params.interpret`` (see :mod:`cpjax.ring.kernels._interpret`)."""
   if not params.interpret:
     return make_call(interpret=False)(*args)
   if not isinstance(params.interpret, bool):
