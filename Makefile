@@ -24,8 +24,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
-# ruff: pyflakes, pycodestyle and import order ([tool.ruff] in pyproject.toml).
+# ruff: the formatter (2-space indent, 100 columns) and pyflakes, pycodestyle
+# and import order ([tool.ruff] in pyproject.toml). `ruff format .` fixes
+# what `--check` reports.
 lint: $(STAMP)
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
 # Every property test with 200 examples each, the slow-marked cases and the

@@ -39,7 +39,7 @@ from benchmarks.common import median_time, print_table, write_json  # noqa: E402
 from cpjax.ring.kernels import resolve_implementation  # noqa: E402
 
 D = 128
-FLOPS_PER_PAIR = 12 * D   # forward + backward, per head
+FLOPS_PER_PAIR = 12 * D  # forward + backward, per head
 
 
 def allowed_pairs(s: int, *, window: int | None, docs: int) -> int:
@@ -55,16 +55,22 @@ def allowed_pairs(s: int, *, window: int | None, docs: int) -> int:
 
 def cases(smoke: bool):
   if smoke:
-    return [dict(name="causal", s=256, hkv=16, window=None, docs=1),
-            dict(name="causal gqa", s=256, hkv=4, window=None, docs=1),
-            dict(name="window 64", s=256, hkv=16, window=64, docs=1),
-            dict(name="8 documents", s=256, hkv=16, window=None, docs=8)]
+    return [
+      dict(name="causal", s=256, hkv=16, window=None, docs=1),
+      dict(name="causal gqa", s=256, hkv=4, window=None, docs=1),
+      dict(name="window 64", s=256, hkv=16, window=64, docs=1),
+      dict(name="8 documents", s=256, hkv=16, window=None, docs=8),
+    ]
   out = []
   for s in (8192, 32768, 131072):
-    out += [dict(name="causal", s=s, hkv=16, window=None, docs=1),
-            dict(name="causal gqa", s=s, hkv=4, window=None, docs=1)]
-  out += [dict(name="window 1024", s=32768, hkv=16, window=1024, docs=1),
-          dict(name="8 documents", s=32768, hkv=16, window=None, docs=8)]
+    out += [
+      dict(name="causal", s=s, hkv=16, window=None, docs=1),
+      dict(name="causal gqa", s=s, hkv=4, window=None, docs=1),
+    ]
+  out += [
+    dict(name="window 1024", s=32768, hkv=16, window=1024, docs=1),
+    dict(name="8 documents", s=32768, hkv=16, window=None, docs=8),
+  ]
   return out
 
 
@@ -78,9 +84,17 @@ def cpjax_attention(implementation: str, interpret: bool, case):
   seg = documents(s, case["docs"]) if case["docs"] > 1 else None
 
   def attend(q, k, v):
-    return cpjax.ring_attention(q, k, v, layout=lay, sliding_window=case["window"],
-                                segment_ids=seg, implementation=implementation,
-                                interpret=interpret)
+    return cpjax.ring_attention(
+      q,
+      k,
+      v,
+      layout=lay,
+      sliding_window=case["window"],
+      segment_ids=seg,
+      implementation=implementation,
+      interpret=interpret,
+    )
+
   return attend
 
 
@@ -90,28 +104,37 @@ def vendor_attention(platform: str, case, *, interpret: bool = False):
   if platform != "tpu":
     name = "cuDNN" if platform == "gpu" else "jax.nn (xla)"
     if case["docs"] > 1:
-      return None, "n/a (no document mask)"   # jax.nn.dot_product_attention has none
+      return None, "n/a (no document mask)"  # jax.nn.dot_product_attention has none
     local = None if window is None else (window - 1, 0)
-    return functools.partial(jax.nn.dot_product_attention, is_causal=True,
-                             local_window_size=local,
-                             implementation="cudnn" if platform == "gpu" else "xla"), name
+    return functools.partial(
+      jax.nn.dot_product_attention,
+      is_causal=True,
+      local_window_size=local,
+      implementation="cudnn" if platform == "gpu" else "xla",
+    ), name
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
   hq, hkv = 16, case["hkv"]
-  one = (masks.CausalMask((s, s)) if window is None else
-         masks.LocalMask((s, s), (window - 1, 0), offset=0))
+  one = (
+    masks.CausalMask((s, s))
+    if window is None
+    else masks.LocalMask((s, s), (window - 1, 0), offset=0)
+  )
   kernel = splash.make_splash_mqa_single_device(
-      masks.MultiHeadMask([one] * (hq // hkv)), interpret=interpret)
+    masks.MultiHeadMask([one] * (hq // hkv)), interpret=interpret
+  )
   seg = documents(s, case["docs"])[0] if case["docs"] > 1 else None
 
-  def attend(q, k, v):   # [B, S, H, D] -> splash's [H, S, D] per row and KV head
-    scale = D ** -0.5
+  def attend(q, k, v):  # [B, S, H, D] -> splash's [H, S, D] per row and KV head
+    scale = D**-0.5
     qh = (q * scale).transpose(0, 2, 1, 3).reshape(q.shape[0], hkv, hq // hkv, s, D)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     ids = None if seg is None else splash.SegmentIds(q=seg, kv=seg)
     run = lambda qg, kg, vg: kernel(qg, kg, vg, segment_ids=ids)  # noqa: E731
     out = jax.vmap(jax.vmap(run))(qh, kh, vh)
     return out.reshape(q.shape[0], hq, s, D).transpose(0, 2, 1, 3)
+
   return attend, "splash"
 
 
@@ -122,18 +145,26 @@ def time_fwd_bwd(attend, case, repeats: int) -> float:
   k = jax.random.normal(keys[1], (1, s, hkv, D), jnp.bfloat16)
   v = jax.random.normal(keys[2], (1, s, hkv, D), jnp.bfloat16)
   w = jax.random.normal(keys[3], (1, s, 16, D), jnp.float32)
-  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * w),
-                          argnums=(0, 1, 2)))
+  grad = jax.jit(
+    jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2))
+  )
   return median_time(lambda: jax.block_until_ready(grad(q, k, v)), repeats=repeats)
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--smoke", action="store_true",
-                      help="tiny shapes, Pallas GPU kernels in the interpreter (any machine)")
+  parser.add_argument(
+    "--smoke",
+    action="store_true",
+    help="tiny shapes, Pallas GPU kernels in the interpreter (any machine)",
+  )
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--max-xla-seq-len", type=int, default=32768,
-                      help="skip cpjax XLA above this length (its tile loop is sequential)")
+  parser.add_argument(
+    "--max-xla-seq-len",
+    type=int,
+    default=32768,
+    help="skip cpjax XLA above this length (its tile loop is sequential)",
+  )
   args = parser.parse_args(argv)
 
   platform = jax.devices()[0].platform
@@ -161,23 +192,39 @@ def main(argv=None):
         continue
       row[f"{label} ms"] = seconds * 1e3
       row[f"{label} TFLOP/s"] = tflop / seconds
-      print(f"  {case['name']} S={case['s']} {label}: {seconds * 1e3:.2f} ms "
-            f"({time.perf_counter() - start:.0f} s with compile)", flush=True)
+      print(
+        f"  {case['name']} S={case['s']} {label}: {seconds * 1e3:.2f} ms "
+        f"({time.perf_counter() - start:.0f} s with compile)",
+        flush=True,
+      )
     if "pallas ms" in row and "vendor ms" in row:
       row["fraction of vendor"] = row["vendor ms"] / row["pallas ms"]
     if "pallas ms" in row and "xla ms" in row:
       row["pallas / xla"] = row["xla ms"] / row["pallas ms"]
     rows.append(row)
-  columns = ["case", "S", "Hq/Hkv", "pallas ms", "pallas TFLOP/s", "xla ms", "vendor",
-             "vendor ms", "vendor TFLOP/s", "fraction of vendor", "pallas / xla"]
+  columns = [
+    "case",
+    "S",
+    "Hq/Hkv",
+    "pallas ms",
+    "pallas TFLOP/s",
+    "xla ms",
+    "vendor",
+    "vendor ms",
+    "vendor TFLOP/s",
+    "fraction of vendor",
+    "pallas / xla",
+  ]
   print_table(rows, columns)
   errors = [(r["case"], r["S"], k, v) for r in rows for k, v in r.items() if k.endswith("error")]
   for e in errors:
     print("error:", *e)
-  if args.smoke:   # a check that the script runs, not a measurement
+  if args.smoke:  # a check that the script runs, not a measurement
     return
-  path = write_json("accelerator", {"implementation": implementation, "D": D,
-                                    "flops_per_pair": FLOPS_PER_PAIR, "rows": rows})
+  path = write_json(
+    "accelerator",
+    {"implementation": implementation, "D": D, "flops_per_pair": FLOPS_PER_PAIR, "rows": rows},
+  )
   print(f"wrote {path}")
 
 

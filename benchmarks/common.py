@@ -36,12 +36,12 @@ def machine() -> dict:
   import jax
 
   return {
-      "platform": jax.devices()[0].platform,
-      "device_kind": jax.devices()[0].device_kind,
-      "devices": len(jax.devices()),
-      "cpu_count": os.cpu_count(),
-      "python": platform.python_version(),
-      "jax": jax.__version__,
+    "platform": jax.devices()[0].platform,
+    "device_kind": jax.devices()[0].device_kind,
+    "devices": len(jax.devices()),
+    "cpu_count": os.cpu_count(),
+    "python": platform.python_version(),
+    "jax": jax.__version__,
   }
 
 

@@ -41,8 +41,10 @@ from benchmarks.memory_scaling import e2b_slice  # noqa: E402
 JUDGES = {"cpu": None, "tpu": "v5e-8", "gpu": "h200-8"}
 JUDGE_CELLS = [c for j in JUDGES for c in (j, f"{j} s")]
 # model -> (its TPU judge, its results' name, its default S and meshes)
-MODELS = {"e2b-slice": ("v5e-8", "compile_targets", [16384, 131072], ["cp=8", "fsdp=2,cp=4"]),
-          "a4b-slice": ("v5p-16", "compile_targets_a4b", [8192, 32768], ["fsdp=2,cp=4,ep=8"])}
+MODELS = {
+  "e2b-slice": ("v5e-8", "compile_targets", [16384, 131072], ["cp=8", "fsdp=2,cp=4"]),
+  "a4b-slice": ("v5p-16", "compile_targets_a4b", [8192, 32768], ["fsdp=2,cp=4,ep=8"]),
+}
 
 
 def a4b_slice():
@@ -52,8 +54,9 @@ def a4b_slice():
 
   from cpjax.models.gemma4 import Gemma4Config
 
-  cfg = Gemma4Config.preset("a4b", num_hidden_layers=2,
-                            layer_types=("sliding_attention", "full_attention"))
+  cfg = Gemma4Config.preset(
+    "a4b", num_hidden_layers=2, layer_types=("sliding_attention", "full_attention")
+  )
   return dataclasses.replace(cfg, vision=None)
 
 
@@ -73,9 +76,12 @@ def _kept_cells(judges, name: str) -> dict:
   if not path.exists():
     return {}
   rerun = {c for j in judges for c in (j, f"{j} s")}
-  return {(r["S"], r["mesh"], r["training"], r["dtype"]):
-          {c: v for c, v in r.items() if c in JUDGE_CELLS and c not in rerun}
-          for r in json.loads(path.read_text())["rows"]}
+  return {
+    (r["S"], r["mesh"], r["training"], r["dtype"]): {
+      c: v for c, v in r.items() if c in JUDGE_CELLS and c not in rerun
+    }
+    for r in json.loads(path.read_text())["rows"]
+  }
 
 
 def main(argv=None) -> None:
@@ -83,17 +89,25 @@ def main(argv=None) -> None:
   parser.add_argument("--model", choices=list(MODELS), default="e2b-slice")
   parser.add_argument("--seq-lens", type=int, nargs="+")
   parser.add_argument("--meshes", nargs="+")
-  parser.add_argument("--trainings", nargs="+", default=["full", "lora"],
-                      choices=["full", "lora"])
-  parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
-                      choices=["bfloat16", "float32"])
-  parser.add_argument("--judges", nargs="*", default=list(JUDGES), choices=list(JUDGES),
-                      help="the compilers to run (none, with --keep: the closed forms "
-                           "recomputed beside the saved cells)")
-  parser.add_argument("--keep", action="store_true",
-                      help="keep the other judges' cells of the rows in "
-                           "results/compile_targets.json (rows of the same S, mesh, "
-                           "training and activations)")
+  parser.add_argument("--trainings", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+  parser.add_argument(
+    "--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"]
+  )
+  parser.add_argument(
+    "--judges",
+    nargs="*",
+    default=list(JUDGES),
+    choices=list(JUDGES),
+    help="the compilers to run (none, with --keep: the closed forms "
+    "recomputed beside the saved cells)",
+  )
+  parser.add_argument(
+    "--keep",
+    action="store_true",
+    help="keep the other judges' cells of the rows in "
+    "results/compile_targets.json (rows of the same S, mesh, "
+    "training and activations)",
+  )
   args = parser.parse_args(argv)
   tpu, name, seq_lens, meshes = MODELS[args.model]
   args.seq_lens, args.meshes = args.seq_lens or seq_lens, args.meshes or meshes
@@ -109,13 +123,23 @@ def main(argv=None) -> None:
     for mesh_text in args.meshes:
       mesh = parse_mesh(mesh_text)
       for training in args.trainings:
-        lora = ({"lora_rank": 16, "base_dtype": "bfloat16"} if training == "lora" else {})
+        lora = {"lora_rank": 16, "base_dtype": "bfloat16"} if training == "lora" else {}
         for dtype in args.dtypes:
-          closed = {p: plan.estimate(cfg, model=args.model, seq_len=seq_len, mesh=mesh,
-                                     dtype=dtype, platform=p, **lora).total / plan.GiB
-                    for p in plan.PLATFORMS}
-          row = {"S": seq_len, "mesh": mesh_text, "training": training, "dtype": dtype,
-                 "closed form": closed["tpu"], "closed form gpu": closed["cuda"]}
+          closed = {
+            p: plan.estimate(
+              cfg, model=args.model, seq_len=seq_len, mesh=mesh, dtype=dtype, platform=p, **lora
+            ).total
+            / plan.GiB
+            for p in plan.PLATFORMS
+          }
+          row = {
+            "S": seq_len,
+            "mesh": mesh_text,
+            "training": training,
+            "dtype": dtype,
+            "closed form": closed["tpu"],
+            "closed form gpu": closed["cuda"],
+          }
           row.update(kept.get((seq_len, mesh_text, training, dtype), {}))
           for judge in args.judges:
             chips = judges[judge]
@@ -124,10 +148,15 @@ def main(argv=None) -> None:
               continue
             start = time.perf_counter()
             try:
-              got = plan.compiled_plan(cfg, model=args.model, seq_len=seq_len, mesh=mesh,
-                                       dtype=dtype, **lora,
-                                       target=None if chips is None else
-                                       targets.parse_target(chips))
+              got = plan.compiled_plan(
+                cfg,
+                model=args.model,
+                seq_len=seq_len,
+                mesh=mesh,
+                dtype=dtype,
+                **lora,
+                target=None if chips is None else targets.parse_target(chips),
+              )
               row[judge] = got.total / plan.GiB
             except Exception as e:  # a compiler's refusal is a result too
               row[judge] = _refusal(e)
@@ -137,10 +166,20 @@ def main(argv=None) -> None:
           sys.stdout.flush()
   print()
   print_table(rows, list(rows[0]))
-  what = {"e2b-slice": "e2b slice: 5 layers (4 sliding + 1 full)",
-          "a4b-slice": "26B-A4B slice: 2 layers (1 sliding + 1 full), 128 experts"}
-  path = write_json(name, {"model": what[args.model], "remat": "full", "unit": "GiB per device",
-                           "judges": judges, "rows": rows})
+  what = {
+    "e2b-slice": "e2b slice: 5 layers (4 sliding + 1 full)",
+    "a4b-slice": "26B-A4B slice: 2 layers (1 sliding + 1 full), 128 experts",
+  }
+  path = write_json(
+    name,
+    {
+      "model": what[args.model],
+      "remat": "full",
+      "unit": "GiB per device",
+      "judges": judges,
+      "rows": rows,
+    },
+  )
   print(f"wrote {path}")
 
 

@@ -26,9 +26,12 @@ CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "tiny_corpu
 def loader_tokens_per_s(batches: int, batch_size: int, seq_len: int) -> tuple[float, float]:
   from cpjax.data.corpus import packed_batches
 
-  it = iter(packed_batches(CORPUS, batch_size=batch_size, seq_len=seq_len, seed=0,
-                           process_index=0, process_count=1))
-  next(it)                                  # open the file, build the first bins
+  it = iter(
+    packed_batches(
+      CORPUS, batch_size=batch_size, seq_len=seq_len, seed=0, process_index=0, process_count=1
+    )
+  )
+  next(it)  # open the file, build the first bins
   start, tokens = time.perf_counter(), 0
   for _ in range(batches):
     tokens += int(next(it)["attention_mask"].sum())
@@ -48,15 +51,30 @@ def main(argv=None):
   from cpjax.training.trainer import run_train_job
 
   loader, fill = loader_tokens_per_s(args.batches, 2, 1024)
-  summary = run_train_job(with_values(RunConfig(), {"dataset.seq_len": 1024, "dataset.batch_size": 2,
-                                                    "optimizer.steps": args.train_steps,
-                                                    "dataset.path": str(CORPUS),
-                                                    "parity_check": False}), log=lambda *_: None)
+  summary = run_train_job(
+    with_values(
+      RunConfig(),
+      {
+        "dataset.seq_len": 1024,
+        "dataset.batch_size": 2,
+        "optimizer.steps": args.train_steps,
+        "dataset.path": str(CORPUS),
+        "parity_check": False,
+      },
+    ),
+    log=lambda *_: None,
+  )
   train = summary["tokens_per_s"]
-  row = {"loader_tokens_per_s": loader, "row_fill": fill, "train_tokens_per_s": train,
-         "loader_over_train": loader / train}
-  print(f"\ndata pipeline: packed_batches B=2 S=1024 on the shipped corpus, {os.cpu_count()} "
-        f"cores; training: tiny Gemma 4, cp=8 on 8 emulated CPU devices")
+  row = {
+    "loader_tokens_per_s": loader,
+    "row_fill": fill,
+    "train_tokens_per_s": train,
+    "loader_over_train": loader / train,
+  }
+  print(
+    f"\ndata pipeline: packed_batches B=2 S=1024 on the shipped corpus, {os.cpu_count()} "
+    f"cores; training: tiny Gemma 4, cp=8 on 8 emulated CPU devices"
+  )
   common.print_table([row], list(row))
   print("wrote", common.write_json("data_pipeline", {"config": vars(args), "result": row}))
 

@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import median_time, print_table, setup_devices, write_json  # noqa: E402
 
 KINDS = ("contiguous", "load_balanced", "document_balanced")
-GEMMA_MIX = (1024,) * 5 + (None,)   # layer windows: five sliding layers per full one
-DISTRIBUTIONS = {            # name: (median, sigma, first document)
-    "log-normal median 4k, sigma 1.0": (4096, 1.0, 0),
-    "log-normal median 16k, sigma 1.0": (16384, 1.0, 0),
-    "one 64k document, then median 2k, sigma 0.8": (2048, 0.8, 65536),
+GEMMA_MIX = (1024,) * 5 + (None,)  # layer windows: five sliding layers per full one
+DISTRIBUTIONS = {  # name: (median, sigma, first document)
+  "log-normal median 4k, sigma 1.0": (4096, 1.0, 0),
+  "log-normal median 16k, sigma 1.0": (16384, 1.0, 0),
+  "one 64k document, then median 2k, sigma 0.8": (2048, 0.8, 65536),
 }
 
 
@@ -67,18 +67,19 @@ def balance_table(s: int, cp: int, rows: int, mesh) -> list[dict]:
   out = []
   for name, (median, sigma, first) in DISTRIBUTIONS.items():
     rng = np.random.default_rng(0)
-    ids = np.stack([packed_row(rng, s, median * s // 131072, sigma, first * s // 131072)
-                    for _ in range(rows)])
-    batch = {"input_ids": np.zeros_like(ids), "labels": np.zeros_like(ids),
-             "_packed_seq_ids": ids}
+    ids = np.stack(
+      [packed_row(rng, s, median * s // 131072, sigma, first * s // 131072) for _ in range(rows)]
+    )
+    batch = {"input_ids": np.zeros_like(ids), "labels": np.zeros_like(ids), "_packed_seq_ids": ids}
     row = {"documents": name}
     for kind in KINDS:
       start = time.perf_counter()
       sharded, lay = cpjax.shard_batch(batch, mesh, layout=kind)
       seconds = time.perf_counter() - start
       # The work each token carries, in the order shard_batch put the tokens.
-      source = np.asarray(sharded.get("_source_index", np.broadcast_to(
-          cpjax.rank_order(lay), ids.shape)))
+      source = np.asarray(
+        sharded.get("_source_index", np.broadcast_to(cpjax.rank_order(lay), ids.shape))
+      )
       work = balance.rank_work(np.take_along_axis(balance.token_work(ids), source, 1), lay)
       row[kind] = float((work.max(1) / work.mean(1)).max())
       if kind == "document_balanced":
@@ -96,11 +97,16 @@ def tile_counts(lay, ids_rank_order, block: int, window: int | None = None):
   import cpjax
   from cpjax.masks import Tokens
 
-  rule = cpjax.AttentionMask.create(causal=True, sliding_window=window,
-                                    segment_ids=ids_rank_order).rule
+  rule = cpjax.AttentionMask.create(
+    causal=True, sliding_window=window, segment_ids=ids_rank_order
+  ).rule
   cp, n = lay.cp_size, lay.local_seq_len
-  info = [Tokens(cpjax.local_token_indices(lay, r),
-                 {"segment_ids": ids_rank_order[:, r * n:(r + 1) * n]}) for r in range(cp)]
+  info = [
+    Tokens(
+      cpjax.local_token_indices(lay, r), {"segment_ids": ids_rank_order[:, r * n : (r + 1) * n]}
+    )
+    for r in range(cp)
+  ]
   counts = np.zeros((cp, cp), np.int64)
   for r in range(cp):
     for s in range(cp):
@@ -137,21 +143,22 @@ def ring_rows(s: int, cp: int, mesh, *, repeats: int) -> list[dict]:
   from cpjax.ring import default_block_size
 
   rng = np.random.default_rng(1)
-  cases = {"packed, median 4k": packed_row(rng, s, 4096 * s // 32768, 1.0)[None],
-           "one document": np.ones((1, s), np.int32)}
+  cases = {
+    "packed, median 4k": packed_row(rng, s, 4096 * s // 32768, 1.0)[None],
+    "one document": np.ones((1, s), np.int32),
+  }
   q = rng.standard_normal((1, s, 8, 64), np.float32)
   k, v = (rng.standard_normal((1, s, 2, 64), np.float32) for _ in range(2))
   out = []
   for case, ids in cases.items():
-    batch = {"input_ids": np.zeros_like(ids), "labels": np.zeros_like(ids),
-             "_packed_seq_ids": ids}
+    batch = {"input_ids": np.zeros_like(ids), "labels": np.zeros_like(ids), "_packed_seq_ids": ids}
     for kind in ("load_balanced", "document_balanced"):
       # Causal without a window: stripes of 256 tokens balance finest.
       sharded, lay = cpjax.shard_batch(batch, mesh, layout=kind, min_stripe_len=256)
       src = sharded.get("_source_index")
       to = lambda x: cpjax.to_rank_order(x, lay, source_index=src)  # noqa: E731
       seg = sharded["_packed_seq_ids"]
-      block = default_block_size(lay.chunk_len)     # the XLA tiles' default
+      block = default_block_size(lay.chunk_len)  # the XLA tiles' default
       path, total = critical_path(tile_counts(lay, np.asarray(seg), block))
 
       def loss(q, k, v, seg=seg, lay=lay):
@@ -166,18 +173,31 @@ def ring_rows(s: int, cp: int, mesh, *, repeats: int) -> list[dict]:
         seconds = median_time(lambda: jax.block_until_ready(compiled(*args)), repeats=repeats)
       # A Gemma-4-like model: five 1024-window layers per full one; its sharder
       # deals stripes at least a window long and balances the layers' mix.
-      w_batch, windowed = cpjax.shard_batch(batch, mesh, layout=kind, min_stripe_len=1024,
-                                            layer_windows=GEMMA_MIX)
-      w_seg, w_block = np.asarray(w_batch["_packed_seq_ids"]), default_block_size(windowed.chunk_len)
+      w_batch, windowed = cpjax.shard_batch(
+        batch, mesh, layout=kind, min_stripe_len=1024, layer_windows=GEMMA_MIX
+      )
+      w_seg, w_block = (
+        np.asarray(w_batch["_packed_seq_ids"]),
+        default_block_size(windowed.chunk_len),
+      )
       w_path = critical_path(tile_counts(windowed, w_seg, w_block, window=1024))[0]
       f_path = critical_path(tile_counts(windowed, w_seg, w_block))[0]
-      out.append({"rows": case, "layout": kind, "stripes/rank": lay.stripes,
-                  "critical path tiles": path, "balance bound tiles": total / cp,
-                  "path / bound": path / (total / cp), "fwd+bwd s (8 dev on 2 cores)": seconds,
-                  "mix: stripes/rank": windowed.stripes,
-                  "mix: window hops": tuple(cpjax.ring_plan(windowed, sliding_window=1024)),
-                  "mix: window layer tiles": w_path, "mix: full layer tiles": f_path,
-                  "mix: 5 x window + full": 5 * w_path + f_path})
+      out.append(
+        {
+          "rows": case,
+          "layout": kind,
+          "stripes/rank": lay.stripes,
+          "critical path tiles": path,
+          "balance bound tiles": total / cp,
+          "path / bound": path / (total / cp),
+          "fwd+bwd s (8 dev on 2 cores)": seconds,
+          "mix: stripes/rank": windowed.stripes,
+          "mix: window hops": tuple(cpjax.ring_plan(windowed, sliding_window=1024)),
+          "mix: window layer tiles": w_path,
+          "mix: full layer tiles": f_path,
+          "mix: 5 x window + full": 5 * w_path + f_path,
+        }
+      )
   return out
 
 
@@ -193,26 +213,43 @@ def main(argv=None) -> None:
   s_balance, s_ring, rows, repeats = (16384, 8192, 2, 1) if args.quick else (131072, 32768, 6, 3)
 
   balance = balance_table(s_balance, cp, rows, mesh)
-  print(f"\nBusiest rank's work / mean, S = {s_balance}, cp = {cp}, {rows} rows each "
-        "(max over rows)")
+  print(
+    f"\nBusiest rank's work / mean, S = {s_balance}, cp = {cp}, {rows} rows each (max over rows)"
+  )
   print_table(balance, ["documents", *KINDS, "shard_batch s/row"])
 
   ring = ring_rows(s_ring, cp, mesh, repeats=repeats)
   print(f"\nRing attention fwd+bwd, S = {s_ring}, cp = {cp}, H 8 / Hkv 2, D 64, causal")
-  print_table(ring, ["rows", "layout", "stripes/rank", "critical path tiles",
-                     "balance bound tiles", "path / bound", "fwd+bwd s (8 dev on 2 cores)",
-                     "mix: stripes/rank", "mix: window hops", "mix: window layer tiles",
-                     "mix: full layer tiles", "mix: 5 x window + full"])
+  print_table(
+    ring,
+    [
+      "rows",
+      "layout",
+      "stripes/rank",
+      "critical path tiles",
+      "balance bound tiles",
+      "path / bound",
+      "fwd+bwd s (8 dev on 2 cores)",
+      "mix: stripes/rank",
+      "mix: window hops",
+      "mix: window layer tiles",
+      "mix: full layer tiles",
+      "mix: 5 x window + full",
+    ],
+  )
   by = {(r["rows"], r["layout"]): r for r in ring}
   for case in ("packed, median 4k", "one document"):
     lb, db = by[(case, "load_balanced")], by[(case, "document_balanced")]
-    print(f"{case}: critical path load_balanced / document_balanced = "
-          f"{lb['critical path tiles'] / db['critical path tiles']:.2f}x; wall "
-          f"{lb['fwd+bwd s (8 dev on 2 cores)'] / db['fwd+bwd s (8 dev on 2 cores)']:.2f}x; "
-          f"Gemma mix {lb['mix: 5 x window + full'] / db['mix: 5 x window + full']:.2f}x")
-  path = write_json("document_balance_quick" if args.quick else "document_balance",
-                    {"balance": balance, "ring": ring, "S_balance": s_balance, "S_ring": s_ring,
-                     "cp": cp})
+    print(
+      f"{case}: critical path load_balanced / document_balanced = "
+      f"{lb['critical path tiles'] / db['critical path tiles']:.2f}x; wall "
+      f"{lb['fwd+bwd s (8 dev on 2 cores)'] / db['fwd+bwd s (8 dev on 2 cores)']:.2f}x; "
+      f"Gemma mix {lb['mix: 5 x window + full'] / db['mix: 5 x window + full']:.2f}x"
+    )
+  path = write_json(
+    "document_balance_quick" if args.quick else "document_balance",
+    {"balance": balance, "ring": ring, "S_balance": s_balance, "S_ring": s_ring, "cp": cp},
+  )
   print(f"\nwrote {path}")
 
 

@@ -33,12 +33,24 @@ from benchmarks.common import machine, print_table, setup_devices, write_json  #
 # (mesh without ep, ep): each mesh compiled with the experts FSDP-sharded or
 # replicated (ep = 1), then with ep folded onto its token axes, never dropping
 # a token and with capacity factor CAPACITY.
-MESHES = (({"fsdp": 8}, 8), ({"fsdp": 2, "cp": 4}, 8), ({"cp": 8}, 8),
-          ({"fsdp": 2, "cp": 8}, 16))
+MESHES = (({"fsdp": 8}, 8), ({"fsdp": 2, "cp": 4}, 8), ({"cp": 8}, 8), ({"fsdp": 2, "cp": 8}, 16))
 CAPACITY = 1.25
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "bf16": 2,
+  "f16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+}
 _OP = re.compile(r"= (.+?) (" + "|".join(KINDS) + r")(?:-start)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 
@@ -59,8 +71,9 @@ def collective_bytes(hlo: str, expert_tails: tuple[str, ...]) -> dict:
         n *= int(d)
       size += n * _BYTES[dtype]
     out[m.group(2)] += size
-    if m.group(2) == "all-gather" and any(re.search(rf"\[\d+,{tail}\]", m.group(1))
-                                          for tail in expert_tails):
+    if m.group(2) == "all-gather" and any(
+      re.search(rf"\[\d+,{tail}\]", m.group(1)) for tail in expert_tails
+    ):
       out["expert all-gather"] += size
   return out
 
@@ -77,32 +90,50 @@ def main() -> None:
   cfg = Gemma4Config.preset("a4b", num_hidden_layers=args.layers, layer_types=None)
   t = cfg.text
   i, d = t.moe_intermediate_size, t.hidden_size
-  tails = (f"{2 * i},{d}", f"{d},{2 * i}", f"{d},{i}", f"{i},{d}")   # either orientation
+  tails = (f"{2 * i},{d}", f"{d},{2 * i}", f"{d},{i}", f"{i},{d}")  # either orientation
   rows = []
   for sizes, ep in MESHES:
-    for mesh, capacity in ((sizes, None), ({**sizes, "ep": ep}, None),
-                           ({**sizes, "ep": ep}, CAPACITY)):
+    for mesh, capacity in (
+      (sizes, None),
+      ({**sizes, "ep": ep}, None),
+      ({**sizes, "ep": ep}, CAPACITY),
+    ):
       start = time.perf_counter()
-      step, params, opt_state, _ = plan.compile_step(cfg, seq_len=args.seq_len, mesh=mesh,
-                                                     dtype="float32", capacity_factor=capacity)
+      step, params, opt_state, _ = plan.compile_step(
+        cfg, seq_len=args.seq_len, mesh=mesh, dtype="float32", capacity_factor=capacity
+      )
       seconds = time.perf_counter() - start
       found = collective_bytes(step._compiled().as_text(), tails)
-      experts = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                    for path, x in _leaves(params) if "experts" in path)
+      experts = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for path, x in _leaves(params)
+        if "experts" in path
+      )
       total = sum(found[k] for k in KINDS)
-      row = {"mesh": ",".join(f"{k}={v}" for k, v in mesh.items()),
-             "capacity": "-" if capacity is None else capacity,
-             "expert_GiB": experts / 2 ** 30,
-             **{k.replace(" ", "_").replace("-", "_") + "_GiB": v / 2 ** 30
-                for k, v in found.items()},
-             "total_GiB": total / 2 ** 30, "compile_s": seconds}
+      row = {
+        "mesh": ",".join(f"{k}={v}" for k, v in mesh.items()),
+        "capacity": "-" if capacity is None else capacity,
+        "expert_GiB": experts / 2**30,
+        **{k.replace(" ", "_").replace("-", "_") + "_GiB": v / 2**30 for k, v in found.items()},
+        "total_GiB": total / 2**30,
+        "compile_s": seconds,
+      }
       rows.append(row)
       print_table([row], list(row))
   print()
   print_table(rows, list(rows[0]))
-  write_json("expert_parallel", {"machine": machine(), "layers": args.layers,
-                                 "seq_len": args.seq_len, "model": "a4b", "dtype": "float32",
-                                 "capacity_factor": CAPACITY, "rows": rows})
+  write_json(
+    "expert_parallel",
+    {
+      "machine": machine(),
+      "layers": args.layers,
+      "seq_len": args.seq_len,
+      "model": "a4b",
+      "dtype": "float32",
+      "capacity_factor": CAPACITY,
+      "rows": rows,
+    },
+  )
 
 
 def _leaves(tree):

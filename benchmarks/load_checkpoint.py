@@ -95,8 +95,11 @@ def published_key_set(model: str) -> dict[str, tuple[tuple[int, ...], str]]:
   with torch.device("meta"):
     hf = transformers.Gemma4ForConditionalGeneration(cfg)
   tied = cfg.get_text_config().tie_word_embeddings
-  return {k: (tuple(v.shape), "BF16") for k, v in hf.state_dict().items()
-          if not (tied and k == "lm_head.weight")}
+  return {
+    k: (tuple(v.shape), "BF16")
+    for k, v in hf.state_dict().items()
+    if not (tied and k == "lm_head.weight")
+  }
 
 
 def write_sparse_checkpoint(path: str, model: str) -> int:
@@ -111,7 +114,7 @@ def write_sparse_checkpoint(path: str, model: str) -> int:
     header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
     offset += size
   text = json.dumps(header, separators=(",", ":")).encode()
-  text += b" " * (-len(text) % 8)           # the data starts 8-byte aligned
+  text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
   file = os.path.join(path, "model.safetensors")
   with open(file, "wb") as f:
     f.write(len(text).to_bytes(8, "little"))
@@ -122,10 +125,15 @@ def write_sparse_checkpoint(path: str, model: str) -> int:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model", default="e2b", choices=("e2b", "e4b"),
-                      help="published size (default e2b; e4b needs ~16 GB of RAM per run)")
-  parser.add_argument("--mesh", type=int, nargs="+", default=[1, 8],
-                      help="fsdp sizes to load onto (default 1 8)")
+  parser.add_argument(
+    "--model",
+    default="e2b",
+    choices=("e2b", "e4b"),
+    help="published size (default e2b; e4b needs ~16 GB of RAM per run)",
+  )
+  parser.add_argument(
+    "--mesh", type=int, nargs="+", default=[1, 8], help="fsdp sizes to load onto (default 1 8)"
+  )
   parser.add_argument("--dir", default=None, help="where to write it (default: a temp dir)")
   args = parser.parse_args(argv)
   path = args.dir or tempfile.mkdtemp(prefix="cpjax-ckpt-")
@@ -134,25 +142,37 @@ def main(argv=None):
     size = write_sparse_checkpoint(path, args.model)
     for n in args.mesh:
       env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-      proc = subprocess.run([sys.executable, "-c", CHILD, path, str(n)], capture_output=True,
-                            text=True, env=env)
+      proc = subprocess.run(
+        [sys.executable, "-c", CHILD, path, str(n)], capture_output=True, text=True, env=env
+      )
       if proc.returncode:
         raise RuntimeError(f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
       res = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
       added = res["rss_peak_load"] - res["rss_before"]
-      rows.append({
-          "devices": n, "file_gb": size / 1e9, "model_gb": res["bytes_logical"] / 1e9,
-          "process_share_gb": res["bytes_held"] / 1e9, "load_s": res["load_s"],
+      rows.append(
+        {
+          "devices": n,
+          "file_gb": size / 1e9,
+          "model_gb": res["bytes_logical"] / 1e9,
+          "process_share_gb": res["bytes_held"] / 1e9,
+          "load_s": res["load_s"],
           "gb_per_s": res["bytes_logical"] / 1e9 / res["load_s"],
-          "rss_before_gb": res["rss_before"] / 1e9, "rss_peak_gb": res["rss_peak_load"] / 1e9,
-          "added_x_share": added / res["bytes_held"], "target": TARGET,
-          "ok": added / res["bytes_held"] <= TARGET, "forward_s": res["forward_s"],
-          "logits_finite": res["finite"]})
+          "rss_before_gb": res["rss_before"] / 1e9,
+          "rss_peak_gb": res["rss_peak_load"] / 1e9,
+          "added_x_share": added / res["bytes_held"],
+          "target": TARGET,
+          "ok": added / res["bytes_held"] <= TARGET,
+          "forward_s": res["forward_s"],
+          "logits_finite": res["finite"],
+        }
+      )
   finally:
     if args.dir is None:
       shutil.rmtree(path, ignore_errors=True)
-  print(f"\nload_checkpoint: Gemma4.from_pretrained, published {args.model} key set, bfloat16, "
-        f"sparse single file, {os.cpu_count()} cores")
+  print(
+    f"\nload_checkpoint: Gemma4.from_pretrained, published {args.model} key set, bfloat16, "
+    f"sparse single file, {os.cpu_count()} cores"
+  )
   common.print_table(rows, list(rows[0]))
   print("wrote", common.write_json("load_checkpoint", {"config": vars(args), "rows": rows}))
 

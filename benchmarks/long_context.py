@@ -67,7 +67,8 @@ with ctx:
     t0 = time.perf_counter()
     params, state, metrics = compiled(params, state, batch)
     loss = float(metrics["loss"])
-    out.update(step_s=time.perf_counter() - t0, loss=loss, status="ok" if np.isfinite(loss) else "nan")
+    status = "ok" if np.isfinite(loss) else "nan"
+    out.update(step_s=time.perf_counter() - t0, loss=loss, status=status)
 out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print("RESULT " + json.dumps(out), flush=True)
 """
@@ -76,8 +77,13 @@ print("RESULT " + json.dumps(out), flush=True)
 def run_child(mode: str, s: int, limit_bytes: float, timeout: int) -> dict:
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   try:
-    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(s), str(limit_bytes)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+      [sys.executable, "-c", CHILD, mode, str(s), str(limit_bytes)],
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      env=env,
+    )
   except subprocess.TimeoutExpired:
     return {"status": f"timeout after {timeout} s"}
   for line in proc.stdout.splitlines():
@@ -102,21 +108,28 @@ def main(argv=None):
     while s <= args.max_seq_len:
       print(f"{mode} S={s} ...", flush=True)
       res = run_child(mode, s, 0.9 * ram, args.timeout)
-      rows.append({"mode": "cp=8 ring, remat" if mode == "cp8" else "1 device dense", "S": s,
-                   **res})
+      rows.append(
+        {"mode": "cp=8 ring, remat" if mode == "cp8" else "1 device dense", "S": s, **res}
+      )
       print("  ", res, flush=True)
       if res.get("status") != "ok":
         break
       s *= 2
-  print(f"\nlong context: one training step, tiny Gemma 4, B=1, "
-        f"{ram / 2**30:.0f} GiB RAM, {os.cpu_count()} cores")
-  common.print_table(rows, ["mode", "S", "status", "scratch_mib", "peak_rss_mib", "step_s",
-                            "compile_s"])
-  longest = {m: max([r["S"] for r in rows if r["mode"] == m and r.get("status") == "ok"],
-                    default=None) for m in ("cp=8 ring, remat", "1 device dense")}
+  print(
+    f"\nlong context: one training step, tiny Gemma 4, B=1, "
+    f"{ram / 2**30:.0f} GiB RAM, {os.cpu_count()} cores"
+  )
+  common.print_table(
+    rows, ["mode", "S", "status", "scratch_mib", "peak_rss_mib", "step_s", "compile_s"]
+  )
+  longest = {
+    m: max([r["S"] for r in rows if r["mode"] == m and r.get("status") == "ok"], default=None)
+    for m in ("cp=8 ring, remat", "1 device dense")
+  }
   print("longest S that trains:", longest)
-  print("wrote", common.write_json(args.out, {"config": vars(args), "rows": rows,
-                                                    "longest": longest}))
+  print(
+    "wrote", common.write_json(args.out, {"config": vars(args), "rows": rows, "longest": longest})
+  )
 
 
 if __name__ == "__main__":

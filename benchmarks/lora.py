@@ -60,18 +60,26 @@ def random_bfloat16_model(cfg):
   from cpjax.models.gemma4 import Gemma4
   from cpjax.models.gemma4.layers import Buffer
 
-  model = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
-                                        param_dtype=jnp.bfloat16, remat="full"))
+  model = nnx.eval_shape(
+    lambda: Gemma4(
+      cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat="full"
+    )
+  )
   for i, (path, var) in enumerate(nnx.iter_graph(model)):
     if not isinstance(var, nnx.Variable):
       continue
     name, shape, dtype = str(path[-1]), var.shape, var.dtype
     if isinstance(var, Buffer):
-      fill = {"input_min": -jnp.inf, "output_min": -jnp.inf, "input_max": jnp.inf,
-              "output_max": jnp.inf, "std_bias": 0.0}.get(name, 1.0)
+      fill = {
+        "input_min": -jnp.inf,
+        "output_min": -jnp.inf,
+        "input_max": jnp.inf,
+        "output_max": jnp.inf,
+        "std_bias": 0.0,
+      }.get(name, 1.0)
       var.set_value(jnp.full(shape, fill, dtype))
     elif len(shape) < 2:
-      var.set_value(jnp.ones(shape, dtype))          # norm scales, per-expert scales
+      var.set_value(jnp.ones(shape, dtype))  # norm scales, per-expert scales
     else:
       var.set_value(_normal_rows(np.random.default_rng(i), shape, shape[-1] ** -0.5))
   return model
@@ -89,7 +97,7 @@ def _normal_rows(rng, shape, scale, chunk=8192):
   out = np.empty(shape, ml_dtypes.bfloat16)
   flat = out.reshape(shape[0], -1)
   for start in range(0, shape[0], chunk):
-    rows = flat[start:start + chunk]
+    rows = flat[start : start + chunk]
     rows[...] = (rng.standard_normal(rows.shape, np.float32) * scale).astype(ml_dtypes.bfloat16)
   return jax.device_put(out)
 
@@ -114,8 +122,10 @@ def e2b_step(seq_len: int, steps: int) -> dict:
   optimizer = optax.adamw(1e-4)
   step = training.make_train_step(graphdef, optimizer, frozen=frozen)
   rng = np.random.default_rng(0)
-  batch = gemma4.prepare_batch(gemma4.synthetic_batch(rng, cfg, batch_size=1, seq_len=seq_len,
-                                                      max_docs=2, images_per_row=0), cfg)
+  batch = gemma4.prepare_batch(
+    gemma4.synthetic_batch(rng, cfg, batch_size=1, seq_len=seq_len, max_docs=2, images_per_row=0),
+    cfg,
+  )
   opt_state = optimizer.init(adapters)
   start = time.perf_counter()
   compiled = step.compile(adapters, opt_state, batch)
@@ -126,11 +136,19 @@ def e2b_step(seq_len: int, steps: int) -> dict:
     adapters, opt_state, metrics = compiled(adapters, opt_state, batch)
     losses.append(float(metrics["loss"]))
     times.append(time.perf_counter() - start)
-  return {"model": "e2b", "seq_len": seq_len, "rank": RANK,
-          "adapter_values": lora.lora_param_count(model), "base_gb": base_gb,
-          "make_base_s": made, "make_adapters_s": adapters_s, "compile_s": compile_s,
-          "step_s": float(np.median(times[1:] or times)), "losses": losses,
-          "peak_rss_gb": peak_rss_gb()}
+  return {
+    "model": "e2b",
+    "seq_len": seq_len,
+    "rank": RANK,
+    "adapter_values": lora.lora_param_count(model),
+    "base_gb": base_gb,
+    "make_base_s": made,
+    "make_adapters_s": adapters_s,
+    "compile_s": compile_s,
+    "step_s": float(np.median(times[1:] or times)),
+    "losses": losses,
+    "peak_rss_gb": peak_rss_gb(),
+  }
 
 
 def a4b_slice(seq_len: int, layers: int, steps: int) -> dict:
@@ -145,8 +163,12 @@ def a4b_slice(seq_len: int, layers: int, steps: int) -> dict:
 
   cfg = gemma4.Gemma4Config.from_hf(str(PUBLISHED_A4B))
   text = cfg.text
-  cfg = dataclasses.replace(cfg, text=dataclasses.replace(
-      text, num_hidden_layers=layers, layer_types=tuple(text.layer_types[:layers])))
+  cfg = dataclasses.replace(
+    cfg,
+    text=dataclasses.replace(
+      text, num_hidden_layers=layers, layer_types=tuple(text.layer_types[:layers])
+    ),
+  )
   model = random_bfloat16_model(cfg)
   start = time.perf_counter()
   model = lora.apply_lora(model, lora.LoraConfig(rank=RANK, alpha=2.0 * RANK))
@@ -157,16 +179,24 @@ def a4b_slice(seq_len: int, layers: int, steps: int) -> dict:
   rule = gemma4.partition_rule(cfg, tp=1, expert_axes=experts)
   graphdef, adapters, frozen = lora.split_lora(model)
   sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
-  del model                     # the one-device copy: only the mesh's shards stay
+  del model  # the one-device copy: only the mesh's shards stay
   adapters = parallel.shard_params(adapters, mesh, parallel.param_specs(adapters, mesh, rule=rule))
   frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
   optimizer = optax.adamw(1e-4)
   opt_state = parallel.shard_like_params(optimizer.init(adapters), adapters)
-  raw = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=2, seq_len=seq_len,
-                               max_docs=2, images_per_row=0)
+  raw = gemma4.synthetic_batch(
+    np.random.default_rng(0), cfg, batch_size=2, seq_len=seq_len, max_docs=2, images_per_row=0
+  )
   batch, layout = sharder.shard_batch(raw, mesh, batch_axis="fsdp")
-  step = training.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=frozen,
-                               expert_axes=experts, capacity_factor=1.25)
+  step = training.make_train_step(
+    graphdef,
+    optimizer,
+    mesh=mesh,
+    layout=layout,
+    frozen=frozen,
+    expert_axes=experts,
+    capacity_factor=1.25,
+  )
   start = time.perf_counter()
   compiled = step.compile(adapters, opt_state, batch)
   compile_s = time.perf_counter() - start
@@ -177,24 +207,37 @@ def a4b_slice(seq_len: int, layers: int, steps: int) -> dict:
   available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   times, losses, skipped = [], [], None
   if mesh.size * m.temp_size_in_bytes > available:
-    skipped = (f"the step's temporaries on {mesh.size} emulated devices "
-               f"({mesh.size * m.temp_size_in_bytes / 1e9:.1f} GB) exceed this host's available "
-               f"{available / 1e9:.1f} GB")
+    skipped = (
+      f"the step's temporaries on {mesh.size} emulated devices "
+      f"({mesh.size * m.temp_size_in_bytes / 1e9:.1f} GB) exceed this host's available "
+      f"{available / 1e9:.1f} GB"
+    )
     steps = 0
   for _ in range(steps):
     start = time.perf_counter()
     adapters, opt_state, metrics = compiled(adapters, opt_state, batch)
     losses.append(float(metrics["loss"]))
     times.append(time.perf_counter() - start)
-  gib = 2 ** 30
-  return {"model": "a4b", "layers": layers, "seq_len": seq_len, "batch_size": 2,
-          "mesh": "fsdp=2,cp=2,ep=4", "capacity_factor": 1.25, "rank": RANK,
-          "adapter_values": adapter_values,
-          "arguments_gib": m.argument_size_in_bytes / gib,
-          "temporaries_gib": m.temp_size_in_bytes / gib, "per_device_gib": per_device / gib,
-          "make_adapters_s": adapters_s, "compile_s": compile_s,
-          "step_s": float(np.median(times[1:] or times)) if times else None,
-          "step_skipped": skipped, "losses": losses, "peak_rss_gb": peak_rss_gb()}
+  gib = 2**30
+  return {
+    "model": "a4b",
+    "layers": layers,
+    "seq_len": seq_len,
+    "batch_size": 2,
+    "mesh": "fsdp=2,cp=2,ep=4",
+    "capacity_factor": 1.25,
+    "rank": RANK,
+    "adapter_values": adapter_values,
+    "arguments_gib": m.argument_size_in_bytes / gib,
+    "temporaries_gib": m.temp_size_in_bytes / gib,
+    "per_device_gib": per_device / gib,
+    "make_adapters_s": adapters_s,
+    "compile_s": compile_s,
+    "step_s": float(np.median(times[1:] or times)) if times else None,
+    "step_skipped": skipped,
+    "losses": losses,
+    "peak_rss_gb": peak_rss_gb(),
+  }
 
 
 def nnx_leaves(model):
@@ -226,18 +269,32 @@ def tiny_sweep(budget: int, seq_lens: list[int]) -> dict:
     sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
     rng = np.random.default_rng(0)
     for seq_len in seq_lens:
-      raw = gemma4.synthetic_batch(rng, cfg, batch_size=1, seq_len=seq_len, max_docs=4,
-                                   images_per_row=0)
+      raw = gemma4.synthetic_batch(
+        rng, cfg, batch_size=1, seq_len=seq_len, max_docs=4, images_per_row=0
+      )
       batch, layout = sharder.shard_batch(raw, mesh)
       step = training.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=frozen)
       compiled = step.compile(params, optimizer.init(params), batch)
       m = compiled.memory_analysis()
-      total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-               + m.temp_size_in_bytes)
-      rows.append({"training": kind, "seq_len": seq_len, "per_device_mib": total / 2**20,
-                   "fits": total <= budget})
-      print(f"  {kind:>4} S={seq_len:<7d} per device {total / 2**20:8.1f} MiB "
-            f"{'fits' if total <= budget else 'over'} {plan.format_bytes(budget)}", flush=True)
+      total = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+      )
+      rows.append(
+        {
+          "training": kind,
+          "seq_len": seq_len,
+          "per_device_mib": total / 2**20,
+          "fits": total <= budget,
+        }
+      )
+      print(
+        f"  {kind:>4} S={seq_len:<7d} per device {total / 2**20:8.1f} MiB "
+        f"{'fits' if total <= budget else 'over'} {plan.format_bytes(budget)}",
+        flush=True,
+      )
       if total <= budget:
         best[kind] = (seq_len, compiled, params, optimizer, batch)
   ran = {}
@@ -271,29 +328,40 @@ def main() -> None:
   if not args.skip_e2b:
     e2b = e2b_step(args.seq_len, args.steps)
     out["e2b"] = e2b
-    print(f"E2B LoRA r={RANK} (bfloat16 base {e2b['base_gb']:.2f} GB, "
-          f"{e2b['adapter_values']:,} adapter values), S={args.seq_len}, one CPU device:")
-    print(f"  base made in {e2b['make_base_s']:.1f} s, adapters in {e2b['make_adapters_s']:.1f} s,"
-          f" compiled in {e2b['compile_s']:.1f} s; step {e2b['step_s']:.2f} s "
-          f"(losses {', '.join(f'{x:.3f}' for x in e2b['losses'])}); "
-          f"peak RSS {e2b['peak_rss_gb']:.2f} GB")
+    print(
+      f"E2B LoRA r={RANK} (bfloat16 base {e2b['base_gb']:.2f} GB, "
+      f"{e2b['adapter_values']:,} adapter values), S={args.seq_len}, one CPU device:"
+    )
+    print(
+      f"  base made in {e2b['make_base_s']:.1f} s, adapters in {e2b['make_adapters_s']:.1f} s,"
+      f" compiled in {e2b['compile_s']:.1f} s; step {e2b['step_s']:.2f} s "
+      f"(losses {', '.join(f'{x:.3f}' for x in e2b['losses'])}); "
+      f"peak RSS {e2b['peak_rss_gb']:.2f} GB"
+    )
   if not args.skip_a4b:
     a4b = a4b_slice(args.a4b_seq_len, args.a4b_layers, args.steps)
     out["a4b_slice"] = a4b
-    ran = (f"step {a4b['step_s']:.2f} s (losses {', '.join(f'{x:.3f}' for x in a4b['losses'])})"
-           if a4b["step_s"] is not None else f"step not run: {a4b['step_skipped']}")
-    print(f"26B-A4B slice ({a4b['layers']} layers, 128 experts) LoRA r={RANK}, bfloat16 base, "
-          f"S={a4b['seq_len']} B=2, mesh {a4b['mesh']}, capacity 1.25: per device arguments "
-          f"{a4b['arguments_gib']:.2f} GiB, temporaries {a4b['temporaries_gib']:.2f} GiB; "
-          f"adapters in {a4b['make_adapters_s']:.1f} s, compiled in {a4b['compile_s']:.1f} s; "
-          f"{ran}; peak RSS {a4b['peak_rss_gb']:.2f} GB")
+    ran = (
+      f"step {a4b['step_s']:.2f} s (losses {', '.join(f'{x:.3f}' for x in a4b['losses'])})"
+      if a4b["step_s"] is not None
+      else f"step not run: {a4b['step_skipped']}"
+    )
+    print(
+      f"26B-A4B slice ({a4b['layers']} layers, 128 experts) LoRA r={RANK}, bfloat16 base, "
+      f"S={a4b['seq_len']} B=2, mesh {a4b['mesh']}, capacity 1.25: per device arguments "
+      f"{a4b['arguments_gib']:.2f} GiB, temporaries {a4b['temporaries_gib']:.2f} GiB; "
+      f"adapters in {a4b['make_adapters_s']:.1f} s, compiled in {a4b['compile_s']:.1f} s; "
+      f"{ran}; peak RSS {a4b['peak_rss_gb']:.2f} GB"
+    )
   if not args.skip_tiny:
     budget = plan.parse_bytes(args.budget)
     print(f"tiny, cp=8, remat full: compiled per-device memory (budget {args.budget})")
-    out["tiny"] = tiny_sweep(budget, [2 ** k for k in range(13, 19)])
+    out["tiny"] = tiny_sweep(budget, [2**k for k in range(13, 19)])
     for kind, r in out["tiny"]["longest"].items():
-      print(f"  longest S within the budget, {kind}: {r['seq_len']} (one step "
-            f"{r['step_s']:.1f} s, loss {r['loss']:.3f})")
+      print(
+        f"  longest S within the budget, {kind}: {r['seq_len']} (one step "
+        f"{r['step_s']:.1f} s, loss {r['loss']:.3f})"
+      )
   common.write_json("lora", out)
 
 

@@ -48,18 +48,29 @@ def main(argv=None):
   cuts = np.sort(rng.choice(np.arange(1, s), 15, replace=False))
   docs = (1 + np.searchsorted(cuts, np.arange(s), side="right")).astype(np.int32)[None]
   types = np.zeros((1, s), np.int32)
-  types[:, s // 4:s // 4 + s // 16] = 1
-  types[:, 3 * s // 4:3 * s // 4 + s // 32] = 1
+  types[:, s // 4 : s // 4 + s // 16] = 1
+  types[:, 3 * s // 4 : 3 * s // 4 + s // 32] = 1
   groups = np.asarray(cpjax.vision_group_ids(types))
-  gemma_rule = (cpjax.LocalWindow(255, None)
-                & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup()) & cpjax.SameSegment())
+  gemma_rule = (
+    cpjax.LocalWindow(255, None)
+    & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup())
+    & cpjax.SameSegment()
+  )
   cases = [
-      ("causal", "load_balanced", {}, None),
-      ("16 documents + padding", "load_balanced",
-       {"segment_ids": docs, "padding_mask": docs == 0}, None),
-      ("window 256 + documents", "contiguous", {"segment_ids": docs, "sliding_window": 256}, None),
-      ("Gemma 4 vision rule", "load_balanced", {"segment_ids": docs, "vision_group_ids": groups},
-       gemma_rule),
+    ("causal", "load_balanced", {}, None),
+    (
+      "16 documents + padding",
+      "load_balanced",
+      {"segment_ids": docs, "padding_mask": docs == 0},
+      None,
+    ),
+    ("window 256 + documents", "contiguous", {"segment_ids": docs, "sliding_window": 256}, None),
+    (
+      "Gemma 4 vision rule",
+      "load_balanced",
+      {"segment_ids": docs, "vision_group_ids": groups},
+      gemma_rule,
+    ),
   ]
   rows = []
   for name, kind, keywords, rule in cases:
@@ -80,23 +91,36 @@ def main(argv=None):
         if mask_obj:
           return cpjax.ring_attention(q, k, v, layout=layout, mask=m)
         return cpjax.ring_attention(q, k, v, layout=layout, sliding_window=window, **m)
+
       return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
 
     def global_(q, k, v, m):
       return cpjax.context_parallel_attention(q, k, v, mesh=mesh, layout=layout, mask=m)
 
-    forms = {"context_parallel_attention": (global_, mask), "shard_map + mask=": (manual(True), mask)}
+    forms = {
+      "context_parallel_attention": (global_, mask),
+      "shard_map + mask=": (manual(True), mask),
+    }
     if rule is None:
       forms["shard_map + keywords"] = (manual(False), arrays)
     row = {"mask": name, "layout": kind, "hops": str(tuple(cpjax.ring_plan(layout, mask=mask)))}
     for form, (fn, m) in forms.items():
-      grad = jax.jit(jax.grad(lambda q, k, v, m: jnp.sum(fn(q, k, v, m)), argnums=(0, 1, 2)))  # noqa: B023
+      loss = lambda q, k, v, m, fn=fn: jnp.sum(fn(q, k, v, m))
+      grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
       print(f"  {name}: {form} ...", flush=True)
-      row[form] = common.median_time(lambda: jax.block_until_ready(grad(q, k, v, m)),  # noqa: B023
-                                     repeats=args.repeats)
+      row[form] = common.median_time(
+        lambda: jax.block_until_ready(grad(q, k, v, m)),  # noqa: B023
+        repeats=args.repeats,
+      )
     rows.append(row)
-  columns = ["mask", "layout", "hops", "shard_map + keywords", "shard_map + mask=",
-             "context_parallel_attention"]
+  columns = [
+    "mask",
+    "layout",
+    "hops",
+    "shard_map + keywords",
+    "shard_map + mask=",
+    "context_parallel_attention",
+  ]
   print(f"\nfwd+bwd seconds, S={s}, B1 H8 D64 fp32, {n} devices, median of {args.repeats}")
   common.print_table(rows, columns)
   path = common.write_json("mask_rules", {"seq_len": s, "repeats": args.repeats, "rows": rows})

@@ -37,13 +37,15 @@ from benchmarks.common import print_table, setup_devices, write_json  # noqa: E4
 # (the same slice, S -> {cp: GiB}); S = 131072 was measured at cp = 8 only.
 BEFORE = {16384: {2: 44.3, 4: 23.0, 8: 12.6}, 131072: {8: 90.3}}
 
+
 def e2b_slice():
   from cpjax.models.gemma4 import Gemma4Config
 
   cfg = Gemma4Config.preset("e2b")
   types = ("sliding_attention",) * 4 + ("full_attention",)
-  text = dataclasses.replace(cfg.text, num_hidden_layers=5, layer_types=types,
-                             num_kv_shared_layers=0)
+  text = dataclasses.replace(
+    cfg.text, num_hidden_layers=5, layer_types=types, num_kv_shared_layers=0
+  )
   return dataclasses.replace(cfg, text=text, vision=None)
 
 
@@ -52,24 +54,34 @@ def measure(cfg, *, seq_len: int, mesh: dict, shard_state: str) -> dict:
   from cpjax import parallel
   from cpjax.training import plan
 
-  compiled, params, opt_state, _ = plan.compile_step(cfg, seq_len=seq_len, mesh=mesh,
-                                                     shard_state=shard_state)
+  compiled, params, opt_state, _ = plan.compile_step(
+    cfg, seq_len=seq_len, mesh=mesh, shard_state=shard_state
+  )
   memory = compiled.memory_analysis()
   state = parallel.bytes_per_device(params) + parallel.bytes_per_device(opt_state)
-  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  total = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+  )
   moved = plan.collective_bytes(compiled.as_text())
-  return {"state": state / plan.GiB, "activations": (total - state) / plan.GiB,
-          "total": total / plan.GiB, "collective": sum(moved.values()) / plan.GiB,
-          "collectives": {k: v / plan.GiB for k, v in sorted(moved.items())}}
+  return {
+    "state": state / plan.GiB,
+    "activations": (total - state) / plan.GiB,
+    "total": total / plan.GiB,
+    "collective": sum(moved.values()) / plan.GiB,
+    "collectives": {k: v / plan.GiB for k, v in sorted(moved.items())},
+  }
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 131072])
   parser.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8])
-  parser.add_argument("--shard-states", nargs="+", default=["fsdp+cp", "fsdp"],
-                      choices=["fsdp+cp", "fsdp"])
+  parser.add_argument(
+    "--shard-states", nargs="+", default=["fsdp+cp", "fsdp"], choices=["fsdp+cp", "fsdp"]
+  )
   args = parser.parse_args(argv)
   setup_devices(max(max(args.cps), 8))
   from cpjax.training import plan
@@ -86,25 +98,44 @@ def main(argv=None) -> None:
       for shard_state in args.shard_states:
         start = time.perf_counter()
         got = measure(cfg, seq_len=seq_len, mesh={"cp": cp}, shard_state=shard_state)
-        closed = plan.estimate(cfg, model="e2b-slice", seq_len=seq_len, mesh={"cp": cp},
-                               dtype="float32", shard_state=shard_state)
-        row = {"S": seq_len, "cp": cp, "state over": shard_state,
-               "params+opt GiB": got["state"], "/ fsdp=8's": got["state"] / fsdp8,
-               "act+temp GiB": got["activations"], "total GiB": got["total"],
-               "closed form total GiB": closed.total / plan.GiB,
-               "collective GiB": got["collective"],
-               "before act GiB": BEFORE.get(seq_len, {}).get(cp) if shard_state == "fsdp"
-               else None,
-               "compile s": round(time.perf_counter() - start, 1)}
+        closed = plan.estimate(
+          cfg,
+          model="e2b-slice",
+          seq_len=seq_len,
+          mesh={"cp": cp},
+          dtype="float32",
+          shard_state=shard_state,
+        )
+        row = {
+          "S": seq_len,
+          "cp": cp,
+          "state over": shard_state,
+          "params+opt GiB": got["state"],
+          "/ fsdp=8's": got["state"] / fsdp8,
+          "act+temp GiB": got["activations"],
+          "total GiB": got["total"],
+          "closed form total GiB": closed.total / plan.GiB,
+          "collective GiB": got["collective"],
+          "before act GiB": BEFORE.get(seq_len, {}).get(cp) if shard_state == "fsdp" else None,
+          "compile s": round(time.perf_counter() - start, 1),
+        }
         rows.append({**row, "collectives GiB": got["collectives"]})
         print_table([row], list(row))
         sys.stdout.flush()
   print()
   columns = [c for c in rows[0] if c != "collectives GiB"]
   print_table(rows, columns)
-  path = write_json("memory_scaling", {"model": "e2b slice: 5 layers (4 sliding + 1 full)",
-                                       "parameters": n, "remat": "full", "dtype": "float32",
-                                       "fsdp8 params+opt GiB": fsdp8, "rows": rows})
+  path = write_json(
+    "memory_scaling",
+    {
+      "model": "e2b slice: 5 layers (4 sliding + 1 full)",
+      "parameters": n,
+      "remat": "full",
+      "dtype": "float32",
+      "fsdp8 params+opt GiB": fsdp8,
+      "rows": rows,
+    },
+  )
   print(f"wrote {path}")
 
 

@@ -26,14 +26,14 @@ def _load(name):
 def plot_ring(plt, ring):
   rows = [r for r in ring["rows"] if "fwd_bwd_s" in r]
   cases = list(dict.fromkeys(r["case"] for r in rows))
-  methods = list(dict.fromkeys(f'{r["method"]} ({r["layout"]})' for r in rows))
+  methods = list(dict.fromkeys(f"{r['method']} ({r['layout']})" for r in rows))
   fig, ax = plt.subplots(figsize=(10, 4.5))
   width = 0.8 / len(methods)
   for m_i, method in enumerate(methods):
     xs, ys = [], []
     for c_i, case in enumerate(cases):
       for r in rows:
-        if r["case"] == case and f'{r["method"]} ({r["layout"]})' == method:
+        if r["case"] == case and f"{r['method']} ({r['layout']})" == method:
           xs.append(c_i + m_i * width)
           ys.append(r["fwd_bwd_s"])
     ax.bar(xs, ys, width, label=method)
@@ -48,6 +48,7 @@ def plot_ring(plt, ring):
 
 def plot_speedups(plt, ring):
   """cpjax's forward+backward speedup over each peer, per case (one run)."""
+
   def t(case, method, layout):
     for r in ring["rows"]:
       if (r["case"], r["method"], r["layout"]) == (case, method, layout) and "fwd_bwd_s" in r:
@@ -56,18 +57,36 @@ def plot_speedups(plt, ring):
 
   window = next(r["case"] for r in ring["rows"] if r["case"].startswith("window"))
   pairs = [
-      ("causal vs ringattention", t("causal", "ringattention", "contiguous"),
-       t("causal", "cpjax", "load_balanced")),
-      ("causal vs all-gather KV", t("causal", "all-gather KV", "contiguous"),
-       t("causal", "cpjax", "load_balanced")),
-      ("causal vs dense 1 device", t("causal", "dense 1 device", "-"),
-       t("causal", "cpjax", "load_balanced")),
-      ("16 docs vs ringattention", t("16 docs", "ringattention", "contiguous"),
-       t("16 docs", "cpjax", "load_balanced")),
-      ("GQA vs ringattention", t("GQA Hkv=2", "ringattention", "contiguous"),
-       t("GQA Hkv=2", "cpjax", "load_balanced")),
-      (f"{window} vs no window", t("no window", "cpjax", "load_balanced"),
-       t(window, "cpjax", "load_balanced")),
+    (
+      "causal vs ringattention",
+      t("causal", "ringattention", "contiguous"),
+      t("causal", "cpjax", "load_balanced"),
+    ),
+    (
+      "causal vs all-gather KV",
+      t("causal", "all-gather KV", "contiguous"),
+      t("causal", "cpjax", "load_balanced"),
+    ),
+    (
+      "causal vs dense 1 device",
+      t("causal", "dense 1 device", "-"),
+      t("causal", "cpjax", "load_balanced"),
+    ),
+    (
+      "16 docs vs ringattention",
+      t("16 docs", "ringattention", "contiguous"),
+      t("16 docs", "cpjax", "load_balanced"),
+    ),
+    (
+      "GQA vs ringattention",
+      t("GQA Hkv=2", "ringattention", "contiguous"),
+      t("GQA Hkv=2", "cpjax", "load_balanced"),
+    ),
+    (
+      f"{window} vs no window",
+      t("no window", "cpjax", "load_balanced"),
+      t(window, "cpjax", "load_balanced"),
+    ),
   ]
   pairs = [(name, peer / ours) for name, peer, ours in pairs if peer and ours]
   fig, ax = plt.subplots(figsize=(8, 4))
@@ -86,14 +105,20 @@ def plot_memory(plt, ring, long_ctx):
   if ring:
     mem = ring["memory"]
     s = [m["S"] for m in mem]
-    for key, label in (("cpjax_mib", "cpjax ring attention"), ("allgather_mib", "all-gather KV"),
-                       ("ringattention_mib", "ringattention 0.1.2")):
+    for key, label in (
+      ("cpjax_mib", "cpjax ring attention"),
+      ("allgather_mib", "all-gather KV"),
+      ("ringattention_mib", "ringattention 0.1.2"),
+    ):
       if key in mem[0]:
         ax.plot(s, [m[key] for m in mem], "o-", label=f"{label} (attention fwd+bwd)")
   if long_ctx:
     for mode in ("cp=8 ring", "1 device dense"):
-      pts = [(r["S"], r["scratch_mib"]) for r in long_ctx["rows"]
-             if r["mode"] == mode and "scratch_mib" in r]
+      pts = [
+        (r["S"], r["scratch_mib"])
+        for r in long_ctx["rows"]
+        if r["mode"] == mode and "scratch_mib" in r
+      ]
       if pts:
         ax.plot(*zip(*pts), "s--", label=f"training step, {mode}")
   ax.set_xscale("log", base=2)

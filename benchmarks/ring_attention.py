@@ -109,7 +109,9 @@ def allgather_fn(mesh, layout, *, causal=True, **_):
     kpos = jax.lax.all_gather(cpjax.local_token_indices(layout, rank), "cp", tiled=True)
     k_all = jax.lax.all_gather(k, "cp", axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, "cp", axis=1, tiled=True)
-    mask = (kpos[None, :] <= qpos[:, None]) if causal else jnp.ones((q.shape[1], k_all.shape[1]), bool)
+    mask = (
+      (kpos[None, :] <= qpos[:, None]) if causal else jnp.ones((q.shape[1], k_all.shape[1]), bool)
+    )
     mask = mask[None, None]
     if seg is not None:
       seg_all = jax.lax.all_gather(seg, "cp", axis=1, tiled=True)
@@ -125,27 +127,38 @@ def peer_fn(mesh, layout, *, causal=True, chunk=256, **_):
   import jax._src.xla_bridge as xb
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec as P
+
   jax.lib.xla_bridge = xb  # the package still imports a removed module path
   from ringattention import ringattention_jax
 
   chunk = min(chunk, layout.local_seq_len)
-  kw = dict(causal_block_size=1 if causal else None, deterministic=True, dropout_rng=None,
-            attn_pdrop=0.0, query_chunk_size=chunk, key_chunk_size=chunk,
-            policy=jax.checkpoint_policies.nothing_saveable, dtype=jnp.float32,
-            precision=None, prevent_cse=True)
+  kw = dict(
+    causal_block_size=1 if causal else None,
+    deterministic=True,
+    dropout_rng=None,
+    attn_pdrop=0.0,
+    query_chunk_size=chunk,
+    key_chunk_size=chunk,
+    policy=jax.checkpoint_policies.nothing_saveable,
+    dtype=jnp.float32,
+    precision=None,
+    prevent_cse=True,
+  )
 
   def local(q, k, v, seg):
     g = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)  # no GQA: all heads travel
     return ringattention_jax(q, k, v, None, seg, None, "cp", True, kw)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"),
-                       check_vma=False)
+  return jax.shard_map(
+    local, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"), check_vma=False
+  )
 
 
 def peer_available() -> bool:
   try:
     import importlib.util
+
     return importlib.util.find_spec("ringattention") is not None
   except ImportError:
     return False
@@ -164,12 +177,14 @@ def measure(mesh, fn, args, *, repeats, fwd_only=False):
   out = {}
   with jax.set_mesh(mesh):
     compiled = fwd.lower(q, k, v, seg).compile()
-    out["fwd_s"] = common.median_time(lambda: jax.block_until_ready(compiled(q, k, v, seg)),
-                                      repeats=repeats, warmup=1)
+    out["fwd_s"] = common.median_time(
+      lambda: jax.block_until_ready(compiled(q, k, v, seg)), repeats=repeats, warmup=1
+    )
     if not fwd_only:
       compiled_b = both.lower(q, k, v).compile()
-      out["fwd_bwd_s"] = common.median_time(lambda: jax.block_until_ready(compiled_b(q, k, v)),
-                                            repeats=repeats, warmup=1)
+      out["fwd_bwd_s"] = common.median_time(
+        lambda: jax.block_until_ready(compiled_b(q, k, v)), repeats=repeats, warmup=1
+      )
       out["scratch_mib"] = compiled_b.memory_analysis().temp_size_in_bytes / 2**20
   return out
 
@@ -206,12 +221,17 @@ q, k, v = [jnp.ones((1, {s}, 8, 64), jnp.float32) * (i + 1) * 0.01 for i in rang
 f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
 g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), argnums=(0, 1, 2)))
 out = {{"fwd_s": common.median_time(lambda: jax.block_until_ready(f(q, k, v)), repeats={repeats}),
-       "fwd_bwd_s": common.median_time(lambda: jax.block_until_ready(g(q, k, v)), repeats={repeats}),
+       "fwd_bwd_s": common.median_time(lambda: jax.block_until_ready(g(q, k, v)),
+                                       repeats={repeats}),
        "scratch_mib": g.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes / 2**20}}
 print("RESULT", json.dumps(out))
 """
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  proc = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+  )
   for line in proc.stdout.splitlines():
     if line.startswith("RESULT "):
       return json.loads(line[7:])
@@ -260,8 +280,15 @@ def main(argv=None):
     print(f"  {case}: {method} ({kind}) ...", flush=True)
     res = measure(mesh, fn, fargs, repeats=args.repeats, fwd_only=fwd_only)
     pairs = allowed_pairs(s, window=window_, docs=None if docs is None else np.asarray(docs))
-    row = {"case": case, "method": method, "layout": kind, "S": s, "Hkv": hkv, **res,
-           "fwd_gflops": 4 * D * H * B * pairs / res["fwd_s"] / 1e9}
+    row = {
+      "case": case,
+      "method": method,
+      "layout": kind,
+      "S": s,
+      "Hkv": hkv,
+      **res,
+      "fwd_gflops": 4 * D * H * B * pairs / res["fwd_s"] / 1e9,
+    }
     if "fwd_bwd_s" in res:
       row["fwd_bwd_gflops"] = 12 * D * H * B * pairs / res["fwd_bwd_s"] / 1e9
     rows.append(row)
@@ -306,8 +333,16 @@ def main(argv=None):
     memory.append(entry)
 
   if dense is not None:
-    rows.append({"case": "causal", "method": "dense 1 device", "layout": "-", "S": s_causal,
-                 "Hkv": H, **dense})
+    rows.append(
+      {
+        "case": "causal",
+        "method": "dense 1 device",
+        "layout": "-",
+        "S": s_causal,
+        "Hkv": H,
+        **dense,
+      }
+    )
 
   def get(case, method, kind):
     for r in rows:
@@ -320,8 +355,12 @@ def main(argv=None):
   co = get("causal", "cpjax", "contiguous")
   peer = get("causal", "ringattention", "contiguous")
   if peer:
-    summary["causal fwd+bwd: ringattention / cpjax (load_balanced)"] = peer["fwd_bwd_s"] / lb["fwd_bwd_s"]
-    summary["causal fwd+bwd: ringattention / cpjax (contiguous)"] = peer["fwd_bwd_s"] / co["fwd_bwd_s"]
+    summary["causal fwd+bwd: ringattention / cpjax (load_balanced)"] = (
+      peer["fwd_bwd_s"] / lb["fwd_bwd_s"]
+    )
+    summary["causal fwd+bwd: ringattention / cpjax (contiguous)"] = (
+      peer["fwd_bwd_s"] / co["fwd_bwd_s"]
+    )
   for kind in ("contiguous", "load_balanced"):
     w, nw = get(f"window {window}", "cpjax", kind), get("no window", "cpjax", kind)
     summary[f"window speedup fwd+bwd ({kind})"] = nw["fwd_bwd_s"] / w["fwd_bwd_s"]
@@ -329,18 +368,37 @@ def main(argv=None):
   summary["scratch growth S x4 (cpjax)"] = memory[-1]["cpjax_mib"] / memory[0]["cpjax_mib"]
   summary["matmul_gflops"] = peak / 1e9
 
-  print(f"\nring attention, B{B} H{H} D{D} fp32, {n} {jax.devices()[0].platform} devices, "
-        f"median of {args.repeats}")
-  common.print_table(rows, ["case", "method", "layout", "S", "Hkv", "fwd_s", "fwd_bwd_s",
-                            "scratch_mib", "fwd_gflops", "fwd_bwd_gflops"])
+  print(
+    f"\nring attention, B{B} H{H} D{D} fp32, {n} {jax.devices()[0].platform} devices, "
+    f"median of {args.repeats}"
+  )
+  common.print_table(
+    rows,
+    [
+      "case",
+      "method",
+      "layout",
+      "S",
+      "Hkv",
+      "fwd_s",
+      "fwd_bwd_s",
+      "scratch_mib",
+      "fwd_gflops",
+      "fwd_bwd_gflops",
+    ],
+  )
   print("\nper-device scratch memory of fwd+bwd (MiB)")
   common.print_table(memory, list(memory[0]))
   print()
   for k_, v_ in summary.items():
     print(f"{k_}: {v_:.2f}")
   name = "ring_attention_quick" if args.quick else "ring_attention"
-  print("wrote", common.write_json(name, {"config": vars(args), "rows": rows, "memory": memory,
-                                          "summary": summary}))
+  print(
+    "wrote",
+    common.write_json(
+      name, {"config": vars(args), "rows": rows, "memory": memory, "summary": summary}
+    ),
+  )
 
 
 if __name__ == "__main__":

@@ -24,17 +24,17 @@ def make_batch(b: int, s: int):
 
   rng = np.random.default_rng(0)
   pad = np.zeros((b, s), bool)
-  pad[:, s - s // 16:] = True
+  pad[:, s - s // 16 :] = True
   docs = np.where(pad, 0, 1 + np.arange(s)[None] // (s // 7)).astype(np.int32)
   docs = np.broadcast_to(docs, (b, s)).copy()
   return {
-      "input_ids": rng.integers(0, 32000, (b, s)).astype(np.int32),
-      "labels": rng.integers(0, 32000, (b, s)).astype(np.int32),
-      "position_ids": np.tile(np.arange(s, dtype=np.int32), (b, 1)),
-      "loss_mask": (~pad).astype(np.int32),
-      "padding_mask": pad,
-      "_packed_seq_ids": docs,
-      "mm_token_type_ids": (rng.random((b, s)) < 0.1).astype(np.int32),
+    "input_ids": rng.integers(0, 32000, (b, s)).astype(np.int32),
+    "labels": rng.integers(0, 32000, (b, s)).astype(np.int32),
+    "position_ids": np.tile(np.arange(s, dtype=np.int32), (b, 1)),
+    "loss_mask": (~pad).astype(np.int32),
+    "padding_mask": pad,
+    "_packed_seq_ids": docs,
+    "mm_token_type_ids": (rng.random((b, s)) < 0.1).astype(np.int32),
   }
 
 
@@ -44,8 +44,14 @@ def numpy_shard(batch, layout):
 
   import cpjax
 
-  pad_values = {"input_ids": 0, "labels": -100, "loss_mask": 0, "padding_mask": True,
-                "_packed_seq_ids": 0, "mm_token_type_ids": 0}
+  pad_values = {
+    "input_ids": 0,
+    "labels": -100,
+    "loss_mask": 0,
+    "padding_mask": True,
+    "_packed_seq_ids": 0,
+    "mm_token_type_ids": 0,
+  }
   extra = layout.padded_seq_len - layout.original_seq_len
   order = cpjax.rank_order(layout)
   out = {}
@@ -54,8 +60,10 @@ def numpy_shard(batch, layout):
       x = np.concatenate([x, x[:, -1:] + np.arange(1, extra + 1)], axis=1)
     else:
       x = np.pad(x, ((0, 0), (0, extra)), constant_values=pad_values[k])
-    out[k] = [x[:, order[r * layout.local_seq_len:(r + 1) * layout.local_seq_len]]
-              for r in range(layout.cp_size)]
+    out[k] = [
+      x[:, order[r * layout.local_seq_len : (r + 1) * layout.local_seq_len]]
+      for r in range(layout.cp_size)
+    ]
   return out
 
 
@@ -65,8 +73,9 @@ def numpy_unshard(parts, layout):
   import cpjax
 
   inverse = np.argsort(cpjax.rank_order(layout))
-  return {k: np.concatenate(v, axis=1)[:, inverse][:, :layout.original_seq_len]
-          for k, v in parts.items()}
+  return {
+    k: np.concatenate(v, axis=1)[:, inverse][:, : layout.original_seq_len] for k, v in parts.items()
+  }
 
 
 def main(argv=None):
@@ -82,7 +91,7 @@ def main(argv=None):
 
   import cpjax
 
-  mesh = jax.make_mesh((args.cp,), ("cp",), devices=jax.devices()[:args.cp])
+  mesh = jax.make_mesh((args.cp,), ("cp",), devices=jax.devices()[: args.cp])
   batch = make_batch(args.batch, args.seq_len)
   rows = []
   for kind in ("contiguous", "load_balanced"):
@@ -102,16 +111,33 @@ def main(argv=None):
     # Same bytes as the baseline, or the timing means nothing.
     for k in batch:
       np.testing.assert_array_equal(np.asarray(sharded[k]), np.concatenate(parts[k], axis=1))
-    rows.append({"layout": kind, "op": "shard", "cpjax_s": shard_t, "numpy_s": np_shard_t,
-                 "cpjax/numpy": shard_t / np_shard_t})
-    rows.append({"layout": kind, "op": "unshard", "cpjax_s": unshard_t, "numpy_s": np_unshard_t,
-                 "cpjax/numpy": unshard_t / np_unshard_t})
+    rows.append(
+      {
+        "layout": kind,
+        "op": "shard",
+        "cpjax_s": shard_t,
+        "numpy_s": np_shard_t,
+        "cpjax/numpy": shard_t / np_shard_t,
+      }
+    )
+    rows.append(
+      {
+        "layout": kind,
+        "op": "unshard",
+        "cpjax_s": unshard_t,
+        "numpy_s": np_unshard_t,
+        "cpjax/numpy": unshard_t / np_unshard_t,
+      }
+    )
   mb = sum(x.nbytes for x in batch.values()) / 2**20
-  print(f"shard_batch: B={args.batch} S={args.seq_len} cp={args.cp}, {len(batch)} keys, "
-        f"{mb:.0f} MiB, median of {args.repeats}")
+  print(
+    f"shard_batch: B={args.batch} S={args.seq_len} cp={args.cp}, {len(batch)} keys, "
+    f"{mb:.0f} MiB, median of {args.repeats}"
+  )
   common.print_table(rows, ["layout", "op", "cpjax_s", "numpy_s", "cpjax/numpy"])
-  path = common.write_json("shard_batch", {
-      "config": vars(args) | {"keys": sorted(batch), "mib": mb}, "rows": rows})
+  path = common.write_json(
+    "shard_batch", {"config": vars(args) | {"keys": sorted(batch), "mib": mb}, "rows": rows}
+  )
   print(f"wrote {path}")
 
 

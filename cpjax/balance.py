@@ -55,8 +55,9 @@ def token_work(document_ids, layer_windows=None) -> np.ndarray:
     for s, n in zip(starts, lengths):
       if row[s] != 0:
         keys = np.arange(1, n + 1)
-        out[b, s:s + n] = sum(c * (keys if w is None else np.minimum(keys, w))
-                              for w, c in windows)
+        out[b, s : s + n] = sum(
+          c * (keys if w is None else np.minimum(keys, w)) for w, c in windows
+        )
   return out
 
 
@@ -65,8 +66,10 @@ def _windows(layer_windows) -> tuple[tuple[int | None, int], ...]:
   if layer_windows is None:
     return ((None, 1),)
   if isinstance(layer_windows, (str, bytes)) or not hasattr(layer_windows, "__iter__"):
-    raise TypeError(f"layer_windows must be a sequence of ints >= 1 or None (one per "
-                    f"attention layer), got {type(layer_windows).__name__}")
+    raise TypeError(
+      f"layer_windows must be a sequence of ints >= 1 or None (one per "
+      f"attention layer), got {type(layer_windows).__name__}"
+    )
   layer_windows = list(layer_windows)
   if not layer_windows:
     raise ValueError("layer_windows must name at least one attention layer, got []")
@@ -102,13 +105,15 @@ def rank_work(work, layout: ShardLayout) -> np.ndarray:
   """
   work = np.asarray(work, np.float64)
   if work.ndim != 2 or work.shape[1] != layout.padded_seq_len:
-    raise ValueError(f"work must be [B, {layout.padded_seq_len}] (the padded length), got "
-                     f"shape {work.shape}")
+    raise ValueError(
+      f"work must be [B, {layout.padded_seq_len}] (the padded length), got shape {work.shape}"
+    )
   return work.reshape(work.shape[0], layout.cp_size, layout.local_seq_len).sum(-1)
 
 
-def balance_documents(document_ids, layout: ShardLayout, *, seed: int = 0,
-                      layer_windows=None) -> np.ndarray:
+def balance_documents(
+  document_ids, layout: ShardLayout, *, seed: int = 0, layer_windows=None
+) -> np.ndarray:
   """int32[B, S]: for each slot of the reordered row, the index it takes its
   token from, chosen so that ``layout``'s ranks get even attention work
   (:func:`token_work` over ``layer_windows``).
@@ -145,11 +150,13 @@ def balance_documents(document_ids, layout: ShardLayout, *, seed: int = 0,
   ids = _rows(document_ids)
   windows = _windows(layer_windows)
   if ids.shape[1] != layout.padded_seq_len:
-    raise ValueError(f"document_ids must be [B, {layout.padded_seq_len}] (the padded length), "
-                     f"got shape {ids.shape}")
+    raise ValueError(
+      f"document_ids must be [B, {layout.padded_seq_len}] (the padded length), "
+      f"got shape {ids.shape}"
+    )
   slot_rank = np.empty(layout.padded_seq_len, np.int64)
   slot_rank[rank_order(layout)] = np.arange(layout.padded_seq_len) // layout.local_seq_len
-  stripe_rank = slot_rank[::layout.chunk_len]
+  stripe_rank = slot_rank[:: layout.chunk_len]
   out = np.empty(ids.shape, np.int32)
   for b, row in enumerate(ids):
     starts, lengths = _runs(row)
@@ -188,8 +195,7 @@ def renumber_documents(document_ids) -> np.ndarray:
 def _rows(document_ids) -> np.ndarray:
   ids = np.asarray(document_ids)
   if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-    raise ValueError(f"document_ids must be an int [B, S] array, got {ids.dtype} "
-                     f"shape {ids.shape}")
+    raise ValueError(f"document_ids must be an int [B, S] array, got {ids.dtype} shape {ids.shape}")
   return ids
 
 
@@ -201,20 +207,21 @@ def _runs(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _scores(orders, lengths, real, stripe_rank, layout: ShardLayout, windows) -> np.ndarray:
   """float64[K]: the busiest rank's work for each candidate order [K, n]."""
-  lens = lengths[orders]                                         # [K, n]
+  lens = lengths[orders]  # [K, n]
   offsets = np.concatenate([np.zeros((len(orders), 1), np.int64), np.cumsum(lens, 1)], 1)
   tri = np.where(real[orders], _prefix_work(lens, windows), 0.0)
   before = np.concatenate([np.zeros((len(orders), 1)), np.cumsum(tri, 1)], 1)
   # The work up to each stripe boundary: whole documents before it, plus the
   # first tokens of the document it cuts.
-  bounds = np.arange(0, layout.padded_seq_len + 1, layout.chunk_len)        # [nb]
-  doc = (offsets[:, None, :-1] <= bounds[None, :, None]).sum(-1) - 1        # [K, nb]
+  bounds = np.arange(0, layout.padded_seq_len + 1, layout.chunk_len)  # [nb]
+  doc = (offsets[:, None, :-1] <= bounds[None, :, None]).sum(-1) - 1  # [K, nb]
   doc = np.minimum(doc, lens.shape[1] - 1)
-  into = np.minimum(bounds[None] - np.take_along_axis(offsets, doc, 1),
-                    np.take_along_axis(lens, doc, 1))
+  into = np.minimum(
+    bounds[None] - np.take_along_axis(offsets, doc, 1), np.take_along_axis(lens, doc, 1)
+  )
   cut = np.where(np.take_along_axis(real[orders], doc, 1), _prefix_work(into, windows), 0.0)
   total = np.take_along_axis(before, doc, 1) + cut
-  stripes = np.diff(total, axis=1)                                          # [K, stripes]
+  stripes = np.diff(total, axis=1)  # [K, stripes]
   per_rank = np.zeros((len(orders), layout.cp_size))
   np.add.at(per_rank, (slice(None), stripe_rank), stripes)
   return per_rank.max(1)

@@ -36,17 +36,17 @@ import numpy as np
 from cpjax import checks
 
 __all__ = [
-    "DOCUMENT_IDS_KEY",
-    "IGNORE_INDEX",
-    "SOURCE_DOCUMENT_IDS_KEY",
-    "SOURCE_INDEX_KEY",
-    "attention_mask_to_padding_mask",
-    "next_token_labels",
-    "normalize_batch",
-    "primary_key",
-    "primary_length",
-    "synthesize_document_ids",
-    "vision_group_ids",
+  "DOCUMENT_IDS_KEY",
+  "IGNORE_INDEX",
+  "SOURCE_DOCUMENT_IDS_KEY",
+  "SOURCE_INDEX_KEY",
+  "attention_mask_to_padding_mask",
+  "next_token_labels",
+  "normalize_batch",
+  "primary_key",
+  "primary_length",
+  "synthesize_document_ids",
+  "vision_group_ids",
 ]
 
 DOCUMENT_IDS_KEY = "_packed_seq_ids"
@@ -58,8 +58,7 @@ SOURCE_INDEX_KEY = "_source_index"
 SOURCE_DOCUMENT_IDS_KEY = "_source_packed_seq_ids"
 IGNORE_INDEX = -100
 PRIMARY_KEYS = ("input_ids", "inputs_embeds")
-_INTEGER_KEYS = ("input_ids", "labels", "position_ids", DOCUMENT_IDS_KEY,
-                 "mm_token_type_ids")
+_INTEGER_KEYS = ("input_ids", "labels", "position_ids", DOCUMENT_IDS_KEY, "mm_token_type_ids")
 
 
 def _is_integer(x) -> bool:
@@ -75,8 +74,9 @@ def primary_key(batch: Mapping) -> str:
   present = [k for k in PRIMARY_KEYS if k in batch]
   if len(present) != 1:
     raise KeyError(
-        "batch must hold exactly one of 'input_ids' / 'inputs_embeds', got "
-        f"{present or 'neither'} (keys: {sorted(batch)})")
+      "batch must hold exactly one of 'input_ids' / 'inputs_embeds', got "
+      f"{present or 'neither'} (keys: {sorted(batch)})"
+    )
   return present[0]
 
 
@@ -108,20 +108,21 @@ def attention_mask_to_padding_mask(batch: Mapping) -> dict:
   shape, dtype = tuple(jnp.shape(mask)), jnp.result_type(mask)
   if len(shape) == 2:
     if not jnp.issubdtype(dtype, jnp.number) and dtype != jnp.bool_:
-      raise TypeError(f"a 2-D attention_mask must be bool or numeric (1 = real token), "
-                      f"got {dtype}")
+      raise TypeError(f"a 2-D attention_mask must be bool or numeric (1 = real token), got {dtype}")
     if dtype != jnp.bool_ and not isinstance(mask, jax.core.Tracer):
       # An additive mask (0 / -inf) passed as 2-D would read inverted: refuse it.
       values = np.unique(np.asarray(mask))
       if not np.isin(values, (0, 1)).all():
-        raise ValueError(f"a 2-D attention_mask holds 1 (real token) and 0 (pad), got "
-                         f"values {values[:8].tolist()}")
+        raise ValueError(
+          f"a 2-D attention_mask holds 1 (real token) and 0 (pad), got values {values[:8].tolist()}"
+        )
   elif len(shape) == 4:
     if shape[1] < 1 or shape[2] != shape[3]:
       raise ValueError(f"a 4-D attention_mask must be [B, H, S, S], got shape {shape}")
     if not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.floating)):
-      raise TypeError(f"a 4-D attention_mask must be bool or additive float (0 = allowed), "
-                      f"got {dtype}")
+      raise TypeError(
+        f"a 4-D attention_mask must be bool or additive float (0 = allowed), got {dtype}"
+      )
   else:
     raise ValueError(f"attention_mask must be 2-D [B, S] or 4-D [B, H, S, S], got shape {shape}")
   if "padding_mask" in out:
@@ -155,8 +156,9 @@ def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
   seq_len = checks.integer("seq_len", seq_len, minimum=1)
   for key in (*PRIMARY_KEYS, "padding_mask"):
     if key in out and jnp.ndim(out[key]) < 2:
-      raise ValueError(f"the batch's {key} must be [B, S, ...], got shape "
-                       f"{tuple(jnp.shape(out[key]))}")
+      raise ValueError(
+        f"the batch's {key} must be [B, S, ...], got shape {tuple(jnp.shape(out[key]))}"
+      )
   if DOCUMENT_IDS_KEY in out:
     return out
   if "padding_mask" in out:
@@ -225,16 +227,16 @@ def next_token_labels(input_ids, document_ids=None, ignore_index: int = IGNORE_I
   checks.fits_int32("input_ids", input_ids)
   ids = jnp.asarray(input_ids)
   if ids.ndim != 2 or not _is_integer(ids):
-    raise ValueError(
-        f"input_ids must be an integer [B, S] array, got {ids.dtype}{list(ids.shape)}")
+    raise ValueError(f"input_ids must be an integer [B, S] array, got {ids.dtype}{list(ids.shape)}")
   nxt = jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))
   valid = jnp.ones(ids.shape, bool).at[:, -1].set(False)
   if document_ids is not None:
     docs = jnp.asarray(document_ids)
     if docs.shape != ids.shape or not _is_integer(docs):
       raise ValueError(
-          "document_ids must be an integer array shaped like input_ids "
-          f"{list(ids.shape)}, got {docs.dtype}{list(docs.shape)}")
+        "document_ids must be an integer array shaped like input_ids "
+        f"{list(ids.shape)}, got {docs.dtype}{list(docs.shape)}"
+      )
     nxt_doc = jnp.pad(docs[:, 1:], ((0, 0), (0, 1)))
     valid &= (docs > 0) & (docs == nxt_doc)
   return jnp.where(valid, nxt, ignore_index).astype(jnp.int32)
@@ -280,18 +282,24 @@ def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = Tr
   want_ndim = 2 if key == "input_ids" else 3
   if jnp.ndim(primary) != want_ndim:
     raise ValueError(
-        f"{key} must be {want_ndim}-D ([B, S{', E' if want_ndim == 3 else ''}]), "
-        f"got shape {tuple(jnp.shape(primary))}")
+      f"{key} must be {want_ndim}-D ([B, S{', E' if want_ndim == 3 else ''}]), "
+      f"got shape {tuple(jnp.shape(primary))}"
+    )
   batch_size, seq_len = jnp.shape(primary)[:2]
 
   if "attention_mask" in batch:
     mask_shape = tuple(jnp.shape(batch["attention_mask"]))
-    four_d = (len(mask_shape) == 4 and mask_shape[0] == batch_size and mask_shape[1] >= 1
-              and mask_shape[2:] == (seq_len, seq_len))
+    four_d = (
+      len(mask_shape) == 4
+      and mask_shape[0] == batch_size
+      and mask_shape[1] >= 1
+      and mask_shape[2:] == (seq_len, seq_len)
+    )
     if mask_shape != (batch_size, seq_len) and not four_d:
       raise ValueError(
-          f"attention_mask must be [B, S] = {[batch_size, seq_len]} or [B, H, S, S] = "
-          f"{[batch_size, 'H', seq_len, seq_len]} (from {key}), got {list(mask_shape)}")
+        f"attention_mask must be [B, S] = {[batch_size, seq_len]} or [B, H, S, S] = "
+        f"{[batch_size, 'H', seq_len, seq_len]} (from {key}), got {list(mask_shape)}"
+      )
   out = attention_mask_to_padding_mask(batch)
   for k in _INTEGER_KEYS:
     if k in out and not _is_integer(out[k]):
@@ -307,14 +315,16 @@ def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = Tr
   if "labels" in out and loss_mask is not None:
     # As the original: with labels present, loss_mask= becomes the loss_mask stream.
     if "loss_mask" in out:
-      raise ValueError("the batch has a 'loss_mask' key and a loss_mask argument was given; "
-                       "pass one of them")
+      raise ValueError(
+        "the batch has a 'loss_mask' key and a loss_mask argument was given; pass one of them"
+      )
     out["loss_mask"] = jnp.asarray(loss_mask)
   if "labels" not in out and (loss_mask is not None or require_labels):
     if loss_mask is None:
       raise KeyError(
-          "batch has no 'labels' and no loss_mask argument was given; make labels"
-          " with cpjax.next_token_labels or pass loss_mask=")
+        "batch has no 'labels' and no loss_mask argument was given; make labels"
+        " with cpjax.next_token_labels or pass loss_mask="
+      )
     labels = jnp.asarray(loss_mask)
     out["labels"] = labels.astype(jnp.int32) if labels.dtype == jnp.bool_ else labels
     out.pop("loss_mask", None)
@@ -337,26 +347,35 @@ def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = Tr
       pos = jnp.broadcast_to(pos, (pos.shape[0], batch_size, seq_len))
     elif pos.ndim not in (2, 3):
       raise ValueError(
-          "position_ids must be [B, S], [1, S] or mRoPE [3, B, S], got shape "
-          f"{tuple(pos.shape)}")
+        f"position_ids must be [B, S], [1, S] or mRoPE [3, B, S], got shape {tuple(pos.shape)}"
+      )
   out["position_ids"] = pos
 
-  for k in ("labels", "loss_mask", "padding_mask", DOCUMENT_IDS_KEY,
-            "mm_token_type_ids", "position_ids"):
+  for k in (
+    "labels",
+    "loss_mask",
+    "padding_mask",
+    DOCUMENT_IDS_KEY,
+    "mm_token_type_ids",
+    "position_ids",
+  ):
     if k not in out:
       continue
     shape = jnp.shape(out[k])
     if k != "position_ids" and len(shape) != 2:
-      raise ValueError(f"{k} must be 2-D [B, S] = {[batch_size, seq_len]}, got shape "
-                       f"{tuple(shape)}")
+      raise ValueError(
+        f"{k} must be 2-D [B, S] = {[batch_size, seq_len]}, got shape {tuple(shape)}"
+      )
     dim = _seq_dim(k, out[k])
     bdim = dim - 1
     if len(shape) <= dim or shape[dim] != seq_len:
       raise ValueError(
-          f"{k} must have sequence length {seq_len} (that of {key}) on dim {dim}, "
-          f"got shape {tuple(shape)}")
+        f"{k} must have sequence length {seq_len} (that of {key}) on dim {dim}, "
+        f"got shape {tuple(shape)}"
+      )
     if shape[bdim] != batch_size:
       raise ValueError(
-          f"{k} must have batch size {batch_size} (that of {key}) on dim {bdim}, "
-          f"got shape {tuple(shape)}")
+        f"{k} must have batch size {batch_size} (that of {key}) on dim {bdim}, "
+        f"got shape {tuple(shape)}"
+      )
   return out

@@ -15,7 +15,8 @@ trace time (see the README's limits).
 
 >>> attention_inputs(np.zeros((1, 4, 2, 8)), np.zeros((1, 4, 1, 8)), np.zeros((1, 4, 1, 8)))
 (1, 4, 2, 1, 8)
->>> attention_inputs(np.zeros((1, 4, 2, 8), np.int32), np.zeros((1, 4, 1, 8)), np.zeros((1, 4, 1, 8)))
+>>> kv = np.zeros((1, 4, 1, 8))
+>>> attention_inputs(np.zeros((1, 4, 2, 8), np.int32), kv, kv)
 Traceback (most recent call last):
 ...
 TypeError: q must have a floating-point dtype (attention inputs), got int32
@@ -29,8 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["attention_inputs", "attention_options", "cp_axis", "fits_int32", "integer",
-           "mapping", "token_stream"]
+__all__ = [
+  "attention_inputs",
+  "attention_options",
+  "cp_axis",
+  "fits_int32",
+  "integer",
+  "mapping",
+  "token_stream",
+]
 
 _INT32 = np.iinfo(np.int32)
 
@@ -54,14 +62,17 @@ def attention_inputs(q, k, v, *, length: str = "L") -> tuple[int, int, int, int,
     if jnp.ndim(x) != 4:
       raise ValueError(f"{name} must be 4-D [B, {length}, H, D], got shape {_shape(x)}")
     if not jnp.issubdtype(_dtype(x), jnp.floating):
-      raise TypeError(f"{name} must have a floating-point dtype (attention inputs), "
-                      f"got {_dtype(x)}")
+      raise TypeError(
+        f"{name} must have a floating-point dtype (attention inputs), got {_dtype(x)}"
+      )
   b, t, hq, d = _shape(q)
   if _shape(k) != _shape(v):
     raise ValueError(f"k and v must have the same shape, got {_shape(k)} and {_shape(v)}")
   if _shape(k)[:2] != (b, t) or _shape(k)[3] != d:
-    raise ValueError(f"k/v must have shape [B, {length}, Hkv, D] = [{b}, {t}, Hkv, {d}] to "
-                     f"match q, got {list(_shape(k))}")
+    raise ValueError(
+      f"k/v must have shape [B, {length}, Hkv, D] = [{b}, {t}, Hkv, {d}] to "
+      f"match q, got {list(_shape(k))}"
+    )
   hkv = _shape(k)[2]
   if hkv == 0 or hq % hkv:
     raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
@@ -69,10 +80,10 @@ def attention_inputs(q, k, v, *, length: str = "L") -> tuple[int, int, int, int,
 
 
 def _real(name: str, value) -> float:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                    np.floating)):
-    raise TypeError(f"{name} must be a real number or None, got {type(value).__name__} "
-                    f"({value!r})")
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (int, float, np.integer, np.floating)
+  ):
+    raise TypeError(f"{name} must be a real number or None, got {type(value).__name__} ({value!r})")
   value = float(value)
   if not np.isfinite(value):
     raise ValueError(f"{name} must be finite, got {value}")
@@ -104,12 +115,15 @@ def fits_int32(name: str, x) -> None:
     return
   values = np.asarray(x)
   if values.size and (values.min() < _INT32.min or values.max() > _INT32.max):
-    raise ValueError(f"{name} holds values outside int32 [{_INT32.min}, {_INT32.max}] "
-                     f"(min {values.min()}, max {values.max()}); cpjax computes in int32")
+    raise ValueError(
+      f"{name} holds values outside int32 [{_INT32.min}, {_INT32.max}] "
+      f"(min {values.min()}, max {values.max()}); cpjax computes in int32"
+    )
 
 
-def token_stream(name: str, x, *, kind: str, shape: tuple[int, ...] | None = None,
-                 where: str = "[B, S]") -> None:
+def token_stream(
+  name: str, x, *, kind: str, shape: tuple[int, ...] | None = None, where: str = "[B, S]"
+) -> None:
   """Check a per-token stream: 2-D (``shape`` if given), of ``kind``.
 
   ``kind``: ``"int"`` (integer dtype), ``"bool"`` (bool), ``"bool_or_int"``
@@ -120,14 +134,18 @@ def token_stream(name: str, x, *, kind: str, shape: tuple[int, ...] | None = Non
   got = _shape(x)
   if len(got) != 2 or (shape is not None and got != tuple(shape)):
     want = list(shape) if shape is not None else where
-    raise ValueError(f"{name} must have shape {where} = {want}, got {list(got)}"
-                     if shape is not None else f"{name} must be 2-D {where}, got shape "
-                     f"{list(got)}")
+    raise ValueError(
+      f"{name} must have shape {where} = {want}, got {list(got)}"
+      if shape is not None
+      else f"{name} must be 2-D {where}, got shape {list(got)}"
+    )
   dtype = _dtype(x)
-  ok = {"int": jnp.issubdtype(dtype, jnp.integer),
-        "bool": dtype == jnp.bool_,
-        "bool_or_int": dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer),
-        "any": True}[kind]
+  ok = {
+    "int": jnp.issubdtype(dtype, jnp.integer),
+    "bool": dtype == jnp.bool_,
+    "bool_or_int": dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer),
+    "any": True,
+  }[kind]
   if not ok:
     want = {"int": "an integer", "bool": "a bool", "bool_or_int": "a bool or integer"}[kind]
     raise TypeError(f"{name} must have {want} dtype, got {dtype}")
@@ -147,11 +165,14 @@ def cp_axis(caller: str, axis_name: str, cp_size: int) -> None:
   over ``axis_name`` of that size (or anywhere when ``cp_size`` is 1)."""
   size = _axis_size(axis_name)
   if size is None and cp_size != 1:
-    raise ValueError(f"{caller} with layout.cp_size={cp_size} must run inside shard_map over "
-                     f"a mesh axis {axis_name!r}; that axis is not bound")
+    raise ValueError(
+      f"{caller} with layout.cp_size={cp_size} must run inside shard_map over "
+      f"a mesh axis {axis_name!r}; that axis is not bound"
+    )
   if size is not None and size != cp_size:
-    raise ValueError(f"layout.cp_size ({cp_size}) must equal the size of mesh axis "
-                     f"{axis_name!r} ({size})")
+    raise ValueError(
+      f"layout.cp_size ({cp_size}) must equal the size of mesh axis {axis_name!r} ({size})"
+    )
 
 
 def integer(name: str, value, *, minimum: int | None = None) -> int:
@@ -168,19 +189,22 @@ def mapping(name: str, value) -> dict:
   become numpy arrays, as ``np.asarray`` takes them (a ragged one is a
   ``TypeError`` naming its key)."""
   if not isinstance(value, Mapping):
-    raise TypeError(f"{name} must be a mapping of names to arrays, got "
-                    f"{type(value).__name__}")
+    raise TypeError(f"{name} must be a mapping of names to arrays, got {type(value).__name__}")
   out = dict(value)
   for key, x in out.items():
     if isinstance(x, (list, tuple)):
       try:
         array = np.asarray(x)
       except ValueError as e:
-        raise TypeError(f"{name}[{key!r}] is a list that is not a rectangular array of "
-                        f"numbers: {e}") from None
-      if array.dtype == object or not (np.issubdtype(array.dtype, np.number)
-                                       or array.dtype == np.bool_):
-        raise TypeError(f"{name}[{key!r}] is a list that is not a rectangular array of "
-                        f"numbers (numpy reads it as {array.dtype})")
+        raise TypeError(
+          f"{name}[{key!r}] is a list that is not a rectangular array of numbers: {e}"
+        ) from None
+      if array.dtype == object or not (
+        np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_
+      ):
+        raise TypeError(
+          f"{name}[{key!r}] is a list that is not a rectangular array of "
+          f"numbers (numpy reads it as {array.dtype})"
+        )
       out[key] = array
   return out

@@ -30,8 +30,15 @@ from cpjax.layout import ShardLayout, local_token_indices
 from cpjax.parallel import key_names, lookup, ring_lookup
 from cpjax.ring.kernels import resolve_implementation
 
-__all__ = ["CPContext", "ContextParallelSharder", "HiddenStates", "batch_specs", "manual_axes",
-           "split_over", "state_specs"]
+__all__ = [
+  "CPContext",
+  "ContextParallelSharder",
+  "HiddenStates",
+  "batch_specs",
+  "manual_axes",
+  "split_over",
+  "state_specs",
+]
 
 
 class HiddenStates(NamedTuple):
@@ -50,6 +57,7 @@ class HiddenStates(NamedTuple):
       step sums them over the cp ranks and microbatches): Gemma 4's MoE gives ``expert_tokens``
       [layers, E] and ``expert_dropped`` [layers].
   """
+
   hidden: jax.Array
   head: jax.Array
   logits_soft_cap: float | None = None
@@ -95,21 +103,26 @@ class CPContext:
     if not isinstance(self.layout, ShardLayout):
       raise TypeError(f"layout must be a ShardLayout, got {type(self.layout).__name__}")
     if not isinstance(self.axis_name, str):
-      raise TypeError(f"axis_name must be a mesh axis name (str), got "
-                      f"{type(self.axis_name).__name__} ({self.axis_name!r})")
+      raise TypeError(
+        f"axis_name must be a mesh axis name (str), got "
+        f"{type(self.axis_name).__name__} ({self.axis_name!r})"
+      )
     if self.implementation is not None:
       resolve_implementation(self.implementation)
     if not isinstance(self.interpret, bool):
       raise TypeError(f"interpret must be a bool, got {type(self.interpret).__name__}")
-    if (not isinstance(self.expert_axes, tuple)
-        or not all(isinstance(a, str) for a in self.expert_axes)):
-      raise TypeError(f"expert_axes must be a tuple of mesh axis names, got "
-                      f"{self.expert_axes!r}")
+    if not isinstance(self.expert_axes, tuple) or not all(
+      isinstance(a, str) for a in self.expert_axes
+    ):
+      raise TypeError(f"expert_axes must be a tuple of mesh axis names, got {self.expert_axes!r}")
     if self.capacity_factor is not None and (
-        isinstance(self.capacity_factor, bool)
-        or not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0):
-      raise ValueError(f"capacity_factor must be None or a positive number, got "
-                       f"{self.capacity_factor!r}")
+      isinstance(self.capacity_factor, bool)
+      or not isinstance(self.capacity_factor, (int, float))
+      or self.capacity_factor <= 0
+    ):
+      raise ValueError(
+        f"capacity_factor must be None or a positive number, got {self.capacity_factor!r}"
+      )
 
   def gather(self, state, prefix: tuple[str, ...] = (), *, skip=()):
     """``state`` with every leaf stored split over ``axis_name`` gathered
@@ -124,9 +137,10 @@ class CPContext:
 
     def leaf(path, x):
       keys = prefix + key_names(path)
-      if any(keys[:len(p)] == p for p in skip):
+      if any(keys[: len(p)] == p for p in skip):
         return x
       return self._gathered(x, keys)
+
     return jax.tree_util.tree_map_with_path(leaf, state)
 
   def split_dim(self, path: tuple[str, ...]) -> int | None:
@@ -201,9 +215,11 @@ def batch_specs(batch: Mapping[str, Any]) -> dict:
   >>> batch_specs(batch)["input_ids"], batch_specs(batch)["labels"]
   (P(None, None), P(None, 'cp'))
   """
+
   def spec(x):
     sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
     return sharding.spec if isinstance(sharding, NamedSharding) else P()
+
   return {key: spec(x) for key, x in batch.items()}
 
 
@@ -219,8 +235,9 @@ def manual_axes(mesh: Mesh, axis_name: str = "cp") -> frozenset[str]:
   >>> sorted(manual_axes(make_mesh(fsdp=2, cp=2, tp=2)))
   ['cp']
   """
-  auto = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
-          if kind == jax.sharding.AxisType.Auto}
+  auto = {
+    a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind == jax.sharding.AxisType.Auto
+  }
   return frozenset(a for a in mesh.axis_names if a == axis_name or a not in auto)
 
 
@@ -230,14 +247,14 @@ def _leaf_path(keys) -> tuple[str, ...]:
   return keys[:-1] if keys[-1:] == ("value",) else keys
 
 
-def split_over(specs, axis_name: str, *, skip: Callable[[tuple[str, ...]], bool] = lambda k: False
-               ) -> tuple:
+def split_over(
+  specs, axis_name: str, *, skip: Callable[[tuple[str, ...]], bool] = lambda k: False
+) -> tuple:
   """``((path, dim), ...)``, sorted: the leaves whose ``PartitionSpec`` (from
   :func:`state_specs`) splits ``dim`` over ``axis_name``, for
   :attr:`CPContext.gathered`; those ``skip(path)`` rejects left out."""
   split = {}
-  for path, spec in jax.tree_util.tree_leaves_with_path(specs,
-                                                        is_leaf=lambda x: isinstance(x, P)):
+  for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)):
     keys = _leaf_path(key_names(path))
     for dim, part in enumerate(spec):
       if axis_name in (part if isinstance(part, tuple) else (part,)) and not skip(keys):
@@ -266,4 +283,5 @@ def state_specs(state, axes) -> Any:
     while parts and parts[-1] is None:
       parts.pop()
     return P(*parts)
+
   return jax.tree.map(spec, state)

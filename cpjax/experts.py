@@ -79,13 +79,22 @@ class ExpertStats(NamedTuple):
       positions included: the load each expert carries.
     dropped: float32[] pairs dropped by the capacity factor (0 without one).
   """
+
   tokens: jax.Array
   dropped: jax.Array
 
 
-def routed_experts(x, weights, expert_ids, params, expert_fn: ExpertFn, *, num_experts: int,
-                   expert_axes: tuple[str, ...] = (), capacity_factor: float | None = None
-                   ) -> tuple[jax.Array, ExpertStats]:
+def routed_experts(
+  x,
+  weights,
+  expert_ids,
+  params,
+  expert_fn: ExpertFn,
+  *,
+  num_experts: int,
+  expert_axes: tuple[str, ...] = (),
+  capacity_factor: float | None = None,
+) -> tuple[jax.Array, ExpertStats]:
   """``y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``, and :class:`ExpertStats`.
 
   Args:
@@ -109,34 +118,48 @@ def routed_experts(x, weights, expert_ids, params, expert_fn: ExpertFn, *, num_e
   e = int(num_experts)
   shape = x.shape
   if expert_ids.shape[:-1] != shape[:-1] or weights.shape != expert_ids.shape:
-    raise ValueError(f"routed_experts: x {shape}, weights {weights.shape} and expert_ids "
-                     f"{expert_ids.shape} must share their leading dimensions [T..., k]")
-  if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
-                                          and not isinstance(capacity_factor, bool)
-                                          and capacity_factor > 0):
-    raise ValueError(f"capacity_factor must be None (never drop) or a positive number, got "
-                     f"{capacity_factor!r}")
+    raise ValueError(
+      f"routed_experts: x {shape}, weights {weights.shape} and expert_ids "
+      f"{expert_ids.shape} must share their leading dimensions [T..., k]"
+    )
+  if capacity_factor is not None and not (
+    isinstance(capacity_factor, (int, float))
+    and not isinstance(capacity_factor, bool)
+    and capacity_factor > 0
+  ):
+    raise ValueError(
+      f"capacity_factor must be None (never drop) or a positive number, got {capacity_factor!r}"
+    )
   expert_axes = tuple(expert_axes)
   if not expert_axes:
     return _local(x, weights, expert_ids, params, expert_fn, e, capacity_factor)
   mesh = jax.sharding.get_abstract_mesh()
   missing = [a for a in expert_axes if mesh.empty or a not in mesh.axis_names]
   if missing:
-    raise ValueError(f"expert_axes {expert_axes} name axes {missing} that the current mesh "
-                     f"{None if mesh.empty else mesh.axis_names} does not have")
+    raise ValueError(
+      f"expert_axes {expert_axes} name axes {missing} that the current mesh "
+      f"{None if mesh.empty else mesh.axis_names} does not have"
+    )
   groups = math.prod(mesh.shape[a] for a in expert_axes)
   if e % groups:
-    raise ValueError(f"expert_axes {expert_axes} split the experts {groups} ways, which does "
-                     f"not divide the {e} experts")
+    raise ValueError(
+      f"expert_axes {expert_axes} split the experts {groups} ways, which does "
+      f"not divide the {e} experts"
+    )
   # Manual over every Auto axis as well (as cpjax.parallel.lookup is): the
   # SPMD partitioner then sees no data-dependent gather of sharded tokens.
-  auto = tuple(n for n, kind in zip(mesh.axis_names, mesh.axis_types)
-               if kind == AxisType.Auto and mesh.shape[n] > 1)
+  auto = tuple(
+    n
+    for n, kind in zip(mesh.axis_names, mesh.axis_types)
+    if kind == AxisType.Auto and mesh.shape[n] > 1
+  )
   batch = next((a for a in auto if a in ("dp", "fsdp")), None)
   if batch is not None and shape[0] % mesh.shape[batch]:
     if batch in expert_axes:
-      raise ValueError(f"expert axis {batch!r} of size {mesh.shape[batch]} must split the "
-                       f"{shape[0]} batch rows (their tokens are what it exchanges)")
+      raise ValueError(
+        f"expert axis {batch!r} of size {mesh.shape[batch]} must split the "
+        f"{shape[0]} batch rows (their tokens are what it exchanges)"
+      )
     batch = None
   nested = tuple(a for a in expert_axes if a in auto)
   # Here (manual over cp) the experts must already be split over the expert
@@ -144,27 +167,35 @@ def routed_experts(x, weights, expert_ids, params, expert_fn: ExpertFn, *, num_e
   lead = {leaf.shape[0] for leaf in jax.tree.leaves(params)}
   want = e // math.prod(mesh.shape[a] for a in expert_axes if a not in auto)
   if lead != {want}:
-    raise ValueError(f"with expert_axes {expert_axes} the experts' parameters must have "
-                     f"leading dimension {want} here (E = {e} split over the manual ones), got "
-                     f"{sorted(lead)}: place them with partition_rule(..., expert_axes=...)")
+    raise ValueError(
+      f"with expert_axes {expert_axes} the experts' parameters must have "
+      f"leading dimension {want} here (E = {e} split over the manual ones), got "
+      f"{sorted(lead)}: place them with partition_rule(..., expert_axes=...)"
+    )
 
   def local(x, weights, expert_ids, params):
-    y, stats = _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
-                         capacity_factor)
-    if batch is not None:   # the stats of every row this cp rank holds
+    y, stats = _exchange(
+      x, weights, expert_ids, params, expert_fn, e, expert_axes, groups, capacity_factor
+    )
+    if batch is not None:  # the stats of every row this cp rank holds
       stats = jax.tree.map(lambda s: jax.lax.psum(s, batch), stats)
     return y, stats
 
   if not auto:
     return local(x, weights, expert_ids, params)
   tokens = P(batch)
-  return _manual(x, weights, expert_ids, params,
-                 _Manual(local, (tokens, tokens, tokens, P(nested or None)), tokens, auto,
-                         _Saved()))
+  return _manual(
+    x,
+    weights,
+    expert_ids,
+    params,
+    _Manual(local, (tokens, tokens, tokens, P(nested or None)), tokens, auto, _Saved()),
+  )
 
 
 class _Manual(NamedTuple):
   """A function run in a ``shard_map`` manual over ``axes`` (inside the cp one)."""
+
   fn: Callable
   in_specs: tuple
   out_spec: P
@@ -174,6 +205,7 @@ class _Manual(NamedTuple):
 
 class _Saved:
   """The structure of the forward's pullback, read back by the backward."""
+
   tree: Any = None
 
 
@@ -184,8 +216,9 @@ class _Saved:
 # axis over the manual axes, and the backward's shard_map applies them.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _manual(x, weights, expert_ids, params, run):
-  return jax.shard_map(run.fn, in_specs=run.in_specs, out_specs=(run.out_spec, P()),
-                       axis_names=set(run.axes))(x, weights, expert_ids, params)
+  return jax.shard_map(
+    run.fn, in_specs=run.in_specs, out_specs=(run.out_spec, P()), axis_names=set(run.axes)
+  )(x, weights, expert_ids, params)
 
 
 def _manual_fwd(x, weights, expert_ids, params, run):
@@ -194,9 +227,12 @@ def _manual_fwd(x, weights, expert_ids, params, run):
     leaves, run.pullback.tree = jax.tree.flatten(pullback)
     return out, [leaf[None] for leaf in leaves]
 
-  out, saved = jax.shard_map(forward, in_specs=run.in_specs,
-                             out_specs=((run.out_spec, P()), P(run.axes)),
-                             axis_names=set(run.axes))(x, weights, expert_ids, params)
+  out, saved = jax.shard_map(
+    forward,
+    in_specs=run.in_specs,
+    out_specs=((run.out_spec, P()), P(run.axes)),
+    axis_names=set(run.axes),
+  )(x, weights, expert_ids, params)
   return out, (saved, out[1])
 
 
@@ -209,8 +245,11 @@ def _manual_bwd(run, residuals, g):
 
   tokens, _, _, experts = run.in_specs
   d_x, d_w, d_params = jax.shard_map(
-      backward, in_specs=(P(run.axes), run.out_spec, P()), out_specs=(tokens, tokens, experts),
-      axis_names=set(run.axes))(saved, g[0], stats)
+    backward,
+    in_specs=(P(run.axes), run.out_spec, P()),
+    out_specs=(tokens, tokens, experts),
+    axis_names=set(run.axes),
+  )(saved, g[0], stats)
   return d_x, d_w, None, d_params
 
 
@@ -265,8 +304,7 @@ def _local(x, weights, expert_ids, params, expert_fn, e, capacity_factor):
   return out.reshape(x.shape), _stats(sizes, keep)
 
 
-def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
-              capacity_factor):
+def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups, capacity_factor):
   """One device's side of the expert-parallel dispatch (manual over every axis).
 
   Group ``g`` (linear index over ``expert_axes``, first axis major) owns
@@ -290,18 +328,21 @@ def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
   slot = jnp.where(keep, group * rows + kept_before - first[group], groups * rows)
   # (Buffers filled after their data exists: XLA:GPU would build every
   # layer's zeros at the step's start.)
-  send = filled_after(flat_x, (groups * rows, d), dtype=dt).at[slot].set(flat_x[order // k],
-                                                                        mode="drop")
-  local_expert = jnp.full((groups * rows,), per_group, jnp.int32).at[slot].set(
-      expert % per_group, mode="drop")
+  send = (
+    filled_after(flat_x, (groups * rows, d), dtype=dt).at[slot].set(flat_x[order // k], mode="drop")
+  )
+  local_expert = (
+    jnp.full((groups * rows,), per_group, jnp.int32).at[slot].set(expert % per_group, mode="drop")
+  )
   a2a = lambda v: jax.lax.all_to_all(v, expert_axes, 0, 0, tiled=True)
   received, received_expert = a2a(send), a2a(local_expert)
   # Regroup by local expert; empty rows (expert id ``per_group``) sort last.
   regroup = jnp.argsort(received_expert, stable=True)
   counts = jnp.bincount(received_expert, length=per_group + 1)[:per_group].astype(jnp.int32)
   out = expert_fn(received[regroup], counts, params)
-  out = jnp.where((jnp.arange(groups * rows) < jnp.sum(counts))[:, None], out,
-                  jnp.zeros((), out.dtype))
+  out = jnp.where(
+    (jnp.arange(groups * rows) < jnp.sum(counts))[:, None], out, jnp.zeros((), out.dtype)
+  )
   back = a2a(filled_after(out, out.shape, dtype=out.dtype).at[regroup].set(out))
   # A dropped pair's slot is past the end: it reads zeros.
   y = back.at[slot].get(mode="fill", fill_value=0).astype(jnp.float32)
@@ -334,13 +375,14 @@ def grouped_matmul(rows, weights, sizes, *, tile: int = GROUPED_TILE):
          [0., 0.]], dtype=float32)
   """
   rows, weights, sizes = jnp.asarray(rows), jnp.asarray(weights), jnp.asarray(sizes)
-  tile = math.gcd(rows.shape[0], tile)      # a divisor of M (M itself when small)
+  tile = math.gcd(rows.shape[0], tile)  # a divisor of M (M itself when small)
 
   def looped(rows, weights, sizes):
     # Inside shard_map: operands varying over the same axes, so the weights'
     # gradient is summed over the rows' other axes outside (pcast's transpose).
     rows, weights = vary_like(rows, weights), vary_like(weights, rows)
     return _looped_matmul(tile, rows, weights, sizes)
+
   return lax.platform_dependent(rows, weights, sizes, tpu=lax.ragged_dot, default=looped)
 
 
@@ -350,8 +392,8 @@ def _pairs(sizes, m: int, tile: int):
   the last are not valid), and each row's group (``G`` past the last)."""
   g = sizes.shape[0]
   group = _at_most(jnp.cumsum(sizes), m)
-  first = group[::tile]                                  # [M / tile]
-  last = jnp.minimum(group[tile - 1::tile], g - 1)
+  first = group[::tile]  # [M / tile]
+  last = jnp.minimum(group[tile - 1 :: tile], g - 1)
   count = jnp.where(first < g, last - first + 1, 0)
   start = jnp.cumsum(count) - count
   p = jnp.arange(m // tile + g - 1, dtype=sizes.dtype)
@@ -388,6 +430,7 @@ def _looped_matmul(tile, rows, weights, sizes):
     product = jnp.dot(x, weights[g], preferred_element_type=jnp.float32).astype(out.dtype)
     now = lax.dynamic_slice_in_dim(out, at, tile)
     return lax.dynamic_update_slice_in_dim(out, jnp.where(mine, product, now), at, 0)
+
   init = _zeros((rows.shape[0], weights.shape[-1]), rows.dtype, rows, weights)
   return lax.fori_loop(0, tiles.shape[0], one, init)
 
@@ -411,8 +454,11 @@ def _looped_matmul_bwd(tile, residuals, d_out):
     d_rows = lax.dynamic_update_slice_in_dim(d_rows, jnp.where(mine, back, now), at, 0)
     d_w = d_weights[g] + jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
     return d_rows, lax.dynamic_update_index_in_dim(d_weights, d_w, g, 0)
-  init = (_zeros(rows.shape, rows.dtype, d_out, rows, weights),
-          _zeros(weights.shape, jnp.float32, d_out, weights, rows))
+
+  init = (
+    _zeros(rows.shape, rows.dtype, d_out, rows, weights),
+    _zeros(weights.shape, jnp.float32, d_out, weights, rows),
+  )
   d_rows, d_weights = lax.fori_loop(0, tiles.shape[0], one, init)
   return d_rows, d_weights.astype(weights.dtype), None
 

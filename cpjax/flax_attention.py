@@ -36,7 +36,8 @@ from cpjax.ring.kernels import resolve_implementation
 __all__ = ["use_cp", "current_context", "ring_attention_fn"]
 
 _CONTEXT: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar(
-    "cpjax_context_parallel", default=None)
+  "cpjax_context_parallel", default=None
+)
 
 
 @contextlib.contextmanager
@@ -66,10 +67,15 @@ def current_context() -> CPContext | None:
   return _CONTEXT.get()
 
 
-def ring_attention_fn(*, scale: float | None = None, logits_soft_cap: float | None = None,
-                      block_q: int | None = None, block_kv: int | None = None,
-                      implementation: str | None = None, interpret: bool | None = None
-                      ) -> Callable:
+def ring_attention_fn(
+  *,
+  scale: float | None = None,
+  logits_soft_cap: float | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  implementation: str | None = None,
+  interpret: bool | None = None,
+) -> Callable:
   """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` that runs on the ring.
 
   The returned function takes flax's arguments ``(query [B, L, H, D], key,
@@ -102,26 +108,46 @@ def ring_attention_fn(*, scale: float | None = None, logits_soft_cap: float | No
   if interpret is not None and not isinstance(interpret, bool):
     raise TypeError(f"interpret must be a bool or None, got {type(interpret).__name__}")
 
-  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
-                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,
-                   dtype=None, precision=None, module=None, is_causal: bool = False, **unused):
+  def attention_fn(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout: bool = True,
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = True,
+    dtype=None,
+    precision=None,
+    module=None,
+    is_causal: bool = False,
+    **unused,
+  ):
     if unused:
       raise TypeError(f"ring_attention_fn got unexpected arguments {sorted(unused)}")
     del broadcast_dropout, dropout_rng
     if bias is not None:
       raise ValueError("ring_attention_fn takes no bias: express the rule as an AttentionMask")
     if dropout_rate > 0.0 and not deterministic:
-      raise ValueError(f"ring_attention_fn has no attention dropout, got dropout_rate="
-                       f"{dropout_rate} with deterministic=False")
+      raise ValueError(
+        f"ring_attention_fn has no attention dropout, got dropout_rate="
+        f"{dropout_rate} with deterministic=False"
+      )
     if precision is not None:
-      raise ValueError(f"ring_attention_fn multiplies in the inputs' dtype with float32 "
-                       f"accumulation; precision must be None, got {precision!r}")
+      raise ValueError(
+        f"ring_attention_fn multiplies in the inputs' dtype with float32 "
+        f"accumulation; precision must be None, got {precision!r}"
+      )
     if module is not None:
-      raise ValueError("ring_attention_fn never materialises attention weights: "
-                       "sow_weights=True is not supported")
+      raise ValueError(
+        "ring_attention_fn never materialises attention weights: sow_weights=True is not supported"
+      )
     if mask is not None and not isinstance(mask, AttentionMask):
-      raise TypeError(f"mask must be a cpjax.AttentionMask (a dense [B, H, Q, K] mask cannot "
-                      f"travel the ring), got {type(mask).__name__}")
+      raise TypeError(
+        f"mask must be a cpjax.AttentionMask (a dense [B, H, Q, K] mask cannot "
+        f"travel the ring), got {type(mask).__name__}"
+      )
     if mask is not None and is_causal:
       raise ValueError("pass either is_causal=True or an AttentionMask, not both")
     if mask is None:
@@ -137,8 +163,18 @@ def ring_attention_fn(*, scale: float | None = None, logits_soft_cap: float | No
       options["implementation"] = implementation
     if interpret is not None:
       options["interpret"] = interpret
-    return ring_attention(query, key, value, layout=cp.layout, axis_name=cp.axis_name,
-                          mask=mask, scale=scale, logits_soft_cap=logits_soft_cap,
-                          block_q=block_q, block_kv=block_kv, **options)
+    return ring_attention(
+      query,
+      key,
+      value,
+      layout=cp.layout,
+      axis_name=cp.axis_name,
+      mask=mask,
+      scale=scale,
+      logits_soft_cap=logits_soft_cap,
+      block_q=block_q,
+      block_kv=block_kv,
+      **options,
+    )
 
   return attention_fn

@@ -40,27 +40,34 @@ def _check_layout(layout) -> None:
 def _axis(x, axis: int) -> int:
   ndim = jnp.ndim(x)
   if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
-    raise ValueError(f"axis must be an int in [{-ndim}, {ndim}) for an array of shape "
-                     f"{tuple(jnp.shape(x))}, got {axis!r}")
+    raise ValueError(
+      f"axis must be an int in [{-ndim}, {ndim}) for an array of shape "
+      f"{tuple(jnp.shape(x))}, got {axis!r}"
+    )
   return int(axis) % ndim
 
 
 def _rows_index(x, layout: ShardLayout, axis: int, source_index, inverse: bool):
   """The per-row index of a ``"document_balanced"`` move (argsort: the inverse)."""
   if source_index is None:
-    raise ValueError("a 'document_balanced' layout reorders each row: pass "
-                     "source_index=batch['_source_index'] (as shard_batch returned it)")
+    raise ValueError(
+      "a 'document_balanced' layout reorders each row: pass "
+      "source_index=batch['_source_index'] (as shard_batch returned it)"
+    )
   index = jnp.asarray(source_index)
   if axis == 0 or index.shape != (x.shape[axis - 1], layout.padded_seq_len):
-    raise ValueError(f"source_index must be [B, {layout.padded_seq_len}] (B = dim {axis - 1} of "
-                     f"x, the dimension before axis={axis}), got shape {tuple(index.shape)} for "
-                     f"x of shape {tuple(x.shape)}")
+    raise ValueError(
+      f"source_index must be [B, {layout.padded_seq_len}] (B = dim {axis - 1} of "
+      f"x, the dimension before axis={axis}), got shape {tuple(index.shape)} for "
+      f"x of shape {tuple(x.shape)}"
+    )
   index = _gather_dim(index, 1)
   return jnp.argsort(index, axis=1).astype(jnp.int32) if inverse else index
 
 
-def to_rank_order(x, layout: ShardLayout, *, axis: int = 1, pad_value=0,
-                  source_index=None) -> jax.Array:
+def to_rank_order(
+  x, layout: ShardLayout, *, axis: int = 1, pad_value=0, source_index=None
+) -> jax.Array:
   """Natural token order -> rank order, along ``axis``.
 
   ``x`` has ``layout.original_seq_len`` tokens on ``axis`` (it is then
@@ -93,9 +100,11 @@ def to_rank_order(x, layout: ShardLayout, *, axis: int = 1, pad_value=0,
   axis = _axis(x, axis)
   length = x.shape[axis]
   if length not in (layout.original_seq_len, layout.padded_seq_len):
-    raise ValueError(f"x must have layout.original_seq_len = {layout.original_seq_len} (or "
-                     f"layout.padded_seq_len = {layout.padded_seq_len}) tokens on axis {axis}, "
-                     f"got shape {tuple(x.shape)}")
+    raise ValueError(
+      f"x must have layout.original_seq_len = {layout.original_seq_len} (or "
+      f"layout.padded_seq_len = {layout.padded_seq_len}) tokens on axis {axis}, "
+      f"got shape {tuple(x.shape)}"
+    )
   if length != layout.padded_seq_len:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, layout.padded_seq_len - length)
@@ -133,8 +142,10 @@ def from_rank_order(x, layout: ShardLayout, *, axis: int = 1, source_index=None)
   x = jnp.asarray(x)
   axis = _axis(x, axis)
   if x.shape[axis] != layout.padded_seq_len:
-    raise ValueError(f"x must have layout.padded_seq_len = {layout.padded_seq_len} tokens on "
-                     f"axis {axis}, got shape {tuple(x.shape)}")
+    raise ValueError(
+      f"x must have layout.padded_seq_len = {layout.padded_seq_len} tokens on "
+      f"axis {axis}, got shape {tuple(x.shape)}"
+    )
   if layout.kind == "document_balanced":
     inverse = _rows_index(x, layout, axis, source_index, inverse=True)
     return take_rows(_gather_dim(x, axis), inverse, seq_dim=axis, batch_dim=axis - 1)
@@ -144,12 +155,25 @@ def from_rank_order(x, layout: ShardLayout, *, axis: int = 1, source_index=None)
   return jnp.take(_gather_dim(x, axis), inverse, axis=axis)
 
 
-def context_parallel_attention(q, k, v, *, mesh: Mesh, layout: ShardLayout, axis_name: str = "cp",
-                               batch_axis: str | None = None, head_axis: str | None = None,
-                               mask: AttentionMask | None = None, scale: float | None = None,
-                               logits_soft_cap: float | None = None, block_q: int | None = None,
-                               block_kv: int | None = None, implementation: str | None = None,
-                               interpret: bool = False, **mask_keywords):
+def context_parallel_attention(
+  q,
+  k,
+  v,
+  *,
+  mesh: Mesh,
+  layout: ShardLayout,
+  axis_name: str = "cp",
+  batch_axis: str | None = None,
+  head_axis: str | None = None,
+  mask: AttentionMask | None = None,
+  scale: float | None = None,
+  logits_soft_cap: float | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  implementation: str | None = None,
+  interpret: bool = False,
+  **mask_keywords,
+):
   """Ring attention of global, rank-ordered arrays; calls ``shard_map`` itself.
 
   Equals :func:`cpjax.reference_attention` of the same arrays in natural
@@ -192,8 +216,10 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, layout: ShardLayout, axis
   _check_layout(layout)
   cp_size = _mesh_axis_size(mesh, axis_name, "axis_name")
   if cp_size != layout.cp_size:
-    raise ValueError(f"layout.cp_size ({layout.cp_size}) must equal the size of mesh axis "
-                     f"{axis_name!r} ({cp_size})")
+    raise ValueError(
+      f"layout.cp_size ({layout.cp_size}) must equal the size of mesh axis "
+      f"{axis_name!r} ({cp_size})"
+    )
   axes = {"axis_name": axis_name}
   for name, axis in (("batch_axis", batch_axis), ("head_axis", head_axis)):
     if axis is None:
@@ -205,30 +231,49 @@ def context_parallel_attention(q, k, v, *, mesh: Mesh, layout: ShardLayout, axis
   b, s, _, _, _ = checks.attention_inputs(q, k, v, length="S")
   checks.attention_options(scale=scale, logits_soft_cap=logits_soft_cap)
   if s != layout.padded_seq_len:
-    raise ValueError(f"q must hold layout.padded_seq_len = {layout.padded_seq_len} tokens on "
-                     f"dim 1 (global arrays in rank order), got shape {tuple(jnp.shape(q))}")
+    raise ValueError(
+      f"q must hold layout.padded_seq_len = {layout.padded_seq_len} tokens on "
+      f"dim 1 (global arrays in rank order), got shape {tuple(jnp.shape(q))}"
+    )
   sizes = dict(mesh.shape)
   if batch_axis is not None and b % sizes[batch_axis]:
-    raise ValueError(f"batch size {b} must be divisible by the size {sizes[batch_axis]} of "
-                     f"batch_axis={batch_axis!r}")
+    raise ValueError(
+      f"batch size {b} must be divisible by the size {sizes[batch_axis]} of "
+      f"batch_axis={batch_axis!r}"
+    )
   if head_axis is not None and jnp.shape(k)[2] % sizes[head_axis]:
-    raise ValueError(f"key/value heads ({jnp.shape(k)[2]}) must be divisible by the size "
-                     f"{sizes[head_axis]} of head_axis={head_axis!r}, so that every query "
-                     "head finds its key/value head on the same device")
-  mask = resolve_mask(mask, **mask_keywords).validate(b, s, where="[B, S] (q's first two "
-                                                     "dimensions, rank order)")
+    raise ValueError(
+      f"key/value heads ({jnp.shape(k)[2]}) must be divisible by the size "
+      f"{sizes[head_axis]} of head_axis={head_axis!r}, so that every query "
+      "head finds its key/value head on the same device"
+    )
+  mask = resolve_mask(mask, **mask_keywords).validate(
+    b, s, where="[B, S] (q's first two dimensions, rank order)"
+  )
   # The mesh's own backend by default (a TPU mesh compiled from a CPU host too).
   implementation = resolve_implementation(implementation, platform=mesh_platform(mesh))
   x_spec = P(batch_axis, axis_name, head_axis)
   mask_spec = jax.tree.map(lambda _: P(batch_axis, axis_name), mask)
 
   def local(q, k, v, mask):
-    return ring_attention(q, k, v, layout=layout, axis_name=axis_name, mask=mask, scale=scale,
-                          logits_soft_cap=logits_soft_cap, block_q=block_q, block_kv=block_kv,
-                          implementation=implementation, interpret=interpret)
+    return ring_attention(
+      q,
+      k,
+      v,
+      layout=layout,
+      axis_name=axis_name,
+      mask=mask,
+      scale=scale,
+      logits_soft_cap=logits_soft_cap,
+      block_q=block_q,
+      block_kv=block_kv,
+      implementation=implementation,
+      interpret=interpret,
+    )
 
-  ring = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, mask_spec),
-                       out_specs=x_spec)
+  ring = jax.shard_map(
+    local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, mask_spec), out_specs=x_spec
+  )
   q, k, v = (_place(jnp.asarray(x), mesh, x_spec) for x in (q, k, v))
   mask = jax.tree.map(lambda x: _place(x, mesh, P(batch_axis, axis_name)), mask)
   return ring(q, k, v, mask)

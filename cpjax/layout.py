@@ -38,12 +38,12 @@ import numpy as np
 from cpjax import checks
 
 __all__ = [
-    "LAYOUT_KINDS",
-    "ShardLayout",
-    "local_token_indices",
-    "default_stripes",
-    "padded_length",
-    "rank_order",
+  "LAYOUT_KINDS",
+  "ShardLayout",
+  "local_token_indices",
+  "default_stripes",
+  "padded_length",
+  "rank_order",
 ]
 
 LAYOUT_KINDS = ("contiguous", "load_balanced", "document_balanced")
@@ -103,18 +103,22 @@ class ShardLayout:
     if fixed is not None and stripes != fixed:
       raise ValueError(f"a {self.kind!r} layout has stripes={fixed}, got {stripes}")
     if fixed is None and stripes % 2:
-      raise ValueError(f"a {self.kind!r} layout needs an even number of stripes per rank "
-                       f"(each pair of passes balances a causal run), got {stripes}")
+      raise ValueError(
+        f"a {self.kind!r} layout needs an even number of stripes per rank "
+        f"(each pair of passes balances a causal run), got {stripes}"
+      )
     object.__setattr__(self, "stripes", stripes)
     if self.padded_seq_len < self.original_seq_len:
       raise ValueError(
-          f"padded_seq_len ({self.padded_seq_len}) must be >= original_seq_len"
-          f" ({self.original_seq_len})")
+        f"padded_seq_len ({self.padded_seq_len}) must be >= original_seq_len"
+        f" ({self.original_seq_len})"
+      )
     divisor = self.num_chunks
     if self.padded_seq_len % divisor:
       raise ValueError(
-          f"padded_seq_len must be a multiple of {divisor} for a {self.kind!r}"
-          f" layout with cp_size={self.cp_size}, got {self.padded_seq_len}")
+        f"padded_seq_len must be a multiple of {divisor} for a {self.kind!r}"
+        f" layout with cp_size={self.cp_size}, got {self.padded_seq_len}"
+      )
     object.__setattr__(self, "replicated_keys", tuple(self.replicated_keys))
 
   @property
@@ -171,9 +175,15 @@ def default_stripes(seq_len: int, cp_size: int, *, min_stripe_len: int = MIN_STR
   return 2
 
 
-def padded_length(seq_len: int, cp_size: int, *, kind: str = "contiguous",
-                  pad_multiple: int = 1, chunk_multiple: int = 1,
-                  stripes: int | None = None) -> int:
+def padded_length(
+  seq_len: int,
+  cp_size: int,
+  *,
+  kind: str = "contiguous",
+  pad_multiple: int = 1,
+  chunk_multiple: int = 1,
+  stripes: int | None = None,
+) -> int:
   """The padded length ``shard_batch`` uses for ``seq_len`` tokens.
 
   Rounds up to a multiple of ``cp_size * max(pad_multiple, 2)`` (as the
@@ -225,11 +235,16 @@ def local_token_indices(layout: ShardLayout, rank) -> jax.Array:
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
   if isinstance(rank, (bool, np.bool_)) or not (
-      isinstance(rank, (int, np.integer)) or (
-          hasattr(rank, "dtype") and jnp.ndim(rank) == 0
-          and jnp.issubdtype(jnp.result_type(rank), jnp.integer))):
-    raise TypeError(f"rank must be an int or an integer scalar array, got "
-                    f"{type(rank).__name__} ({rank!r})")
+    isinstance(rank, (int, np.integer))
+    or (
+      hasattr(rank, "dtype")
+      and jnp.ndim(rank) == 0
+      and jnp.issubdtype(jnp.result_type(rank), jnp.integer)
+    )
+  ):
+    raise TypeError(
+      f"rank must be an int or an integer scalar array, got {type(rank).__name__} ({rank!r})"
+    )
   if not isinstance(rank, jax.core.Tracer) and not 0 <= int(rank) < layout.cp_size:
     raise ValueError(f"rank must be in [0, {layout.cp_size}), got {int(rank)}")
   c, cp = layout.chunk_len, layout.cp_size

@@ -38,7 +38,8 @@ Example:
   >>> dict(mesh.shape)
   {'fsdp': 2, 'cp': 2, 'tp': 2}
   >>> params = {"w": np.zeros((8, 6), np.float32), "b": np.zeros((3,), np.float32)}
-  >>> specs = param_specs(params, mesh, rule=lambda path, shape: P("tp", None) if shape == (8, 6) else P())
+  >>> rule = lambda path, shape: P("tp", None) if shape == (8, 6) else P()
+  >>> specs = param_specs(params, mesh, rule=rule)
   >>> specs["w"], specs["b"]       # tp from the rule, fsdp x cp on a free dim it divides
   (P(('cp', 'fsdp', 'tp'),), P())
   >>> param_specs(params, mesh, rule=lambda path, shape: P("tp", None) if shape == (8, 6) else P(),
@@ -59,10 +60,29 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["BATCH_AXES", "HEAD_AXIS", "STATE_AXES", "axis_size", "batch_axis_of",
-           "bytes_per_device", "expert_axes", "filled_after", "gather_safe", "gathered", "key_names",
-           "lookup", "make_mesh", "param_specs", "parse_mesh", "ring_lookup", "shard_params",
-           "shard_like_params", "vary_like", "vary_over", "varying_axes"]
+__all__ = [
+  "BATCH_AXES",
+  "HEAD_AXIS",
+  "STATE_AXES",
+  "axis_size",
+  "batch_axis_of",
+  "bytes_per_device",
+  "expert_axes",
+  "filled_after",
+  "gather_safe",
+  "gathered",
+  "key_names",
+  "lookup",
+  "make_mesh",
+  "param_specs",
+  "parse_mesh",
+  "ring_lookup",
+  "shard_params",
+  "shard_like_params",
+  "vary_like",
+  "vary_over",
+  "varying_axes",
+]
 
 # rule(path, shape) -> PartitionSpec naming "tp" (or an expert's axes, or nothing) per dimension.
 PartitionRule = Callable[[tuple[str, ...], tuple[int, ...]], P]
@@ -76,8 +96,15 @@ BATCH_AXES = ("dp", "fsdp")
 HEAD_AXIS = "tp"
 _AXIS_ORDER = ("dp", "fsdp", "cp", "tp")
 
-def make_mesh(*, cp: int = 1, fsdp: int = 1, dp: int = 1, tp: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+
+def make_mesh(
+  *,
+  cp: int = 1,
+  fsdp: int = 1,
+  dp: int = 1,
+  tp: int = 1,
+  devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
   """A training mesh with axes ``dp`` or ``fsdp`` (when > 1), ``cp`` (always), ``tp`` (when > 1).
 
   Uses the first ``dp * fsdp * cp * tp`` of ``devices`` (default: all), with
@@ -92,20 +119,26 @@ def make_mesh(*, cp: int = 1, fsdp: int = 1, dp: int = 1, tp: int = 1,
     if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
       raise ValueError(f"mesh axis {name!r} must be a positive int, got {size!r}")
   if dp > 1 and fsdp > 1:
-    raise ValueError(f"a mesh splits the batch over one axis: got dp={dp} and fsdp={fsdp}; "
-                     f"use fsdp alone (it is dp that also shards the parameters)")
+    raise ValueError(
+      f"a mesh splits the batch over one axis: got dp={dp} and fsdp={fsdp}; "
+      f"use fsdp alone (it is dp that also shards the parameters)"
+    )
   devices = list(jax.devices() if devices is None else devices)
   if not all(isinstance(d, jax.Device) for d in devices):
-    raise TypeError(f"devices must be jax.Device objects (jax.devices()), got "
-                    f"{sorted({type(d).__name__ for d in devices})}")
+    raise TypeError(
+      f"devices must be jax.Device objects (jax.devices()), got "
+      f"{sorted({type(d).__name__ for d in devices})}"
+    )
   need = dp * fsdp * cp * tp
   if need > len(devices):
-    raise ValueError(f"mesh dp={dp} fsdp={fsdp} cp={cp} tp={tp} needs {need} devices, "
-                     f"{len(devices)} available")
+    raise ValueError(
+      f"mesh dp={dp} fsdp={fsdp} cp={cp} tp={tp} needs {need} devices, {len(devices)} available"
+    )
   names = tuple(n for n in _AXIS_ORDER if sizes[n] > 1 or n == "cp")
   types = tuple(AxisType.Explicit if n == "cp" else AxisType.Auto for n in names)
-  return jax.make_mesh(tuple(sizes[n] for n in names), names, axis_types=types,
-                       devices=devices[:need])
+  return jax.make_mesh(
+    tuple(sizes[n] for n in names), names, axis_types=types, devices=devices[:need]
+  )
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -123,13 +156,14 @@ def parse_mesh(text: str) -> dict[str, int]:
   for part in text.split(","):
     name, eq, value = part.strip().partition("=")
     if not eq or name not in (*_AXIS_ORDER, "ep"):
-      raise ValueError(f"mesh {text!r}: expected comma-separated AXIS=SIZE with AXIS in "
-                       f"{(*_AXIS_ORDER, 'ep')}, got {part.strip()!r}")
+      raise ValueError(
+        f"mesh {text!r}: expected comma-separated AXIS=SIZE with AXIS in "
+        f"{(*_AXIS_ORDER, 'ep')}, got {part.strip()!r}"
+      )
     if name in sizes:
       raise ValueError(f"mesh {text!r} names axis {name!r} twice")
     if not value.isdigit() or int(value) < 1:
-      raise ValueError(f"mesh {text!r}: axis {name!r} needs a positive integer size, got "
-                       f"{value!r}")
+      raise ValueError(f"mesh {text!r}: axis {name!r} needs a positive integer size, got {value!r}")
     sizes[name] = int(value)
   return sizes
 
@@ -157,8 +191,10 @@ def expert_axes(mesh: Mesh, ep: int) -> tuple[str, ...]:
   if ep == 1:
     return ()
   if axis_size(mesh, "tp") > 1:
-    raise ValueError(f"ep={ep} does not combine with tp={mesh.shape['tp']}: fold the experts "
-                     f"onto cp and the batch axis without tp (tp splits them by expert)")
+    raise ValueError(
+      f"ep={ep} does not combine with tp={mesh.shape['tp']}: fold the experts "
+      f"onto cp and the batch axis without tp (tp splits them by expert)"
+    )
   batch = batch_axis_of(mesh)
   options = [("cp",), (batch,), ("cp", batch)] if batch else [("cp",)]
   options = [o for o in options if all(a in mesh.axis_names for a in o)]
@@ -167,8 +203,10 @@ def expert_axes(mesh: Mesh, ep: int) -> tuple[str, ...]:
     if sizes[option] == ep:
       return option
   allowed = ", ".join(f"{'*'.join(o)} = {n}" for o, n in sizes.items())
-  raise ValueError(f"ep={ep} must equal the size of the token axes it folds onto "
-                   f"({allowed}) of mesh {dict(mesh.shape)}")
+  raise ValueError(
+    f"ep={ep} must equal the size of the token axes it folds onto "
+    f"({allowed}) of mesh {dict(mesh.shape)}"
+  )
 
 
 def batch_axis_of(mesh: Mesh) -> str | None:
@@ -185,6 +223,7 @@ def axis_size(mesh: Mesh, name: str) -> int:
 
 
 # -- Values inside shard_map: the manual axes they vary over -----------------
+
 
 def varying_axes(x) -> frozenset:
   """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
@@ -223,10 +262,10 @@ def filled_after(ref, shape, fill=0.0, dtype=jnp.float32):
   Array([-inf, -inf], dtype=float32)
   """
   out = jnp.full(shape, fill, dtype)
-  if ref.size:                # (an empty ref has nothing to wait for)
+  if ref.size:  # (an empty ref has nothing to wait for)
     first = ref.reshape(-1)[0]
     zero, _ = lax.optimization_barrier(((first != first).astype(dtype) * 0, first))
-    out = out + zero                                    # 0 or 0 * 1: never NaN
+    out = out + zero  # 0 or 0 * 1: never NaN
   return vary_like(out, ref)
 
 
@@ -246,8 +285,9 @@ def key_names(path) -> tuple[str, ...]:
   return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None,
-                state_axes: Sequence[str] = STATE_AXES):
+def param_specs(
+  params, mesh: Mesh, *, rule: PartitionRule | None = None, state_axes: Sequence[str] = STATE_AXES
+):
   """A ``PartitionSpec`` per parameter leaf (same tree as ``params``).
 
   ``rule(path, shape)`` gives the tensor-parallel part (``"tp"`` on the
@@ -277,8 +317,10 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None,
   if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   if rule is not None and not callable(rule):
-    raise TypeError(f"rule must be a function (path, shape) -> PartitionSpec, got "
-                    f"{type(rule).__name__}")
+    raise TypeError(
+      f"rule must be a function (path, shape) -> PartitionSpec, got {type(rule).__name__}"
+    )
+
   def named(part) -> list[str]:
     names = part if isinstance(part, tuple) else (part,) if part else ()
     return [n for n in names if n in mesh.axis_names and axis_size(mesh, n) > 1]
@@ -288,15 +330,20 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None,
     keys = key_names(path)
     parts = list(rule(keys, shape)) if rule is not None else []
     if len(parts) > len(shape):
-      raise ValueError(f"partition rule for {'.'.join(keys)} names {len(parts)} dimensions, "
-                       f"the parameter has shape {shape}")
+      raise ValueError(
+        f"partition rule for {'.'.join(keys)} names {len(parts)} dimensions, "
+        f"the parameter has shape {shape}"
+      )
     axes = [named(p) for p in parts]
     axes += [[] for _ in range(len(shape) - len(axes))]
     for d, names in enumerate(axes):
       ways = int(np.prod([mesh.shape[a] for a in names], dtype=int))
       if shape[d] % ways:
-        raise ValueError(f"partition rule for {'.'.join(keys)} splits its dimension {d} of size "
-                         f"{shape[d]} {ways} ways (over {tuple(names)}), which does not divide it")
+        raise ValueError(
+          f"partition rule for {'.'.join(keys)} splits its dimension {d} of size "
+          f"{shape[d]} {ways} ways (over {tuple(names)}), which does not divide it"
+        )
+
     def used(name):
       return axis_size(mesh, name) == 1 or any(name in a for a in axes)
 
@@ -308,8 +355,10 @@ def param_specs(params, mesh: Mesh, *, rule: PartitionRule | None = None,
       if any(used(a) for a in group):
         continue
       ways = int(np.prod([mesh.shape[a] for a in group], dtype=int))
-      shard = [shape[d] // int(np.prod([mesh.shape[a] for a in axes[d]], dtype=int))
-               for d in range(len(shape))]
+      shard = [
+        shape[d] // int(np.prod([mesh.shape[a] for a in axes[d]], dtype=int))
+        for d in range(len(shape))
+      ]
       free = [d for d in range(len(shape)) if shard[d] % ways == 0]
       if free:
         d = max(free, key=lambda d: (shard[d], -d))
@@ -327,8 +376,10 @@ def shard_params(params, mesh: Mesh, specs):
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   if jax.tree.structure(params) != jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)):
-    raise ValueError("specs must have the tree structure of params (one PartitionSpec per "
-                     "leaf, as param_specs gives)")
+    raise ValueError(
+      "specs must have the tree structure of params (one PartitionSpec per "
+      "leaf, as param_specs gives)"
+    )
   return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
 
 
@@ -350,8 +401,10 @@ def shard_like_params(tree, params):
   by_path = {tuple(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
   shardings = [getattr(x, "sharding", None) for x in by_path.values()]
   if not by_path or not all(isinstance(s, NamedSharding) for s in shardings):
-    raise TypeError("params must be a non-empty tree of arrays placed on a mesh (from "
-                    "shard_params), got leaves without a NamedSharding")
+    raise TypeError(
+      "params must be a non-empty tree of arrays placed on a mesh (from "
+      "shard_params), got leaves without a NamedSharding"
+    )
   mesh = shardings[0].mesh
 
   def place(path, leaf):
@@ -427,12 +480,13 @@ def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 class RowPlacement(NamedTuple):
   """Where a table split over its rows (vocabulary) lives, for code manual over the mesh."""
-  table_axes: tuple[str, ...]   # mesh axes splitting the table's rows, major first (or none)
-  batch: str | None             # the axis splitting the batch's rows (B), if it divides B
-  auto: frozenset[str]          # every Auto axis of size > 1: be manual over them all
-  rows: int                     # the table's rows, V
+
+  table_axes: tuple[str, ...]  # mesh axes splitting the table's rows, major first (or none)
+  batch: str | None  # the axis splitting the batch's rows (B), if it divides B
+  auto: frozenset[str]  # every Auto axis of size > 1: be manual over them all
+  rows: int  # the table's rows, V
   dtype: Any
-  vma: frozenset[str]           # manual axes (cp) the table varies over: none, usually
+  vma: frozenset[str]  # manual axes (cp) the table varies over: none, usually
 
   def block_rows(self) -> int:
     mesh = jax.sharding.get_abstract_mesh()
@@ -445,9 +499,15 @@ def row_placement(table: jax.Array, batch_rows: int) -> RowPlacement | None:
   every axis manual); ``table_axes`` empty when the split is not over the
   rows alone (then gather it). ``batch_rows`` is the batch's ``B``."""
   mesh = jax.sharding.get_abstract_mesh()
-  auto = () if mesh.empty else tuple(
-      n for n, kind in zip(mesh.axis_names, mesh.axis_types)
-      if kind == AxisType.Auto and mesh.shape[n] > 1)
+  auto = (
+    ()
+    if mesh.empty
+    else tuple(
+      n
+      for n, kind in zip(mesh.axis_names, mesh.axis_types)
+      if kind == AxisType.Auto and mesh.shape[n] > 1
+    )
+  )
   if not auto:
     return None
   # The Auto axes' part: a split over cp was gathered when the ring's
@@ -458,8 +518,9 @@ def row_placement(table: jax.Array, batch_rows: int) -> RowPlacement | None:
   if any(p is not None for p in spec[1:]):
     table_axes = ()
   batch = next((a for a in auto if a in BATCH_AXES and batch_rows % mesh.shape[a] == 0), None)
-  return RowPlacement(table_axes, batch, frozenset(auto), table.shape[0], jnp.dtype(table.dtype),
-                      varying_axes(table))
+  return RowPlacement(
+    table_axes, batch, frozenset(auto), table.shape[0], jnp.dtype(table.dtype), varying_axes(table)
+  )
 
 
 # A custom VJP whose backward is its own shard_map (the scatter-add into each
@@ -472,7 +533,7 @@ def _sharded_lookup(table, ids, where):
 
 def _block_ids(ids, size, table_axes, batch):
   """(row within this device's block, whether it is in the block) of every id."""
-  if batch in table_axes:    # every row's ids meet every block of the table
+  if batch in table_axes:  # every row's ids meet every block of the table
     ids = jax.lax.all_gather(ids, batch, axis=0, tiled=True)
   rel = ids - jax.lax.axis_index(table_axes) * size
   hit = (rel >= 0) & (rel < size)
@@ -490,8 +551,9 @@ def _lookup_forward(table, ids, where):
     rest = tuple(a for a in table_axes if a != batch)
     return jax.lax.psum(out, rest) if rest else out
 
-  out = jax.shard_map(local, in_specs=(P(table_axes), P(batch)), out_specs=P(batch),
-                      axis_names=set(where.auto))(table, ids)
+  out = jax.shard_map(
+    local, in_specs=(P(table_axes), P(batch)), out_specs=P(batch), axis_names=set(where.auto)
+  )(table, ids)
   return out, ids
 
 
@@ -510,8 +572,9 @@ def _lookup_backward(where, ids, g):
     # add into the same (replicated) block.
     return block if batch in table_axes or batch is None else jax.lax.psum(block, batch)
 
-  d_table = jax.shard_map(local, in_specs=(P(batch), P(batch)), out_specs=P(table_axes),
-                          axis_names=set(where.auto))(ids, g)
+  d_table = jax.shard_map(
+    local, in_specs=(P(batch), P(batch)), out_specs=P(table_axes), axis_names=set(where.auto)
+  )(ids, g)
   # Inside the ring's shard_map the ids differ per cp rank while the table
   # does not: its gradient is the sum over those ranks.
   spread = tuple(sorted(varying_axes(d_table) - where.vma))
@@ -573,6 +636,7 @@ def _ring(ids, axis_name: str, rows: int):
     rel = visiting - start
     hit = (rel >= 0) & (rel < rows)
     return jnp.where(hit, rel, 0), hit
+
   return n, [(i, (i + 1) % n) for i in range(n)], hits
 
 
@@ -596,14 +660,14 @@ def _ring_backward(axis_name, residuals, g):
   block, ids = residuals
   n, hop, hits = _ring(ids, axis_name, block.shape[0])
   d_block = filled_after(g, block.shape, dtype=block.dtype)
-  whole = row_placement(block, ids.shape[0]) is None    # no Auto axis splits the block
+  whole = row_placement(block, ids.shape[0]) is None  # no Auto axis splits the block
   visiting = ids
   for step in range(n):
     rel, hit = hits(visiting)
     part = jnp.where(hit[..., None], g, jnp.zeros((), g.dtype)).astype(block.dtype)
-    if whole:    # a scatter-add into the one buffer, in place
+    if whole:  # a scatter-add into the one buffer, in place
       d_block = d_block.at[rel].add(part)
-    else:        # lookup's own scatter over the Auto axes, then added
+    else:  # lookup's own scatter over the Auto axes, then added
       d_block = d_block + jax.vjp(lambda t, rel=rel: lookup(t, rel), block)[1](part)[0]
     if step < n - 1:
       visiting = jax.lax.ppermute(visiting, axis_name, hop)
@@ -626,8 +690,11 @@ def gather_safe(x: jax.Array) -> jax.Array:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
-  auto = [n for n, kind in zip(mesh.axis_names, mesh.axis_types)
-          if kind == AxisType.Auto and mesh.shape[n] > 1]
+  auto = [
+    n
+    for n, kind in zip(mesh.axis_names, mesh.axis_types)
+    if kind == AxisType.Auto and mesh.shape[n] > 1
+  ]
   return jax.lax.with_sharding_constraint(x, P()) if len(auto) >= 2 else x
 
 
@@ -638,4 +705,3 @@ def bytes_per_device(tree) -> int:
     shape = x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else np.shape(x)
     total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
   return total
-

@@ -19,10 +19,20 @@ from cpjax.masks import AttentionMask, resolve_mask
 __all__ = ["reference_attention"]
 
 
-def reference_attention(q, k, v, *, mask: AttentionMask | None = None, causal: bool | None = None,
-                        sliding_window: int | None = None, segment_ids=None, padding_mask=None,
-                        vision_group_ids=None, scale: float | None = None,
-                        logits_soft_cap: float | None = None):
+def reference_attention(
+  q,
+  k,
+  v,
+  *,
+  mask: AttentionMask | None = None,
+  causal: bool | None = None,
+  sliding_window: int | None = None,
+  segment_ids=None,
+  padding_mask=None,
+  vision_group_ids=None,
+  scale: float | None = None,
+  logits_soft_cap: float | None = None,
+):
   """Masked softmax attention over full, unsharded sequences, in float32.
 
   Args:
@@ -49,16 +59,19 @@ def reference_attention(q, k, v, *, mask: AttentionMask | None = None, causal: b
   # The same checks as ring_attention: inputs, options, then the mask (its
   # arrays' shapes, dtypes and the window), before any compute.
   b, s, hq, hkv, d = checks.attention_inputs(q, k, v, length="S")
-  scale, logits_soft_cap = checks.attention_options(scale=scale,
-                                                        logits_soft_cap=logits_soft_cap)
-  checked = resolve_mask(mask, causal=causal, sliding_window=sliding_window,
-                         segment_ids=segment_ids, padding_mask=padding_mask,
-                         vision_group_ids=vision_group_ids).validate(
-                             b, s, where="[B, S] (q's first two dimensions)")
+  scale, logits_soft_cap = checks.attention_options(scale=scale, logits_soft_cap=logits_soft_cap)
+  checked = resolve_mask(
+    mask,
+    causal=causal,
+    sliding_window=sliding_window,
+    segment_ids=segment_ids,
+    padding_mask=padding_mask,
+    vision_group_ids=vision_group_ids,
+  ).validate(b, s, where="[B, S] (q's first two dimensions)")
   qf, kf, vf = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
   kf = jnp.repeat(kf, hq // hkv, axis=2)
   vf = jnp.repeat(vf, hq // hkv, axis=2)
-  scale = d ** -0.5 if scale is None else scale
+  scale = d**-0.5 if scale is None else scale
   logits = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision=jax.lax.Precision.HIGHEST) * scale
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
@@ -68,9 +81,15 @@ def reference_attention(q, k, v, *, mask: AttentionMask | None = None, causal: b
   else:
     # The keywords' mask written out again from its formula, not through the
     # rule objects, so that a bug in a rule cannot hide in the oracle.
-    allowed = _standard_mask(b, s, causal=True if causal is None else causal,
-                             sliding_window=sliding_window, segment_ids=segment_ids,
-                             padding_mask=padding_mask, vision_group_ids=vision_group_ids)
+    allowed = _standard_mask(
+      b,
+      s,
+      causal=True if causal is None else causal,
+      sliding_window=sliding_window,
+      segment_ids=segment_ids,
+      padding_mask=padding_mask,
+      vision_group_ids=vision_group_ids,
+    )
   allowed = allowed[:, None]
 
   # A finite fill keeps fully masked rows (and their gradients) free of NaN;

@@ -61,16 +61,19 @@ from cpjax.streams import (
 )
 
 __all__ = [
-    "shard_batch",
-    "shard_sequence",
-    "unshard_batch",
+  "shard_batch",
+  "shard_sequence",
+  "unshard_batch",
 ]
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "mesh", "layout", "axis_name", "batch_axis", "dims", "batch_dims", "pad_values"))
-def _pad_and_shard(streams, order, *, mesh, layout, axis_name, batch_axis, dims, batch_dims,
-                   pad_values):
+@functools.partial(
+  jax.jit,
+  static_argnames=("mesh", "layout", "axis_name", "batch_axis", "dims", "batch_dims", "pad_values"),
+)
+def _pad_and_shard(
+  streams, order, *, mesh, layout, axis_name, batch_axis, dims, batch_dims, pad_values
+):
   """Pad every stream and keep each rank's tokens, as one compiled program.
 
   ``order`` is None, or ``{_source_index: int32[B, Sp]}`` in slot order
@@ -79,13 +82,19 @@ def _pad_and_shard(streams, order, *, mesh, layout, axis_name, batch_axis, dims,
   before the cut, ``_source_index`` comes back as a stream, and the batch's
   own ids come back as ``_source_packed_seq_ids``."""
   dims, batch_dims, pad_values = dict(dims), dict(batch_dims), dict(pad_values)
-  padded = {k: _pad_stream(k, x, dims[k], layout.pad_len, pad_values[k])
-            for k, x in streams.items()}
-  in_specs = {k: _spec(x.ndim, seq_dim=None, axis_name=None, batch_dim=batch_dims[k],
-                       batch_axis=batch_axis) for k, x in padded.items()}
-  out_specs = {k: _spec(x.ndim, seq_dim=dims[k], axis_name=axis_name,
-                        batch_dim=batch_dims[k], batch_axis=batch_axis)
-               for k, x in padded.items()}
+  padded = {
+    k: _pad_stream(k, x, dims[k], layout.pad_len, pad_values[k]) for k, x in streams.items()
+  }
+  in_specs = {
+    k: _spec(x.ndim, seq_dim=None, axis_name=None, batch_dim=batch_dims[k], batch_axis=batch_axis)
+    for k, x in padded.items()
+  }
+  out_specs = {
+    k: _spec(
+      x.ndim, seq_dim=dims[k], axis_name=axis_name, batch_dim=batch_dims[k], batch_axis=batch_axis
+    )
+    for k, x in padded.items()
+  }
   row_in = _spec(2, seq_dim=None, axis_name=None, batch_dim=0, batch_axis=batch_axis)
   row_out = _spec(2, seq_dim=1, axis_name=axis_name, batch_dim=0, batch_axis=batch_axis)
   if order is not None:
@@ -97,10 +106,11 @@ def _pad_and_shard(streams, order, *, mesh, layout, axis_name, batch_axis, dims,
     idx = local_token_indices(layout, jax.lax.axis_index(axis_name))
     if order is None:
       return {k: jnp.take(x, idx, axis=dims[k]) for k, x in full.items()}
-    order = {k: jnp.take(x, idx, axis=1) for k, x in order.items()}        # [B, L]
+    order = {k: jnp.take(x, idx, axis=1) for k, x in order.items()}  # [B, L]
     rows = order[batch_lib.SOURCE_INDEX_KEY]
-    local = {k: take_rows(x, rows, seq_dim=dims[k], batch_dim=batch_dims[k])
-             for k, x in full.items()}
+    local = {
+      k: take_rows(x, rows, seq_dim=dims[k], batch_dim=batch_dims[k]) for k, x in full.items()
+    }
     if batch_lib.DOCUMENT_IDS_KEY in order:
       local[batch_lib.SOURCE_DOCUMENT_IDS_KEY] = local[batch_lib.DOCUMENT_IDS_KEY]
     return {**local, **order}
@@ -109,26 +119,27 @@ def _pad_and_shard(streams, order, *, mesh, layout, axis_name, batch_axis, dims,
   if order is not None:
     order = {k: _place(x, mesh, row_in) for k, x in order.items()}
   order_spec = None if order is None else {k: row_in for k in order}
-  return jax.shard_map(take_local, mesh=mesh, in_specs=(in_specs, order_spec),
-                       out_specs=out_specs)(placed, order)
+  return jax.shard_map(take_local, mesh=mesh, in_specs=(in_specs, order_spec), out_specs=out_specs)(
+    placed, order
+  )
 
 
 def shard_batch(
-    batch: Mapping[str, Any],
-    mesh: Mesh,
-    *,
-    axis_name: str = "cp",
-    layout: str = "load_balanced",
-    aux_only: bool = False,
-    loss_mask=None,
-    padding_token_id: int = 0,
-    extra_seq_keys: Mapping[str, int] | None = None,
-    extra_pad_values: Mapping[str, Any] | None = None,
-    pad_multiple: int = 1,
-    batch_axis: str | None = None,
-    implementation: str | None = None,
-    min_stripe_len: int = MIN_STRIPE_LEN,
-    layer_windows: Sequence[int | None] | None = None,
+  batch: Mapping[str, Any],
+  mesh: Mesh,
+  *,
+  axis_name: str = "cp",
+  layout: str = "load_balanced",
+  aux_only: bool = False,
+  loss_mask=None,
+  padding_token_id: int = 0,
+  extra_seq_keys: Mapping[str, int] | None = None,
+  extra_pad_values: Mapping[str, Any] | None = None,
+  pad_multiple: int = 1,
+  batch_axis: str | None = None,
+  implementation: str | None = None,
+  min_stripe_len: int = MIN_STRIPE_LEN,
+  layer_windows: Sequence[int | None] | None = None,
 ) -> tuple[dict, ShardLayout]:
   """Normalise, pad and shard a batch's sequence streams over ``axis_name``.
 
@@ -216,81 +227,112 @@ def shard_batch(
   for key, dim in extra.items():
     if jnp.shape(norm[key])[dim] != seq_len:
       raise ValueError(
-          f"extra key {key!r} must have the sequence length {seq_len} on dim {dim} "
-          f"(extra_seq_keys[{key!r}]), got shape {tuple(jnp.shape(norm[key]))}")
+        f"extra key {key!r} must have the sequence length {seq_len} on dim {dim} "
+        f"(extra_seq_keys[{key!r}]), got shape {tuple(jnp.shape(norm[key]))}"
+      )
   if batch_axis is not None and batch_size % dp_size:
     raise ValueError(
-        f"batch size {batch_size} must be divisible by the size {dp_size} of "
-        f"batch_axis={batch_axis!r}")
+      f"batch size {batch_size} must be divisible by the size {dp_size} of "
+      f"batch_axis={batch_axis!r}"
+    )
 
   chunk_multiple = 1
-  if pad_multiple == 1:     # the caller's own pad_multiple wins
+  if pad_multiple == 1:  # the caller's own pad_multiple wins
     target = resolve_implementation(implementation, platform=mesh_platform(mesh))
     chunk_multiple = TARGETS[target].chunk_multiple if target in TARGETS else 1
   checks.integer("min_stripe_len", min_stripe_len, minimum=1)
   stripes = None
   if layout == "document_balanced":
     stripes = default_stripes(seq_len, cp_size, min_stripe_len=max(min_stripe_len, chunk_multiple))
-  padded = padded_length(seq_len, cp_size, kind=layout, pad_multiple=pad_multiple,
-                         chunk_multiple=chunk_multiple, stripes=stripes)
+  padded = padded_length(
+    seq_len,
+    cp_size,
+    kind=layout,
+    pad_multiple=pad_multiple,
+    chunk_multiple=chunk_multiple,
+    stripes=stripes,
+  )
   streams = _sequence_streams(norm, aux_only=aux_only, extra=extra)
-  replicated = tuple(k for k in (*_PRIMARY_STREAMS, *_REPLICATED_ALWAYS)
-                     if k in norm and k not in streams)
-  shard_layout = ShardLayout(seq_len, padded, cp_size, layout, replicated_keys=replicated,
-                             stripes=stripes)
+  replicated = tuple(
+    k for k in (*_PRIMARY_STREAMS, *_REPLICATED_ALWAYS) if k in norm and k not in streams
+  )
+  shard_layout = ShardLayout(
+    seq_len, padded, cp_size, layout, replicated_keys=replicated, stripes=stripes
+  )
 
-  pad_values = {**_AUX_PAD_VALUES, "input_ids": padding_token_id,
-                "inputs_embeds": 0, "mm_token_type_ids": 0, "position_ids": None}
+  pad_values = {
+    **_AUX_PAD_VALUES,
+    "input_ids": padding_token_id,
+    "inputs_embeds": 0,
+    "mm_token_type_ids": 0,
+    "position_ids": None,
+  }
   pad_values.update({k: (extra_pad_values or {}).get(k, 0) for k in extra})
   batch_dims = _batch_dims(norm, streams, extra, batch_size)
   order = None
   if layout == "document_balanced":
-    order = _document_order(norm, shard_layout, batch_dims, layer_windows=layer_windows,
-                            renumber=batch_lib.DOCUMENT_IDS_KEY in streams)
+    order = _document_order(
+      norm,
+      shard_layout,
+      batch_dims,
+      layer_windows=layer_windows,
+      renumber=batch_lib.DOCUMENT_IDS_KEY in streams,
+    )
   sharded = _pad_and_shard(
-      {k: jnp.asarray(norm[k]) for k in streams}, order,
-      mesh=mesh, layout=shard_layout, axis_name=axis_name, batch_axis=batch_axis,
-      dims=tuple(streams.items()),
-      batch_dims=tuple(batch_dims.items()),
-      pad_values=tuple((k, pad_values[k]) for k in streams))
+    {k: jnp.asarray(norm[k]) for k in streams},
+    order,
+    mesh=mesh,
+    layout=shard_layout,
+    axis_name=axis_name,
+    batch_axis=batch_axis,
+    dims=tuple(streams.items()),
+    batch_dims=tuple(batch_dims.items()),
+    pad_values=tuple((k, pad_values[k]) for k in streams),
+  )
 
   out = dict(norm)
   out.update(sharded)
   for key in replicated:
     x = jnp.asarray(norm[key])
     bdim = 0 if key in _PRIMARY_STREAMS else None
-    out[key] = _place(x, mesh, _spec(x.ndim, seq_dim=None, axis_name=None,
-                                     batch_dim=bdim, batch_axis=batch_axis))
+    out[key] = _place(
+      x, mesh, _spec(x.ndim, seq_dim=None, axis_name=None, batch_dim=bdim, batch_axis=batch_axis)
+    )
   return out, shard_layout
 
 
-def _document_order(norm: Mapping, layout: ShardLayout, batch_dims: Mapping, *,
-                    layer_windows, renumber: bool) -> dict:
+def _document_order(
+  norm: Mapping, layout: ShardLayout, batch_dims: Mapping, *, layer_windows, renumber: bool
+) -> dict:
   """Each row's balanced document order, computed on the host:
   ``{_source_index: int32[B, Sp]}`` in slot order, and with ``renumber`` the
   reordered row's ids renumbered in slot order under ``_packed_seq_ids``."""
   ids = batch_lib.synthesize_document_ids(norm, layout.original_seq_len)[batch_lib.DOCUMENT_IDS_KEY]
   if isinstance(ids, jax.core.Tracer):
     raise TypeError(
-        "a 'document_balanced' layout orders each row's documents on the host from "
-        f"{batch_lib.DOCUMENT_IDS_KEY}: call shard_batch outside jit, with concrete arrays")
+      "a 'document_balanced' layout orders each row's documents on the host from "
+      f"{batch_lib.DOCUMENT_IDS_KEY}: call shard_batch outside jit, with concrete arrays"
+    )
   ids = np.pad(np.asarray(ids), ((0, 0), (0, layout.pad_len)))
   source = balance.balance_documents(ids, layout, layer_windows=layer_windows)
   shared = [k for k, d in batch_dims.items() if d is None]
   if shared and (source != source[:1]).any():
     raise ValueError(
-        f"stream(s) {shared} have no batch dimension, but a 'document_balanced' layout "
-        "reorders each row differently; give them a batch dimension (e.g. "
-        "[B, S] rather than [S])")
+      f"stream(s) {shared} have no batch dimension, but a 'document_balanced' layout "
+      "reorders each row differently; give them a batch dimension (e.g. "
+      "[B, S] rather than [S])"
+    )
   order = {batch_lib.SOURCE_INDEX_KEY: jnp.asarray(source)}
   if renumber:
     order[batch_lib.DOCUMENT_IDS_KEY] = jnp.asarray(
-        balance.renumber_documents(np.take_along_axis(ids, source, 1)))
+      balance.renumber_documents(np.take_along_axis(ids, source, 1))
+    )
   return order
 
 
-def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
-                  extra_seq_keys: Mapping[str, int] | None = None) -> dict:
+def unshard_batch(
+  batch: Mapping[str, Any], layout: ShardLayout, *, extra_seq_keys: Mapping[str, int] | None = None
+) -> dict:
   """Inverse of :func:`shard_batch`: restore global token order, strip padding.
 
   Every sharded stream (the known keys not in ``layout.replicated_keys``, plus
@@ -321,24 +363,35 @@ def unshard_batch(batch: Mapping[str, Any], layout: ShardLayout, *,
   for key, dim in streams.items():
     if jnp.shape(batch[key])[dim] != layout.padded_seq_len:
       raise ValueError(
-          f"{key} must have the padded length {layout.padded_seq_len} on dim {dim}, "
-          f"got shape {tuple(jnp.shape(batch[key]))}")
+        f"{key} must have the padded length {layout.padded_seq_len} on dim {dim}, "
+        f"got shape {tuple(jnp.shape(batch[key]))}"
+      )
   source = source_index(batch, layout)
   arrays = {k: jnp.asarray(batch[k]) for k in streams}
   if source is not None and batch_lib.DOCUMENT_IDS_KEY in arrays:
     if batch_lib.SOURCE_DOCUMENT_IDS_KEY not in batch:
       raise KeyError(
-          f"a 'document_balanced' layout renumbers {batch_lib.DOCUMENT_IDS_KEY}: the batch must "
-          f"carry the {batch_lib.SOURCE_DOCUMENT_IDS_KEY!r} stream shard_batch wrote "
-          f"(keys: {sorted(batch)})")
+        f"a 'document_balanced' layout renumbers {batch_lib.DOCUMENT_IDS_KEY}: the batch must "
+        f"carry the {batch_lib.SOURCE_DOCUMENT_IDS_KEY!r} stream shard_batch wrote "
+        f"(keys: {sorted(batch)})"
+      )
     arrays[batch_lib.DOCUMENT_IDS_KEY] = jnp.asarray(batch[batch_lib.SOURCE_DOCUMENT_IDS_KEY])
-  out = {k: v for k, v in batch.items()
-         if k not in (batch_lib.SOURCE_INDEX_KEY, batch_lib.SOURCE_DOCUMENT_IDS_KEY)}
-  out.update(_restore_order(arrays, source,
-                            layout=layout, dims=tuple(streams.items()),
-                            batch_dims=tuple(_batch_dims(
-                                batch, streams, extra,
-                                0 if source is None else jnp.shape(source)[0]).items())))
+  out = {
+    k: v
+    for k, v in batch.items()
+    if k not in (batch_lib.SOURCE_INDEX_KEY, batch_lib.SOURCE_DOCUMENT_IDS_KEY)
+  }
+  out.update(
+    _restore_order(
+      arrays,
+      source,
+      layout=layout,
+      dims=tuple(streams.items()),
+      batch_dims=tuple(
+        _batch_dims(batch, streams, extra, 0 if source is None else jnp.shape(source)[0]).items()
+      ),
+    )
+  )
   return out
 
 
@@ -348,12 +401,16 @@ def source_index(batch: Mapping[str, Any], layout: ShardLayout):
   if layout.kind != "document_balanced":
     return None
   if batch_lib.SOURCE_INDEX_KEY not in batch:
-    raise KeyError(f"a 'document_balanced' layout reorders each row: the batch must carry the "
-                   f"{batch_lib.SOURCE_INDEX_KEY!r} stream shard_batch wrote (keys: {sorted(batch)})")
+    raise KeyError(
+      f"a 'document_balanced' layout reorders each row: the batch must carry the "
+      f"{batch_lib.SOURCE_INDEX_KEY!r} stream shard_batch wrote (keys: {sorted(batch)})"
+    )
   src = batch[batch_lib.SOURCE_INDEX_KEY]
   if jnp.ndim(src) != 2 or jnp.shape(src)[1] != layout.padded_seq_len:
-    raise ValueError(f"{batch_lib.SOURCE_INDEX_KEY} must be [B, {layout.padded_seq_len}], got "
-                     f"shape {tuple(jnp.shape(src))}")
+    raise ValueError(
+      f"{batch_lib.SOURCE_INDEX_KEY} must be [B, {layout.padded_seq_len}], got "
+      f"shape {tuple(jnp.shape(src))}"
+    )
   return jnp.asarray(src)
 
 
@@ -364,20 +421,28 @@ def _restore_order(streams, source, *, layout, dims, batch_dims):
   out = {}
   if source is not None:
     source = _gather_dim(source, 1)
-    inverse = jnp.argsort(source, axis=1).astype(jnp.int32)     # a permutation: exact
+    inverse = jnp.argsort(source, axis=1).astype(jnp.int32)  # a permutation: exact
   else:
     inverse = jnp.asarray(np.argsort(rank_order(layout)), jnp.int32)[None]
   for key, x in streams.items():
     x = _gather_dim(x, dims[key])
     if layout.kind != "contiguous":
-      x = take_rows(x, inverse, seq_dim=dims[key],
-                    batch_dim=None if source is None else batch_dims[key])
+      x = take_rows(
+        x, inverse, seq_dim=dims[key], batch_dim=None if source is None else batch_dims[key]
+      )
     out[key] = jax.lax.slice_in_dim(x, 0, layout.original_seq_len, axis=dims[key])
   return out
 
 
-def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
-                   seq_axis: int = 1, pad_value=0, source_index=None):
+def shard_sequence(
+  x,
+  layout: ShardLayout,
+  *,
+  axis_name: str = "cp",
+  seq_axis: int = 1,
+  pad_value=0,
+  source_index=None,
+):
   """This rank's part of a full-length stream, called inside ``shard_map``.
 
   Pads ``x`` on the right along ``seq_axis`` to ``layout.padded_seq_len`` with
@@ -421,22 +486,26 @@ def shard_sequence(x, layout: ShardLayout, *, axis_name: str = "cp",
   length = x.shape[seq_axis] if x.ndim else None
   if length not in (layout.original_seq_len, layout.padded_seq_len):
     raise ValueError(
-        f"x must have length {layout.original_seq_len} (or the padded "
-        f"{layout.padded_seq_len}) on seq_axis={seq_axis}, got shape {tuple(x.shape)}")
+      f"x must have length {layout.original_seq_len} (or the padded "
+      f"{layout.padded_seq_len}) on seq_axis={seq_axis}, got shape {tuple(x.shape)}"
+    )
   checks.cp_axis("shard_sequence", axis_name, layout.cp_size)
   widths = [(0, 0)] * x.ndim
   widths[seq_axis] = (0, layout.padded_seq_len - length)
   x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
   if layout.kind == "document_balanced":
     if source_index is None:
-      raise ValueError("a 'document_balanced' layout reorders each row: pass "
-                       "source_index=batch['_source_index'] (this rank's part)")
+      raise ValueError(
+        "a 'document_balanced' layout reorders each row: pass "
+        "source_index=batch['_source_index'] (this rank's part)"
+      )
     index = jnp.asarray(source_index)
     if seq_axis == 0 or index.shape != (x.shape[seq_axis - 1], layout.local_seq_len):
       raise ValueError(
-          f"source_index must be [B, {layout.local_seq_len}] (B = dim {seq_axis - 1} of x, "
-          f"the dimension before seq_axis={seq_axis}), got shape {tuple(index.shape)} for x "
-          f"of shape {tuple(x.shape)}")
+        f"source_index must be [B, {layout.local_seq_len}] (B = dim {seq_axis - 1} of x, "
+        f"the dimension before seq_axis={seq_axis}), got shape {tuple(index.shape)} for x "
+        f"of shape {tuple(x.shape)}"
+      )
     return take_rows(x, index, seq_dim=seq_axis, batch_dim=seq_axis - 1)
   if layout.cp_size == 1:
     return x

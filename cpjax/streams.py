@@ -25,10 +25,10 @@ from cpjax import batch as batch_lib
 # Auxiliary (no-grad) streams and their right-pad values; the primary
 # streams follow. ``position_ids`` is special: it keeps counting.
 _AUX_PAD_VALUES = {
-    "labels": batch_lib.IGNORE_INDEX,
-    "loss_mask": 0,
-    "padding_mask": True,
-    batch_lib.DOCUMENT_IDS_KEY: 0,
+  "labels": batch_lib.IGNORE_INDEX,
+  "loss_mask": 0,
+  "padding_mask": True,
+  batch_lib.DOCUMENT_IDS_KEY: 0,
 }
 _PRIMARY_STREAMS = ("input_ids", "inputs_embeds", "mm_token_type_ids")
 _REPLICATED_ALWAYS = ("pixel_values", "image_position_ids")
@@ -39,24 +39,31 @@ def _mesh_axis_size(mesh: Mesh, name: str, argument: str) -> int:
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   if name not in mesh.axis_names:
     raise ValueError(
-        f"{argument}={name!r} is not an axis of the mesh; mesh axes are "
-        f"{tuple(mesh.axis_names)}")
+      f"{argument}={name!r} is not an axis of the mesh; mesh axes are {tuple(mesh.axis_names)}"
+    )
   return dict(mesh.shape)[name]
 
 
 def _place(x, mesh: Mesh, spec: P):
   """Give ``x`` the sharding ``spec`` names, on Explicit and Auto meshes alike."""
   sharding = NamedSharding(mesh, spec)
-  named = {a for part in spec if part is not None
-           for a in (part if isinstance(part, tuple) else (part,))}
+  named = {
+    a for part in spec if part is not None for a in (part if isinstance(part, tuple) else (part,))
+  }
   types = dict(zip(mesh.axis_names, mesh.axis_types))
   if named and all(types[a] == jax.sharding.AxisType.Auto for a in named):
     return jax.lax.with_sharding_constraint(x, sharding)
   return jax.reshard(x, sharding)
 
 
-def _spec(ndim: int, *, seq_dim: int | None, axis_name: str | None,
-          batch_dim: int | None, batch_axis: str | None) -> P:
+def _spec(
+  ndim: int,
+  *,
+  seq_dim: int | None,
+  axis_name: str | None,
+  batch_dim: int | None,
+  batch_axis: str | None,
+) -> P:
   parts = [None] * ndim
   if batch_axis is not None and batch_dim is not None:
     parts[batch_dim] = batch_axis
@@ -97,25 +104,29 @@ def _check_extra_keys(batch: Mapping, extra_seq_keys, extra_pad_values):
   extra = dict(extra_seq_keys or {})
   for key, dim in extra.items():
     if key not in batch:
-      raise KeyError(f"extra_seq_keys names {key!r}, which is not in the batch "
-                     f"(keys: {sorted(batch)})")
+      raise KeyError(
+        f"extra_seq_keys names {key!r}, which is not in the batch (keys: {sorted(batch)})"
+      )
     if isinstance(dim, bool) or not isinstance(dim, int):
       raise TypeError(f"extra_seq_keys[{key!r}] must be an int dimension, got {dim!r}")
     ndim = jnp.ndim(batch[key])
     if not -ndim <= dim < ndim:
       raise ValueError(
-          f"extra_seq_keys[{key!r}] = {dim} is not a dimension of an array of shape "
-          f"{tuple(jnp.shape(batch[key]))}; expected {-ndim} <= dim < {ndim}")
+        f"extra_seq_keys[{key!r}] = {dim} is not a dimension of an array of shape "
+        f"{tuple(jnp.shape(batch[key]))}; expected {-ndim} <= dim < {ndim}"
+      )
     extra[key] = dim % ndim
   unknown = set(extra_pad_values or {}) - set(extra)
   if unknown:
-    raise KeyError(f"extra_pad_values names {sorted(unknown)}, which are not in "
-                   f"extra_seq_keys {sorted(extra)}")
+    raise KeyError(
+      f"extra_pad_values names {sorted(unknown)}, which are not in extra_seq_keys {sorted(extra)}"
+    )
   return extra
 
 
-def _batch_dims(batch: Mapping, streams: Mapping[str, int], extra: Mapping[str, int],
-                batch_size: int) -> dict:
+def _batch_dims(
+  batch: Mapping, streams: Mapping[str, int], extra: Mapping[str, int], batch_size: int
+) -> dict:
   """{key: batch dim or None} of the sharded streams.
 
   A known stream has its batch just before its sequence dimension. An extra

@@ -11,13 +11,14 @@ import nbformat
 
 HERE = Path(__file__).resolve().parent
 
-SETUP = r'''# Setup: pick the devices BEFORE JAX initialises.
+SETUP = r"""# Setup: pick the devices BEFORE JAX initialises.
 # On Colab, first install cpjax from the repository checkout:
 #   !git clone <the cpjax repository> /content/cpjax && pip install -e /content/cpjax
 import glob, os, shutil
 
 SMALL = os.environ.get("CPJAX_NOTEBOOK_SMALL") == "1"   # the test suite runs small sizes
-has_tpu = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/*")) or "COLAB_TPU_ADDR" in os.environ
+has_tpu = (bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/*"))
+           or "COLAB_TPU_ADDR" in os.environ)
 has_gpu = shutil.which("nvidia-smi") is not None
 
 import jax
@@ -46,15 +47,20 @@ implementation = resolve_implementation(None, platform=cp_devices[0].platform)
 print(f"ring attention per hop: {implementation}")
 # Mosaic TPU tiles are 128 tokens: give each rank chunks of at least that.
 tokens_per_rank = 256 if implementation == "pallas_tpu" else 40
-'''
+"""
 
 QUICKSTART = [
-    ("markdown", "# cpjax quick start\n\nShard a packed multimodal batch over a `cp` mesh "
-                 "axis, see which tokens each rank holds in each layout, draw what one ring "
-                 "step of attention computes and skips, and check `ring_attention` against the "
-                 "dense reference. Runs top to bottom on CPU, GPU or a Colab TPU runtime."),
-    ("code", SETUP),
-    ("code", r'''import matplotlib
+  (
+    "markdown",
+    "# cpjax quick start\n\nShard a packed multimodal batch over a `cp` mesh "
+    "axis, see which tokens each rank holds in each layout, draw what one ring "
+    "step of attention computes and skips, and check `ring_attention` against the "
+    "dense reference. Runs top to bottom on CPU, GPU or a Colab TPU runtime.",
+  ),
+  ("code", SETUP),
+  (
+    "code",
+    r"""import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 import cpjax
@@ -64,15 +70,21 @@ cp = mesh.shape["cp"]
 seq_len = 10 * cp if SMALL else tokens_per_rank * cp
 batch = gemma4.synthetic_batch(np.random.default_rng(0), gemma4.Gemma4Config.preset("tiny"),
                                batch_size=1, seq_len=seq_len, max_docs=4)
-print({k: v.shape for k, v in batch.items()})'''),
-    ("markdown", "## Which tokens does each rank hold?\n\nContiguous: rank r owns one "
-                 "block. Load-balanced: the padded row is cut into 2*cp chunks and rank r "
-                 "owns chunks r and 2*cp-1-r, so every rank has the same causal work on one "
-                 "document. Document-balanced: for packed rows, the sharder reorders whole "
-                 "documents (`_source_index` says where each token came from) so that the "
-                 "stripes each rank owns carry the same work; documents stay whole, so every "
-                 "mask means what it meant."),
-    ("code", r'''kinds = cpjax.layout.LAYOUT_KINDS
+print({k: v.shape for k, v in batch.items()})""",
+  ),
+  (
+    "markdown",
+    "## Which tokens does each rank hold?\n\nContiguous: rank r owns one "
+    "block. Load-balanced: the padded row is cut into 2*cp chunks and rank r "
+    "owns chunks r and 2*cp-1-r, so every rank has the same causal work on one "
+    "document. Document-balanced: for packed rows, the sharder reorders whole "
+    "documents (`_source_index` says where each token came from) so that the "
+    "stripes each rank owns carry the same work; documents stay whole, so every "
+    "mask means what it meant.",
+  ),
+  (
+    "code",
+    r"""kinds = cpjax.layout.LAYOUT_KINDS
 fig, axes = plt.subplots(len(kinds), 1, figsize=(10, 1.1 * len(kinds)), sharex=True)
 for ax, kind in zip(axes, kinds):
     sharded, layout = cpjax.shard_batch(batch, mesh, layout=kind)
@@ -90,11 +102,17 @@ for ax, kind in zip(axes, kinds):
     assert all(np.array_equal(restored[k], v) for k, v in cpjax.normalize_batch(batch).items())
 axes[-1].set_xlabel("token index in the row (colour = owning rank, lines = document boundaries)")
 plt.tight_layout(); plt.show()
-print("unshard_batch restores the batch in every layout")'''),
-    ("markdown", "## One ring step\n\nAt ring step h, rank r holds the keys of rank "
-                 "(r - h) mod cp. Each panel is the causal, packed-document mask between "
-                 "rank r's queries and those keys; grey tiles are skipped without any work."),
-    ("code", r'''from cpjax.masks import Tokens
+print("unshard_batch restores the batch in every layout")""",
+  ),
+  (
+    "markdown",
+    "## One ring step\n\nAt ring step h, rank r holds the keys of rank "
+    "(r - h) mod cp. Each panel is the causal, packed-document mask between "
+    "rank r's queries and those keys; grey tiles are skipped without any work.",
+  ),
+  (
+    "code",
+    r"""from cpjax.masks import Tokens
 
 sharded, layout = cpjax.shard_batch(batch, mesh, layout="load_balanced")
 docs = np.asarray(sharded["_packed_seq_ids"])          # rank order: rank r at [r*L, (r+1)*L)
@@ -117,9 +135,12 @@ for r, ax in enumerate(axes):
     ax.set_title(f"rank {r} <- {src}", fontsize=8); ax.set_xticks([]); ax.set_yticks([])
 plt.suptitle(f"ring step {step}: queries (rows) x keys (columns): allowed (gold), computed "
              "but masked (navy), tiles skipped without work (grey)", fontsize=9)
-plt.show()'''),
-    ("markdown", "## Ring attention equals dense attention"),
-    ("code", r'''import jax.numpy as jnp
+plt.show()""",
+  ),
+  ("markdown", "## Ring attention equals dense attention"),
+  (
+    "code",
+    r"""import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 rng = np.random.default_rng(1)
@@ -139,13 +160,19 @@ for kind in ("contiguous", "load_balanced"):
     out = np.asarray(ring(put(q), put(k), put(v), put(seg)))[:, np.argsort(order)]
     ref = np.asarray(cpjax.reference_attention(q, k, v, segment_ids=seg, sliding_window=S // 3))
     print(f"{kind:>13}: max |ring - dense| = {np.abs(out - ref).max():.2e}")
-    assert np.allclose(out, ref, atol=1e-4)'''),
-    ("markdown", "## Without shard_map: global arrays and a mask object\n\n"
-                 "`context_parallel_attention` takes global arrays in rank order and runs the "
-                 "ring itself; `to_rank_order` / `from_rank_order` move arrays between natural "
-                 "and rank order. The mask is an `AttentionMask`: a rule (here Gemma 4's "
-                 "sliding-layer vision rule, built from rules) and the per-token arrays it reads."),
-    ("code", r'''layout = cpjax.ShardLayout(S, S, cp, "load_balanced")
+    assert np.allclose(out, ref, atol=1e-4)""",
+  ),
+  (
+    "markdown",
+    "## Without shard_map: global arrays and a mask object\n\n"
+    "`context_parallel_attention` takes global arrays in rank order and runs the "
+    "ring itself; `to_rank_order` / `from_rank_order` move arrays between natural "
+    "and rank order. The mask is an `AttentionMask`: a rule (here Gemma 4's "
+    "sliding-layer vision rule, built from rules) and the per-token arrays it reads.",
+  ),
+  (
+    "code",
+    r"""layout = cpjax.ShardLayout(S, S, cp, "load_balanced")
 to = lambda x: cpjax.to_rank_order(x, layout)
 types = np.zeros((1, S), np.int32); types[:, S // 4:S // 2] = 1       # one image
 groups = np.asarray(cpjax.vision_group_ids(types))
@@ -160,15 +187,21 @@ print(f"ran the {implementation} per-hop implementation")
 ref = cpjax.reference_attention(q, k, v, mask=cpjax.AttentionMask(
     rule, {"segment_ids": seg, "vision_group_ids": groups}))
 print(f"max |ring - dense| = {np.abs(cpjax.from_rank_order(out, layout) - ref).max():.2e}")
-assert np.allclose(cpjax.from_rank_order(out, layout), ref, atol=1e-4)'''),
+assert np.allclose(cpjax.from_rank_order(out, layout), ref, atol=1e-4)""",
+  ),
 ]
 
 TRAINING = [
-    ("markdown", "# Training with context parallelism\n\nTrain a tiny real-architecture Gemma 4 a "
-                 "few dozen steps with CP and on a single device, plot both loss curves, and "
-                 "show per-device memory against sequence length."),
-    ("code", SETUP),
-    ("code", r'''import time
+  (
+    "markdown",
+    "# Training with context parallelism\n\nTrain a tiny real-architecture Gemma 4 a "
+    "few dozen steps with CP and on a single device, plot both loss curves, and "
+    "show per-device memory against sequence length.",
+  ),
+  ("code", SETUP),
+  (
+    "code",
+    r"""import time
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
@@ -186,8 +219,11 @@ model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
 sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
 # Buffers (layer_scalar, clip bounds) are not trained: they ride along as `frozen`.
 graphdef, params0, buffers = nnx.split(model, nnx.Param, ...)
-opt = optax.adamw(3e-3)'''),
-    ("code", r'''# With CP: the aux streams are sharded, the model slices its own streams.
+opt = optax.adamw(3e-3)""",
+  ),
+  (
+    "code",
+    r"""# With CP: the aux streams are sharded, the model slices its own streams.
 sharded = [sharder.shard_batch(b, mesh) for b in batches]
 layout = sharded[0][1]
 cp_step = training.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers,
@@ -222,11 +258,17 @@ print("largest relative |loss difference|:", rel.max())
 on_cpu = single_device.platform == cp_devices[0].platform == "cpu"
 assert rel[0] < (1e-6 if on_cpu else 2e-2), rel
 if SMALL and on_cpu:
-    assert rel.max() < 1e-2, rel'''),
-    ("markdown", "## Per-device memory against sequence length\n\nThe compiled training "
-                 "step's scratch memory per device (`memory_analysis()`), with CP and with the "
-                 "dense single-device path."),
-    ("code", r'''# The test suite (SMALL) compiles one length; a real run draws the curve.
+    assert rel.max() < 1e-2, rel""",
+  ),
+  (
+    "markdown",
+    "## Per-device memory against sequence length\n\nThe compiled training "
+    "step's scratch memory per device (`memory_analysis()`), with CP and with the "
+    "dense single-device path.",
+  ),
+  (
+    "code",
+    r"""# The test suite (SMALL) compiles one length; a real run draws the curve.
 lengths = [16 * cp] if SMALL else [n * max(tokens_per_rank, 64) * cp for n in (2, 4, 8)]
 rows = []
 for s in lengths:
@@ -243,15 +285,18 @@ plt.loglog(s_, cp_m, "o-", base=2, label=f"cp={cp} (per device)")
 plt.loglog(s_, dense_m, "s-", base=2, label="single device, dense")
 plt.xlabel("sequence length"); plt.ylabel("scratch MiB"); plt.legend(); plt.show()
 for r in rows:
-    print("S=%6d  cp %8.1f MiB  dense %8.1f MiB" % r)'''),
+    print("S=%6d  cp %8.1f MiB  dense %8.1f MiB" % r)""",
+  ),
 ]
 
 
 def build(cells, name):
   nb = nbformat.v4.new_notebook()
   nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-  nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "markdown"
-              else nbformat.v4.new_code_cell(src) for kind, src in cells]
+  nb.cells = [
+    nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
+    for kind, src in cells
+  ]
   nbformat.write(nb, HERE / name)
 
 

@@ -39,14 +39,27 @@ def packed_metadata(rng, b, s, *, pad_from=None, vision=False, n_docs=3):
     for row in range(b):
       for _ in range(2):
         start = int(rng.integers(0, max(pad_from - 6, 1)))
-        types[row, start:start + int(rng.integers(3, 12))] = 1
+        types[row, start : start + int(rng.integers(3, 12))] = 1
     types[seg == 0] = 0
     meta["vision_group_ids"] = np.asarray(cpjax.vision_group_ids(types))
   return meta
 
 
-def ring(q, k, v, w, *, cp: int, kind: str, meta=None, grads=True, mesh=None,
-         batch_axis=None, stripes=None, **kw):
+def ring(
+  q,
+  k,
+  v,
+  w,
+  *,
+  cp: int,
+  kind: str,
+  meta=None,
+  grads=True,
+  mesh=None,
+  batch_axis=None,
+  stripes=None,
+  **kw,
+):
   """Ring attention of full-sequence arrays; returns (out, (dq, dk, dv)) in global order.
 
   The loss for gradients is ``sum(out * w)``.
@@ -96,7 +109,8 @@ def ring(q, k, v, w, *, cp: int, kind: str, meta=None, grads=True, mesh=None,
 def reference(q, k, v, w, *, meta=None, grads=True, **kw):
   meta = {k_: v_ for k_, v_ in (meta or {}).items() if v_ is not None}
   f = lambda q, k, v: cpjax.reference_attention(
-      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **meta, **kw)
+    q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **meta, **kw
+  )
   out = f(q, k, v)
   g = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v) if grads else None
   return np.asarray(out), (None if g is None else tuple(np.asarray(x, np.float32) for x in g))

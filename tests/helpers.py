@@ -18,8 +18,9 @@ def cp_mesh(cp: int, *leading: tuple[str, int]):
   return jax.make_mesh(shape, names, devices=jax.devices()[:need])
 
 
-EXAMPLE_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "cpjax", "examples",
-                                 "chat")
+EXAMPLE_TOKENIZER = os.path.join(
+  os.path.dirname(os.path.dirname(__file__)), "cpjax", "examples", "chat"
+)
 
 
 def write_transformers_checkpoint(directory: str, kind: str, *, seed: int = 0) -> str:
@@ -43,11 +44,17 @@ def write_transformers_checkpoint(directory: str, kind: str, *, seed: int = 0) -
   tokenizer = transformers.AutoTokenizer.from_pretrained(EXAMPLE_TOKENIZER)
   spec = make_fixtures.MODELS[name]
   text = dict(spec["text"], vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer))
-  ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in
-         (("boi_token_id", "<|image>"), ("image_token_id", "<|image|>"),
-          ("eoi_token_id", "<image|>"))}
-  cfg = transformers.Gemma4Config(text_config=text, vision_config=dict(spec["vision"]),
-                                  audio_config=None, **ids)
+  ids = {
+    key: tokenizer.convert_tokens_to_ids(token)
+    for key, token in (
+      ("boi_token_id", "<|image>"),
+      ("image_token_id", "<|image|>"),
+      ("eoi_token_id", "<image|>"),
+    )
+  }
+  cfg = transformers.Gemma4Config(
+    text_config=text, vision_config=dict(spec["vision"]), audio_config=None, **ids
+  )
   torch.manual_seed(seed)
   model = transformers.Gemma4ForConditionalGeneration(cfg).eval()
   make_fixtures.randomize(model, seed)

@@ -19,8 +19,12 @@ from cpjax.models.gemma4 import config as gemma4_config
 # (MoE beside the MLP, k_eq_v on the full layer, vision groups on the sliding
 # one) at half the compile time of its four layers.
 _MOE = gemma4.Gemma4Config.preset("tiny-moe")
-CFG = dataclasses.replace(_MOE, text=dataclasses.replace(
-    _MOE.text, num_hidden_layers=2, layer_types=(gemma4_config.SLIDING, gemma4_config.FULL)))
+CFG = dataclasses.replace(
+  _MOE,
+  text=dataclasses.replace(
+    _MOE.text, num_hidden_layers=2, layer_types=(gemma4_config.SLIDING, gemma4_config.FULL)
+  ),
+)
 
 
 def _global(mesh, x, spec):
@@ -56,7 +60,7 @@ def run_fsdp(ckpt_dir) -> dict:
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   specs = parallel.param_specs(params, mesh, rule=gemma4.partition_rule(CFG, tp=1))
   params = parallel.shard_params(params, mesh, specs)
-  opt = optax.sgd(0.1, momentum=0.9)   # Adam's sign-like first steps would hide grad parity
+  opt = optax.sgd(0.1, momentum=0.9)  # Adam's sign-like first steps would hide grad parity
   opt_state = parallel.shard_like_params(opt.init(params), params)
   batches = []
   for i in range(3):
@@ -69,8 +73,9 @@ def run_fsdp(ckpt_dir) -> dict:
     params, opt_state, metrics = step(params, opt_state, b)
     out[f"fsdp/loss{i}"] = metrics["loss"]
     if i == 0:
-      ckpt.maybe_save(1, params=params, opt_state=opt_state, data_state={"next": 1}, run={},
-                      force=True)
+      ckpt.maybe_save(
+        1, params=params, opt_state=opt_state, data_state={"next": 1}, run={}, force=True
+      )
       ckpt.wait()
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     out["fsdp_params" + jax.tree_util.keystr(path)] = leaf
@@ -93,7 +98,7 @@ def _lora_step(mesh, specs, sharded) -> dict:
   from cpjax.training import lora
 
   model = lora.apply_lora(gemma4.Gemma4(CFG, rngs=nnx.Rngs(0)), lora.LoraConfig(rank=4, alpha=8.0))
-  for i, (_, var) in enumerate(nnx.iter_graph(model)):   # B away from zero: A gets gradients
+  for i, (_, var) in enumerate(nnx.iter_graph(model)):  # B away from zero: A gets gradients
     if isinstance(var, nnx.LoRAParam):
       var.set_value(jax.random.normal(jax.random.key(i), var.shape) * 0.05)
   graphdef, adapters, frozen = lora.split_lora(model)
@@ -103,8 +108,9 @@ def _lora_step(mesh, specs, sharded) -> dict:
   adapters = parallel.shard_params(adapters, mesh, parallel.param_specs(adapters, mesh, rule=rule))
   frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
   opt = optax.sgd(0.1)
-  step = training.make_train_step(graphdef, opt, mesh=mesh, layout=sharded[1], frozen=frozen,
-                               expert_axes=experts)
+  step = training.make_train_step(
+    graphdef, opt, mesh=mesh, layout=sharded[1], frozen=frozen, expert_axes=experts
+  )
   new, _, metrics = step(adapters, opt.init(adapters), sharded[0])
   out = {"lora/loss": metrics["loss"]}
   for (path, leaf), first in zip(jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(start)):
@@ -131,16 +137,18 @@ def run_all(mesh) -> dict:
   q, k, v = (_global(mesh, x, spec) for x in (q, k, v))
 
   def attend(q, k, v, seg, pad):
-    return cpjax.ring_attention(q, k, v, layout=layout, segment_ids=seg, padding_mask=pad,
-                                sliding_window=12)
+    return cpjax.ring_attention(
+      q, k, v, layout=layout, segment_ids=seg, padding_mask=pad, sliding_window=12
+    )
 
   f = jax.shard_map(attend, mesh=mesh, in_specs=spec, out_specs=spec)
   seg, pad = sharded["_packed_seq_ids"], sharded["padding_mask"]
   with jax.set_mesh(mesh):
     out["ring/out"] = jax.jit(f)(q, k, v, seg, pad)
     # Global arrays of a multi-process mesh must be arguments, never closed over.
-    grads = jax.jit(jax.grad(lambda q, k, v, seg, pad: jnp.sum(f(q, k, v, seg, pad) ** 2),
-                             argnums=(0, 1, 2)))(q, k, v, seg, pad)
+    grads = jax.jit(
+      jax.grad(lambda q, k, v, seg, pad: jnp.sum(f(q, k, v, seg, pad) ** 2), argnums=(0, 1, 2))
+    )(q, k, v, seg, pad)
   for name, g in zip("qkv", grads):
     out[f"ring/d{name}"] = g
 

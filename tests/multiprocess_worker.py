@@ -17,8 +17,12 @@ def main():
 
   jax.config.update("jax_num_cpu_devices", 8 // nproc)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc,
-                             process_id=pid, initialization_timeout=120)
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=nproc,
+    process_id=pid,
+    initialization_timeout=120,
+  )
   import numpy as np
   from jax.experimental import multihost_utils
 
@@ -26,8 +30,9 @@ def main():
 
   results = cases.run_all(jax.make_mesh((8,), ("cp",)))
   results.update(cases.run_fsdp(out_path + ".ckpt"))
-  gathered = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
-              for k, v in results.items()}
+  gathered = {
+    k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in results.items()
+  }
   if pid == 0:
     np.savez(out_path, **gathered)
   jax.distributed.shutdown()

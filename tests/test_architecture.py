@@ -22,6 +22,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "cpjax"
 LAYERS = ("core", "data", "models", "training", "top")
 
+
 def module_files() -> dict[str, pathlib.Path]:
   """{dotted module name: file} of every module in the package."""
   found = {}
@@ -40,8 +41,9 @@ def layer(module: str) -> str:
   if module in ("cpjax", "cpjax.__main__"):
     return "top"
   second = module.split(".")[1]
-  return {"cli": "top", "data": "data", "models": "models", "training": "training"}.get(second,
-                                                                                         "core")
+  return {"cli": "top", "data": "data", "models": "models", "training": "training"}.get(
+    second, "core"
+  )
 
 
 def imports(module: str) -> set[str]:
@@ -62,7 +64,7 @@ def imports_in(source: str, module: str, package: str) -> set[str]:
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
       if node.level:
-        anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
         base = ".".join(anchor + ([base] if base else []))
       for alias in node.names:
         found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
@@ -76,15 +78,22 @@ def test_the_layers_are_what_the_docstring_says():
   """Guards the test itself: every layer holds modules, and the core holds the ring."""
   by_layer = {name: [m for m in MODULES if layer(m) == name] for name in LAYERS}
   assert all(by_layer.values()), by_layer
-  assert {"cpjax.ring._attention", "cpjax.sharding", "cpjax.ring.kernels._common",
-          "cpjax.masks._rules"} <= set(by_layer["core"])
+  assert {
+    "cpjax.ring._attention",
+    "cpjax.sharding",
+    "cpjax.ring.kernels._common",
+    "cpjax.masks._rules",
+  } <= set(by_layer["core"])
   assert "cpjax.training.step" in by_layer["training"] and "cpjax.cli.train" in by_layer["top"]
 
 
 def test_no_import_from_a_higher_layer():
-  upward = sorted(f"{m} ({layer(m)}) imports {d} ({layer(d)})"
-                  for m, deps in GRAPH.items() for d in deps
-                  if LAYERS.index(layer(d)) > LAYERS.index(layer(m)))
+  upward = sorted(
+    f"{m} ({layer(m)}) imports {d} ({layer(d)})"
+    for m, deps in GRAPH.items()
+    for d in deps
+    if LAYERS.index(layer(d)) > LAYERS.index(layer(m))
+  )
   assert not upward, "\n".join(upward)
 
 
@@ -94,7 +103,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
   def visit(node):
     if node in path:
-      return path[path.index(node):] + [node]
+      return path[path.index(node) :] + [node]
     if node in done:
       return None
     path.append(node)
@@ -136,18 +145,26 @@ def f():
   import cpjax.models.gemma4.model
 """
   got = imports_in(source, "cpjax.data.corpus", "cpjax.data")
-  assert got == {"cpjax.checks", "cpjax.data.records", "cpjax.training.step",
-                 "cpjax.models.gemma4.model"}
+  assert got == {
+    "cpjax.checks",
+    "cpjax.data.records",
+    "cpjax.training.step",
+    "cpjax.models.gemma4.model",
+  }
   assert [d for d in sorted(got) if LAYERS.index(layer(d)) > LAYERS.index("data")] == [
-      "cpjax.models.gemma4.model", "cpjax.training.step"]
-
+    "cpjax.models.gemma4.model",
+    "cpjax.training.step",
+  ]
 
 
 def test_no_module_only_re_exports_another():
   """One path per name: no module is a shim that re-exports a moved one."""
-  shims = {m for m, path in MODULES.items()
-           if (ast.get_docstring(ast.parse(path.read_text())) or "").startswith("Moved to")
-           or "import *" in path.read_text()}
+  shims = {
+    m
+    for m, path in MODULES.items()
+    if (ast.get_docstring(ast.parse(path.read_text())) or "").startswith("Moved to")
+    or "import *" in path.read_text()
+  }
   assert shims == set()
 
 
@@ -157,8 +174,12 @@ def test_the_public_api_lists_what_it_imports():
   import cpjax
 
   tree = ast.parse(MODULES["cpjax"].read_text())
-  bound = [alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
-           for alias in node.names]
+  bound = [
+    alias.asname or alias.name
+    for node in tree.body
+    if isinstance(node, ast.ImportFrom)
+    for alias in node.names
+  ]
   assert len(cpjax.__all__) == len(set(cpjax.__all__))
   assert sorted(cpjax.__all__) == sorted(n for n in bound if not n.startswith("_"))
   for name in cpjax.__all__:

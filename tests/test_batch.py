@@ -10,8 +10,9 @@ import cpjax
 
 def test_document_ids_from_padding_mask():
   pad = np.array([[0, 0, 0, 0, 1, 1]], bool)
-  out = cpjax.synthesize_document_ids({"input_ids": np.zeros((1, 6), np.int32),
-                                       "padding_mask": pad}, 6)
+  out = cpjax.synthesize_document_ids(
+    {"input_ids": np.zeros((1, 6), np.int32), "padding_mask": pad}, 6
+  )
   assert np.asarray(out["_packed_seq_ids"]).tolist() == [[1, 1, 1, 1, 0, 0]]
 
 
@@ -24,15 +25,22 @@ def test_document_ids_default_all_ones_and_no_op_when_present():
   assert cpjax.synthesize_document_ids(packed, 5)["_packed_seq_ids"] is packed["_packed_seq_ids"]
 
 
-@pytest.mark.parametrize("mask, expected", [
+@pytest.mark.parametrize(
+  "mask, expected",
+  [
     (np.array([[1, 1, 1, 0]]), [[False, False, False, True]]),
     # 4-D bool: diagonal of mask[:, 0] (True = attend).
-    (np.array([[[[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]]], bool),
-     [[False, False, False, True]]),
+    (
+      np.array([[[[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]]], bool),
+      [[False, False, False, True]],
+    ),
     # 4-D additive: 0 = attend, large negative = masked.
-    (np.where(np.eye(4, dtype=bool)[None, None] & (np.arange(4) < 2), 0.0, -1e9),
-     [[False, False, True, True]]),
-])
+    (
+      np.where(np.eye(4, dtype=bool)[None, None] & (np.arange(4) < 2), 0.0, -1e9),
+      [[False, False, True, True]],
+    ),
+  ],
+)
 def test_attention_mask_to_padding_mask(mask, expected):
   batch = {"attention_mask": mask}
   out = cpjax.attention_mask_to_padding_mask(batch)
@@ -42,7 +50,9 @@ def test_attention_mask_to_padding_mask(mask, expected):
 
 def test_existing_padding_mask_wins():
   pad = np.array([[False, True]])
-  out = cpjax.attention_mask_to_padding_mask({"attention_mask": np.ones((1, 2)), "padding_mask": pad})
+  out = cpjax.attention_mask_to_padding_mask(
+    {"attention_mask": np.ones((1, 2)), "padding_mask": pad}
+  )
   assert out["padding_mask"] is pad and "attention_mask" not in out
 
 
@@ -66,8 +76,10 @@ def test_next_token_labels_never_cross_documents():
 
 
 def test_normalize_defaults_and_validation():
-  batch = {"input_ids": np.arange(8, dtype=np.int32).reshape(2, 4),
-           "position_ids": np.arange(4, dtype=np.int32)[None]}
+  batch = {
+    "input_ids": np.arange(8, dtype=np.int32).reshape(2, 4),
+    "position_ids": np.arange(4, dtype=np.int32)[None],
+  }
   out = cpjax.normalize_batch(batch, loss_mask=np.array([[1, 1, 0, 0]] * 2, bool))
   chex.assert_trees_all_equal(out["position_ids"], np.tile(np.arange(4, dtype=np.int32), (2, 1)))
   chex.assert_trees_all_equal(out["labels"], np.array([[1, 1, 0, 0]] * 2, np.int32))
@@ -82,8 +94,10 @@ def test_normalize_defaults_and_validation():
 
 
 def test_normalize_is_jittable():
-  batch = {"input_ids": np.arange(8, dtype=np.int32).reshape(2, 4),
-           "attention_mask": np.array([[1, 1, 1, 0], [1, 1, 0, 0]])}
+  batch = {
+    "input_ids": np.arange(8, dtype=np.int32).reshape(2, 4),
+    "attention_mask": np.array([[1, 1, 1, 0], [1, 1, 0, 0]]),
+  }
   eager = cpjax.normalize_batch(batch, loss_mask=batch["attention_mask"])
   jitted = jax.jit(lambda b: cpjax.normalize_batch(b, loss_mask=b["attention_mask"]))(batch)
   chex.assert_trees_all_equal(eager, jitted)
@@ -97,12 +111,14 @@ def test_the_originals_answers_on_inputs_it_accepts():
   from cpjax.models import gemma4
 
   head0 = np.tril(np.ones((6, 6), bool)) & (np.arange(6) < 4)
-  mask = np.stack([head0, np.ones((6, 6), bool)])[None]          # head 1 says "no padding"
-  assert np.asarray(cpjax.attention_mask_to_padding_mask({"attention_mask": mask})[
-      "padding_mask"]).tolist() == [[False] * 4 + [True] * 2]
+  mask = np.stack([head0, np.ones((6, 6), bool)])[None]  # head 1 says "no padding"
+  assert np.asarray(
+    cpjax.attention_mask_to_padding_mask({"attention_mask": mask})["padding_mask"]
+  ).tolist() == [[False] * 4 + [True] * 2]
   batch = {"input_ids": np.arange(6)[None], "labels": np.arange(6)[None], "attention_mask": mask}
-  back = cpjax.unshard_batch(*cpjax.shard_batch(batch, jax.make_mesh((2,), ("cp",),
-                                                                      devices=jax.devices()[:2])))
+  back = cpjax.unshard_batch(
+    *cpjax.shard_batch(batch, jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2]))
+  )
   assert np.asarray(back["padding_mask"]).tolist() == [[False] * 4 + [True] * 2]
 
   # transformers' processor writes 3 on audio tokens: not a vision group.
@@ -112,8 +128,14 @@ def test_the_originals_answers_on_inputs_it_accepts():
   # The seed's function takes both, with the same answers.
   mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
   seed, _ = gemma4.make_contiguous_aux_only_shard_cp_batch(
-      mesh, {"input_ids": np.arange(6)[None], "labels": np.arange(6)[None],
-             "attention_mask": mask, "mm_token_type_ids": np.array([[0, 1, 3, 3, 2, 0]])})
+    mesh,
+    {
+      "input_ids": np.arange(6)[None],
+      "labels": np.arange(6)[None],
+      "attention_mask": mask,
+      "mm_token_type_ids": np.array([[0, 1, 3, 3, 2, 0]]),
+    },
+  )
   # padded to 8 = a multiple of 2 cp
   assert np.asarray(seed["_packed_seq_ids"]).tolist() == [[1, 1, 1, 1, 0, 0, 0, 0]]
   assert np.asarray(seed["padding_mask"]).tolist() == [[False] * 4 + [True] * 4]
@@ -125,8 +147,11 @@ def test_the_originals_answers_on_inputs_it_accepts():
     from_pad = synthesize({"input_ids": np.zeros((1, 3), np.int32), "padding_mask": pad}, 8)
     assert np.asarray(from_pad["_packed_seq_ids"]).tolist() == [[1, 1, 0]]
 
-  as_lists = {"input_ids": [[5, 6, 7, 8]], "labels": [[6, 7, 8, -100]],
-              "attention_mask": [[1, 1, 1, 0]]}
+  as_lists = {
+    "input_ids": [[5, 6, 7, 8]],
+    "labels": [[6, 7, 8, -100]],
+    "attention_mask": [[1, 1, 1, 0]],
+  }
   as_numpy = {k: np.asarray(v) for k, v in as_lists.items()}
   chex.assert_trees_all_equal(cpjax.normalize_batch(as_lists), cpjax.normalize_batch(as_numpy))
   chex.assert_trees_all_equal(gemma4.prepare_batch(as_lists), gemma4.prepare_batch(as_numpy))

@@ -17,23 +17,42 @@ from cpjax.training.trainer import run_train_job
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "tiny_corpus.array_record")
 QUIET = {"log": lambda *_: None}
-MODEL = "tiny-bidirectional"   # the smallest real-architecture preset: quick to compile
+MODEL = "tiny-bidirectional"  # the smallest real-architecture preset: quick to compile
 
 
 @pytest.mark.parametrize("data", [None, CORPUS], ids=["synthetic", "corpus"])
 def test_resume_continues_with_bit_identical_losses(tmp_path, data):
-  job = with_values(RunConfig(), {"dataset.seq_len": 64, "parallel.cp": 2, "optimizer.steps": 6,
-                                  "dataset.batch_size": 2, "parity_check": False, "dataset.path": data,
-                                  "model": MODEL})
-  whole = run_train_job(with_values(job, {"checkpointing.state_dir": str(tmp_path / "a"),
-                                          "checkpointing.save_every": 3}), **QUIET)
-  first = run_train_job(with_values(job, {"optimizer.steps": 3,
-                                          "checkpointing.state_dir": str(tmp_path / "b")}), **QUIET)
-  second = run_train_job(with_values(job, {"checkpointing.state_dir": str(tmp_path / "b"),
-                                           "checkpointing.resume": True}), **QUIET)
+  job = with_values(
+    RunConfig(),
+    {
+      "dataset.seq_len": 64,
+      "parallel.cp": 2,
+      "optimizer.steps": 6,
+      "dataset.batch_size": 2,
+      "parity_check": False,
+      "dataset.path": data,
+      "model": MODEL,
+    },
+  )
+  whole = run_train_job(
+    with_values(
+      job, {"checkpointing.state_dir": str(tmp_path / "a"), "checkpointing.save_every": 3}
+    ),
+    **QUIET,
+  )
+  first = run_train_job(
+    with_values(job, {"optimizer.steps": 3, "checkpointing.state_dir": str(tmp_path / "b")}),
+    **QUIET,
+  )
+  second = run_train_job(
+    with_values(
+      job, {"checkpointing.state_dir": str(tmp_path / "b"), "checkpointing.resume": True}
+    ),
+    **QUIET,
+  )
   assert second["first_step"] == 3
   assert first["losses"] == whole["losses"][:3]
-  assert second["losses"] == whole["losses"][3:]        # bit for bit: floats compared exactly
+  assert second["losses"] == whole["losses"][3:]  # bit for bit: floats compared exactly
 
 
 def test_resume_onto_another_mesh_gives_the_same_next_loss(tmp_path):
@@ -42,39 +61,69 @@ def test_resume_onto_another_mesh_gives_the_same_next_loss(tmp_path):
   uninterrupted run's (to float32 reduction order: the meshes sum differently)."""
   import shutil
 
-  job = with_values(RunConfig(), {"dataset.seq_len": 64, "optimizer.steps": 2, "dataset.batch_size": 4,
-                                  "parity_check": False, "model": MODEL,
-                                  "parallel.mesh": "fsdp=4,cp=2",
-                                  "checkpointing.state_dir": str(tmp_path),
-                                  "checkpointing.save_every": 1})
+  job = with_values(
+    RunConfig(),
+    {
+      "dataset.seq_len": 64,
+      "optimizer.steps": 2,
+      "dataset.batch_size": 4,
+      "parity_check": False,
+      "model": MODEL,
+      "parallel.mesh": "fsdp=4,cp=2",
+      "checkpointing.state_dir": str(tmp_path),
+      "checkpointing.save_every": 1,
+    },
+  )
   whole = run_train_job(job, **QUIET)
-  shutil.rmtree(tmp_path / "2")           # as if the run had died after step 1
-  resumed = run_train_job(with_values(job, {"parallel.mesh": "fsdp=2,cp=4",
-                                            "checkpointing.resume": True}),
-                          **QUIET)
+  shutil.rmtree(tmp_path / "2")  # as if the run had died after step 1
+  resumed = run_train_job(
+    with_values(job, {"parallel.mesh": "fsdp=2,cp=4", "checkpointing.resume": True}), **QUIET
+  )
   assert resumed["first_step"] == 1
   np.testing.assert_allclose(resumed["losses"], whole["losses"][1:], rtol=1e-6)
 
 
 def test_resume_refuses_a_changed_run(tmp_path):
-  job = with_values(RunConfig(), {"dataset.seq_len": 64, "parallel.cp": 2, "optimizer.steps": 2,
-                                  "dataset.batch_size": 2, "parity_check": False,
-                                  "checkpointing.state_dir": str(tmp_path), "model": MODEL})
+  job = with_values(
+    RunConfig(),
+    {
+      "dataset.seq_len": 64,
+      "parallel.cp": 2,
+      "optimizer.steps": 2,
+      "dataset.batch_size": 2,
+      "parity_check": False,
+      "checkpointing.state_dir": str(tmp_path),
+      "model": MODEL,
+    },
+  )
   run_train_job(job, **QUIET)
   with pytest.raises(ValueError, match=r"saved with seq_len=64, this run has seq_len=96"):
-    run_train_job(with_values(job, {"dataset.seq_len": 96, "optimizer.steps": 4,
-                                    "checkpointing.resume": True}),
-                  **QUIET)
+    run_train_job(
+      with_values(job, {"dataset.seq_len": 96, "optimizer.steps": 4, "checkpointing.resume": True}),
+      **QUIET,
+    )
   with pytest.raises(ValueError, match=r"saved with batch_size=2, this run has batch_size=4"):
-    run_train_job(with_values(job, {"dataset.batch_size": 4, "optimizer.steps": 4,
-                                    "checkpointing.resume": True}),
-                  **QUIET)
+    run_train_job(
+      with_values(
+        job, {"dataset.batch_size": 4, "optimizer.steps": 4, "checkpointing.resume": True}
+      ),
+      **QUIET,
+    )
   with pytest.raises(ValueError, match="already holds a checkpoint"):
     run_train_job(job, **QUIET)
   # --force-resume takes the changed length and goes on from step 2.
-  forced = run_train_job(with_values(job, {"dataset.seq_len": 96, "optimizer.steps": 3,
-                                           "checkpointing.resume": True,
-                                           "checkpointing.force_resume": True}), **QUIET)
+  forced = run_train_job(
+    with_values(
+      job,
+      {
+        "dataset.seq_len": 96,
+        "optimizer.steps": 3,
+        "checkpointing.resume": True,
+        "checkpointing.force_resume": True,
+      },
+    ),
+    **QUIET,
+  )
   assert forced["first_step"] == 2 and len(forced["losses"]) == 1
   with pytest.raises(ValueError, match="different model config"):
     check_run_matches({"model_config": {"a": 1}}, {"model_config": {"a": 2}}, force=True)
@@ -104,8 +153,9 @@ def _bytes(path):
 
 
 def test_a_process_killed_while_saving_leaves_the_last_checkpoint_intact(tmp_path):
-  proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE,
-                          text=True)
+  proc = subprocess.Popen(
+    [sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+  )
   try:
     assert proc.stdout.readline().strip() == "saving 2"
     # The save of step 2 is under way: its temporary directory exists (orbax may
@@ -115,7 +165,7 @@ def test_a_process_killed_while_saving_leaves_the_last_checkpoint_intact(tmp_pat
       time.sleep(0.01)
     committed, tmp = _step_dirs(tmp_path, 2)
     assert tmp and not committed, sorted(p.name for p in tmp_path.iterdir())
-    os.kill(proc.pid, signal.SIGKILL)                   # 512 MB still being written
+    os.kill(proc.pid, signal.SIGKILL)  # 512 MB still being written
   finally:
     proc.wait(timeout=60)
   # Died mid-save: step 2's temporary directory is left behind, never renamed,
@@ -132,7 +182,9 @@ def test_a_process_killed_while_saving_leaves_the_last_checkpoint_intact(tmp_pat
   np.testing.assert_array_equal(state["params"]["w"], np.arange(4, dtype=np.float32))
 
 
-@pytest.mark.parametrize("change,message,forced", [
+@pytest.mark.parametrize(
+  "change,message,forced",
+  [
     ({"dataset.seq_len": 128}, "saved with seq_len=64, this run has seq_len=128", False),
     ({"dataset.batch_size": 4}, "saved with batch_size=2, this run has batch_size=4", False),
     ({"dataset.microbatches": 2}, "saved with microbatches=1, this run has microbatches=2", False),
@@ -141,7 +193,9 @@ def test_a_process_killed_while_saving_leaves_the_last_checkpoint_intact(tmp_pat
     ({"lora.alpha": 4.0}, "alpha=16.0, .* this run trains .*alpha=4.0", True),
     ({"lora.targets": "q_proj"}, "this run trains .*targets=q_proj", True),
     ({"lora.base_dtype": "bfloat16"}, "base_dtype=float32, this run .*base_dtype=bfloat16", True),
-    ({"lora.rank": None}, "trained LoRA rank=4.* this run trains every weight", True)])
+    ({"lora.rank": None}, "trained LoRA rank=4.* this run trains every weight", True),
+  ],
+)
 def test_every_setting_resume_compares_refuses_a_change(change, message, forced):
   """Each setting of the run's identity, changed on resume, is refused with
   a message naming it; --force-resume lets the shape settings through (the
@@ -150,8 +204,10 @@ def test_every_setting_resume_compares_refuses_a_change(change, message, forced)
   from cpjax.models import gemma4
   from cpjax.training.trainer import run_identity
 
-  saved_job = with_values(RunConfig(model="tiny"), {"dataset.seq_len": 64, "dataset.batch_size": 2,
-                                                    "lora.rank": 4, "lora.alpha": 16.0})
+  saved_job = with_values(
+    RunConfig(model="tiny"),
+    {"dataset.seq_len": 64, "dataset.batch_size": 2, "lora.rank": 4, "lora.alpha": 16.0},
+  )
   now = with_values(saved_job, change)
   identity = lambda job: run_identity(job, gemma4.Gemma4Config.preset(job.model))
   check_run_matches(identity(saved_job), identity(saved_job))

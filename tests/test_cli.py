@@ -8,16 +8,20 @@ import pytest
 
 from cpjax import cli
 
-CHAT_JSONL = os.path.join(os.path.dirname(__file__), "..", "cpjax", "examples", "chat",
-                          "train.jsonl")
+CHAT_JSONL = os.path.join(
+  os.path.dirname(__file__), "..", "cpjax", "examples", "chat", "train.jsonl"
+)
 
 
 def _run(*args, timeout=600):
-  return subprocess.run([sys.executable, "-m", "cpjax", *args], capture_output=True, text=True,
-                        timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-m", "cpjax", *args], capture_output=True, text=True, timeout=timeout
+  )
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["train", "--cp", "0"], "argument --cp: expected an integer >= 1, got '0'"),
     (["train", "--layout", "zigzag"], "argument --layout: invalid choice: 'zigzag'"),
     (["train", "--dtype", "fp8"], "argument --dtype: invalid choice"),
@@ -25,18 +29,32 @@ def _run(*args, timeout=600):
     (["train", "--seq-len", "16"], "--seq-len must be >= 32, got 16"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--num-processes", "2"], "--num-processes > 1 needs --coordinator-address"),
-    (["train", "--num-processes", "2", "--coordinator-address", "h:1", "--process-id", "2"],
-     "--process-id must be in [0, 2), got 2"),
-    (["train", "--num-processes", "3", "--coordinator-address", "h:1"],
-     "the mesh's 8 devices must be a multiple of --num-processes 3"),
-    (["train", "--auto-cluster", "--process-id", "0"],
-     "--auto-cluster detects the cluster itself; it cannot be combined with --process-id"),
-    (["train", "--auto-cluster", "--coordinator-address", "h:1", "--num-processes", "2"],
-     "cannot be combined with --coordinator-address, --num-processes"),
+    (
+      ["train", "--num-processes", "2", "--coordinator-address", "h:1", "--process-id", "2"],
+      "--process-id must be in [0, 2), got 2",
+    ),
+    (
+      ["train", "--num-processes", "3", "--coordinator-address", "h:1"],
+      "the mesh's 8 devices must be a multiple of --num-processes 3",
+    ),
+    (
+      ["train", "--auto-cluster", "--process-id", "0"],
+      "--auto-cluster detects the cluster itself; it cannot be combined with --process-id",
+    ),
+    (
+      ["train", "--auto-cluster", "--coordinator-address", "h:1", "--num-processes", "2"],
+      "cannot be combined with --coordinator-address, --num-processes",
+    ),
     (["train", "--cp", "16"], "--cp 16 needs 16 devices, found 8 CPU devices"),
-    (["train", "--model", "tiny", "--checkpoint", "x"], "--model and --checkpoint exclude each other"),
+    (
+      ["train", "--model", "tiny", "--checkpoint", "x"],
+      "--model and --checkpoint exclude each other",
+    ),
     (["train", "--checkpoint", "/nonexistent"], "--checkpoint /nonexistent has no config.json"),
-    (["train", "--data", "/nonexistent.array_record"], "--data /nonexistent.array_record does not exist"),
+    (
+      ["train", "--data", "/nonexistent.array_record"],
+      "--data /nonexistent.array_record does not exist",
+    ),
     (["train", "--model", "7b"], "argument --model: invalid choice: '7b'"),
     (["train", "--resume", "/tmp", "--state-dir", "/tmp"], "--resume DIR saves into DIR"),
     (["train", "--save-every", "5"], "--save-every needs --state-dir (or --resume)"),
@@ -48,43 +66,74 @@ def _run(*args, timeout=600):
     (["train", "--mesh", "fsdp=4,cp=4"], "--mesh needs 16 devices, found 8 CPU devices"),
     (["train", "--microbatches", "3"], "--microbatches 3 must divide --batch-size 2"),
     (["train", "--eval-every", "5"], "--eval-every needs --eval-data"),
-    (["train", "--eval-data", "/nonexistent.jsonl"], "--eval-data /nonexistent.jsonl does not exist"),
+    (
+      ["train", "--eval-data", "/nonexistent.jsonl"],
+      "--eval-data /nonexistent.jsonl does not exist",
+    ),
     (["train", "--tokenizer", "/nonexistent"], "--tokenizer /nonexistent has no tokenizer.json"),
     (["train", "--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
     (["train", "--lr-schedule", "step"], "argument --lr-schedule: invalid choice: 'step'"),
     (["train", "--max-grad-norm", "0"], "argument --max-grad-norm: expected a number > 0"),
     (["plan", "--model", "e2b", "--seq-len", "1024"], "give --mesh, or --device-memory"),
-    (["plan", "--model", "e2b", "--seq-len", "1024", "--device-memory", "lots"],
-     "device memory must look like 16GiB"),
-    (["plan", "--checkpoint", "/nonexistent", "--seq-len", "1024", "--device-memory", "16GiB"],
-     "--checkpoint /nonexistent has no config.json"),
-    (["plan", "--model", "e2b", "--checkpoint", "x", "--seq-len", "8"],
-     "argument --checkpoint: not allowed with argument --model"),
-    (["plan", "--model", "tiny"], "give --seq-len (or a run config: --recipe, --config, --dataset.seq_len)"),
+    (
+      ["plan", "--model", "e2b", "--seq-len", "1024", "--device-memory", "lots"],
+      "device memory must look like 16GiB",
+    ),
+    (
+      ["plan", "--checkpoint", "/nonexistent", "--seq-len", "1024", "--device-memory", "16GiB"],
+      "--checkpoint /nonexistent has no config.json",
+    ),
+    (
+      ["plan", "--model", "e2b", "--checkpoint", "x", "--seq-len", "8"],
+      "argument --checkpoint: not allowed with argument --model",
+    ),
+    (
+      ["plan", "--model", "tiny"],
+      "give --seq-len (or a run config: --recipe, --config, --dataset.seq_len)",
+    ),
     (["plan", "--recipe", "e2b-lora-64k"], "--recipe: no recipe 'e2b-lora-64k'; the recipes are"),
     (["plan", "--config", "/nonexistent.yaml"], "--config: "),
-    (["plan", "--model", "tiny", "--seq-len", "64", "--target", "tpu-8"],
-     "--target: unknown target 'tpu-8': give v4-N, v5e-N, v5p-N, v6e-N"),
-    (["plan", "--model", "tiny", "--seq-len", "64", "--target", "v5e-8", "--mesh", "cp=4"],
-     "--mesh cp=4 has 4 devices, --target v5e-8 has 8 (v5e:2x4)"),
-    (["plan", "--model", "tiny", "--seq-len", "64", "--target", "h200-8", "--estimate-only"],
-     "--target compiles; it does not go with --estimate-only"),
-    (["plan", "--model", "tiny", "--seq-len", "64", "--mesh", "cp=8", "--dtype", "bfloat16"],
-     "--dtype sets the activations of a --target compile; XLA:CPU compiles float32"),
+    (
+      ["plan", "--model", "tiny", "--seq-len", "64", "--target", "tpu-8"],
+      "--target: unknown target 'tpu-8': give v4-N, v5e-N, v5p-N, v6e-N",
+    ),
+    (
+      ["plan", "--model", "tiny", "--seq-len", "64", "--target", "v5e-8", "--mesh", "cp=4"],
+      "--mesh cp=4 has 4 devices, --target v5e-8 has 8 (v5e:2x4)",
+    ),
+    (
+      ["plan", "--model", "tiny", "--seq-len", "64", "--target", "h200-8", "--estimate-only"],
+      "--target compiles; it does not go with --estimate-only",
+    ),
+    (
+      ["plan", "--model", "tiny", "--seq-len", "64", "--mesh", "cp=8", "--dtype", "bfloat16"],
+      "--dtype sets the activations of a --target compile; XLA:CPU compiles float32",
+    ),
     # Found by the job before any training compute: still one line, exit 2.
-    (["train", "--mesh", "fsdp=2,cp=4", "--batch-size", "3", "--no-parity-check"],
-     "mesh axis 'fsdp' of size 2 does not divide the batch size 3"),
-    (["train", "--mesh", "fsdp=2,cp=4", "--dtype", "bfloat16"],
-     "--dtype bfloat16 with mesh axes ['fsdp'] does not compile on the CPU"),
-    (["train", "--lr-schedule", "cosine", "--warmup-steps", "20"],
-     "--warmup-steps 20 must be >= 0, and below --steps 20 for a cosine schedule"),
-    (["train", "--data", CHAT_JSONL, "--cp", "2", "--seq-len", "64"],
-     f"--data {CHAT_JSONL} is JSONL: tokenizing it needs the checkpoint's tokenizer"),
+    (
+      ["train", "--mesh", "fsdp=2,cp=4", "--batch-size", "3", "--no-parity-check"],
+      "mesh axis 'fsdp' of size 2 does not divide the batch size 3",
+    ),
+    (
+      ["train", "--mesh", "fsdp=2,cp=4", "--dtype", "bfloat16"],
+      "--dtype bfloat16 with mesh axes ['fsdp'] does not compile on the CPU",
+    ),
+    (
+      ["train", "--lr-schedule", "cosine", "--warmup-steps", "20"],
+      "--warmup-steps 20 must be >= 0, and below --steps 20 for a cosine schedule",
+    ),
+    (
+      ["train", "--data", CHAT_JSONL, "--cp", "2", "--seq-len", "64"],
+      f"--data {CHAT_JSONL} is JSONL: tokenizing it needs the checkpoint's tokenizer",
+    ),
     # A published size on this machine: refused up front with the plan's estimate.
-    (["train", "--model", "e2b"], "cpjax train: error: e2b at --seq-len 1024 on mesh cp=8: 8 "
-                                  "emulated CPU devices need about"),
+    (
+      ["train", "--model", "e2b"],
+      "cpjax train: error: e2b at --seq-len 1024 on mesh cp=8: 8 emulated CPU devices need about",
+    ),
     (["train", "--model", "e2b"], "GiB per device), more than the "),
-])
+  ],
+)
 def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
   # JAX is already up with 8 CPU devices in this process: keep it as it is.
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
@@ -122,7 +171,9 @@ def test_skip_memory_check_starts_the_job(monkeypatch):
 
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   started = []
-  monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda job, **kw: started.append(job))
+  monkeypatch.setattr(
+    cpjax.training.trainer, "run_train_job", lambda job, **kw: started.append(job)
+  )
   assert cli.main(["train", "--model", "e2b", "--skip-memory-check"]) == 0
   assert started and started[0].model == "e2b"
 
@@ -155,16 +206,39 @@ def test_plan_from_a_checkpoint_directory_reads_no_weight(capsys, monkeypatch, t
   import shutil
 
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  shutil.copy(os.path.join(os.path.dirname(__file__), "fixtures", "gemma4", "published", "e2b",
-                           "config.json"), tmp_path / "config.json")
+  shutil.copy(
+    os.path.join(
+      os.path.dirname(__file__), "fixtures", "gemma4", "published", "e2b", "config.json"
+    ),
+    tmp_path / "config.json",
+  )
   rows = []
   for what in (["--checkpoint", str(tmp_path)], ["--model", "e2b"]):
-    assert cli.main(["plan", *what, "--seq-len", "32768", "--mesh", "fsdp=2,cp=2",
-                     "--estimate-only", "--device-memory", "95GB"]) == 0
-    rows.append([line.split("S=32768", 1)[1] for line in capsys.readouterr().out.splitlines()
-                 if "S=32768 " in line])
+    assert (
+      cli.main(
+        [
+          "plan",
+          *what,
+          "--seq-len",
+          "32768",
+          "--mesh",
+          "fsdp=2,cp=2",
+          "--estimate-only",
+          "--device-memory",
+          "95GB",
+        ]
+      )
+      == 0
+    )
+    rows.append(
+      [
+        line.split("S=32768", 1)[1]
+        for line in capsys.readouterr().out.splitlines()
+        if "S=32768 " in line
+      ]
+    )
   assert rows[0] == rows[1] and len(rows[0]) == 2
-  assert all("fits 88.5 GiB" in row for row in rows[0])   # 50.0 / 54.5 GiB per device
+  assert all("fits 88.5 GiB" in row for row in rows[0])  # 50.0 / 54.5 GiB per device
 
 
 def test_help_does_not_claim_cpu_is_the_default(capsys):
@@ -175,12 +249,36 @@ def test_help_does_not_claim_cpu_is_the_default(capsys):
 
 def test_help_documents_every_flag(capsys):
   text = train_help(capsys)
-  for flag in ("--seq-len", "--cp", "--layout", "--steps", "--seed", "--dtype", "--model",
-               "--checkpoint", "--data", "--remat", "--save", "--state-dir", "--save-every",
-               "--resume", "--force-resume", "--mesh", "--microbatches", "--tokenizer",
-               "--truncate", "--eval-data", "--eval-every", "--eval-rows", "--metrics",
-               "--tensorboard", "--images-per-row", "--lr-schedule", "--warmup-steps",
-               "--max-grad-norm"):
+  for flag in (
+    "--seq-len",
+    "--cp",
+    "--layout",
+    "--steps",
+    "--seed",
+    "--dtype",
+    "--model",
+    "--checkpoint",
+    "--data",
+    "--remat",
+    "--save",
+    "--state-dir",
+    "--save-every",
+    "--resume",
+    "--force-resume",
+    "--mesh",
+    "--microbatches",
+    "--tokenizer",
+    "--truncate",
+    "--eval-data",
+    "--eval-every",
+    "--eval-rows",
+    "--metrics",
+    "--tensorboard",
+    "--images-per-row",
+    "--lr-schedule",
+    "--warmup-steps",
+    "--max-grad-norm",
+  ):
     assert flag in text
 
 
@@ -197,14 +295,42 @@ def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
   corpus = os.path.join(here, "data", "tiny_corpus.array_record")
   # The fixture model's vocabulary is 256 and the corpus uses ids up to 511:
   # a crash (exit status 1 from the command), found before any compute.
-  with pytest.raises(ValueError, match=r"holds token id 5\d\d, outside the model's vocabulary "
-                                       r"of 256"):
-    run_train_job(with_values(RunConfig(), {"checkpoint": os.path.join(here, "fixtures", "gemma4", "ple_kv_sharing"),
-                                            "dataset.path": corpus, "dataset.seq_len": 64,
-                                            "optimizer.steps": 2, "parallel.cp": 2}), log=lambda *a: None)
-  proc = _run("train", "--model", "tiny", "--data", corpus, "--remat",
-              "--save", str(tmp_path / "out"), "--seq-len", "64", "--steps", "2", "--cp", "2",
-              "--dtype", "bfloat16")
+  with pytest.raises(
+    ValueError,
+    match=r"holds token id 5\d\d, outside the model's vocabulary "
+    r"of 256",
+  ):
+    run_train_job(
+      with_values(
+        RunConfig(),
+        {
+          "checkpoint": os.path.join(here, "fixtures", "gemma4", "ple_kv_sharing"),
+          "dataset.path": corpus,
+          "dataset.seq_len": 64,
+          "optimizer.steps": 2,
+          "parallel.cp": 2,
+        },
+      ),
+      log=lambda *a: None,
+    )
+  proc = _run(
+    "train",
+    "--model",
+    "tiny",
+    "--data",
+    corpus,
+    "--remat",
+    "--save",
+    str(tmp_path / "out"),
+    "--seq-len",
+    "64",
+    "--steps",
+    "2",
+    "--cp",
+    "2",
+    "--dtype",
+    "bfloat16",
+  )
   assert proc.returncode == 0, proc.stderr
   assert "parity with the single-device model at step 1" in proc.stdout + proc.stderr
   assert "loss " in proc.stdout and "->" in proc.stdout
@@ -218,10 +344,19 @@ def test_the_cpu_is_chosen_only_where_no_accelerator_is(monkeypatch):
   GPU device node, or the user's own JAX_PLATFORMS, leaves the choice to JAX."""
   from cpjax.cli import machine
 
-  for nodes, given, want in (([], None, "cpu"), (["/dev/accel0"], None, None),
-                             (["/dev/nvidia0"], None, None), ([], "tpu", "tpu")):
-    monkeypatch.setattr(machine.glob, "glob", lambda pattern, nodes=nodes: [
-        n for n in nodes if n.startswith(pattern.split("*")[0].split("[")[0])])
+  for nodes, given, want in (
+    ([], None, "cpu"),
+    (["/dev/accel0"], None, None),
+    (["/dev/nvidia0"], None, None),
+    ([], "tpu", "tpu"),
+  ):
+    monkeypatch.setattr(
+      machine.glob,
+      "glob",
+      lambda pattern, nodes=nodes: [
+        n for n in nodes if n.startswith(pattern.split("*")[0].split("[")[0])
+      ],
+    )
     if given is None:
       monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     else:
@@ -239,13 +374,18 @@ def test_plan_target_follows_the_gpu_compiler(target, platform, capsys, monkeypa
   from cpjax.training import plan
 
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  monkeypatch.setattr(plan, "compiled_plan", lambda cfg, **kw: plan.estimate(
-      cfg, **{k: v for k, v in kw.items() if k != "target"}))
+  monkeypatch.setattr(
+    plan,
+    "compiled_plan",
+    lambda cfg, **kw: plan.estimate(cfg, **{k: v for k, v in kw.items() if k != "target"}),
+  )
   cli.main(["plan", "--model", "e2b", "--seq-len", "131072", "--target", target])
   out = capsys.readouterr().out
   cfg = Gemma4Config.preset("e2b")
   for dtype in ("bfloat16", "float32"):
-    want = {p: plan.estimate(cfg, model="e2b", seq_len=131072, mesh={"cp": 8}, dtype=dtype,
-                             platform=p) for p in plan.PLATFORMS}
+    want = {
+      p: plan.estimate(cfg, model="e2b", seq_len=131072, mesh={"cp": 8}, dtype=dtype, platform=p)
+      for p in plan.PLATFORMS
+    }
     assert want["cuda"].total > want["tpu"].total
     assert f"  {want[platform].row()} [{dtype} activations]" in out, out

@@ -30,13 +30,18 @@ from cpjax.training import plan, targets
 from tests.test_context_parallel import PrefixLM  # a user's rule
 
 needs = {
-    "v5e-8": pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                reason="needs libtpu: pip install 'cpjax[tpu]'"),
-    "h200-8": pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
-                                 reason="needs jax's CUDA plugin: pip install 'cpjax[cuda]'"),
+  "v5e-8": pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="needs libtpu: pip install 'cpjax[tpu]'"
+  ),
+  "h200-8": pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None,
+    reason="needs jax's CUDA plugin: pip install 'cpjax[cuda]'",
+  ),
 }
-KERNEL = {"v5e-8": ("tpu_custom_call", "pallas_tpu"), "h200-8": ("__gpu$xla.gpu.triton",
-                                                                 "pallas_gpu")}
+KERNEL = {
+  "v5e-8": ("tpu_custom_call", "pallas_tpu"),
+  "h200-8": ("__gpu$xla.gpu.triton", "pallas_gpu"),
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,12 +52,18 @@ def devices(name):
 # (mask, layout, head dim, query heads, KV heads, dtype): each rule, head dim,
 # group size, dtype and layout at least once, in as few compiles as that takes.
 RING_CASES = {
-    "causal-d256-g8-bf16-load_balanced": ("causal", "load_balanced", 256, 8, 1, jnp.bfloat16),
-    "window-d512-g1-f32-contiguous": ("window", "contiguous", 512, 2, 2, jnp.float32),
-    "documents-padding-d256-g2-bf16-document_balanced": ("documents", "document_balanced", 256,
-                                                         4, 2, jnp.bfloat16),
-    "vision-d256-g4-f32-load_balanced": ("vision", "load_balanced", 256, 4, 1, jnp.float32),
-    "user-rule-d512-g8-bf16-load_balanced": ("user", "load_balanced", 512, 8, 1, jnp.bfloat16),
+  "causal-d256-g8-bf16-load_balanced": ("causal", "load_balanced", 256, 8, 1, jnp.bfloat16),
+  "window-d512-g1-f32-contiguous": ("window", "contiguous", 512, 2, 2, jnp.float32),
+  "documents-padding-d256-g2-bf16-document_balanced": (
+    "documents",
+    "document_balanced",
+    256,
+    4,
+    2,
+    jnp.bfloat16,
+  ),
+  "vision-d256-g4-f32-load_balanced": ("vision", "load_balanced", 256, 4, 1, jnp.float32),
+  "user-rule-d512-g8-bf16-load_balanced": ("user", "load_balanced", 512, 8, 1, jnp.bfloat16),
 }
 S, CP = 2048, 8
 
@@ -62,7 +73,7 @@ def _mask(kind):
   ids = jax.ShapeDtypeStruct((1, S), jnp.int32)
   if kind == "causal":
     return None, {}
-  if kind == "window":       # 512 keys reach one rank back: a shortened ring
+  if kind == "window":  # 512 keys reach one rank back: a shortened ring
     return None, {"sliding_window": 512}
   if kind == "documents":
     return None, {"segment_ids": ids, "padding_mask": jax.ShapeDtypeStruct((1, S), jnp.bool_)}
@@ -79,12 +90,16 @@ def compiled_ring(target, kind, layout_kind, d, hq, hkv, dtype, seq_len=S):
   q = jax.ShapeDtypeStruct((1, seq_len, hq, d), dtype, sharding=rows)
   kv = jax.ShapeDtypeStruct((1, seq_len, hkv, d), dtype, sharding=rows)
   static = {k: v for k, v in keywords.items() if isinstance(v, int)}
-  arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
-            for k, v in keywords.items() if k not in static}
+  arrays = {
+    k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
+    for k, v in keywords.items()
+    if k not in static
+  }
 
   def loss(q, k, v, arrays):
-    out = cpjax.context_parallel_attention(q, k, v, mesh=mesh, layout=layout, mask=mask,
-                                           **static, **arrays)
+    out = cpjax.context_parallel_attention(
+      q, k, v, mesh=mesh, layout=layout, mask=mask, **static, **arrays
+    )
     return jnp.sum(out.astype(jnp.float32))
 
   with jax.set_mesh(mesh):
@@ -100,8 +115,9 @@ def test_the_ring_kernels_compile_for_the_chip(target, case):
   compiled = compiled_ring(target, *RING_CASES[case])
   text = compiled.as_text()
   call, _ = KERNEL[target]
-  assert text.count(call) >= 3, collections.Counter(re.findall(r"custom_call_target=\"[^\"]+",
-                                                               text))
+  assert text.count(call) >= 3, collections.Counter(
+    re.findall(r"custom_call_target=\"[^\"]+", text)
+  )
   names = set(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text))
   assert names == {"forward", "dq", "dkdv"}, names
 
@@ -114,17 +130,23 @@ def test_the_tpu_kernels_compile_at_a_million_tokens_on_8_ranks():
   (:data:`cpjax.ring.kernels._tpu.TABLE_WORDS`) and Mosaic compiles every one."""
   from cpjax.ring.kernels import _tpu as tpu
 
-  compiled = compiled_ring("v5e-8", "causal", "load_balanced", 512, 8, 1, jnp.bfloat16,
-                           seq_len=1 << 20)
-  calls = collections.Counter(re.findall(
+  compiled = compiled_ring(
+    "v5e-8", "causal", "load_balanced", 512, 8, 1, jnp.bfloat16, seq_len=1 << 20
+  )
+  calls = collections.Counter(
+    re.findall(
       r"custom_call_target=\"tpu_custom_call\"[^\n]*?cpjax_ring_(forward|dq|dkdv)",
-      compiled.as_text()))
+      compiled.as_text(),
+    )
+  )
   # A hop walks 8 x 131072 / 256 = 4096 row blocks of 131072 / 512 = 256 key
   # blocks (the tiles at head dim 512); each kernel is called at two sites
   # (the first hop, and the ring's loop), each as that many pieces.
   pieces = 4096 * 256 // tpu.TABLE_WORDS
-  assert pieces > 1 and calls == {"forward": 2 * pieces, "dq": 2 * pieces,
-                                  "dkdv": 2 * pieces}, (pieces, calls)
+  assert pieces > 1 and calls == {"forward": 2 * pieces, "dq": 2 * pieces, "dkdv": 2 * pieces}, (
+    pieces,
+    calls,
+  )
   assert compiled.memory_analysis().temp_size_in_bytes > 0
 
 
@@ -136,9 +158,12 @@ def test_the_gpu_schedule_stays_linear_in_tokens_at_a_million_tokens():
   against 1.3 GiB at 16384 tokens a rank). Grouped into at most
   ``schedule_tiles`` blocks, the temporaries grow with the tokens: 8 times the
   tokens, at most 8.1 times the bytes (measured 9.53 against 1.20 GiB)."""
-  temp = {n: compiled_ring("h200-8", "causal", "load_balanced", 512, 8, 1, jnp.float32,
-                           seq_len=n).memory_analysis().temp_size_in_bytes
-          for n in (1 << 17, 1 << 20)}
+  temp = {
+    n: compiled_ring("h200-8", "causal", "load_balanced", 512, 8, 1, jnp.float32, seq_len=n)
+    .memory_analysis()
+    .temp_size_in_bytes
+    for n in (1 << 17, 1 << 20)
+  }
   assert temp[1 << 20] <= 8.1 * temp[1 << 17], {n: t / 2**30 for n, t in temp.items()}
 
 
@@ -147,16 +172,16 @@ def test_the_gpu_schedule_stays_linear_in_tokens_at_a_million_tokens():
 # aliases + temporaries): a change that makes the step grow by more than 10%
 # fails here, and one that shrinks it should lower the record.
 STEPS = {
-    ("v5e-8", "tiny", (("fsdp", 2), ("cp", 2), ("tp", 2))): 36_196_352,
+  ("v5e-8", "tiny", (("fsdp", 2), ("cp", 2), ("tp", 2))): 36_196_352,
 }
 # In `make soak`: the GPU's kernels are compiled above, in the ring, and the
 # MoE step's axes are the tiny step's (fsdp and cp; ep folds onto them).
 SLOW_STEPS = {
-    ("v5e-8", "tiny-moe", (("fsdp", 2), ("cp", 4), ("ep", 4))): 107_097_600,
-    ("h200-8", "tiny", (("fsdp", 2), ("cp", 2), ("tp", 2))): 29_887_380,
-    ("v5e-8", "tiny", (("cp", 4), ("tp", 2))): 51_367_936,
-    ("h200-8", "tiny", (("fsdp", 2), ("cp", 4))): 20_809_396,
-    ("h200-8", "tiny-moe", (("fsdp", 2), ("cp", 4), ("ep", 4))): 80_070_496,
+  ("v5e-8", "tiny-moe", (("fsdp", 2), ("cp", 4), ("ep", 4))): 107_097_600,
+  ("h200-8", "tiny", (("fsdp", 2), ("cp", 2), ("tp", 2))): 29_887_380,
+  ("v5e-8", "tiny", (("cp", 4), ("tp", 2))): 51_367_936,
+  ("h200-8", "tiny", (("fsdp", 2), ("cp", 4))): 20_809_396,
+  ("h200-8", "tiny-moe", (("fsdp", 2), ("cp", 4), ("ep", 4))): 80_070_496,
 }
 
 
@@ -165,8 +190,9 @@ def _step_params():
   for table, marks in ((STEPS, ()), (SLOW_STEPS, (pytest.mark.slow,))):
     for (target, preset, mesh), record in table.items():
       ident = f"{preset}-{target}-" + "x".join(f"{k}{v}" for k, v in mesh)
-      out.append(pytest.param(target, preset, dict(mesh), record, id=ident,
-                              marks=(needs[target], *marks)))
+      out.append(
+        pytest.param(target, preset, dict(mesh), record, id=ident, marks=(needs[target], *marks))
+      )
   return out
 
 
@@ -177,15 +203,20 @@ def test_the_training_step_compiles_for_the_chip(target, preset, mesh, record):
   ``cpjax plan --target`` compiles it, and its memory against the record."""
   from cpjax.models.gemma4 import Gemma4Config
 
-  compiled, _, _, _ = plan.compile_step(Gemma4Config.preset(preset), seq_len=4096, mesh=mesh,
-                                        devices=devices(target))
+  compiled, _, _, _ = plan.compile_step(
+    Gemma4Config.preset(preset), seq_len=4096, mesh=mesh, devices=devices(target)
+  )
   text = compiled.as_text()
   call, _ = KERNEL[target]
   assert set(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text)) == {"forward", "dq", "dkdv"}
   assert call in text
   memory = compiled.memory_analysis()
-  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  total = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+  )
   print(f"{target} {preset} {mesh}: {total} bytes per device")
   if record is not None:
     assert total <= 1.1 * record, (total, record)
@@ -196,8 +227,10 @@ def test_the_training_step_compiles_for_the_chip(target, preset, mesh, record):
 # at 256 and 512 spills in dK/dV (and dq at 512) even at 16 x 16 tiles, by at
 # most these many bytes (measured; a change that spills more fails), with one
 # tile a schedule block and with grouped blocks.
-F32_SPILLS = {256: {"cpjax_ring_dkdv": (212, 232)},
-              512: {"cpjax_ring_dkdv": (3008, 3044), "cpjax_ring_dq": (136, 136)}}
+F32_SPILLS = {
+  256: {"cpjax_ring_dkdv": (212, 232)},
+  512: {"cpjax_ring_dkdv": (3008, 3044), "cpjax_ring_dq": (136, 136)},
+}
 
 
 @needs["h200-8"]
@@ -214,8 +247,11 @@ def test_the_gpu_kernels_fit_the_registers(monkeypatch, d, dtype, grouped):
   from cpjax.ring.kernels import ptxas
 
   if grouped:
-    monkeypatch.setitem(kernel_targets.TARGETS, "pallas_gpu", dataclasses.replace(
-        kernel_targets.TARGETS["pallas_gpu"], schedule_tiles=4))
+    monkeypatch.setitem(
+      kernel_targets.TARGETS,
+      "pallas_gpu",
+      dataclasses.replace(kernel_targets.TARGETS["pallas_gpu"], schedule_tiles=4),
+    )
 
   mesh = parallel.make_mesh(cp=CP, devices=devices("h200-8"))
   layout = cpjax.ShardLayout(S, S, CP, "load_balanced")
@@ -232,8 +268,11 @@ def test_the_gpu_kernels_fit_the_registers(monkeypatch, d, dtype, grouped):
   usage = ptxas.kernel_usage(lowered)
   print(d, jnp.dtype(dtype).name, grouped, usage)
   assert set(usage) == {"cpjax_ring_forward", "cpjax_ring_dq", "cpjax_ring_dkdv"}, usage
-  allowed = ({name: spills[grouped] for name, spills in F32_SPILLS.get(d, {}).items()}
-             if dtype == jnp.float32 else {})
+  allowed = (
+    {name: spills[grouped] for name, spills in F32_SPILLS.get(d, {}).items()}
+    if dtype == jnp.float32
+    else {}
+  )
   for name, use in usage.items():
     assert use.spill_stores <= allowed.get(name, 0), (name, use)
     assert use.registers <= 255
@@ -250,16 +289,26 @@ def test_each_published_recipe_fits_its_chips_by_their_compiler(name):
 
   run, record = read_run_config(recipes.path(name)), recipes.RECIPES[name]
   target = targets.parse_target(record.target)
-  if importlib.util.find_spec({"tpu": "libtpu", "cuda": "jax_cuda12_plugin"}[
-      target.chip.platform]) is None:
+  if (
+    importlib.util.find_spec({"tpu": "libtpu", "cuda": "jax_cuda12_plugin"}[target.chip.platform])
+    is None
+  ):
     pytest.skip(f"needs the {target.chip.platform} compiler")
   got = plan.compiled_plan(
-      Gemma4Config.preset(run.model), model=run.model, seq_len=run.dataset.seq_len,
-      mesh=run.parallel.mesh_sizes(), remat=run.remat, dtype=run.dtype,
-      batch_size=run.dataset.batch_size // run.dataset.microbatches, lora_rank=run.lora.rank,
-      base_dtype=run.lora.base_dtype, lora_targets=run.lora.targets,
-      capacity_factor=run.experts.capacity_factor, shard_state=run.parallel.shard_state,
-      target=target)
+    Gemma4Config.preset(run.model),
+    model=run.model,
+    seq_len=run.dataset.seq_len,
+    mesh=run.parallel.mesh_sizes(),
+    remat=run.remat,
+    dtype=run.dtype,
+    batch_size=run.dataset.batch_size // run.dataset.microbatches,
+    lora_rank=run.lora.rank,
+    base_dtype=run.lora.base_dtype,
+    lora_targets=run.lora.targets,
+    capacity_factor=run.experts.capacity_factor,
+    shard_state=run.parallel.shard_state,
+    target=target,
+  )
   assert got.fits(target.chip.memory), got.row()
 
 
@@ -283,19 +332,25 @@ def test_the_training_notebooks_single_chip_step_compiles_for_one_v5e():
   (chip,) = targets.parse_target("v5e-1").devices()
   on_chip = jax.sharding.SingleDeviceSharding(chip)
   cfg = gemma4.Gemma4Config.preset("tiny")
-  graphdef, params, buffers = nnx.split(nnx.eval_shape(lambda: gemma4.Gemma4(
-      cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  graphdef, params, buffers = nnx.split(
+    nnx.eval_shape(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...
+  )
   opt = optax.adamw(3e-3)
   put = lambda tree: jax.tree.map(  # noqa: E731
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip), tree)
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip), tree
+  )
   seq_len = 8 * 64 * 8
   rows = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=2, seq_len=seq_len)
   batch = gemma4.prepare_batch(rows, cfg)
   step = training.make_train_step(graphdef, opt, frozen=put(buffers))
   compiled = step.compile(put(params), put(jax.eval_shape(opt.init, params)), put(batch))
   memory = compiled.memory_analysis()
-  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  total = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+  )
   print(f"notebook's dense step on one v5e: {total} bytes")
   assert "TPU v5" in chip.device_kind, chip.device_kind
   # Dense attention's [B, H, S, S] float32 scores make most of it.
@@ -319,6 +374,7 @@ def test_the_experts_grouped_matmul_compiles_without_a_dense_expansion(target):
 
   def loss(rows, weights, sizes):
     return jnp.sum(jnp.sin(grouped_matmul(rows, weights, sizes)))
+
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(rows, weights, sizes).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   print(target, temp)

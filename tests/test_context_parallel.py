@@ -19,14 +19,14 @@ F32 = dict(rtol=1e-5, atol=1e-5)
 def run(q, k, v, w, *, mesh, lay, mask_fn, batch_axis=None, head_axis=None, **kw):
   """Global natural-order inputs in, (out, grads) in natural order out: the
   user's view. ``mask_fn(to_rank)`` builds the mask from rank-ordered arrays."""
-  to = lambda x: cpjax.to_rank_order(x, lay)        # noqa: E731
+  to = lambda x: cpjax.to_rank_order(x, lay)  # noqa: E731
   back = lambda x: np.asarray(cpjax.from_rank_order(x, lay))  # noqa: E731
   mask = mask_fn(to)
 
   def f(q, k, v):
-    return cpjax.context_parallel_attention(q, k, v, mesh=mesh, layout=lay,
-                                            batch_axis=batch_axis, head_axis=head_axis, **mask,
-                                            **kw)
+    return cpjax.context_parallel_attention(
+      q, k, v, mesh=mesh, layout=lay, batch_axis=batch_axis, head_axis=head_axis, **mask, **kw
+    )
 
   @jax.jit
   def value_and_grads(q, k, v, w):
@@ -51,8 +51,13 @@ def test_keywords_equal_reference(cp, kind):
   inputs = H.make_inputs(np.random.default_rng(cp), s=64)
   meta = H.packed_metadata(np.random.default_rng(cp), 2, 64, pad_from=50, vision=True)
   lay = cpjax.ShardLayout(64, 64, cp, kind)
-  got = run(*inputs, mesh=cp_mesh(cp), lay=lay, sliding_window=9,
-            mask_fn=lambda to: {name: to(x) for name, x in meta.items()})
+  got = run(
+    *inputs,
+    mesh=cp_mesh(cp),
+    lay=lay,
+    sliding_window=9,
+    mask_fn=lambda to: {name: to(x) for name, x in meta.items()},
+  )
   check(got, H.reference(*inputs, meta=meta, sliding_window=9))
 
 
@@ -62,12 +67,19 @@ def test_mask_object_with_a_custom_rule(kind):
   given the same mask object in natural order."""
   inputs = H.make_inputs(np.random.default_rng(3), s=64)
   meta = H.packed_metadata(np.random.default_rng(3), 2, 64, pad_from=60, vision=True)
-  rule = (cpjax.LocalWindow(5, None) & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup())
-          & cpjax.SameSegment())
+  rule = (
+    cpjax.LocalWindow(5, None)
+    & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup())
+    & cpjax.SameSegment()
+  )
   arrays = {n: meta[n] for n in ("segment_ids", "vision_group_ids")}
   lay = cpjax.ShardLayout(64, 64, 4, kind)
-  got = run(*inputs, mesh=cp_mesh(4), lay=lay, mask_fn=lambda to: {"mask": cpjax.AttentionMask(
-      rule, {n: to(x) for n, x in arrays.items()})})
+  got = run(
+    *inputs,
+    mesh=cp_mesh(4),
+    lay=lay,
+    mask_fn=lambda to: {"mask": cpjax.AttentionMask(rule, {n: to(x) for n, x in arrays.items()})},
+  )
   check(got, H.reference(*inputs, mask=cpjax.AttentionMask(rule, arrays)))
 
 
@@ -75,16 +87,20 @@ def test_batch_and_head_axes():
   """(dp, cp, tp) = (2, 2, 2): batch and heads sharded too, padding in the tail."""
   mesh = jax.make_mesh((2, 2, 2), ("dp", "cp", "tp"))
   q, k, v, w = H.make_inputs(np.random.default_rng(4), s=60, hq=4, hkv=2)
-  lay = cpjax.ShardLayout(60, cpjax.padded_length(60, 2, kind="load_balanced", pad_multiple=8),
-                          2, "load_balanced")
+  lay = cpjax.ShardLayout(
+    60, cpjax.padded_length(60, 2, kind="load_balanced", pad_multiple=8), 2, "load_balanced"
+  )
   meta = H.packed_metadata(np.random.default_rng(4), 2, 60, pad_from=55)
 
   def mask_fn(to):
-    return {"segment_ids": to(meta["segment_ids"]),
-            "padding_mask": cpjax.to_rank_order(meta["padding_mask"], lay, pad_value=True)}
+    return {
+      "segment_ids": to(meta["segment_ids"]),
+      "padding_mask": cpjax.to_rank_order(meta["padding_mask"], lay, pad_value=True),
+    }
 
-  out, grads = run(q, k, v, w, mesh=mesh, lay=lay, batch_axis="dp", head_axis="tp",
-                   mask_fn=mask_fn, causal=False)
+  out, grads = run(
+    q, k, v, w, mesh=mesh, lay=lay, batch_axis="dp", head_axis="tp", mask_fn=mask_fn, causal=False
+  )
   want = H.reference(q, k, v, w, meta=meta, causal=False)
   s = lay.original_seq_len
   check((out[:, :s], tuple(g[:, :s] for g in grads)), want)
@@ -98,13 +114,12 @@ def test_output_sharding_and_rank_order():
   lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
   rng = np.random.default_rng(0)
   q, k, v = (rng.standard_normal((1, 32, 2, 8)).astype(np.float32) for _ in range(3))
-  ref = np.asarray(cpjax.reference_attention(q, k, v))             # natural order, causal
-  to = lambda x: cpjax.to_rank_order(x, lay)                        # noqa: E731
+  ref = np.asarray(cpjax.reference_attention(q, k, v))  # natural order, causal
+  to = lambda x: cpjax.to_rank_order(x, lay)  # noqa: E731
   out = cpjax.context_parallel_attention(to(q), to(k), to(v), mesh=mesh, layout=lay)
   assert out.sharding.spec == jax.sharding.PartitionSpec(None, "cp", None)
   chex.assert_shape(out, (1, 32, 2, 8))
-  np.testing.assert_allclose(np.asarray(cpjax.from_rank_order(out, lay)), ref,
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(cpjax.from_rank_order(out, lay)), ref, rtol=1e-5, atol=1e-5)
   # Each device's shard: the rank is the position of its device on the mesh's cp axis.
   rank_of = {d: r for r, d in enumerate(mesh.devices.reshape(-1))}
   local = lay.local_seq_len
@@ -112,9 +127,13 @@ def test_output_sharding_and_rank_order():
   for shard in out.addressable_shards:
     r = rank_of[shard.device]
     assert shard.index[1] == slice(r * local, (r + 1) * local)
-    np.testing.assert_allclose(np.asarray(shard.data),
-                               ref[:, np.asarray(cpjax.local_token_indices(lay, r))],
-                               rtol=1e-5, atol=1e-5, err_msg=f"rank {r}")
+    np.testing.assert_allclose(
+      np.asarray(shard.data),
+      ref[:, np.asarray(cpjax.local_token_indices(lay, r))],
+      rtol=1e-5,
+      atol=1e-5,
+      err_msg=f"rank {r}",
+    )
   # The rank-ordered output is not the natural-order one (the check above can fail).
   assert not np.allclose(np.asarray(out), ref, atol=1e-3)
 
@@ -129,7 +148,7 @@ def test_rank_order_helpers(kind):
   np.testing.assert_array_equal(cpjax.from_rank_order(ranked, lay, axis=2), padded)
   # What rank r holds is the r-th block of the rank-ordered array.
   for r in range(4):
-    block = np.asarray(ranked)[..., r * lay.local_seq_len:(r + 1) * lay.local_seq_len]
+    block = np.asarray(ranked)[..., r * lay.local_seq_len : (r + 1) * lay.local_seq_len]
     np.testing.assert_array_equal(block, padded[..., np.asarray(cpjax.local_token_indices(lay, r))])
   # Differentiable: the gradient of a permutation is the inverse permutation.
   wts = np.arange(lay.padded_seq_len, dtype=np.float32)
@@ -140,8 +159,9 @@ def test_rank_order_helpers(kind):
 def test_rank_order_of_a_sharded_array():
   mesh = cp_mesh(4)
   lay = cpjax.ShardLayout(16, 16, 4, "load_balanced")
-  x = jax.device_put(jnp.arange(32.0).reshape(2, 16),
-                     jax.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "cp")))
+  x = jax.device_put(
+    jnp.arange(32.0).reshape(2, 16), jax.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "cp"))
+  )
   np.testing.assert_array_equal(cpjax.from_rank_order(cpjax.to_rank_order(x, lay), lay), x)
 
 
@@ -149,23 +169,45 @@ def test_rank_order_of_a_sharded_array():
 X = jnp.zeros((2, 16, 4, 8))
 
 
-@pytest.mark.parametrize("kwargs, err, match", [
-    ({"layout": cpjax.ShardLayout(16, 16, 4)}, ValueError,
-     r"layout.cp_size \(4\) must equal the size of mesh axis 'cp' \(2\)"),
-    ({"layout": cpjax.ShardLayout(32, 32, 2)}, ValueError,
-     r"q must hold layout.padded_seq_len = 32 tokens on dim 1 .*got shape \(2, 16, 4, 8\)"),
-    ({"segment_ids": np.zeros((2, 14), np.int32)}, ValueError,
-     r"mask array segment_ids must have shape \[B, S\] .* = \[2, 16\], got \[2, 14\]"),
-    ({"padding_mask": np.zeros((2, 16), np.int32)}, TypeError,
-     r"mask array padding_mask must be bool \(True = pad\), got int32"),
-    ({"mask": cpjax.AttentionMask.create(), "causal": False}, ValueError,
-     r"pass either mask= or the mask keywords, not both; got mask and \['causal'\]"),
-    ({"mask": np.ones((2, 16, 16), bool)}, TypeError, "mask must be a cpjax.AttentionMask, got ndarray"),
+@pytest.mark.parametrize(
+  "kwargs, err, match",
+  [
+    (
+      {"layout": cpjax.ShardLayout(16, 16, 4)},
+      ValueError,
+      r"layout.cp_size \(4\) must equal the size of mesh axis 'cp' \(2\)",
+    ),
+    (
+      {"layout": cpjax.ShardLayout(32, 32, 2)},
+      ValueError,
+      r"q must hold layout.padded_seq_len = 32 tokens on dim 1 .*got shape \(2, 16, 4, 8\)",
+    ),
+    (
+      {"segment_ids": np.zeros((2, 14), np.int32)},
+      ValueError,
+      r"mask array segment_ids must have shape \[B, S\] .* = \[2, 16\], got \[2, 14\]",
+    ),
+    (
+      {"padding_mask": np.zeros((2, 16), np.int32)},
+      TypeError,
+      r"mask array padding_mask must be bool \(True = pad\), got int32",
+    ),
+    (
+      {"mask": cpjax.AttentionMask.create(), "causal": False},
+      ValueError,
+      r"pass either mask= or the mask keywords, not both; got mask and \['causal'\]",
+    ),
+    (
+      {"mask": np.ones((2, 16, 16), bool)},
+      TypeError,
+      "mask must be a cpjax.AttentionMask, got ndarray",
+    ),
     ({"axis_name": "sp"}, ValueError, r"axis_name='sp' is not an axis of the mesh"),
     ({"layout": "contiguous"}, TypeError, "layout must be a ShardLayout, got str"),
     ({"head_axis": "cp"}, ValueError, r"head_axis='cp' must differ from the other axes"),
     ({"windw": 3}, TypeError, r"unexpected mask keyword\(s\) \['windw'\]"),
-])
+  ],
+)
 def test_bad_input(kwargs, err, match):
   kwargs = {"mesh": cp_mesh(2), "layout": cpjax.ShardLayout(16, 16, 2), **kwargs}
   with pytest.raises(err, match=match):
@@ -175,12 +217,19 @@ def test_bad_input(kwargs, err, match):
 def test_bad_axes_sizes():
   mesh = jax.make_mesh((4, 2), ("tp", "cp"))
   lay = cpjax.ShardLayout(16, 16, 2)
-  with pytest.raises(ValueError, match=r"key/value heads \(2\) must be divisible by the size 4 "
-                                       r"of head_axis='tp'"):
-    cpjax.context_parallel_attention(X, X[:, :, :2], X[:, :, :2], mesh=mesh, layout=lay,
-                                     head_axis="tp")
-  with pytest.raises(ValueError, match=r"batch size 2 must be divisible by the size 4 of "
-                                       r"batch_axis='tp'"):
+  with pytest.raises(
+    ValueError,
+    match=r"key/value heads \(2\) must be divisible by the size 4 "
+    r"of head_axis='tp'",
+  ):
+    cpjax.context_parallel_attention(
+      X, X[:, :, :2], X[:, :, :2], mesh=mesh, layout=lay, head_axis="tp"
+    )
+  with pytest.raises(
+    ValueError,
+    match=r"batch size 2 must be divisible by the size 4 of "
+    r"batch_axis='tp'",
+  ):
     cpjax.context_parallel_attention(X, X, X, mesh=mesh, layout=lay, batch_axis="tp")
   with pytest.raises(ValueError, match=r"x must have layout.padded_seq_len = 16 tokens on axis 1"):
     cpjax.from_rank_order(np.zeros((1, 12)), lay)
@@ -189,6 +238,7 @@ def test_bad_axes_sizes():
 
 
 # ------------------------------------------------- a rule written by a user
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefixLM(cpjax.MaskRule):
@@ -218,11 +268,21 @@ def test_a_rule_written_by_a_user(kind):
   rule = cpjax.LocalWindow(None, 0) | PrefixLM(p)
   i, j = np.arange(s)[:, None], np.arange(s)[None]
   dense = (j <= i) | ((i < p) & (j < p))
-  np.testing.assert_array_equal(np.asarray(cpjax.AttentionMask(rule).allowed(np.arange(s)))[0],
-                                dense)
+  np.testing.assert_array_equal(
+    np.asarray(cpjax.AttentionMask(rule).allowed(np.arange(s)))[0], dense
+  )
   lay = cpjax.ShardLayout(s, s, 8, kind)
-  got = run(q, k, v, w, mesh=cp_mesh(8), lay=lay, block_q=2, block_kv=4,
-            mask_fn=lambda to: {"mask": cpjax.AttentionMask(rule)})
+  got = run(
+    q,
+    k,
+    v,
+    w,
+    mesh=cp_mesh(8),
+    lay=lay,
+    block_q=2,
+    block_kv=4,
+    mask_fn=lambda to: {"mask": cpjax.AttentionMask(rule)},
+  )
   # The rule's predicate equals the dense mask above; the reference applies it.
   check(got, H.reference(q, k, v, w, mask=cpjax.AttentionMask(rule)))
 
@@ -233,9 +293,17 @@ def test_grad_outside_jit_under_set_mesh_equals_jit():
   lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
   rng = np.random.default_rng(1)
   q, k, v = (rng.standard_normal((1, 32, 2, 8)).astype(np.float32) for _ in range(3))
-  to = lambda x: cpjax.to_rank_order(x, lay)                        # noqa: E731
-  f = lambda q: jnp.sum(cpjax.context_parallel_attention(to(q), to(k), to(v), mesh=mesh,  # noqa: E731
-                                                         layout=lay) ** 2)
+  to = lambda x: cpjax.to_rank_order(x, lay)  # noqa: E731
+  f = lambda q: jnp.sum(
+    cpjax.context_parallel_attention(
+      to(q),
+      to(k),
+      to(v),
+      mesh=mesh,  # noqa: E731
+      layout=lay,
+    )
+    ** 2
+  )
   with jax.set_mesh(mesh):
     eager = jax.grad(f)(q)
   chex.assert_trees_all_close(eager, jax.jit(jax.grad(f))(q), rtol=1e-6, atol=1e-6)

@@ -13,6 +13,7 @@ CORPUS = os.path.join(os.path.dirname(__file__), "data", "tiny_corpus.array_reco
 
 def read_all(path):
   from array_record.python import array_record_module
+
   reader = array_record_module.ArrayRecordReader(path)
   docs = [np.frombuffer(r, "<i4") for r in reader.read_all()]
   reader.close()
@@ -24,22 +25,25 @@ def documents_of(rows):
   the document ids; also checks labels, positions and the mask row by row."""
   pieces = []
   for row in rows:
-    ids, docs, pos, labels = (row[k] for k in ("input_ids", "_packed_seq_ids", "position_ids",
-                                                "labels"))
+    ids, docs, pos, labels = (
+      row[k] for k in ("input_ids", "_packed_seq_ids", "position_ids", "labels")
+    )
     np.testing.assert_array_equal(row["attention_mask"], docs > 0)
     for d in np.unique(docs[docs > 0]):
       idx = np.flatnonzero(docs == d)
       assert np.all(np.diff(idx) == 1), "a document is contiguous in its row"
       np.testing.assert_array_equal(pos[idx], np.arange(idx.size))
       np.testing.assert_array_equal(labels[idx[:-1]], ids[idx[1:]])
-      assert labels[idx[-1]] == -100                 # never crosses into the next document
+      assert labels[idx[-1]] == -100  # never crosses into the next document
       pieces.append(tuple(ids[idx].tolist()))
     assert np.all(labels[docs == 0] == -100)
   return pieces
 
 
 def expected_pieces(docs, seq_len):
-  return Counter(tuple(d[i:i + seq_len].tolist()) for d in docs for i in range(0, len(d), seq_len))
+  return Counter(
+    tuple(d[i : i + seq_len].tolist()) for d in docs for i in range(0, len(d), seq_len)
+  )
 
 
 def one_epoch(seq_len=256, **kw):
@@ -50,12 +54,13 @@ def one_epoch(seq_len=256, **kw):
 def test_one_epoch_packs_every_document_once_with_per_document_labels():
   rows = one_epoch()
   assert {k: (v.shape, v.dtype) for k, v in rows[0].items()} == {
-      k: ((256,), np.dtype(np.int32)) for k in
-      ("input_ids", "_packed_seq_ids", "position_ids", "labels", "attention_mask")}
+    k: ((256,), np.dtype(np.int32))
+    for k in ("input_ids", "_packed_seq_ids", "position_ids", "labels", "attention_mask")
+  }
   # Documents longer than S (up to 400 > 256 tokens) come as S-token pieces.
   assert Counter(documents_of(rows)) == expected_pieces(read_all(CORPUS), 256)
   fill = np.mean([np.mean(r["attention_mask"]) for r in rows])
-  assert fill > 0.9                                    # first-fit packing wastes little
+  assert fill > 0.9  # first-fit packing wastes little
 
 
 def test_deterministic_and_seeded():
@@ -72,8 +77,11 @@ def test_processes_share_the_documents_exactly():
 
 
 def test_resume_from_iterator_state_continues_exactly():
-  make = lambda: iter(corpus.packed_batches(CORPUS, batch_size=2, seq_len=128, seed=3,
-                                            process_index=0, process_count=1))
+  make = lambda: iter(
+    corpus.packed_batches(
+      CORPUS, batch_size=2, seq_len=128, seed=3, process_index=0, process_count=1
+    )
+  )
   it = make()
   for _ in range(7):
     next(it)
@@ -98,6 +106,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     next(iter(corpus.packed_rows(corrupt, seq_len=8, process_index=0, process_count=1)))
   odd = tmp_path / "odd.array_record"
   from array_record.python import array_record_module
+
   writer = array_record_module.ArrayRecordWriter(str(odd), "group_size:1")
   writer.write(b"12345")
   writer.close()

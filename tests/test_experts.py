@@ -30,8 +30,9 @@ E, K, D, H = 8, 2, 6, 5
 def expert_fn(rows, sizes, params):
   """A gated expert: ``(gelu(rows @ A_e) * (rows @ B_e)) @ C_e`` through ragged_dot."""
   a, b, c = params
-  return jax.lax.ragged_dot(jax.nn.gelu(jax.lax.ragged_dot(rows, a, sizes))
-                            * jax.lax.ragged_dot(rows, b, sizes), c, sizes)
+  return jax.lax.ragged_dot(
+    jax.nn.gelu(jax.lax.ragged_dot(rows, a, sizes)) * jax.lax.ragged_dot(rows, b, sizes), c, sizes
+  )
 
 
 def dense_reference(x, weights, ids, params, keep=None):
@@ -50,8 +51,9 @@ def inputs(rows=4, tokens=8, seed=0):
   logits = rng.normal(size=(rows, tokens, E))
   ids = np.argsort(-logits, axis=-1)[..., :K].astype(np.int32)
   weights = rng.uniform(0.1, 1.0, size=(rows, tokens, K)).astype(np.float32)
-  params = tuple(rng.normal(size=s).astype(np.float32) * 0.5
-                 for s in ((E, D, H), (E, D, H), (E, H, D)))
+  params = tuple(
+    rng.normal(size=s).astype(np.float32) * 0.5 for s in ((E, D, H), (E, D, H), (E, H, D))
+  )
   return x, weights, ids, params
 
 
@@ -64,26 +66,45 @@ def run_on_mesh(mesh, expert_axes, capacity_factor=None, batch_axis=None):
   tokens = P(batch_axis, "cp")
 
   def local(x, weights, ids, params, probe):
-    y, stats = routed_experts(x, weights, ids, params, expert_fn, num_experts=E,
-                              expert_axes=expert_axes, capacity_factor=capacity_factor)
-    return (jax.lax.psum(jnp.sum(y * probe), "cp"),
-            (y, jax.tree.map(lambda s: jax.lax.psum(s, "cp"), stats)))
+    y, stats = routed_experts(
+      x,
+      weights,
+      ids,
+      params,
+      expert_fn,
+      num_experts=E,
+      expert_axes=expert_axes,
+      capacity_factor=capacity_factor,
+    )
+    return (
+      jax.lax.psum(jnp.sum(y * probe), "cp"),
+      (y, jax.tree.map(lambda s: jax.lax.psum(s, "cp"), stats)),
+    )
 
   # The shard_map names cp only; the batch axis (Auto) stays the partitioner's.
   cp_tokens, cp_experts = P(None, "cp"), P("cp" if "cp" in expert_axes else None)
 
   def loss(x, weights, params, ids, probe):
-    return jax.shard_map(local, mesh=mesh, axis_names={"cp"},
-                         in_specs=(cp_tokens, cp_tokens, cp_tokens, cp_experts, cp_tokens),
-                         out_specs=(P(), (cp_tokens, P())))(x, weights, ids, params, probe)
+    return jax.shard_map(
+      local,
+      mesh=mesh,
+      axis_names={"cp"},
+      in_specs=(cp_tokens, cp_tokens, cp_tokens, cp_experts, cp_tokens),
+      out_specs=(P(), (cp_tokens, P())),
+    )(x, weights, ids, params, probe)
 
   with jax.set_mesh(mesh):
     place = lambda v, s: jax.device_put(v, NamedSharding(mesh, s))
-    args = (place(x, tokens), place(weights, tokens),
-            tuple(place(p, P(expert_axes)) for p in params), place(ids, tokens),
-            place(probe, tokens))
-    (_, (y, stats)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2),
-                                                        has_aux=True))(*args)
+    args = (
+      place(x, tokens),
+      place(weights, tokens),
+      tuple(place(p, P(expert_axes)) for p in params),
+      place(ids, tokens),
+      place(probe, tokens),
+    )
+    (_, (y, stats)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+      *args
+    )
   return y, stats, grads, probe
 
 
@@ -91,19 +112,29 @@ def reference(probe, keep=None):
   x, weights, ids, params = inputs()
   f = lambda x, w, p: jnp.sum(dense_reference(x, w, ids, p, keep) * probe)
   return dense_reference(x, weights, ids, params, keep), jax.grad(f, argnums=(0, 1, 2))(
-      x, weights, params)
+    x, weights, params
+  )
 
 
-@pytest.mark.parametrize("shape,ep", [(dict(cp=1), 1), (dict(cp=4), 4), (dict(fsdp=2, cp=2), 4),
-                                      (dict(fsdp=4), 4), (dict(fsdp=2, cp=4), 2)])
+@pytest.mark.parametrize(
+  "shape,ep",
+  [
+    (dict(cp=1), 1),
+    (dict(cp=4), 4),
+    (dict(fsdp=2, cp=2), 4),
+    (dict(fsdp=4), 4),
+    (dict(fsdp=2, cp=4), 2),
+  ],
+)
 def test_dispatch_and_gradients_equal_the_dense_reference(shape, ep):
   mesh = parallel.make_mesh(**shape)
   axes = parallel.expert_axes(mesh, ep)
   y, stats, grads, probe = run_on_mesh(mesh, axes, batch_axis=parallel.batch_axis_of(mesh))
   want_y, want_grads = reference(probe)
   chex.assert_trees_all_close(np.asarray(y), np.asarray(want_y), atol=2e-5, rtol=2e-5)
-  chex.assert_trees_all_close(jax.device_get(grads), jax.device_get(want_grads),
-                              atol=5e-5, rtol=5e-5)
+  chex.assert_trees_all_close(
+    jax.device_get(grads), jax.device_get(want_grads), atol=5e-5, rtol=5e-5
+  )
   ids = inputs()[2]
   np.testing.assert_array_equal(np.asarray(stats.tokens), np.bincount(ids.ravel(), minlength=E))
   assert float(stats.dropped) == 0.0
@@ -125,32 +156,39 @@ def kept_by_capacity(ids, devices, capacity):
   return keep
 
 
-@pytest.mark.parametrize("shape,ep", [(dict(cp=1), 1), (dict(fsdp=2, cp=2), 4),
-                                      (dict(fsdp=2, cp=2), 2)])
+@pytest.mark.parametrize(
+  "shape,ep", [(dict(cp=1), 1), (dict(fsdp=2, cp=2), 4), (dict(fsdp=2, cp=2), 2)]
+)
 def test_capacity_drops_exactly_the_counted_pairs(shape, ep):
   """Capacity factor 0.5: C = ceil(0.5 * pairs / E) pairs per expert from
   each device; the later ones are dropped, counted, and contribute zero."""
   mesh = parallel.make_mesh(**shape)
   batch = parallel.batch_axis_of(mesh)
-  y, stats, grads, probe = run_on_mesh(mesh, parallel.expert_axes(mesh, ep), capacity_factor=0.5,
-                                       batch_axis=batch)
+  y, stats, grads, probe = run_on_mesh(
+    mesh, parallel.expert_axes(mesh, ep), capacity_factor=0.5, batch_axis=batch
+  )
   x, _, ids, _ = inputs()
   fsdp, cp = shape.get("fsdp", 1), shape["cp"]
   rows, tokens = x.shape[0] // fsdp, x.shape[1] // cp
-  devices = [(range(f * rows, (f + 1) * rows), range(c * tokens, (c + 1) * tokens))
-             for f in range(fsdp) for c in range(cp)]
+  devices = [
+    (range(f * rows, (f + 1) * rows), range(c * tokens, (c + 1) * tokens))
+    for f in range(fsdp)
+    for c in range(cp)
+  ]
   capacity = int(np.ceil(0.5 * rows * tokens * K / E))
   keep = kept_by_capacity(ids, devices, capacity)
-  assert 0 < (~keep).sum() < keep.size       # the case really drops some, not all
+  assert 0 < (~keep).sum() < keep.size  # the case really drops some, not all
   assert float(stats.dropped) == float((~keep).sum())
   np.testing.assert_array_equal(np.asarray(stats.tokens), np.bincount(ids.ravel(), minlength=E))
   want_y, want_grads = reference(probe, keep)
   chex.assert_trees_all_close(np.asarray(y), np.asarray(want_y), atol=2e-5, rtol=2e-5)
-  chex.assert_trees_all_close(jax.device_get(grads), jax.device_get(want_grads),
-                              atol=5e-5, rtol=5e-5)
+  chex.assert_trees_all_close(
+    jax.device_get(grads), jax.device_get(want_grads), atol=5e-5, rtol=5e-5
+  )
 
 
 # ---------------------------------------------------------------- training
+
 
 def ep_step(shape, ep, layout, microbatches=1):
   """One SGD(1) step of tiny-moe with ``ep``-way expert parallelism (over
@@ -166,12 +204,14 @@ def ep_step(shape, ep, layout, microbatches=1):
   sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
   batch_axis = parallel.batch_axis_of(mesh)
   rows = tp.B // microbatches
-  parts = [sharder.shard_batch(tp._rows(batch, i * rows, (i + 1) * rows), mesh,
-                               batch_axis=batch_axis) for i in range(microbatches)]
-  sharded, shard_layout = (parts[0] if microbatches == 1
-                           else ([p[0] for p in parts], parts[0][1]))
-  step = training.make_train_step(graphdef, opt, mesh=mesh, layout=shard_layout, frozen=buffers,
-                               expert_axes=axes)
+  parts = [
+    sharder.shard_batch(tp._rows(batch, i * rows, (i + 1) * rows), mesh, batch_axis=batch_axis)
+    for i in range(microbatches)
+  ]
+  sharded, shard_layout = parts[0] if microbatches == 1 else ([p[0] for p in parts], parts[0][1])
+  step = training.make_train_step(
+    graphdef, opt, mesh=mesh, layout=shard_layout, frozen=buffers, expert_axes=axes
+  )
   step = step.compile(placed, opt_state, sharded)
   new, _, metrics = step(placed, opt_state, sharded)
   return new, metrics, step, placed
@@ -188,15 +228,18 @@ def single_device():
 
 # CI folds ep onto cp (beside fsdp), onto fsdp (beside cp), onto both, and
 # accumulates; ep alone on one axis runs in `make soak`.
-@pytest.mark.parametrize("shape,ep,layout,microbatches", [
-    pytest.param(dict(cp=2), 2, "contiguous", 1, marks=pytest.mark.slow),    # ep alone, on cp
+@pytest.mark.parametrize(
+  "shape,ep,layout,microbatches",
+  [
+    pytest.param(dict(cp=2), 2, "contiguous", 1, marks=pytest.mark.slow),  # ep alone, on cp
     pytest.param(dict(fsdp=4), 4, "contiguous", 1, marks=pytest.mark.slow),  # on the batch axis
     pytest.param(dict(cp=4), 4, "load_balanced", 1, marks=pytest.mark.slow),  # cp, load-balanced
-    (dict(fsdp=2, cp=2), 4, "contiguous", 1),         # with fsdp and cp
-    (dict(fsdp=2, cp=2), 2, "load_balanced", 1),      # on cp; fsdp shards each group's experts
-    (dict(cp=2), 2, "load_balanced", 2),              # accumulated over 2 microbatches
-    (dict(fsdp=4, cp=2), 4, "contiguous", 1),         # on fsdp; cp splits each group's store
-])
+    (dict(fsdp=2, cp=2), 4, "contiguous", 1),  # with fsdp and cp
+    (dict(fsdp=2, cp=2), 2, "load_balanced", 1),  # on cp; fsdp shards each group's experts
+    (dict(cp=2), 2, "load_balanced", 2),  # accumulated over 2 microbatches
+    (dict(fsdp=4, cp=2), 4, "contiguous", 1),  # on fsdp; cp splits each group's store
+  ],
+)
 def test_ep_step_equals_the_single_device_step(shape, ep, layout, microbatches):
   want, want_metrics = single_device()
   params = tp.setup("tiny-moe")[3]
@@ -204,8 +247,7 @@ def test_ep_step_equals_the_single_device_step(shape, ep, layout, microbatches):
   np.testing.assert_allclose(float(metrics["loss"]), float(want_metrics["loss"]), rtol=1e-6)
   tp.assert_same_update(new, want, params, tol=1e-4)
   # The routers saw the same tokens: the same per-expert counts, no drops.
-  np.testing.assert_array_equal(np.asarray(metrics["expert_tokens"]),
-                                want_metrics["expert_tokens"])
+  np.testing.assert_array_equal(np.asarray(metrics["expert_tokens"]), want_metrics["expert_tokens"])
   np.testing.assert_array_equal(np.asarray(metrics["expert_dropped"]), 0.0)
 
 
@@ -215,13 +257,19 @@ def test_expert_token_counts_of_a_hand_worked_router():
   on every MoE layer; the counts cover every position of the batch."""
   cfg, model, graphdef, params, buffers, batch = tp.setup("tiny-moe")
   zeroed = jax.tree_util.tree_map_with_path(
-      lambda path, x: jnp.zeros_like(x) if "router" in jax.tree_util.keystr(path)
-      and "proj" in jax.tree_util.keystr(path) else x, params)
+    lambda path, x: (
+      jnp.zeros_like(x)
+      if "router" in jax.tree_util.keystr(path) and "proj" in jax.tree_util.keystr(path)
+      else x
+    ),
+    params,
+  )
   from flax import nnx
+
   out = nnx.merge(graphdef, zeroed, buffers).hidden_states(gemma4.prepare_batch(batch, cfg))
   t = cfg.text
   want = np.zeros((t.num_hidden_layers, t.num_experts))
-  want[:, :t.top_k_experts] = tp.B * tp.S
+  want[:, : t.top_k_experts] = tp.B * tp.S
   np.testing.assert_array_equal(np.asarray(out.metrics["expert_tokens"]), want)
   # And the single-device step reports per-layer counts that add up to k per position.
   _, metrics = single_device()
@@ -229,8 +277,11 @@ def test_expert_token_counts_of_a_hand_worked_router():
 
 
 def expert_leaves(tree):
-  return [x for path, x in jax.tree_util.tree_leaves_with_path(tree)
-          if "experts" in jax.tree_util.keystr(path)]
+  return [
+    x
+    for path, x in jax.tree_util.tree_leaves_with_path(tree)
+    if "experts" in jax.tree_util.keystr(path)
+  ]
 
 
 def all_gathers_of_expert_weights(step, cfg):
@@ -239,7 +290,7 @@ def all_gathers_of_expert_weights(step, cfg):
   t = cfg.text
   i, d = t.moe_intermediate_size, t.hidden_size
   text = step._compiled().as_text()
-  pattern = rf"\[\d+,({2 * i},{d}|{d},{2 * i}|{d},{i}|{i},{d})\]\S* all-gather"   # any layout
+  pattern = rf"\[\d+,({2 * i},{d}|{d},{2 * i}|{d},{i}|{i},{d})\]\S* all-gather"  # any layout
   return [ln for ln in text.splitlines() if re.search(pattern, ln)], text
 
 
@@ -259,14 +310,17 @@ def test_compiled_program_routes_tokens_and_stores_one_ep_th_of_the_experts():
     assert not gathers, gathers[:2]
     shardings = jax.tree.leaves(step.input_shardings[0])
     leaves = jax.tree_util.tree_leaves_with_path(placed)
-    here = sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-               for (path, x), s in zip(leaves, shardings)
-               if "experts" in jax.tree_util.keystr(path))
+    here = sum(
+      int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
+      for (path, x), s in zip(leaves, shardings)
+      if "experts" in jax.tree_util.keystr(path)
+    )
     assert here * ep == whole, (shape, here, whole)
 
 
-@pytest.mark.parametrize("cp,layout,ep_on", [(4, "load_balanced", "cp"), (2, "contiguous", "cp"),
-                                             (4, "contiguous", "dp")])
+@pytest.mark.parametrize(
+  "cp,layout,ep_on", [(4, "load_balanced", "cp"), (2, "contiguous", "cp"), (4, "contiguous", "dp")]
+)
 def test_ep_forward_equals_transformers(cp, layout, ep_on):
   """The tiny 26B-A4B-like model saved by transformers (4 experts, top-2, k_eq_v)."""
   model, batches, logits = fixture("moe_k_eq_v_vision")
@@ -274,42 +328,76 @@ def test_ep_forward_equals_transformers(cp, layout, ep_on):
   if ep_on == "cp":
     mesh, batch_axis = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp]), None
   else:
-    mesh = jax.make_mesh((2, cp), ("dp", "cp"), devices=jax.devices()[:2 * cp])
+    mesh = jax.make_mesh((2, cp), ("dp", "cp"), devices=jax.devices()[: 2 * cp])
     batch_axis = "dp"
-  got = gemma4.cp_logits(model, gemma4.prepare_batch(inputs, model.cfg), mesh, layout=layout,
-                         batch_axis=batch_axis, expert_axes=(ep_on,))
+  got = gemma4.cp_logits(
+    model,
+    gemma4.prepare_batch(inputs, model.cfg),
+    mesh,
+    layout=layout,
+    batch_axis=batch_axis,
+    expert_axes=(ep_on,),
+  )
   assert max_error(got, logits["images/float64"], inputs) <= F32_TOL
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: parallel.expert_axes(parallel.make_mesh(fsdp=2, cp=4), 16),
-     r"ep=16 must equal the size of the token axes it folds onto \(cp = 4, fsdp = 2, "
-     r"cp\*fsdp = 8\)"),
-    (lambda: parallel.expert_axes(parallel.make_mesh(cp=2, tp=2), 2),
-     r"ep=2 does not combine with tp=2"),
-    (lambda: parallel.expert_axes(parallel.make_mesh(cp=2), 0),
-     r"ep must be a positive int, got 0"),
-    (lambda: check_mesh(gemma4.Gemma4Config.preset("tiny"), parallel.make_mesh(cp=2), ep=2),
-     r"ep=2 needs a mixture of experts"),
-    (lambda: check_mesh(gemma4.Gemma4Config.preset("tiny-moe"), parallel.make_mesh(cp=8), ep=8),
-     r"ep=8 does not divide the 4 experts"),
+@pytest.mark.parametrize(
+  "call,match",
+  [
+    (
+      lambda: parallel.expert_axes(parallel.make_mesh(fsdp=2, cp=4), 16),
+      r"ep=16 must equal the size of the token axes it folds onto \(cp = 4, fsdp = 2, "
+      r"cp\*fsdp = 8\)",
+    ),
+    (
+      lambda: parallel.expert_axes(parallel.make_mesh(cp=2, tp=2), 2),
+      r"ep=2 does not combine with tp=2",
+    ),
+    (
+      lambda: parallel.expert_axes(parallel.make_mesh(cp=2), 0),
+      r"ep must be a positive int, got 0",
+    ),
+    (
+      lambda: check_mesh(gemma4.Gemma4Config.preset("tiny"), parallel.make_mesh(cp=2), ep=2),
+      r"ep=2 needs a mixture of experts",
+    ),
+    (
+      lambda: check_mesh(gemma4.Gemma4Config.preset("tiny-moe"), parallel.make_mesh(cp=8), ep=8),
+      r"ep=8 does not divide the 4 experts",
+    ),
     # The Python API too: before any placement or compute.
-    (lambda: gemma4.cp_logits(gemma4.Gemma4(gemma4.Gemma4Config.preset("tiny-moe"),
-                                            rngs=nnx.Rngs(0)),
-                              {"input_ids": np.ones((1, 16), np.int32)}, parallel.make_mesh(cp=8),
-                              expert_axes=parallel.expert_axes(parallel.make_mesh(cp=8), 8)),
-     r"ep=8 does not divide the 4 experts \(expert_axes \('cp',\)\)"),
-    (lambda: parallel.param_specs(
-        nnx.state(gemma4.Gemma4(gemma4.Gemma4Config.preset("tiny-moe"), rngs=nnx.Rngs(0)),
-                  nnx.Param), parallel.make_mesh(cp=8),
-        rule=gemma4.partition_rule(gemma4.Gemma4Config.preset("tiny-moe"), tp=1,
-                                   expert_axes=("cp",))),
-     r"partition rule for .*experts\.(gate_up|down)_proj.* splits its dimension 0 of size 4 8 ways "
-     r"\(over \('cp',\)\), which does not divide it"),
-    (lambda: routed_experts(*inputs()[:3], inputs()[3], expert_fn, num_experts=E,
-                            capacity_factor=0), r"capacity_factor must be None .* got 0"),
+    (
+      lambda: gemma4.cp_logits(
+        gemma4.Gemma4(gemma4.Gemma4Config.preset("tiny-moe"), rngs=nnx.Rngs(0)),
+        {"input_ids": np.ones((1, 16), np.int32)},
+        parallel.make_mesh(cp=8),
+        expert_axes=parallel.expert_axes(parallel.make_mesh(cp=8), 8),
+      ),
+      r"ep=8 does not divide the 4 experts \(expert_axes \('cp',\)\)",
+    ),
+    (
+      lambda: parallel.param_specs(
+        nnx.state(
+          gemma4.Gemma4(gemma4.Gemma4Config.preset("tiny-moe"), rngs=nnx.Rngs(0)), nnx.Param
+        ),
+        parallel.make_mesh(cp=8),
+        rule=gemma4.partition_rule(
+          gemma4.Gemma4Config.preset("tiny-moe"), tp=1, expert_axes=("cp",)
+        ),
+      ),
+      r"partition rule for .*experts\.(gate_up|down)_proj.* splits its dimension 0 of size 4 "
+      r"8 ways "
+      r"\(over \('cp',\)\), which does not divide it",
+    ),
+    (
+      lambda: routed_experts(
+        *inputs()[:3], inputs()[3], expert_fn, num_experts=E, capacity_factor=0
+      ),
+      r"capacity_factor must be None .* got 0",
+    ),
     (lambda: parallel.parse_mesh("cp=2,xp=2"), r"AXIS in \('dp', 'fsdp', 'cp', 'tp', 'ep'\)"),
-])
+  ],
+)
 def test_bad_expert_parallel_input(call, match):
   with pytest.raises(ValueError, match=match):
     call()
@@ -352,15 +440,22 @@ def test_readme_ep_command_runs_and_reports_the_routing(tmp_path, checkpoint, hf
     assert line["expert_dropped"] == [0] * cfg.num_hidden_layers
 
 
-@pytest.mark.parametrize("command,message", [
-    ("plan --model a4b --seq-len 32768 --mesh fsdp=2,cp=4,ep=3 --estimate-only",
-     "ep=3 does not divide the 128 experts"),
-    ("plan --model a4b --seq-len 32768 --mesh fsdp=2,cp=4,ep=16 --estimate-only",
-     "ep=16 must equal the size of the token axes it folds onto: cp = 4, the batch axis = 2 "
-     "or both = 8"),
+@pytest.mark.parametrize(
+  "command,message",
+  [
+    (
+      "plan --model a4b --seq-len 32768 --mesh fsdp=2,cp=4,ep=3 --estimate-only",
+      "ep=3 does not divide the 128 experts",
+    ),
+    (
+      "plan --model a4b --seq-len 32768 --mesh fsdp=2,cp=4,ep=16 --estimate-only",
+      "ep=16 must equal the size of the token axes it folds onto: cp = 4, the batch axis = 2 "
+      "or both = 8",
+    ),
     ("train --model tiny --mesh cp=2,ep=2 --steps 1", "ep=2 needs a mixture of experts"),
     ("train --model tiny-moe --mesh cp=2,tp=2,ep=2 --steps 1", "ep=2 does not combine with tp=2"),
-])
+  ],
+)
 def test_cli_refuses_an_ep_that_does_not_fold(command, message, capsys):
   from cpjax import cli
 
@@ -373,9 +468,15 @@ def test_cli_refuses_an_ep_that_does_not_fold(command, message, capsys):
 # (M rows, group sizes, tile): one tile; tiles that split groups, with empty
 # groups before, between and after; one group taking every row; rows past
 # the last group; no row in any group; a tile that does not divide M.
-GROUPED_CASES = [(3, (1, 1), 512), (64, (10, 0, 30, 3, 12), 8), (64, (0, 0, 0, 5), 4),
-                 (64, (64, 0, 0, 0), 16), (60, (7, 20, 1), 512), (32, (0,) * 6, 8),
-                 (48, (5, 17, 9, 0, 11), 32)]
+GROUPED_CASES = [
+  (3, (1, 1), 512),
+  (64, (10, 0, 30, 3, 12), 8),
+  (64, (0, 0, 0, 5), 4),
+  (64, (64, 0, 0, 0), 16),
+  (60, (7, 20, 1), 512),
+  (32, (0,) * 6, 8),
+  (48, (5, 17, 9, 0, 11), 32),
+]
 
 
 @pytest.mark.parametrize("m, sizes, tile", GROUPED_CASES)
@@ -397,11 +498,16 @@ def test_grouped_matmul_off_tpu_equals_each_groups_product(m, sizes, tile):
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
   def grads(fn):
-    return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w)) * jnp.arange(5.0)),
-                            argnums=(0, 1)))(x, w)
-  chex.assert_trees_all_close(grads(lambda x, w: grouped_matmul(x, w, s, tile=tile)),
-                              grads(lambda x, w: jax.lax.ragged_dot(x, w, s)),
-                              rtol=1e-5, atol=1e-5)
+    return jax.jit(
+      jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w)) * jnp.arange(5.0)), argnums=(0, 1))
+    )(x, w)
+
+  chex.assert_trees_all_close(
+    grads(lambda x, w: grouped_matmul(x, w, s, tile=tile)),
+    grads(lambda x, w: jax.lax.ragged_dot(x, w, s)),
+    rtol=1e-5,
+    atol=1e-5,
+  )
 
 
 def test_grouped_matmul_takes_group_sizes_varying_over_a_mesh_axis():
@@ -418,9 +524,12 @@ def test_grouped_matmul_takes_group_sizes_varying_over_a_mesh_axis():
 
   def local(x, s):
     return grouped_matmul(x[0], jnp.asarray(w), s[0], tile=4)[None]
-  got = jax.jit(jax.shard_map(local, mesh=mesh, axis_names={"cp"},
-                              in_specs=(P("cp"), P("cp")), out_specs=P("cp")))(
-      *jax.device_put((x, sizes), NamedSharding(mesh, P("cp"))))
+
+  got = jax.jit(
+    jax.shard_map(
+      local, mesh=mesh, axis_names={"cp"}, in_specs=(P("cp"), P("cp")), out_specs=P("cp")
+    )
+  )(*jax.device_put((x, sizes), NamedSharding(mesh, P("cp"))))
   got = np.asarray(got)
   for d in range(4):
     group = np.repeat(np.arange(4), np.append(sizes[d], 8 - sizes[d].sum()))
@@ -431,7 +540,7 @@ def test_grouped_matmul_takes_group_sizes_varying_over_a_mesh_axis():
 def test_grouped_matmul_keeps_bfloat16_and_accumulates_in_float32():
   from cpjax.experts import grouped_matmul
 
-  x = jnp.full((16, 64), 1.0 + 2.0 ** -7, jnp.bfloat16)
+  x = jnp.full((16, 64), 1.0 + 2.0**-7, jnp.bfloat16)
   w = jnp.ones((2, 64, 3), jnp.bfloat16)
   got = grouped_matmul(x, w, jnp.array([8, 8], jnp.int32), tile=4)
   assert got.dtype == jnp.bfloat16

@@ -71,11 +71,13 @@ def test_all_padding_image_slots_yield_no_soft_tokens():
   model, batches, logits = fixture("moe_k_eq_v_vision")
   inputs = dict(batches["images"])
   n, p, f = inputs["pixel_values"].shape
-  slots = [0, None, 1, None, 2, None]                 # None: an unused slot
-  inputs["pixel_values"] = np.stack([inputs["pixel_values"][i] if i is not None
-                                     else np.zeros((p, f), np.float32) for i in slots])
-  inputs["image_position_ids"] = np.stack([inputs["image_position_ids"][i] if i is not None
-                                           else np.full((p, 2), -1) for i in slots])
+  slots = [0, None, 1, None, 2, None]  # None: an unused slot
+  inputs["pixel_values"] = np.stack(
+    [inputs["pixel_values"][i] if i is not None else np.zeros((p, f), np.float32) for i in slots]
+  )
+  inputs["image_position_ids"] = np.stack(
+    [inputs["image_position_ids"][i] if i is not None else np.full((p, 2), -1) for i in slots]
+  )
   assert gemma4.vision.soft_token_counts(inputs["image_position_ids"], 3)[1::2].tolist() == [0] * 3
   got = jax.jit(lambda b: model(b))(gemma4.prepare_batch(inputs, model.cfg))
   assert max_error(got, logits["images/float64"], inputs) <= F32_TOL
@@ -100,24 +102,34 @@ def test_bfloat16_logits_as_accurate_as_transformers_bfloat16(name):
     ours_err, their_err = np.abs(got - truth)[real], np.abs(theirs - truth)[real]
     assert ours_err.mean() <= 1.3 * their_err.mean(), (kind, ours_err.mean(), their_err.mean())
     assert ours_err.max() <= 1.5 * their_err.max(), (kind, ours_err.max(), their_err.max())
-    assert ours_err.mean() > 1e-3       # it really ran in bfloat16
+    assert ours_err.mean() > 1e-3  # it really ran in bfloat16
 
 
 # In CI six (model, cp, layout) triples, together every model, cp size and
 # layout; the other 21 are marked slow (`make soak`).
-IN_CI = {("ple_kv_sharing", 2, "load_balanced"), ("ple_kv_sharing", 8, "contiguous"),
-         ("moe_k_eq_v_vision", 4, "contiguous"), ("moe_k_eq_v_vision", 8, "load_balanced"),
-         ("bidirectional_all", 4, "load_balanced"), ("moe_k_eq_v_vision", 2, "document_balanced")}
+IN_CI = {
+  ("ple_kv_sharing", 2, "load_balanced"),
+  ("ple_kv_sharing", 8, "contiguous"),
+  ("moe_k_eq_v_vision", 4, "contiguous"),
+  ("moe_k_eq_v_vision", 8, "load_balanced"),
+  ("bidirectional_all", 4, "load_balanced"),
+  ("moe_k_eq_v_vision", 2, "document_balanced"),
+}
 
 
-@pytest.mark.parametrize("name,cp,layout", [
+@pytest.mark.parametrize(
+  "name,cp,layout",
+  [
     pytest.param(name, cp, layout, marks=() if (name, cp, layout) in IN_CI else pytest.mark.slow)
-    for name in MODELS for cp in (2, 4, 8) for layout in KINDS])
+    for name in MODELS
+    for cp in (2, 4, 8)
+    for layout in KINDS
+  ],
+)
 def test_cp_logits_equal_transformers(name, cp, layout):
   model, batches, logits = fixture(name)
   inputs = batches["images"]
-  got = gemma4.cp_logits(model, gemma4.prepare_batch(inputs, model.cfg), cp_mesh(cp),
-                         layout=layout)
+  got = gemma4.cp_logits(model, gemma4.prepare_batch(inputs, model.cfg), cp_mesh(cp), layout=layout)
   chex.assert_shape(got, logits["images/float64"].shape)
   assert max_error(got, logits["images/float64"], inputs) <= F32_TOL
 
@@ -147,10 +159,13 @@ def training_batch(name, kind="images"):
 
 def assert_grads_close(got, want, rtol=1e-4):
   """Every leaf within ``rtol`` of the reference leaf's largest magnitude."""
+
   def close(path, a, b):
     scale = float(np.max(np.abs(b)))
-    chex.assert_trees_all_close(a, b, rtol=0, atol=rtol * scale,
-                                custom_message=jax.tree_util.keystr(path))
+    chex.assert_trees_all_close(
+      a, b, rtol=0, atol=rtol * scale, custom_message=jax.tree_util.keystr(path)
+    )
+
   jax.tree_util.tree_map_with_path(close, got, want)
 
 
@@ -166,7 +181,9 @@ def single_device(name, kind="images"):
 # Every cp size and layout, each model at least twice, and (dp, cp) meshes;
 # in CI every cp size and layout, a (dp, cp) mesh and each model at least once
 # (the rest: make soak).
-@pytest.mark.parametrize("name,cp,layout,dp", [
+@pytest.mark.parametrize(
+  "name,cp,layout,dp",
+  [
     ("ple_kv_sharing", 2, "load_balanced", 1),
     pytest.param("ple_kv_sharing", 8, "contiguous", 1, marks=pytest.mark.slow),
     pytest.param("ple_kv_sharing", 4, "contiguous", 2, marks=pytest.mark.slow),
@@ -177,7 +194,9 @@ def single_device(name, kind="images"):
     pytest.param("bidirectional_all", 4, "load_balanced", 1, marks=pytest.mark.slow),
     # Packed documents (and a padded image row, slow) reordered per row.
     ("ple_kv_sharing", 4, "document_balanced", 2),
-    pytest.param("moe_k_eq_v_vision", 8, "document_balanced", 1, marks=pytest.mark.slow)])
+    pytest.param("moe_k_eq_v_vision", 8, "document_balanced", 1, marks=pytest.mark.slow),
+  ],
+)
 def test_cp_loss_and_gradients_equal_single_device(name, cp, layout, dp):
   kind = "packed" if (name, layout) == ("ple_kv_sharing", "document_balanced") else "images"
   model, batch = training_batch(name, kind)
@@ -185,15 +204,17 @@ def test_cp_loss_and_gradients_equal_single_device(name, cp, layout, dp):
   if dp == 1:
     mesh, batch_axis = cp_mesh(cp), None
   else:
-    mesh = jax.make_mesh((dp, cp), ("dp", "cp"), devices=jax.devices()[:dp * cp])
+    mesh = jax.make_mesh((dp, cp), ("dp", "cp"), devices=jax.devices()[: dp * cp])
     batch_axis = "dp"
   sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
   # prepare_batch reads the packed documents from the position resets.
-  sharded, shard_layout = sharder.shard_batch(gemma4.prepare_batch(batch, model.cfg), mesh,
-                                              batch_axis=batch_axis)
+  sharded, shard_layout = sharder.shard_batch(
+    gemma4.prepare_batch(batch, model.cfg), mesh, batch_axis=batch_axis
+  )
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-  loss = training.make_loss_fn(graphdef, mesh=mesh, layout=shard_layout, batch_axis=batch_axis,
-                            frozen=buffers)
+  loss = training.make_loss_fn(
+    graphdef, mesh=mesh, layout=shard_layout, batch_axis=batch_axis, frozen=buffers
+  )
   objective = lambda p: (lambda s, n: s / n)(*loss(p, sharded))
   with jax.set_mesh(mesh):
     params = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
@@ -224,7 +245,9 @@ def test_buffers_are_not_trained():
   """layer_scalar and the clip bounds are transformers buffers: not in params."""
   model, _, _ = fixture("ple_kv_sharing")
   _, params, buffers = nnx.split(model, nnx.Param, ...)
-  keys = lambda state: {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)}
+  keys = lambda state: {
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)
+  }
   assert any("layer_scalar" in k for k in keys(buffers))
   assert any("input_min" in k for k in keys(buffers))
   assert not any("layer_scalar" in k or "input_min" in k for k in keys(params))

@@ -25,7 +25,7 @@ def published(name: str) -> dict:
 @pytest.mark.parametrize("name", SIZES)
 def test_published_config_reads_as_its_preset(name):
   raw = published(name)
-  assert raw["vision_config"]["rope_parameters"]["rope_type"] == "default"   # as shipped
+  assert raw["vision_config"]["rope_parameters"]["rope_type"] == "default"  # as shipped
   assert (raw["audio_config"] is not None) == (name in ("e2b", "e4b"))
   cfg = gemma4.Gemma4Config.from_hf(os.path.join(PUBLISHED, name))
   assert cfg == gemma4.Gemma4Config.preset(name)
@@ -36,17 +36,22 @@ def test_published_keys_that_change_the_mathematics_are_errors():
   """An unknown key, or a known key with a value cpjax does not implement,
   names itself; a bookkeeping key is ignored."""
   raw = published("e2b")
-  assert gemma4.Gemma4Config.from_hf({**raw, "transformers_version": "9.9"}) == \
-      gemma4.Gemma4Config.preset("e2b")
+  assert gemma4.Gemma4Config.from_hf(
+    {**raw, "transformers_version": "9.9"}
+  ) == gemma4.Gemma4Config.preset("e2b")
   cases = [
-      (("text_config", "sliding_window_pattern"), 6, r"text_config has keys cpjax does not "
-                                                     r"know: \['sliding_window_pattern'\]"),
-      (("text_config", "attention_dropout"), 0.1, r"text_config\.attention_dropout must be 0\.0"),
-      (("text_config", "attention_bias"), True, r"text_config\.attention_bias must be False"),
-      (("vision_config", "hidden_activation"), "gelu", r"vision_config\.hidden_activation"),
-      (("vision_config", "global_head_dim"), 128, r"vision_config\.global_head_dim \(128\)"),
-      ((None, "eoa_token_id"), 7, r"eoa_token_id \(7\) and eoa_token_index \(258883\)"),
-      (("text_config", "expert_intermediate_size"), 700, r"expert_intermediate_size \(700\)"),
+    (
+      ("text_config", "sliding_window_pattern"),
+      6,
+      r"text_config has keys cpjax does not "
+      r"know: \['sliding_window_pattern'\]",
+    ),
+    (("text_config", "attention_dropout"), 0.1, r"text_config\.attention_dropout must be 0\.0"),
+    (("text_config", "attention_bias"), True, r"text_config\.attention_bias must be False"),
+    (("vision_config", "hidden_activation"), "gelu", r"vision_config\.hidden_activation"),
+    (("vision_config", "global_head_dim"), 128, r"vision_config\.global_head_dim \(128\)"),
+    ((None, "eoa_token_id"), 7, r"eoa_token_id \(7\) and eoa_token_index \(258883\)"),
+    (("text_config", "expert_intermediate_size"), 700, r"expert_intermediate_size \(700\)"),
   ]
   for (part, key), value, match in cases:
     bad = json.loads(json.dumps(published("a4b" if "expert" in key else "e2b")))
@@ -55,8 +60,11 @@ def test_published_keys_that_change_the_mathematics_are_errors():
       gemma4.Gemma4Config.from_hf(bad)
   bad = published("e2b")
   bad["vision_config"]["rope_parameters"]["rope_type"] = "linear"
-  with pytest.raises(ValueError, match=r"vision_config\.rope_parameters\.rope_type must be one "
-                                       r"of \['default', 'axial'\], got 'linear'"):
+  with pytest.raises(
+    ValueError,
+    match=r"vision_config\.rope_parameters\.rope_type must be one "
+    r"of \['default', 'axial'\], got 'linear'",
+  ):
     gemma4.Gemma4Config.from_hf(bad)
   bad = published("e2b")
   bad["text_config"]["rope_parameters"]["full_attention"]["factor"] = 8.0
@@ -77,10 +85,17 @@ def test_parameter_tree_is_transformers_at_full_size(name):
     hf = transformers.Gemma4ForConditionalGeneration(hf_cfg)
   theirs = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
   reuse = [i for i, m in enumerate(hf_cfg.text_config.kv_sharing_modes) if m == "reuse"]
-  shared = re.compile(r"model\.language_model\.layers\.(%s)\.self_attn\.(k_proj|v_proj|k_norm|"
-                      r"v_norm)\." % "|".join(map(str, reuse or [-1])))
-  skipped = {k for k in theirs if k.startswith(("model.audio_tower.", "model.embed_audio."))
-             or shared.match(k) or k == "lm_head.weight"}
+  shared = re.compile(
+    r"model\.language_model\.layers\.(%s)\.self_attn\.(k_proj|v_proj|k_norm|"
+    r"v_norm)\." % "|".join(map(str, reuse or [-1]))
+  )
+  skipped = {
+    k
+    for k in theirs
+    if k.startswith(("model.audio_tower.", "model.embed_audio."))
+    or shared.match(k)
+    or k == "lm_head.weight"
+  }
   assert any(k.startswith("model.audio_tower.") for k in skipped) == (name in ("e2b", "e4b"))
   assert bool(reuse) == (name in ("e2b", "e4b"))
 
@@ -100,11 +115,12 @@ def test_synthetic_rows_never_forge_a_special_token(name):
 
   cfg = gemma4.Gemma4Config.preset(name)
   assert {258880, 258881, 258884, 255999, 258882, 0, 1, 2} <= set(cfg.special_token_ids)
-  batch = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=8, seq_len=65536,
-                                 max_docs=6)
+  batch = gemma4.synthetic_batch(
+    np.random.default_rng(0), cfg, batch_size=8, seq_len=65536, max_docs=6
+  )
   ids, types = batch["input_ids"], batch["mm_token_type_ids"]
   real = batch["attention_mask"] == 1
   np.testing.assert_array_equal(ids == cfg.image_token_id, types == 1)
   assert not np.isin(ids[real & (types == 0)], cfg.special_token_ids).any()
   assert ids.max() < cfg.text.vocab_size
-  gemma4.prepare_batch(batch, cfg)       # its image-token count check passes
+  gemma4.prepare_batch(batch, cfg)  # its image-token count check passes

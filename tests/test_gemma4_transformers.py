@@ -40,7 +40,8 @@ def test_transformers_loads_what_cpjax_saves(tmp_path, name):
   for dtype in (torch.float64, torch.float32):
     # transformers' grouped-matmul experts have no float64 kernel.
     hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(
-        tmp_path, dtype=dtype, experts_implementation="eager").eval()
+      tmp_path, dtype=dtype, experts_implementation="eager"
+    ).eval()
     logits[dtype] = make_fixtures.hf_logits(hf, inputs, dtype)
   truth = logits[torch.float64]
   got = np.asarray(model(gemma4.prepare_batch(inputs, model.cfg)))
@@ -48,4 +49,8 @@ def test_transformers_loads_what_cpjax_saves(tmp_path, name):
   # Judged against transformers' float64 run, as a multiple of transformers'
   # own float32 error (measured: max 1.10x / mean 1.06x at most of the three).
   assert ours.max() <= 1.5 * theirs.max() and ours.mean() <= 1.3 * theirs.mean(), (
-      ours.max(), theirs.max(), ours.mean(), theirs.mean())
+    ours.max(),
+    theirs.max(),
+    ours.mean(),
+    theirs.mean(),
+  )

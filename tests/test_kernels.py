@@ -29,8 +29,23 @@ F32 = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=2e-2, atol=2e-2)  # as the XLA path's bf16 tests (tests/test_ring_attention.py)
 
 
-def check(target, *, cp, kind, s, hq=4, hkv=2, d=32, dtype=np.float32, docs=False, pad_from=None,
-          vision=False, seed=0, tol=F32, **kw):
+def check(
+  target,
+  *,
+  cp,
+  kind,
+  s,
+  hq=4,
+  hkv=2,
+  d=32,
+  dtype=np.float32,
+  docs=False,
+  pad_from=None,
+  vision=False,
+  seed=0,
+  tol=F32,
+  **kw,
+):
   rng = np.random.default_rng(seed)
   inputs = H.make_inputs(rng, b=2, s=s, hq=hq, hkv=hkv, d=d, dtype=dtype)
   meta = H.packed_metadata(rng, 2, s, pad_from=pad_from, vision=vision)
@@ -38,8 +53,9 @@ def check(target, *, cp, kind, s, hq=4, hkv=2, d=32, dtype=np.float32, docs=Fals
     meta.pop("segment_ids")
   if pad_from is None:
     meta.pop("padding_mask")
-  out, grads = H.ring(*inputs, cp=cp, kind=kind, meta=meta, implementation=target,
-                      interpret=True, **kw)
+  out, grads = H.ring(
+    *inputs, cp=cp, kind=kind, meta=meta, implementation=target, interpret=True, **kw
+  )
   for ring_only in ("block_q", "block_kv", "stripes"):
     kw.pop(ring_only, None)
   ref_out, ref_grads = H.reference(*inputs, meta=meta, **kw)
@@ -54,19 +70,20 @@ def check(target, *, cp, kind, s, hq=4, hkv=2, d=32, dtype=np.float32, docs=Fals
 # split every chunk here into several tiles, so each hop has empty, partial
 # and full tiles.
 GPU_CASES = {
-    "cp1-docs-padding": dict(cp=1, kind="contiguous", s=128, docs=True, pad_from=100),
-    "cp2-lb-window": dict(cp=2, kind="load_balanced", s=128, docs=True, sliding_window=20),
-    "cp4-window-softcap": dict(cp=4, kind="contiguous", s=256, sliding_window=40,
-                               logits_soft_cap=3.0),
-    "cp8-lb-vision-gqa4": dict(cp=8, kind="load_balanced", s=256, hq=8, hkv=2, docs=True,
-                               pad_from=230, vision=True),
-    "cp8-bidirectional-window": dict(cp=8, kind="contiguous", s=256, causal=False,
-                                     sliding_window=24),
-    "cp4-lb-bf16": dict(cp=4, kind="load_balanced", s=256, docs=True, dtype=jnp.bfloat16,
-                        tol=BF16),
-    # Rows reordered by document, four 16-token stripes per rank.
-    "cp4-db-docs-window": dict(cp=4, kind="document_balanced", s=256, docs=True, pad_from=240,
-                               sliding_window=20, stripes=4),
+  "cp1-docs-padding": dict(cp=1, kind="contiguous", s=128, docs=True, pad_from=100),
+  "cp2-lb-window": dict(cp=2, kind="load_balanced", s=128, docs=True, sliding_window=20),
+  "cp4-window-softcap": dict(
+    cp=4, kind="contiguous", s=256, sliding_window=40, logits_soft_cap=3.0
+  ),
+  "cp8-lb-vision-gqa4": dict(
+    cp=8, kind="load_balanced", s=256, hq=8, hkv=2, docs=True, pad_from=230, vision=True
+  ),
+  "cp8-bidirectional-window": dict(cp=8, kind="contiguous", s=256, causal=False, sliding_window=24),
+  "cp4-lb-bf16": dict(cp=4, kind="load_balanced", s=256, docs=True, dtype=jnp.bfloat16, tol=BF16),
+  # Rows reordered by document, four 16-token stripes per rank.
+  "cp4-db-docs-window": dict(
+    cp=4, kind="document_balanced", s=256, docs=True, pad_from=240, sliding_window=20, stripes=4
+  ),
 }
 
 
@@ -84,8 +101,11 @@ def test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block(monkeypatch, ca
   and windows cutting through a block included."""
   from cpjax.ring.kernels import _targets as targets
 
-  monkeypatch.setitem(targets.TARGETS, "pallas_gpu",
-                      dataclasses.replace(targets.TARGETS["pallas_gpu"], schedule_tiles=4))
+  monkeypatch.setitem(
+    targets.TARGETS,
+    "pallas_gpu",
+    dataclasses.replace(targets.TARGETS["pallas_gpu"], schedule_tiles=4),
+  )
   groups = []
   tiles_per_block = common.Schedule.tiles_per_block
 
@@ -94,35 +114,70 @@ def test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block(monkeypatch, ca
     return groups[-1]
 
   monkeypatch.setattr(common.Schedule, "tiles_per_block", recorded)
-  shape = {"lb-docs-padding-window": dict(kind="load_balanced", docs=True, pad_from=200,
-                                          sliding_window=40, d=16),
-           "db-vision-gqa4": dict(kind="document_balanced", hq=8, hkv=2, docs=True,
-                                  vision=True, stripes=2, d=16)}[case]
+  shape = {
+    "lb-docs-padding-window": dict(
+      kind="load_balanced", docs=True, pad_from=200, sliding_window=40, d=16
+    ),
+    "db-vision-gqa4": dict(
+      kind="document_balanced", hq=8, hkv=2, docs=True, vision=True, stripes=2, d=16
+    ),
+  }[case]
   check("pallas_gpu", cp=2, s=256, block_q=16, block_kv=16, **shape)
-  assert groups and set(groups) == {(4, 4)}, groups    # forward, dq and dk/dv
+  assert groups and set(groups) == {(4, 4)}, groups  # forward, dq and dk/dv
 
 
 # Mosaic tiles are multiples of 128 rows and keys: chunks of 128 tokens and
 # more (block_q = 64 tokens makes 128 rows with G = 2).
 TPU_CASES = {
-    "cp1-docs-padding-2x2-tiles": dict(cp=1, kind="contiguous", s=256, docs=True, pad_from=200,
-                                       block_q=64, block_kv=128),
-    "cp2-lb-vision-window-softcap": dict(cp=2, kind="load_balanced", s=512, vision=True,
-                                         sliding_window=100, logits_soft_cap=3.0),
-    "cp4-window-bf16": dict(cp=4, kind="contiguous", s=512, sliding_window=130,
-                            dtype=jnp.bfloat16, tol=BF16),
-    "cp8-lb-docs-padding": dict(cp=8, kind="load_balanced", s=2048, hq=2, hkv=1, d=16,
-                                docs=True, pad_from=1900),
-    "cp2-db-docs-window": dict(cp=2, kind="document_balanced", s=1024, hq=2, hkv=1, d=16,
-                               docs=True, pad_from=1000, sliding_window=150, stripes=4),
-    # Bidirectional masks with G = 4: block_q = 32 tokens makes 128-row tiles;
-    # hops hold empty, partial and full tiles.
-    "cp2-bidirectional-window-gqa4": dict(cp=2, kind="contiguous", s=512, hq=8, hkv=2,
-                                          causal=False, sliding_window=200, block_q=32,
-                                          block_kv=128),
-    "cp2-lb-bidirectional-vision-gqa4": dict(cp=2, kind="load_balanced", s=512, hq=8, hkv=2,
-                                             causal=False, vision=True, docs=True, block_q=32,
-                                             block_kv=128),
+  "cp1-docs-padding-2x2-tiles": dict(
+    cp=1, kind="contiguous", s=256, docs=True, pad_from=200, block_q=64, block_kv=128
+  ),
+  "cp2-lb-vision-window-softcap": dict(
+    cp=2, kind="load_balanced", s=512, vision=True, sliding_window=100, logits_soft_cap=3.0
+  ),
+  "cp4-window-bf16": dict(
+    cp=4, kind="contiguous", s=512, sliding_window=130, dtype=jnp.bfloat16, tol=BF16
+  ),
+  "cp8-lb-docs-padding": dict(
+    cp=8, kind="load_balanced", s=2048, hq=2, hkv=1, d=16, docs=True, pad_from=1900
+  ),
+  "cp2-db-docs-window": dict(
+    cp=2,
+    kind="document_balanced",
+    s=1024,
+    hq=2,
+    hkv=1,
+    d=16,
+    docs=True,
+    pad_from=1000,
+    sliding_window=150,
+    stripes=4,
+  ),
+  # Bidirectional masks with G = 4: block_q = 32 tokens makes 128-row tiles;
+  # hops hold empty, partial and full tiles.
+  "cp2-bidirectional-window-gqa4": dict(
+    cp=2,
+    kind="contiguous",
+    s=512,
+    hq=8,
+    hkv=2,
+    causal=False,
+    sliding_window=200,
+    block_q=32,
+    block_kv=128,
+  ),
+  "cp2-lb-bidirectional-vision-gqa4": dict(
+    cp=2,
+    kind="load_balanced",
+    s=512,
+    hq=8,
+    hkv=2,
+    causal=False,
+    vision=True,
+    docs=True,
+    block_q=32,
+    block_kv=128,
+  ),
 }
 
 
@@ -142,7 +197,7 @@ def test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces(monkeypatch):
   assert tpu._pieces(1, 4, 4) == [slice(i, i + 1) for i in range(4)]
   assert tpu._pieces(1, 8, 1) == [slice(0, 4), slice(4, 8)]
   assert tpu._pieces(1, 6, 1) == [slice(0, 3), slice(3, 6)]
-  assert tpu._pieces(2, 4, 4) == [slice(i, i + 1) for i in range(4)]   # nothing smaller
+  assert tpu._pieces(2, 4, 4) == [slice(i, i + 1) for i in range(4)]  # nothing smaller
   grids = collections.defaultdict(list)
   launch = common.launch
 
@@ -151,18 +206,33 @@ def test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces(monkeypatch):
     return launch(params, make_call, *args)
 
   monkeypatch.setattr(common, "launch", recorded)
-  check("pallas_tpu", cp=2, kind="load_balanced", s=1024, hq=2, hkv=1, d=16, docs=True,
-        pad_from=1000, sliding_window=300, block_q=64, block_kv=128)
+  check(
+    "pallas_tpu",
+    cp=2,
+    kind="load_balanced",
+    s=1024,
+    hq=2,
+    hkv=1,
+    d=16,
+    docs=True,
+    pad_from=1000,
+    sliding_window=300,
+    block_q=64,
+    block_kv=128,
+  )
   assert set(grids) == {"cpjax_ring_forward", "cpjax_ring_dq", "cpjax_ring_dkdv"}, grids
   # Unsplit, each call walks 8 row blocks of 4 key blocks (dk/dv: 4 of 8).
   for name, calls in grids.items():
-    assert {grid[2] for grid in calls} == {1}, (name, calls)    # one tile list a call
+    assert {grid[2] for grid in calls} == {1}, (name, calls)  # one tile list a call
 
 
-@pytest.mark.parametrize("target, shape", [
+@pytest.mark.parametrize(
+  "target, shape",
+  [
     ("pallas_gpu", dict(cp=4, kind="load_balanced", s=128, pad_from=64, block_q=16, block_kv=16)),
     ("pallas_tpu", dict(cp=2, kind="load_balanced", s=512, pad_from=256)),
-])
+  ],
+)
 def test_rows_with_nothing_allowed_are_zero_with_zero_gradient(target, shape):
   """A fully padded second half: its queries see nothing and its keys are never
   seen, so out, dq, dk and dv are exactly 0 there (not merely within 1e-5)."""
@@ -179,11 +249,21 @@ def test_context_parallel_attention_passes_the_backend_through():
   x = np.random.default_rng(1).standard_normal((1, 128, 2, 16), np.float32)
   docs = np.repeat([[1, 2]], 64, axis=1)
   xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
-  out = cpjax.context_parallel_attention(xr, xr, xr, mesh=mesh, layout=lay, segment_ids=dr,
-                                         implementation="pallas_gpu", interpret=True,
-                                         block_q=16, block_kv=16)
-  chex.assert_trees_all_close(cpjax.from_rank_order(out, lay),
-                              cpjax.reference_attention(x, x, x, segment_ids=docs), **F32)
+  out = cpjax.context_parallel_attention(
+    xr,
+    xr,
+    xr,
+    mesh=mesh,
+    layout=lay,
+    segment_ids=dr,
+    implementation="pallas_gpu",
+    interpret=True,
+    block_q=16,
+    block_kv=16,
+  )
+  chex.assert_trees_all_close(
+    cpjax.from_rank_order(out, lay), cpjax.reference_attention(x, x, x, segment_ids=docs), **F32
+  )
 
 
 @pytest.mark.parametrize("layout", ["load_balanced", "document_balanced"])
@@ -194,30 +274,50 @@ def test_any_length_runs_on_the_pallas_targets(layout):
   from flax import nnx
 
   from cpjax.models import gemma4
+
   cfg = gemma4.Gemma4Config.preset("tiny")
   model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
-  batch = gemma4.prepare_batch(gemma4.synthetic_batch(
-      np.random.default_rng(0), cfg, batch_size=1, seq_len=56, images_per_row=0), cfg)
-  got = gemma4.cp_logits(model, batch, cp_mesh(2), layout=layout, implementation="pallas_gpu",
-                         interpret=True)
+  batch = gemma4.prepare_batch(
+    gemma4.synthetic_batch(
+      np.random.default_rng(0), cfg, batch_size=1, seq_len=56, images_per_row=0
+    ),
+    cfg,
+  )
+  got = gemma4.cp_logits(
+    model, batch, cp_mesh(2), layout=layout, implementation="pallas_gpu", interpret=True
+  )
   chex.assert_trees_all_close(got, model(batch), rtol=1e-4, atol=1e-4)
   sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
   assert sharder.shard_batch(batch, cp_mesh(2), implementation="pallas_gpu")[1].padded_seq_len == 64
-  assert sharder.shard_batch(batch, cp_mesh(2), implementation="pallas_tpu")[1].padded_seq_len == 512
-  assert sharder.shard_batch(batch, cp_mesh(2))[1].padded_seq_len == 56   # CPU: XLA tiles anything
+  assert (
+    sharder.shard_batch(batch, cp_mesh(2), implementation="pallas_tpu")[1].padded_seq_len == 512
+  )
+  assert sharder.shard_batch(batch, cp_mesh(2))[1].padded_seq_len == 56  # CPU: XLA tiles anything
 
 
 def test_flax_attention_fn_passes_the_backend_through():
   """One device, no shard_map: flax's MultiHeadAttention on the GPU kernels."""
   from flax import nnx
+
   x = np.random.default_rng(2).standard_normal((1, 64, 32), np.float32)
   docs = np.repeat([[1, 2]], 32, axis=1)
   mask = cpjax.AttentionMask.create(segment_ids=docs)
-  kernels = nnx.MultiHeadAttention(2, 32, decode=False, rngs=nnx.Rngs(0), attention_fn=(
-      cpjax.ring_attention_fn(implementation="pallas_gpu", interpret=True, block_q=16,
-                              block_kv=16)))
-  xla = nnx.MultiHeadAttention(2, 32, decode=False, rngs=nnx.Rngs(0),
-                               attention_fn=cpjax.ring_attention_fn(implementation="xla"))
+  kernels = nnx.MultiHeadAttention(
+    2,
+    32,
+    decode=False,
+    rngs=nnx.Rngs(0),
+    attention_fn=(
+      cpjax.ring_attention_fn(implementation="pallas_gpu", interpret=True, block_q=16, block_kv=16)
+    ),
+  )
+  xla = nnx.MultiHeadAttention(
+    2,
+    32,
+    decode=False,
+    rngs=nnx.Rngs(0),
+    attention_fn=cpjax.ring_attention_fn(implementation="xla"),
+  )
   chex.assert_trees_all_close(kernels(x, mask=mask), xla(x, mask=mask), **F32)
 
 
@@ -229,6 +329,7 @@ def test_the_training_loss_of_gemma4_lowers_with_the_tpu_kernels():
 
   from cpjax import training
   from cpjax.models import gemma4
+
   cfg = gemma4.Gemma4Config.preset("tiny")
   model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
   mesh = cp_mesh(2)
@@ -236,8 +337,9 @@ def test_the_training_loss_of_gemma4_lowers_with_the_tpu_kernels():
   sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
   sharded, layout = sharder.shard_batch(batch, mesh)
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-  loss = training.make_loss_fn(graphdef, mesh=mesh, layout=layout, frozen=buffers,
-                            implementation="pallas_tpu")
+  loss = training.make_loss_fn(
+    graphdef, mesh=mesh, layout=layout, frozen=buffers, implementation="pallas_tpu"
+  )
   grad = jax.jit(jax.grad(lambda p, b: loss(p, b)[0]))
   with jax.set_mesh(mesh):
     text = grad.trace(params, sharded).lower(lowering_platforms=("tpu",)).as_text()
@@ -262,8 +364,9 @@ def test_schedule_lists_nonempty_tiles_per_row_and_column():
 
 
 # --------------------------------------------------------------- lowering
-def _lowered_ring(target, platform, *, kind="load_balanced", cp=4, s=4096, hq=8, hkv=2, d=128,
-                  **mask):
+def _lowered_ring(
+  target, platform, *, kind="load_balanced", cp=4, s=4096, hq=8, hkv=2, d=128, **mask
+):
   """StableHLO text of the ring's forward and backward, lowered for ``platform``."""
   lay = cpjax.ShardLayout(s, s, cp, kind)
   mesh = cp_mesh(cp)
@@ -274,22 +377,33 @@ def _lowered_ring(target, platform, *, kind="load_balanced", cp=4, s=4096, hq=8,
 
   def loss(q, k, v, seg, vg):
     ring = jax.shard_map(
-        lambda q, k, v, seg, vg: cpjax.ring_attention(
-            q, k, v, layout=lay, segment_ids=seg, vision_group_ids=vg, implementation=target,
-            **mask),
-        mesh=mesh, in_specs=spec, out_specs=spec)
+      lambda q, k, v, seg, vg: cpjax.ring_attention(
+        q, k, v, layout=lay, segment_ids=seg, vision_group_ids=vg, implementation=target, **mask
+      ),
+      mesh=mesh,
+      in_specs=spec,
+      out_specs=spec,
+    )
     return jnp.sum(ring(q, k, v, seg, vg).astype(jnp.float32))
 
-  args = (sds((1, s, hq, d), jnp.bfloat16), sds((1, s, hkv, d), jnp.bfloat16),
-          sds((1, s, hkv, d), jnp.bfloat16), sds((1, s), jnp.int32), sds((1, s), jnp.int32))
+  args = (
+    sds((1, s, hq, d), jnp.bfloat16),
+    sds((1, s, hkv, d), jnp.bfloat16),
+    sds((1, s, hkv, d), jnp.bfloat16),
+    sds((1, s), jnp.int32),
+    sds((1, s), jnp.int32),
+  )
   traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args)
   return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
-@pytest.mark.parametrize("target, platform, custom_call", [
+@pytest.mark.parametrize(
+  "target, platform, custom_call",
+  [
     ("pallas_tpu", "tpu", "tpu_custom_call"),
     ("pallas_gpu", "cuda", "__gpu$xla.gpu.triton"),
-])
+  ],
+)
 @pytest.mark.parametrize("kind, window", [("load_balanced", None), ("contiguous", 512)])
 def test_ring_lowers_with_kernels(target, platform, custom_call, kind, window):
   """Forward and backward lower to the three kernels plus collective permutes;
@@ -321,8 +435,11 @@ def _ring_call(**kw):
 
 @pytest.mark.parametrize("target", ["pallas_tpu", "pallas_gpu"])
 def test_pallas_target_on_the_wrong_backend_is_a_value_error(target):
-  with pytest.raises(ValueError, match=rf"implementation='{target}' compiles for .*lowered for "
-                                       r"the 'cpu' backend.*interpret=True"):
+  with pytest.raises(
+    ValueError,
+    match=rf"implementation='{target}' compiles for .*lowered for "
+    r"the 'cpu' backend.*interpret=True",
+  ):
     _ring_call(implementation=target)
 
 
@@ -331,18 +448,32 @@ def test_mismatched_platform_when_lowering_for_another_accelerator():
     _lowered_ring("pallas_gpu", "tpu")
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(implementation="pallas_gpu", d=24), r"cannot tile head dim 24: it must be a power "
-                                              r"of two >= 16"),
+@pytest.mark.parametrize(
+  "kw, match",
+  [
+    (
+      dict(implementation="pallas_gpu", d=24),
+      r"cannot tile head dim 24: it must be a power "
+      r"of two >= 16",
+    ),
     (dict(implementation="pallas_gpu", block_kv=8), r"block_kv = 8 must be a power of two >= 16"),
     (dict(implementation="pallas_tpu", block_kv=64), r"block_kv = 64 must be a multiple of 128"),
-    (dict(implementation="pallas_tpu", block_q=32), r"block_q \* G = 32 rows must be a multiple "
-                                                    r"of 128"),
-    (dict(implementation="pallas_tpu", kind="load_balanced", block_q=64),
-     r"cannot tile layout.chunk_len=128 .*block_kv=128.*\(a longer sequence"),
-    (dict(implementation="cuda"), r"implementation must be None or one of \('xla', "
-                                  r"'pallas_tpu', 'pallas_gpu'\), got 'cuda'"),
-])
+    (
+      dict(implementation="pallas_tpu", block_q=32),
+      r"block_q \* G = 32 rows must be a multiple "
+      r"of 128",
+    ),
+    (
+      dict(implementation="pallas_tpu", kind="load_balanced", block_q=64),
+      r"cannot tile layout.chunk_len=128 .*block_kv=128.*\(a longer sequence",
+    ),
+    (
+      dict(implementation="cuda"),
+      r"implementation must be None or one of \('xla', "
+      r"'pallas_tpu', 'pallas_gpu'\), got 'cuda'",
+    ),
+  ],
+)
 def test_untileable_shapes_are_value_errors(kw, match):
   with pytest.raises(ValueError, match=match):
     _ring_call(interpret=True, **kw)
@@ -350,7 +481,10 @@ def test_untileable_shapes_are_value_errors(kw, match):
 
 def test_interpret_must_be_a_bool_or_tpu_interpret_params():
   from jax.experimental.pallas import tpu as pltpu
-  with pytest.raises(TypeError, match="interpret must be a bool or a pltpu.InterpretParams, got str"):
+
+  with pytest.raises(
+    TypeError, match="interpret must be a bool or a pltpu.InterpretParams, got str"
+  ):
     _ring_call(implementation="pallas_gpu", interpret="yes")
   with pytest.raises(ValueError, match="it needs implementation='pallas_tpu', got 'pallas_gpu'"):
     _ring_call(implementation="pallas_gpu", interpret=pltpu.InterpretParams())
@@ -358,7 +492,7 @@ def test_interpret_must_be_a_bool_or_tpu_interpret_params():
 
 # ---------------------------------------------------------------- defaults
 def test_default_implementation_follows_the_backend(monkeypatch):
-  assert resolve_implementation(None) == "xla"          # these tests run on CPU
+  assert resolve_implementation(None) == "xla"  # these tests run on CPU
   for backend, want in (("tpu", "pallas_tpu"), ("gpu", "pallas_gpu"), ("cpu", "xla")):
     monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
     assert resolve_implementation(None) == want
@@ -367,7 +501,8 @@ def test_default_implementation_follows_the_backend(monkeypatch):
 def test_default_tiles_come_from_the_target_record():
   """Gemma 4's head dims: the record's tile, cut to divide the chunk."""
   from cpjax.ring._schedule import _block_sizes
-  lay = cpjax.ShardLayout(32768, 32768, 8, "load_balanced")      # chunks of 2048 tokens
+
+  lay = cpjax.ShardLayout(32768, 32768, 8, "load_balanced")  # chunks of 2048 tokens
   assert _block_sizes(lay, "pallas_tpu", 256, 2, None, None) == (256, 512)
   assert _block_sizes(lay, "pallas_gpu", 512, 1, None, None) == (16, 16)
   assert _block_sizes(lay, "pallas_gpu", 128, 4, None, None) == (32, 64)
@@ -397,10 +532,18 @@ def test_tpu_kernels_under_the_tpu_interpreter_without_races():
   params = pltpu.InterpretParams(detect_races=True)
 
   def ring(q, k, v):
-    return cpjax.ring_attention(q, k, v, layout=lay, causal=True, sliding_window=40,
-                                segment_ids=meta["segment_ids"][:, order],
-                                padding_mask=meta["padding_mask"][:, order],
-                                implementation="pallas_tpu", interpret=params)
+    return cpjax.ring_attention(
+      q,
+      k,
+      v,
+      layout=lay,
+      causal=True,
+      sliding_window=40,
+      segment_ids=meta["segment_ids"][:, order],
+      padding_mask=meta["padding_mask"][:, order],
+      implementation="pallas_tpu",
+      interpret=params,
+    )
 
   qr, kr, vr, wr = (x[:, order] for x in (q, k, v, w))
   out, grads = jax.value_and_grad(lambda *a: jnp.sum(ring(*a) * wr), argnums=(0, 1, 2))(qr, kr, vr)
@@ -410,5 +553,4 @@ def test_tpu_kernels_under_the_tpu_interpreter_without_races():
   ref_out, ref_grads = H.reference(q, k, v, w, meta=meta, causal=True, sliding_window=40)
   chex.assert_trees_all_close(np.asarray(out)[:, back], ref_out, **F32)
   for name, got, want in zip("qkv", grads, ref_grads):
-    chex.assert_trees_all_close(np.asarray(got)[:, back], want, **F32,
-                                custom_message=f"d{name}")
+    chex.assert_trees_all_close(np.asarray(got)[:, back], want, **F32, custom_message=f"d{name}")

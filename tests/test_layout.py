@@ -24,19 +24,26 @@ def _expected_indices(padded: int, cp: int, kind: str, rank: int) -> list[int]:
 def test_hand_worked_maps():
   lay = cpjax.ShardLayout(6, 8, 2, "load_balanced")
   assert [np.asarray(cpjax.local_token_indices(lay, r)).tolist() for r in range(2)] == [
-      [0, 1, 6, 7], [2, 3, 4, 5]]
+    [0, 1, 6, 7],
+    [2, 3, 4, 5],
+  ]
   lay = cpjax.ShardLayout(6, 8, 2, "contiguous")
   assert [np.asarray(cpjax.local_token_indices(lay, r)).tolist() for r in range(2)] == [
-      [0, 1, 2, 3], [4, 5, 6, 7]]
-  assert cpjax.padded_length(6, 2) == 8          # the original's 6 -> 8 case
+    [0, 1, 2, 3],
+    [4, 5, 6, 7],
+  ]
+  assert cpjax.padded_length(6, 2) == 8  # the original's 6 -> 8 case
   assert cpjax.padded_length(8, 2) == 8
   assert cpjax.padded_length(9, 4, pad_multiple=4) == 16
   assert cpjax.padded_length(5, 2, kind="load_balanced", pad_multiple=3) == 12  # lcm(6, 4)
-  assert cpjax.padded_length(5, 2, pad_multiple=3) == 6    # contiguous: 2 * 3, not a multiple of 4
+  assert cpjax.padded_length(5, 2, pad_multiple=3) == 6  # contiguous: 2 * 3, not a multiple of 4
 
 
-@given(cp=st.sampled_from([1, 2, 3, 4, 8]), kind=st.sampled_from(cpjax.layout.LAYOUT_KINDS),
-       n_chunks=st.integers(1, 5))
+@given(
+  cp=st.sampled_from([1, 2, 3, 4, 8]),
+  kind=st.sampled_from(cpjax.layout.LAYOUT_KINDS),
+  n_chunks=st.integers(1, 5),
+)
 def test_indices_are_a_permutation_of_the_padded_range(cp, kind, n_chunks):
   padded = n_chunks * cp * 2
   lay = cpjax.ShardLayout(padded, padded, cp, kind)
@@ -64,14 +71,17 @@ def test_layout_is_hashable_and_static():
   assert out == a
 
 
-@pytest.mark.parametrize("args, kwargs, err, match", [
+@pytest.mark.parametrize(
+  "args, kwargs, err, match",
+  [
     ((6, 7, 2), {}, ValueError, "multiple of 2"),
     ((6, 6, 2), {"kind": "load_balanced"}, ValueError, "multiple of 4"),
     ((6, 8, 2), {"kind": "zigzag"}, ValueError, "kind must be one of"),
     ((9, 8, 2), {}, ValueError, "must be >= original_seq_len"),
     ((6, 8, 0), {}, ValueError, "cp_size must be >= 1"),
     ((6.0, 8, 2), {}, TypeError, "original_seq_len must be an int"),
-])
+  ],
+)
 def test_layout_validation(args, kwargs, err, match):
   with pytest.raises(err, match=match):
     cpjax.ShardLayout(*args, **kwargs)

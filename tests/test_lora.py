@@ -66,7 +66,7 @@ def test_default_targets_are_the_decoder_projections(name):
     prefix = f"model.language_model.layers.{i}."
     want |= {prefix + f"self_attn.{p}" for p in ("q_proj", "o_proj")}
     want |= {prefix + f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
-    if cfg.kv_sharing_modes[i] != "reuse":       # a K/V-sharing layer has no k/v projection
+    if cfg.kv_sharing_modes[i] != "reuse":  # a K/V-sharing layer has no k/v projection
       want |= {prefix + "self_attn.k_proj"}
       # k_eq_v: full-attention layers have no v projection (V is K).
       if not (cfg.attention_k_eq_v and cfg.layer_types[i] == "full_attention"):
@@ -74,10 +74,12 @@ def test_default_targets_are_the_decoder_projections(name):
   assert set(lora.adapted_modules(model)) == want
   a = model.model.language_model.layers[0].self_attn.q_proj.weight_lora_a
   b = model.model.language_model.layers[0].self_attn.q_proj.weight_lora_b
-  chex.assert_shape((a, b), [(cfg.hidden_size, RANK), (RANK, cfg.num_attention_heads
-                                                       * cfg.layer_head_dim(0))])
+  chex.assert_shape(
+    (a, b), [(cfg.hidden_size, RANK), (RANK, cfg.num_attention_heads * cfg.layer_head_dim(0))]
+  )
   assert lora.lora_param_count(model) == sum(
-      RANK * sum(w.weight.shape) for w in lora.adapted_modules(model).values())
+    RANK * sum(w.weight.shape) for w in lora.adapted_modules(model).values()
+  )
 
 
 @BOTH
@@ -87,7 +89,7 @@ def test_fresh_adapters_leave_the_logits_exactly_unchanged(name):
   batch = gemma4.prepare_batch(batch, base.cfg)
   fresh = lora.apply_lora(base, lora.LoraConfig(rank=RANK, alpha=ALPHA))
   a = fresh.model.language_model.layers[1].mlp.up_proj.weight_lora_a[...]
-  assert float(jnp.abs(a).max()) > 0 and a.dtype == jnp.float32   # A is random, B zero
+  assert float(jnp.abs(a).max()) > 0 and a.dtype == jnp.float32  # A is random, B zero
   chex.assert_trees_all_equal(fresh(batch), base(batch))
 
 
@@ -97,8 +99,9 @@ def dense_reference(model, batch, name=NAME):
   scale = model.lora_config.scale
   plain = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name))
   graphdef, params, buffers = nnx.split(plain, nnx.Param, ...)
-  pairs = {p: (m.weight_lora_a[...], m.weight_lora_b[...])
-           for p, m in lora.adapted_modules(model).items()}
+  pairs = {
+    p: (m.weight_lora_a[...], m.weight_lora_b[...]) for p, m in lora.adapted_modules(model).items()
+  }
 
   def objective(pairs, params):
     weights = nnx.to_pure_dict(params)
@@ -108,9 +111,11 @@ def dense_reference(model, batch, name=NAME):
         node = node[int(part) if part.isdigit() else part]
       node["weight"] = node["weight"] + scale * (a @ b).T
     nnx.replace_by_pure_dict(params, weights)
-    s, n = training.cross_entropy(nnx.merge(graphdef, params, buffers).hidden_states(batch),
-                               batch["labels"])
+    s, n = training.cross_entropy(
+      nnx.merge(graphdef, params, buffers).hidden_states(batch), batch["labels"]
+    )
     return s / n
+
   return jax.jit(jax.value_and_grad(objective))(pairs, params)
 
 
@@ -123,8 +128,11 @@ def get_module(model, path):
 def as_pairs(grads):
   """{module path: (dA, dB)} of an adapters' State."""
   flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(grads)}
-  return {p[:-len(".weight_lora_a")]: (flat[p][...], flat[p[:-1] + "b"][...])
-          for p in flat if p.endswith("weight_lora_a")}
+  return {
+    p[: -len(".weight_lora_a")]: (flat[p][...], flat[p[:-1] + "b"][...])
+    for p in flat
+    if p.endswith("weight_lora_a")
+  }
 
 
 @pytest.mark.parametrize("remat,name", [("none", NAME), ("full", NAME), ("full", MOE)])
@@ -143,9 +151,10 @@ def test_adapter_gradients_with_the_mlp_in_tiles(monkeypatch):
   """A long row's MLP goes in rematerialised tiles of tokens: the adapters
   inside it (gate, up, down) still get the dense reference's gradients."""
   from cpjax.models.gemma4 import text
+
   model, batch = adapted("full", NAME)
-  ref_loss, ref_grads = dense_reference(model, batch, NAME)     # the row in one piece
-  monkeypatch.setattr(text, "MLP_TILE_VALUES", 1)                # a tile per token
+  ref_loss, ref_grads = dense_reference(model, batch, NAME)  # the row in one piece
+  monkeypatch.setattr(text, "MLP_TILE_VALUES", 1)  # a tile per token
   graphdef, adapters, frozen = lora.split_lora(model)
   loss = training.make_loss_fn(graphdef, frozen=frozen)
   got_loss, got_grads = jax.jit(jax.value_and_grad(mean_loss(lambda p: loss(p, batch))))(adapters)
@@ -159,13 +168,17 @@ def test_adapter_gradients_with_the_mlp_in_tiles(monkeypatch):
 # MoE's fsdp x cp); the dense model on cp alone in `make soak`. The MoE:
 # experts split over cp (ep=4, load-balanced), over fsdp x cp (ep=4,
 # contiguous), and (`make soak`) replicated beside tp.
-@pytest.mark.parametrize("name,mesh_sizes,layout", [
+@pytest.mark.parametrize(
+  "name,mesh_sizes,layout",
+  [
     pytest.param(NAME, {"cp": 4}, "load_balanced", marks=pytest.mark.slow),
     pytest.param(NAME, {"cp": 4}, "contiguous", marks=pytest.mark.slow),
     (NAME, {"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced"),
     (MOE, {"cp": 4, "ep": 4}, "load_balanced"),
     (MOE, {"fsdp": 2, "cp": 2, "ep": 4}, "contiguous"),
-    pytest.param(MOE, {"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced", marks=pytest.mark.slow)])
+    pytest.param(MOE, {"fsdp": 2, "cp": 2, "tp": 2}, "load_balanced", marks=pytest.mark.slow),
+  ],
+)
 def test_lora_cp_gradients_equal_single_device(name, mesh_sizes, layout):
   model, batch = adapted(name=name)
   ref_loss, ref_grads = single_device(name=name)
@@ -174,14 +187,18 @@ def test_lora_cp_gradients_equal_single_device(name, mesh_sizes, layout):
   mesh = parallel.make_mesh(**sizes)
   experts = parallel.expert_axes(mesh, ep)
   sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
-  sharded, shard_layout = sharder.shard_batch(batch, mesh,
-                                              batch_axis=parallel.batch_axis_of(mesh))
+  sharded, shard_layout = sharder.shard_batch(batch, mesh, batch_axis=parallel.batch_axis_of(mesh))
   graphdef, adapters, frozen = lora.split_lora(model)
   rule = partition_rule(model.cfg, tp=sizes.get("tp", 1), expert_axes=experts)
   adapters = parallel.shard_params(adapters, mesh, parallel.param_specs(adapters, mesh, rule=rule))
   frozen = parallel.shard_params(frozen, mesh, parallel.param_specs(frozen, mesh, rule=rule))
-  loss = training.make_loss_fn(graphdef, mesh=mesh, layout=shard_layout,
-                            batch_axis=parallel.batch_axis_of(mesh), expert_axes=experts)
+  loss = training.make_loss_fn(
+    graphdef,
+    mesh=mesh,
+    layout=shard_layout,
+    batch_axis=parallel.batch_axis_of(mesh),
+    expert_axes=experts,
+  )
   objective = lambda p, f: mean_loss(lambda q: loss(q, sharded, f))(p)
   with jax.set_mesh(mesh):
     got_loss, got_grads = jax.jit(jax.value_and_grad(objective))(adapters, frozen)
@@ -201,14 +218,16 @@ def test_adapters_made_on_a_mesh_equal_those_made_on_one_device():
   base = gemma4.Gemma4.from_pretrained(path, mesh=mesh)
   placed = {k: v.get_value().sharding for k, v in checkpoint_keys(base).items()}
   on_mesh = lora.apply_lora(base, lora.LoraConfig(rank=RANK, alpha=ALPHA))
-  one = lora.apply_lora(gemma4.Gemma4.from_pretrained(path),
-                        lora.LoraConfig(rank=RANK, alpha=ALPHA))
+  one = lora.apply_lora(
+    gemma4.Gemma4.from_pretrained(path), lora.LoraConfig(rank=RANK, alpha=ALPHA)
+  )
   assert {k: v.get_value().sharding for k, v in checkpoint_keys(base).items()} == placed
   for key, var in checkpoint_keys(on_mesh).items():
     if key in placed:
       assert var.get_value().sharding == placed[key], key
-  chex.assert_trees_all_equal(jax.device_get(nnx.state(on_mesh, nnx.LoRAParam)),
-                              jax.device_get(nnx.state(one, nnx.LoRAParam)))
+  chex.assert_trees_all_equal(
+    jax.device_get(nnx.state(on_mesh, nnx.LoRAParam)), jax.device_get(nnx.state(one, nnx.LoRAParam))
+  )
 
 
 def test_lora_partition_rule_follows_the_weight():
@@ -217,14 +236,15 @@ def test_lora_partition_rule_follows_the_weight():
   from jax.sharding import PartitionSpec as P
 
   rule = partition_rule(gemma4.Gemma4Config.preset("tiny"), tp=2)
-  at = lambda block, name, leaf: rule(("model", "language_model", "layers", "0", block, name,
-                                       leaf), (8, 8))
-  assert [at("self_attn", "q_proj", leaf) for leaf in ("weight", "weight_lora_a",
-                                                       "weight_lora_b")] == [
-      P("tp", None), P(), P(None, "tp")]
-  assert [at("mlp", "down_proj", leaf) for leaf in ("weight", "weight_lora_a",
-                                                    "weight_lora_b")] == [
-      P(None, "tp"), P("tp", None), P()]
+  at = lambda block, name, leaf: rule(
+    ("model", "language_model", "layers", "0", block, name, leaf), (8, 8)
+  )
+  assert [
+    at("self_attn", "q_proj", leaf) for leaf in ("weight", "weight_lora_a", "weight_lora_b")
+  ] == [P("tp", None), P(), P(None, "tp")]
+  assert [
+    at("mlp", "down_proj", leaf) for leaf in ("weight", "weight_lora_a", "weight_lora_b")
+  ] == [P(None, "tp"), P("tp", None), P()]
 
 
 def test_bfloat16_base_keeps_the_activation_dtype():
@@ -243,12 +263,19 @@ def test_bfloat16_base_keeps_the_activation_dtype():
   assert float(jnp.abs(out.hidden.astype(jnp.float32) - base.hidden_states(batch).hidden).max()) > 0
 
 
-@pytest.mark.parametrize("alpha,rslora,targets", [
+@pytest.mark.parametrize(
+  "alpha,rslora,targets",
+  [
     (16.0, False, lora.DEFAULT_LORA_TARGETS),
     (16.0, True, lora.DEFAULT_LORA_TARGETS),
-    (3.0, False, ("language_model.layers.0.self_attn.o_proj",
-                  "language_model.layers.1.mlp.down_proj")),
-    (5.0, True, r".*language_model\.layers\.[02]\.self_attn\.q_proj")])
+    (
+      3.0,
+      False,
+      ("language_model.layers.0.self_attn.o_proj", "language_model.layers.1.mlp.down_proj"),
+    ),
+    (5.0, True, r".*language_model\.layers\.[02]\.self_attn\.q_proj"),
+  ],
+)
 def test_merged_model_equals_the_adapted_model_for_every_option(alpha, rslora, targets):
   """merge_lora(model)'s logits are the adapted model's for each LoRA option
   (alpha, rsLoRA's 1 / sqrt(r), targets as names or a regex), and only the
@@ -263,24 +290,35 @@ def test_merged_model_equals_the_adapted_model_for_every_option(alpha, rslora, t
   merged = lora.merge_lora(model)
   assert type(merged) is gemma4.Gemma4 and not lora.adapted_modules(merged)
   want = model(batch)
-  chex.assert_trees_all_close(merged(batch), want, rtol=0,
-                              atol=2e-5 * float(jnp.abs(want).max()))
-  assert float(jnp.abs(want - base(batch)).max()) > 0.1       # the adapters matter
-  moved = {k for k, v in checkpoint_keys(merged).items()
-           if not jnp.array_equal(v.get_value(), checkpoint_keys(base)[k].get_value())}
+  chex.assert_trees_all_close(merged(batch), want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
+  assert float(jnp.abs(want - base(batch)).max()) > 0.1  # the adapters matter
+  moved = {
+    k
+    for k, v in checkpoint_keys(merged).items()
+    if not jnp.array_equal(v.get_value(), checkpoint_keys(base)[k].get_value())
+  }
   assert moved == {p + ".weight" for p in lora.adapted_modules(model)}
 
 
-@pytest.mark.parametrize("config, error, message", [
+@pytest.mark.parametrize(
+  "config, error, message",
+  [
     ({"rank": 4}, TypeError, "apply_lora's config must be a LoraConfig"),
     (lora.LoraConfig(), ValueError, "LoRA rank must be an integer >= 1, got None"),
     (lora.LoraConfig(rank=0), ValueError, "LoRA rank must be an integer >= 1, got 0"),
-    (lora.LoraConfig(rank=2, alpha=float("nan")), ValueError,
-     "LoRA alpha must be a positive number, got nan"),
+    (
+      lora.LoraConfig(rank=2, alpha=float("nan")),
+      ValueError,
+      "LoRA alpha must be a positive number, got nan",
+    ),
     (lora.LoraConfig(rank=2, targets="(q"), ValueError, "is not a regular expression"),
-    (lora.LoraConfig(rank=2, targets=("q_proj", "")), TypeError,
-     "LoRA targets must be a regex string or a non-empty tuple of module names"),
-])
+    (
+      lora.LoraConfig(rank=2, targets=("q_proj", "")),
+      TypeError,
+      "LoRA targets must be a regex string or a non-empty tuple of module names",
+    ),
+  ],
+)
 def test_a_bad_lora_config_is_refused_before_the_model_runs(config, error, message):
   """apply_lora checks its one config (the run config's lora section, the
   same class) before qwix runs the model."""

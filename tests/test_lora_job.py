@@ -18,29 +18,69 @@ from cpjax.training.trainer import run_train_job
 HERE = os.path.dirname(__file__)
 BASE = os.path.join(HERE, "fixtures", "gemma4", "ple_kv_sharing")
 QUIET = {"log": lambda *_: None}
-JOB = with_values(RunConfig(), {"checkpoint": BASE, "dataset.seq_len": 64, "parallel.cp": 2,
-                                "optimizer.steps": 4, "dataset.batch_size": 2, "parity_check": False,
-                                "lora.rank": 4, "lora.alpha": 16.0, "optimizer.lr": 1e-2})
+JOB = with_values(
+  RunConfig(),
+  {
+    "checkpoint": BASE,
+    "dataset.seq_len": 64,
+    "parallel.cp": 2,
+    "optimizer.steps": 4,
+    "dataset.batch_size": 2,
+    "parity_check": False,
+    "lora.rank": 4,
+    "lora.alpha": 16.0,
+    "optimizer.lr": 1e-2,
+  },
+)
 
 
 def test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base(tmp_path):
-  whole = run_train_job(with_values(JOB, {"checkpointing.save": str(tmp_path / "adapter"),
-                                          "checkpointing.state_dir": str(tmp_path / "a"),
-                                          "checkpointing.save_every": 2}), **QUIET)
-  first = run_train_job(with_values(JOB, {"optimizer.steps": 2,
-                                          "checkpointing.state_dir": str(tmp_path / "b")}), **QUIET)
-  second = run_train_job(with_values(JOB, {"checkpointing.state_dir": str(tmp_path / "b"),
-                                           "checkpointing.resume": True,
-                                           "checkpointing.save": str(tmp_path / "merged"),
-                                           "lora.merge": True}), **QUIET)
+  whole = run_train_job(
+    with_values(
+      JOB,
+      {
+        "checkpointing.save": str(tmp_path / "adapter"),
+        "checkpointing.state_dir": str(tmp_path / "a"),
+        "checkpointing.save_every": 2,
+      },
+    ),
+    **QUIET,
+  )
+  first = run_train_job(
+    with_values(JOB, {"optimizer.steps": 2, "checkpointing.state_dir": str(tmp_path / "b")}),
+    **QUIET,
+  )
+  second = run_train_job(
+    with_values(
+      JOB,
+      {
+        "checkpointing.state_dir": str(tmp_path / "b"),
+        "checkpointing.resume": True,
+        "checkpointing.save": str(tmp_path / "merged"),
+        "lora.merge": True,
+      },
+    ),
+    **QUIET,
+  )
   assert whole["losses"][-1] < whole["losses"][0]
-  assert first["losses"] + second["losses"] == whole["losses"]     # bit for bit
+  assert first["losses"] + second["losses"] == whole["losses"]  # bit for bit
   # Another rank's adapters are another run: refused before any array is read.
-  with pytest.raises(ValueError, match=r"the checkpoint trained LoRA rank=4, .* this run trains "
-                                       r"LoRA rank=8"):
-    run_train_job(with_values(JOB, {"lora.rank": 8,
-                                    "checkpointing.state_dir": str(tmp_path / "a"),
-                                    "checkpointing.resume": True}), **QUIET)
+  with pytest.raises(
+    ValueError,
+    match=r"the checkpoint trained LoRA rank=4, .* this run trains "
+    r"LoRA rank=8",
+  ):
+    run_train_job(
+      with_values(
+        JOB,
+        {
+          "lora.rank": 8,
+          "checkpointing.state_dir": str(tmp_path / "a"),
+          "checkpointing.resume": True,
+        },
+      ),
+      **QUIET,
+    )
   with open(tmp_path / "adapter" / "adapter_config.json") as f:
     config = json.load(f)
   assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 16.0, BASE)
@@ -49,28 +89,40 @@ def test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base(tm
   merged = safetensors.numpy.load_file(tmp_path / "merged" / "model.safetensors")
   # (the fixture also holds the k/v weights K/V-sharing layers never use)
   assert set(merged) <= set(base)
-  adapted = {k[len("base_model.model."):-len(".lora_A.weight")] + ".weight"
-             for k in factors if k.endswith("lora_A.weight")}
+  adapted = {
+    k[len("base_model.model.") : -len(".lora_A.weight")] + ".weight"
+    for k in factors
+    if k.endswith("lora_A.weight")
+  }
   assert len(adapted) == 38
   for key, m_w in merged.items():
     w = base[key]
-    if key in adapted:        # the merge of the resumed run's adapter is the saved adapter's
-      m = key[:-len(".weight")]
+    if key in adapted:  # the merge of the resumed run's adapter is the saved adapter's
+      m = key[: -len(".weight")]
       a = factors[f"base_model.model.{m}.lora_A.weight"].astype(np.float64)
       b = factors[f"base_model.model.{m}.lora_B.weight"].astype(np.float64)
       np.testing.assert_allclose(m_w, w + 4.0 * (b @ a), rtol=0, atol=1e-6)
-      assert np.abs(b).max() > 0           # trained away from zero
-    else:                     # untargeted weights and buffers are never trained
+      assert np.abs(b).max() > 0  # trained away from zero
+    else:  # untargeted weights and buffers are never trained
       np.testing.assert_array_equal(m_w, w, err_msg=key)
 
 
 def test_bfloat16_base_keeps_float32_adapters(tmp_path):
   lines = []
-  run_train_job(with_values(JOB, {"optimizer.steps": 2, "lora.base_dtype": "bfloat16",
-                                  "dtype": "bfloat16", "parity_check": True,
-                                  "checkpointing.save": str(tmp_path / "merged"),
-                                  "lora.merge": True}),
-                log=lines.append)
+  run_train_job(
+    with_values(
+      JOB,
+      {
+        "optimizer.steps": 2,
+        "lora.base_dtype": "bfloat16",
+        "dtype": "bfloat16",
+        "parity_check": True,
+        "checkpointing.save": str(tmp_path / "merged"),
+        "lora.merge": True,
+      },
+    ),
+    log=lines.append,
+  )
   assert any("base frozen in bfloat16" in line for line in lines)
   assert any("parity with the single-device model" in line for line in lines)
   merged = safetensors.numpy.load_file(tmp_path / "merged" / "model.safetensors")
@@ -83,21 +135,24 @@ def test_targets_that_match_nothing_or_no_projection_are_job_errors():
     run_train_job(with_values(JOB, {"lora.targets": "nothing"}), **QUIET)
   # The clipped vision linears' wrapper holds no weight (its .linear does).
   with pytest.raises(JobError, match=r"cannot carry adapters .*vision_tower"):
-    run_train_job(with_values(JOB, {"lora.targets": r".*vision_tower.*\.q_proj"}),
-                  **QUIET)
+    run_train_job(with_values(JOB, {"lora.targets": r".*vision_tower.*\.q_proj"}), **QUIET)
   with pytest.raises(JobError, match=r"lora\.alpha, lora\.base_dtype needs lora\.rank"):
-    run_train_job(with_values(JOB, {"lora.rank": None, "lora.base_dtype": "bfloat16"}),
-                  **QUIET)
+    run_train_job(with_values(JOB, {"lora.rank": None, "lora.base_dtype": "bfloat16"}), **QUIET)
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--lora-alpha", "4"], "--lora-alpha needs --lora-rank"),
     (["--base-dtype", "bfloat16", "--merge-lora"], "--base-dtype, --merge-lora needs --lora-rank"),
     (["--lora-rank", "4", "--merge-lora"], "--merge-lora says what --save writes"),
     (["--lora-rank", "0"], "argument --lora-rank: expected an integer >= 1, got '0'"),
-    (["--lora-rank", "4", "--lora-targets", "(q_proj"], "--lora-targets '(q_proj' is not a "
-                                                         "regular expression"),
-])
+    (
+      ["--lora-rank", "4", "--lora-targets", "(q_proj"],
+      "--lora-targets '(q_proj' is not a regular expression",
+    ),
+  ],
+)
 def test_lora_flag_errors_exit_two(args, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     cli.main(["train", "--seq-len", "64", *args])
@@ -120,15 +175,35 @@ def test_lora_on_an_moe_checkpoint_with_ep_accumulation_remat_and_resume(tmp_pat
   single-device LoRA step passes inside the run; it resumes from its state
   and the saved adapter leaves the experts out (they stay frozen). (Resume
   bit for bit: the dense test above; it does not depend on the model.)"""
-  job = with_values(RunConfig(), {"checkpoint": hf_checkpoint("moe"), "dataset.seq_len": 64,
-                                  "parallel.mesh": "fsdp=2,cp=2,ep=2", "optimizer.steps": 1,
-                                  "dataset.batch_size": 4, "dataset.microbatches": 2, "remat": "full",
-                                  "lora.rank": 4, "lora.alpha": 16.0, "optimizer.lr": 1e-2,
-                                  "checkpointing.state_dir": str(tmp_path / "a")})
+  job = with_values(
+    RunConfig(),
+    {
+      "checkpoint": hf_checkpoint("moe"),
+      "dataset.seq_len": 64,
+      "parallel.mesh": "fsdp=2,cp=2,ep=2",
+      "optimizer.steps": 1,
+      "dataset.batch_size": 4,
+      "dataset.microbatches": 2,
+      "remat": "full",
+      "lora.rank": 4,
+      "lora.alpha": 16.0,
+      "optimizer.lr": 1e-2,
+      "checkpointing.state_dir": str(tmp_path / "a"),
+    },
+  )
   first = run_train_job(job, **QUIET)
   assert first["parity"]["rel_loss"] <= 1e-4 and first["parity"]["rel_grad_norm"] <= 1e-4
-  second = run_train_job(with_values(job, {"optimizer.steps": 2, "checkpointing.resume": True,
-                                           "checkpointing.save": str(tmp_path / "adapter")}), **QUIET)
+  second = run_train_job(
+    with_values(
+      job,
+      {
+        "optimizer.steps": 2,
+        "checkpointing.resume": True,
+        "checkpointing.save": str(tmp_path / "adapter"),
+      },
+    ),
+    **QUIET,
+  )
   assert second["first_step"] == 1 and len(second["losses"]) == 1
   factors = safetensors.numpy.load_file(tmp_path / "adapter" / "adapter_model.safetensors")
   assert factors and not any("experts" in k for k in factors)

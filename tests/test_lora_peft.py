@@ -27,6 +27,7 @@ BASE = os.path.join(FIXTURES, NAME)
 def fixtures_module():
   sys.path.insert(0, os.path.join(FIXTURES))
   import make_fixtures
+
   return make_fixtures
 
 
@@ -46,13 +47,19 @@ def assert_as_close_as_transformers(got, hf_float32, hf_float64, inputs):
   real = inputs["attention_mask"].astype(bool)
   ours, theirs = np.abs(got - hf_float64)[real], np.abs(hf_float32 - hf_float64)[real]
   assert ours.max() <= 2.0 * theirs.max() and ours.mean() <= 1.3 * theirs.mean(), (
-      ours.max(), theirs.max(), ours.mean(), theirs.mean())
+    ours.max(),
+    theirs.max(),
+    ours.mean(),
+    theirs.mean(),
+  )
 
 
 def hf_logits(adapter, inputs):
   mf = fixtures_module()
-  return {dtype: mf.hf_logits(hf_model(dtype, adapter), inputs, dtype)
-          for dtype in (torch.float64, torch.float32)}
+  return {
+    dtype: mf.hf_logits(hf_model(dtype, adapter), inputs, dtype)
+    for dtype in (torch.float64, torch.float32)
+  }
 
 
 def test_peft_loads_what_cpjax_saves_and_merging_equals_it(tmp_path):
@@ -61,8 +68,10 @@ def test_peft_loads_what_cpjax_saves_and_merging_equals_it(tmp_path):
   model = lora.apply_lora(base, lora.LoraConfig(rank=4, alpha=16.0))
   randomize_adapters(model, seed=3, scale=0.1)
   files = lora.save_adapter(model, tmp_path / "adapter", base_model_name_or_path=BASE)
-  assert [os.path.basename(f) for f in files] == ["adapter_config.json",
-                                                   "adapter_model.safetensors"]
+  assert [os.path.basename(f) for f in files] == [
+    "adapter_config.json",
+    "adapter_model.safetensors",
+  ]
   batch = gemma4.prepare_batch(inputs, model.cfg)
   got = np.asarray(model(batch))
   theirs = hf_logits(str(tmp_path / "adapter"), inputs)
@@ -79,7 +88,8 @@ def test_peft_loads_what_cpjax_saves_and_merging_equals_it(tmp_path):
   assert type(merged) is gemma4.Gemma4 and not lora.adapted_modules(merged)
   merged.save_pretrained(tmp_path / "merged")
   ours = transformers.Gemma4ForConditionalGeneration.from_pretrained(
-      tmp_path / "merged", dtype=torch.float64).state_dict()
+    tmp_path / "merged", dtype=torch.float64
+  ).state_dict()
   reference = hf_model(torch.float64, str(tmp_path / "adapter")).merge_and_unload().state_dict()
   assert set(ours) == set(reference)
   factors = safetensors.numpy.load_file(tmp_path / "adapter" / "adapter_model.safetensors")
@@ -103,31 +113,45 @@ def hf_model_weights(cache={}):
   return cache
 
 
-@pytest.mark.parametrize("targets,rslora", [
+@pytest.mark.parametrize(
+  "targets,rslora",
+  [
     (r".*language_model.*\.(q_proj|v_proj|down_proj)", False),
     # PEFT's list form matches name suffixes (a bare "q_proj" would also hit
     # the vision tower's clipped linears, which PEFT refuses).
-    (["language_model.layers.1.self_attn.o_proj", "language_model.layers.3.mlp.up_proj"], True)])
+    (["language_model.layers.1.self_attn.o_proj", "language_model.layers.3.mlp.up_proj"], True),
+  ],
+)
 def test_cpjax_loads_what_peft_saves(tmp_path, targets, rslora):
   """An adapter made and saved by PEFT itself (random B: init_lora_weights=False)."""
   inputs = fixtures_module().batch("images", 7)
   torch.manual_seed(0)
-  config = peft.LoraConfig(r=8, lora_alpha=32, target_modules=targets, use_rslora=rslora,
-                           init_lora_weights=False, task_type="CAUSAL_LM")
+  config = peft.LoraConfig(
+    r=8,
+    lora_alpha=32,
+    target_modules=targets,
+    use_rslora=rslora,
+    init_lora_weights=False,
+    task_type="CAUSAL_LM",
+  )
   made = peft.get_peft_model(hf_model(torch.float32), config)
   made.save_pretrained(tmp_path)
   theirs = hf_logits(str(tmp_path), inputs)
   model = lora.load_adapter(gemma4.Gemma4.from_pretrained(BASE), tmp_path)
-  peft_modules = {name[len("base_model.model."):] for name, m in made.named_modules()
-                  if isinstance(m, peft.tuners.lora.LoraLayer)}
+  peft_modules = {
+    name[len("base_model.model.") :]
+    for name, m in made.named_modules()
+    if isinstance(m, peft.tuners.lora.LoraLayer)
+  }
   assert set(lora.adapted_modules(model)) == peft_modules
   got = np.asarray(model(gemma4.prepare_batch(inputs, model.cfg)))
   assert_as_close_as_transformers(got, theirs[torch.float32], theirs[torch.float64], inputs)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_readme_lora_commands_run_and_peft_loads_the_adapter(tmp_path, monkeypatch, hf_checkpoint,
-                                                             kind):
+def test_readme_lora_commands_run_and_peft_loads_the_adapter(
+  tmp_path, monkeypatch, hf_checkpoint, kind
+):
   """README's LoRA section as written, at a small size, on checkpoints
   transformers saved with their tokenizer and template (E2B-like and
   26B-A4B-like), trained on the shipped chat JSONL; then its Python lines:
@@ -141,13 +165,17 @@ def test_readme_lora_commands_run_and_peft_loads_the_adapter(tmp_path, monkeypat
   base = hf_checkpoint(kind)
   readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
   section = readme.split("### LoRA: adapters on a frozen base\n", 1)[1].split("\n## ", 1)[0]
-  command, = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-  code, = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+  (command,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+  (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
   monkeypatch.chdir(tmp_path)
   small = command.strip().replace("gemma-4-E2B-it", base)
   chat = os.path.join(os.path.dirname(__file__), "..", "cpjax", "examples", "chat", "train.jsonl")
-  for big, little in (("--data chat.jsonl", f"--data {chat}"), ("--seq-len 8192", "--seq-len 128"),
-                      ("--cp 8", "--cp 2"), ("--steps 100", "--steps 2")):
+  for big, little in (
+    ("--data chat.jsonl", f"--data {chat}"),
+    ("--seq-len 8192", "--seq-len 128"),
+    ("--cp 8", "--cp 2"),
+    ("--steps 100", "--steps 2"),
+  ):
     assert big in small
     small = small.replace(big, little)
   args = shlex.split(small)

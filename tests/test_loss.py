@@ -30,7 +30,7 @@ def labels_with_ignored(seed: int) -> np.ndarray:
   rng = np.random.default_rng(seed + 1)
   labels = rng.integers(0, V, (B, L)).astype(np.int32)
   labels[rng.random((B, L)) < 0.3] = -100
-  labels[0, 0], labels[1, -1] = -100, V - 1          # an ignored token and the last class
+  labels[0, 0], labels[1, -1] = -100, V - 1  # an ignored token and the last class
   return labels
 
 
@@ -53,8 +53,9 @@ def test_token_cross_entropy_equals_optax_and_numpy(seed):
   np.testing.assert_allclose(float(ce_sum), want_sum, rtol=2e-6)
   valid = labels != -100
   per_token = optax.softmax_cross_entropy_with_integer_labels(logits, np.where(valid, labels, 0))
-  np.testing.assert_allclose(float(ce_sum), float(jnp.sum(jnp.where(valid, per_token, 0.0))),
-                             rtol=2e-6)
+  np.testing.assert_allclose(
+    float(ce_sum), float(jnp.sum(jnp.where(valid, per_token, 0.0))), rtol=2e-6
+  )
 
   # Gradient w.r.t. the logits: (softmax - one_hot) / count on counted tokens, 0 elsewhere.
   grad = jax.grad(lambda z: training.token_cross_entropy(z, labels)[0] / count)(logits)
@@ -68,7 +69,7 @@ def test_token_cross_entropy_equals_optax_and_numpy(seed):
 
 def test_ignore_index_is_honoured():
   logits, labels = soft_capped_logits(2), labels_with_ignored(2)
-  other = np.where(labels == -100, 7, labels)          # 7 is a class id, -100 a real label now
+  other = np.where(labels == -100, 7, labels)  # 7 is a class id, -100 a real label now
   relabelled = np.where(labels == -100, -1, labels)
   got = training.token_cross_entropy(logits, relabelled, ignore_index=-1)
   chex.assert_trees_all_close(got, training.token_cross_entropy(logits, labels), rtol=1e-7)
@@ -80,8 +81,14 @@ def test_cross_entropy_sums_over_cp_equal_the_whole_row(cp):
   """Each rank holds L/cp tokens; the psum-ed sums are the numpy sums of the row."""
   mesh = cp_mesh(cp)
   logits, labels = soft_capped_logits(3), labels_with_ignored(3)
-  f = jax.jit(jax.shard_map(lambda z, y: training.cross_entropy_sums(z, y), mesh=mesh,
-                            in_specs=P(None, "cp"), out_specs=P()))
+  f = jax.jit(
+    jax.shard_map(
+      lambda z, y: training.cross_entropy_sums(z, y),
+      mesh=mesh,
+      in_specs=P(None, "cp"),
+      out_specs=P(),
+    )
+  )
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "cp")))
   ce_sum, count = f(put(logits), put(labels))
   want_sum, want_count = numpy_loss(logits, labels)
@@ -116,7 +123,7 @@ def dense_capped(hidden, head, labels, cap):
 
 
 @pytest.mark.parametrize("cap", [None, CAP])
-@pytest.mark.parametrize("chunk", [5, 24, 1000])     # 5 and 1000 do not divide B * L = 24
+@pytest.mark.parametrize("chunk", [5, 24, 1000])  # 5 and 1000 do not divide B * L = 24
 def test_linear_cross_entropy_equals_the_dense_loss(cap, chunk, monkeypatch):
   """Values against numpy (float64) and token_cross_entropy on the dense
   logits; gradients of hidden and head against the dense loss's. The
@@ -127,15 +134,20 @@ def test_linear_cross_entropy_equals_the_dense_loss(cap, chunk, monkeypatch):
   hidden = rng.normal(0.0, 1.0, (B, L, 16)).astype(np.float32)
   head = rng.normal(0.0, 2.0, (V, 16)).astype(np.float32)
   labels = labels_with_ignored(4)
-  ce_sum, count = training.linear_cross_entropy(hidden, head, labels, chunk_size=chunk,
-                                             logits_soft_cap=cap)
+  ce_sum, count = training.linear_cross_entropy(
+    hidden, head, labels, chunk_size=chunk, logits_soft_cap=cap
+  )
   z = np.einsum("bld,vd->blv", hidden.astype(np.float64), head.astype(np.float64))
   want_sum, want_count = numpy_loss(z if cap is None else cap * np.tanh(z / cap), labels)
   assert float(count) == want_count
   np.testing.assert_allclose(float(ce_sum), want_sum, rtol=2e-6)
 
-  chunked = jax.grad(lambda h, w: training.linear_cross_entropy(
-      h, w, labels, chunk_size=chunk, logits_soft_cap=cap)[0], argnums=(0, 1))(hidden, head)
+  chunked = jax.grad(
+    lambda h, w: training.linear_cross_entropy(h, w, labels, chunk_size=chunk, logits_soft_cap=cap)[
+      0
+    ],
+    argnums=(0, 1),
+  )(hidden, head)
   dense = jax.grad(lambda h, w: dense_capped(h, w, labels, cap)[0], argnums=(0, 1))(hidden, head)
   # Against float64, as a fraction of each gradient's largest magnitude.
   # Measured: the dense float32 loss 2e-7..4e-7; the chunked one 5e-7 with
@@ -166,15 +178,23 @@ def test_linear_cross_entropy_bad_input():
 # cp. The loss runs inside the ring's shard_map (manual over cp) and must
 # equal the dense loss on one device, with the head's gradient left in its
 # shards and no device holding the whole head.
-@pytest.mark.parametrize("shape,state_axes", [
-    ({"fsdp": 2, "cp": 2, "tp": 2}, ("fsdp",)), ({"dp": 2, "cp": 2, "tp": 2}, ("fsdp",)),
-    ({"fsdp": 4, "cp": 2}, ("fsdp",)), ({"cp": 8}, ("fsdp",)),
-    ({"fsdp": 2, "cp": 2, "tp": 2}, ("fsdp", "cp")), ({"fsdp": 2, "cp": 4}, ("fsdp", "cp")),
-    ({"dp": 2, "cp": 4}, ("fsdp", "cp")), ({"cp": 8}, ("fsdp", "cp"))],
-    ids=lambda v: "+".join(v) if isinstance(v, tuple) else "x".join(
-        f"{k}{n}" for k, n in v.items()))
+@pytest.mark.parametrize(
+  "shape,state_axes",
+  [
+    ({"fsdp": 2, "cp": 2, "tp": 2}, ("fsdp",)),
+    ({"dp": 2, "cp": 2, "tp": 2}, ("fsdp",)),
+    ({"fsdp": 4, "cp": 2}, ("fsdp",)),
+    ({"cp": 8}, ("fsdp",)),
+    ({"fsdp": 2, "cp": 2, "tp": 2}, ("fsdp", "cp")),
+    ({"fsdp": 2, "cp": 4}, ("fsdp", "cp")),
+    ({"dp": 2, "cp": 4}, ("fsdp", "cp")),
+    ({"cp": 8}, ("fsdp", "cp")),
+  ],
+  ids=lambda v: "+".join(v) if isinstance(v, tuple) else "x".join(f"{k}{n}" for k, n in v.items()),
+)
 def test_linear_cross_entropy_is_vocabulary_parallel(shape, state_axes, monkeypatch):
   from cpjax import parallel
+
   rng = np.random.default_rng(5)
   rows, length, vocab, width = 4, 16, 40, 8
   hidden = rng.normal(0.0, 1.0, (rows, length, width)).astype(np.float32)
@@ -191,17 +211,24 @@ def test_linear_cross_entropy_is_vocabulary_parallel(shape, state_axes, monkeypa
 
   def objective(h, w, y):
     def local(h, w, y):
-      s, n = training.linear_cross_entropy(h, w, y, chunk_size=5, logits_soft_cap=CAP,
-                                           vocab_axis="cp" if over_cp else None)
+      s, n = training.linear_cross_entropy(
+        h, w, y, chunk_size=5, logits_soft_cap=CAP, vocab_axis="cp" if over_cp else None
+      )
       return jax.lax.psum(s, "cp") / jax.lax.psum(n, "cp")
-    return jax.shard_map(local, in_specs=(P(None, "cp"), P("cp") if over_cp else P(),
-                                          P(None, "cp")),
-                         out_specs=P(), axis_names={"cp"})(h, w, y)
+
+    return jax.shard_map(
+      local,
+      in_specs=(P(None, "cp"), P("cp") if over_cp else P(), P(None, "cp")),
+      out_specs=P(),
+      axis_names={"cp"},
+    )(h, w, y)
 
   with jax.set_mesh(mesh):
-    args = (jax.device_put(hidden, NamedSharding(mesh, P(batch_axis, "cp"))),
-            jax.device_put(head, NamedSharding(mesh, head_spec)),
-            jax.device_put(labels, NamedSharding(mesh, P(batch_axis, "cp"))))
+    args = (
+      jax.device_put(hidden, NamedSharding(mesh, P(batch_axis, "cp"))),
+      jax.device_put(head, NamedSharding(mesh, head_spec)),
+      jax.device_put(labels, NamedSharding(mesh, P(batch_axis, "cp"))),
+    )
     loss, grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))(*args)
     text = jax.jit(jax.grad(objective, argnums=(0, 1))).lower(*args).compile().as_text()
   dense = lambda h, w: (lambda s, n: s / n)(*dense_capped(h, w, labels, CAP))
@@ -209,11 +236,12 @@ def test_linear_cross_entropy_is_vocabulary_parallel(shape, state_axes, monkeypa
   np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
   chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-7)
   assert grads[1].sharding.is_equivalent_to(NamedSharding(mesh, head_spec), 2)
-  if len(head_spec):           # split over the vocabulary: never whole on a device
+  if len(head_spec):  # split over the vocabulary: never whole on a device
     assert f"f32[{vocab},{width}]" not in text
-  if over_cp:                  # the tokens travel the ring: never a whole row's on a device
+  if over_cp:  # the tokens travel the ring: never a whole row's on a device
     split = jax.tree.leaves(tuple(head_spec))
     rows_here = rows if batch_axis in split else rows // mesh.shape.get(batch_axis, 1)
-    held = [math.prod(map(int, dims.split(",")))
-            for dims in re.findall(rf"f32\[([\d,]+),{width}\]", text)]
+    held = [
+      math.prod(map(int, dims.split(","))) for dims in re.findall(rf"f32\[([\d,]+),{width}\]", text)
+    ]
     assert max(held) < rows_here * length, (max(held), rows_here * length)

@@ -38,13 +38,14 @@ def random_arrays(rng, b, s, *, docs=True, pad=True, vision=True):
   arrays = {}
   if docs:
     cuts = np.sort(rng.integers(0, s, (b, 3)), axis=1)
-    arrays["segment_ids"] = (1 + (np.arange(s)[None, :, None] >= cuts[:, None, :]).sum(-1)
-                             ).astype(np.int32)
+    arrays["segment_ids"] = (1 + (np.arange(s)[None, :, None] >= cuts[:, None, :]).sum(-1)).astype(
+      np.int32
+    )
   if pad:
     tail = rng.integers(0, s // 2 + 1)
     p = np.zeros((b, s), bool)
-    p[:, s - tail:] = True
-    p |= rng.random((b, s)) < 0.1          # stray pads too: the classifier must not care
+    p[:, s - tail :] = True
+    p |= rng.random((b, s)) < 0.1  # stray pads too: the classifier must not care
     arrays["padding_mask"] = p
     if docs:
       arrays["segment_ids"] = np.where(p, 0, arrays["segment_ids"]).astype(np.int32)
@@ -60,8 +61,14 @@ def test_standard_mask_matches_numpy(causal, window, with_arrays):
   s = 12
   arrays = random_arrays(np.random.default_rng(0), 2, s) if with_arrays else {}
   mask = cpjax.AttentionMask.create(causal=causal, sliding_window=window, **arrays)
-  want = np_standard_mask(s, causal=causal, window=window, seg=arrays.get("segment_ids"),
-                          pad=arrays.get("padding_mask"), vg=arrays.get("vision_group_ids"))
+  want = np_standard_mask(
+    s,
+    causal=causal,
+    window=window,
+    seg=arrays.get("segment_ids"),
+    pad=arrays.get("padding_mask"),
+    vg=arrays.get("vision_group_ids"),
+  )
   got = np.asarray(jnp.broadcast_to(mask.allowed(np.arange(s)), want.shape))
   np.testing.assert_array_equal(got, want)
 
@@ -70,10 +77,15 @@ def test_rule_tree_of_the_standard_mask():
   arrays = random_arrays(np.random.default_rng(1), 1, 8)
   mask = cpjax.AttentionMask.create(sliding_window=4, **arrays)
   assert mask.rule == cpjax.AllOf(
-      cpjax.AnyOf(cpjax.LocalWindow(3, 0), cpjax.SameVisionGroup()),
-      cpjax.SameSegment(), cpjax.KeyNotPadding())
-  assert hash(mask.rule) == hash((cpjax.LocalWindow(3, 0) | cpjax.SameVisionGroup())
-                                 & cpjax.SameSegment() & cpjax.KeyNotPadding())
+    cpjax.AnyOf(cpjax.LocalWindow(3, 0), cpjax.SameVisionGroup()),
+    cpjax.SameSegment(),
+    cpjax.KeyNotPadding(),
+  )
+  assert hash(mask.rule) == hash(
+    (cpjax.LocalWindow(3, 0) | cpjax.SameVisionGroup())
+    & cpjax.SameSegment()
+    & cpjax.KeyNotPadding()
+  )
   assert sorted(mask.arrays) == ["padding_mask", "segment_ids", "vision_group_ids"]
 
 
@@ -102,31 +114,44 @@ def test_gemma4_vision_rule_is_one_expression():
       assert got[i, j] == ((j > i - w) and (j <= i or same)), (i, j)
   assert rule.reach() == cpjax.masks.Reach(w - 1, None)
   lay = cpjax.ShardLayout(64, 64, 8, "contiguous")
-  assert cpjax.ring_plan(lay, mask=rule) == cpjax.RingPlan(7, 0)   # later image tokens: any rank
+  assert cpjax.ring_plan(lay, mask=rule) == cpjax.RingPlan(7, 0)  # later image tokens: any rank
 
 
 # ------------------------------------------------------- classifier and reach
 RULES = {
-    "causal": cpjax.LocalWindow(None, 0),
-    "full": cpjax.LocalWindow(None, None),
-    "window": cpjax.LocalWindow(4, 0),
-    "bidirectional_window": cpjax.LocalWindow(2, 2),
-    "standard": ((cpjax.LocalWindow(5, 0) | cpjax.SameVisionGroup()) & cpjax.SameSegment()
-                 & cpjax.KeyNotPadding()),
-    "gemma4_vision": (cpjax.LocalWindow(3, None)
-                      & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup())
-                      & cpjax.SameSegment()),
-    "documents_or_images": cpjax.SameSegment() | cpjax.SameVisionGroup(),
+  "causal": cpjax.LocalWindow(None, 0),
+  "full": cpjax.LocalWindow(None, None),
+  "window": cpjax.LocalWindow(4, 0),
+  "bidirectional_window": cpjax.LocalWindow(2, 2),
+  "standard": (
+    (cpjax.LocalWindow(5, 0) | cpjax.SameVisionGroup())
+    & cpjax.SameSegment()
+    & cpjax.KeyNotPadding()
+  ),
+  "gemma4_vision": (
+    cpjax.LocalWindow(3, None)
+    & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup())
+    & cpjax.SameSegment()
+  ),
+  "documents_or_images": cpjax.SameSegment() | cpjax.SameVisionGroup(),
 }
 
 
-@given(rule=st.sampled_from(sorted(RULES)), cp=st.sampled_from([1, 2, 4]),
-       kind=st.sampled_from(KINDS), chunk=st.sampled_from([4, 6, 8]),
-       block_q=st.sampled_from([1, 2, 4]), block_kv=st.sampled_from([1, 2, 4]),
-       q_rank=st.integers(0, 3), k_rank=st.integers(0, 3), seed=st.integers(0, 2**16))
+@given(
+  rule=st.sampled_from(sorted(RULES)),
+  cp=st.sampled_from([1, 2, 4]),
+  kind=st.sampled_from(KINDS),
+  chunk=st.sampled_from([4, 6, 8]),
+  block_q=st.sampled_from([1, 2, 4]),
+  block_kv=st.sampled_from([1, 2, 4]),
+  q_rank=st.integers(0, 3),
+  k_rank=st.integers(0, 3),
+  seed=st.integers(0, 2**16),
+)
 def test_block_classifier_never_contradicts_the_token_predicate(
-    rule, cp, kind, chunk, block_q, block_kv, q_rank, k_rank, seed):
-  """"Empty" never hides an allowed pair, "full" never covers a masked pair."""
+  rule, cp, kind, chunk, block_q, block_kv, q_rank, k_rank, seed
+):
+  """ "Empty" never hides an allowed pair, "full" never covers a masked pair."""
   if chunk % block_q or chunk % block_kv:
     block_q, block_kv = 2, 2
   rule = RULES[rule]
@@ -139,7 +164,7 @@ def test_block_classifier_never_contradicts_the_token_predicate(
   l = lay.local_seq_len
 
   def tokens(rank):
-    sl = order[(rank % cp) * l:(rank % cp + 1) * l]   # the global tokens this rank holds
+    sl = order[(rank % cp) * l : (rank % cp + 1) * l]  # the global tokens this rank holds
     return Tokens(jnp.asarray(sl, jnp.int32), {n: jnp.asarray(x[:, sl]) for n, x in arrays.items()})
 
   q, k = tokens(q_rank), tokens(k_rank)
@@ -171,15 +196,20 @@ def test_classifier_is_exact_on_consecutive_positions():
 
 # ------------------------------------------------------------------ bad input
 def test_bad_masks():
-  with pytest.raises(KeyError, match=r"reads per-token arrays \['segment_ids'\], got arrays "
-                                     r"\[\] \(missing \['segment_ids'\]"):
+  with pytest.raises(
+    KeyError,
+    match=r"reads per-token arrays \['segment_ids'\], got arrays "
+    r"\[\] \(missing \['segment_ids'\]",
+  ):
     cpjax.AttentionMask(cpjax.SameSegment())
   with pytest.raises(KeyError, match=r"unused \['padding_mask'\]"):
     cpjax.AttentionMask(cpjax.LocalWindow(), {"padding_mask": np.zeros((1, 4), bool)})
   with pytest.raises(TypeError, match="rule must be a MaskRule, got str"):
     cpjax.AttentionMask("causal")
+
   class FloatRule(cpjax.SameSegment):
     arrays = {"weights": "float"}
+
   with pytest.raises(ValueError, match=r"kinds must be one of \('int', 'bool'\), got \{'weights'"):
     cpjax.AttentionMask(FloatRule(), {"weights": np.zeros((1, 4))})
   with pytest.raises(ValueError, match="left must be an int >= 0 or None"):
@@ -187,17 +217,27 @@ def test_bad_masks():
   with pytest.raises(TypeError, match="AllOf takes MaskRule objects, got int"):
     cpjax.AllOf(cpjax.LocalWindow(), 3)
   mask = cpjax.AttentionMask.create(segment_ids=np.zeros((2, 5), np.int32))
-  with pytest.raises(ValueError, match=r"mask array segment_ids must have shape \[B, S\] = "
-                                       r"\[2, 6\], got \[2, 5\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"mask array segment_ids must have shape \[B, S\] = "
+    r"\[2, 6\], got \[2, 5\]",
+  ):
     mask.validate(2, 6)
-  with pytest.raises(TypeError, match="mask array segment_ids must have an integer dtype, "
-                                      "got float32"):
+  with pytest.raises(
+    TypeError, match="mask array segment_ids must have an integer dtype, got float32"
+  ):
     cpjax.AttentionMask.create(segment_ids=np.zeros((2, 5), np.float32)).validate(2, 5)
-  with pytest.raises(TypeError, match=r"mask array padding_mask must be bool \(True = pad\), "
-                                      "got int32"):
+  with pytest.raises(
+    TypeError,
+    match=r"mask array padding_mask must be bool \(True = pad\), "
+    "got int32",
+  ):
     cpjax.AttentionMask.create(padding_mask=np.zeros((2, 5), np.int32)).validate(2, 5)
-  with pytest.raises(ValueError, match=r"pass either mask= or the mask keywords, not both; "
-                                       r"got mask and \['sliding_window'\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"pass either mask= or the mask keywords, not both; "
+    r"got mask and \['sliding_window'\]",
+  ):
     cpjax.masks.resolve_mask(mask, sliding_window=3)
   with pytest.raises(TypeError, match=r"unexpected mask keyword\(s\) \['window'\]"):
     cpjax.masks.resolve_mask(window=3)

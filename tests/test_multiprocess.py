@@ -33,13 +33,29 @@ def _run_cluster(tmp_path, nproc=2):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
   # The workers choose their own devices; they compile as this process does
   # (conftest.py's LLVM level), so their numbers can be compared with its.
-  env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                              if f.startswith("--xla_backend_optimization_level"))
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)   # each process compiles its own program
-  procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"),
-                             str(port), str(i), str(nproc), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-           for i in range(nproc)]
+  env["XLA_FLAGS"] = " ".join(
+    f
+    for f in os.environ.get("XLA_FLAGS", "").split()
+    if f.startswith("--xla_backend_optimization_level")
+  )
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # each process compiles its own program
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        str(ROOT / "tests" / "multiprocess_worker.py"),
+        str(port),
+        str(i),
+        str(nproc),
+        str(out),
+      ],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env=env,
+    )
+    for i in range(nproc)
+  ]
   logs = []
   try:
     for p in procs:
@@ -68,8 +84,10 @@ def test_two_processes_equal_one(tmp_path):
       assert run[f"resumed/loss{i}"] == run[f"fsdp/loss{i}"], (i, run[f"resumed/loss{i}"])
   assert cluster.keys() == single.keys()
   _, params, _ = nnx.split(cases.gemma4.Gemma4(cases.CFG, rngs=nnx.Rngs(0)), nnx.Param, ...)
-  initial = {"fsdp_params" + jax.tree_util.keystr(p): np.asarray(v)
-             for p, v in jax.tree_util.tree_leaves_with_path(params)}
+  initial = {
+    "fsdp_params" + jax.tree_util.keystr(p): np.asarray(v)
+    for p, v in jax.tree_util.tree_leaves_with_path(params)
+  }
   for key in single:
     if key.startswith("shard/"):
       chex.assert_trees_all_equal(cluster[key], single[key], custom_message=key)
@@ -86,5 +104,6 @@ def test_two_processes_equal_one(tmp_path):
     else:
       # Same program on the same 8-device mesh: the collectives only cross a
       # process boundary, so results agree to float32 reduction order.
-      chex.assert_trees_all_close(cluster[key], single[key], rtol=1e-5, atol=1e-6,
-                                  custom_message=key)
+      chex.assert_trees_all_close(
+        cluster[key], single[key], rtol=1e-5, atol=1e-6, custom_message=key
+      )

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def load_mutants():
   spec = importlib.util.spec_from_file_location("cpjax_mutants", ROOT / "tools" / "mutants.py")
   module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module        # dataclasses resolve the module by name
+  sys.modules[spec.name] = module  # dataclasses resolve the module by name
   spec.loader.exec_module(module)
   return module
 
@@ -24,8 +24,11 @@ def test_every_mutant_applies_once_and_names_real_tests():
   mutants = load_mutants().MUTANTS
   assert len(mutants) >= 100
   assert len({m.name for m in mutants}) == len(mutants)
-  stale = [(m.name, m.file, (ROOT / m.file).read_text().count(m.old))
-           for m in mutants if (ROOT / m.file).read_text().count(m.old) != 1]
+  stale = [
+    (m.name, m.file, (ROOT / m.file).read_text().count(m.old))
+    for m in mutants
+    if (ROOT / m.file).read_text().count(m.old) != 1
+  ]
   assert stale == []
   missing = []
   for m in mutants:

@@ -22,8 +22,7 @@ from tests.helpers import cp_mesh
 class Block(nnx.Module):
   def __init__(self, d, heads, attention_fn, rngs):
     self.norm1, self.norm2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(heads, d, decode=False, attention_fn=attention_fn,
-                                       rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(heads, d, decode=False, attention_fn=attention_fn, rngs=rngs)
     self.up, self.down = nnx.Linear(d, 2 * d, rngs=rngs), nnx.Linear(2 * d, d, rngs=rngs)
 
   def __call__(self, x, mask):
@@ -32,8 +31,9 @@ class Block(nnx.Module):
 
 
 class TinyLM(nnx.Module):
-  def __init__(self, attention_fn, *, vocab=50, d=16, heads=2, layers=2, max_len=64,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, attention_fn, *, vocab=50, d=16, heads=2, layers=2, max_len=64, rngs: nnx.Rngs
+  ):
     self.tok, self.pos = nnx.Embed(vocab, d, rngs=rngs), nnx.Embed(max_len, d, rngs=rngs)
     self.blocks = nnx.List([Block(d, heads, attention_fn, rngs) for _ in range(layers)])
     self.head = nnx.Linear(d, vocab, rngs=rngs)
@@ -47,8 +47,9 @@ class TinyLM(nnx.Module):
 
 def cp_forward(model, batch, cp):
   """The user's forward: the same code on one device (cp=None) and under CP."""
-  mask = cpjax.AttentionMask.create(segment_ids=batch["_packed_seq_ids"],
-                                    padding_mask=batch["padding_mask"])
+  mask = cpjax.AttentionMask.create(
+    segment_ids=batch["_packed_seq_ids"], padding_mask=batch["padding_mask"]
+  )
   with cpjax.use_cp(cp):
     return model(batch["input_ids"], batch["position_ids"], mask)
 
@@ -58,8 +59,12 @@ def dense_forward(model, batch, cp):
   assert cp is None
   seg, pad = batch["_packed_seq_ids"], batch["padding_mask"]
   i = jnp.arange(seg.shape[1])
-  allowed = ((i[None, :] <= i[:, None])[None] & (seg[:, :, None] == seg[:, None, :])
-             & (seg[:, :, None] > 0) & ~pad[:, None, :])
+  allowed = (
+    (i[None, :] <= i[:, None])[None]
+    & (seg[:, :, None] == seg[:, None, :])
+    & (seg[:, :, None] > 0)
+    & ~pad[:, None, :]
+  )
   return model(batch["input_ids"], batch["position_ids"], allowed[:, None])
 
 
@@ -74,8 +79,13 @@ def packed_batch(seed, b=4, s=45, vocab=50):
     for d in (1, 2, 3):
       pos[r, docs[r] == d] = np.arange(np.sum(docs[r] == d))
   ids = np.where(docs > 0, rng.integers(1, vocab, (b, s)), 0).astype(np.int32)
-  return {"input_ids": ids, "labels": np.asarray(cpjax.next_token_labels(ids, docs)),
-          "position_ids": pos, "_packed_seq_ids": docs, "padding_mask": docs == 0}
+  return {
+    "input_ids": ids,
+    "labels": np.asarray(cpjax.next_token_labels(ids, docs)),
+    "position_ids": pos,
+    "_packed_seq_ids": docs,
+    "padding_mask": docs == 0,
+  }
 
 
 def models():
@@ -83,7 +93,7 @@ def models():
   dense = TinyLM(nnx.dot_product_attention, rngs=nnx.Rngs(0))
   graph_ring, params = nnx.split(ring)
   graph_dense, params_dense = nnx.split(dense)
-  chex.assert_trees_all_equal(params, params_dense)    # one set of weights, two attentions
+  chex.assert_trees_all_equal(params, params_dense)  # one set of weights, two attentions
   return graph_ring, graph_dense, params
 
 
@@ -99,13 +109,14 @@ def close_per_leaf(got, want, rtol=1e-4):
 
   def close(path, a, b):
     atol = max(rtol * float(np.max(np.abs(b))), floor)
-    chex.assert_trees_all_close(a, b, rtol=0, atol=atol,
-                                custom_message=jax.tree_util.keystr(path))
+    chex.assert_trees_all_close(a, b, rtol=0, atol=atol, custom_message=jax.tree_util.keystr(path))
+
   jax.tree_util.tree_map_with_path(close, got, want)
 
 
-@pytest.mark.parametrize("mesh_axes, kind", [((("cp", 4),), "load_balanced"),
-                                             ((("dp", 2), ("cp", 4)), "contiguous")])
+@pytest.mark.parametrize(
+  "mesh_axes, kind", [((("cp", 4),), "load_balanced"), ((("dp", 2), ("cp", 4)), "contiguous")]
+)
 def test_loss_and_gradients_equal_the_single_device_model(mesh_axes, kind):
   graph_ring, graph_dense, params = models()
   batch = packed_batch(0)
@@ -120,8 +131,12 @@ def test_loss_and_gradients_equal_the_single_device_model(mesh_axes, kind):
 
   want = value_and_grad(training.make_loss_fn(graph_dense, forward=dense_forward), batch)
   single = value_and_grad(training.make_loss_fn(graph_ring, forward=cp_forward), batch)
-  got = value_and_grad(training.make_loss_fn(graph_ring, mesh=mesh, layout=layout,
-                                          batch_axis=batch_axis, forward=cp_forward), sharded)
+  got = value_and_grad(
+    training.make_loss_fn(
+      graph_ring, mesh=mesh, layout=layout, batch_axis=batch_axis, forward=cp_forward
+    ),
+    sharded,
+  )
   for loss, grads in (single, got):
     chex.assert_tree_all_finite(grads)
     chex.assert_trees_all_close(loss, want[0], rtol=1e-5)
@@ -155,19 +170,22 @@ def test_three_training_steps_and_one_compile():
 
 
 def test_attention_fn_rejects_what_the_ring_cannot_do():
-  attn = nnx.MultiHeadAttention(2, 8, decode=False, attention_fn=cpjax.ring_attention_fn(),
-                                rngs=nnx.Rngs(0))
+  attn = nnx.MultiHeadAttention(
+    2, 8, decode=False, attention_fn=cpjax.ring_attention_fn(), rngs=nnx.Rngs(0)
+  )
   x = jnp.ones((1, 4, 8))
   with pytest.raises(TypeError, match="mask must be a cpjax.AttentionMask .* got ArrayImpl"):
     attn(x, mask=jnp.ones((1, 1, 4, 4), bool))
   with pytest.raises(ValueError, match="takes no bias"):
     cpjax.ring_attention_fn()(x[..., None], x[..., None], x[..., None], bias=x)
   with pytest.raises(ValueError, match="has no attention dropout"):
-    cpjax.ring_attention_fn()(x[..., None], x[..., None], x[..., None], dropout_rate=0.1,
-                              deterministic=False)
+    cpjax.ring_attention_fn()(
+      x[..., None], x[..., None], x[..., None], dropout_rate=0.1, deterministic=False
+    )
   with pytest.raises(ValueError, match="sow_weights=True is not supported"):
-    attn_sow = nnx.MultiHeadAttention(2, 8, decode=False, attention_fn=cpjax.ring_attention_fn(),
-                                      rngs=nnx.Rngs(0))
+    attn_sow = nnx.MultiHeadAttention(
+      2, 8, decode=False, attention_fn=cpjax.ring_attention_fn(), rngs=nnx.Rngs(0)
+    )
     attn_sow(x, sow_weights=True)
   with pytest.raises(TypeError, match=r"cp must be a cpjax.CPContext or None, got ShardLayout"):
     with cpjax.use_cp(cpjax.ShardLayout(4, 4, 1)):

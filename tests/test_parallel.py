@@ -32,8 +32,7 @@ def setup(preset):
   cfg = gemma4.Gemma4Config.preset(preset)
   model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-  batch = gemma4.synthetic_batch(np.random.default_rng(1), cfg, batch_size=B, seq_len=S,
-                                 max_docs=3)
+  batch = gemma4.synthetic_batch(np.random.default_rng(1), cfg, batch_size=B, seq_len=S, max_docs=3)
   return cfg, model, graphdef, params, buffers, batch
 
 
@@ -51,8 +50,17 @@ def single_device_step(preset):
   return float(metrics["loss"]), jax.device_get(new)
 
 
-def mesh_step(preset, shape, *, microbatches=1, optimizer=None,
-              state_axes=parallel.STATE_AXES, remat=None, implementation=None, interpret=False):
+def mesh_step(
+  preset,
+  shape,
+  *,
+  microbatches=1,
+  optimizer=None,
+  state_axes=parallel.STATE_AXES,
+  remat=None,
+  implementation=None,
+  interpret=False,
+):
   """Shard the model over make_mesh(**shape) (its state over ``state_axes``),
   run one step (the ring's hops on ``implementation``); also return the
   compiled step."""
@@ -62,23 +70,34 @@ def mesh_step(preset, shape, *, microbatches=1, optimizer=None,
     graphdef, _, _ = nnx.split(model, nnx.Param, ...)
   mesh = parallel.make_mesh(**shape)
   check_mesh(cfg, mesh, seq_len=S, batch_size=B)
-  specs = parallel.param_specs(params, mesh, rule=partition_rule(cfg, tp=shape.get("tp", 1)),
-                               state_axes=state_axes)
+  specs = parallel.param_specs(
+    params, mesh, rule=partition_rule(cfg, tp=shape.get("tp", 1)), state_axes=state_axes
+  )
   placed = parallel.shard_params(copy(params), mesh, specs)
   opt = optimizer or optax.sgd(1.0)
   opt_state = parallel.shard_like_params(opt.init(placed), placed)
   sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
   batch_axis = parallel.batch_axis_of(mesh)
   if microbatches == 1:
-    sharded, layout = sharder.shard_batch(batch, mesh, batch_axis=batch_axis,
-                                          implementation=implementation)
+    sharded, layout = sharder.shard_batch(
+      batch, mesh, batch_axis=batch_axis, implementation=implementation
+    )
   else:
     rows = B // microbatches
-    parts = [sharder.shard_batch(_rows(batch, i * rows, (i + 1) * rows), mesh,
-                                 batch_axis=batch_axis) for i in range(microbatches)]
+    parts = [
+      sharder.shard_batch(_rows(batch, i * rows, (i + 1) * rows), mesh, batch_axis=batch_axis)
+      for i in range(microbatches)
+    ]
     sharded, layout = [p[0] for p in parts], parts[0][1]
-  step = training.make_train_step(graphdef, opt, mesh=mesh, layout=layout, frozen=buffers,
-                                  implementation=implementation, interpret=interpret)
+  step = training.make_train_step(
+    graphdef,
+    opt,
+    mesh=mesh,
+    layout=layout,
+    frozen=buffers,
+    implementation=implementation,
+    interpret=interpret,
+  )
   step = step.compile(placed, opt_state, sharded)
   new, _, metrics = step(placed, opt_state, sharded)
   return float(metrics["loss"]), new, step, placed, sharded
@@ -86,12 +105,13 @@ def mesh_step(preset, shape, *, microbatches=1, optimizer=None,
 
 def _rows(batch, start, stop):
   """Rows [start, stop) of a processor-style batch; images stay with their rows."""
-  out = {k: v[start:stop] for k, v in batch.items() if k not in ("pixel_values",
-                                                                 "image_position_ids")}
+  out = {
+    k: v[start:stop] for k, v in batch.items() if k not in ("pixel_values", "image_position_ids")
+  }
   if "pixel_values" in batch:
-    per_row = len(batch["pixel_values"]) // B   # synthetic_batch: images_per_row per row
-    out["pixel_values"] = batch["pixel_values"][start * per_row:stop * per_row]
-    out["image_position_ids"] = batch["image_position_ids"][start * per_row:stop * per_row]
+    per_row = len(batch["pixel_values"]) // B  # synthetic_batch: images_per_row per row
+    out["pixel_values"] = batch["pixel_values"][start * per_row : stop * per_row]
+    out["image_position_ids"] = batch["image_position_ids"][start * per_row : stop * per_row]
   return out
 
 
@@ -103,8 +123,11 @@ def assert_same_update(got, want, params, *, tol=3e-4):
   its largest update on some CPUs: measured with the single-device step on
   two microbatches against the whole batch, no mesh involved (3e-5 on
   others). A missing or doubled term moves a leaf by its whole scale."""
-  for (path, g), w, p in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(got)),
-                             jax.tree.leaves(want), jax.tree.leaves(jax.device_get(params))):
+  for (path, g), w, p in zip(
+    jax.tree_util.tree_leaves_with_path(jax.device_get(got)),
+    jax.tree.leaves(want),
+    jax.tree.leaves(jax.device_get(params)),
+  ):
     update_got, update_want = np.asarray(p) - np.asarray(g), np.asarray(p) - np.asarray(w)
     scale = float(np.max(np.abs(update_want)))
     err = float(np.max(np.abs(update_got - update_want)))
@@ -121,8 +144,11 @@ def shardings(tree):
 def global_relative_error(got, want, params):
   """|update_got - update_want| / |update_want| over the whole tree."""
   num = den = 0.0
-  for g, w, p in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(want),
-                     jax.tree.leaves(jax.device_get(params))):
+  for g, w, p in zip(
+    jax.tree.leaves(jax.device_get(got)),
+    jax.tree.leaves(want),
+    jax.tree.leaves(jax.device_get(params)),
+  ):
     num += float(np.sum((np.asarray(w) - np.asarray(g)) ** 2))
     den += float(np.sum((np.asarray(p) - np.asarray(w)) ** 2))
   return (num / den) ** 0.5
@@ -133,16 +159,24 @@ def global_relative_error(got, want, params):
 # CI runs (fsdp 2, cp 4) with accumulation and (fsdp 2, cp 2, tp 2) on the MoE
 # model (experts split over tp); the other two are in `make soak`.
 MESHES = [
-    ("tiny", {"fsdp": 2, "cp": 4}, 2),
-    pytest.param("tiny", {"fsdp": 4, "cp": 2}, 1, marks=pytest.mark.slow),
-    pytest.param("tiny", {"fsdp": 2, "cp": 2, "tp": 2}, 1, marks=pytest.mark.slow),
-    ("tiny-moe", {"fsdp": 2, "cp": 2, "tp": 2}, 1),
+  ("tiny", {"fsdp": 2, "cp": 4}, 2),
+  pytest.param("tiny", {"fsdp": 4, "cp": 2}, 1, marks=pytest.mark.slow),
+  pytest.param("tiny", {"fsdp": 2, "cp": 2, "tp": 2}, 1, marks=pytest.mark.slow),
+  ("tiny-moe", {"fsdp": 2, "cp": 2, "tp": 2}, 1),
 ]
 
 
-@pytest.mark.parametrize("preset,shape,microbatches", MESHES, ids=lambda v: (
-    v if isinstance(v, str) else f"microbatches{v}" if isinstance(v, int) else
-    "x".join(f"{k}{n}" for k, n in v.items())))
+@pytest.mark.parametrize(
+  "preset,shape,microbatches",
+  MESHES,
+  ids=lambda v: (
+    v
+    if isinstance(v, str)
+    else f"microbatches{v}"
+    if isinstance(v, int)
+    else "x".join(f"{k}{n}" for k, n in v.items())
+  ),
+)
 def test_mesh_step_equals_single_device_step(preset, shape, microbatches):
   _, _, _, params, buffers, _ = setup(preset)
   want_loss, want = single_device_step(preset)
@@ -155,8 +189,10 @@ def test_mesh_step_equals_single_device_step(preset, shape, microbatches):
   # every device): the shards the compiled program takes its parameters in
   # (SGD keeps no optimizer state).
   compiled_params = step.input_shardings[0]
-  per_device = sum(int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
-                   for x, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(compiled_params)))
+  per_device = sum(
+    int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    for x, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(compiled_params))
+  )
   assert per_device == parallel.bytes_per_device(placed)
   factor = shape.get("fsdp", 1) * shape.get("cp", 1) * shape.get("tp", 1)
   full = parallel.bytes_per_device(params)
@@ -164,7 +200,8 @@ def test_mesh_step_equals_single_device_step(preset, shape, microbatches):
   # The rest is (at most) the batch's shard and the buffers (frozen state:
   # layer scalars, clip bounds), an argument of the step too.
   assert step.memory_analysis().argument_size_in_bytes <= (
-      per_device + parallel.bytes_per_device(sharded) + parallel.bytes_per_device(buffers))
+    per_device + parallel.bytes_per_device(sharded) + parallel.bytes_per_device(buffers)
+  )
   # The embedding tables (and the tied head) stay split over fsdp x tp (their
   # split over cp is gathered when the step starts): no buffer of the compiled
   # step has a whole table's shape.
@@ -172,8 +209,9 @@ def test_mesh_step_equals_single_device_step(preset, shape, microbatches):
   t = cfg.text
   tables = [(t.vocab_size, t.hidden_size)]
   if t.hidden_size_per_layer_input:
-    tables.append((t.vocab_size_per_layer_input,
-                   t.num_hidden_layers * t.hidden_size_per_layer_input))
+    tables.append(
+      (t.vocab_size_per_layer_input, t.num_hidden_layers * t.hidden_size_per_layer_input)
+    )
   text = step.as_text()
   for rows, cols in tables:
     assert f"f32[{rows},{cols}]" not in text, (rows, cols)
@@ -185,8 +223,9 @@ def test_kernels_split_over_the_axes_the_partitioner_shards():
   tp. Run in Pallas' interpreter, the step equals the single-device step, so
   each device got its own rows and heads."""
   want_loss, want = single_device_step("tiny")
-  loss, new, step, _, _ = mesh_step("tiny", {"fsdp": 2, "cp": 2, "tp": 2},
-                                    implementation="pallas_gpu", interpret=True)
+  loss, new, step, _, _ = mesh_step(
+    "tiny", {"fsdp": 2, "cp": 2, "tp": 2}, implementation="pallas_gpu", interpret=True
+  )
   assert abs(loss - want_loss) <= 1e-6 * want_loss
   assert_same_update(new, want, setup("tiny")[3])
 
@@ -252,12 +291,15 @@ def test_tp_splits_heads_and_hidden_units():
   assert sorted(stored) == ["cp", "fsdp", "tp"], k_proj.get_value()
 
 
-@pytest.mark.parametrize("preset,shape,match", [
+@pytest.mark.parametrize(
+  "preset,shape,match",
+  [
     ("tiny", {"tp": 8}, "mesh axis 'tp' of size 8 does not divide the 4 attention heads"),
     ("tiny-moe", {"tp": 8}, "mesh axis 'tp' of size 8 does not divide the 4 attention heads"),
     ("tiny", {"cp": 8}, "mesh axis 'cp' of size 8 does not divide the sequence length 60"),
     ("tiny", {"fsdp": 8}, "mesh axis 'fsdp' of size 8 does not divide the batch size 4"),
-])
+  ],
+)
 def test_check_mesh_names_the_axis(preset, shape, match):
   cfg = gemma4.Gemma4Config.preset(preset)
   with pytest.raises(ValueError, match=match):
@@ -266,6 +308,7 @@ def test_check_mesh_names_the_axis(preset, shape, match):
 
 def test_check_mesh_experts():
   import dataclasses
+
   cfg = gemma4.Gemma4Config.preset("tiny-moe")
   cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, num_experts=3))
   with pytest.raises(ValueError, match="mesh axis 'tp' of size 2 does not divide the 3 experts"):
@@ -295,14 +338,21 @@ def check_lookup(mesh, rows: int, table_spec, lookup, *, over_cp: bool, seed: in
   def objective(table, ids, weights):
     def local(table, ids, weights):
       return jax.lax.psum(jnp.sum(lookup(table, ids) * weights), "cp")
-    return jax.shard_map(local, in_specs=(P("cp") if over_cp else P(), P(None, "cp"),
-                                          P(None, "cp")),
-                         out_specs=P(), axis_names={"cp"})(table, ids, weights)
+
+    return jax.shard_map(
+      local,
+      in_specs=(P("cp") if over_cp else P(), P(None, "cp"), P(None, "cp")),
+      out_specs=P(),
+      axis_names={"cp"},
+    )(table, ids, weights)
 
   with jax.set_mesh(mesh):
     put = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))
-    args = (put(table, table_spec), put(ids, P(batch_axis, "cp")),
-            put(weights, P(batch_axis, "cp")))
+    args = (
+      put(table, table_spec),
+      put(ids, P(batch_axis, "cp")),
+      put(weights, P(batch_axis, "cp")),
+    )
     value, grad = jax.jit(jax.value_and_grad(objective))(*args)
     text = jax.jit(jax.grad(objective)).lower(*args).compile().as_text()
   want_grad = np.zeros_like(table)
@@ -316,27 +366,43 @@ def check_lookup(mesh, rows: int, table_spec, lookup, *, over_cp: bool, seed: in
 # The table split over its rows as param_specs places it whole over cp (as
 # the step gathers a split over cp before a plain lookup); the ids' rows over
 # the batch axis.
-@pytest.mark.parametrize("shape", [{"fsdp": 2, "cp": 2, "tp": 2}, {"fsdp": 4, "cp": 2},
-                                   {"dp": 2, "cp": 2, "tp": 2}, {"cp": 2, "tp": 4}],
-                         ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()))
+@pytest.mark.parametrize(
+  "shape",
+  [
+    {"fsdp": 2, "cp": 2, "tp": 2},
+    {"fsdp": 4, "cp": 2},
+    {"dp": 2, "cp": 2, "tp": 2},
+    {"cp": 2, "tp": 4},
+  ],
+  ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()),
+)
 def test_lookup_keeps_the_table_sharded(shape):
   mesh = parallel.make_mesh(**shape)
   table_spec = parallel.param_specs(np.zeros((16, 3)), mesh, state_axes=("fsdp",))
-  assert table_spec[0] is not None and len(table_spec) == 1     # rows split, as lookup assumes
+  assert table_spec[0] is not None and len(table_spec) == 1  # rows split, as lookup assumes
   check_lookup(mesh, 16, table_spec, parallel.lookup, over_cp=False, seed=0)
 
 
 # The table stored over fsdp x cp (the default state), entering the ring's
 # shard_map split over cp as the step hands it in: ring_lookup.
-@pytest.mark.parametrize("shape", [{"cp": 4}, {"fsdp": 2, "cp": 2, "tp": 2}, {"fsdp": 2, "cp": 4}],
-                         ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()))
+@pytest.mark.parametrize(
+  "shape",
+  [{"cp": 4}, {"fsdp": 2, "cp": 2, "tp": 2}, {"fsdp": 2, "cp": 4}],
+  ids=lambda s: "x".join(f"{k}{n}" for k, n in s.items()),
+)
 def test_ring_lookup_keeps_the_table_split_over_cp(shape):
   mesh = parallel.make_mesh(**shape)
   table_spec = parallel.param_specs(np.zeros((64, 3)), mesh)
   rows = table_spec[0] if isinstance(table_spec[0], tuple) else (table_spec[0],)
-  assert rows[0] == "cp" and len(table_spec) == 1     # rows split, cp major
-  check_lookup(mesh, 64, table_spec, functools.partial(parallel.ring_lookup, axis_name="cp"),
-               over_cp=True, seed=1)
+  assert rows[0] == "cp" and len(table_spec) == 1  # rows split, cp major
+  check_lookup(
+    mesh,
+    64,
+    table_spec,
+    functools.partial(parallel.ring_lookup, axis_name="cp"),
+    over_cp=True,
+    seed=1,
+  )
 
 
 def test_lookup_without_a_mesh_is_indexing():

@@ -19,31 +19,37 @@ PERMUTE = re.compile(r'"?stablehlo\.collective_permute"?.*?:\s*\(tensor<([0-9x]+
 
 def permuted_shapes(text):
   """[(shape tuple, dtype)] of every collective_permute operand in StableHLO ``text``."""
-  return [(tuple(int(d) for d in dims.split("x")), dtype)
-          for dims, dtype in PERMUTE.findall(text)]
+  return [(tuple(int(d) for d in dims.split("x")), dtype) for dims, dtype in PERMUTE.findall(text)]
 
 
 @pytest.mark.parametrize("hkv", [1, 2])
 @pytest.mark.parametrize("kind", ["contiguous", "load_balanced"])
 def test_collective_permutes_carry_only_kv_heads(hkv, kind):
-  b, s, hq, d, cp = 2, 64, 4, 8, 4          # B, L = 16, Hq, D all distinct from Hkv
+  b, s, hq, d, cp = 2, 64, 4, 8, 4  # B, L = 16, Hq, D all distinct from Hkv
   lay = cpjax.ShardLayout(s, s, cp, kind)
   mesh = cp_mesh(cp)
   spec = P(None, "cp")
-  sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
+  sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
   ring = jax.shard_map(
-      lambda q, k, v, seg: cpjax.ring_attention(q, k, v, layout=lay, segment_ids=seg),
-      mesh=mesh, in_specs=spec, out_specs=spec)
-  loss = lambda q, k, v, seg: jnp.sum(ring(q, k, v, seg))                                    # noqa: E731
-  args = (sds((b, s, hq, d), jnp.float32), sds((b, s, hkv, d), jnp.float32),
-          sds((b, s, hkv, d), jnp.float32), sds((b, s), jnp.int32))
+    lambda q, k, v, seg: cpjax.ring_attention(q, k, v, layout=lay, segment_ids=seg),
+    mesh=mesh,
+    in_specs=spec,
+    out_specs=spec,
+  )
+  loss = lambda q, k, v, seg: jnp.sum(ring(q, k, v, seg))  # noqa: E731
+  args = (
+    sds((b, s, hq, d), jnp.float32),
+    sds((b, s, hkv, d), jnp.float32),
+    sds((b, s, hkv, d), jnp.float32),
+    sds((b, s), jnp.int32),
+  )
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).as_text()
   shapes = permuted_shapes(text)
   assert len(shapes) == text.count("stablehlo.collective_permute"), "a permute the regex missed"
   local = lay.local_seq_len
   kv = [sh for sh, _ in shapes if len(sh) == 4]
   assert kv, "no K/V collective permute found"
-  assert all(sh == (b, hkv, local, d) for sh in kv), shapes          # head-major [B, Hkv, L, D]
-  assert all(sh == (b, local) for sh, _ in shapes if len(sh) != 4), shapes   # mask arrays
+  assert all(sh == (b, hkv, local, d) for sh in kv), shapes  # head-major [B, Hkv, L, D]
+  assert all(sh == (b, local) for sh, _ in shapes if len(sh) != 4), shapes  # mask arrays
   # Forward K, V; backward K, V, dK, dV in the loop and dK, dV sent home: 8 (one direction).
   assert len(kv) >= 6, shapes

@@ -34,15 +34,16 @@ def test_estimate_shrinks_state_with_fsdp_and_cp_and_activations_with_cp():
   base = plan.estimate(cfg, model="e2b", seq_len=32768, mesh={"fsdp": 2, "cp": 4})
   fsdp = plan.estimate(cfg, model="e2b", seq_len=32768, mesh={"fsdp": 4, "cp": 4})
   cp = plan.estimate(cfg, model="e2b", seq_len=32768, mesh={"fsdp": 2, "cp": 8})
-  for more in (fsdp, cp):          # the state splits over every token axis
+  for more in (fsdp, cp):  # the state splits over every token axis
     assert more.params == pytest.approx(base.params / 2)
     assert more.optimizer == pytest.approx(base.optimizer / 2, rel=1e-6)
   assert cp.activations < base.activations
-  n = 4.80e9    # e2b's parameters, vision tower and per-layer embeddings included
+  n = 4.80e9  # e2b's parameters, vision tower and per-layer embeddings included
   assert base.params == pytest.approx(4 * n / 8, rel=0.01)
   # Whole over cp: 1/fsdp of the state, and the gradients twice.
-  whole = plan.estimate(cfg, model="e2b", seq_len=32768, mesh={"fsdp": 2, "cp": 4},
-                        shard_state="fsdp")
+  whole = plan.estimate(
+    cfg, model="e2b", seq_len=32768, mesh={"fsdp": 2, "cp": 4}, shard_state="fsdp"
+  )
   assert whole.params == pytest.approx(4 * n / 2, rel=0.01)
   # (8n / 2 of gradients against 4n / 8, less the loss's gathered row.)
   assert whole.activations - base.activations > 3 * n
@@ -63,13 +64,20 @@ def test_smallest_mesh_fits_and_the_next_smaller_does_not():
 def test_the_closed_form_uses_the_training_loss_chunk_and_mlp_tile():
   from cpjax import training
   from cpjax.models.gemma4 import text
+
   assert plan.LOSS_CHUNK_LOGITS == training.LOSS_CHUNK_LOGITS
   assert plan.MLP_TILE_VALUES == text.MLP_TILE_VALUES
 
 
-@pytest.mark.parametrize("model, judge, platform, rows", [
-    ("e2b-slice", "tpu", "tpu", 16), ("e2b-slice", "gpu", "cuda", 24),
-    ("a4b-slice", "tpu", "tpu", 8), ("a4b-slice", "gpu", "cuda", 8)])
+@pytest.mark.parametrize(
+  "model, judge, platform, rows",
+  [
+    ("e2b-slice", "tpu", "tpu", 16),
+    ("e2b-slice", "gpu", "cuda", 24),
+    ("a4b-slice", "tpu", "tpu", 8),
+    ("a4b-slice", "gpu", "cuda", 8),
+  ],
+)
 def test_the_closed_form_is_at_most_a_tenth_below_the_accelerators(model, judge, platform, rows):
   """Against XLA:TPU's compiled memory (a v5e-8 for E2B, a v5p-16 for
   26B-A4B) and XLA:GPU's for 8 H200s, as ``benchmarks/compile_targets.py``
@@ -86,15 +94,26 @@ def test_the_closed_form_is_at_most_a_tenth_below_the_accelerators(model, judge,
   from cpjax.parallel import parse_mesh
 
   name = MODELS[model][1]
-  table = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-                      / f"{name}.json").read_text())
+  table = json.loads(
+    (Path(__file__).resolve().parent.parent / "benchmarks" / "results" / f"{name}.json").read_text()
+  )
   cfg = e2b_slice() if model == "e2b-slice" else a4b_slice()
   measured = [r for r in table["rows"] if isinstance(r.get(judge), float)]
   assert len(measured) == rows
   for r in measured:
     lora = {"lora_rank": 16, "base_dtype": "bfloat16"} if r["training"] == "lora" else {}
-    got = plan.estimate(cfg, model=model, seq_len=r["S"], mesh=parse_mesh(r["mesh"]),
-                        dtype=r["dtype"], platform=platform, **lora).total / plan.GiB
+    got = (
+      plan.estimate(
+        cfg,
+        model=model,
+        seq_len=r["S"],
+        mesh=parse_mesh(r["mesh"]),
+        dtype=r["dtype"],
+        platform=platform,
+        **lora,
+      ).total
+      / plan.GiB
+    )
     assert got >= 0.895 * r[judge], (r, got)
 
 
@@ -105,13 +124,19 @@ def test_parse_bytes_errors():
 
 def _cpjax_plan(*args: str) -> subprocess.CompletedProcess:
   """``cpjax plan ARGS`` in a fresh process, from the repository root."""
-  return subprocess.run([sys.executable, "-m", "cpjax", "plan", *args], capture_output=True,
-                        text=True, cwd=ROOT, timeout=600)
+  return subprocess.run(
+    [sys.executable, "-m", "cpjax", "plan", *args],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+  )
 
 
 def test_cli_plan_estimate_only():
-  out = _cpjax_plan("--model", "e2b", "--seq-len", "32768", "--device-memory", "95GiB",
-                    "--estimate-only")
+  out = _cpjax_plan(
+    "--model", "e2b", "--seq-len", "32768", "--device-memory", "95GiB", "--estimate-only"
+  )
   assert out.returncode == 0, out.stderr
   assert "cpjax plan: Gemma 4 e2b, S=32768" in out.stdout
   assert "fits 95 GiB" in out.stdout
@@ -123,23 +148,35 @@ def test_cli_plan_rejects_a_mesh_the_model_cannot_use():
   assert "mesh axis 'tp' of size 8 does not divide the 4 attention heads" in out.stderr
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="needs libtpu: pip install 'cpjax[tpu]'")
+@pytest.mark.skipif(
+  importlib.util.find_spec("libtpu") is None, reason="needs libtpu: pip install 'cpjax[tpu]'"
+)
 def test_cli_plan_for_a_target_prints_its_compilers_memory_and_fit(tmp_path):
   """A recipe compiled for a v5e slice by XLA:TPU: the row is the chip's, the
   fit is judged against --device-memory (here too small, so exit 1, and no
   run config is written; without it the chip's 16 GiB)."""
   path = tmp_path / "plan.yaml"
-  out = _cpjax_plan("--recipe", "tiny", "--seq-len", "2048", "--target", "v5e-8",
-                    "--device-memory", "1MiB", "--write-config", str(path))
+  out = _cpjax_plan(
+    "--recipe",
+    "tiny",
+    "--seq-len",
+    "2048",
+    "--target",
+    "v5e-8",
+    "--device-memory",
+    "1MiB",
+    "--write-config",
+    str(path),
+  )
   assert out.returncode == 1, out.stderr
   assert not path.exists() and "not written" in out.stdout, out.stdout
   assert "cpjax plan: Gemma 4 tiny, S=2048" in out.stdout
   assert "8 devices (TPU v5 lite, v5e:2x4)" in out.stdout
   rows = [line for line in out.stdout.splitlines() if " v5e-8 " in line]
   assert len(rows) == 1 and "does NOT fit 1 MiB" in rows[0], out.stdout
-  assert re.search(r"compiled by v5e-8's compiler in \d+ s; collectives .*collective-permute",
-                   out.stdout), out.stdout
+  assert re.search(
+    r"compiled by v5e-8's compiler in \d+ s; collectives .*collective-permute", out.stdout
+  ), out.stdout
   # The tiny recipe's cp=8 mesh, from its run config.
   assert "cp=8" in rows[0]
 
@@ -152,8 +189,18 @@ def test_cli_plan_writes_the_run_config_its_targets_compiler_accepted(tmp_path):
   from cpjax.training.run_file import read_run_config
 
   path = tmp_path / "plan.yaml"
-  out = _cpjax_plan("--model", "tiny", "--seq-len", "2048", "--target", "v5e-8", "--dtype",
-                    "bfloat16", "--write-config", str(path))
+  out = _cpjax_plan(
+    "--model",
+    "tiny",
+    "--seq-len",
+    "2048",
+    "--target",
+    "v5e-8",
+    "--dtype",
+    "bfloat16",
+    "--write-config",
+    str(path),
+  )
   assert out.returncode == 0, out.stderr
   run = read_run_config(path)
   assert (run.model, run.parallel.mesh, run.dtype) == ("tiny", "cp=8", "bfloat16")
@@ -171,9 +218,9 @@ def test_lora_compiled_plan_state_equals_the_closed_form():
   closed = plan.estimate(cfg, model="tiny", seq_len=256, mesh=mesh, dtype="float32", **lora)
   full = plan.estimate(cfg, model="tiny", seq_len=256, mesh=mesh, dtype="float32")
   assert compiled.params == closed.params and compiled.optimizer == closed.optimizer
-  n = full.params * 4 / 4          # values: 4 bytes each, over fsdp x cp = 4 devices
+  n = full.params * 4 / 4  # values: 4 bytes each, over fsdp x cp = 4 devices
   adapters = plan.lora_param_count(cfg, rank=4)
-  assert closed.params == (2 * n + 4 * adapters) / 4        # over fsdp x cp = 4
+  assert closed.params == (2 * n + 4 * adapters) / 4  # over fsdp x cp = 4
   assert closed.optimizer == 8 * adapters / 4 + 4
   assert closed.training == "LoRA r=4 (bfloat16 base)"
 
@@ -181,8 +228,14 @@ def test_lora_compiled_plan_state_equals_the_closed_form():
 # {"cp": 4, "ep": 4} runs in `make soak`: CI's {"fsdp": 2, "cp": 2, "ep": 2}
 # folds ep onto cp alone as it does (and beside fsdp), {"fsdp": 2, "cp": 2,
 # "ep": 4} onto cp and fsdp together.
-@pytest.mark.parametrize("mesh", [pytest.param({"cp": 4, "ep": 4}, marks=pytest.mark.slow),
-                                  {"fsdp": 2, "cp": 2, "ep": 2}, {"fsdp": 2, "cp": 2, "ep": 4}])
+@pytest.mark.parametrize(
+  "mesh",
+  [
+    pytest.param({"cp": 4, "ep": 4}, marks=pytest.mark.slow),
+    {"fsdp": 2, "cp": 2, "ep": 2},
+    {"fsdp": 2, "cp": 2, "ep": 4},
+  ],
+)
 def test_expert_parallel_compiled_plan_state_equals_the_closed_form(mesh):
   """ep: the experts' parameters and Adam moments split ep ways and over the
   token axes ep leaves, the rest over fsdp x cp: compiled = closed form,

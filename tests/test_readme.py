@@ -23,17 +23,24 @@ def test_own_model_example_runs_and_is_short():
   rng = np.random.default_rng(0)
   docs = np.repeat([[1] * 40 + [2] * 20 + [0] * 4], 2, axis=0).astype(np.int32)
   ids = np.where(docs > 0, rng.integers(1, 1000, docs.shape), 0).astype(np.int32)
-  batch = {"input_ids": ids, "_packed_seq_ids": docs, "padding_mask": docs == 0,
-           "labels": np.asarray(cpjax.next_token_labels(ids, docs))}
+  batch = {
+    "input_ids": ids,
+    "_packed_seq_ids": docs,
+    "padding_mask": docs == 0,
+    "labels": np.asarray(cpjax.next_token_labels(ids, docs)),
+  }
   scope = {"batch": batch}
   exec(compile(code, str(README), "exec"), scope)  # noqa: S102
   metrics = scope["metrics"]
-  assert np.isfinite(float(metrics["loss"])) and float(metrics["tokens"]) == 2 * (39 + 19)  # next-token labels per document
+  assert np.isfinite(float(metrics["loss"])) and float(metrics["tokens"]) == 2 * (
+    39 + 19
+  )  # next-token labels per document
 
 
 @pytest.mark.parametrize("checkpoint", [None, "dense"])
-def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsys, checkpoint,
-                                                    hf_checkpoint):
+def test_your_own_data_commands_run_at_a_small_size(
+  tmp_path, monkeypatch, capsys, checkpoint, hf_checkpoint
+):
   """The two commands of "Your own data", as written but for 4 steps (and no
   parity check, tested elsewhere): the corpus, the validation loss, the
   metrics. Then again fine-tuning a checkpoint transformers saved (its own
@@ -51,35 +58,44 @@ def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsy
   commands = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip().splitlines()
   assert len(commands) == 2
   monkeypatch.chdir(tmp_path)
-  (tmp_path / "cpjax").symlink_to(README.parent / "cpjax")     # the README's relative paths
+  (tmp_path / "cpjax").symlink_to(README.parent / "cpjax")  # the README's relative paths
   if checkpoint:
     base = hf_checkpoint(checkpoint)
     assert "--checkpoint cpjax/examples/chat" in commands[0]
     assert "--tokenizer cpjax/examples/chat" in commands[1]
-    commands = [commands[0].replace("--checkpoint cpjax/examples/chat", f"--checkpoint {base}"),
-                commands[1].replace("--tokenizer cpjax/examples/chat", f"--checkpoint {base}")
-                + " --save saved"]
+    commands = [
+      commands[0].replace("--checkpoint cpjax/examples/chat", f"--checkpoint {base}"),
+      commands[1].replace("--tokenizer cpjax/examples/chat", f"--checkpoint {base}")
+      + " --save saved",
+    ]
   prepare, train = (shlex.split(c) for c in commands)
   assert prepare[0] == train[0] == ".venv/bin/cpjax"
   assert cli.main(prepare[1:]) == 0
   assert "400 documents" in capsys.readouterr().out
   small = " ".join(train[1:])
-  for big, little in (("--steps 60", "--steps 4"), ("--eval-every 20", "--eval-every 2"),
-                      ("--warmup-steps 5", "--warmup-steps 1")):
+  for big, little in (
+    ("--steps 60", "--steps 4"),
+    ("--eval-every 20", "--eval-every 2"),
+    ("--warmup-steps 5", "--warmup-steps 1"),
+  ):
     assert big in small
     small = small.replace(big, little)
   assert cli.main(shlex.split(small) + ["--no-parity-check"]) == 0
   out = capsys.readouterr().out
   if checkpoint:
-    _eval_loss_is_the_saved_models(tmp_path, base, json.loads(
-        (tmp_path / "chat-metrics.jsonl").read_text().splitlines()[-1])["eval_loss"])
+    _eval_loss_is_the_saved_models(
+      tmp_path,
+      base,
+      json.loads((tmp_path / "chat-metrics.jsonl").read_text().splitlines()[-1])["eval_loss"],
+    )
   assert "step 2: validation loss" in out and "step 4: validation loss" in out
   lines = [json.loads(x) for x in (tmp_path / "chat-metrics.jsonl").read_text().splitlines()]
   assert [x["step"] for x in lines] == [1, 2, 3, 4]
   assert ["eval_loss" in x for x in lines] == [False, True, False, True]
   schedule = OptimizerConfig(lr=3e-3, steps=4, warmup_steps=1, schedule="cosine").lr_schedule()
-  np.testing.assert_allclose([x["learning_rate"] for x in lines],
-                             [float(schedule(i)) for i in range(4)], rtol=1e-6)
+  np.testing.assert_allclose(
+    [x["learning_rate"] for x in lines], [float(schedule(i)) for i in range(4)], rtol=1e-6
+  )
   assert all(x["tokens"] <= 2 * 256 and x["target_tokens"] < x["tokens"] for x in lines)
   # The TensorBoard events (TFRecord frames of Event protos) hold the same scalars.
   from tensorboardX.proto import event_pb2
@@ -87,8 +103,8 @@ def test_your_own_data_commands_run_at_a_small_size(tmp_path, monkeypatch, capsy
   (events,) = (tmp_path / "chat-tb").iterdir()
   data, at, scalars = events.read_bytes(), 0, {}
   while at < len(data):
-    (n,) = struct.unpack("<Q", data[at:at + 8])
-    event = event_pb2.Event.FromString(data[at + 12:at + 12 + n])
+    (n,) = struct.unpack("<Q", data[at : at + 8])
+    event = event_pb2.Event.FromString(data[at + 12 : at + 12 + n])
     at += 16 + n
     for value in event.summary.value:
       scalars[(value.tag, event.step)] = value.simple_value
@@ -107,12 +123,18 @@ def _eval_loss_is_the_saved_models(tmp_path, base, eval_loss):
   from cpjax.training.run_config import RunConfig, with_values
   from cpjax.training.trainer import eval_rows
 
-  saved = gemma4.Gemma4.from_pretrained(tmp_path / "saved")     # one device, as a user loads it
-  for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "chat_template.jinja"):     # what the checkpoint had besides its weights
+  saved = gemma4.Gemma4.from_pretrained(tmp_path / "saved")  # one device, as a user loads it
+  for name in (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+  ):  # what the checkpoint had besides its weights
     assert (tmp_path / "saved" / name).read_bytes() == (Path(base) / name).read_bytes(), name
-  job = with_values(RunConfig(), {"checkpoint": base, "dataset.seq_len": 256,
-                                  "eval.data": "cpjax/examples/chat/eval.jsonl"})
+  job = with_values(
+    RunConfig(),
+    {"checkpoint": base, "dataset.seq_len": 256, "eval.data": "cpjax/examples/chat/eval.jsonl"},
+  )
   rows = eval_rows(job, type("T", (), {"rows": 2, "cfg": saved.cfg})(), lambda *_: None)
   graphdef, params, rest = nnx.split(saved, nnx.Param, ...)
   single = jax.jit(training.make_loss_fn(graphdef, frozen=rest))

@@ -15,7 +15,7 @@ def np_attention(q, k, v, allowed, scale=None, cap=None):
   g = hq // k.shape[2]
   k = np.repeat(k, g, axis=2)
   v = np.repeat(v, g, axis=2)
-  logits = np.einsum("bqhd,bkhd->bhqk", q, k) * (d ** -0.5 if scale is None else scale)
+  logits = np.einsum("bqhd,bkhd->bhqk", q, k) * (d**-0.5 if scale is None else scale)
   if cap is not None:
     logits = cap * np.tanh(logits / cap)
   allowed = allowed[:, None]
@@ -54,16 +54,17 @@ def test_hand_worked_masks():
   # out[q] is the uniform distribution over allowed keys.
   q = k = np.zeros((1, s, 1, s), np.float32)
   v = np.eye(s, dtype=np.float32)[None, :, None, :]
-  out = np.asarray(cpjax.reference_attention(q, k, v, sliding_window=2, segment_ids=seg,
-                                             vision_group_ids=vg))[0, :, 0]
+  out = np.asarray(
+    cpjax.reference_attention(q, k, v, sliding_window=2, segment_ids=seg, vision_group_ids=vg)
+  )[0, :, 0]
   allowed = (out > 0).astype(int).tolist()
   assert allowed == [
-      [1, 0, 0, 0, 0, 0],   # token 0: itself
-      [1, 1, 1, 0, 0, 0],   # token 1: window {0, 1} plus its image partner 2
-      [0, 1, 1, 0, 0, 0],   # token 2: window {1, 2} (image 1 is inside it)
-      [0, 0, 0, 1, 0, 0],   # token 3: new document
-      [0, 0, 0, 1, 1, 0],   # token 4
-      [0, 0, 0, 0, 0, 0],   # token 5: document 0 = pad, nothing
+    [1, 0, 0, 0, 0, 0],  # token 0: itself
+    [1, 1, 1, 0, 0, 0],  # token 1: window {0, 1} plus its image partner 2
+    [0, 1, 1, 0, 0, 0],  # token 2: window {1, 2} (image 1 is inside it)
+    [0, 0, 0, 1, 0, 0],  # token 3: new document
+    [0, 0, 0, 1, 1, 0],  # token 4
+    [0, 0, 0, 0, 0, 0],  # token 5: document 0 = pad, nothing
   ]
   np.testing.assert_allclose(out[1], [1 / 3, 1 / 3, 1 / 3, 0, 0, 0], rtol=1e-6)
 
@@ -76,8 +77,10 @@ def test_padding_mask_masks_keys_only():
   np.testing.assert_allclose(out, [[1, 0, 0], [1, 0, 0], [0.5, 0, 0.5]], rtol=1e-6)
 
 
-@pytest.mark.parametrize("causal, window, cap, g", [
-    (True, None, None, 1), (False, 3, None, 2), (True, 4, 5.0, 4), (False, None, 2.0, 2)])
+@pytest.mark.parametrize(
+  "causal, window, cap, g",
+  [(True, None, None, 1), (False, 3, None, 2), (True, 4, 5.0, 4), (False, None, 2.0, 2)],
+)
 def test_matches_numpy(causal, window, cap, g):
   rng = np.random.default_rng(0)
   b, s, hkv, d = 2, 12, 2, 4
@@ -91,8 +94,9 @@ def test_matches_numpy(causal, window, cap, g):
     allowed = allowed & (((i - j) if causal else np.abs(i - j)) < window)
   allowed = allowed[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
   want = np_attention(q, k, v, allowed, cap=cap)
-  got = cpjax.reference_attention(q, k, v, causal=causal, sliding_window=window,
-                                  segment_ids=seg, logits_soft_cap=cap)
+  got = cpjax.reference_attention(
+    q, k, v, causal=causal, sliding_window=window, segment_ids=seg, logits_soft_cap=cap
+  )
   chex.assert_trees_all_close(got, want.astype(np.float32), rtol=1e-5, atol=1e-6)
 
 
@@ -113,9 +117,11 @@ def test_mask_object_equals_the_keywords():
   the formula written out in reference.py: the two must agree."""
   rng = np.random.default_rng(2)
   q, k, v = (rng.standard_normal((2, 10, 2, 4)).astype(np.float32) for _ in range(3))
-  meta = {"segment_ids": np.array([[1] * 6 + [2] * 3 + [0], [1] * 10], np.int32),
-          "padding_mask": np.array([[False] * 9 + [True], [False] * 8 + [True] * 2]),
-          "vision_group_ids": np.array([[-1, 0, 0, 0, -1, -1, 1, 1, -1, -1], [-1] * 10], np.int32)}
+  meta = {
+    "segment_ids": np.array([[1] * 6 + [2] * 3 + [0], [1] * 10], np.int32),
+    "padding_mask": np.array([[False] * 9 + [True], [False] * 8 + [True] * 2]),
+    "vision_group_ids": np.array([[-1, 0, 0, 0, -1, -1, 1, 1, -1, -1], [-1] * 10], np.int32),
+  }
   for causal, window in ((True, 3), (False, None), (False, 2)):
     want = cpjax.reference_attention(q, k, v, causal=causal, sliding_window=window, **meta)
     mask = cpjax.AttentionMask.create(causal=causal, sliding_window=window, **meta)

@@ -56,8 +56,9 @@ def test_sliding_window(inputs, cp, kind, window_vs_local):
   check(*inputs, cp=cp, kind=kind, meta=meta, causal=True, sliding_window=window)
 
 
-@pytest.mark.parametrize("cp, kind, window", [(8, "contiguous", 3), (8, "load_balanced", 6),
-                                              (4, "load_balanced", 1)])
+@pytest.mark.parametrize(
+  "cp, kind, window", [(8, "contiguous", 3), (8, "load_balanced", 6), (4, "load_balanced", 1)]
+)
 def test_bidirectional_window(inputs, cp, kind, window):
   check(*inputs, cp=cp, kind=kind, causal=False, sliding_window=window)
 
@@ -108,11 +109,16 @@ def test_output_dtype_follows_q():
   inputs = H.make_inputs(np.random.default_rng(5), dtype=jnp.bfloat16, s=16)
   mesh = cp_mesh(2)
   lay = cpjax.ShardLayout(16, 16, 2)
-  f = jax.shard_map(lambda q, k, v: cpjax.ring_attention(q, k, v, layout=lay), mesh=mesh,
-                    in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+  f = jax.shard_map(
+    lambda q, k, v: cpjax.ring_attention(q, k, v, layout=lay),
+    mesh=mesh,
+    in_specs=P(None, "cp"),
+    out_specs=P(None, "cp"),
+  )
   spec = jax.NamedSharding(mesh, P(None, "cp"))
-  out = jax.eval_shape(f, *(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec)
-                            for x in inputs[:3]))
+  out = jax.eval_shape(
+    f, *(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec) for x in inputs[:3])
+  )
   assert out.dtype == jnp.bfloat16 and out.shape == inputs[0].shape
 
 
@@ -134,15 +140,18 @@ def test_fully_padded_ranks_are_finite_and_zero(inputs, kind):
   out, (dq, dk, dv) = check(q, k, v, w, cp=8, kind=kind, meta=meta)
   # Padded queries see nothing; padded keys are never attended to: exact zeros.
   for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
-    chex.assert_trees_all_equal(x[:, pad_from:], np.zeros_like(x[:, pad_from:]),
-                                custom_message=name)
+    chex.assert_trees_all_equal(
+      x[:, pad_from:], np.zeros_like(x[:, pad_from:]), custom_message=name
+    )
 
 
 def test_everything_masked_is_zero_not_nan(inputs):
   q, k, v, w = inputs
   meta = {"segment_ids": np.zeros((2, 64), np.int32)}
   out, grads = H.ring(q, k, v, w, cp=4, kind="load_balanced", meta=meta)
-  chex.assert_trees_all_equal((out, grads), (np.zeros_like(out), tuple(np.zeros_like(g) for g in grads)))
+  chex.assert_trees_all_equal(
+    (out, grads), (np.zeros_like(out), tuple(np.zeros_like(g) for g in grads))
+  )
 
 
 def test_dp_cp_mesh_and_batch_axis(inputs):
@@ -151,14 +160,23 @@ def test_dp_cp_mesh_and_batch_axis(inputs):
   check(*inputs, cp=4, kind="load_balanced", meta=meta, mesh=mesh, batch_axis="dp")
 
 
-@given(cp=st.sampled_from([2, 4, 8]), kind=st.sampled_from(KINDS), causal=st.booleans(),
-       window=st.sampled_from([None, 1, 4, 11, 40]), docs=st.booleans(),
-       pad_from=st.sampled_from([None, 45, 20]), vision=st.booleans(),
-       cap=st.sampled_from([None, 3.0]), gqa=st.sampled_from([1, 2]),
-       block_q=st.sampled_from([None, 2, 4]), block_kv=st.sampled_from([None, 1, 4]),
-       seed=st.integers(0, 1000))
-def test_random_combinations(cp, kind, causal, window, docs, pad_from, vision, cap, gqa,
-                             block_q, block_kv, seed):
+@given(
+  cp=st.sampled_from([2, 4, 8]),
+  kind=st.sampled_from(KINDS),
+  causal=st.booleans(),
+  window=st.sampled_from([None, 1, 4, 11, 40]),
+  docs=st.booleans(),
+  pad_from=st.sampled_from([None, 45, 20]),
+  vision=st.booleans(),
+  cap=st.sampled_from([None, 3.0]),
+  gqa=st.sampled_from([1, 2]),
+  block_q=st.sampled_from([None, 2, 4]),
+  block_kv=st.sampled_from([None, 1, 4]),
+  seed=st.integers(0, 1000),
+)
+def test_random_combinations(
+  cp, kind, causal, window, docs, pad_from, vision, cap, gqa, block_q, block_kv, seed
+):
   """Every chunk here is >= 4 tokens, so drawn tiles split it into several
   tiles per chunk, with partial and skipped tiles inside one hop."""
   rng = np.random.default_rng(seed)
@@ -168,8 +186,17 @@ def test_random_combinations(cp, kind, causal, window, docs, pad_from, vision, c
     meta.pop("segment_ids")
   if pad_from is None:
     meta.pop("padding_mask")
-  check(*inputs, cp=cp, kind=kind, meta=meta, causal=causal, sliding_window=window,
-        logits_soft_cap=cap, block_q=block_q, block_kv=block_kv)
+  check(
+    *inputs,
+    cp=cp,
+    kind=kind,
+    meta=meta,
+    causal=causal,
+    sliding_window=window,
+    logits_soft_cap=cap,
+    block_q=block_q,
+    block_kv=block_kv,
+  )
 
 
 @pytest.mark.parametrize("kind", [pytest.param(KINDS[0], marks=pytest.mark.slow), KINDS[1]])
@@ -182,18 +209,22 @@ def test_mask_object_equals_keywords(inputs, kind):
   mesh = cp_mesh(4)
   spec = jax.NamedSharding(mesh, P(None, "cp"))
   mask = cpjax.AttentionMask.create(
-      sliding_window=5, **{n: jax.device_put(x[:, order], spec) for n, x in meta.items()})
-  ring = jax.shard_map(lambda q, k, v, m: cpjax.ring_attention(q, k, v, layout=lay, mask=m),
-                       mesh=mesh, in_specs=(P(None, "cp"),) * 3 + (P(None, "cp"),),
-                       out_specs=P(None, "cp"))
+    sliding_window=5, **{n: jax.device_put(x[:, order], spec) for n, x in meta.items()}
+  )
+  ring = jax.shard_map(
+    lambda q, k, v, m: cpjax.ring_attention(q, k, v, layout=lay, mask=m),
+    mesh=mesh,
+    in_specs=(P(None, "cp"),) * 3 + (P(None, "cp"),),
+    out_specs=P(None, "cp"),
+  )
   out = ring(*(jax.device_put(x[:, order], spec) for x in inputs[:3]), mask)
   chex.assert_trees_all_equal(np.asarray(out)[:, np.argsort(order)], keywords)
 
 
 # ------------------------------------------------------------------- the plan
 def test_ring_plan_hops():
-  lb = cpjax.ShardLayout(8192, 8192, 8, "load_balanced")      # chunk 512
-  co = cpjax.ShardLayout(8192, 8192, 8, "contiguous")         # chunk 1024
+  lb = cpjax.ShardLayout(8192, 8192, 8, "load_balanced")  # chunk 512
+  co = cpjax.ShardLayout(8192, 8192, 8, "contiguous")  # chunk 1024
   assert cpjax.ring_plan(co) == cpjax.RingPlan(7, 0)
   assert cpjax.ring_plan(lb) == cpjax.RingPlan(7, 0)
   assert cpjax.ring_plan(co, sliding_window=1) == cpjax.RingPlan(0, 0)
@@ -215,8 +246,12 @@ def test_window_of_one_token_sends_nothing(inputs):
   spec = jax.NamedSharding(mesh, P(None, "cp"))
 
   def hlo(**kw):
-    f = jax.shard_map(lambda q, k, v: cpjax.ring_attention(q, k, v, layout=lay, **kw),
-                      mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+    f = jax.shard_map(
+      lambda q, k, v: cpjax.ring_attention(q, k, v, layout=lay, **kw),
+      mesh=mesh,
+      in_specs=P(None, "cp"),
+      out_specs=P(None, "cp"),
+    )
     return jax.jit(f).lower(*(jax.device_put(x, spec) for x in (q, k, v))).as_text()
 
   assert "collective_permute" in hlo(sliding_window=9)
@@ -227,48 +262,101 @@ def test_window_of_one_token_sends_nothing(inputs):
 def _call(q, k, v, lay=None, mesh_cp=2, **kw):
   lay = lay or cpjax.ShardLayout(16, 16, mesh_cp)
   mesh = cp_mesh(mesh_cp)
-  f = jax.shard_map(lambda q, k, v: cpjax.ring_attention(q, k, v, layout=lay, **kw),
-                    mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"), check_vma=True)
+  f = jax.shard_map(
+    lambda q, k, v: cpjax.ring_attention(q, k, v, layout=lay, **kw),
+    mesh=mesh,
+    in_specs=P(None, "cp"),
+    out_specs=P(None, "cp"),
+    check_vma=True,
+  )
   spec = jax.NamedSharding(mesh, P(None, "cp"))
-  return jax.eval_shape(f, *(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec)
-                             for x in (q, k, v)))
+  return jax.eval_shape(
+    f, *(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec) for x in (q, k, v))
+  )
 
 
 Q = jax.ShapeDtypeStruct((1, 16, 4, 8), jnp.float32)
 KV = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)
 
 
-@pytest.mark.parametrize("args, kw, err, match", [
+@pytest.mark.parametrize(
+  "args, kw, err, match",
+  [
     ((jax.ShapeDtypeStruct((16, 4, 8), jnp.float32), KV, KV), {}, ValueError, "q must be 4-D"),
-    ((Q, KV, jax.ShapeDtypeStruct((1, 16, 2, 4), jnp.float32)), {}, ValueError,
-     "k and v must have the same shape"),
-    ((Q, jax.ShapeDtypeStruct((1, 16, 3, 8), jnp.float32),
-      jax.ShapeDtypeStruct((1, 16, 3, 8), jnp.float32)), {}, ValueError,
-     r"query heads \(4\) must be a multiple of key/value heads \(3\)"),
-    ((Q, jax.ShapeDtypeStruct((1, 16, 2, 4), jnp.float32),
-      jax.ShapeDtypeStruct((1, 16, 2, 4), jnp.float32)), {}, ValueError, "k/v must have shape"),
+    (
+      (Q, KV, jax.ShapeDtypeStruct((1, 16, 2, 4), jnp.float32)),
+      {},
+      ValueError,
+      "k and v must have the same shape",
+    ),
+    (
+      (
+        Q,
+        jax.ShapeDtypeStruct((1, 16, 3, 8), jnp.float32),
+        jax.ShapeDtypeStruct((1, 16, 3, 8), jnp.float32),
+      ),
+      {},
+      ValueError,
+      r"query heads \(4\) must be a multiple of key/value heads \(3\)",
+    ),
+    (
+      (
+        Q,
+        jax.ShapeDtypeStruct((1, 16, 2, 4), jnp.float32),
+        jax.ShapeDtypeStruct((1, 16, 2, 4), jnp.float32),
+      ),
+      {},
+      ValueError,
+      "k/v must have shape",
+    ),
     ((Q, KV, KV), {"sliding_window": 0}, ValueError, "sliding_window must be an int >= 1"),
-    ((Q, KV, KV), {"segment_ids": np.zeros((1, 6), np.int32)}, ValueError,
-     r"mask array segment_ids must have shape \[B, L\] \(q's first two dimensions\) = "
-     r"\[1, 8\], got \[1, 6\]"),
-    ((Q, KV, KV), {"mask": cpjax.AttentionMask.create(), "sliding_window": 4}, ValueError,
-     r"pass either mask= or the mask keywords, not both; got mask and \['sliding_window'\]"),
-    ((Q, KV, KV), {"lay": cpjax.ShardLayout(16, 16, 4)}, ValueError,
-     r"layout.cp_size \(4\) must equal the size of mesh axis 'cp' \(2\)"),
-    ((Q, KV, KV), {"lay": cpjax.ShardLayout(32, 32, 2)}, ValueError,
-     "q must hold layout.local_seq_len = 16 tokens"),
-    ((Q, KV, KV), {"block_q": 3}, ValueError, r"block_q must be a positive divisor of layout.chunk_len \(8\)"),
+    (
+      (Q, KV, KV),
+      {"segment_ids": np.zeros((1, 6), np.int32)},
+      ValueError,
+      r"mask array segment_ids must have shape \[B, L\] \(q's first two dimensions\) = "
+      r"\[1, 8\], got \[1, 6\]",
+    ),
+    (
+      (Q, KV, KV),
+      {"mask": cpjax.AttentionMask.create(), "sliding_window": 4},
+      ValueError,
+      r"pass either mask= or the mask keywords, not both; got mask and \['sliding_window'\]",
+    ),
+    (
+      (Q, KV, KV),
+      {"lay": cpjax.ShardLayout(16, 16, 4)},
+      ValueError,
+      r"layout.cp_size \(4\) must equal the size of mesh axis 'cp' \(2\)",
+    ),
+    (
+      (Q, KV, KV),
+      {"lay": cpjax.ShardLayout(32, 32, 2)},
+      ValueError,
+      "q must hold layout.local_seq_len = 16 tokens",
+    ),
+    (
+      (Q, KV, KV),
+      {"block_q": 3},
+      ValueError,
+      r"block_q must be a positive divisor of layout.chunk_len \(8\)",
+    ),
     ((Q, KV, KV), {"logits_soft_cap": 0.0}, ValueError, "logits_soft_cap must be > 0"),
-])
+  ],
+)
 def test_bad_input(args, kw, err, match):
   with pytest.raises(err, match=match):
     _call(*args, **kw)
 
 
 def test_bad_metadata_dtypes():
-  with pytest.raises(TypeError, match="mask array segment_ids must have an integer dtype, got float32"):
+  with pytest.raises(
+    TypeError, match="mask array segment_ids must have an integer dtype, got float32"
+  ):
     _call(Q, KV, KV, segment_ids=np.zeros((1, 8), np.float32))
-  with pytest.raises(TypeError, match=r"mask array padding_mask must be bool \(True = pad\), got int32"):
+  with pytest.raises(
+    TypeError, match=r"mask array padding_mask must be bool \(True = pad\), got int32"
+  ):
     _call(Q, KV, KV, padding_mask=np.zeros((1, 8), np.int32))
 
 

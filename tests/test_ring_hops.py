@@ -21,17 +21,26 @@ from tests.test_tile_schedule import CASES, B, S, np_allowed, np_tiles
 @pytest.mark.parametrize("kind", ["contiguous", "load_balanced"])
 def test_ring_hops_schedule_what_numpy_counts(monkeypatch, case, kind):
   cp, bq, bk = 4, 8, 8
-  records = collections.defaultdict(list)   # (rank, src) -> [(visited, full & visited)]
+  records = collections.defaultdict(list)  # (rank, src) -> [(visited, full & visited)]
   real = RA._tile_schedule
 
   def spy(cfg, q_info, src_rank, k_arrays, active):
     plan = real(cfg, q_info, src_rank, k_arrays, active)
     nq, nk = plan.full.shape
-    visit = jnp.zeros(nq * nk, jnp.int32).at[plan.tiles].add(
-        jnp.arange(nq * nk) < plan.count).reshape(nq, nk) > 0
+    visit = (
+      jnp.zeros(nq * nk, jnp.int32)
+      .at[plan.tiles]
+      .add(jnp.arange(nq * nk) < plan.count)
+      .reshape(nq, nk)
+      > 0
+    )
     jax.debug.callback(
-        lambda r, s, n, f: records[int(r), int(s)].append((int(n), int(f))),
-        lax.axis_index(cfg.axis_name), src_rank, plan.count, jnp.sum(visit & plan.full))
+      lambda r, s, n, f: records[int(r), int(s)].append((int(n), int(f))),
+      lax.axis_index(cfg.axis_name),
+      src_rank,
+      plan.count,
+      jnp.sum(visit & plan.full),
+    )
     return plan
 
   monkeypatch.setattr(RA, "_tile_schedule", spy)
@@ -50,8 +59,9 @@ def test_ring_hops_schedule_what_numpy_counts(monkeypatch, case, kind):
     active.update((r + h) % cp for h in range(1, plan.backward_hops + 1))
     q_pos = np.asarray(cpjax.local_token_indices(layout, r))
     for s in range(cp):
-      some, every = np_tiles(allowed, q_pos, np.asarray(cpjax.local_token_indices(layout, s)),
-                             bq, bk)
+      some, every = np_tiles(
+        allowed, q_pos, np.asarray(cpjax.local_token_indices(layout, s)), bq, bk
+      )
       want = (int(some.any(0).sum()), int((every.all(0) & some.any(0)).sum()))
       expected = [want] * active[s] + [(0, 0)] * (s == r and plan.backward_hops > 0)
       got = records.pop((r, s), [])
@@ -63,7 +73,14 @@ def test_ring_hops_schedule_what_numpy_counts(monkeypatch, case, kind):
     # A static reach: the farthest hop of each direction does work for some rank.
     for hops, sign in ((plan.forward_hops, -1), (plan.backward_hops, +1)):
       if hops:
-        far = [np_tiles(allowed, np.asarray(cpjax.local_token_indices(layout, r)),
-                        np.asarray(cpjax.local_token_indices(layout, (r + sign * hops) % cp)),
-                        bq, bk)[0].any() for r in range(cp)]
+        far = [
+          np_tiles(
+            allowed,
+            np.asarray(cpjax.local_token_indices(layout, r)),
+            np.asarray(cpjax.local_token_indices(layout, (r + sign * hops) % cp)),
+            bq,
+            bk,
+          )[0].any()
+          for r in range(cp)
+        ]
         assert any(far), f"{case} {kind}: hop {sign * hops} of {plan} does no work"

@@ -57,19 +57,28 @@ def test_each_published_size_recipe_fits_its_device(name):
   chips = targets.parse_target(target.target)
   assert chips.num_devices == target.devices
   assert abs(chips.chip.memory - plan.parse_bytes(target.device_memory)) < 2**30
-  est = plan.estimate(Gemma4Config.preset(run.model), model=run.model, seq_len=run.dataset.seq_len,
-                      mesh=run.parallel.mesh_sizes(), remat=run.remat, dtype=run.dtype,
-                      batch_size=run.dataset.batch_size // run.dataset.microbatches,
-                      lora_rank=run.lora.rank, base_dtype=run.lora.base_dtype,
-                      lora_targets=run.lora.targets,
-                      capacity_factor=run.experts.capacity_factor,
-                      shard_state=run.parallel.shard_state)
+  est = plan.estimate(
+    Gemma4Config.preset(run.model),
+    model=run.model,
+    seq_len=run.dataset.seq_len,
+    mesh=run.parallel.mesh_sizes(),
+    remat=run.remat,
+    dtype=run.dtype,
+    batch_size=run.dataset.batch_size // run.dataset.microbatches,
+    lora_rank=run.lora.rank,
+    base_dtype=run.lora.base_dtype,
+    lora_targets=run.lora.targets,
+    capacity_factor=run.experts.capacity_factor,
+    shard_state=run.parallel.shard_state,
+  )
   memory = plan.parse_bytes(target.device_memory)
   assert est.fits(memory), est.row()
   assert run.dataset.seq_len >= 131072 and not run.parity_check
   # The file's note of its plan is the closed form's answer today.
-  note = (f"# planned by cpjax plan: {' '.join(est.row().split())} [{run.dtype} activations] "
-          f"fits ({plan.format_bytes(memory)} per device)")
+  note = (
+    f"# planned by cpjax plan: {' '.join(est.row().split())} [{run.dtype} activations] "
+    f"fits ({plan.format_bytes(memory)} per device)"
+  )
   with open(recipes.path(name)) as f:
     assert note in f.read().splitlines(), note
 
@@ -94,68 +103,120 @@ def test_cpjax_train_reads_files_first_so_every_key_beats_them(monkeypatch, tmp_
   started = []
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda run, **k: started.append(run))
-  for argv in (["--optimizer.lr", "0.25", "--recipe", "tiny", "--config", str(path)],
-               ["--recipe=tiny", "--optimizer.lr=0.25", f"--config={path}"]):
+  for argv in (
+    ["--optimizer.lr", "0.25", "--recipe", "tiny", "--config", str(path)],
+    ["--recipe=tiny", "--optimizer.lr=0.25", f"--config={path}"],
+  ):
     assert cli.main(["train", *argv, "--skip-memory-check", "--seq-len", "64"]) == 0
     assert started[-1].optimizer.lr == 0.25
-  assert cli.main(["train", "--optimizer.steps", "3", "--config", str(path), "--recipe", "tiny",
-                   "--skip-memory-check"]) == 0
-  assert started[-1].optimizer.lr == 0.003 and started[-1].optimizer.steps == 3   # the recipe's, read last
+  assert (
+    cli.main(
+      [
+        "train",
+        "--optimizer.steps",
+        "3",
+        "--config",
+        str(path),
+        "--recipe",
+        "tiny",
+        "--skip-memory-check",
+      ]
+    )
+    == 0
+  )
+  assert (
+    started[-1].optimizer.lr == 0.003 and started[-1].optimizer.steps == 3
+  )  # the recipe's, read last
 
 
 # A value for each short flag, and what it sets (its dotted key's value).
-ALIAS_VALUES = {"--data": "x.jsonl", "--tokenizer": "tok", "--seq-len": "96", "--batch-size": "4",
-                "--microbatches": "2", "--images-per-row": "3", "--lr": "0.5",
-                "--lr-schedule": "cosine", "--warmup-steps": "3", "--max-grad-norm": "1.5",
-                "--steps": "9", "--mesh": "fsdp=2,cp=4", "--cp": "4",
-                "--layout": "document_balanced", "--shard-state": "fsdp", "--lora-rank": "4",
-                "--lora-alpha": "16",
-                "--lora-targets": ".*q_proj", "--base-dtype": "bfloat16",
-                "--capacity-factor": "1.25", "--eval-data": "e.jsonl", "--eval-every": "5",
-                "--eval-rows": "8", "--metrics": "m.jsonl", "--tensorboard": "tb",
-                "--state-dir": "s", "--save-every": "2", "--save": "out"}
+ALIAS_VALUES = {
+  "--data": "x.jsonl",
+  "--tokenizer": "tok",
+  "--seq-len": "96",
+  "--batch-size": "4",
+  "--microbatches": "2",
+  "--images-per-row": "3",
+  "--lr": "0.5",
+  "--lr-schedule": "cosine",
+  "--warmup-steps": "3",
+  "--max-grad-norm": "1.5",
+  "--steps": "9",
+  "--mesh": "fsdp=2,cp=4",
+  "--cp": "4",
+  "--layout": "document_balanced",
+  "--shard-state": "fsdp",
+  "--lora-rank": "4",
+  "--lora-alpha": "16",
+  "--lora-targets": ".*q_proj",
+  "--base-dtype": "bfloat16",
+  "--capacity-factor": "1.25",
+  "--eval-data": "e.jsonl",
+  "--eval-every": "5",
+  "--eval-rows": "8",
+  "--metrics": "m.jsonl",
+  "--tensorboard": "tb",
+  "--state-dir": "s",
+  "--save-every": "2",
+  "--save": "out",
+}
 
 
 def test_every_short_flag_sets_its_dotted_key():
   seen = set()
   for s in settings():
     flag = alias_flag(s)
-    if flag is None or flag == "--" + s.key:    # no alias, or the key itself (--model)
+    if flag is None or flag == "--" + s.key:  # no alias, or the key itself (--model)
       continue
     seen.add(flag)
     if flag in ALIAS_VALUES:
       value = ALIAS_VALUES[flag]
       assert parse(flag, value) == parse("--" + s.key, value), flag
       assert parse(flag, value) != RunConfig(), flag
-    else:                                       # a switch: --truncate, --no-parity-check
+    else:  # a switch: --truncate, --no-parity-check
       want = "false" if flag.startswith("--no-") else "true"
       assert parse(flag) == parse("--" + s.key, want) != RunConfig(), flag
-  assert seen >= set(ALIAS_VALUES) | {"--truncate", "--no-parity-check", "--merge-lora",
-                                      "--force-resume"}
+  assert seen >= set(ALIAS_VALUES) | {
+    "--truncate",
+    "--no-parity-check",
+    "--merge-lora",
+    "--force-resume",
+  }
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["--optimizer.lrr", "1"], "unrecognized arguments: --optimizer.lrr"),
     (["--optimizer.lr", "fast"], "--optimizer.lr: expected float, got 'fast'"),
-    (["--parallel.layout", "zz"], "--parallel.layout: expected ['contiguous', 'load_balanced', "
-                                  "'document_balanced'], got 'zz'"),
+    (
+      ["--parallel.layout", "zz"],
+      "--parallel.layout: expected ['contiguous', 'load_balanced', 'document_balanced'], got 'zz'",
+    ),
     (["--dataset.seq_len", "8"], "--dataset.seq_len must be >= 32, got 8"),
     (["--optimizer.steps", "0"], "--optimizer.steps must be > 0, got 0"),
     (["--recipe", "nope"], "--recipe: no recipe 'nope'; the recipes are ["),
     (["--config", "FILE:lrr: 1\n"], "Option 'lrr' is not accepted"),
     (["--config", "FILE:optimizer:\n  lrr: 1\n"], "Group 'optimizer' does not accept option 'lrr'"),
     (["--config", "FILE:optimizer:\n  lr: fast\n"], "--optimizer.lr: expected float, got 'fast'"),
-    (["--recipe", "tiny", "--parallel.mesh", "fsdp=2", "--cp", "2"],
-     "--parallel.mesh sets the cp size; do not add --cp"),
+    (
+      ["--recipe", "tiny", "--parallel.mesh", "fsdp=2", "--cp", "2"],
+      "--parallel.mesh sets the cp size; do not add --cp",
+    ),
     # A value from a file is named by its dotted key; a null where a value must be.
-    (["--config", "FILE:dataset:\n  seq_len: 16\n"], "error: dataset.seq_len must be >= 32, got 16"),
+    (
+      ["--config", "FILE:dataset:\n  seq_len: 16\n"],
+      "error: dataset.seq_len must be >= 32, got 16",
+    ),
     (["--config", "FILE:dataset:\n  seq_len: null\n"], "dataset.seq_len must be int, got None"),
     (["--config", "FILE:parity_check: null\n"], "parity_check must be bool, got None"),
     (["--checkpointing.resume", "true"], "--checkpointing.resume: use --resume DIR"),
     (["--optimizer.l", "1"], "unrecognized arguments: --optimizer.l 1"),
-])
-def test_unknown_keys_and_wrong_types_are_one_line_exit_two(argv, message, capsys, tmp_path,
-                                                            monkeypatch):
+  ],
+)
+def test_unknown_keys_and_wrong_types_are_one_line_exit_two(
+  argv, message, capsys, tmp_path, monkeypatch
+):
   if argv[0] == "--config":
     path = tmp_path / "bad.yaml"
     path.write_text(argv[1].split(":", 1)[1])
@@ -179,8 +240,21 @@ def test_the_command_line_replaces_what_a_file_trains_and_its_mesh(monkeypatch):
   started = []
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda run, **k: started.append(run))
-  assert cli.main(["train", "--recipe", "e2b-lora-128k", "--checkpoint", ckpt, "--seq-len", "64",
-                   "--skip-memory-check"]) == 0
+  assert (
+    cli.main(
+      [
+        "train",
+        "--recipe",
+        "e2b-lora-128k",
+        "--checkpoint",
+        ckpt,
+        "--seq-len",
+        "64",
+        "--skip-memory-check",
+      ]
+    )
+    == 0
+  )
   run = started[0]
   assert run.model is None and run.checkpoint == ckpt and run.dataset.seq_len == 64
   assert run.lora == read_run_config(recipes.path("e2b-lora-128k")).lora
@@ -201,15 +275,43 @@ def test_run_yaml_reruns_bit_for_bit_and_resume_reads_it(tmp_path, monkeypatch):
   continues the run with the settings it was saved with."""
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   a, b = tmp_path / "a", tmp_path / "b"
-  assert cli.main(["train", "--recipe", "tiny", "--seq-len", "64", "--cp", "2", "--steps", "2",
-                   "--lr", "1e-3", "--optimizer.schedule", "linear", "--state-dir", str(a),
-                   "--no-parity-check", "--seed", "3"]) == 0
+  assert (
+    cli.main(
+      [
+        "train",
+        "--recipe",
+        "tiny",
+        "--seq-len",
+        "64",
+        "--cp",
+        "2",
+        "--steps",
+        "2",
+        "--lr",
+        "1e-3",
+        "--optimizer.schedule",
+        "linear",
+        "--state-dir",
+        str(a),
+        "--no-parity-check",
+        "--seed",
+        "3",
+      ]
+    )
+    == 0
+  )
   text = (a / "run.yaml").read_text()
-  assert text.startswith("# cpjax ") and "  seq_len: 64\n" in text and "  schedule: linear\n" in text
+  assert (
+    text.startswith("# cpjax ") and "  seq_len: 64\n" in text and "  schedule: linear\n" in text
+  )
   saved = read_run_config(a / "run.yaml")
   assert saved.seed == 3 and saved.optimizer.lr == 1e-3 and saved.parallel.cp == 2
-  assert cli.main(["train", "--config", str(a / "run.yaml"), "--state-dir", str(b),
-                   "--save", str(b / "model")]) == 0
+  assert (
+    cli.main(
+      ["train", "--config", str(a / "run.yaml"), "--state-dir", str(b), "--save", str(b / "model")]
+    )
+    == 0
+  )
   assert _losses(b) == _losses(a) and len(_losses(a)) == 2
   # Beside --save's files too, as the run it was.
   assert read_run_config(b / "model" / "run.yaml") == read_run_config(b / "run.yaml")
@@ -225,9 +327,27 @@ def test_run_yaml_reruns_bit_for_bit_and_resume_reads_it(tmp_path, monkeypatch):
 def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   path = tmp_path / "plan.yaml"
-  assert cli.main(["plan", "--model", "e2b", "--seq-len", "131072", "--lora-rank", "16",
-                   "--base-dtype", "bfloat16", "--device-memory", "16GiB", "--estimate-only",
-                   "--write-config", str(path)]) == 0
+  assert (
+    cli.main(
+      [
+        "plan",
+        "--model",
+        "e2b",
+        "--seq-len",
+        "131072",
+        "--lora-rank",
+        "16",
+        "--base-dtype",
+        "bfloat16",
+        "--device-memory",
+        "16GiB",
+        "--estimate-only",
+        "--write-config",
+        str(path),
+      ]
+    )
+    == 0
+  )
   run = read_run_config(path)
   # The plan's mesh and batch (the closed form's fewest devices: 10.7 GiB
   # on cp=4, 21.1 on cp=2), bfloat16 activations (float32 does not fit 16 GiB),
@@ -237,29 +357,83 @@ def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   assert "fits (16 GiB per device)" in path.read_text()
   # Where float32 activations fit too, the plan keeps them; one 141 GiB
   # device holds this step too (with the MLP in tiles), so the parity check stays.
-  assert cli.main(["plan", "--model", "e2b", "--seq-len", "131072", "--mesh", "cp=8",
-                   "--device-memory", "141GiB", "--estimate-only", "--write-config", str(path)]) == 0
+  assert (
+    cli.main(
+      [
+        "plan",
+        "--model",
+        "e2b",
+        "--seq-len",
+        "131072",
+        "--mesh",
+        "cp=8",
+        "--device-memory",
+        "141GiB",
+        "--estimate-only",
+        "--write-config",
+        str(path),
+      ]
+    )
+    == 0
+  )
   run = read_run_config(path)
-  assert (run.parallel.mesh, run.dtype, run.lora.rank, run.parity_check) == ("cp=8", "float32",
-                                                                             None, True)
+  assert (run.parallel.mesh, run.dtype, run.lora.rank, run.parity_check) == (
+    "cp=8",
+    "float32",
+    None,
+    True,
+  )
   # Where one device holds the step too, the first step's parity check stays on.
-  assert cli.main(["plan", "--model", "tiny", "--seq-len", "1024", "--mesh", "fsdp=2,cp=4",
-                   "--device-memory", "16GiB", "--estimate-only", "--write-config", str(path)]) == 0
+  assert (
+    cli.main(
+      [
+        "plan",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "1024",
+        "--mesh",
+        "fsdp=2,cp=4",
+        "--device-memory",
+        "16GiB",
+        "--estimate-only",
+        "--write-config",
+        str(path),
+      ]
+    )
+    == 0
+  )
   run = read_run_config(path)
   assert (run.parity_check, run.dtype, run.dataset.batch_size) == (True, "float32", 2)
 
 
-def test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings(tmp_path, capsys,
-                                                                    monkeypatch):
+def test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings(tmp_path, capsys, monkeypatch):
   """cpjax plan reads --recipe / --config and dotted keys as cpjax train does;
   --write-config keeps every setting the plan does not choose (the recipe's
   steps, a dotted key's learning rate), and a microbatched batch stays whole."""
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   path = tmp_path / "plan.yaml"
-  assert cli.main(["plan", "--recipe", "tiny", "--dataset.seq_len", "512", "--optimizer.lr",
-                   "0.01", "--dataset.batch_size=4", "--dataset.microbatches=2", "--mesh",
-                   "fsdp=2,cp=4",
-                   "--estimate-only", "--write-config", str(path)]) == 0
+  assert (
+    cli.main(
+      [
+        "plan",
+        "--recipe",
+        "tiny",
+        "--dataset.seq_len",
+        "512",
+        "--optimizer.lr",
+        "0.01",
+        "--dataset.batch_size=4",
+        "--dataset.microbatches=2",
+        "--mesh",
+        "fsdp=2,cp=4",
+        "--estimate-only",
+        "--write-config",
+        str(path),
+      ]
+    )
+    == 0
+  )
   assert "cpjax plan: Gemma 4 tiny, S=512" in capsys.readouterr().out
   run = read_run_config(path)
   assert (run.dataset.seq_len, run.optimizer.lr, run.optimizer.steps) == (512, 0.01, 20)
@@ -267,18 +441,46 @@ def test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings(tmp_path, c
   # A batch of 4 in 2 microbatches plans a step of 2 rows; written back whole.
   assert (run.dataset.batch_size, run.dataset.microbatches) == (4, 2)
   # Dotted keys alone name only what they set; the plan's own flags beat them.
-  assert cli.main(["plan", "--model", "e2b", "--dataset.seq_len", "65536", "--parallel.mesh",
-                   "cp=8", "--estimate-only"]) == 0
+  assert (
+    cli.main(
+      [
+        "plan",
+        "--model",
+        "e2b",
+        "--dataset.seq_len",
+        "65536",
+        "--parallel.mesh",
+        "cp=8",
+        "--estimate-only",
+      ]
+    )
+    == 0
+  )
   assert "Gemma 4 e2b, S=65536, remat full, full training, 8 devices" in capsys.readouterr().out
-  assert cli.main(["plan", "--dataset.seq_len", "65536", "--seq-len", "4096", "--mesh", "cp=2",
-                   "--estimate-only"]) == 0
+  assert (
+    cli.main(
+      [
+        "plan",
+        "--dataset.seq_len",
+        "65536",
+        "--seq-len",
+        "4096",
+        "--mesh",
+        "cp=2",
+        "--estimate-only",
+      ]
+    )
+    == 0
+  )
   assert "Gemma 4 tiny, S=4096" in capsys.readouterr().out
   for argv, message in (
-      (["--dataset.seq_len", "long"], "dataset.seq_len"),
-      (["--dataset.seqlen", "64"], "dataset.seqlen"),
-      (["--bogus", "3"], "unrecognized arguments: --bogus"),
-      (["--dataset.batch_size", "3", "--mesh", "fsdp=2,cp=1"], "must be a multiple of the "
-                                                               "mesh's fsdp x dp = 2"),
+    (["--dataset.seq_len", "long"], "dataset.seq_len"),
+    (["--dataset.seqlen", "64"], "dataset.seqlen"),
+    (["--bogus", "3"], "unrecognized arguments: --bogus"),
+    (
+      ["--dataset.batch_size", "3", "--mesh", "fsdp=2,cp=1"],
+      "must be a multiple of the mesh's fsdp x dp = 2",
+    ),
   ):
     with pytest.raises(SystemExit) as e:
       cli.main(["plan", "--mesh", "cp=2", "--seq-len", "64", "--estimate-only", *argv])
@@ -286,17 +488,27 @@ def test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings(tmp_path, c
 
 
 def test_python_users_get_dotted_keys():
-  with pytest.raises(JobError, match=r"^dataset\.microbatches 3 must divide dataset\.batch_size 4$"):
+  with pytest.raises(
+    JobError, match=r"^dataset\.microbatches 3 must divide dataset\.batch_size 4$"
+  ):
     check(RunConfig(dataset=DatasetConfig(batch_size=4, microbatches=3)))
   with pytest.raises(JobError, match=r"^optimizer\.schedule must be one of"):
     check(RunConfig(optimizer=OptimizerConfig(schedule="step")))
-  run = with_values(RunConfig(), {"dataset.seq_len": 64, "optimizer.lr": 0.1, "lora.rank": 4,
-                                  "parallel.mesh": "fsdp=2,cp=4", "remat": "full"})
+  run = with_values(
+    RunConfig(),
+    {
+      "dataset.seq_len": 64,
+      "optimizer.lr": 0.1,
+      "lora.rank": 4,
+      "parallel.mesh": "fsdp=2,cp=4",
+      "remat": "full",
+    },
+  )
   assert (run.dataset.seq_len, run.optimizer.lr, run.lora.rank, run.remat) == (64, 0.1, 4, "full")
   assert run.model is None and devices_needed(run) == 8
   with pytest.raises(KeyError, match=r"unknown run settings \['dataset\.seqlen'\]"):
     with_values(run, {"dataset.seqlen": 64})
-  assert to_yaml(run).count("\n") > len(settings())   # every value written
+  assert to_yaml(run).count("\n") > len(settings())  # every value written
   forced = with_values(run, {"checkpointing.resume": True, "checkpointing.force_resume": True})
   assert "  resume: false\n  force_resume: false\n" in to_yaml(forced)
 
@@ -310,8 +522,11 @@ def test_lora_targets_may_be_module_names_in_yaml(tmp_path):
   text = to_yaml(run)
   assert "  targets:\n  - q_proj\n  - v_proj\n" in text
   assert read_run_config(write_run_config(run, tmp_path)) == run
-  with pytest.raises(JobError, match=r"^lora\.targets must be a regex string or a non-empty "
-                                     r"tuple of module names, got \(\)$"):
+  with pytest.raises(
+    JobError,
+    match=r"^lora\.targets must be a regex string or a non-empty "
+    r"tuple of module names, got \(\)$",
+  ):
     check(with_values(run, {"lora.targets": ()}), files=False)
   with pytest.raises(JobError, match=r"^lora\.targets '\(' is not a regular expression"):
     check(with_values(run, {"lora.targets": "("}), files=False)
@@ -349,7 +564,7 @@ def test_the_readme_python_example_runs(tmp_path, monkeypatch):
   text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
   section = text.split("### Run configs and recipes\n", 1)[1].split("\n### ", 1)[0]
   code = "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
-  started = []     # the job itself is tested above; here, what the example hands it
+  started = []  # the job itself is tested above; here, what the example hands it
   monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda run: started.append(run))
   monkeypatch.chdir(tmp_path)
   exec(compile(code, "README.md", "exec"), {})  # noqa: S102

@@ -24,8 +24,9 @@ def np_owned(padded: int, cp: int, kind: str, rank: int) -> np.ndarray:
   owner = {ch: ch if ch < cp else n_chunks - 1 - ch for ch in range(n_chunks)}
   if kind == "contiguous":
     owner = {ch: ch for ch in range(n_chunks)}
-  return np.array([t for ch in range(n_chunks) if owner[ch] == rank
-                   for t in range(ch * c, (ch + 1) * c)])
+  return np.array(
+    [t for ch in range(n_chunks) if owner[ch] == rank for t in range(ch * c, (ch + 1) * c)]
+  )
 
 
 def np_pad(x: np.ndarray, dim: int, total: int, value) -> np.ndarray:
@@ -43,8 +44,9 @@ def np_pad(x: np.ndarray, dim: int, total: int, value) -> np.ndarray:
 def np_shard(x, dim, padded, cp, kind, value):
   """The rank-ordered global array shard_batch must return, in numpy."""
   full = np_pad(np.asarray(x), dim, padded, value)
-  return np.concatenate([np.take(full, np_owned(padded, cp, kind, r), axis=dim)
-                         for r in range(cp)], axis=dim)
+  return np.concatenate(
+    [np.take(full, np_owned(padded, cp, kind, r), axis=dim) for r in range(cp)], axis=dim
+  )
 
 
 def make_batch(rng, b, s, *, packed=True, pad_tail=0, embeds=False, mrope=False, extra=False):
@@ -56,7 +58,7 @@ def make_batch(rng, b, s, *, packed=True, pad_tail=0, embeds=False, mrope=False,
     batch["input_ids"] = rng.integers(1, 1000, (b, s)).astype(np.int32)
   pad = np.zeros((b, s), bool)
   if pad_tail:
-    pad[:, s - pad_tail:] = True
+    pad[:, s - pad_tail :] = True
   batch["padding_mask"] = pad
   if packed:
     cuts = np.sort(rng.integers(1, s, (b, 2)), axis=1)
@@ -75,8 +77,10 @@ def make_batch(rng, b, s, *, packed=True, pad_tail=0, embeds=False, mrope=False,
 # ----------------------------------------------------------- original's cases
 def test_contiguous_six_to_eight():
   mesh = cp_mesh(2)
-  batch = {"input_ids": np.arange(1, 7, dtype=np.int32)[None],
-           "labels": np.arange(11, 17, dtype=np.int32)[None]}
+  batch = {
+    "input_ids": np.arange(1, 7, dtype=np.int32)[None],
+    "labels": np.arange(11, 17, dtype=np.int32)[None],
+  }
   out, lay = cpjax.shard_batch(batch, mesh, layout="contiguous", padding_token_id=7)
   assert (lay.original_seq_len, lay.padded_seq_len, lay.local_seq_len) == (6, 8, 4)
   assert np.asarray(out["input_ids"]).tolist() == [[1, 2, 3, 4, 5, 6, 7, 7]]
@@ -89,12 +93,13 @@ def test_contiguous_six_to_eight():
 def test_rank_one_holds_its_slice():
   """cp=2 over 3 tokens: rank 1 holds the last real token and one pad."""
   mesh = cp_mesh(2)
-  batch = {"input_ids": np.array([[5, 6, 7]], np.int32),
-           "labels": np.array([[6, 7, 99]], np.int32),
-           "position_ids": np.array([[0, 1, 3]], np.int32)}
+  batch = {
+    "input_ids": np.array([[5, 6, 7]], np.int32),
+    "labels": np.array([[6, 7, 99]], np.int32),
+    "position_ids": np.array([[0, 1, 3]], np.int32),
+  }
   out, lay = cpjax.shard_batch(batch, mesh, layout="contiguous")
-  shards = {k: [np.asarray(s.data).tolist() for s in v.addressable_shards]
-            for k, v in out.items()}
+  shards = {k: [np.asarray(s.data).tolist() for s in v.addressable_shards] for k, v in out.items()}
   assert shards["labels"][1] == [[99, -100]]
   assert shards["position_ids"][1] == [[3, 4]]
   assert shards["input_ids"][1] == [[7, 0]]
@@ -103,12 +108,17 @@ def test_rank_one_holds_its_slice():
 def test_mrope_positions_sharded_on_dim_two():
   mesh = cp_mesh(2)
   pos = np.stack([np.arange(6), np.arange(6) * 2, np.arange(6) + 10]).astype(np.int32)[:, None]
-  batch = {"input_ids": np.zeros((1, 6), np.int32), "labels": np.zeros((1, 6), np.int32),
-           "position_ids": pos}
+  batch = {
+    "input_ids": np.zeros((1, 6), np.int32),
+    "labels": np.zeros((1, 6), np.int32),
+    "position_ids": pos,
+  }
   out, lay = cpjax.shard_batch(batch, mesh, layout="load_balanced")
   chex.assert_shape(out["position_ids"], (3, 1, 8))
   assert out["position_ids"].sharding.spec == P(None, None, "cp")
-  np.testing.assert_array_equal(out["position_ids"], np_shard(pos, 2, 8, 2, "load_balanced", "count"))
+  np.testing.assert_array_equal(
+    out["position_ids"], np_shard(pos, 2, 8, 2, "load_balanced", "count")
+  )
   # Rank 1 holds chunks 1 and 2: global tokens 2..5.
   assert np.asarray(out["position_ids"])[1, 0, 4:].tolist() == [4, 6, 8, 10]
 
@@ -116,8 +126,9 @@ def test_mrope_positions_sharded_on_dim_two():
 def test_labels_from_loss_mask():
   mesh = cp_mesh(2)
   batch = {"input_ids": np.zeros((1, 4), np.int32)}
-  out, _ = cpjax.shard_batch(batch, mesh, layout="contiguous",
-                             loss_mask=np.array([[1, 1, 0, 1]], np.int32))
+  out, _ = cpjax.shard_batch(
+    batch, mesh, layout="contiguous", loss_mask=np.array([[1, 1, 0, 1]], np.int32)
+  )
   assert np.asarray(out["labels"]).tolist() == [[1, 1, 0, 1]]
   assert "loss_mask" not in out
   with pytest.raises(KeyError, match="no 'labels'"):
@@ -128,8 +139,11 @@ def test_four_d_attention_mask():
   mesh = cp_mesh(2)
   mask = np.tril(np.ones((4, 4), bool))
   mask[3] = False  # token 3 attends to nothing: a pad
-  batch = {"input_ids": np.zeros((1, 4), np.int32), "labels": np.zeros((1, 4), np.int32),
-           "attention_mask": mask[None, None]}
+  batch = {
+    "input_ids": np.zeros((1, 4), np.int32),
+    "labels": np.zeros((1, 4), np.int32),
+    "attention_mask": mask[None, None],
+  }
   out, _ = cpjax.shard_batch(batch, mesh, layout="contiguous")
   assert "attention_mask" not in out
   assert np.asarray(out["padding_mask"]).tolist() == [[False, False, False, True]]
@@ -137,12 +151,19 @@ def test_four_d_attention_mask():
 
 def test_extra_keys_with_pad_minus_one():
   mesh = cp_mesh(2)
-  batch = {"input_ids": np.zeros((1, 3), np.int32), "labels": np.zeros((1, 3), np.int32),
-           "segment_marks": np.array([[4, 5, 6]], np.int32),
-           "untouched": "metadata"}
-  out, lay = cpjax.shard_batch(batch, mesh, layout="contiguous",
-                               extra_seq_keys={"segment_marks": 1},
-                               extra_pad_values={"segment_marks": -1})
+  batch = {
+    "input_ids": np.zeros((1, 3), np.int32),
+    "labels": np.zeros((1, 3), np.int32),
+    "segment_marks": np.array([[4, 5, 6]], np.int32),
+    "untouched": "metadata",
+  }
+  out, lay = cpjax.shard_batch(
+    batch,
+    mesh,
+    layout="contiguous",
+    extra_seq_keys={"segment_marks": 1},
+    extra_pad_values={"segment_marks": -1},
+  )
   assert np.asarray(out["segment_marks"]).tolist() == [[4, 5, 6, -1]]
   assert out["untouched"] == "metadata"
   back = cpjax.unshard_batch(out, lay, extra_seq_keys={"segment_marks": 1})
@@ -151,11 +172,13 @@ def test_extra_keys_with_pad_minus_one():
 
 def test_gemma4_aux_only_contiguous():
   mesh = cp_mesh(2)
-  batch = {"input_ids": np.arange(1, 7, dtype=np.int32)[None],
-           "labels": np.arange(1, 7, dtype=np.int32)[None],
-           "attention_mask": np.array([[1, 1, 1, 1, 0, 0]]),
-           "mm_token_type_ids": np.array([[0, 1, 1, 0, 0, 0]], np.int32),
-           "pixel_values": np.ones((1, 2, 2), np.float32)}
+  batch = {
+    "input_ids": np.arange(1, 7, dtype=np.int32)[None],
+    "labels": np.arange(1, 7, dtype=np.int32)[None],
+    "attention_mask": np.array([[1, 1, 1, 1, 0, 0]]),
+    "mm_token_type_ids": np.array([[0, 1, 1, 0, 0, 0]], np.int32),
+    "pixel_values": np.ones((1, 2, 2), np.float32),
+  }
   out, lay = gemma4.make_contiguous_aux_only_shard_cp_batch(mesh, batch)
   assert lay == cpjax.ShardLayout(6, 8, 2, "contiguous")
   assert np.asarray(out["_packed_seq_ids"]).tolist() == [[1, 1, 1, 1, 0, 0, 0, 0]]
@@ -167,7 +190,8 @@ def test_gemma4_aux_only_contiguous():
 
 
 # ------------------------------------------------------------ property tests
-batches = st.fixed_dictionaries({
+batches = st.fixed_dictionaries(
+  {
     "cp": st.sampled_from([1, 2, 3, 4, 8]),
     "kind": st.sampled_from(KINDS),
     "b": st.sampled_from([1, 2]),
@@ -179,13 +203,22 @@ batches = st.fixed_dictionaries({
     "extra": st.booleans(),
     "pad_multiple": st.sampled_from([1, 3]),
     "seed": st.integers(0, 2**16),
-})
+  }
+)
 
 
 def _draw(p):
   rng = np.random.default_rng(p["seed"])
-  batch = make_batch(rng, p["b"], p["s"], packed=p["packed"], pad_tail=p["pad_tail"],
-                     embeds=p["embeds"], mrope=p["mrope"], extra=p["extra"])
+  batch = make_batch(
+    rng,
+    p["b"],
+    p["s"],
+    packed=p["packed"],
+    pad_tail=p["pad_tail"],
+    embeds=p["embeds"],
+    mrope=p["mrope"],
+    extra=p["extra"],
+  )
   extra = {"token_weights": 1} if p["extra"] else None
   return batch, extra
 
@@ -194,9 +227,15 @@ def _draw(p):
 def test_shard_matches_numpy_and_round_trips(p):
   batch, extra = _draw(p)
   mesh = cp_mesh(p["cp"])
-  out, lay = cpjax.shard_batch(batch, mesh, layout=p["kind"], extra_seq_keys=extra,
-                               extra_pad_values={"token_weights": -1.0} if extra else None,
-                               pad_multiple=p["pad_multiple"], padding_token_id=3)
+  out, lay = cpjax.shard_batch(
+    batch,
+    mesh,
+    layout=p["kind"],
+    extra_seq_keys=extra,
+    extra_pad_values={"token_weights": -1.0} if extra else None,
+    pad_multiple=p["pad_multiple"],
+    padding_token_id=3,
+  )
   padded, s, cp, kind = lay.padded_seq_len, p["s"], p["cp"], p["kind"]
   # The original pads to a multiple of cp * max(pad_multiple, 2); the
   # load-balanced layout also needs 2 * cp chunks (they differ for odd
@@ -205,16 +244,25 @@ def test_shard_matches_numpy_and_round_trips(p):
   if kind == "load_balanced":
     multiple = np.lcm(multiple, 2 * cp)
   assert padded % multiple == 0 and s <= padded < s + multiple
-  pad_values = {"labels": -100, "loss_mask": 0, "padding_mask": True, "_packed_seq_ids": 0,
-                "input_ids": 3, "inputs_embeds": 0, "mm_token_type_ids": 0,
-                "token_weights": -1.0}
+  pad_values = {
+    "labels": -100,
+    "loss_mask": 0,
+    "padding_mask": True,
+    "_packed_seq_ids": 0,
+    "input_ids": 3,
+    "inputs_embeds": 0,
+    "mm_token_type_ids": 0,
+    "token_weights": -1.0,
+  }
   for key, value in pad_values.items():
     if key in batch:
-      np.testing.assert_array_equal(out[key], np_shard(batch[key], 1, padded, cp, kind, value),
-                                    err_msg=key)
+      np.testing.assert_array_equal(
+        out[key], np_shard(batch[key], 1, padded, cp, kind, value), err_msg=key
+      )
   pdim = 2 if p["mrope"] else 1
   np.testing.assert_array_equal(
-      out["position_ids"], np_shard(batch["position_ids"], pdim, padded, cp, kind, "count"))
+    out["position_ids"], np_shard(batch["position_ids"], pdim, padded, cp, kind, "count")
+  )
   # What each rank holds is a contiguous block of the rank-ordered array.
   for shard in out["labels"].addressable_shards:
     r = shard.device.id if cp > 1 else 0
@@ -236,8 +284,9 @@ def test_aux_only_plus_shard_sequence_equals_full_shard(p):
   for key in (primary, "mm_token_type_ids"):
     chex.assert_trees_all_equal(aux[key], batch[key])
     spec = P(None, "cp", None) if aux[key].ndim == 3 else P(None, "cp")
-    sliced = jax.jit(jax.shard_map(lambda x: cpjax.shard_sequence(x, lay), mesh=mesh,
-                                   in_specs=P(), out_specs=spec))(aux[key])
+    sliced = jax.jit(
+      jax.shard_map(lambda x: cpjax.shard_sequence(x, lay), mesh=mesh, in_specs=P(), out_specs=spec)
+    )(aux[key])
     chex.assert_trees_all_equal(sliced, full[key], strict=True)
   for key in full:
     if key not in (primary, "mm_token_type_ids"):
@@ -266,8 +315,9 @@ def test_shard_sequence_gradient_is_owned_indicator(cp, kind):
   weights = np.arange(1, 1 + 2 * lay.padded_seq_len, dtype=np.float32).reshape(2, -1)
 
   def loss(x):
-    local = jax.shard_map(lambda x: cpjax.shard_sequence(x, lay), mesh=mesh,
-                          in_specs=P(), out_specs=P(None, "cp"))(x)
+    local = jax.shard_map(
+      lambda x: cpjax.shard_sequence(x, lay), mesh=mesh, in_specs=P(), out_specs=P(None, "cp")
+    )(x)
     # Weight every owned (rank-ordered) slot differently, so a gradient that
     # reached the wrong position would carry the wrong weight.
     return jnp.sum(local * weights)
@@ -283,8 +333,10 @@ def test_shard_sequence_gradient_is_owned_indicator(cp, kind):
 def test_shard_sequence_at_cp_one_only_pads():
   x = jnp.arange(16.0).reshape(2, 8)
   chex.assert_trees_all_equal(cpjax.shard_sequence(x, cpjax.ShardLayout(8, 8, 1)), x)
-  chex.assert_trees_all_equal(cpjax.shard_sequence(jnp.ones((2, 7)), cpjax.ShardLayout(7, 8, 1)),
-                              jnp.array([[1.0] * 7 + [0.0]] * 2))
+  chex.assert_trees_all_equal(
+    cpjax.shard_sequence(jnp.ones((2, 7)), cpjax.ShardLayout(7, 8, 1)),
+    jnp.array([[1.0] * 7 + [0.0]] * 2),
+  )
 
 
 @pytest.mark.parametrize("sharder", ["shard_batch", "aux_only"])
@@ -292,8 +344,10 @@ def test_loss_mask_with_labels_is_a_sharded_stream(sharder):
   """As the original: labels present and loss_mask= given -> a loss_mask stream,
   padded with 0 and sliced like labels."""
   mesh = cp_mesh(2)
-  batch = {"input_ids": np.arange(1, 7, dtype=np.int32)[None],
-           "labels": np.arange(11, 17, dtype=np.int32)[None]}
+  batch = {
+    "input_ids": np.arange(1, 7, dtype=np.int32)[None],
+    "labels": np.arange(11, 17, dtype=np.int32)[None],
+  }
   m = np.array([[1, 1, 0, 1, 1, 0]], np.int32)
   if sharder == "aux_only":
     out, lay = gemma4.make_contiguous_aux_only_shard_cp_batch(mesh, batch, loss_mask=m)
@@ -304,7 +358,8 @@ def test_loss_mask_with_labels_is_a_sharded_stream(sharder):
   assert np.asarray(out["labels"]).tolist() == [[11, 12, 13, 14, 15, 16, -100, -100]]
   # Without labels: labels = loss_mask and no loss_mask key, as before.
   out, _ = gemma4.make_contiguous_aux_only_shard_cp_batch(
-      mesh, {"input_ids": batch["input_ids"]}, loss_mask=m)
+    mesh, {"input_ids": batch["input_ids"]}, loss_mask=m
+  )
   assert "loss_mask" not in out
   assert np.asarray(out["labels"]).tolist() == [[1, 1, 0, 1, 1, 0, -100, -100]]
   with pytest.raises(ValueError, match="has a 'loss_mask' key and a loss_mask argument"):
@@ -320,8 +375,9 @@ def test_extra_key_with_batch_not_on_dim_zero(kind):
   batch["pair"] = rng.integers(0, 9, (2, 2, 7)).astype(np.int32)
   batch["per_token"] = rng.standard_normal((7, 3)).astype(np.float32)
   extra = {"pair": 2, "per_token": 0}
-  out, lay = cpjax.shard_batch(batch, mesh, layout=kind, extra_seq_keys=extra,
-                               extra_pad_values={"pair": -1}, batch_axis="dp")
+  out, lay = cpjax.shard_batch(
+    batch, mesh, layout=kind, extra_seq_keys=extra, extra_pad_values={"pair": -1}, batch_axis="dp"
+  )
   np.testing.assert_array_equal(out["pair"], np_shard(batch["pair"], 2, 8, 2, kind, -1))
   np.testing.assert_array_equal(out["per_token"], np_shard(batch["per_token"], 0, 8, 2, kind, 0))
   assert out["pair"].sharding.spec == P(None, "dp", "cp")
@@ -329,8 +385,9 @@ def test_extra_key_with_batch_not_on_dim_zero(kind):
   back = cpjax.unshard_batch(out, lay, extra_seq_keys=extra)
   for key in extra:
     np.testing.assert_array_equal(back[key], batch[key], err_msg=key)
-  aux, _ = gemma4.shard_aux_only_cp_batch(mesh, batch, layout=kind, extra_seq_keys=extra,
-                                          batch_axis="dp")
+  aux, _ = gemma4.shard_aux_only_cp_batch(
+    mesh, batch, layout=kind, extra_seq_keys=extra, batch_axis="dp"
+  )
   np.testing.assert_array_equal(aux["pair"], np_shard(batch["pair"], 2, 8, 2, kind, 0))
 
 
@@ -339,8 +396,9 @@ def test_dp_cp_mesh_with_batch_axis():
   batch = make_batch(np.random.default_rng(0), 4, 10)
   out, lay = cpjax.shard_batch(batch, mesh, batch_axis="dp", layout="load_balanced")
   assert out["labels"].sharding.spec == P("dp", "cp")
-  np.testing.assert_array_equal(out["labels"], np_shard(batch["labels"], 1, 16, 4,
-                                                        "load_balanced", -100))
+  np.testing.assert_array_equal(
+    out["labels"], np_shard(batch["labels"], 1, 16, 4, "load_balanced", -100)
+  )
   chex.assert_trees_all_equal(cpjax.unshard_batch(out, lay), cpjax.normalize_batch(batch))
   # Auto meshes (the pre-0.7 default) work the same way.
   auto = jax.make_mesh((2, 4), ("dp", "cp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -362,30 +420,61 @@ def _ok():
   return {"input_ids": np.zeros((2, 6), np.int32), "labels": np.zeros((2, 6), np.int32)}
 
 
-@pytest.mark.parametrize("mutate, kwargs, err, match", [
+@pytest.mark.parametrize(
+  "mutate, kwargs, err, match",
+  [
     (lambda b: b, {"axis_name": "sp"}, ValueError, r"axis_name='sp' is not an axis of the mesh"),
     (lambda b: {**b, "inputs_embeds": np.zeros((2, 6, 3))}, {}, KeyError, "exactly one of"),
     (lambda b: {"labels": b["labels"]}, {}, KeyError, "exactly one of"),
-    (lambda b: {**b, "labels": np.zeros((2, 5), np.int32)}, {}, ValueError,
-     r"labels must have sequence length 6 .* got shape \(2, 5\)"),
-    (lambda b: {**b, "position_ids": np.zeros((3, 6), np.int32)}, {}, ValueError,
-     r"position_ids must have batch size 2 .* got shape \(3, 6\)"),
-    (lambda b: {**b, "_packed_seq_ids": np.zeros((2, 6), np.float32)}, {}, TypeError,
-     "_packed_seq_ids must have an integer dtype, got float32"),
-    (lambda b: {**b, "input_ids": np.zeros((2, 6), np.float32)}, {}, TypeError,
-     "input_ids must have an integer dtype"),
+    (
+      lambda b: {**b, "labels": np.zeros((2, 5), np.int32)},
+      {},
+      ValueError,
+      r"labels must have sequence length 6 .* got shape \(2, 5\)",
+    ),
+    (
+      lambda b: {**b, "position_ids": np.zeros((3, 6), np.int32)},
+      {},
+      ValueError,
+      r"position_ids must have batch size 2 .* got shape \(3, 6\)",
+    ),
+    (
+      lambda b: {**b, "_packed_seq_ids": np.zeros((2, 6), np.float32)},
+      {},
+      TypeError,
+      "_packed_seq_ids must have an integer dtype, got float32",
+    ),
+    (
+      lambda b: {**b, "input_ids": np.zeros((2, 6), np.float32)},
+      {},
+      TypeError,
+      "input_ids must have an integer dtype",
+    ),
     (lambda b: b, {"pad_multiple": 0}, ValueError, "pad_multiple must be an int >= 1, got 0"),
     (lambda b: b, {"layout": "zigzag"}, ValueError, "layout must be one of"),
     (lambda b: b, {"extra_seq_keys": {"nope": 1}}, KeyError, "extra_seq_keys names 'nope'"),
-    (lambda b: {**b, "w": np.zeros((2, 6))}, {"extra_seq_keys": {"w": 2}}, ValueError,
-     r"extra_seq_keys\['w'\] = 2 is not a dimension of an array of shape \(2, 6\); "
-     r"expected -2 <= dim < 2"),
-    (lambda b: {**b, "w": np.zeros((2, 5))}, {"extra_seq_keys": {"w": 1}}, ValueError,
-     r"extra key 'w' must have the sequence length 6 on dim 1 \(extra_seq_keys\['w'\]\), "
-     r"got shape \(2, 5\)"),
-    (lambda b: {k: v[:1] if k == "input_ids" else v for k, v in b.items()}, {}, ValueError,
-     "labels must have batch size 1"),
-])
+    (
+      lambda b: {**b, "w": np.zeros((2, 6))},
+      {"extra_seq_keys": {"w": 2}},
+      ValueError,
+      r"extra_seq_keys\['w'\] = 2 is not a dimension of an array of shape \(2, 6\); "
+      r"expected -2 <= dim < 2",
+    ),
+    (
+      lambda b: {**b, "w": np.zeros((2, 5))},
+      {"extra_seq_keys": {"w": 1}},
+      ValueError,
+      r"extra key 'w' must have the sequence length 6 on dim 1 \(extra_seq_keys\['w'\]\), "
+      r"got shape \(2, 5\)",
+    ),
+    (
+      lambda b: {k: v[:1] if k == "input_ids" else v for k, v in b.items()},
+      {},
+      ValueError,
+      "labels must have batch size 1",
+    ),
+  ],
+)
 def test_bad_input(mutate, kwargs, err, match):
   with pytest.raises(err, match=match):
     cpjax.shard_batch(mutate(_ok()), cp_mesh(2), **kwargs)
@@ -394,7 +483,9 @@ def test_bad_input(mutate, kwargs, err, match):
 def test_bad_batch_axis():
   mesh = cp_mesh(2, ("dp", 4))
   batch = {"input_ids": np.zeros((6, 6), np.int32), "labels": np.zeros((6, 6), np.int32)}
-  with pytest.raises(ValueError, match="batch size 6 must be divisible by the size 4 of batch_axis='dp'"):
+  with pytest.raises(
+    ValueError, match="batch size 6 must be divisible by the size 4 of batch_axis='dp'"
+  ):
     cpjax.shard_batch(batch, mesh, batch_axis="dp")
   with pytest.raises(ValueError, match="batch_axis='data' is not an axis"):
     cpjax.shard_batch(batch, mesh, batch_axis="data")
@@ -402,7 +493,9 @@ def test_bad_batch_axis():
 
 def test_unshard_wrong_length_and_shard_sequence_wrong_length():
   lay = cpjax.ShardLayout(6, 8, 2)
-  with pytest.raises(ValueError, match=r"labels must have the padded length 8 on dim 1, got shape \(1, 6\)"):
+  with pytest.raises(
+    ValueError, match=r"labels must have the padded length 8 on dim 1, got shape \(1, 6\)"
+  ):
     cpjax.unshard_batch({"labels": np.zeros((1, 6), np.int32)}, lay)
   with pytest.raises(ValueError, match=r"x must have length 6 \(or the padded 8\) on seq_axis=1"):
     cpjax.shard_sequence(np.zeros((1, 5)), lay)

@@ -13,25 +13,31 @@ from cpjax import parallel
 from tests import test_parallel as tp
 
 
-@pytest.mark.parametrize("shape,state_axes,remat", [
-    ({"cp": 8}, parallel.STATE_AXES, "full"),       # gathered inside each layer's remat scope
-    ({"cp": 4}, ("fsdp",), "none"),                  # whole over cp: no gathers
-], ids=["cp8-split-remat", "cp4-whole"])
+@pytest.mark.parametrize(
+  "shape,state_axes,remat",
+  [
+    ({"cp": 8}, parallel.STATE_AXES, "full"),  # gathered inside each layer's remat scope
+    ({"cp": 4}, ("fsdp",), "none"),  # whole over cp: no gathers
+  ],
+  ids=["cp8-split-remat", "cp4-whole"],
+)
 def test_the_step_equals_the_single_device_step(shape, state_axes, remat):
   _, _, _, params, _, _ = tp.setup("tiny")
   want_loss, want = tp.single_device_step("tiny")
   loss, new, step, placed, _ = tp.mesh_step("tiny", shape, state_axes=state_axes, remat=remat)
   assert abs(loss - want_loss) <= 1e-6 * want_loss
   tp.assert_same_update(new, want, params)
-  assert tp.shardings(new) == tp.shardings(placed)     # the update keeps the state's split
+  assert tp.shardings(new) == tp.shardings(placed)  # the update keeps the state's split
   split = [s for s in tp.shardings(placed) if "cp" in jax.tree.leaves(tuple(s.spec))]
   assert bool(split) == ("cp" in state_axes), len(split)
 
 
 def _param_bytes(step, params) -> int:
   """Per-device bytes of the parameters the compiled ``step`` takes."""
-  return sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-             for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(step.input_shardings[0])))
+  return sum(
+    int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
+    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(step.input_shardings[0]))
+  )
 
 
 def test_a_cp_rank_holds_what_an_fsdp_rank_holds():
@@ -43,8 +49,9 @@ def test_a_cp_rank_holds_what_an_fsdp_rank_holds():
 
   def placed(shape, state_axes=parallel.STATE_AXES):
     mesh = parallel.make_mesh(**shape)
-    specs = parallel.param_specs(params, mesh, rule=tp.partition_rule(cfg, tp=1),
-                                 state_axes=state_axes)
+    specs = parallel.param_specs(
+      params, mesh, rule=tp.partition_rule(cfg, tp=1), state_axes=state_axes
+    )
     return parallel.bytes_per_device(parallel.shard_params(params, mesh, specs))
 
   fsdp8, cp8 = placed({"fsdp": 8}), _param_bytes(step, params)
@@ -59,8 +66,9 @@ def test_state_axes_must_name_the_token_axes(state_axes):
     parallel.param_specs({"w": np.ones((4, 4))}, parallel.make_mesh(cp=2), state_axes=state_axes)
 
 
-@pytest.mark.parametrize("shard_state,lora_rank", [("fsdp+cp", None), ("fsdp", None),
-                                                   ("fsdp+cp", 4)])
+@pytest.mark.parametrize(
+  "shard_state,lora_rank", [("fsdp+cp", None), ("fsdp", None), ("fsdp+cp", 4)]
+)
 def test_cpjax_train_places_the_state_as_shard_state_says(shard_state, lora_rank):
   """`cpjax train --shard-state` (parallel.shard_state): the job's trained
   state and its Adam moments, and under LoRA the frozen base, split over cp
@@ -68,8 +76,12 @@ def test_cpjax_train_places_the_state_as_shard_state_says(shard_state, lora_rank
   from cpjax.training.run_config import LoraConfig, ParallelConfig, RunConfig
   from cpjax.training.trainer import build
 
-  run = RunConfig(model="tiny", parallel=ParallelConfig(cp=8, shard_state=shard_state),
-                  lora=LoraConfig(rank=lora_rank), parity_check=False)
+  run = RunConfig(
+    model="tiny",
+    parallel=ParallelConfig(cp=8, shard_state=shard_state),
+    lora=LoraConfig(rank=lora_rank),
+    parity_check=False,
+  )
   trainer = build(run)
   over_cp = shard_state == "fsdp+cp"
   trees = {"params": trainer.params, "moments": trainer.opt_state}

@@ -5,7 +5,9 @@ import pytest
 from cpjax.training.targets import CHIPS, parse_target
 
 
-@pytest.mark.parametrize("name, chip, topology, devices", [
+@pytest.mark.parametrize(
+  "name, chip, topology, devices",
+  [
     # v4 and v5p count TensorCores (two a chip, one megacore device).
     ("v4-8", "v4", "v4:2x2x1", 4),
     ("v4-16", "v4", "v4:2x2x2", 8),
@@ -25,7 +27,8 @@ from cpjax.training.targets import CHIPS, parse_target
     ("h100-8", "h100", "1x1x8", 8),
     ("h200-8", "h200", "1x1x8", 8),
     ("h200-2x8", "h200", "1x2x8", 16),
-])
+  ],
+)
 def test_accelerator_names_give_their_topology(name, chip, topology, devices):
   target = parse_target(name)
   assert (target.chip.name, target.topology, target.num_devices) == (chip, topology, devices)
@@ -41,7 +44,9 @@ def test_chip_memory_is_the_devices_own():
   assert gib["h200"] == pytest.approx(141.0, abs=0.05)
 
 
-@pytest.mark.parametrize("name, match", [
+@pytest.mark.parametrize(
+  "name, match",
+  [
     ("tpu-8", r"unknown target 'tpu-8': give v4-N, v5e-N, v5p-N, v6e-N .* h200-HxN"),
     ("v5e", r"unknown target 'v5e'"),
     ("v5e-6", r"v5e-N counts chips; N must give a power of two of chips, got 6"),
@@ -52,7 +57,8 @@ def test_chip_memory_is_the_devices_own():
     ("v5e-2x4", r"a TPU slice is v5e-N, not hosts x chips"),
     ("h200:2x4", r"a GPU target is h200-N or h200-HxN"),
     ("h100-0", r"at least one host of one GPU"),
-])
+  ],
+)
 def test_unknown_or_malformed_targets_are_value_errors(name, match):
   with pytest.raises(ValueError, match=match):
     parse_target(name)

@@ -17,8 +17,9 @@ S, B = 128, 2
 
 
 # ------------------------------------------------ the numpy reference (no cpjax)
-def np_allowed(*, causal=True, sliding_window=None, segment_ids=None, padding_mask=None,
-               vision_group_ids=None):
+def np_allowed(
+  *, causal=True, sliding_window=None, segment_ids=None, padding_mask=None, vision_group_ids=None
+):
   """bool[B, S, S] over global positions, straight from the README's rule:
   (window | same image) & same document & key not padding."""
   i, j = np.arange(S)[:, None], np.arange(S)[None, :]
@@ -50,7 +51,7 @@ def _docs(cuts_per_row, pad_from=None):
   for b, cuts in enumerate(cuts_per_row):
     seg[b] = 1 + np.searchsorted(np.asarray(cuts), np.arange(S), side="right")
     if pad_from is not None:
-      seg[b, pad_from[b]:] = 0
+      seg[b, pad_from[b] :] = 0
   return seg
 
 
@@ -59,17 +60,17 @@ PAD_FROM = (100, 77)
 PAD = np.arange(S)[None, :] >= np.asarray(PAD_FROM)[:, None]
 DOCS_PADDED = _docs([[37, 90], [13, 64, 70]], PAD_FROM)
 VG = np.full((B, S), -1, np.int32)
-VG[0, 20:45], VG[0, 60:62], VG[1, 5:9], VG[1, 30:100] = 0, 1, 0, 1   # images straddling chunks
+VG[0, 20:45], VG[0, 60:62], VG[1, 5:9], VG[1, 30:100] = 0, 1, 0, 1  # images straddling chunks
 
 CASES = {
-    "causal": dict(),
-    "window": dict(sliding_window=40),
-    "bidirectional_window": dict(causal=False, sliding_window=30),
-    "documents": dict(segment_ids=DOCS),
-    "padding": dict(padding_mask=PAD),
-    "documents_padding": dict(segment_ids=DOCS_PADDED, padding_mask=PAD),
-    "vision_documents": dict(vision_group_ids=VG, segment_ids=DOCS),
-    "vision_window": dict(sliding_window=28, vision_group_ids=VG),
+  "causal": dict(),
+  "window": dict(sliding_window=40),
+  "bidirectional_window": dict(causal=False, sliding_window=30),
+  "documents": dict(segment_ids=DOCS),
+  "padding": dict(padding_mask=PAD),
+  "documents_padding": dict(segment_ids=DOCS_PADDED, padding_mask=PAD),
+  "vision_documents": dict(vision_group_ids=VG, segment_ids=DOCS),
+  "vision_window": dict(sliding_window=28, vision_group_ids=VG),
 }
 
 
@@ -78,17 +79,30 @@ def _schedules(layout, mask, bq, bk):
   """``run(rank, src)``: the schedules one ring hop builds, from the very functions
   the ring calls: the XLA loop's (count, visited bool-as-int [nq, nk], full
   [nq, nk]) and the kernels' (ncols [B, nq], cols [B, nq, nk], full [B, nq, nk])."""
-  kernel = common.KernelParams(rule=mask.rule, soft_cap=None, block_q=bq, block_kv=bk,
-                               groups=1, interpret=True)
-  cfg = _Config(layout=layout, axis_name="cp", rule=mask.rule,
-                plan=cpjax.ring_plan(layout, mask=mask), scale=1.0, soft_cap=None,
-                block_q=bq, block_kv=bk, groups=1, implementation="pallas_gpu", kernel=kernel)
+  kernel = common.KernelParams(
+    rule=mask.rule, soft_cap=None, block_q=bq, block_kv=bk, groups=1, interpret=True
+  )
+  cfg = _Config(
+    layout=layout,
+    axis_name="cp",
+    rule=mask.rule,
+    plan=cpjax.ring_plan(layout, mask=mask),
+    scale=1.0,
+    soft_cap=None,
+    block_q=bq,
+    block_kv=bk,
+    groups=1,
+    implementation="pallas_gpu",
+    kernel=kernel,
+  )
   arrays = {n: jnp.asarray(x) for n, x in mask.arrays.items()}
-  kv = jnp.zeros((B, 1, layout.local_seq_len, 8), jnp.float32)   # only its batch size is read
+  kv = jnp.zeros((B, 1, layout.local_seq_len, 8), jnp.float32)  # only its batch size is read
 
-  def run(r, s):   # eager: cheaper than one compile per configuration
-    local = lambda rank: {n: x[:, cpjax.local_token_indices(layout, rank)]   # noqa: E731
-                          for n, x in arrays.items()}
+  def run(r, s):  # eager: cheaper than one compile per configuration
+    local = lambda rank: {
+      n: x[:, cpjax.local_token_indices(layout, rank)]  # noqa: E731
+      for n, x in arrays.items()
+    }
     q_info = _tokens(cfg, r, local(r))
     xla = _tile_schedule(cfg, q_info, s, local(s), True)
     nq, nk = xla.full.shape
@@ -96,6 +110,7 @@ def _schedules(layout, mask, bq, bk):
     visit = jnp.zeros(nq * nk, jnp.int32).at[xla.tiles].add(jnp.arange(nq * nk) < xla.count)
     _, _, _, ker = _kernel_chunk(cfg, q_info, (kv, kv), local(s), s, True)
     return xla.count, visit.reshape(nq, nk), xla.full, ker.ncols, ker.cols, ker.full
+
   return run
 
 
@@ -136,16 +151,16 @@ def check_hop_schedules(case, kind, cp, bq, bk):
       np.testing.assert_array_equal(ncols, some.sum(-1), err_msg=where)
       for b in range(B):
         for i in range(some.shape[1]):
-          assert sorted(cols[b, i, :ncols[b, i]]) == list(np.flatnonzero(some[b, i])), where
+          assert sorted(cols[b, i, : ncols[b, i]]) == list(np.flatnonzero(some[b, i])), where
       claimed = kfull.astype(bool) & some
       if exact_full:
         np.testing.assert_array_equal(claimed, every & some, err_msg=where)
-      else:   # AnyOf.all is conservative: it may call a full tile partial, never the reverse
+      else:  # AnyOf.all is conservative: it may call a full tile partial, never the reverse
         assert not np.any(claimed & ~every), f"{where}: a tile called full has a masked pair"
-      if s not in sources:   # a hop the plan skips must hold nothing allowed
+      if s not in sources:  # a hop the plan skips must hold nothing allowed
         assert not some.any(), f"{where}: the plan skips a hop with allowed pairs"
       totals["visited"] += int(count)
-      totals["nonempty"] += int(some.sum())       # per batch row, as the kernels see them
+      totals["nonempty"] += int(some.sum())  # per batch row, as the kernels see them
       totals["full"] += int((every & some).sum())
       totals["claimed_full"] += int(claimed.sum())
       totals["tiles"] += visit.size

@@ -11,32 +11,51 @@ import pytest
 from cpjax.data.tokenizer import CheckpointTokenizer
 from tests.data.make_chat_example import GEMMA_STYLE_TEMPLATE, gemma_style_tokenizer
 
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is 12 plus 7? 12 plus 7 is 19.",
-          "Context parallel training splits each sequence over devices.",
-          "system user model assistant hello world how are you today"] * 10
-TEXTS = ["hello world", "  The quick\nbrown fox ünï 😀 <bos> x<|turn>y", "a", " ", "12 plus 7",
-         "a <sep> named only in tokenizer_config.json"]
+CORPUS = [
+  "The quick brown fox jumps over the lazy dog.",
+  "What is 12 plus 7? 12 plus 7 is 19.",
+  "Context parallel training splits each sequence over devices.",
+  "system user model assistant hello world how are you today",
+] * 10
+TEXTS = [
+  "hello world",
+  "  The quick\nbrown fox ünï 😀 <bos> x<|turn>y",
+  "a",
+  " ",
+  "12 plus 7",
+  "a <sep> named only in tokenizer_config.json",
+]
 CONVERSATIONS = [
-    [{"role": "user", "content": "What is 12 plus 7?"},
-     {"role": "assistant", "content": "12 plus 7 is 19."}],
-    [{"role": "system", "content": "You are  helpful."},
-     {"role": "user", "content": "hello world, how are you? ünï"},
-     {"role": "assistant", "content": "The quick brown fox."},
-     {"role": "user", "content": [{"type": "text", "text": "the lazy dog"}]},
-     {"role": "assistant", "content": " ring attention \n"}],
-    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "😀 <bos>"},
-     {"role": "tool", "content": "42"}, {"role": "assistant", "content": "done"}],
+  [
+    {"role": "user", "content": "What is 12 plus 7?"},
+    {"role": "assistant", "content": "12 plus 7 is 19."},
+  ],
+  [
+    {"role": "system", "content": "You are  helpful."},
+    {"role": "user", "content": "hello world, how are you? ünï"},
+    {"role": "assistant", "content": "The quick brown fox."},
+    {"role": "user", "content": [{"type": "text", "text": "the lazy dog"}]},
+    {"role": "assistant", "content": " ring attention \n"},
+  ],
+  [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "😀 <bos>"},
+    {"role": "tool", "content": "42"},
+    {"role": "assistant", "content": "done"},
+  ],
 ]
 # The same template with transformers' {% generation %} tags around what the
 # assistant writes (its content and the end of its turn).
 TAGGED_TEMPLATE = GEMMA_STYLE_TEMPLATE.replace(
-    "{%- if message['content'] is string -%}\n{{ message['content'] | trim }}",
-    "{%- if message['content'] is string -%}\n"
-    "{%- if message['role'] == 'assistant' -%}{% generation %}{{ message['content'] | trim }}"
-    "{{ '<turn|>\\n' }}{% endgeneration %}{%- else -%}{{ message['content'] | trim }}"
-    "{%- endif -%}").replace(
-    "{%- endif -%}\n{{ '<turn|>\\n' }}",
-    "{%- endif -%}\n{%- if message['role'] != 'assistant' -%}{{ '<turn|>\\n' }}{%- endif -%}")
+  "{%- if message['content'] is string -%}\n{{ message['content'] | trim }}",
+  "{%- if message['content'] is string -%}\n"
+  "{%- if message['role'] == 'assistant' -%}{% generation %}{{ message['content'] | trim }}"
+  "{{ '<turn|>\\n' }}{% endgeneration %}{%- else -%}{{ message['content'] | trim }}"
+  "{%- endif -%}",
+).replace(
+  "{%- endif -%}\n{{ '<turn|>\\n' }}",
+  "{%- endif -%}\n{%- if message['role'] != 'assistant' -%}{{ '<turn|>\\n' }}{%- endif -%}",
+)
 
 
 def _bos_post_processor(directory):
@@ -45,8 +64,9 @@ def _bos_post_processor(directory):
 
   path = os.path.join(directory, "tokenizer.json")
   tok = Tokenizer.from_file(path)
-  tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                     special_tokens=[("<bos>", 2)])
+  tok.post_processor = processors.TemplateProcessing(
+    single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)]
+  )
   tok.save(path)
 
 
@@ -60,10 +80,18 @@ def checkpoint(request, tmp_path_factory):
     # No tokenizer_class, the template inside tokenizer_config.json, extra
     # special tokens as AddedToken dicts (transformers' saved form), and a
     # special token tokenizer.json does not know (transformers adds it).
-    gemma_style_tokenizer(d, CORPUS, vocab_size=400, config={
-        "tokenizer_class": None, "chat_template": GEMMA_STYLE_TEMPLATE,
-        "boi_token": {"content": "<|image>", "special": True}, "image_token": "<|image|>",
-        "sep_token": "<sep>"})
+    gemma_style_tokenizer(
+      d,
+      CORPUS,
+      vocab_size=400,
+      config={
+        "tokenizer_class": None,
+        "chat_template": GEMMA_STYLE_TEMPLATE,
+        "boi_token": {"content": "<|image>", "special": True},
+        "image_token": "<|image|>",
+        "sep_token": "<sep>",
+      },
+    )
     os.remove(os.path.join(d, "chat_template.jinja"))
   return d
 
@@ -76,8 +104,9 @@ def test_ids_equal_autotokenizer_and_apply_chat_template(checkpoint):
     assert ours.encode(text) == hf(text)["input_ids"], text
   for messages in CONVERSATIONS:
     assert ours.render(messages) == hf.apply_chat_template(messages, tokenize=False)
-    assert (ours.render(messages, add_generation_prompt=True)
-            == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert ours.render(messages, add_generation_prompt=True) == hf.apply_chat_template(
+      messages, tokenize=False, add_generation_prompt=True
+    )
     ids, _ = ours.encode_chat(messages)
     expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     assert ids.dtype == np.int32 and ids.tolist() == expected
@@ -89,10 +118,11 @@ def test_ids_equal_autotokenizer_and_apply_chat_template(checkpoint):
 # lines of their own, where trim_blocks removes the newline after each tag
 # and the newline inside the block stays; and with whitespace control.
 TAGGED_TEMPLATES = {
-    "content_and_end_of_turn": TAGGED_TEMPLATE,
-    "content_only": TAGGED_TEMPLATE.replace(
-        "{{ '<turn|>\\n' }}{% endgeneration %}", "{% endgeneration %}{{ '<turn|>\\n' }}"),
-    "block_lines": """{{ bos_token }}
+  "content_and_end_of_turn": TAGGED_TEMPLATE,
+  "content_only": TAGGED_TEMPLATE.replace(
+    "{{ '<turn|>\\n' }}{% endgeneration %}", "{% endgeneration %}{{ '<turn|>\\n' }}"
+  ),
+  "block_lines": """{{ bos_token }}
 {% for message in messages %}
 {% if message['role'] == 'assistant' %}
 <|turn>model
@@ -106,21 +136,24 @@ TAGGED_TEMPLATES = {
 {% endfor %}
 {% if add_generation_prompt %}<|turn>model
 {% endif %}""",
-    "plus_control": TAGGED_TEMPLATE.replace("{% generation %}", "{%+ generation %}"),
-    "whitespace_control": "{{ bos_token }}{%- for m in messages -%}"
-                          "{{ '<|turn>' + m['role'] + '\\n' }}"
-                          "{%- if m['role'] == 'assistant' %} {%- generation -%} "
-                          "{{ m['content'] | trim }}<turn|> {%- endgeneration -%}"
-                          "{% else %}{{ m['content'] if m['content'] is string "
-                          "else m['content'][0]['text'] }}<turn|>{% endif %}\n"
-                          "{%- endfor -%}",
+  "plus_control": TAGGED_TEMPLATE.replace("{% generation %}", "{%+ generation %}"),
+  "whitespace_control": "{{ bos_token }}{%- for m in messages -%}"
+  "{{ '<|turn>' + m['role'] + '\\n' }}"
+  "{%- if m['role'] == 'assistant' %} {%- generation -%} "
+  "{{ m['content'] | trim }}<turn|> {%- endgeneration -%}"
+  "{% else %}{{ m['content'] if m['content'] is string "
+  "else m['content'][0]['text'] }}<turn|>{% endif %}\n"
+  "{%- endfor -%}",
 }
 
 
 def _with_template(checkpoint, directory, template):
   os.makedirs(directory, exist_ok=True)
   for name in ("tokenizer.json", "tokenizer_config.json"):
-    with open(os.path.join(checkpoint, name)) as src, open(os.path.join(directory, name), "w") as dst:
+    with (
+      open(os.path.join(checkpoint, name)) as src,
+      open(os.path.join(directory, name), "w") as dst,
+    ):
       dst.write(src.read())
   with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
     f.write(template)
@@ -133,11 +166,12 @@ def test_answer_mask_equals_transformers_generation_mask(checkpoint, tmp_path):
   transformers = pytest.importorskip("transformers")
   tagged = _with_template(checkpoint, tmp_path, TAGGED_TEMPLATE)
   hf = transformers.AutoTokenizer.from_pretrained(tagged)
-  ours = CheckpointTokenizer(checkpoint)          # the untagged template
+  ours = CheckpointTokenizer(checkpoint)  # the untagged template
   assert not ours.marks_generation
   for messages in CONVERSATIONS:
-    out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                 return_assistant_tokens_mask=True)
+    out = hf.apply_chat_template(
+      messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids, answer = ours.encode_chat(messages)
     assert ids.tolist() == out["input_ids"]
     np.testing.assert_array_equal(answer, np.asarray(out["assistant_masks"], bool))
@@ -152,15 +186,20 @@ def test_generation_tags_are_the_answer_as_transformers_reads_them(checkpoint, t
   assert ours.marks_generation
   for messages in CONVERSATIONS:
     assert ours.render(messages) == hf.apply_chat_template(messages, tokenize=False)
-    out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                 return_assistant_tokens_mask=True)
+    out = hf.apply_chat_template(
+      messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids, answer = ours.encode_chat(messages)
     assert ids.tolist() == out["input_ids"]
     assert answer.any()
     np.testing.assert_array_equal(answer, np.asarray(out["assistant_masks"], bool))
-    prompted = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                      add_generation_prompt=True,
-                                      return_assistant_tokens_mask=True)
+    prompted = hf.apply_chat_template(
+      messages,
+      tokenize=True,
+      return_dict=True,
+      add_generation_prompt=True,
+      return_assistant_tokens_mask=True,
+    )
     ids, answer = ours.encode_chat(messages, add_generation_prompt=True)
     assert ids.tolist() == prompted["input_ids"]
     np.testing.assert_array_equal(answer, np.asarray(prompted["assistant_masks"], bool))
@@ -169,17 +208,20 @@ def test_generation_tags_are_the_answer_as_transformers_reads_them(checkpoint, t
 def test_generation_tags_by_hand(tmp_path):
   """The tokens the blocks cover, decoded, for tags around the content alone
   and for tags whose newline trim_blocks removes."""
-  for name, kept in (("content_only", ["The quick brown fox.", "ring attention"]),
-                     ("block_lines", ["The quick brown fox.<turn|>\n",
-                                      " ring attention \n<turn|>\n"])):
-    d = gemma_style_tokenizer(str(tmp_path / name), CORPUS, vocab_size=400,
-                              template=TAGGED_TEMPLATES[name])
+  for name, kept in (
+    ("content_only", ["The quick brown fox.", "ring attention"]),
+    ("block_lines", ["The quick brown fox.<turn|>\n", " ring attention \n<turn|>\n"]),
+  ):
+    d = gemma_style_tokenizer(
+      str(tmp_path / name), CORPUS, vocab_size=400, template=TAGGED_TEMPLATES[name]
+    )
     tok = CheckpointTokenizer(d)
     ids, answer = tok.encode_chat(CONVERSATIONS[1])
     cuts = np.flatnonzero(np.diff(answer.astype(int))) + 1
     runs = zip(np.split(ids, cuts), np.split(answer, cuts))
-    assert [tok.backend.decode(r.tolist(), skip_special_tokens=False)
-            for r, a in runs if a[0]] == kept, name
+    assert [
+      tok.backend.decode(r.tolist(), skip_special_tokens=False) for r, a in runs if a[0]
+    ] == kept, name
 
 
 def test_answer_tokens_are_the_assistant_turns_by_hand(tmp_path):
@@ -192,7 +234,7 @@ def test_answer_tokens_are_the_assistant_turns_by_hand(tmp_path):
   runs = zip(np.split(ids, cuts), np.split(answer, cuts))
   kept = [tok.backend.decode(r.tolist(), skip_special_tokens=False) for r, a in runs if a[0]]
   assert kept == ["The quick brown fox.<turn|>\n", "ring attention<turn|>\n"]
-  assert not answer[:ids.tolist().index(tok.token_id("<turn|>"))].any()   # system turn: context
+  assert not answer[: ids.tolist().index(tok.token_id("<turn|>"))].any()  # system turn: context
 
 
 def test_bad_conversations_and_checkpoints_are_named_errors(tmp_path):
@@ -209,9 +251,12 @@ def test_bad_conversations_and_checkpoints_are_named_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
     CheckpointTokenizer(str(tmp_path))
   # A template that renders earlier turns differently once later ones follow.
-  later = gemma_style_tokenizer(str(tmp_path / "later"), CORPUS, vocab_size=400,
-                                template="{% for m in messages %}{{ m['content'] }}"
-                                         "{% if loop.last %}!{% endif %}{% endfor %}")
+  later = gemma_style_tokenizer(
+    str(tmp_path / "later"),
+    CORPUS,
+    vocab_size=400,
+    template="{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}",
+  )
   with pytest.raises(ValueError, match="message 1: the chat template renders the conversation"):
     CheckpointTokenizer(later).encode_chat(CONVERSATIONS[0] + CONVERSATIONS[0])
   os.remove(os.path.join(later, "chat_template.jinja"))
@@ -227,8 +272,10 @@ def test_template_sandbox_answers_as_transformers(checkpoint, tmp_path):
   transformers = pytest.importorskip("transformers")
   import jinja2
 
-  good = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
-          "{% endfor %}{{ dict(a=ns.n) | tojson }} {{ dict.fromkeys(['x'], 1) | tojson }}")
+  good = (
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+    "{% endfor %}{{ dict(a=ns.n) | tojson }} {{ dict.fromkeys(['x'], 1) | tojson }}"
+  )
   bad = "{% set ns = namespace(_hidden=1) %}{{ ns._hidden }}"
   messages = CONVERSATIONS[1]
   for name, template in (("good", good), ("bad", bad)):
@@ -236,8 +283,11 @@ def test_template_sandbox_answers_as_transformers(checkpoint, tmp_path):
     hf = transformers.AutoTokenizer.from_pretrained(d)
     ours = CheckpointTokenizer(d)
     if name == "good":
-      assert ours.render(messages) == hf.apply_chat_template(messages, tokenize=False) == (
-          '{"a": 5} {"x": 1}')
+      assert (
+        ours.render(messages)
+        == hf.apply_chat_template(messages, tokenize=False)
+        == ('{"a": 5} {"x": 1}')
+      )
     else:
       for render in (ours.render, lambda m: hf.apply_chat_template(m, tokenize=False)):
         with pytest.raises(jinja2.exceptions.SecurityError, match="underscore-prefixed"):

@@ -13,33 +13,38 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "cpjax", "examples", "ch
 QUIET = lambda *_: None  # noqa: E731
 
 
-@pytest.mark.parametrize("kind,warmup", [("constant", 0), ("constant", 3), ("cosine", 0),
-                                         ("cosine", 4), ("linear", 2)])
+@pytest.mark.parametrize(
+  "kind,warmup", [("constant", 0), ("constant", 3), ("cosine", 0), ("cosine", 4), ("linear", 2)]
+)
 def test_schedules_equal_transformers(kind, warmup):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   steps, lr = 12, 3e-3
   ours = OptimizerConfig(lr=lr, steps=steps, warmup_steps=warmup, schedule=kind).lr_schedule()
-  make = {"constant": transformers.get_constant_schedule_with_warmup,
-          "cosine": transformers.get_cosine_schedule_with_warmup,
-          "linear": transformers.get_linear_schedule_with_warmup}[kind]
+  make = {
+    "constant": transformers.get_constant_schedule_with_warmup,
+    "cosine": transformers.get_cosine_schedule_with_warmup,
+    "linear": transformers.get_linear_schedule_with_warmup,
+  }[kind]
   opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
   sched = make(opt, warmup, **({} if kind == "constant" else {"num_training_steps": steps}))
   theirs = []
-  for _ in range(steps):          # the rate each of the run's steps uses
+  for _ in range(steps):  # the rate each of the run's steps uses
     theirs.append(opt.param_groups[0]["lr"])
     opt.step()
     sched.step()
   # optax evaluates in float32: its error is float32 rounding of the peak rate.
-  np.testing.assert_allclose([float(ours(i)) for i in range(steps)], theirs, rtol=1e-6,
-                             atol=lr * 1e-6)
+  np.testing.assert_allclose(
+    [float(ours(i)) for i in range(steps)], theirs, rtol=1e-6, atol=lr * 1e-6
+  )
 
 
 def test_bad_schedules_are_job_errors():
   from cpjax.training.run_config import JobError
 
-  with pytest.raises(JobError, match="optimizer.warmup_steps 5 must be >= 0, and below "
-                                     "optimizer.steps 5"):
+  with pytest.raises(
+    JobError, match="optimizer.warmup_steps 5 must be >= 0, and below optimizer.steps 5"
+  ):
     OptimizerConfig(steps=5, warmup_steps=5, schedule="cosine").lr_schedule()
   with pytest.raises(JobError, match="optimizer.schedule must be one of"):
     OptimizerConfig(schedule="step").lr_schedule()
@@ -49,7 +54,7 @@ def test_clipping_scales_the_gradient_to_max_grad_norm():
   import jax.numpy as jnp
   import optax
 
-  grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([[12.0]])}       # global norm 13
+  grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([[12.0]])}  # global norm 13
   params = {"a": jnp.zeros(2), "b": jnp.ones((1, 1))}
   clipped = OptimizerConfig(lr=0.1, max_grad_norm=1.3).build()
   updates, _ = clipped.update(grads, clipped.init(params), params)
@@ -59,7 +64,7 @@ def test_clipping_scales_the_gradient_to_max_grad_norm():
   expected, _ = plain.update(scaled, plain.init(params), params)
   for k in grads:
     np.testing.assert_allclose(updates[k], expected[k], rtol=1e-6)
-  unclipped = OptimizerConfig(lr=0.1).build()        # max_grad_norm=None
+  unclipped = OptimizerConfig(lr=0.1).build()  # max_grad_norm=None
   updates, _ = unclipped.update(grads, unclipped.init(params), params)
   expected, _ = plain.update(grads, plain.init(params), params)
   for k in grads:
@@ -73,11 +78,21 @@ def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
   from cpjax.models import gemma4
   from cpjax.training.trainer import build, eval_hook, eval_rows
 
-  job = with_values(RunConfig(), {"dataset.seq_len": 128, "parallel.cp": 4, "optimizer.steps": 4,
-                                  "dataset.batch_size": 2, "model": "tiny-bidirectional",
-                                  "parity_check": False, "dataset.tokenizer": EXAMPLE,
-                                  "eval.rows": 3, "eval.every": 2,
-                                  "eval.data": os.path.join(EXAMPLE, "eval.jsonl")})
+  job = with_values(
+    RunConfig(),
+    {
+      "dataset.seq_len": 128,
+      "parallel.cp": 4,
+      "optimizer.steps": 4,
+      "dataset.batch_size": 2,
+      "model": "tiny-bidirectional",
+      "parity_check": False,
+      "dataset.tokenizer": EXAMPLE,
+      "eval.rows": 3,
+      "eval.every": 2,
+      "eval.data": os.path.join(EXAMPLE, "eval.jsonl"),
+    },
+  )
   trainer = build(job)
   host = eval_rows(job, trainer, QUIET)
   # 3 rows, filled up to whole batches of the step's 2 rows with an empty one
@@ -88,7 +103,7 @@ def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
   hook = eval_hook(job, trainer, layout, summary, QUIET)
   record = {}
   hook(0, {}, record)
-  assert "eval_loss" not in record                 # step 1: not a validation step
+  assert "eval_loss" not in record  # step 1: not a validation step
   hook(1, {}, record)
   # The single-device reference reads host copies (the job keeps its frozen
   # state on the mesh, where a one-device jit cannot take it).
@@ -123,23 +138,41 @@ def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch, wh
       if i == 1:
         raise OSError("the disk is full")
       hook(i, metrics, record)
+
     wrapped.close = getattr(hook, "close", lambda: None)
     return wrapped
 
   monkeypatch.setattr(trainer, name, failing)
-  job = with_values(RunConfig(), {"dataset.seq_len": 64, "parallel.cp": 2, "optimizer.steps": 3,
-                                  "dataset.batch_size": 2, "parity_check": False,
-                                  "dataset.tokenizer": EXAMPLE, "eval.rows": 2, "eval.every": 1,
-                                  "eval.data": os.path.join(EXAMPLE, "eval.jsonl"),
-                                  "checkpointing.state_dir": str(tmp_path / "state"),
-                                  "checkpointing.save": str(tmp_path / "out")})
-  state = (r"the train state after step 2 is in .*state; " if which == "validation" else "")
-  with pytest.raises(RuntimeError, match=rf"the {which} hook failed after step 2: OSError: "
-                                         rf"the disk is full \({state}the weights after step 2 "
-                                         rf"are in .*out\)"):
+  job = with_values(
+    RunConfig(),
+    {
+      "dataset.seq_len": 64,
+      "parallel.cp": 2,
+      "optimizer.steps": 3,
+      "dataset.batch_size": 2,
+      "parity_check": False,
+      "dataset.tokenizer": EXAMPLE,
+      "eval.rows": 2,
+      "eval.every": 1,
+      "eval.data": os.path.join(EXAMPLE, "eval.jsonl"),
+      "checkpointing.state_dir": str(tmp_path / "state"),
+      "checkpointing.save": str(tmp_path / "out"),
+    },
+  )
+  state = r"the train state after step 2 is in .*state; " if which == "validation" else ""
+  with pytest.raises(
+    RuntimeError,
+    match=rf"the {which} hook failed after step 2: OSError: "
+    rf"the disk is full \({state}the weights after step 2 "
+    rf"are in .*out\)",
+  ):
     trainer.run_train_job(job, log=QUIET)
-  assert TrainCheckpointer(job.checkpointing.state_dir).latest_step() == (2 if which == "validation" else None)
-  saved = gemma4.Gemma4.from_pretrained(job.checkpointing.save)      # a whole checkpoint, trained
+  assert TrainCheckpointer(job.checkpointing.state_dir).latest_step() == (
+    2 if which == "validation" else None
+  )
+  saved = gemma4.Gemma4.from_pretrained(job.checkpointing.save)  # a whole checkpoint, trained
   initial = gemma4.Gemma4(saved.cfg, rngs=nnx.Rngs(job.seed))
-  assert not np.array_equal(saved.model.language_model.embed_tokens.weight[...],
-                            initial.model.language_model.embed_tokens.weight[...])
+  assert not np.array_equal(
+    saved.model.language_model.embed_tokens.weight[...],
+    initial.model.language_model.embed_tokens.weight[...],
+  )

@@ -27,489 +27,890 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @dataclasses.dataclass(frozen=True)
 class Mutant:
   name: str
-  file: str                  # relative to the repository root
-  old: str                   # occurs exactly once in ``file``
+  file: str  # relative to the repository root
+  old: str  # occurs exactly once in ``file``
   new: str
-  tests: tuple[str, ...]     # pytest node ids / paths that must fail
+  tests: tuple[str, ...]  # pytest node ids / paths that must fail
 
 
 TILES = "tests/test_tile_schedule.py"
 
 MUTANTS = (
-    # --- tile tables within SMEM, and the closed form against XLA:TPU (issue 44)
-    Mutant("TPU kernels: one call however long its tile table", "cpjax/ring/kernels/_tpu.py",
-           "if lists % p == 0 and batch * (lists // p) * per_list <= TABLE_WORDS), lists)",
-           "if lists % p == 0), lists)",
-           ("tests/test_kernels.py::test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces",)),
-    Mutant("TPU kernels: every piece computes the first piece's tokens", "cpjax/ring/kernels/_tpu.py",
-           "  return slice(blocks.start * block, blocks.stop * block)",
-           "  return slice(0, (blocks.stop - blocks.start) * block)",
-           ("tests/test_kernels.py::test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces",)),
-    Mutant("GPU kernels: a grouped block's first key tile only", "cpjax/ring/kernels/_gpu.py",
-           "    j = jb * per_key + within\n",
-           "    j = jb * per_key\n",
-           ("tests/test_kernels.py::test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block",)),
-    Mutant("GPU kernels: dk/dv sees a grouped block's first row tile only", "cpjax/ring/kernels/_gpu.py",
-           "    start = (ib * per_row + within) * r\n",
-           "    start = ib * per_row * r\n",
-           ("tests/test_kernels.py::test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block",)),
-    Mutant("GPU schedule: never grouped however many tiles", "cpjax/ring/kernels/_targets.py",
-           "                               schedule_tiles=1 << 20,\n",
-           "",
-           ("tests/test_compile_targets.py::test_the_gpu_schedule_stays_linear_in_tokens_at_a_million_tokens",)),
-    Mutant("plan --write-config: the run's other settings dropped", "cpjax/cli/plan.py",
-           "  base = args.run if args.run is not None else RunConfig()\n",
-           "  base = RunConfig()\n",
-           ("tests/test_run_config.py::test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings",)),
-    Mutant("plan: the ring's float32 buffers left out", "cpjax/training/plan.py",
-           "  ring = 4 * rows * local * widest * 4 * (heads + kv)",
-           "  ring = 0",
-           ("tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",)),
-    Mutant("plan: a GPU's closed form is the TPU's", "cpjax/training/plan.py",
-           '  gpu = GPU_LAYER_VALUES * 4 * layers * rows * local * d if platform == "cuda" else 0',
-           "  gpu = 0",
-           ("tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",
-            "tests/test_cli.py::test_plan_target_follows_the_gpu_compiler",)),
-    Mutant("plan: the expert dispatch's backward left out", "cpjax/training/plan.py",
-           '    gathered += (4 * a + (DISPATCH_GPU * a if platform == "cuda" else 4 * 4)) * dispatch',
-           "    gathered += 4 * a * dispatch",
-           ("tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",)),
-    Mutant("experts: JAX's ragged_dot (a dense [G, M, K]) off TPU", "cpjax/experts.py",
-           "tpu=lax.ragged_dot, default=looped)",
-           "tpu=lax.ragged_dot, default=lax.ragged_dot)",
-           ("tests/test_compile_targets.py::test_the_experts_grouped_matmul_compiles_without_a_dense_expansion",)),
-    Mutant("experts: a tile meets only its first row's group", "cpjax/experts.py",
-           "  count = jnp.where(first < g, last - first + 1, 0)",
-           "  count = jnp.where(first < g, 1, 0)",
-           ("tests/test_experts.py::test_grouped_matmul_off_tpu_equals_each_groups_product",)),
-    # --- the kernels wherever a mesh puts them (issue 44)
-    Mutant("kernels: left to XLA's partitioner over fsdp and tp", "cpjax/ring/kernels/_common.py",
-           "    if not free:\n      return kernel(params, *operands)",
-           "    if True:\n      return kernel(params, *operands)",
-           ("tests/test_compile_targets.py::test_the_training_step_compiles_for_the_chip",)),
-    Mutant("kernels: per-row tables whole over the batch axes", "cpjax/ring/kernels/_common.py",
-           "      return P(over_b) if x.shape[0] == batch else P()",
-           "      return P(over_b) if x.ndim == 3 else P()",
-           ("tests/test_parallel.py::test_kernels_split_over_the_axes_the_partitioner_shards",)),
-    Mutant("kernels: the step's default is the process's backend", "cpjax/training/step.py",
-           "  implementation = resolve_implementation(implementation, platform=mesh_platform(mesh))",
-           "  implementation = resolve_implementation(implementation, platform=None)",
-           ("tests/test_compile_targets.py::test_the_training_step_compiles_for_the_chip",)),
-    # --- training state over fsdp x cp (issue 34)
-    Mutant("state: whole over cp by default", "cpjax/parallel.py",
-           'STATE_AXES = ("fsdp", "cp")',
-           'STATE_AXES = ("fsdp",)',
-           ("tests/test_state_sharding.py::test_a_cp_rank_holds_what_an_fsdp_rank_holds",
-            "tests/test_parallel.py::test_optimizer_state_follows_parameter_shardings")),
-    Mutant("state: cp minor on its dimension", "cpjax/parallel.py",
-           '        axes[d] = group + axes[d] if "cp" in group else axes[d] + group',
-           '        axes[d] = axes[d] + group',
-           ("cpjax/parallel.py", "tests/test_parallel.py::test_tp_splits_heads_and_hidden_units")),
-    Mutant("ring lookup: the ids do not travel", "cpjax/parallel.py",
-           "    rel, hit = hits(visiting)\n    total = total + jnp.where(",
-           "    rel, hit = hits(ids)\n    total = total + jnp.where(",
-           ("tests/test_parallel.py::test_ring_lookup_keeps_the_table_split_over_cp",)),
-    Mutant("loss over cp: a chunk's statistics do not travel with it", "cpjax/training/loss.py",
-           "      return (h, y, stats.merge(_block_stats(h, y, head, s))), None",
-           "      return (h, y, _block_stats(h, y, head, s)), None",
-           ("tests/test_loss.py::test_linear_cross_entropy_is_vocabulary_parallel",)),
-    Mutant("loss over cp: what a chunk gathered does not come home", "cpjax/training/loss.py",
-           "  return hop(home(moving)), kept",
-           "  return home(moving), kept",
-           ("tests/test_loss.py::test_linear_cross_entropy_is_vocabulary_parallel",)),
-    Mutant("loss: the head's gradient restarts at each hop", "cpjax/training/loss.py",
-           "    d_w, dh = jax.lax.scan(chunk, jax.lax.dynamic_slice_in_dim(d_head, i * rows, rows),",
-           "    d_w, dh = jax.lax.scan(chunk, 0 * jax.lax.dynamic_slice_in_dim(d_head, i * rows, rows),",
-           ("tests/test_loss.py::test_linear_cross_entropy_is_vocabulary_parallel",)),
-    # --- what a long row's step keeps alive (issue 34)
-    Mutant("experts: grouped_matmul's row search by jnp.searchsorted", "cpjax/experts.py",
-           "  group = _at_most(jnp.cumsum(sizes), m)",
-           "  group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(m, dtype=sizes.dtype),"
-           " side='right')",
-           ("tests/test_experts.py::test_grouped_matmul_takes_group_sizes_varying_over_a_mesh_axis",)),
-    Mutant("fills: a constant, built when the step starts", "cpjax/parallel.py",
-           "    out = out + zero                                    # 0 or 0 * 1: never NaN",
-           "    out = out",
-           ("tests/test_step_memory.py::test_accumulators_are_made_where_their_loops_run",)),
-    Mutant("mlp tiles: every tile at once", "cpjax/models/gemma4/text.py",
-           "    out = remat_tiles(lambda state, x: nnx.merge(graphdef, state)._mlp(x), state, tiles)",
-           "    out = jax.vmap(nnx.merge(graphdef, state)._mlp)(tiles)",
-           ("tests/test_step_memory.py::test_the_mlp_in_tiles_keeps_one_tile_of_intermediates",)),
-    Mutant("mlp tiles: every tile written to the first", "cpjax/models/gemma4/remat.py",
-           "    return lax.dynamic_update_index_in_dim(out, one_tile(leaves, tiles[i]), i, 0)",
-           "    return lax.dynamic_update_index_in_dim(out, one_tile(leaves, tiles[i]), 0, 0)",
-           ("tests/test_step_memory.py::test_the_mlp_in_tiles_equals_the_whole_row",)),
-    Mutant("mlp tiles: the weights' gradient of the last tile only", "cpjax/models/gemma4/remat.py",
-           "    d_leaves = [d + d_leaf[j] for d, j in zip(d_leaves, grows)]",
-           "    d_leaves = [d * 0 + d_leaf[j] for d, j in zip(d_leaves, grows)]",
-           ("tests/test_step_memory.py::test_the_mlp_in_tiles_equals_the_whole_row",)),
-    Mutant("mlp tiles: the input's gradient from a zeros constant", "cpjax/models/gemma4/remat.py",
-           "          filled_after(g, tiles.shape, dtype=tiles.dtype))",
-           "          jnp.zeros(tiles.shape, tiles.dtype))",
-           ("tests/test_step_memory.py::test_the_mlp_tiles_backward_makes_its_buffers_where_it_runs",)),
-    Mutant("mlp tiles: the weights' gradients from zeros constants", "cpjax/models/gemma4/remat.py",
-           "  init = ([filled_after(g, leaves[j].shape, dtype=leaves[j].dtype) for j in grows],",
-           "  init = ([jnp.zeros(leaves[j].shape, leaves[j].dtype) for j in grows],",
-           ("tests/test_step_memory.py::test_the_mlp_tiles_backward_makes_its_buffers_where_it_runs",)),
-    Mutant("mlp tiles: weights not made varying as the tiles", "cpjax/models/gemma4/remat.py",
-           "  leaves = [vary_like(leaf, tiles) for leaf in leaves]",
-           "  leaves = list(leaves)",
-           ("tests/test_step_memory.py::test_tiles_sum_a_weight_shared_by_the_ranks_once",)),
-    Mutant("step: ep's experts over cp gathered", "cpjax/training/step.py",
-           '    return axis_name in expert_axes and "experts" in keys',
-           '    return False',
-           ("tests/test_experts.py::test_ep_step_equals_the_single_device_step",)),
-    Mutant("step: a storage split over cp taken for ep's", "cpjax/training/step.py",
-           '    return axis_name in expert_axes and "experts" in keys',
-           '    return bool(expert_axes) and "experts" in keys',
-           ("tests/test_experts.py::test_ep_step_equals_the_single_device_step",)),
-    Mutant("job: --shard-state fsdp ignored", "cpjax/training/trainer.py",
-           "  state_axes = job.parallel.state_axes()",
-           "  state_axes = parallel.STATE_AXES",
-           ("tests/test_state_sharding.py::test_cpjax_train_places_the_state_as_shard_state_says",)),
-    # --- run configs and recipes (issue 36)
-    Mutant("run config: a dotted key beats its short flag", "cpjax/training/run_file.py",
-           "    values[s.key] = namespace.get(s.key) if alias is argparse.SUPPRESS else alias",
-           "    values[s.key] = namespace.get(s.key)",
-           ("tests/test_run_config.py::test_overrides_beat_the_file_and_short_flags_beat_both",
-            "tests/test_run_config.py::test_every_short_flag_sets_its_dotted_key")),
-    Mutant("run config: no run.yaml in the state directory", "cpjax/training/trainer.py",
-           "  if job.checkpointing.state_dir and jax.process_index() == 0:",
-           "  if False:",
-           ("tests/test_run_config.py::test_run_yaml_reruns_bit_for_bit_and_resume_reads_it",)),
-    Mutant("run config: --resume ignores run.yaml", "cpjax/cli/train.py",
-           "    if os.path.isfile(saved):     # the saved run, under this command line",
-           "    if False:",
-           ("tests/test_run_config.py::test_run_yaml_reruns_bit_for_bit_and_resume_reads_it",)),
-    Mutant("run config: --checkpoint keeps a recipe's model", "cpjax/cli/train.py",
-           "        run = with_values(run, {other: None})",
-           "        pass",
-           ("tests/test_run_config.py::test_the_command_line_replaces_what_a_file_trains_and_its_mesh",)),
-    Mutant("run config: a positive setting goes unchecked", "cpjax/training/run_config.py",
-           "    if s.positive and value is not None and not value > 0:",
-           "    if False:",
-           ("tests/test_run_config.py::test_unknown_keys_and_wrong_types_are_one_line_exit_two",)),
-    Mutant("plan: --write-config prefers bfloat16", "cpjax/cli/plan.py",
-           "  fitting = [d for d in (\"float32\", \"bfloat16\")",
-           "  fitting = [d for d in (\"bfloat16\", \"float32\")",
-           ("tests/test_run_config.py::test_plan_writes_a_config_that_fits",)),
-    # --- the package's layers (issue 35)
-    Mutant("layers: the data layer imports the training layer", "cpjax/data/synthetic.py",
-           "from cpjax.batch import next_token_labels\n",
-           "from cpjax.batch import next_token_labels\n\n\ndef _upward():\n"
-           "  from cpjax.training import loss  # noqa: F401\n",
-           ("tests/test_architecture.py::test_no_import_from_a_higher_layer",)),
-    Mutant("layers: two core modules import each other", "cpjax/streams.py",
-           "from cpjax import batch as batch_lib\n",
-           "from cpjax import batch as batch_lib\n\n\ndef _back():\n"
-           "  from cpjax import sharding  # noqa: F401\n",
-           ("tests/test_architecture.py::test_no_import_cycle",)),
-    # --- the paths a real fine-tuning run takes (issue 33)
-    Mutant("tokenizer: a {% generation %} block's span starts at its end", "cpjax/data/tokenizer.py",
-           "        spans.append((start, start + len(text)))",
-           "        spans.append((start + len(text), start + len(text)))",
-           ("tests/test_tokenizer.py::test_generation_tags_are_the_answer_as_transformers_reads_them",
-            "tests/test_records.py::test_a_template_with_generation_tags_keeps_every_conversation")),
-    Mutant("tokenizer: tagged templates use the prefix method", "cpjax/data/tokenizer.py",
-           "    if self.marks_generation:\n      full, spans = _answer_spans(",
-           "    if False:\n      full, spans = _answer_spans(",
-           ("tests/test_tokenizer.py::test_generation_tags_by_hand",)),
-    Mutant("checkpoint: buffers stay on one device", "cpjax/models/gemma4/checkpoint.py",
-           "    target = default if mesh is None else NamedSharding(mesh, P() if spec is None else spec)",
-           "    target = default if mesh is None or spec is None else NamedSharding(mesh, spec)",
-           ("tests/test_gemma4_checkpoint.py::test_sharded_save_with_index_and_placement_on_a_mesh",)),
-    Mutant("job: a failing hook ends the run unsaved", "cpjax/training/trainer.py",
-           "      saved = _save_after_failure(job, trainer, data, checkpointer, failure, summary, log)",
-           "      saved = 'nothing was saved'",
-           ("tests/test_train_job.py::test_a_failing_hook_saves_the_run_and_names_itself",)),
-    Mutant("lora: the creation pass runs on the Explicit mesh", "cpjax/training/lora/adapters.py",
-           "  _retyped(model, auto)\n  try:\n    yield restore",
-           "  try:\n    yield restore",
-           ("tests/test_lora.py::test_adapters_made_on_a_mesh_equal_those_made_on_one_device",)),
-    Mutant("lora: merging ignores rsLoRA", "cpjax/training/lora/adapters.py",
-           "      merged = base[...].astype(jnp.float32) + _delta(name, base[...], a[...], b[...],\n"
-           "                                                       settings.scale)",
-           "      merged = base[...].astype(jnp.float32) + _delta(name, base[...], a[...], b[...],\n"
-           "                                                       settings.alpha / settings.rank)",
-           ("tests/test_lora.py::test_merged_model_equals_the_adapted_model_for_every_option",)),
-    Mutant("checkpointing: a changed microbatches count resumes", "cpjax/training/checkpointing.py",
-           '  for key in ("batch_size", "seq_len", "microbatches"):',
-           '  for key in ("batch_size", "seq_len"):',
-           ("tests/test_checkpointing.py::test_every_setting_resume_compares_refuses_a_change",)),
-    Mutant("checkpointing: LoRA settings other than the rank are not compared",
-           "cpjax/training/checkpointing.py",
-           '  if saved.get("lora") != current.get("lora"):     # what the saved parameters are',
-           '  if (saved.get("lora") or {}).get("rank") != (current.get("lora") or {}).get("rank"):',
-           ("tests/test_checkpointing.py::test_every_setting_resume_compares_refuses_a_change",)),
-    Mutant("gemma4: cp_logits does not check the expert split", "cpjax/models/gemma4/cp_forward.py",
-           "  check_expert_axes(model.cfg, mesh, expert_axes)\n", "",
-           ("tests/test_experts.py::test_bad_expert_parallel_input",)),
-    # --- expert parallelism (issue 23)
-    Mutant("experts: a kept pair's slot ignores the pairs kept before it in its group",
-           "cpjax/experts.py",
-           "  slot = jnp.where(keep, group * rows + kept_before - first[group], groups * rows)",
-           "  slot = jnp.where(keep, group * rows, groups * rows)",
-           ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",)),
-    Mutant("experts: the received rows are not regrouped by local expert", "cpjax/experts.py",
-           "  out = expert_fn(received[regroup], counts, params)",
-           "  out = expert_fn(received, counts, params)",
-           ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",)),
-    Mutant("experts: the capacity keeps one pair too many per expert", "cpjax/experts.py",
-           "  keep = rank < _expert_capacity(flat.shape[0], e, capacity_factor)",
-           "  keep = rank <= _expert_capacity(flat.shape[0], e, capacity_factor)",
-           ("tests/test_experts.py::test_capacity_drops_exactly_the_counted_pairs",)),
-    Mutant("experts: a dropped pair reads a returned row", "cpjax/experts.py",
-           '  y = back.at[slot].get(mode="fill", fill_value=0).astype(jnp.float32)',
-           '  y = back.at[slot].get(mode="clip").astype(jnp.float32)',
-           ("tests/test_experts.py::test_capacity_drops_exactly_the_counted_pairs",)),
-    Mutant("experts: the stats are not summed over the batch axis", "cpjax/experts.py",
-           "    if batch is not None:   # the stats of every row this cp rank holds",
-           "    if False:",
-           ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",)),
-    Mutant("experts: the nested backward drops the weights' cotangent", "cpjax/experts.py",
-           "  return d_x, d_w, None, d_params\n",
-           "  return d_x, jnp.zeros_like(d_w), None, d_params\n",
-           ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",)),
-    Mutant("train: expert parameters enter the cp shard_map whole", "cpjax/cp_context.py",
-           "      kept = tuple(n for n in names if n in axes)",
-           "      kept = ()",
-           ("tests/test_experts.py::test_ep_step_equals_the_single_device_step",)),
-    Mutant("parallel: ep folds onto the batch axis before cp", "cpjax/parallel.py",
-           '  options = [("cp",), (batch,), ("cp", batch)] if batch else [("cp",)]',
-           '  options = [(batch,), ("cp",), ("cp", batch)] if batch else [("cp",)]',
-           ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",
-            "cpjax/parallel.py")),
-    # --- your own data (issue 21)
-    Mutant("tokenizer: the answer spans start one character early, in the turn header",
-           "cpjax/data/tokenizer.py",
-           "      start = len(os.path.commonprefix([prompt, end]))",
-           "      start = len(os.path.commonprefix([prompt, end])) - 1",
-           ("tests/test_tokenizer.py::test_answer_mask_equals_transformers_generation_mask",)),
-    Mutant("tokenizer: the named special tokens are not added tokens", "cpjax/data/tokenizer.py",
-           "    self.backend.add_special_tokens([AddedToken(t, special=True, normalized=False)\n"
-           "                                     for t in self.special_tokens.values()])",
-           "    pass",
-           ("tests/test_tokenizer.py::test_ids_equal_autotokenizer_and_apply_chat_template",)),
-    Mutant("tokenizer: image tokens may count in the loss", "cpjax/data/tokenizer.py",
-           "      answer &= ids != self.token_id(self.special_tokens[\"image_token\"])",
-           "      answer &= ids != -1",
-           ("tests/test_images.py::test_conversation_with_images_equals_gemma4_processor",)),
-    Mutant("tokenizer: answer spans keep their place when an image expands before them",
-           "cpjax/data/tokenizer.py",
-           "      return pos + sum(extra for where, extra in shifts if where < pos)",
-           "      return pos",
-           ("tests/test_images.py::test_conversation_with_images_equals_gemma4_processor",)),
-    Mutant("corpus: the loss mask of the next token is ignored", "cpjax/data/corpus.py",
-           "    same = (docs > 0) & (nxt_doc == docs) & (np.roll(row[\"loss_mask\"], -1) > 0)",
-           "    same = (docs > 0) & (nxt_doc == docs)",
-           ("tests/test_records.py::test_loss_counts_exactly_the_assistant_tokens_through_packing"
-            "_and_sharding",)),
-    Mutant("corpus: the loss mask of the token itself, not of its target", "cpjax/data/corpus.py",
-           "    same = (docs > 0) & (nxt_doc == docs) & (np.roll(row[\"loss_mask\"], -1) > 0)",
-           "    same = (docs > 0) & (nxt_doc == docs) & (row[\"loss_mask\"] > 0)",
-           ("tests/test_records.py::test_loss_counts_exactly_the_assistant_tokens_through_packing"
-            "_and_sharding",)),
-    Mutant("corpus: a row's images fill its slots from the last one", "cpjax/data/corpus.py",
-           "      pixels[i, :n] = pixel_values(row[\"image_patches\"][start:start + n])",
-           "      pixels[slots - 1 - i, :n] = pixel_values(row[\"image_patches\"][start:start + n])",
-           ("tests/test_images.py::test_images_ride_with_their_documents_through_packing",)),
-    Mutant("images: bilinear instead of bicubic resizing", "cpjax/data/images.py",
-           "      image = image.resize((w, h), resample=Image.Resampling.BICUBIC, reducing_gap=None)",
-           "      image = image.resize((w, h), resample=Image.Resampling.BILINEAR, reducing_gap=None)",
-           ("tests/test_images.py::test_pixels_equal_transformers_image_processor",)),
-    Mutant("images: patches flattened channel-first", "cpjax/data/images.py",
-           "    patches = pixels.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4)",
-           "    patches = pixels.reshape(rows, p, cols, p, 3).transpose(0, 2, 4, 1, 3)",
-           ("tests/test_images.py::test_pixels_equal_transformers_image_processor",)),
-    Mutant("images: transparency dropped, not composited onto white", "cpjax/data/images.py",
-           '  if "A" in image.getbands() or image.info.get("transparency") is not None:',
-           "  if False:",
-           ("tests/test_images.py::test_pixels_equal_transformers_image_processor",)),
-    Mutant("gemma4: an all-padding image slot yields a soft token in the tower",
-           "cpjax/models/gemma4/vision.py",
-           "    valid = jnp.any((weights != 0) & real[..., None], axis=1)               # [N, M]",
-           "    valid = jnp.any(weights != 0, axis=1)                                   # [N, M]",
-           ("tests/test_gemma4.py::test_all_padding_image_slots_yield_no_soft_tokens",)),
-    Mutant("train job: the linear schedule decays over all steps, warmup included",
-           "cpjax/training/run_config.py",
-           "    lr, warm, rest = self.lr, self.warmup_steps, max(self.steps - self.warmup_steps, 1)",
-           "    lr, warm, rest = self.lr, self.warmup_steps, max(self.steps, 1)",
-           ("tests/test_train_job.py::test_schedules_equal_transformers",)),
-    Mutant("train job: validation counts one token too many",
-           "cpjax/training/trainer.py",
-           "    record[\"eval_loss\"] = ce_sum / max(count, 1.0)",
-           "    record[\"eval_loss\"] = ce_sum / max(count + 1.0, 1.0)",
-           ("tests/test_train_job.py::test_validation_loss_is_the_single_device_loss_of_the_fixed"
-            "_rows",)),
-    # --- document_balanced (issue 20)
-    Mutant("layout: document_balanced stripes dealt cyclically, not in a serpentine",
-           "cpjax/layout.py",
-           "  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 1 - rank)",
-           "  chunks = passes * cp + rank",
-           ("tests/test_document_balance.py::test_stripes_are_dealt_in_a_serpentine",)),
-    Mutant("sharding: unshard_batch applies the row order instead of its inverse",
-           "cpjax/sharding.py",
-           "    inverse = jnp.argsort(source, axis=1).astype(jnp.int32)     # a permutation: exact",
-           "    inverse = source.astype(jnp.int32)",
-           ("tests/test_document_balance.py::test_shard_then_unshard_is_bit_exact",)),
-    Mutant("balance: the document a stripe boundary cuts counts one token short",
-           "cpjax/balance.py",
-           "  cut = np.where(np.take_along_axis(real[orders], doc, 1), _prefix_work(into, windows), 0.0)",
-           "  cut = np.where(np.take_along_axis(real[orders], doc, 1), _prefix_work(into - 1, windows), 0.0)",
-           ("tests/test_document_balance.py::test_search_scores_equal_the_work_of_the_reordered_row",)),
-    Mutant("balance: a windowed layer's prefix work forgets the tokens past the window",
-           "cpjax/balance.py",
-           "    out += c * (m * (m + 1) / 2 + (0 if w is None else (n - m) * w))",
-           "    out += c * (m * (m + 1) / 2)",
-           ("tests/test_document_balance.py::test_search_scores_equal_the_work_of_the_reordered_row",)),
-    Mutant("sharding: document_balanced leaves the reordered ids unrenumbered",
-           "cpjax/sharding.py",
-           "                            renumber=batch_lib.DOCUMENT_IDS_KEY in streams)",
-           "                            renumber=False)",
-           ("tests/test_document_balance.py::test_shard_then_unshard_is_bit_exact",)),
-    Mutant("balance: renumbering follows the ids' values, not their first places",
-           "cpjax/balance.py",
-           "    rename[np.flatnonzero(real)[np.argsort(first[real])]] = np.arange(1, real.sum() + 1)",
-           "    rename[np.flatnonzero(real)] = np.arange(1, real.sum() + 1)",
-           ("tests/test_document_balance.py::test_shard_then_unshard_is_bit_exact",)),
-    Mutant("gemma4: the sharder's document_balanced stripes ignore the window",
-           "cpjax/models/gemma4/model.py",
-           "        min_stripe_len=t.effective_sliding_window,",
-           "        min_stripe_len=1024,",
-           ("tests/test_document_balance.py::test_min_stripe_len_sets_the_stripes_shard_batch_deals",)),
-    Mutant("gemma4: the sharder's document_balanced balance counts causal work only",
-           "cpjax/models/gemma4/model.py",
-           "        layer_windows=tuple(t.effective_sliding_window if kind == SLIDING else None",
-           "        layer_windows=None and tuple(t.effective_sliding_window if kind == SLIDING else None",
-           ("tests/test_document_balance.py::test_min_stripe_len_sets_the_stripes_shard_batch_deals",)),
-    # --- the five of the review that found them surviving
-    Mutant("train: the loss picks the logit of labels + 1", "cpjax/training/loss.py",
-           "vocab == labels[..., None]", "vocab == labels[..., None] + 1",
-           ("tests/test_loss.py",)),
-    Mutant("ring: the tile loop never skips", "cpjax/ring/_passes.py",
-           "  visit = (jnp.any(blocks.any, axis=0) & active).ravel()",
-           "  visit = jnp.broadcast_to(active, blocks.any.shape[1:]).ravel()", (TILES,)),
-    Mutant("masks: SameSegment.classify calls no block empty or full", "cpjax/masks/_rules.py",
-           "    return _group_blocks(qs, qs > 0, ks, ks > 0)",
-           "    blocks = _group_blocks(qs, qs > 0, ks, ks > 0)\n"
-           "    return BlockMap(jnp.ones_like(blocks.any), jnp.zeros_like(blocks.all))", (TILES,)),
-    Mutant("sharding: unshard_batch ignores layout.replicated_keys", "cpjax/sharding.py",
-           "  streams = {k: d for k, d in streams.items() if k not in layout.replicated_keys}\n",
-           "", ("tests/test_sharding.py::test_unshard_an_aux_only_batch",)),
-    Mutant("masks: LocalWindow.classify, the wrong query bound for full", "cpjax/masks/_rules.py",
-           "every & (q_hi - k_lo <= self.left)", "every & (q_lo - k_lo <= self.left)", (TILES,)),
-    Mutant("train: the chunked loss's backward drops the soft cap's derivative",
-           "cpjax/training/loss.py", "      dz = dz * (1.0 - t * t)", "      dz = dz * 1.0",
-           ("tests/test_loss.py",)),
-    # --- one or more per core module
-    Mutant("kernels common: the per-row schedule never skips", "cpjax/ring/kernels/_common.py",
-           "  visit = jnp.broadcast_to(blocks.any, shape) & active",
-           "  visit = jnp.broadcast_to(active, shape)", (TILES,)),
-    Mutant("layout: the load-balanced tail chunk", "cpjax/layout.py",
-           "  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 1 - rank)",
-           "  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 2 - rank)",
-           ("tests/test_layout.py",)),
-    Mutant("sharding: labels padded with 0", "cpjax/streams.py",
-           '    "labels": batch_lib.IGNORE_INDEX,', '    "labels": 0,',
-           ("tests/test_sharding.py",)),
-    Mutant("masks: the window admits one key too many", "cpjax/masks/_rules.py",
-           "      ok &= d <= self.left", "      ok &= d <= self.left + 1",
-           ("tests/test_masks.py",)),
-    Mutant("ring: a tile forgets to rescale the running sum", "cpjax/ring/_passes.py",
-           "    l = alpha * l + jnp.sum(p, axis=-1)", "    l = l + jnp.sum(p, axis=-1)",
-           ("tests/test_ring_attention.py",)),
-    Mutant("gemma4: embeddings unscaled", "cpjax/models/gemma4/text.py",
-           "  return jnp.asarray(math.sqrt(width), dtype)", "  return jnp.asarray(1.0, dtype)",
-           ("tests/test_gemma4.py::test_single_device_logits_equal_transformers",)),
-    Mutant("gemma4 checkpoint: chunks land one row late", "cpjax/models/gemma4/checkpoint.py",
-           "      host[lo:hi] = part", "      host[lo + 1:hi + 1] = part[:host.shape[0] - lo - 1]",
-           ("tests/test_gemma4_checkpoint.py::test_each_device_reads_its_block_in_chunks",)),
-    Mutant("gemma4 checkpoint: a replicated block is read once, for the wrong device",
-           "cpjax/models/gemma4/checkpoint.py", "             else jax.device_put(seen, device))",
-           "             else seen)",
-           ("tests/test_gemma4_checkpoint.py::test_each_device_reads_its_block_in_chunks",)),
-    Mutant("checkpointing: the data position is not saved", "cpjax/training/checkpointing.py",
-           "        data_state=ocp.args.JsonSave(dict(data_state)),",
-           "        data_state=ocp.args.JsonSave({k: None for k in data_state}),",
-           ("tests/test_checkpointing.py::test_resume_continues_with_bit_identical_losses",)),
-    Mutant("batch: a 4-D mask read from its last head", "cpjax/batch.py",
-           "    diag = jnp.diagonal(mask[:, 0], axis1=-2, axis2=-1)",
-           "    diag = jnp.diagonal(mask[:, -1], axis1=-2, axis2=-1)",
-           ("tests/test_batch.py",)),
-    Mutant("data: synthetic text may draw a special id", "cpjax/data/synthetic.py",
-           "  allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(reserved_ids, np.int64))",
-           "  allowed = np.arange(vocab_size)",
-           ("tests/test_gemma4_published.py::test_synthetic_rows_never_forge_a_special_token",)),
-    Mutant("parallel: lookup reads every id from the first block of rows", "cpjax/parallel.py",
-           "  rel = ids - jax.lax.axis_index(table_axes) * size",
-           "  rel = ids - 0 * size",
-           ("tests/test_parallel.py::test_lookup_keeps_the_table_sharded",)),
-    Mutant("linear CE: the vocabulary blocks' sums of exponentials are not combined",
-           "cpjax/training/loss.py",
-           "      sum_exp, picked = jax.lax.psum((sum_exp, picked), axes)",
-           "      picked = jax.lax.psum(picked, axes)",
-           ("tests/test_loss.py::test_linear_cross_entropy_is_vocabulary_parallel",)),
-    Mutant("linear CE: the backward's vocabulary tiles all take the label at tile 0",
-           "cpjax/training/loss.py",
-           "      dz = jnp.exp(z - lc[:, None]) - _is_label(z, yc, start + i * rows)",
-           "      dz = jnp.exp(z - lc[:, None]) - _is_label(z, yc, start)",
-           ("tests/test_loss.py",)),
-    Mutant("gemma4: image tokens take the next soft token", "cpjax/models/gemma4/model.py",
-           "    slot = jnp.asarray(offsets)[:, None] + jnp.cumsum(is_image, axis=1, dtype=jnp.int32) - 1",
-           "    slot = jnp.asarray(offsets)[:, None] + jnp.cumsum(is_image, axis=1, dtype=jnp.int32)",
-           ("tests/test_gemma4.py::test_single_device_logits_equal_transformers",)),
-    Mutant("gemma4: remat recomputes each layer from zeros", "cpjax/models/gemma4/remat.py",
-           "  nan = lax.optimization_barrier(first != first)",
-           "  nan = lax.optimization_barrier(first == first)",
-           ("tests/test_gemma4.py::test_remat_policies_give_the_same_gradients",)),
-    Mutant("gemma4: full remat re-traces the layer in the backward (LoRA adapters vanish)",
-           "cpjax/models/gemma4/remat.py",
-           "    return _tied_remat(replay, *args)",
-           "    return _tied_remat(fn, *args)",
-           ("tests/test_lora.py::test_adapter_gradients_equal_the_dense_reference",)),
-    Mutant("lora: the adapters' scale ignores alpha", "cpjax/training/lora/adapters.py",
-           "  alpha = settings.alpha * (math.sqrt(settings.rank) if settings.use_rslora else 1.0)",
-           "  alpha = settings.rank * (math.sqrt(settings.rank) if settings.use_rslora else 1.0)",
-           ("tests/test_lora.py::test_adapter_gradients_equal_the_dense_reference",)),
-    Mutant("lora: rsLoRA scales by 1 / r", "cpjax/training/lora/adapters.py",
-           "  alpha = settings.alpha * (math.sqrt(settings.rank) if settings.use_rslora else 1.0)",
-           "  alpha = settings.alpha",
-           ("tests/test_lora_peft.py::test_cpjax_loads_what_peft_saves",)),
-    Mutant("lora: PEFT's A is saved untransposed", "cpjax/training/lora/peft_format.py",
-           '    tensors[key + ".lora_A.weight"] = np.ascontiguousarray(np.asarray(a[...], np.float32).T)',
-           '    tensors[key + ".lora_A.weight"] = np.ascontiguousarray(np.asarray(a[...], np.float32).reshape(a.shape[::-1]))',
-           ("tests/test_lora_peft.py::test_peft_loads_what_cpjax_saves_and_merging_equals_it",)),
-    Mutant("lora: merging adds B A untransposed into a [out, in] weight", "cpjax/training/lora/adapters.py",
-           "    delta = delta.T",
-           "    delta = delta.reshape(delta.shape[::-1])",
-           ("tests/test_lora_peft.py::test_peft_loads_what_cpjax_saves_and_merging_equals_it",)),
-    Mutant("lora: the adapters' term stays float32 (PEFT casts it back)", "cpjax/training/lora/adapters.py",
-           "      return super().einsum(einsum_str, *operands, **kwargs).astype(dtype)",
-           "      return super().einsum(einsum_str, *operands, **kwargs)",
-           ("tests/test_lora.py::test_bfloat16_base_keeps_the_activation_dtype",)),
-    Mutant("tp: a column-split projection's A is not split", "cpjax/models/gemma4/partitioning.py",
-           '      return P("tp", None) if split == "columns" else P()',
-           '      return P()',
-           ("tests/test_lora.py::test_lora_partition_rule_follows_the_weight",)),
-    Mutant("train: the frozen base is the closure's, not the argument", "cpjax/training/step.py",
-           "    output = forward(merge(params, frozen), batch, context)",
-           "    output = forward(merge(params, default_frozen), batch, context)",
-           ("tests/test_lora.py::test_lora_cp_gradients_equal_single_device",)),
-    Mutant("resume: a different LoRA run is not refused", "cpjax/training/checkpointing.py",
-           '  if saved.get("lora") != current.get("lora"):     # what the saved parameters are',
-           '  if False:',
-           ("tests/test_lora_job.py::test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base",)),
-    Mutant("gemma4 config: the vision rope type goes unchecked", "cpjax/models/gemma4/hf_config.py",
-           '    _check_rope(rope, "vision_config.rope_parameters", ("default", "axial"))',
-           '    _check_rope(rope, "vision_config.rope_parameters", ("default", "axial", "linear"))',
-           ("tests/test_gemma4_published.py",)),
+  # --- tile tables within SMEM, and the closed form against XLA:TPU (issue 44)
+  Mutant(
+    "TPU kernels: one call however long its tile table",
+    "cpjax/ring/kernels/_tpu.py",
+    (
+      "  count = next(\n"
+      "    (\n"
+      "      p\n"
+      "      for p in range(1, lists + 1)\n"
+      "      if lists % p == 0 and batch * (lists // p) * per_list <= TABLE_WORDS\n"
+      "    ),\n"
+      "    lists,\n"
+      "  )"
+    ),
+    "  count = next((p for p in range(1, lists + 1) if lists % p == 0), lists)",
+    ("tests/test_kernels.py::test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces",),
+  ),
+  Mutant(
+    "TPU kernels: every piece computes the first piece's tokens",
+    "cpjax/ring/kernels/_tpu.py",
+    "  return slice(blocks.start * block, blocks.stop * block)",
+    "  return slice(0, (blocks.stop - blocks.start) * block)",
+    ("tests/test_kernels.py::test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces",),
+  ),
+  Mutant(
+    "GPU kernels: a grouped block's first key tile only",
+    "cpjax/ring/kernels/_gpu.py",
+    "    j = jb * per_key + within",
+    "    j = jb * per_key",
+    ("tests/test_kernels.py::test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block",),
+  ),
+  Mutant(
+    "GPU kernels: dk/dv sees a grouped block's first row tile only",
+    "cpjax/ring/kernels/_gpu.py",
+    "    start = (ib * per_row + within) * r",
+    "    start = ib * per_row * r",
+    ("tests/test_kernels.py::test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block",),
+  ),
+  Mutant(
+    "GPU schedule: never grouped however many tiles",
+    "cpjax/ring/kernels/_targets.py",
+    "    schedule_tiles=1 << 20,\n",
+    "",
+    (
+      "tests/test_compile_targets.py::test_the_gpu_schedule_stays_linear_in_tokens_at_a_million_t"
+      "oken"
+      "s",
+    ),
+  ),
+  Mutant(
+    "plan --write-config: the run's other settings dropped",
+    "cpjax/cli/plan.py",
+    "  base = args.run if args.run is not None else RunConfig()",
+    "  base = RunConfig()",
+    ("tests/test_run_config.py::test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings",),
+  ),
+  Mutant(
+    "plan: the ring's float32 buffers left out",
+    "cpjax/training/plan.py",
+    "  ring = 4 * rows * local * widest * 4 * (heads + kv)",
+    "  ring = 0",
+    ("tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",),
+  ),
+  Mutant(
+    "plan: a GPU's closed form is the TPU's",
+    "cpjax/training/plan.py",
+    '  gpu = GPU_LAYER_VALUES * 4 * layers * rows * local * d if platform == "cuda" else 0',
+    "  gpu = 0",
+    (
+      "tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",
+      "tests/test_cli.py::test_plan_target_follows_the_gpu_compiler",
+    ),
+  ),
+  Mutant(
+    "plan: the expert dispatch's backward left out",
+    "cpjax/training/plan.py",
+    '    gathered += (4 * a + (DISPATCH_GPU * a if platform == "cuda" else 4 * 4)) * dispatch',
+    "    gathered += 4 * a * dispatch",
+    ("tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",),
+  ),
+  Mutant(
+    "experts: JAX's ragged_dot (a dense [G, M, K]) off TPU",
+    "cpjax/experts.py",
+    "  return lax.platform_dependent(rows, weights, sizes, tpu=lax.ragged_dot, default=looped)",
+    "  return lax.platform_dependent(rows, weights, sizes, tpu=lax.ragged_dot,"
+    " default=lax.ragged_dot)",
+    (
+      "tests/test_compile_targets.py::test_the_experts_grouped_matmul_compiles_without_a_dense_ex"
+      "pansio"
+      "n",
+    ),
+  ),
+  Mutant(
+    "experts: a tile meets only its first row's group",
+    "cpjax/experts.py",
+    "  count = jnp.where(first < g, last - first + 1, 0)",
+    "  count = jnp.where(first < g, 1, 0)",
+    ("tests/test_experts.py::test_grouped_matmul_off_tpu_equals_each_groups_product",),
+  ),
+  # --- the kernels wherever a mesh puts them (issue 44)
+  Mutant(
+    "kernels: left to XLA's partitioner over fsdp and tp",
+    "cpjax/ring/kernels/_common.py",
+    "    if not free:",
+    "    if True:",
+    ("tests/test_compile_targets.py::test_the_training_step_compiles_for_the_chip",),
+  ),
+  Mutant(
+    "kernels: per-row tables whole over the batch axes",
+    "cpjax/ring/kernels/_common.py",
+    "      return P(over_b) if x.shape[0] == batch else P()",
+    "      return P(over_b) if x.ndim == 3 else P()",
+    ("tests/test_parallel.py::test_kernels_split_over_the_axes_the_partitioner_shards",),
+  ),
+  Mutant(
+    "kernels: the step's default is the process's backend",
+    "cpjax/training/step.py",
+    "  implementation = resolve_implementation(implementation, platform=mesh_platform(mesh))",
+    "  implementation = resolve_implementation(implementation, platform=None)",
+    ("tests/test_compile_targets.py::test_the_training_step_compiles_for_the_chip",),
+  ),
+  # --- training state over fsdp x cp (issue 34)
+  Mutant(
+    "state: whole over cp by default",
+    "cpjax/parallel.py",
+    'STATE_AXES = ("fsdp", "cp")',
+    'STATE_AXES = ("fsdp",)',
+    (
+      "tests/test_state_sharding.py::test_a_cp_rank_holds_what_an_fsdp_rank_holds",
+      "tests/test_parallel.py::test_optimizer_state_follows_parameter_shardings",
+    ),
+  ),
+  Mutant(
+    "state: cp minor on its dimension",
+    "cpjax/parallel.py",
+    '        axes[d] = group + axes[d] if "cp" in group else axes[d] + group',
+    "        axes[d] = axes[d] + group",
+    ("cpjax/parallel.py", "tests/test_parallel.py::test_tp_splits_heads_and_hidden_units"),
+  ),
+  Mutant(
+    "ring lookup: the ids do not travel",
+    "cpjax/parallel.py",
+    (
+      "  for step in range(n):\n"
+      "    rel, hit = hits(visiting)\n"
+      "    total = total + jnp.where(hit[..., None], lookup(block, rel), jnp.zeros((),"
+      " block.dtype))"
+    ),
+    (
+      "  for step in range(n):\n"
+      "    rel, hit = hits(ids)\n"
+      "    total = total + jnp.where(hit[..., None], lookup(block, rel), jnp.zeros((),"
+      " block.dtype))"
+    ),
+    ("tests/test_parallel.py::test_ring_lookup_keeps_the_table_split_over_cp",),
+  ),
+  Mutant(
+    "loss over cp: a chunk's statistics do not travel with it",
+    "cpjax/training/loss.py",
+    "      return (h, y, stats.merge(_block_stats(h, y, head, s))), None",
+    "      return (h, y, _block_stats(h, y, head, s)), None",
+    ("tests/test_loss.py::test_linear_cross_entropy_is_vocabulary_parallel",),
+  ),
+  Mutant(
+    "loss over cp: what a chunk gathered does not come home",
+    "cpjax/training/loss.py",
+    "  return hop(home(moving)), kept",
+    "  return home(moving), kept",
+    ("tests/test_loss.py::test_linear_cross_entropy_is_vocabulary_parallel",),
+  ),
+  Mutant(
+    "loss: the head's gradient restarts at each hop",
+    "cpjax/training/loss.py",
+    "      chunk, jax.lax.dynamic_slice_in_dim(d_head, i * rows, rows), (h, y, lse, dh)",
+    "      chunk, 0 * jax.lax.dynamic_slice_in_dim(d_head, i * rows, rows), (h, y, lse, dh)",
+    ("tests/test_loss.py::test_linear_cross_entropy_is_vocabulary_parallel",),
+  ),
+  # --- what a long row's step keeps alive (issue 34)
+  Mutant(
+    "experts: grouped_matmul's row search by jnp.searchsorted",
+    "cpjax/experts.py",
+    "  group = _at_most(jnp.cumsum(sizes), m)",
+    '  group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(m, dtype=sizes.dtype), side="right")',
+    ("tests/test_experts.py::test_grouped_matmul_takes_group_sizes_varying_over_a_mesh_axis",),
+  ),
+  Mutant(
+    "fills: a constant, built when the step starts",
+    "cpjax/parallel.py",
+    "    out = out + zero  # 0 or 0 * 1: never NaN",
+    "    out = out",
+    ("tests/test_step_memory.py::test_accumulators_are_made_where_their_loops_run",),
+  ),
+  Mutant(
+    "mlp tiles: every tile at once",
+    "cpjax/models/gemma4/text.py",
+    "    out = remat_tiles(lambda state, x: nnx.merge(graphdef, state)._mlp(x), state, tiles)",
+    "    out = jax.vmap(nnx.merge(graphdef, state)._mlp)(tiles)",
+    ("tests/test_step_memory.py::test_the_mlp_in_tiles_keeps_one_tile_of_intermediates",),
+  ),
+  Mutant(
+    "mlp tiles: every tile written to the first",
+    "cpjax/models/gemma4/remat.py",
+    "    return lax.dynamic_update_index_in_dim(out, one_tile(leaves, tiles[i]), i, 0)",
+    "    return lax.dynamic_update_index_in_dim(out, one_tile(leaves, tiles[i]), 0, 0)",
+    ("tests/test_step_memory.py::test_the_mlp_in_tiles_equals_the_whole_row",),
+  ),
+  Mutant(
+    "mlp tiles: the weights' gradient of the last tile only",
+    "cpjax/models/gemma4/remat.py",
+    "    d_leaves = [d + d_leaf[j] for d, j in zip(d_leaves, grows)]",
+    "    d_leaves = [d * 0 + d_leaf[j] for d, j in zip(d_leaves, grows)]",
+    ("tests/test_step_memory.py::test_the_mlp_in_tiles_equals_the_whole_row",),
+  ),
+  Mutant(
+    "mlp tiles: the input's gradient from a zeros constant",
+    "cpjax/models/gemma4/remat.py",
+    "    filled_after(g, tiles.shape, dtype=tiles.dtype),",
+    "    jnp.zeros(tiles.shape, tiles.dtype),",
+    ("tests/test_step_memory.py::test_the_mlp_tiles_backward_makes_its_buffers_where_it_runs",),
+  ),
+  Mutant(
+    "mlp tiles: the weights' gradients from zeros constants",
+    "cpjax/models/gemma4/remat.py",
+    "    [filled_after(g, leaves[j].shape, dtype=leaves[j].dtype) for j in grows],",
+    "    [jnp.zeros(leaves[j].shape, leaves[j].dtype) for j in grows],",
+    ("tests/test_step_memory.py::test_the_mlp_tiles_backward_makes_its_buffers_where_it_runs",),
+  ),
+  Mutant(
+    "mlp tiles: weights not made varying as the tiles",
+    "cpjax/models/gemma4/remat.py",
+    "  leaves = [vary_like(leaf, tiles) for leaf in leaves]",
+    "  leaves = list(leaves)",
+    ("tests/test_step_memory.py::test_tiles_sum_a_weight_shared_by_the_ranks_once",),
+  ),
+  Mutant(
+    "step: ep's experts over cp gathered",
+    "cpjax/training/step.py",
+    '    return axis_name in expert_axes and "experts" in keys',
+    "    return False",
+    ("tests/test_experts.py::test_ep_step_equals_the_single_device_step",),
+  ),
+  Mutant(
+    "step: a storage split over cp taken for ep's",
+    "cpjax/training/step.py",
+    '    return axis_name in expert_axes and "experts" in keys',
+    '    return bool(expert_axes) and "experts" in keys',
+    ("tests/test_experts.py::test_ep_step_equals_the_single_device_step",),
+  ),
+  Mutant(
+    "job: --shard-state fsdp ignored",
+    "cpjax/training/trainer.py",
+    "  state_axes = job.parallel.state_axes()",
+    "  state_axes = parallel.STATE_AXES",
+    ("tests/test_state_sharding.py::test_cpjax_train_places_the_state_as_shard_state_says",),
+  ),
+  # --- run configs and recipes (issue 36)
+  Mutant(
+    "run config: a dotted key beats its short flag",
+    "cpjax/training/run_file.py",
+    "    values[s.key] = namespace.get(s.key) if alias is argparse.SUPPRESS else alias",
+    "    values[s.key] = namespace.get(s.key)",
+    (
+      "tests/test_run_config.py::test_overrides_beat_the_file_and_short_flags_beat_both",
+      "tests/test_run_config.py::test_every_short_flag_sets_its_dotted_key",
+    ),
+  ),
+  Mutant(
+    "run config: no run.yaml in the state directory",
+    "cpjax/training/trainer.py",
+    "  if job.checkpointing.state_dir and jax.process_index() == 0:",
+    "  if False:",
+    ("tests/test_run_config.py::test_run_yaml_reruns_bit_for_bit_and_resume_reads_it",),
+  ),
+  Mutant(
+    "run config: --resume ignores run.yaml",
+    "cpjax/cli/train.py",
+    "    if os.path.isfile(saved):  # the saved run, under this command line",
+    "    if False:",
+    ("tests/test_run_config.py::test_run_yaml_reruns_bit_for_bit_and_resume_reads_it",),
+  ),
+  Mutant(
+    "run config: --checkpoint keeps a recipe's model",
+    "cpjax/cli/train.py",
+    "        run = with_values(run, {other: None})",
+    "        pass",
+    ("tests/test_run_config.py::test_the_command_line_replaces_what_a_file_trains_and_its_mesh",),
+  ),
+  Mutant(
+    "run config: a positive setting goes unchecked",
+    "cpjax/training/run_config.py",
+    "    if s.positive and value is not None and not value > 0:",
+    "    if False:",
+    ("tests/test_run_config.py::test_unknown_keys_and_wrong_types_are_one_line_exit_two",),
+  ),
+  Mutant(
+    "plan: --write-config prefers bfloat16",
+    "cpjax/cli/plan.py",
+    '    for d in ("float32", "bfloat16")',
+    '    for d in ("bfloat16", "float32")',
+    ("tests/test_run_config.py::test_plan_writes_a_config_that_fits",),
+  ),
+  # --- the package's layers (issue 35)
+  Mutant(
+    "layers: the data layer imports the training layer",
+    "cpjax/data/synthetic.py",
+    "from cpjax.batch import next_token_labels",
+    (
+      "from cpjax.batch import next_token_labels\n"
+      "\n"
+      "\n"
+      "def _upward():\n"
+      "  from cpjax.training import loss  # noqa: F401\n"
+    ),
+    ("tests/test_architecture.py::test_no_import_from_a_higher_layer",),
+  ),
+  Mutant(
+    "layers: two core modules import each other",
+    "cpjax/streams.py",
+    "from cpjax import batch as batch_lib",
+    (
+      "from cpjax import batch as batch_lib\n"
+      "\n"
+      "\n"
+      "def _back():\n"
+      "  from cpjax import sharding  # noqa: F401\n"
+    ),
+    ("tests/test_architecture.py::test_no_import_cycle",),
+  ),
+  # --- the paths a real fine-tuning run takes (issue 33)
+  Mutant(
+    "tokenizer: a {% generation %} block's span starts at its end",
+    "cpjax/data/tokenizer.py",
+    "        spans.append((start, start + len(text)))",
+    "        spans.append((start + len(text), start + len(text)))",
+    (
+      "tests/test_tokenizer.py::test_generation_tags_are_the_answer_as_transformers_reads_them",
+      "tests/test_records.py::test_a_template_with_generation_tags_keeps_every_conversation",
+    ),
+  ),
+  Mutant(
+    "tokenizer: tagged templates use the prefix method",
+    "cpjax/data/tokenizer.py",
+    "    if self.marks_generation:",
+    "    if False:",
+    ("tests/test_tokenizer.py::test_generation_tags_by_hand",),
+  ),
+  Mutant(
+    "checkpoint: buffers stay on one device",
+    "cpjax/models/gemma4/checkpoint.py",
+    "    target = default if mesh is None else NamedSharding(mesh, P() if spec is None else spec)",
+    "    target = default if mesh is None or spec is None else NamedSharding(mesh, spec)",
+    ("tests/test_gemma4_checkpoint.py::test_sharded_save_with_index_and_placement_on_a_mesh",),
+  ),
+  Mutant(
+    "job: a failing hook ends the run unsaved",
+    "cpjax/training/trainer.py",
+    "      saved = _save_after_failure(job, trainer, data, checkpointer, failure, summary, log)",
+    '      saved = "nothing was saved"',
+    ("tests/test_train_job.py::test_a_failing_hook_saves_the_run_and_names_itself",),
+  ),
+  Mutant(
+    "lora: the creation pass runs on the Explicit mesh",
+    "cpjax/training/lora/adapters.py",
+    "  _retyped(model, auto)\n",
+    "",
+    ("tests/test_lora.py::test_adapters_made_on_a_mesh_equal_those_made_on_one_device",),
+  ),
+  Mutant(
+    "lora: merging ignores rsLoRA",
+    "cpjax/training/lora/adapters.py",
+    "        name, base[...], a[...], b[...], settings.scale",
+    "        name, base[...], a[...], b[...], settings.alpha / settings.rank",
+    ("tests/test_lora.py::test_merged_model_equals_the_adapted_model_for_every_option",),
+  ),
+  Mutant(
+    "checkpointing: a changed microbatches count resumes",
+    "cpjax/training/checkpointing.py",
+    '  for key in ("batch_size", "seq_len", "microbatches"):',
+    '  for key in ("batch_size", "seq_len"):',
+    ("tests/test_checkpointing.py::test_every_setting_resume_compares_refuses_a_change",),
+  ),
+  Mutant(
+    "checkpointing: LoRA settings other than the rank are not compared",
+    "cpjax/training/checkpointing.py",
+    '  if saved.get("lora") != current.get("lora"):  # what the saved parameters are',
+    '  if (saved.get("lora") or {}).get("rank") != (current.get("lora") or {}).get("rank"):',
+    ("tests/test_checkpointing.py::test_every_setting_resume_compares_refuses_a_change",),
+  ),
+  Mutant(
+    "gemma4: cp_logits does not check the expert split",
+    "cpjax/models/gemma4/cp_forward.py",
+    "  check_expert_axes(model.cfg, mesh, expert_axes)\n",
+    "",
+    ("tests/test_experts.py::test_bad_expert_parallel_input",),
+  ),
+  # --- expert parallelism (issue 23)
+  Mutant(
+    "experts: a kept pair's slot ignores the pairs kept before it in its group",
+    "cpjax/experts.py",
+    "  slot = jnp.where(keep, group * rows + kept_before - first[group], groups * rows)",
+    "  slot = jnp.where(keep, group * rows, groups * rows)",
+    ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",),
+  ),
+  Mutant(
+    "experts: the received rows are not regrouped by local expert",
+    "cpjax/experts.py",
+    "  out = expert_fn(received[regroup], counts, params)",
+    "  out = expert_fn(received, counts, params)",
+    ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",),
+  ),
+  Mutant(
+    "experts: the capacity keeps one pair too many per expert",
+    "cpjax/experts.py",
+    "  keep = rank < _expert_capacity(flat.shape[0], e, capacity_factor)",
+    "  keep = rank <= _expert_capacity(flat.shape[0], e, capacity_factor)",
+    ("tests/test_experts.py::test_capacity_drops_exactly_the_counted_pairs",),
+  ),
+  Mutant(
+    "experts: a dropped pair reads a returned row",
+    "cpjax/experts.py",
+    '  y = back.at[slot].get(mode="fill", fill_value=0).astype(jnp.float32)',
+    '  y = back.at[slot].get(mode="clip").astype(jnp.float32)',
+    ("tests/test_experts.py::test_capacity_drops_exactly_the_counted_pairs",),
+  ),
+  Mutant(
+    "experts: the stats are not summed over the batch axis",
+    "cpjax/experts.py",
+    "    if batch is not None:  # the stats of every row this cp rank holds",
+    "    if False:",
+    ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",),
+  ),
+  Mutant(
+    "experts: the nested backward drops the weights' cotangent",
+    "cpjax/experts.py",
+    "  return d_x, d_w, None, d_params",
+    "  return d_x, jnp.zeros_like(d_w), None, d_params",
+    ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",),
+  ),
+  Mutant(
+    "train: expert parameters enter the cp shard_map whole",
+    "cpjax/cp_context.py",
+    "      kept = tuple(n for n in names if n in axes)",
+    "      kept = ()",
+    ("tests/test_experts.py::test_ep_step_equals_the_single_device_step",),
+  ),
+  Mutant(
+    "parallel: ep folds onto the batch axis before cp",
+    "cpjax/parallel.py",
+    '  options = [("cp",), (batch,), ("cp", batch)] if batch else [("cp",)]',
+    '  options = [(batch,), ("cp",), ("cp", batch)] if batch else [("cp",)]',
+    (
+      "tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",
+      "cpjax/parallel.py",
+    ),
+  ),
+  # --- your own data (issue 21)
+  Mutant(
+    "tokenizer: the answer spans start one character early, in the turn header",
+    "cpjax/data/tokenizer.py",
+    "      start = len(os.path.commonprefix([prompt, end]))",
+    "      start = len(os.path.commonprefix([prompt, end])) - 1",
+    ("tests/test_tokenizer.py::test_answer_mask_equals_transformers_generation_mask",),
+  ),
+  Mutant(
+    "tokenizer: the named special tokens are not added tokens",
+    "cpjax/data/tokenizer.py",
+    (
+      "    self.backend.add_special_tokens(\n"
+      "      [AddedToken(t, special=True, normalized=False) for t in"
+      " self.special_tokens.values()]\n"
+      "    )"
+    ),
+    "    pass",
+    ("tests/test_tokenizer.py::test_ids_equal_autotokenizer_and_apply_chat_template",),
+  ),
+  Mutant(
+    "tokenizer: image tokens may count in the loss",
+    "cpjax/data/tokenizer.py",
+    '      answer &= ids != self.token_id(self.special_tokens["image_token"])',
+    "      answer &= ids != -1",
+    ("tests/test_images.py::test_conversation_with_images_equals_gemma4_processor",),
+  ),
+  Mutant(
+    "tokenizer: answer spans keep their place when an image expands before them",
+    "cpjax/data/tokenizer.py",
+    "      return pos + sum(extra for where, extra in shifts if where < pos)",
+    "      return pos",
+    ("tests/test_images.py::test_conversation_with_images_equals_gemma4_processor",),
+  ),
+  Mutant(
+    "corpus: the loss mask of the next token is ignored",
+    "cpjax/data/corpus.py",
+    '    same = (docs > 0) & (nxt_doc == docs) & (np.roll(row["loss_mask"], -1) > 0)',
+    "    same = (docs > 0) & (nxt_doc == docs)",
+    (
+      "tests/test_records.py::test_loss_counts_exactly_the_assistant_tokens_through_packing"
+      "_and_sharding",
+    ),
+  ),
+  Mutant(
+    "corpus: the loss mask of the token itself, not of its target",
+    "cpjax/data/corpus.py",
+    '    same = (docs > 0) & (nxt_doc == docs) & (np.roll(row["loss_mask"], -1) > 0)',
+    '    same = (docs > 0) & (nxt_doc == docs) & (row["loss_mask"] > 0)',
+    (
+      "tests/test_records.py::test_loss_counts_exactly_the_assistant_tokens_through_packing"
+      "_and_sharding",
+    ),
+  ),
+  Mutant(
+    "corpus: a row's images fill its slots from the last one",
+    "cpjax/data/corpus.py",
+    '      pixels[i, :n] = pixel_values(row["image_patches"][start : start + n])',
+    '      pixels[slots - 1 - i, :n] = pixel_values(row["image_patches"][start : start + n])',
+    ("tests/test_images.py::test_images_ride_with_their_documents_through_packing",),
+  ),
+  Mutant(
+    "images: bilinear instead of bicubic resizing",
+    "cpjax/data/images.py",
+    "      image = image.resize((w, h), resample=Image.Resampling.BICUBIC, reducing_gap=None)",
+    "      image = image.resize((w, h), resample=Image.Resampling.BILINEAR, reducing_gap=None)",
+    ("tests/test_images.py::test_pixels_equal_transformers_image_processor",),
+  ),
+  Mutant(
+    "images: patches flattened channel-first",
+    "cpjax/data/images.py",
+    "    patches = pixels.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4)",
+    "    patches = pixels.reshape(rows, p, cols, p, 3).transpose(0, 2, 4, 1, 3)",
+    ("tests/test_images.py::test_pixels_equal_transformers_image_processor",),
+  ),
+  Mutant(
+    "images: transparency dropped, not composited onto white",
+    "cpjax/data/images.py",
+    '  if "A" in image.getbands() or image.info.get("transparency") is not None:',
+    "  if False:",
+    ("tests/test_images.py::test_pixels_equal_transformers_image_processor",),
+  ),
+  Mutant(
+    "gemma4: an all-padding image slot yields a soft token in the tower",
+    "cpjax/models/gemma4/vision.py",
+    "    valid = jnp.any((weights != 0) & real[..., None], axis=1)  # [N, M]",
+    "    valid = jnp.any(weights != 0, axis=1)  # [N, M]",
+    ("tests/test_gemma4.py::test_all_padding_image_slots_yield_no_soft_tokens",),
+  ),
+  Mutant(
+    "train job: the linear schedule decays over all steps, warmup included",
+    "cpjax/training/run_config.py",
+    "    lr, warm, rest = self.lr, self.warmup_steps, max(self.steps - self.warmup_steps, 1)",
+    "    lr, warm, rest = self.lr, self.warmup_steps, max(self.steps, 1)",
+    ("tests/test_train_job.py::test_schedules_equal_transformers",),
+  ),
+  Mutant(
+    "train job: validation counts one token too many",
+    "cpjax/training/trainer.py",
+    '    record["eval_loss"] = ce_sum / max(count, 1.0)',
+    '    record["eval_loss"] = ce_sum / max(count + 1.0, 1.0)',
+    ("tests/test_train_job.py::test_validation_loss_is_the_single_device_loss_of_the_fixed_rows",),
+  ),
+  # --- document_balanced (issue 20)
+  Mutant(
+    "layout: document_balanced stripes dealt cyclically, not in a serpentine",
+    "cpjax/layout.py",
+    "  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 1 - rank)",
+    "  chunks = passes * cp + rank",
+    ("tests/test_document_balance.py::test_stripes_are_dealt_in_a_serpentine",),
+  ),
+  Mutant(
+    "sharding: unshard_batch applies the row order instead of its inverse",
+    "cpjax/sharding.py",
+    "    inverse = jnp.argsort(source, axis=1).astype(jnp.int32)  # a permutation: exact",
+    "    inverse = source.astype(jnp.int32)",
+    ("tests/test_document_balance.py::test_shard_then_unshard_is_bit_exact",),
+  ),
+  Mutant(
+    "balance: the document a stripe boundary cuts counts one token short",
+    "cpjax/balance.py",
+    "  cut = np.where(np.take_along_axis(real[orders], doc, 1), _prefix_work(into, windows), 0.0)",
+    "  cut = np.where(np.take_along_axis(real[orders], doc, 1), _prefix_work(into - 1,"
+    " windows), 0.0)",
+    ("tests/test_document_balance.py::test_search_scores_equal_the_work_of_the_reordered_row",),
+  ),
+  Mutant(
+    "balance: a windowed layer's prefix work forgets the tokens past the window",
+    "cpjax/balance.py",
+    "    out += c * (m * (m + 1) / 2 + (0 if w is None else (n - m) * w))",
+    "    out += c * (m * (m + 1) / 2)",
+    ("tests/test_document_balance.py::test_search_scores_equal_the_work_of_the_reordered_row",),
+  ),
+  Mutant(
+    "sharding: document_balanced leaves the reordered ids unrenumbered",
+    "cpjax/sharding.py",
+    (
+      "      norm,\n"
+      "      shard_layout,\n"
+      "      batch_dims,\n"
+      "      layer_windows=layer_windows,\n"
+      "      renumber=batch_lib.DOCUMENT_IDS_KEY in streams,"
+    ),
+    "      norm, shard_layout, batch_dims, layer_windows=layer_windows, renumber=False",
+    ("tests/test_document_balance.py::test_shard_then_unshard_is_bit_exact",),
+  ),
+  Mutant(
+    "balance: renumbering follows the ids' values, not their first places",
+    "cpjax/balance.py",
+    "    rename[np.flatnonzero(real)[np.argsort(first[real])]] = np.arange(1, real.sum() + 1)",
+    "    rename[np.flatnonzero(real)] = np.arange(1, real.sum() + 1)",
+    ("tests/test_document_balance.py::test_shard_then_unshard_is_bit_exact",),
+  ),
+  Mutant(
+    "gemma4: the sharder's document_balanced stripes ignore the window",
+    "cpjax/models/gemma4/model.py",
+    "          min_stripe_len=t.effective_sliding_window,",
+    "          min_stripe_len=1024,",
+    ("tests/test_document_balance.py::test_min_stripe_len_sets_the_stripes_shard_batch_deals",),
+  ),
+  Mutant(
+    "gemma4: the sharder's document_balanced balance counts causal work only",
+    "cpjax/models/gemma4/model.py",
+    "          layer_windows=tuple(",
+    ("          layer_windows=None\n          and tuple("),
+    ("tests/test_document_balance.py::test_min_stripe_len_sets_the_stripes_shard_batch_deals",),
+  ),
+  # --- the five of the review that found them surviving
+  Mutant(
+    "train: the loss picks the logit of labels + 1",
+    "cpjax/training/loss.py",
+    "  picked = jnp.sum(jnp.where(vocab == labels[..., None], logits, 0.0), axis=-1)",
+    "  picked = jnp.sum(jnp.where(vocab == labels[..., None] + 1, logits, 0.0), axis=-1)",
+    ("tests/test_loss.py",),
+  ),
+  Mutant(
+    "ring: the tile loop never skips",
+    "cpjax/ring/_passes.py",
+    "  visit = (jnp.any(blocks.any, axis=0) & active).ravel()",
+    "  visit = jnp.broadcast_to(active, blocks.any.shape[1:]).ravel()",
+    (TILES,),
+  ),
+  Mutant(
+    "masks: SameSegment.classify calls no block empty or full",
+    "cpjax/masks/_rules.py",
+    "    return _group_blocks(qs, qs > 0, ks, ks > 0)",
+    "    blocks = _group_blocks(qs, qs > 0, ks, ks > 0)\n"
+    "    return BlockMap(jnp.ones_like(blocks.any), jnp.zeros_like(blocks.all))",
+    (TILES,),
+  ),
+  Mutant(
+    "sharding: unshard_batch ignores layout.replicated_keys",
+    "cpjax/sharding.py",
+    "  streams = {k: d for k, d in streams.items() if k not in layout.replicated_keys}\n",
+    "",
+    ("tests/test_sharding.py::test_unshard_an_aux_only_batch",),
+  ),
+  Mutant(
+    "masks: LocalWindow.classify, the wrong query bound for full",
+    "cpjax/masks/_rules.py",
+    "      some, every = some & (q_lo - k_hi <= self.left), every & (q_hi - k_lo <= self.left)",
+    "      some, every = some & (q_lo - k_hi <= self.left), every & (q_lo - k_lo <= self.left)",
+    (TILES,),
+  ),
+  Mutant(
+    "train: the chunked loss's backward drops the soft cap's derivative",
+    "cpjax/training/loss.py",
+    "        dz = dz * (1.0 - t * t)",
+    "        dz = dz * 1.0",
+    ("tests/test_loss.py",),
+  ),
+  # --- one or more per core module
+  Mutant(
+    "kernels common: the per-row schedule never skips",
+    "cpjax/ring/kernels/_common.py",
+    "  visit = jnp.broadcast_to(blocks.any, shape) & active",
+    "  visit = jnp.broadcast_to(active, shape)",
+    (TILES,),
+  ),
+  Mutant(
+    "layout: the load-balanced tail chunk",
+    "cpjax/layout.py",
+    "  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 1 - rank)",
+    "  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 2 - rank)",
+    ("tests/test_layout.py",),
+  ),
+  Mutant(
+    "sharding: labels padded with 0",
+    "cpjax/streams.py",
+    '  "labels": batch_lib.IGNORE_INDEX,',
+    '  "labels": 0,',
+    ("tests/test_sharding.py",),
+  ),
+  Mutant(
+    "masks: the window admits one key too many",
+    "cpjax/masks/_rules.py",
+    "      ok &= d <= self.left",
+    "      ok &= d <= self.left + 1",
+    ("tests/test_masks.py",),
+  ),
+  Mutant(
+    "ring: a tile forgets to rescale the running sum",
+    "cpjax/ring/_passes.py",
+    "    l = alpha * l + jnp.sum(p, axis=-1)",
+    "    l = l + jnp.sum(p, axis=-1)",
+    ("tests/test_ring_attention.py",),
+  ),
+  Mutant(
+    "gemma4: embeddings unscaled",
+    "cpjax/models/gemma4/text.py",
+    "  return jnp.asarray(math.sqrt(width), dtype)",
+    "  return jnp.asarray(1.0, dtype)",
+    ("tests/test_gemma4.py::test_single_device_logits_equal_transformers",),
+  ),
+  Mutant(
+    "gemma4 checkpoint: chunks land one row late",
+    "cpjax/models/gemma4/checkpoint.py",
+    "      host[lo:hi] = part  # casts to dtype as numpy does",
+    "      host[lo + 1 : hi + 1] = part[: host.shape[0] - lo - 1]  # casts to dtype as numpy does",
+    ("tests/test_gemma4_checkpoint.py::test_each_device_reads_its_block_in_chunks",),
+  ),
+  Mutant(
+    "gemma4 checkpoint: a replicated block is read once, for the wrong device",
+    "cpjax/models/gemma4/checkpoint.py",
+    (
+      "    block = (\n"
+      "      _load_shard(file, key, index, shape, dtype, device)\n"
+      "      if seen is None\n"
+      "      else jax.device_put(seen, device)\n"
+      "    )"
+    ),
+    "    block = _load_shard(file, key, index, shape, dtype, device) if seen is None else seen",
+    ("tests/test_gemma4_checkpoint.py::test_each_device_reads_its_block_in_chunks",),
+  ),
+  Mutant(
+    "checkpointing: the data position is not saved",
+    "cpjax/training/checkpointing.py",
+    "      data_state=ocp.args.JsonSave(dict(data_state)),",
+    "      data_state=ocp.args.JsonSave({k: None for k in data_state}),",
+    ("tests/test_checkpointing.py::test_resume_continues_with_bit_identical_losses",),
+  ),
+  Mutant(
+    "batch: a 4-D mask read from its last head",
+    "cpjax/batch.py",
+    "    diag = jnp.diagonal(mask[:, 0], axis1=-2, axis2=-1)",
+    "    diag = jnp.diagonal(mask[:, -1], axis1=-2, axis2=-1)",
+    ("tests/test_batch.py",),
+  ),
+  Mutant(
+    "data: synthetic text may draw a special id",
+    "cpjax/data/synthetic.py",
+    "  allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(reserved_ids, np.int64))",
+    "  allowed = np.arange(vocab_size)",
+    ("tests/test_gemma4_published.py::test_synthetic_rows_never_forge_a_special_token",),
+  ),
+  Mutant(
+    "parallel: lookup reads every id from the first block of rows",
+    "cpjax/parallel.py",
+    "  rel = ids - jax.lax.axis_index(table_axes) * size",
+    "  rel = ids - 0 * size",
+    ("tests/test_parallel.py::test_lookup_keeps_the_table_sharded",),
+  ),
+  Mutant(
+    "linear CE: the vocabulary blocks' sums of exponentials are not combined",
+    "cpjax/training/loss.py",
+    "      sum_exp, picked = jax.lax.psum((sum_exp, picked), axes)",
+    "      picked = jax.lax.psum(picked, axes)",
+    ("tests/test_loss.py::test_linear_cross_entropy_is_vocabulary_parallel",),
+  ),
+  Mutant(
+    "linear CE: the backward's vocabulary tiles all take the label at tile 0",
+    "cpjax/training/loss.py",
+    "      dz = jnp.exp(z - lc[:, None]) - _is_label(z, yc, start + i * rows)",
+    "      dz = jnp.exp(z - lc[:, None]) - _is_label(z, yc, start)",
+    ("tests/test_loss.py",),
+  ),
+  Mutant(
+    "gemma4: image tokens take the next soft token",
+    "cpjax/models/gemma4/model.py",
+    "    slot = jnp.asarray(offsets)[:, None] + jnp.cumsum(is_image, axis=1, dtype=jnp.int32) - 1",
+    "    slot = jnp.asarray(offsets)[:, None] + jnp.cumsum(is_image, axis=1, dtype=jnp.int32)",
+    ("tests/test_gemma4.py::test_single_device_logits_equal_transformers",),
+  ),
+  Mutant(
+    "gemma4: remat recomputes each layer from zeros",
+    "cpjax/models/gemma4/remat.py",
+    "  nan = lax.optimization_barrier(first != first)",
+    "  nan = lax.optimization_barrier(first == first)",
+    ("tests/test_gemma4.py::test_remat_policies_give_the_same_gradients",),
+  ),
+  Mutant(
+    "gemma4: full remat re-traces the layer in the backward (LoRA adapters vanish)",
+    "cpjax/models/gemma4/remat.py",
+    "    return _tied_remat(replay, *args)",
+    "    return _tied_remat(fn, *args)",
+    ("tests/test_lora.py::test_adapter_gradients_equal_the_dense_reference",),
+  ),
+  Mutant(
+    "lora: the adapters' scale ignores alpha",
+    "cpjax/training/lora/adapters.py",
+    "  alpha = settings.alpha * (math.sqrt(settings.rank) if settings.use_rslora else 1.0)",
+    "  alpha = settings.rank * (math.sqrt(settings.rank) if settings.use_rslora else 1.0)",
+    ("tests/test_lora.py::test_adapter_gradients_equal_the_dense_reference",),
+  ),
+  Mutant(
+    "lora: rsLoRA scales by 1 / r",
+    "cpjax/training/lora/adapters.py",
+    "  alpha = settings.alpha * (math.sqrt(settings.rank) if settings.use_rslora else 1.0)",
+    "  alpha = settings.alpha",
+    ("tests/test_lora_peft.py::test_cpjax_loads_what_peft_saves",),
+  ),
+  Mutant(
+    "lora: PEFT's A is saved untransposed",
+    "cpjax/training/lora/peft_format.py",
+    '    tensors[key + ".lora_A.weight"] = np.ascontiguousarray(np.asarray(a[...], np.float32).T)',
+    (
+      '    tensors[key + ".lora_A.weight"] = np.ascontiguousarray(\n'
+      "      np.asarray(a[...], np.float32).reshape(a.shape[::-1])\n"
+      "    )"
+    ),
+    ("tests/test_lora_peft.py::test_peft_loads_what_cpjax_saves_and_merging_equals_it",),
+  ),
+  Mutant(
+    "lora: merging adds B A untransposed into a [out, in] weight",
+    "cpjax/training/lora/adapters.py",
+    "    delta = delta.T",
+    "    delta = delta.reshape(delta.shape[::-1])",
+    ("tests/test_lora_peft.py::test_peft_loads_what_cpjax_saves_and_merging_equals_it",),
+  ),
+  Mutant(
+    "lora: the adapters' term stays float32 (PEFT casts it back)",
+    "cpjax/training/lora/adapters.py",
+    "      return super().einsum(einsum_str, *operands, **kwargs).astype(dtype)",
+    "      return super().einsum(einsum_str, *operands, **kwargs)",
+    ("tests/test_lora.py::test_bfloat16_base_keeps_the_activation_dtype",),
+  ),
+  Mutant(
+    "tp: a column-split projection's A is not split",
+    "cpjax/models/gemma4/partitioning.py",
+    '      return P("tp", None) if split == "columns" else P()',
+    "      return P()",
+    ("tests/test_lora.py::test_lora_partition_rule_follows_the_weight",),
+  ),
+  Mutant(
+    "train: the frozen base is the closure's, not the argument",
+    "cpjax/training/step.py",
+    "    output = forward(merge(params, frozen), batch, context)",
+    "    output = forward(merge(params, default_frozen), batch, context)",
+    ("tests/test_lora.py::test_lora_cp_gradients_equal_single_device",),
+  ),
+  Mutant(
+    "resume: a different LoRA run is not refused",
+    "cpjax/training/checkpointing.py",
+    '  if saved.get("lora") != current.get("lora"):  # what the saved parameters are',
+    "  if False:",
+    (
+      "tests/test_lora_job.py::test_adapters_train_resume_bit_identically_and_merge_into_the_froz"
+      "en_bas"
+      "e",
+    ),
+  ),
+  Mutant(
+    "gemma4 config: the vision rope type goes unchecked",
+    "cpjax/models/gemma4/hf_config.py",
+    '    _check_rope(rope, "vision_config.rope_parameters", ("default", "axial"))',
+    '    _check_rope(rope, "vision_config.rope_parameters", ("default", "axial", "linear"))',
+    ("tests/test_gemma4_published.py",),
+  ),
 )
 
 
 def scratch_copy() -> str:
   """The tracked tree (and untracked, not ignored files) in a new folder."""
-  files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                         cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()
+  files = subprocess.run(
+    ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+    cwd=ROOT,
+    check=True,
+    capture_output=True,
+    text=True,
+  ).stdout.split()
   dest = tempfile.mkdtemp(prefix="cpjax-mutant-")
   for rel in files:
     src = os.path.join(ROOT, rel)
@@ -524,8 +925,10 @@ def apply(mutant: Mutant, root: str) -> None:
   with open(path) as f:
     text = f.read()
   if text.count(mutant.old) != 1:
-    raise LookupError(f"{mutant.name}: the text to mutate occurs {text.count(mutant.old)} "
-                      f"times in {mutant.file}, not once")
+    raise LookupError(
+      f"{mutant.name}: the text to mutate occurs {text.count(mutant.old)} "
+      f"times in {mutant.file}, not once"
+    )
   with open(path, "w") as f:
     f.write(text.replace(mutant.old, mutant.new))
 
@@ -537,20 +940,44 @@ def caught(mutant: Mutant) -> tuple[bool, float, str]:
     apply(mutant, root)
     env = {**os.environ, "PYTHONPATH": root, "PYTHONDONTWRITEBYTECODE": "1"}
     # The copy's cpjax, not the installed (editable) one.
-    where = subprocess.run([sys.executable, "-c", "import cpjax; print(cpjax.__file__)"],
-                           cwd=root, env=env, capture_output=True, text=True, check=True)
+    where = subprocess.run(
+      [sys.executable, "-c", "import cpjax; print(cpjax.__file__)"],
+      cwd=root,
+      env=env,
+      capture_output=True,
+      text=True,
+      check=True,
+    )
     assert where.stdout.startswith(root), where.stdout
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p",
-                           "no:cacheprovider", "-m", "", *mutant.tests], cwd=root, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-rfE",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "",
+        *mutant.tests,
+      ],
+      cwd=root,
+      env=env,
+      capture_output=True,
+      text=True,
+    )
     # 1 with a FAILED test: caught. 0: survived. An import or collection error
     # (ERROR, or any other exit status) is a broken entry, not a catch.
     failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
     if proc.returncode not in (0, 1) or (proc.returncode == 1 and not failed):
-      raise RuntimeError(f"{mutant.name}: pytest exited {proc.returncode} without a failed "
-                         f"test:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    summary = failed[0][len("FAILED "):] if failed else proc.stdout.strip().splitlines()[-1]
+      raise RuntimeError(
+        f"{mutant.name}: pytest exited {proc.returncode} without a failed "
+        f"test:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+      )
+    summary = failed[0][len("FAILED ") :] if failed else proc.stdout.strip().splitlines()[-1]
     return bool(failed), time.perf_counter() - start, summary
   finally:
     shutil.rmtree(root, ignore_errors=True)
@@ -569,8 +996,10 @@ def main(argv=None) -> int:
   survivors = []
   for m in chosen:
     ok, seconds, summary = caught(m)
-    print(f"{'caught  ' if ok else 'SURVIVED'} {seconds:6.1f} s  {m.name}\n"
-          f"         {summary[:150]}", flush=True)
+    print(
+      f"{'caught  ' if ok else 'SURVIVED'} {seconds:6.1f} s  {m.name}\n         {summary[:150]}",
+      flush=True,
+    )
     if not ok:
       survivors.append(m.name)
   print(f"{len(chosen) - len(survivors)} caught, {len(survivors)} survived")

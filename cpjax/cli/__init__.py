@@ -17,7 +17,8 @@
 
 The command line on top of every layer: :mod:`~cpjax.cli.parser` declares
 the flags (``cpjax train``'s come from the run config,
-:class:`~cpjax.training.run_config.RunConfig`, through jsonargparse), and each command's module (:mod:`~cpjax.cli.train`,
+:class:`~cpjax.training.run_config.RunConfig`, through jsonargparse), and
+each command's module (:mod:`~cpjax.cli.train`,
 :mod:`~cpjax.cli.plan`, :mod:`~cpjax.cli.prepare_data`) checks them and
 calls the library; :mod:`~cpjax.cli.demo` is ``cpjax demo``.
 """
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     return _plan(parser, args)
   if args.command == "prepare-data":
     return _prepare_data(parser, args)
-  return 2   # argparse's subcommands are exhaustive
+  return 2  # argparse's subcommands are exhaustive
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ def plan_config(parser, args):
   if args.checkpoint is None:
     return Gemma4Config.preset(args.model or "tiny"), args.model or "tiny"
   if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
-    parser.exit(2, f"cpjax {args.command}: error: --checkpoint {args.checkpoint} has no "
-                   f"config.json\n")
+    parser.exit(
+      2, f"cpjax {args.command}: error: --checkpoint {args.checkpoint} has no config.json\n"
+    )
   try:
     cfg = Gemma4Config.from_hf(args.checkpoint)
   except (ValueError, KeyError, TypeError) as e:
@@ -34,8 +35,11 @@ def _run_of(parser, args):
     return None
   stray = [k for k in keys if k.startswith("--") and "." not in k.split("=", 1)[0]]
   if stray or (keys and not keys[0].startswith("--")):
-    parser.exit(2, f"cpjax plan: error: unrecognized arguments: {' '.join(stray or keys)} "
-                   f"(a run's settings are dotted keys, --section.key VALUE)\n")
+    parser.exit(
+      2,
+      f"cpjax plan: error: unrecognized arguments: {' '.join(stray or keys)} "
+      f"(a run's settings are dotted keys, --section.key VALUE)\n",
+    )
   from cpjax import recipes
   from cpjax.training.run_config import JobError
   from cpjax.training.run_file import run_from_namespace, run_parser
@@ -55,7 +59,7 @@ def _run_of(parser, args):
 def _from_run(parser, args) -> None:
   """Fill the flags not given from the run config (``--recipe`` / ``--config``
   and dotted keys), as cpjax train would run it; the defaults for the rest."""
-  args.run_keys = list(getattr(args, "run_keys", []))   # set by cpjax.cli.main
+  args.run_keys = list(getattr(args, "run_keys", []))  # set by cpjax.cli.main
   run = args.run = _run_of(parser, args)
   # Without a file, only the settings the dotted keys name come from the run.
   typed = {k.split("=", 1)[0][2:] for k in args.run_keys if k.startswith("--")}
@@ -71,21 +75,28 @@ def _from_run(parser, args) -> None:
   if run is not None:
     # A step holds one microbatch at a time.
     rows = run.dataset.batch_size // run.dataset.microbatches
-    given = {"seq_len": (run.dataset.seq_len, ("dataset.seq_len",)),
-             "batch_size": (rows, ("dataset.batch_size", "dataset.microbatches")),
-             "remat": (run.remat, ("remat",)),
-             "shard_state": (run.parallel.shard_state, ("parallel.shard_state",)),
-             "lora_rank": (run.lora.rank, ("lora.rank",)),
-             "capacity_factor": (run.experts.capacity_factor, ("experts.capacity_factor",)),
-             "mesh": (run.parallel.mesh_sizes(), ("parallel.mesh", "parallel.cp")),
-             "base_dtype": (run.lora.base_dtype if run.lora.rank is not None else None,
-                            ("lora.base_dtype", "lora.rank"))}
+    given = {
+      "seq_len": (run.dataset.seq_len, ("dataset.seq_len",)),
+      "batch_size": (rows, ("dataset.batch_size", "dataset.microbatches")),
+      "remat": (run.remat, ("remat",)),
+      "shard_state": (run.parallel.shard_state, ("parallel.shard_state",)),
+      "lora_rank": (run.lora.rank, ("lora.rank",)),
+      "capacity_factor": (run.experts.capacity_factor, ("experts.capacity_factor",)),
+      "mesh": (run.parallel.mesh_sizes(), ("parallel.mesh", "parallel.cp")),
+      "base_dtype": (
+        run.lora.base_dtype if run.lora.rank is not None else None,
+        ("lora.base_dtype", "lora.rank"),
+      ),
+    }
     for key, (value, keys) in given.items():
       if getattr(args, key) is None and named(*keys):
         setattr(args, key, value)
   if args.seq_len is None:
-    parser.exit(2, "cpjax plan: error: give --seq-len (or a run config: --recipe, --config, "
-                   "--dataset.seq_len)\n")
+    parser.exit(
+      2,
+      "cpjax plan: error: give --seq-len (or a run config: --recipe, --config, "
+      "--dataset.seq_len)\n",
+    )
   args.remat = args.remat or "full"
   args.shard_state = args.shard_state or "fsdp+cp"
   # The compiled step's activations: the run's dtype; float32 without a run
@@ -110,8 +121,11 @@ def _target(parser, args):
   devices = math.prod(v for k, v in args.mesh.items() if k != "ep")
   if devices != target.num_devices:
     mesh = ",".join(f"{k}={v}" for k, v in args.mesh.items())
-    parser.exit(2, f"cpjax plan: error: --mesh {mesh} has {devices} devices, --target "
-                   f"{args.target} has {target.num_devices} ({target.topology})\n")
+    parser.exit(
+      2,
+      f"cpjax plan: error: --mesh {mesh} has {devices} devices, --target "
+      f"{args.target} has {target.num_devices} ({target.topology})\n",
+    )
   if args.device_memory is None:
     args.device_memory = target.chip.memory
   return target
@@ -129,77 +143,123 @@ def plan(parser, args) -> int:
   if args.base_dtype is not None and args.lora_rank is None:
     parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
   if args.expert_parallel and args.mesh is not None:
-    parser.exit(2, "cpjax plan: error: --expert-parallel searches meshes; with --mesh give "
-                   "ep in it (e.g. fsdp=2,cp=4,ep=8)\n")
+    parser.exit(
+      2,
+      "cpjax plan: error: --expert-parallel searches meshes; with --mesh give "
+      "ep in it (e.g. fsdp=2,cp=4,ep=8)\n",
+    )
   if args.dtype_flag is not None and target is None:
-    parser.exit(2, "cpjax plan: error: --dtype sets the activations of a --target compile; "
-                   "XLA:CPU compiles float32 (its partitioner aborts on bfloat16 gradients "
-                   "over fsdp/tp), and the estimate prints both\n")
+    parser.exit(
+      2,
+      "cpjax plan: error: --dtype sets the activations of a --target compile; "
+      "XLA:CPU compiles float32 (its partitioner aborts on bfloat16 gradients "
+      "over fsdp/tp), and the estimate prints both\n",
+    )
   if target is not None and args.estimate_only:
     parser.exit(2, "cpjax plan: error: --target compiles; it does not go with --estimate-only\n")
-  lora = {"lora_rank": args.lora_rank, "base_dtype": args.base_dtype or "float32",
-          "shard_state": args.shard_state}
+  lora = {
+    "lora_rank": args.lora_rank,
+    "base_dtype": args.base_dtype or "float32",
+    "shard_state": args.shard_state,
+  }
   cfg, name = plan_config(parser, args)
   # The closed form follows the target's compiler (XLA:TPU's without one).
   platform = target.chip.platform if target is not None else "tpu"
   mesh = args.mesh
   if mesh is None:
-    found = plan.smallest_mesh(cfg, model=name, seq_len=args.seq_len,
-                               device_memory=args.device_memory, remat=args.remat,
-                               expert_parallel=args.expert_parallel,
-                               capacity_factor=args.capacity_factor, platform=platform, **lora)
+    found = plan.smallest_mesh(
+      cfg,
+      model=name,
+      seq_len=args.seq_len,
+      device_memory=args.device_memory,
+      remat=args.remat,
+      expert_parallel=args.expert_parallel,
+      capacity_factor=args.capacity_factor,
+      platform=platform,
+      **lora,
+    )
     if found is None:
-      print(f"no fsdp x cp mesh up to 4096 devices fits {name} at S={args.seq_len} "
-            f"into {plan.format_bytes(args.device_memory)} per device (estimate)")
+      print(
+        f"no fsdp x cp mesh up to 4096 devices fits {name} at S={args.seq_len} "
+        f"into {plan.format_bytes(args.device_memory)} per device (estimate)"
+      )
       return 1
     mesh = found.mesh
   shards = mesh.get("fsdp", 1) * mesh.get("dp", 1)
   if args.batch_size is not None and args.batch_size % shards:
-    parser.exit(2, f"cpjax plan: error: a step's {args.batch_size} row(s) (--batch-size, or the "
-                   f"run's dataset.batch_size / dataset.microbatches) must be a multiple of "
-                   f"the mesh's fsdp x dp = {shards}\n")
+    parser.exit(
+      2,
+      f"cpjax plan: error: a step's {args.batch_size} row(s) (--batch-size, or the "
+      f"run's dataset.batch_size / dataset.microbatches) must be a multiple of "
+      f"the mesh's fsdp x dp = {shards}\n",
+    )
   devices = math.prod(v for k, v in mesh.items() if k != "ep")
   # (With --target the CPU devices only lay out the abstract batch.)
   machine.use_cpu_devices(devices)
   seconds = None
   try:
-    rows = [plan.estimate(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
-                          remat=args.remat, batch_size=args.batch_size, dtype=dtype,
-                          capacity_factor=args.capacity_factor, platform=platform, **lora)
-            for dtype in ("bfloat16", "float32")]
+    rows = [
+      plan.estimate(
+        cfg,
+        model=name,
+        seq_len=args.seq_len,
+        mesh=mesh,
+        remat=args.remat,
+        batch_size=args.batch_size,
+        dtype=dtype,
+        capacity_factor=args.capacity_factor,
+        platform=platform,
+        **lora,
+      )
+      for dtype in ("bfloat16", "float32")
+    ]
     if not args.estimate_only:
       start = time.perf_counter()
-      rows.append(plan.compiled_plan(cfg, model=name, seq_len=args.seq_len, mesh=mesh,
-                                     remat=args.remat, batch_size=args.batch_size,
-                                     capacity_factor=args.capacity_factor, target=target,
-                                     dtype=args.dtype if target is not None else "float32",
-                                     **lora))
+      rows.append(
+        plan.compiled_plan(
+          cfg,
+          model=name,
+          seq_len=args.seq_len,
+          mesh=mesh,
+          remat=args.remat,
+          batch_size=args.batch_size,
+          capacity_factor=args.capacity_factor,
+          target=target,
+          dtype=args.dtype if target is not None else "float32",
+          **lora,
+        )
+      )
       seconds = time.perf_counter() - start
   except ImportError as e:  # a target's compiler is not installed
     parser.exit(2, f"cpjax plan: error: --target: {e}\n")
-  except ValueError as e:   # a mesh the model cannot use: a usage error, before compiling
+  except ValueError as e:  # a mesh the model cannot use: a usage error, before compiling
     parser.exit(2, f"cpjax plan: error: {e}\n")
   where = "" if target is None else f" ({target.chip.kind}, {target.topology})"
-  print(f"cpjax plan: Gemma 4 {name}, S={args.seq_len}, remat {args.remat}, "
-        f"{rows[0].training} training, {devices} devices{where}; per device:")
+  print(
+    f"cpjax plan: Gemma 4 {name}, S={args.seq_len}, remat {args.remat}, "
+    f"{rows[0].training} training, {devices} devices{where}; per device:"
+  )
   for row in rows:
     fits = ""
     if args.device_memory is not None:
-      fits = ("  fits " if row.fits(args.device_memory) else "  does NOT fit ") + \
-          plan.format_bytes(args.device_memory)
+      fits = ("  fits " if row.fits(args.device_memory) else "  does NOT fit ") + plan.format_bytes(
+        args.device_memory
+      )
     print(f"  {row.row()} [{row.dtype} activations]{fits}")
   if seconds is not None:
     compiled = rows[-1]
-    moved = ", ".join(f"{k} {plan.format_bytes(v)}"
-                      for k, v in sorted(compiled.collectives.items()))
+    moved = ", ".join(
+      f"{k} {plan.format_bytes(v)}" for k, v in sorted(compiled.collectives.items())
+    )
     compiler = "XLA:CPU" if target is None else f"{target.name}'s compiler"
-    print(f"  compiled by {compiler} in {seconds:.0f} s; collectives per step (outputs, a loop "
-          f"body once): {moved or 'none'}")
+    print(
+      f"  compiled by {compiler} in {seconds:.0f} s; collectives per step (outputs, a loop "
+      f"body once): {moved or 'none'}"
+    )
   compiled = rows[-1] if target is not None else None
   if args.write_config is not None:
     if compiled is not None and not compiled.fits(args.device_memory):
-      print(f"not written: {args.write_config} (the step does not fit by {target.name}'s "
-            f"compiler)")
+      print(f"not written: {args.write_config} (the step does not fit by {target.name}'s compiler)")
     else:
       _write_config(args, cfg, name, rows, mesh, compiled, platform)
   if compiled is not None and not compiled.fits(args.device_memory):
@@ -207,8 +267,9 @@ def plan(parser, args) -> int:
   return 0
 
 
-def _write_config(args, cfg, name: str, rows, mesh: dict, compiled=None,
-                  platform: str = "tpu") -> None:
+def _write_config(
+  args, cfg, name: str, rows, mesh: dict, compiled=None, platform: str = "tpu"
+) -> None:
   """``--write-config FILE``: the plan as a run config. Activations in float32
   when that fits ``--device-memory`` (or no memory was given), else bfloat16;
   with ``--target``, the activations its compiler accepted (``compiled``, a
@@ -220,41 +281,70 @@ def _write_config(args, cfg, name: str, rows, mesh: dict, compiled=None,
   from cpjax.training.run_file import to_yaml
 
   estimates = {row.dtype: row for row in rows if row.source == "estimate"}
-  fitting = [d for d in ("float32", "bfloat16")
-             if args.device_memory is None or estimates[d].fits(args.device_memory)]
+  fitting = [
+    d
+    for d in ("float32", "bfloat16")
+    if args.device_memory is None or estimates[d].fits(args.device_memory)
+  ]
   dtype = fitting[0] if fitting else "float32"
   if compiled is not None:
     dtype = compiled.dtype
   fsdp = mesh.get("fsdp", 1) * mesh.get("dp", 1)
   batch = args.batch_size or fsdp
   parity = args.device_memory is None or plan.estimate(
-      cfg, model=name, seq_len=args.seq_len, mesh={}, remat=args.remat, dtype=dtype,
-      batch_size=batch, lora_rank=args.lora_rank, platform=platform,
-      base_dtype=args.base_dtype or "float32").fits(args.device_memory)
+    cfg,
+    model=name,
+    seq_len=args.seq_len,
+    mesh={},
+    remat=args.remat,
+    dtype=dtype,
+    batch_size=batch,
+    lora_rank=args.lora_rank,
+    platform=platform,
+    base_dtype=args.base_dtype or "float32",
+  ).fits(args.device_memory)
   # The run read (a recipe, a file, dotted keys) keeps every setting the plan
   # does not choose: its data, optimizer, checkpointing, ...
   base = args.run if args.run is not None else RunConfig()
-  run = with_values(base, {
-      "model": args.model, "checkpoint": args.checkpoint, "dtype": dtype,
-      "remat": args.remat, "parity_check": parity, "dataset.seq_len": args.seq_len,
+  run = with_values(
+    base,
+    {
+      "model": args.model,
+      "checkpoint": args.checkpoint,
+      "dtype": dtype,
+      "remat": args.remat,
+      "parity_check": parity,
+      "dataset.seq_len": args.seq_len,
       # plan's batch is one microbatch's rows
       "dataset.batch_size": batch * base.dataset.microbatches,
-      "parallel.mesh": ",".join(f"{k}={v}" for k, v in mesh.items()), "parallel.cp": None,
-      "parallel.shard_state": args.shard_state, "lora.rank": args.lora_rank,
+      "parallel.mesh": ",".join(f"{k}={v}" for k, v in mesh.items()),
+      "parallel.cp": None,
+      "parallel.shard_state": args.shard_state,
+      "lora.rank": args.lora_rank,
       "lora.base_dtype": args.base_dtype or "float32",
-      "experts.capacity_factor": args.capacity_factor})
-  where = (f"{plan.format_bytes(args.device_memory)} per device" if args.device_memory
-           else "no device memory given")
+      "experts.capacity_factor": args.capacity_factor,
+    },
+  )
+  where = (
+    f"{plan.format_bytes(args.device_memory)} per device"
+    if args.device_memory
+    else "no device memory given"
+  )
   est = estimates[dtype]
-  verdict = "" if args.device_memory is None else (
-      " fits" if est.fits(args.device_memory) else " does NOT fit")
+  verdict = (
+    ""
+    if args.device_memory is None
+    else (" fits" if est.fits(args.device_memory) else " does NOT fit")
+  )
   row = " ".join(est.row().split())
-  note = (f"planned by cpjax plan: {row} [{dtype} activations]{verdict} "
-          f"({where})")
+  note = f"planned by cpjax plan: {row} [{dtype} activations]{verdict} ({where})"
   if compiled is not None:
-    note += (f"\ncompiled by {compiled.source}'s compiler: "
-             f"{plan.format_bytes(compiled.total)} per device, fits")
+    note += (
+      f"\ncompiled by {compiled.source}'s compiler: "
+      f"{plan.format_bytes(compiled.total)} per device, fits"
+    )
   with open(args.write_config, "w") as f:
     f.write(to_yaml(run, note))
-  print(f"wrote the run config to {args.write_config}: cpjax train --config "
-        f"{args.write_config} runs it")
+  print(
+    f"wrote the run config to {args.write_config}: cpjax train --config {args.write_config} runs it"
+  )

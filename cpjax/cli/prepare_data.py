@@ -11,8 +11,14 @@ def prepare_data(parser, args) -> int:
   if args.truncate and args.seq_len is None:
     parser.exit(2, "cpjax prepare-data: error: --truncate needs --seq-len\n")
   try:
-    summary = prepare_data(args.source, args.out, checkpoint=args.checkpoint,
-                           seq_len=args.seq_len, truncate=args.truncate, strict=args.strict)
+    summary = prepare_data(
+      args.source,
+      args.out,
+      checkpoint=args.checkpoint,
+      seq_len=args.seq_len,
+      truncate=args.truncate,
+      strict=args.strict,
+    )
   except (BadRecord, FileNotFoundError, ValueError) as e:
     parser.exit(2, f"cpjax prepare-data: error: {e}\n")
   print("\n".join(summary.lines()))

@@ -31,7 +31,7 @@ def train(parser, argv: list[str]) -> int:
     if not os.path.isdir(args.resume):
       fail(f"--resume {args.resume} is not a directory")
     saved = os.path.join(args.resume, RUN_FILE)
-    if os.path.isfile(saved):     # the saved run, under this command line
+    if os.path.isfile(saved):  # the saved run, under this command line
       args = parser.parse_args(["--config", saved, *argv])
   aliases = given_keys(args)
   typed = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
@@ -71,8 +71,10 @@ def train(parser, argv: list[str]) -> int:
 
   if jax.device_count() < devices:
     what = "--mesh" if run.parallel.mesh else f"--cp {run.parallel.cp or 8}"
-    fail(f"{what} needs {devices} devices, found {jax.device_count()} "
-         f"{jax.devices()[0].platform.upper()} devices")
+    fail(
+      f"{what} needs {devices} devices, found {jax.device_count()} "
+      f"{jax.devices()[0].platform.upper()} devices"
+    )
   from cpjax.training import trainer
 
   if not args.skip_memory_check:
@@ -114,28 +116,44 @@ def _files_first(parser, argv: list[str]) -> list[str]:
 
 def _start_jax(parser, args, devices_needed: int) -> None:
   """Join the cluster the flags name, or emulate enough CPU devices."""
-  explicit = [flag for flag, value in (("--coordinator-address", args.coordinator_address),
-                                       ("--num-processes", args.num_processes),
-                                       ("--process-id", args.process_id)) if value is not None]
+  explicit = [
+    flag
+    for flag, value in (
+      ("--coordinator-address", args.coordinator_address),
+      ("--num-processes", args.num_processes),
+      ("--process-id", args.process_id),
+    )
+    if value is not None
+  ]
   if args.auto_cluster and explicit:
-    parser.exit(2, f"cpjax train: error: --auto-cluster detects the cluster itself; it cannot "
-                   f"be combined with {', '.join(explicit)}\n")
+    parser.exit(
+      2,
+      f"cpjax train: error: --auto-cluster detects the cluster itself; it cannot "
+      f"be combined with {', '.join(explicit)}\n",
+    )
   num_processes = 1 if args.num_processes is None else args.num_processes
   process_id = 0 if args.process_id is None else args.process_id
   if num_processes > 1:
     if not args.coordinator_address:
       parser.exit(2, "cpjax train: error: --num-processes > 1 needs --coordinator-address\n")
     if not 0 <= process_id < num_processes:
-      parser.exit(2, f"cpjax train: error: --process-id must be in [0, {num_processes}), "
-                     f"got {process_id}\n")
+      parser.exit(
+        2, f"cpjax train: error: --process-id must be in [0, {num_processes}), got {process_id}\n"
+      )
     if devices_needed % num_processes:
-      parser.exit(2, f"cpjax train: error: the mesh's {devices_needed} devices must be a "
-                     f"multiple of --num-processes {num_processes}\n")
+      parser.exit(
+        2,
+        f"cpjax train: error: the mesh's {devices_needed} devices must be a "
+        f"multiple of --num-processes {num_processes}\n",
+      )
     machine.use_cpu_devices(devices_needed // num_processes, collectives="gloo")
     import jax
 
-    jax.distributed.initialize(coordinator_address=args.coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(
+      coordinator_address=args.coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+    )
   elif args.auto_cluster:
     import jax
 
@@ -156,19 +174,32 @@ def _check_memory(parser, run) -> None:
   limit, what = machine.available_memory()
   if limit is None:
     return
-  cfg, name = plan_config(parser, argparse.Namespace(command="train", model=run.model,
-                                                     checkpoint=run.checkpoint))
+  cfg, name = plan_config(
+    parser, argparse.Namespace(command="train", model=run.model, checkpoint=run.checkpoint)
+  )
   sizes = run.parallel.mesh_sizes()
-  shape = dict(seq_len=run.dataset.seq_len, remat=run.remat, dtype=run.dtype,
-               batch_size=run.dataset.batch_size // run.dataset.microbatches,
-               lora_rank=run.lora.rank, base_dtype=run.lora.base_dtype,
-               lora_targets=run.lora.targets)
+  shape = dict(
+    seq_len=run.dataset.seq_len,
+    remat=run.remat,
+    dtype=run.dtype,
+    batch_size=run.dataset.batch_size // run.dataset.microbatches,
+    lora_rank=run.lora.rank,
+    base_dtype=run.lora.base_dtype,
+    lora_targets=run.lora.targets,
+  )
   # The closed form as the compiler that will run it (XLA:TPU's off a GPU).
   platform = "cuda" if jax.devices()[0].platform == "gpu" else "tpu"
   try:
-    est = plan.estimate(cfg, model=name, mesh=sizes, capacity_factor=run.experts.capacity_factor,
-                        shard_state=run.parallel.shard_state, platform=platform, **shape)
-  except ValueError as e:   # a mesh the model cannot use (ep), before any compute
+    est = plan.estimate(
+      cfg,
+      model=name,
+      mesh=sizes,
+      capacity_factor=run.experts.capacity_factor,
+      shard_state=run.parallel.shard_state,
+      platform=platform,
+      **shape,
+    )
+  except ValueError as e:  # a mesh the model cannot use (ep), before any compute
     parser.exit(2, f"cpjax train: error: --mesh: {e}\n")
   devices = math.prod(v for k, v in sizes.items() if k != "ep")
   if jax.devices()[0].platform == "cpu":
@@ -180,9 +211,12 @@ def _check_memory(parser, run) -> None:
   else:
     need, where = est.total, "one device needs"
   if need > limit:
-    parser.exit(2, f"cpjax train: error: {name} at --seq-len {run.dataset.seq_len} on mesh "
-                   f"{','.join(f'{k}={v}' for k, v in sizes.items())}: {where} about "
-                   f"{plan.format_bytes(need)} (cpjax plan's closed-form estimate: "
-                   f"{plan.format_bytes(est.total)} per device), more than the "
-                   f"{plan.format_bytes(limit)} of {what}; use a larger mesh, a shorter "
-                   f"--seq-len, --remat, or --skip-memory-check\n")
+    parser.exit(
+      2,
+      f"cpjax train: error: {name} at --seq-len {run.dataset.seq_len} on mesh "
+      f"{','.join(f'{k}={v}' for k, v in sizes.items())}: {where} about "
+      f"{plan.format_bytes(need)} (cpjax plan's closed-form estimate: "
+      f"{plan.format_bytes(est.total)} per device), more than the "
+      f"{plan.format_bytes(limit)} of {what}; use a larger mesh, a shorter "
+      f"--seq-len, --remat, or --skip-memory-check\n",
+    )

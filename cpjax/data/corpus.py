@@ -49,12 +49,17 @@ import numpy as np
 
 from cpjax.batch import IGNORE_INDEX
 
-__all__ = ["corpus_images", "flatten_image_slots", "packed_batches", "packed_rows",
-           "write_documents"]
+__all__ = [
+  "corpus_images",
+  "flatten_image_slots",
+  "packed_batches",
+  "packed_rows",
+  "write_documents",
+]
 
 
 _TOKEN = np.dtype("<i4")
-_NPZ_MAGIC = b"PK\x03\x04"   # never the first id of a raw record: 67324752 > any vocabulary
+_NPZ_MAGIC = b"PK\x03\x04"  # never the first id of a raw record: 67324752 > any vocabulary
 
 
 _IMAGE_KEYS = ("image_patches", "image_positions", "image_sizes")
@@ -66,31 +71,47 @@ def _record(doc, number: int) -> bytes:
   if isinstance(doc, Mapping):
     unknown = set(doc) - {"input_ids", "loss_mask", *_IMAGE_KEYS}
     if unknown or "input_ids" not in doc:
-      raise ValueError(f"document {number} must have 'input_ids' and optionally 'loss_mask' "
-                       f"and {list(_IMAGE_KEYS)}, got keys {sorted(doc)}")
+      raise ValueError(
+        f"document {number} must have 'input_ids' and optionally 'loss_mask' "
+        f"and {list(_IMAGE_KEYS)}, got keys {sorted(doc)}"
+      )
     tokens, mask = np.asarray(doc["input_ids"]), doc.get("loss_mask")
   else:
     tokens, mask, doc = np.asarray(doc), None, {}
   if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"document {number} must be a non-empty 1-D sequence of token ids, got "
-                     f"{tokens.dtype}{list(tokens.shape)}")
+    raise ValueError(
+      f"document {number} must be a non-empty 1-D sequence of token ids, got "
+      f"{tokens.dtype}{list(tokens.shape)}"
+    )
   if mask is None and not any(k in doc for k in _IMAGE_KEYS):
     return tokens.astype(_TOKEN).tobytes()
   mask = np.ones(tokens.shape, np.uint8) if mask is None else np.asarray(mask)
   if mask.shape != tokens.shape or not (mask.dtype == bool or np.isin(mask, (0, 1)).all()):
-    raise ValueError(f"document {number}: loss_mask must be 0/1 of the shape of input_ids "
-                     f"{tokens.shape}, got {mask.dtype}{list(mask.shape)}")
+    raise ValueError(
+      f"document {number}: loss_mask must be 0/1 of the shape of input_ids "
+      f"{tokens.shape}, got {mask.dtype}{list(mask.shape)}"
+    )
   arrays = {"input_ids": tokens.astype(_TOKEN), "loss_mask": mask.astype(np.uint8)}
   if any(k in doc for k in _IMAGE_KEYS):
     patches, positions, sizes = (np.asarray(doc.get(k)) for k in _IMAGE_KEYS)
-    if (patches.dtype != np.uint8 or patches.ndim != 2 or positions.shape != (len(patches), 2)
-        or sizes.ndim != 1 or sizes.sum() != len(patches)):
-      raise ValueError(f"document {number}: image_patches must be uint8 [n, F], "
-                       f"image_positions [n, 2] and image_sizes [k] summing to n, got "
-                       f"{patches.dtype}{list(patches.shape)}, {list(positions.shape)}, "
-                       f"{sizes.tolist()}")
-    arrays.update(image_patches=patches, image_positions=positions.astype(np.int32),
-                  image_sizes=sizes.astype(np.int32))
+    if (
+      patches.dtype != np.uint8
+      or patches.ndim != 2
+      or positions.shape != (len(patches), 2)
+      or sizes.ndim != 1
+      or sizes.sum() != len(patches)
+    ):
+      raise ValueError(
+        f"document {number}: image_patches must be uint8 [n, F], "
+        f"image_positions [n, 2] and image_sizes [k] summing to n, got "
+        f"{patches.dtype}{list(patches.shape)}, {list(positions.shape)}, "
+        f"{sizes.tolist()}"
+      )
+    arrays.update(
+      image_patches=patches,
+      image_positions=positions.astype(np.int32),
+      image_sizes=sizes.astype(np.int32),
+    )
   out = io.BytesIO()
   np.savez(out, **arrays)
   return out.getvalue()
@@ -171,23 +192,31 @@ class _Decode:
   def __call__(self, record: bytes) -> dict:
     if record[:4] == _NPZ_MAGIC:
       with np.load(io.BytesIO(record)) as arrays:
-        doc = {"input_ids": arrays["input_ids"].astype(np.int32),
-               "loss_mask": arrays["loss_mask"].astype(np.int32)}
+        doc = {
+          "input_ids": arrays["input_ids"].astype(np.int32),
+          "loss_mask": arrays["loss_mask"].astype(np.int32),
+        }
         if "image_sizes" in arrays and self.features is None:
-          raise ValueError(f"a record in {self.where} holds images, but no summary.json "
-                           f"describes them: read the directory prepare_data wrote")
+          raise ValueError(
+            f"a record in {self.where} holds images, but no summary.json "
+            f"describes them: read the directory prepare_data wrote"
+          )
         if self.features is not None and "image_sizes" in arrays:
           doc.update({k: arrays[k] for k in _IMAGE_KEYS})
     else:
       if len(record) == 0 or len(record) % _TOKEN.itemsize:
-        raise ValueError(f"a record in {self.where} is {len(record)} bytes: not a document of "
-                         f"int32 token ids (written by cpjax.data.corpus.write_documents)")
+        raise ValueError(
+          f"a record in {self.where} is {len(record)} bytes: not a document of "
+          f"int32 token ids (written by cpjax.data.corpus.write_documents)"
+        )
       tokens = np.frombuffer(record, _TOKEN).astype(np.int32)
       doc = {"input_ids": tokens, "loss_mask": np.ones_like(tokens)}
     if self.features is not None and "image_sizes" not in doc:
-      doc.update(image_patches=np.zeros((0, self.features), np.uint8),
-                 image_positions=np.zeros((0, 2), np.int32),
-                 image_sizes=np.zeros((0,), np.int32))
+      doc.update(
+        image_patches=np.zeros((0, self.features), np.uint8),
+        image_positions=np.zeros((0, 2), np.int32),
+        image_sizes=np.zeros((0,), np.int32),
+      )
     return doc
 
 
@@ -204,10 +233,13 @@ def _pieces(seq_len: int, max_pieces: int):
       if n <= seq_len:
         return [doc]
       if len(doc.get("image_sizes", ())):
-        raise ValueError(f"a document with images has {n} tokens, more than a row's "
-                         f"{seq_len}: it cannot be cut (prepare_data with seq_len drops it)")
-      return [{key: value[i:i + seq_len] for key, value in doc.items()}
-              for i in range(0, n, seq_len)]
+        raise ValueError(
+          f"a document with images has {n} tokens, more than a row's "
+          f"{seq_len}: it cannot be cut (prepare_data with seq_len drops it)"
+        )
+      return [
+        {key: value[i : i + seq_len] for key, value in doc.items()} for i in range(0, n, seq_len)
+      ]
 
   return Pieces()
 
@@ -228,10 +260,13 @@ class _ToBatchKeys:
     # mask holds it (the original's loss_mask, applied to the shifted labels).
     same = (docs > 0) & (nxt_doc == docs) & (np.roll(row["loss_mask"], -1) > 0)
     same[-1] = False
-    out = {"input_ids": ids, "_packed_seq_ids": docs,
-           "position_ids": row["input_ids_positions"].astype(np.int32),
-           "labels": np.where(same, nxt, IGNORE_INDEX).astype(np.int32),
-           "attention_mask": (docs > 0).astype(np.int32)}
+    out = {
+      "input_ids": ids,
+      "_packed_seq_ids": docs,
+      "position_ids": row["input_ids_positions"].astype(np.int32),
+      "labels": np.where(same, nxt, IGNORE_INDEX).astype(np.int32),
+      "attention_mask": (docs > 0).astype(np.int32),
+    }
     if self.images is not None:
       out.update(self._image_slots(row, ids))
     return out
@@ -246,19 +281,31 @@ class _ToBatchKeys:
     positions = np.full((slots, max_patches, 2), -1, np.int32)
     sizes = row["image_sizes"][row["image_sizes_segment_ids"] > 0]
     start = 0
-    for i, n in enumerate(sizes):     # packed in document order, as their placeholders
-      pixels[i, :n] = pixel_values(row["image_patches"][start:start + n])
-      positions[i, :n] = row["image_positions"][start:start + n]
+    for i, n in enumerate(sizes):  # packed in document order, as their placeholders
+      pixels[i, :n] = pixel_values(row["image_patches"][start : start + n])
+      positions[i, :n] = row["image_positions"][start : start + n]
       start += n
     image = ids == self.images["image_token_id"]
-    return {"pixel_values": pixels, "image_position_ids": positions,
-            "mm_token_type_ids": image.astype(np.int32)}
+    return {
+      "pixel_values": pixels,
+      "image_position_ids": positions,
+      "mm_token_type_ids": image.astype(np.int32),
+    }
 
 
-def packed_rows(path, *, seq_len: int, seed: int = 0, shuffle: bool = True,
-                process_index: int | None = None, process_count: int | None = None,
-                num_epochs: int | None = None, num_packing_bins: int = 16,
-                max_document_pieces: int = 4096, images_per_row: int | None = None):
+def packed_rows(
+  path,
+  *,
+  seq_len: int,
+  seed: int = 0,
+  shuffle: bool = True,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  num_epochs: int | None = None,
+  num_packing_bins: int = 16,
+  max_document_pieces: int = 4096,
+  images_per_row: int | None = None,
+):
   """A grain ``IterDataset`` of packed rows (dicts of int32 [S] arrays).
 
   Args:
@@ -313,10 +360,15 @@ def packed_rows(path, *, seq_len: int, seed: int = 0, shuffle: bool = True,
   if images is not None:
     most = images["max_images_per_document"]
     images_per_row = most if images_per_row is None else images_per_row
-    if isinstance(images_per_row, bool) or not isinstance(images_per_row, int) or (
-        images_per_row < most):
-      raise ValueError(f"images_per_row must be an int >= {most} (the most images of a "
-                       f"document of {path}), got {images_per_row!r}")
+    if (
+      isinstance(images_per_row, bool)
+      or not isinstance(images_per_row, int)
+      or (images_per_row < most)
+    ):
+      raise ValueError(
+        f"images_per_row must be an int >= {most} (the most images of a "
+        f"document of {path}), got {images_per_row!r}"
+      )
     k = images["pooling_kernel_size"]
     patches = images_per_row * images["max_soft_tokens"] * k * k
     # Packing fills a row only while every feature fits: the images of its
@@ -327,8 +379,8 @@ def packed_rows(path, *, seq_len: int, seed: int = 0, shuffle: bool = True,
   ds = ds.repeat(num_epochs).to_iter_dataset()
   ds = grain.experimental.FlatMapIterDataset(ds, _pieces(seq_len, max_document_pieces))
   ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct=lengths, num_packing_bins=num_packing_bins, seed=seed,
-      shuffle_bins=shuffle)
+    ds, length_struct=lengths, num_packing_bins=num_packing_bins, seed=seed, shuffle_bins=shuffle
+  )
   return ds.map(_ToBatchKeys(images, images_per_row or 0))
 
 

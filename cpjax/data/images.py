@@ -54,8 +54,9 @@ def _rgb(image):
 
   if "A" in image.getbands() or image.info.get("transparency") is not None:
     image = image.convert("RGBA")
-    return Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)),
-                                 image).convert("RGB")
+    return Image.alpha_composite(
+      Image.new("RGBA", image.size, (255, 255, 255, 255)), image
+    ).convert("RGB")
   return image.convert("RGB")
 
 
@@ -88,8 +89,9 @@ class ImageProcessor:
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     if self.max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
-      raise ValueError(f"max_soft_tokens must be one of {SUPPORTED_SOFT_TOKENS}, got "
-                       f"{self.max_soft_tokens!r}")
+      raise ValueError(
+        f"max_soft_tokens must be one of {SUPPORTED_SOFT_TOKENS}, got {self.max_soft_tokens!r}"
+      )
 
   @classmethod
   def from_checkpoint(cls, path: str | os.PathLike) -> "ImageProcessor | None":
@@ -107,11 +109,11 @@ class ImageProcessor:
 
   @property
   def max_patches(self) -> int:
-    return self.max_soft_tokens * self.pooling_kernel_size ** 2
+    return self.max_soft_tokens * self.pooling_kernel_size**2
 
   @property
   def patch_features(self) -> int:
-    return 3 * self.patch_size ** 2
+    return 3 * self.patch_size**2
 
   def target_size(self, height: int, width: int) -> tuple[int, int]:
     """(height, width) after the aspect-preserving resize."""
@@ -123,15 +125,16 @@ class ImageProcessor:
     w = int(math.floor(factor * width / side)) * side
     if h == 0 and w == 0:
       raise ValueError(f"a {height}x{width} image resizes to 0x0 patches")
-    longest = (self.max_patches // k ** 2) * side
+    longest = (self.max_patches // k**2) * side
     # A very thin image: one block of patches across, its length capped.
     if h == 0:
       h, w = side, min(int(math.floor(width / height)) * side, longest)
     elif w == 0:
       h, w = min(int(math.floor(height / width)) * side, longest), side
     if h * w > target_px:
-      raise ValueError(f"a {height}x{width} image resizes to {h}x{w}, more than "
-                       f"{self.max_patches} patches of {p}")
+      raise ValueError(
+        f"a {height}x{width} image resizes to {h}x{w}, more than {self.max_patches} patches of {p}"
+      )
     return h, w
 
   def patches(self, image) -> tuple[np.ndarray, np.ndarray]:
@@ -146,7 +149,7 @@ class ImageProcessor:
     if (h, w) != (image.height, image.width):
       image = image.resize((w, h), resample=Image.Resampling.BICUBIC, reducing_gap=None)
     p = self.patch_size
-    pixels = np.asarray(image, np.uint8)                             # [H, W, 3]
+    pixels = np.asarray(image, np.uint8)  # [H, W, 3]
     rows, cols = h // p, w // p
     patches = pixels.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4)
     cx, cy = np.meshgrid(np.arange(cols), np.arange(rows), indexing="xy")
@@ -155,7 +158,7 @@ class ImageProcessor:
 
   def soft_tokens(self, patches: np.ndarray) -> int:
     """Soft tokens an image of these patches yields."""
-    return len(patches) // self.pooling_kernel_size ** 2
+    return len(patches) // self.pooling_kernel_size**2
 
   def __call__(self, images) -> dict:
     """The processor's output for a list of PIL images: ``pixel_values``
@@ -166,8 +169,11 @@ class ImageProcessor:
     soft = []
     for i, image in enumerate(images):
       patches, pos = self.patches(image)
-      pixels[i, :len(patches)] = pixel_values(patches)
-      positions[i, :len(patches)] = pos
+      pixels[i, : len(patches)] = pixel_values(patches)
+      positions[i, : len(patches)] = pos
       soft.append(self.soft_tokens(patches))
-    return {"pixel_values": pixels, "image_position_ids": positions,
-            "num_soft_tokens_per_image": soft}
+    return {
+      "pixel_values": pixels,
+      "image_position_ids": positions,
+      "num_soft_tokens_per_image": soft,
+    }

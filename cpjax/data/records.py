@@ -19,7 +19,8 @@ assistant turns count (:meth:`cpjax.data.tokenizer.CheckpointTokenizer.encode_ch
 
 A document longer than ``seq_len`` tokens is a bad record unless
 ``truncate`` (then its first ``seq_len`` tokens are kept and counted as
-truncated; never a document with images). Bad records are reported with their line number and the reason;
+truncated; never a document with images). Bad records are reported with
+their line number and the reason;
 :class:`Summary` counts everything.
 
 Shape letters: ``T`` tokens of one document, ``n`` image patches of one
@@ -70,16 +71,18 @@ class Summary:
   def lines(self, *, show: int = 10) -> list[str]:
     """The summary as printed lines (the first ``show`` dropped records)."""
     images = f", {self.images} images" if self.images else ""
-    out = [f"{self.source}: {self.documents} documents, {self.tokens} tokens "
-           f"({self.target_tokens} in the loss){images}, {self.truncated} truncated, "
-           f"{len(self.dropped)} dropped"]
+    out = [
+      f"{self.source}: {self.documents} documents, {self.tokens} tokens "
+      f"({self.target_tokens} in the loss){images}, {self.truncated} truncated, "
+      f"{len(self.dropped)} dropped"
+    ]
     out += [f"  line {line}: {reason}" for line, reason in self.dropped[:show]]
     if len(self.dropped) > show:
       out.append(f"  ... and {len(self.dropped) - show} more (all in summary.json)")
     return out
 
 
-_IMAGE_KEYS = ("image", "path", "url")    # where a part names its image, as transformers reads
+_IMAGE_KEYS = ("image", "path", "url")  # where a part names its image, as transformers reads
 
 
 def _image_paths(message: dict, i: int, base_dir: str) -> list[str]:
@@ -96,8 +99,10 @@ def _image_paths(message: dict, i: int, base_dir: str) -> list[str]:
     if kind == "image":
       source = next((part[k] for k in _IMAGE_KEYS if isinstance(part.get(k), str)), None)
       if source is None:
-        raise BadRecord(f"message {i} part {j}: an image part names its file under one of "
-                        f"{list(_IMAGE_KEYS)}, got {part!r}"[:200])
+        raise BadRecord(
+          f"message {i} part {j}: an image part names its file under one of "
+          f"{list(_IMAGE_KEYS)}, got {part!r}"[:200]
+        )
       if source.startswith(("http://", "https://")):
         raise BadRecord(f"message {i} part {j}: {source} is remote; images are read from files")
       path = os.path.join(base_dir, source)
@@ -105,8 +110,10 @@ def _image_paths(message: dict, i: int, base_dir: str) -> list[str]:
         raise BadRecord(f"message {i} part {j}: image {path} does not exist")
       paths.append(path)
       continue
-    raise BadRecord(f"message {i} part {j}: expected {{'type': 'text', 'text': str}} or "
-                    f"{{'type': 'image', 'image': path}}, got {part!r}"[:200])
+    raise BadRecord(
+      f"message {i} part {j}: expected {{'type': 'text', 'text': str}} or "
+      f"{{'type': 'image', 'image': path}}, got {part!r}"[:200]
+    )
   return paths
 
 
@@ -119,18 +126,26 @@ def _load_images(paths: list[str], images: ImageProcessor) -> dict:
   for path in paths:
     try:
       image = load_image(path)
-    except Exception as e:        # PIL's errors for unreadable files vary
+    except Exception as e:  # PIL's errors for unreadable files vary
       raise BadRecord(f"image {path} cannot be read: {type(e).__name__}: {e}") from None
     p, pos = images.patches(image)
     patches.append(p)
     positions.append(pos)
     sizes.append(len(p))
-  return {"image_patches": np.concatenate(patches), "image_positions": np.concatenate(positions),
-          "image_sizes": np.asarray(sizes, np.int32)}
+  return {
+    "image_patches": np.concatenate(patches),
+    "image_positions": np.concatenate(positions),
+    "image_sizes": np.asarray(sizes, np.int32),
+  }
 
 
-def encode_record(record, tokenizer: CheckpointTokenizer, *,
-                  images: ImageProcessor | None = None, base_dir: str = ".") -> dict:
+def encode_record(
+  record,
+  tokenizer: CheckpointTokenizer,
+  *,
+  images: ImageProcessor | None = None,
+  base_dir: str = ".",
+) -> dict:
   """One parsed record -> ``{"input_ids": int32[T], "loss_mask": uint8[T]}``
   (:class:`BadRecord` saying why it cannot), plus, for a conversation with
   images (read with ``images``, the checkpoint's image processor; relative
@@ -151,11 +166,14 @@ def encode_record(record, tokenizer: CheckpointTokenizer, *,
     raise BadRecord(f"expected a JSON object, got {type(record).__name__}")
   unknown = sorted(set(record) - {"text", "messages", *_IGNORED_KEYS})
   if unknown:
-    raise BadRecord(f"unknown key(s) {unknown}: a record is {{'text': ...}} or "
-                    f"{{'messages': [...]}} ({' and '.join(_IGNORED_KEYS)} are ignored)")
+    raise BadRecord(
+      f"unknown key(s) {unknown}: a record is {{'text': ...}} or "
+      f"{{'messages': [...]}} ({' and '.join(_IGNORED_KEYS)} are ignored)"
+    )
   if ("text" in record) == ("messages" in record):
-    raise BadRecord("a record needs exactly one of 'text' (a document) or 'messages' (a "
-                    "conversation)")
+    raise BadRecord(
+      "a record needs exactly one of 'text' (a document) or 'messages' (a conversation)"
+    )
   if "text" in record:
     text = record["text"]
     if not isinstance(text, str) or not text:
@@ -175,28 +193,40 @@ def encode_record(record, tokenizer: CheckpointTokenizer, *,
   pixels = {}
   if paths:
     if images is None:
-      raise BadRecord(f"{len(paths)} image(s), but the checkpoint has no image processor config "
-                      f"(processor_config.json or preprocessor_config.json)")
+      raise BadRecord(
+        f"{len(paths)} image(s), but the checkpoint has no image processor config "
+        f"(processor_config.json or preprocessor_config.json)"
+      )
     pixels = _load_images(paths, images)
   try:
     ids, answer = tokenizer.encode_chat(
-        messages, soft_tokens=[n // images.pooling_kernel_size ** 2
-                               for n in pixels.get("image_sizes", [])])
+      messages,
+      soft_tokens=[n // images.pooling_kernel_size**2 for n in pixels.get("image_sizes", [])],
+    )
   except ValueError as e:
     raise BadRecord(str(e)) from None
-  except Exception as e:      # the template's own raise_exception / undefined values
+  except Exception as e:  # the template's own raise_exception / undefined values
     raise BadRecord(f"the chat template failed: {type(e).__name__}: {e}") from None
   if not answer.any():
-    what = ("the chat template's {% generation %} blocks cover none of its tokens"
-            if tokenizer.marks_generation else "the chat template renders no assistant token")
+    what = (
+      "the chat template's {% generation %} blocks cover none of its tokens"
+      if tokenizer.marks_generation
+      else "the chat template renders no assistant token"
+    )
     raise BadRecord(f"{what}: nothing of it would count in the loss")
   return {"input_ids": ids, "loss_mask": answer.astype(np.uint8), **pixels}
 
 
-def read_jsonl(path: str | os.PathLike, tokenizer: CheckpointTokenizer, *,
-               images: ImageProcessor | None = None, seq_len: int | None = None,
-               truncate: bool = False, strict: bool = False,
-               summary: Summary | None = None) -> Iterator[dict]:
+def read_jsonl(
+  path: str | os.PathLike,
+  tokenizer: CheckpointTokenizer,
+  *,
+  images: ImageProcessor | None = None,
+  seq_len: int | None = None,
+  truncate: bool = False,
+  strict: bool = False,
+  summary: Summary | None = None,
+) -> Iterator[dict]:
   """The documents of a JSONL file, in order (a generator).
 
   Args:
@@ -229,11 +259,14 @@ def read_jsonl(path: str | os.PathLike, tokenizer: CheckpointTokenizer, *,
         n = doc["input_ids"].size
         cut = seq_len is not None and n > seq_len
         if cut and not truncate:
-          raise BadRecord(f"{n} tokens, longer than the row of {seq_len} (truncation keeps "
-                          f"its first {seq_len})")
+          raise BadRecord(
+            f"{n} tokens, longer than the row of {seq_len} (truncation keeps its first {seq_len})"
+          )
         if cut and "image_sizes" in doc:
-          raise BadRecord(f"{n} tokens with images, longer than the row of {seq_len} (not "
-                          f"truncated: the cut could split an image's tokens)")
+          raise BadRecord(
+            f"{n} tokens with images, longer than the row of {seq_len} (not "
+            f"truncated: the cut could split an image's tokens)"
+          )
         if cut:
           doc = {key: value[:seq_len] for key, value in doc.items()}
           if not doc["loss_mask"][1:].any():
@@ -254,9 +287,16 @@ def read_jsonl(path: str | os.PathLike, tokenizer: CheckpointTokenizer, *,
       yield doc
 
 
-def prepare_data(source: str | os.PathLike, out: str | os.PathLike, *,
-                 checkpoint: str | os.PathLike, seq_len: int | None = None,
-                 truncate: bool = False, strict: bool = False, progress: bool = True) -> Summary:
+def prepare_data(
+  source: str | os.PathLike,
+  out: str | os.PathLike,
+  *,
+  checkpoint: str | os.PathLike,
+  seq_len: int | None = None,
+  truncate: bool = False,
+  strict: bool = False,
+  progress: bool = True,
+) -> Summary:
   """Tokenize a JSONL file once into a corpus directory ``out`` that
   :func:`cpjax.data.corpus.packed_rows` (and ``cpjax train --data``) reads:
   ``documents.array_record`` (token ids and loss masks) and
@@ -273,8 +313,9 @@ def prepare_data(source: str | os.PathLike, out: str | os.PathLike, *,
   source, out = os.fspath(source), os.fspath(out)
   if not os.path.isfile(source):
     raise FileNotFoundError(f"data file {source} does not exist")
-  if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
-                              or seq_len < 2):
+  if seq_len is not None and (
+    isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2
+  ):
     raise ValueError(f"seq_len must be an int >= 2 or None, got {seq_len!r}")
   tokenizer = CheckpointTokenizer(checkpoint)
   images = ImageProcessor.from_checkpoint(checkpoint)
@@ -283,17 +324,35 @@ def prepare_data(source: str | os.PathLike, out: str | os.PathLike, *,
   summary = Summary(source)
   with open(source, "rb") as f:
     total = sum(1 for _ in f)
-  docs = tqdm(read_jsonl(source, tokenizer, images=images, seq_len=seq_len, truncate=truncate,
-                         strict=strict, summary=summary), total=total, desc="prepare",
-              unit="doc", disable=not progress, leave=False)
+  docs = tqdm(
+    read_jsonl(
+      source,
+      tokenizer,
+      images=images,
+      seq_len=seq_len,
+      truncate=truncate,
+      strict=strict,
+      summary=summary,
+    ),
+    total=total,
+    desc="prepare",
+    unit="doc",
+    disable=not progress,
+    leave=False,
+  )
   write_documents(target, docs)
-  info = {**summary.as_dict(), "checkpoint": os.fspath(checkpoint), "seq_len": seq_len,
-          "truncate": truncate}
+  info = {
+    **summary.as_dict(),
+    "checkpoint": os.fspath(checkpoint),
+    "seq_len": seq_len,
+    "truncate": truncate,
+  }
   if summary.images:
     # What packing needs to lay the images out (cpjax.data.corpus.corpus_images).
-    info["image_processor"] = {**dataclasses.asdict(images),
-                               "image_token_id": tokenizer.token_id(
-                                   tokenizer.special_tokens["image_token"])}
+    info["image_processor"] = {
+      **dataclasses.asdict(images),
+      "image_token_id": tokenizer.token_id(tokenizer.special_tokens["image_token"]),
+    }
   with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(info, f, indent=1)
   if summary.documents == 0:

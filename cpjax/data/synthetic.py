@@ -15,11 +15,21 @@ from cpjax.batch import next_token_labels
 __all__ = ["synthetic_batch"]
 
 
-def synthetic_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int, vocab_size: int,
-                    image_token_id: int, patch_size: int, pooling_kernel_size: int,
-                    image_grid: tuple[int, int] = (6, 6), images_per_row: int = 1,
-                    max_docs: int = 4, pad_fraction: float = 0.1,
-                    reserved_ids=(0,)) -> dict:
+def synthetic_batch(
+  rng: np.random.Generator,
+  *,
+  batch_size: int,
+  seq_len: int,
+  vocab_size: int,
+  image_token_id: int,
+  patch_size: int,
+  pooling_kernel_size: int,
+  image_grid: tuple[int, int] = (6, 6),
+  images_per_row: int = 1,
+  max_docs: int = 4,
+  pad_fraction: float = 0.1,
+  reserved_ids=(0,),
+) -> dict:
   """A dict of numpy arrays as Gemma 4's processor and a packing collator make them.
 
   Keys: ``input_ids`` (image placeholders are ``image_token_id``),
@@ -68,24 +78,26 @@ def synthetic_batch(rng: np.random.Generator, *, batch_size: int, seq_len: int, 
       ids[r, lo:hi] = allowed[(start + stride * np.arange(hi - lo)) % allowed.size]
     free = real - tokens_per_image * images_per_row
     if free < 0:
-      raise ValueError(f"seq_len {s} with {pad} padding cannot hold {images_per_row} image(s) "
-                       f"of {tokens_per_image} tokens")
+      raise ValueError(
+        f"seq_len {s} with {pad} padding cannot hold {images_per_row} image(s) "
+        f"of {tokens_per_image} tokens"
+      )
     starts = np.sort(rng.choice(np.arange(free + 1), images_per_row, replace=False))
     for i, st in enumerate(starts):
       st = st + i * tokens_per_image
-      types[r, st:st + tokens_per_image] = 1
+      types[r, st : st + tokens_per_image] = 1
   labels = np.array(next_token_labels(ids, docs))
   ids[types == 1] = image_token_id
   labels[types == 1] = -100
   n_images = b * images_per_row
   grid = np.array([(x, y) for y in range(rows) for x in range(cols)], np.int32)
   return {
-      "input_ids": ids,
-      "labels": labels,
-      "position_ids": pos,
-      "_packed_seq_ids": docs,
-      "attention_mask": (docs > 0).astype(np.int32),
-      "mm_token_type_ids": types,
-      "pixel_values": rng.random((n_images, cols * rows, 3 * patch_size ** 2), np.float32),
-      "image_position_ids": np.broadcast_to(grid, (n_images, *grid.shape)).copy(),
+    "input_ids": ids,
+    "labels": labels,
+    "position_ids": pos,
+    "_packed_seq_ids": docs,
+    "attention_mask": (docs > 0).astype(np.int32),
+    "mm_token_type_ids": types,
+    "pixel_values": rng.random((n_images, cols * rows, 3 * patch_size**2), np.float32),
+    "image_position_ids": np.broadcast_to(grid, (n_images, *grid.shape)).copy(),
   }

@@ -109,8 +109,9 @@ def _compile(template: str):
 
   def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+      x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
   class TemplateDict:
     # dict() and dict.fromkeys() only: no class to reach attributes through.
@@ -137,16 +138,22 @@ def _compile(template: str):
     def _check(name):
       if isinstance(name, str) and name.startswith("_"):
         raise jinja2.exceptions.SecurityError(
-            f"Chat templates cannot store underscore-prefixed attributes on a namespace, but "
-            f"got {name!r}. Please rename the attribute.")
+          f"Chat templates cannot store underscore-prefixed attributes on a namespace, but "
+          f"got {name!r}. Please rename the attribute."
+        )
 
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[_generation_extension(),
-                                                  jinja2.ext.loopcontrols])
+  env = ImmutableSandboxedEnvironment(
+    trim_blocks=True,
+    lstrip_blocks=True,
+    extensions=[_generation_extension(), jinja2.ext.loopcontrols],
+  )
   env.filters["tojson"] = tojson
-  env.globals.update(raise_exception=raise_exception,
-                     strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                     dict=TemplateDict(), namespace=TemplateNamespace)
+  env.globals.update(
+    raise_exception=raise_exception,
+    strftime_now=lambda fmt: datetime.now().strftime(fmt),
+    dict=TemplateDict(),
+    namespace=TemplateNamespace,
+  )
   return env.from_string(template)
 
 
@@ -195,11 +202,15 @@ class CheckpointTokenizer:
     from tokenizers import AddedToken, Tokenizer
 
     path = os.fspath(path)
-    files = {name: os.path.join(path, name) for name in
-             ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")}
+    files = {
+      name: os.path.join(path, name)
+      for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    }
     if not os.path.isfile(files["tokenizer.json"]):
-      raise FileNotFoundError(f"{path} has no tokenizer.json (the checkpoint's tokenizer, in "
-                              f"the format of the `tokenizers` library)")
+      raise FileNotFoundError(
+        f"{path} has no tokenizer.json (the checkpoint's tokenizer, in "
+        f"the format of the `tokenizers` library)"
+      )
     config = {}
     if os.path.isfile(files["tokenizer_config.json"]):
       with open(files["tokenizer_config.json"], encoding="utf-8") as f:
@@ -208,18 +219,22 @@ class CheckpointTokenizer:
     self.config = config
     self.backend = Tokenizer.from_file(files["tokenizer.json"])
     # Every named special token, as apply_chat_template passes them to the template.
-    self.special_tokens = {key: _token_text(value) for key, value in config.items()
-                           if key.endswith("_token") and _token_text(value) is not None}
+    self.special_tokens = {
+      key: _token_text(value)
+      for key, value in config.items()
+      if key.endswith("_token") and _token_text(value) is not None
+    }
     # As transformers: the named special tokens are added tokens (matched whole
     # in text, never normalized); add_bos_token / add_eos_token are ignored
     # when tokenizer.json exists (its post-processor decides).
-    self.backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                     for t in self.special_tokens.values()])
+    self.backend.add_special_tokens(
+      [AddedToken(t, special=True, normalized=False) for t in self.special_tokens.values()]
+    )
     template = config.get("chat_template")
     if os.path.isfile(files["chat_template.jinja"]):
       with open(files["chat_template.jinja"], encoding="utf-8") as f:
         template = f.read()
-    if isinstance(template, list):      # [{"name": ..., "template": ...}, ...]
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
       template = {t["name"]: t["template"] for t in template}.get("default")
     self.chat_template = template
     self._compiled = None
@@ -247,8 +262,10 @@ class CheckpointTokenizer:
 
   def _template(self):
     if self.chat_template is None:
-      raise ValueError(f"{self.path} has no chat template (chat_template.jinja or "
-                       f"tokenizer_config.json's chat_template): conversations need one")
+      raise ValueError(
+        f"{self.path} has no chat template (chat_template.jinja or "
+        f"tokenizer_config.json's chat_template): conversations need one"
+      )
     if self._compiled is None:
       self._compiled = _compile(self.chat_template)
     return self._compiled
@@ -256,19 +273,30 @@ class CheckpointTokenizer:
   def _context(self, messages, add_generation_prompt: bool, template_kwargs) -> dict:
     """What apply_chat_template passes the template (its keyword arguments
     override the special tokens)."""
-    return dict(messages=list(messages), tools=None, documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **template_kwargs})
+    return dict(
+      messages=list(messages),
+      tools=None,
+      documents=None,
+      add_generation_prompt=add_generation_prompt,
+      **{**self.special_tokens, **template_kwargs},
+    )
 
-  def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = False,
-             **template_kwargs) -> str:
+  def render(
+    self, messages: Sequence[Mapping], *, add_generation_prompt: bool = False, **template_kwargs
+  ) -> str:
     """The conversation as the chat template writes it (a string)."""
-    return self._template().render(**self._context(messages, add_generation_prompt,
-                                                   template_kwargs))
+    return self._template().render(
+      **self._context(messages, add_generation_prompt, template_kwargs)
+    )
 
-  def encode_chat(self, messages: Sequence[Mapping], *, soft_tokens: Sequence[int] = (),
-                  add_generation_prompt: bool = False,
-                  **template_kwargs) -> tuple[np.ndarray, np.ndarray]:
+  def encode_chat(
+    self,
+    messages: Sequence[Mapping],
+    *,
+    soft_tokens: Sequence[int] = (),
+    add_generation_prompt: bool = False,
+    **template_kwargs,
+  ) -> tuple[np.ndarray, np.ndarray]:
     """``(ids int32[T], answer bool[T])``: the rendered conversation's tokens
     and which of them the assistant wrote (see the module's docstring).
 
@@ -285,11 +313,11 @@ class CheckpointTokenizer:
     """
     check_messages(messages)
     if self.marks_generation:
-      full, spans = _answer_spans(self._template(), **self._context(
-          messages, add_generation_prompt, template_kwargs))
+      full, spans = _answer_spans(
+        self._template(), **self._context(messages, add_generation_prompt, template_kwargs)
+      )
     else:
-      full = self.render(messages, add_generation_prompt=add_generation_prompt,
-                         **template_kwargs)
+      full = self.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
       spans = self._prefix_spans(messages, full, template_kwargs)
     full, spans = self._expand_images(full, spans, list(soft_tokens))
     encoding = self.backend.encode(full, add_special_tokens=False)
@@ -310,12 +338,14 @@ class CheckpointTokenizer:
     for i, message in enumerate(messages):
       if message["role"] != ANSWER_ROLE:
         continue
-      end = self.render(messages[:i + 1], **template_kwargs)
+      end = self.render(messages[: i + 1], **template_kwargs)
       prompt = self.render(messages[:i], add_generation_prompt=True, **template_kwargs)
       if not full.startswith(end):
-        raise ValueError(f"message {i}: the chat template renders the conversation up to this "
-                         f"assistant message differently from the whole conversation, so its "
-                         f"answer tokens cannot be told apart")
+        raise ValueError(
+          f"message {i}: the chat template renders the conversation up to this "
+          f"assistant message differently from the whole conversation, so its "
+          f"answer tokens cannot be told apart"
+        )
       start = len(os.path.commonprefix([prompt, end]))
       spans.append((start, len(end)))
     return spans
@@ -326,8 +356,10 @@ class CheckpointTokenizer:
     image = self.special_tokens.get("image_token")
     found = text.count(image) if image else 0
     if found != len(soft_tokens):
-      raise ValueError(f"the conversation renders {found} image placeholders ({image!r}) for "
-                       f"{len(soft_tokens)} images")
+      raise ValueError(
+        f"the conversation renders {found} image placeholders ({image!r}) for "
+        f"{len(soft_tokens)} images"
+      )
     if not soft_tokens:
       return text, spans
     for key in ("boi_token", "eoi_token"):
@@ -335,7 +367,7 @@ class CheckpointTokenizer:
         raise ValueError(f"{self.path}'s tokenizer_config.json names no {key}: images need it")
     boi, eoi = self.special_tokens["boi_token"], self.special_tokens["eoi_token"]
     pieces = text.split(image)
-    out, shifts = [pieces[0]], []        # shifts: (where in the old text, added characters)
+    out, shifts = [pieces[0]], []  # shifts: (where in the old text, added characters)
     at = len(pieces[0])
     for n, piece in zip(soft_tokens, pieces[1:]):
       run = boi + image * n + eoi
@@ -354,16 +386,21 @@ def check_messages(messages) -> None:
   known role and string or list content (``ValueError`` / ``TypeError``
   naming the message)."""
   if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-    raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got "
-                     f"{type(messages).__name__}")
+    raise ValueError(
+      f"messages must be a non-empty list of {{'role', 'content'}} dicts, got "
+      f"{type(messages).__name__}"
+    )
   for i, message in enumerate(messages):
     if not isinstance(message, Mapping):
-      raise TypeError(f"message {i} must be a dict with 'role' and 'content', got "
-                      f"{type(message).__name__}")
+      raise TypeError(
+        f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}"
+      )
     role = message.get("role")
     if role not in KNOWN_ROLES:
       raise ValueError(f"message {i} has role {role!r}; expected one of {KNOWN_ROLES}")
     content = message.get("content")
     if not isinstance(content, (str, list)):
-      raise TypeError(f"message {i} ({role}) content must be a string or a list of parts, got "
-                      f"{type(content).__name__}")
+      raise TypeError(
+        f"message {i} ({role}) content must be a string or a list of parts, got "
+        f"{type(content).__name__}"
+      )

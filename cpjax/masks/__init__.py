@@ -51,7 +51,19 @@ from cpjax.masks._rules import SameVisionGroup as SameVisionGroup
 from cpjax.masks._rules import Tokens as Tokens
 
 __all__ = [
-    "AllOf", "AnyOf", "AttentionMask", "BlockMap", "KeyNotPadding", "LocalWindow", "MaskRule",
-    "MaskSpec", "Reach", "SameSegment", "SameVisionGroup", "Tokens", "resolve_mask", "ARRAY_KINDS",
-    "MASK_KEYWORDS",
+  "AllOf",
+  "AnyOf",
+  "AttentionMask",
+  "BlockMap",
+  "KeyNotPadding",
+  "LocalWindow",
+  "MaskRule",
+  "MaskSpec",
+  "Reach",
+  "SameSegment",
+  "SameVisionGroup",
+  "Tokens",
+  "resolve_mask",
+  "ARRAY_KINDS",
+  "MASK_KEYWORDS",
 ]

@@ -93,29 +93,38 @@ class AttentionMask:
     if not isinstance(self.rule, MaskRule):
       raise TypeError(f"rule must be a MaskRule, got {type(self.rule).__name__}")
     if not isinstance(self.arrays, Mapping):
-      raise TypeError(f"arrays must be a mapping of name to array, got "
-                      f"{type(self.arrays).__name__}")
+      raise TypeError(
+        f"arrays must be a mapping of name to array, got {type(self.arrays).__name__}"
+      )
     kinds = self.rule.array_kinds()
     bad = {name: kind for name, kind in kinds.items() if kind not in ARRAY_KINDS}
     if bad:
       raise ValueError(f"per-token array kinds must be one of {ARRAY_KINDS}, got {bad}")
     need, have = set(kinds), set(self.arrays)
     if need != have:
-      raise KeyError(f"the rule reads per-token arrays {sorted(need)}, got arrays "
-                     f"{sorted(have)} (missing {sorted(need - have)}, unused {sorted(have - need)})")
+      raise KeyError(
+        f"the rule reads per-token arrays {sorted(need)}, got arrays "
+        f"{sorted(have)} (missing {sorted(need - have)}, unused {sorted(have - need)})"
+      )
     for name, x in self.arrays.items():
       # Leaves that are not arrays (a PartitionSpec tree of the same mask,
       # say) carry no shape to check; validate() checks shapes against B, T.
       if hasattr(x, "shape") and hasattr(x, "dtype"):
         _check_array_kind(name, x, kinds[name])
         if jnp.ndim(x) != 2:
-          raise ValueError(f"mask array {name} must be 2-D [B, T], got shape "
-                           f"{list(jnp.shape(x))}")
+          raise ValueError(f"mask array {name} must be 2-D [B, T], got shape {list(jnp.shape(x))}")
     object.__setattr__(self, "arrays", dict(sorted(self.arrays.items())))
 
   @classmethod
-  def create(cls, *, causal: bool = True, sliding_window: int | None = None, segment_ids=None,
-             padding_mask=None, vision_group_ids=None) -> "AttentionMask":
+  def create(
+    cls,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    segment_ids=None,
+    padding_mask=None,
+    vision_group_ids=None,
+  ) -> "AttentionMask":
     """The standard mask ``(window | vision groups) & documents & key padding``.
 
     Args:
@@ -150,8 +159,9 @@ class AttentionMask:
       x = self.arrays[name]
       shape = tuple(jnp.shape(x))
       if shape != (batch, length):
-        raise ValueError(f"mask array {name} must have shape {where} = {[batch, length]}, "
-                         f"got {list(shape)}")
+        raise ValueError(
+          f"mask array {name} must have shape {where} = {[batch, length]}, got {list(shape)}"
+        )
       _check_array_kind(name, x, kind)
       if kind == "int":
         checks.fits_int32(f"mask array {name}", x)
@@ -168,8 +178,11 @@ class AttentionMask:
     if positions is None:
       lengths = {jnp.shape(x)[1] for x in self.arrays.values()}
       if len(lengths) != 1:
-        raise ValueError("pass positions: the mask has no per-token array to take T from"
-                         if not lengths else f"mask arrays disagree on T: {sorted(lengths)}")
+        raise ValueError(
+          "pass positions: the mask has no per-token array to take T from"
+          if not lengths
+          else f"mask arrays disagree on T: {sorted(lengths)}"
+        )
       positions = jnp.arange(lengths.pop())
     t = self.tokens(positions)
     allowed = self.rule.allowed(t, t)
@@ -205,14 +218,16 @@ def resolve_mask(mask: AttentionMask | None = None, **keywords) -> AttentionMask
   """
   unknown = sorted(set(keywords) - set(MASK_KEYWORDS))
   if unknown:
-    raise TypeError(f"unexpected mask keyword(s) {unknown}; the mask keywords are "
-                    f"{list(MASK_KEYWORDS)}")
+    raise TypeError(
+      f"unexpected mask keyword(s) {unknown}; the mask keywords are {list(MASK_KEYWORDS)}"
+    )
   given = {name: value for name, value in keywords.items() if value is not None}
   if mask is None:
     return AttentionMask.create(**given)
   if not isinstance(mask, AttentionMask):
     raise TypeError(f"mask must be a cpjax.AttentionMask, got {type(mask).__name__}")
   if given:
-    raise ValueError(f"pass either mask= or the mask keywords, not both; got mask and "
-                     f"{sorted(given)}")
+    raise ValueError(
+      f"pass either mask= or the mask keywords, not both; got mask and {sorted(given)}"
+    )
   return mask

@@ -6,6 +6,7 @@ rule with its per-token arrays is :mod:`cpjax.masks._attention_mask`.
 Shape letters: ``B`` batch (``B'`` is B or 1), ``Q``/``K`` query and key
 tokens, ``nq``/``nk`` query and key blocks.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "ARRAY_KINDS", "AllOf", "AnyOf", "BlockMap", "KeyNotPadding", "LocalWindow", "MaskRule", "Reach",
-    "SameSegment", "SameVisionGroup", "Tokens",
+  "ARRAY_KINDS",
+  "AllOf",
+  "AnyOf",
+  "BlockMap",
+  "KeyNotPadding",
+  "LocalWindow",
+  "MaskRule",
+  "Reach",
+  "SameSegment",
+  "SameVisionGroup",
+  "Tokens",
 ]
 
 _BIG = np.iinfo(np.int32).max
@@ -108,8 +118,9 @@ def _group_blocks(q_ids, q_valid, k_ids, k_valid) -> BlockMap:
   """
   q_lo, q_hi = _id_ranges(q_ids, q_valid)
   k_lo, k_hi = _id_ranges(k_ids, k_valid)
-  overlap = (jnp.maximum(q_lo[:, :, None], k_lo[:, None, :])
-             <= jnp.minimum(q_hi[:, :, None], k_hi[:, None, :]))
+  overlap = jnp.maximum(q_lo[:, :, None], k_lo[:, None, :]) <= jnp.minimum(
+    q_hi[:, :, None], k_hi[:, None, :]
+  )
   q_pure = jnp.all(q_valid, axis=-1) & (q_lo == q_hi)
   k_pure = jnp.all(k_valid, axis=-1) & (k_lo == k_hi)
   same = q_pure[:, :, None] & k_pure[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
@@ -150,8 +161,9 @@ class MaskRule:
 
 
 def _check_reach(name: str, value) -> None:
-  if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                            or value < 0):
+  if value is not None and (
+    isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0
+  ):
     raise ValueError(f"{name} must be an int >= 0 or None (unbounded), got {value!r}")
 
 
@@ -179,7 +191,7 @@ class LocalWindow(MaskRule):
     _check_reach("right", self.right)
 
   def allowed(self, q, k):
-    d = jnp.asarray(q.positions)[:, None] - jnp.asarray(k.positions)[None, :]   # q - k
+    d = jnp.asarray(q.positions)[:, None] - jnp.asarray(k.positions)[None, :]  # q - k
     ok = jnp.ones(d.shape, bool)
     if self.left is not None:
       ok &= d <= self.left
@@ -193,9 +205,9 @@ class LocalWindow(MaskRule):
     k_lo, k_hi = kb.min(-1)[None, :], kb.max(-1)[None, :]
     some = jnp.ones((qb.shape[0], kb.shape[0]), bool)
     every = some
-    if self.left is not None:          # q - k <= left
+    if self.left is not None:  # q - k <= left
       some, every = some & (q_lo - k_hi <= self.left), every & (q_hi - k_lo <= self.left)
-    if self.right is not None:         # k - q <= right
+    if self.right is not None:  # k - q <= right
       some, every = some & (k_lo - q_hi <= self.right), every & (k_hi - q_lo <= self.right)
     return BlockMap(some[None], every[None])
 
@@ -310,13 +322,17 @@ class _Combination(MaskRule):
     # Both fields combine with the rule's own connective: it is exact for
     # "allowed" and stays conservative for "any" and "all".
     maps = [r.classify(q, k, block_q, block_kv) for r in self.rules]
-    return BlockMap(functools.reduce(self._join, (m.any for m in maps)),
-                    functools.reduce(self._join, (m.all for m in maps)))
+    return BlockMap(
+      functools.reduce(self._join, (m.any for m in maps)),
+      functools.reduce(self._join, (m.all for m in maps)),
+    )
 
   def reach(self):
     reaches = [r.reach() for r in self.rules]
-    return Reach(functools.reduce(self._reach, (r.behind for r in reaches)),
-                 functools.reduce(self._reach, (r.ahead for r in reaches)))
+    return Reach(
+      functools.reduce(self._reach, (r.behind for r in reaches)),
+      functools.reduce(self._reach, (r.ahead for r in reaches)),
+    )
 
   def array_kinds(self):
     kinds: dict[str, str] = {}

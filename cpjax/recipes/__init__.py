@@ -33,12 +33,12 @@ class Recipe:
 
 # What each recipe is for is in its file's first comments.
 RECIPES = {
-    "tiny": Recipe(),                          # what `make run` trains
-    "tiny-moe-ep": Recipe(),                   # the README's expert-parallel run
-    "e2b-lora-128k": Recipe("16GiB", 8, "v5e-8"),
-    "e2b-full-128k": Recipe("141GiB", 8, "h200-8"),
-    "a4b-ep-128k": Recipe("141GiB", 8, "h200-8"),
-    "31b-lora-128k": Recipe("141GiB", 2, "h200-2"),
+  "tiny": Recipe(),  # what `make run` trains
+  "tiny-moe-ep": Recipe(),  # the README's expert-parallel run
+  "e2b-lora-128k": Recipe("16GiB", 8, "v5e-8"),
+  "e2b-full-128k": Recipe("141GiB", 8, "h200-8"),
+  "a4b-ep-128k": Recipe("141GiB", 8, "h200-8"),
+  "31b-lora-128k": Recipe("141GiB", 2, "h200-2"),
 }
 
 

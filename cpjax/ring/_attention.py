@@ -53,13 +53,26 @@ from cpjax.ring.kernels._targets import resolve_implementation
 __all__ = ["ring_attention"]
 
 
-def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
-                   mask: AttentionMask | None = None, causal: bool | None = None,
-                   sliding_window: int | None = None, segment_ids=None, padding_mask=None,
-                   vision_group_ids=None, scale: float | None = None,
-                   logits_soft_cap: float | None = None, block_q: int | None = None,
-                   block_kv: int | None = None, implementation: str | None = None,
-                   interpret: bool = False):
+def ring_attention(
+  q,
+  k,
+  v,
+  *,
+  layout: ShardLayout,
+  axis_name: str = "cp",
+  mask: AttentionMask | None = None,
+  causal: bool | None = None,
+  sliding_window: int | None = None,
+  segment_ids=None,
+  padding_mask=None,
+  vision_group_ids=None,
+  scale: float | None = None,
+  logits_soft_cap: float | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  implementation: str | None = None,
+  interpret: bool = False,
+):
   """Exact attention over a sequence sharded on ``axis_name``, inside ``shard_map``.
 
   Local position i of rank r is global token ``local_token_indices(layout,
@@ -119,36 +132,60 @@ def ring_attention(q, k, v, *, layout: ShardLayout, axis_name: str = "cp",
   if not isinstance(axis_name, str):
     raise TypeError(f"axis_name must be a mesh axis name (str), got {type(axis_name).__name__}")
   b, l, hq, hkv, d = checks.attention_inputs(q, k, v)
-  scale, logits_soft_cap = checks.attention_options(scale=scale,
-                                                        logits_soft_cap=logits_soft_cap)
+  scale, logits_soft_cap = checks.attention_options(scale=scale, logits_soft_cap=logits_soft_cap)
   checks.cp_axis("ring_attention", axis_name, layout.cp_size)
   if l != layout.local_seq_len:
-    raise ValueError(f"q must hold layout.local_seq_len = {layout.local_seq_len} tokens on dim 1, "
-                     f"got {l}")
-  mask = resolve_mask(mask, causal=causal, sliding_window=sliding_window,
-                      segment_ids=segment_ids, padding_mask=padding_mask,
-                      vision_group_ids=vision_group_ids)
+    raise ValueError(
+      f"q must hold layout.local_seq_len = {layout.local_seq_len} tokens on dim 1, got {l}"
+    )
+  mask = resolve_mask(
+    mask,
+    causal=causal,
+    sliding_window=sliding_window,
+    segment_ids=segment_ids,
+    padding_mask=padding_mask,
+    vision_group_ids=vision_group_ids,
+  )
   mask = mask.validate(b, l, where="[B, L] (q's first two dimensions)")
   implementation = resolve_implementation(implementation)
   if isinstance(interpret, pltpu.InterpretParams):
     if implementation != "pallas_tpu":
-      raise ValueError(f"interpret=pltpu.InterpretParams(...) runs Mosaic kernels: it needs "
-                       f"implementation='pallas_tpu', got {implementation!r}")
+      raise ValueError(
+        f"interpret=pltpu.InterpretParams(...) runs Mosaic kernels: it needs "
+        f"implementation='pallas_tpu', got {implementation!r}"
+      )
   elif not isinstance(interpret, (bool, np.bool_)):
-    raise TypeError(f"interpret must be a bool or a pltpu.InterpretParams, got "
-                    f"{type(interpret).__name__} ({interpret!r})")
+    raise TypeError(
+      f"interpret must be a bool or a pltpu.InterpretParams, got "
+      f"{type(interpret).__name__} ({interpret!r})"
+    )
   else:
     interpret = bool(interpret)
   g = hq // hkv
   block_q, block_kv = _block_sizes(layout, implementation, d, g, block_q, block_kv, q.dtype)
   kernel = None
   if implementation != "xla":
-    kernel = KernelParams(rule=mask.rule, soft_cap=logits_soft_cap, block_q=block_q,
-                          block_kv=block_kv, groups=g, interpret=interpret)
+    kernel = KernelParams(
+      rule=mask.rule,
+      soft_cap=logits_soft_cap,
+      block_q=block_q,
+      block_kv=block_kv,
+      groups=g,
+      interpret=interpret,
+    )
   cfg = _Config(
-      layout=layout, axis_name=axis_name, rule=mask.rule, plan=ring_plan(layout, mask=mask),
-      scale=d ** -0.5 if scale is None else scale, soft_cap=logits_soft_cap, block_q=block_q,
-      block_kv=block_kv, groups=g, implementation=implementation, kernel=kernel)
+    layout=layout,
+    axis_name=axis_name,
+    rule=mask.rule,
+    plan=ring_plan(layout, mask=mask),
+    scale=d**-0.5 if scale is None else scale,
+    soft_cap=logits_soft_cap,
+    block_q=block_q,
+    block_kv=block_kv,
+    groups=g,
+    implementation=implementation,
+    kernel=kernel,
+  )
   arrays = mask.arrays
   if cfg.layout.cp_size > 1:
     # The mask's arrays ride the ring, so they must vary over the axis like K/V do.

@@ -68,8 +68,11 @@ class _Config:
     """(query tokens, keys) per block of a kernel hop's schedule (see
     :meth:`cpjax.ring.kernels.KernelTarget.schedule_blocks`)."""
     return TARGETS[self.implementation].schedule_blocks(
-        self.block_q, self.block_kv, chunk_len=self.layout.chunk_len,
-        local_len=self.layout.local_seq_len)
+      self.block_q,
+      self.block_kv,
+      chunk_len=self.layout.chunk_len,
+      local_len=self.layout.local_seq_len,
+    )
 
 
 # ------------------------------------------------------------------ helpers
@@ -107,7 +110,7 @@ def _tile_mask(cfg: _Config, q_info: Tokens, k_info: Tokens, i, j, *, keys_first
   b = mask.shape[0]
   mask = jnp.broadcast_to(mask, (b, cfg.block_q, cfg.block_kv))
   if keys_first:
-    mask = jnp.swapaxes(mask, 1, 2)                         # [B', bk, bq]
+    mask = jnp.swapaxes(mask, 1, 2)  # [B', bk, bq]
     mask = jnp.broadcast_to(mask[..., None], mask.shape + (cfg.groups,))
     return mask.reshape(b, 1, cfg.block_kv, cfg.tile_rows)
   mask = jnp.broadcast_to(mask[:, :, None], (b, cfg.block_q, cfg.groups, cfg.block_kv))
@@ -154,13 +157,14 @@ def _cut(x, axis, start, size):
 class _Stats(NamedTuple):
   """Online-softmax state of all local queries (float32)."""
 
-  m: jax.Array    # [B, Hkv, N] running max of the logits (-inf: none yet)
-  l: jax.Array    # [B, Hkv, N] running sum of exp(logit - m)
+  m: jax.Array  # [B, Hkv, N] running max of the logits (-inf: none yet)
+  l: jax.Array  # [B, Hkv, N] running sum of exp(logit - m)
   acc: jax.Array  # [B, Hkv, N, D] running sum of exp(logit - m) * v
 
 
-def _attend_chunk(cfg: _Config, q, q_info: Tokens, stats: _Stats, kv, k_arrays,
-                  src_rank, active=True) -> _Stats:
+def _attend_chunk(
+  cfg: _Config, q, q_info: Tokens, stats: _Stats, kv, k_arrays, src_rank, active=True
+) -> _Stats:
   """Fold one K/V chunk (owned by ``src_rank``) into the statistics."""
   k, v = kv
   plan = _tile_schedule(cfg, q_info, src_rank, k_arrays, active)
@@ -183,17 +187,21 @@ def _attend_chunk(cfg: _Config, q, q_info: Tokens, stats: _Stats, kv, k_arrays,
       p = jnp.exp(s - m_safe[..., None])
     alpha = jnp.exp(m - m_safe)
     l = alpha * l + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bhnk,bhkd->bhnd", p.astype(vj.dtype), vj,
-                    preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bhnk,bhkd->bhnd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
     return m_new, l, alpha[..., None] * acc + pv
 
   def step(t, stats):
     i, j = plan.tile(t)
     rows = tuple(_cut(x, 2, i * rq, rq) for x in stats)
-    rows = lax.cond(plan.full[i, j], functools.partial(tile, masked=False),
-                    functools.partial(tile, masked=True), i, j, rows)
-    return _Stats(*(lax.dynamic_update_slice_in_dim(x, r, i * rq, 2)
-                    for x, r in zip(stats, rows)))
+    rows = lax.cond(
+      plan.full[i, j],
+      functools.partial(tile, masked=False),
+      functools.partial(tile, masked=True),
+      i,
+      j,
+      rows,
+    )
+    return _Stats(*(lax.dynamic_update_slice_in_dim(x, r, i * rq, 2) for x, r in zip(stats, rows)))
 
   return lax.fori_loop(0, plan.count, step, stats)
 
@@ -206,8 +214,9 @@ def _rank(cfg: _Config):
 
 def _xla_fold(cfg: _Config, q, q_info: Tokens):
   """(initial state, attend, finish) of the XLA tile loop."""
-  init = _Stats(filled_after(q, q.shape[:-1], -jnp.inf), filled_after(q, q.shape[:-1]),
-                filled_after(q, q.shape))
+  init = _Stats(
+    filled_after(q, q.shape[:-1], -jnp.inf), filled_after(q, q.shape[:-1]), filled_after(q, q.shape)
+  )
 
   def finish(stats):
     seen = stats.l > 0
@@ -280,6 +289,7 @@ def _forward(cfg: _Config, q, k, v, arrays):
   hops, back = cfg.plan
 
   if back == 0:
+
     def step(h, carry):
       stats, here = carry
       nxt = _shift(here, cfg, +1)  # independent of this step's compute: overlaps
@@ -288,6 +298,7 @@ def _forward(cfg: _Config, q, k, v, arrays):
     stats, here = lax.fori_loop(0, hops, step, (stats, travel))
     stats = attend(stats, *here, (rank - hops) % cp)
   else:
+
     def step(h, carry):
       stats, fwd, bwd = carry
       nxt_f, nxt_b = _shift(fwd, cfg, +1), _shift(bwd, cfg, -1)
@@ -305,8 +316,9 @@ def _forward(cfg: _Config, q, k, v, arrays):
 
 
 # ----------------------------------------------------------------- backward
-def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: Tokens, dq, kv, dkv, k_arrays,
-                src_rank, active=True):
+def _grad_chunk(
+  cfg: _Config, q, do, lse, delta, q_info: Tokens, dq, kv, dkv, k_arrays, src_rank, active=True
+):
   """Add one K/V chunk's contributions to dq (local) and dk/dv (travelling)."""
   k, v = kv
   plan = _tile_schedule(cfg, q_info, src_rank, k_arrays, active)
@@ -340,24 +352,44 @@ def _grad_chunk(cfg: _Config, q, do, lse, delta, q_info: Tokens, dq, kv, dkv, k_
 
   def add(x, delta, start, axis):
     return lax.dynamic_update_slice_in_dim(
-        x, _cut(x, axis, start, delta.shape[axis]) + delta, start, axis)
+      x, _cut(x, axis, start, delta.shape[axis]) + delta, start, axis
+    )
 
   def step(t, carry):
     dq, (dk, dv) = carry
     i, j = plan.tile(t)
-    dq_i, dk_j, dv_j = lax.cond(plan.full[i, j], functools.partial(tile, masked=False),
-                                functools.partial(tile, masked=True), i, j)
+    dq_i, dk_j, dv_j = lax.cond(
+      plan.full[i, j],
+      functools.partial(tile, masked=False),
+      functools.partial(tile, masked=True),
+      i,
+      j,
+    )
     return add(dq, dq_i, i * rq, 2), (add(dk, dk_j, j * bk, 2), add(dv, dv_j, j * bk, 2))
 
   return lax.fori_loop(0, plan.count, step, (dq, dkv))
 
 
-def _pallas_grad_chunk(cfg: _Config, q, do, lse, delta, q_info: Tokens, q_meta, dq, kv, dkv,
-                       k_arrays, src_rank, active=True):
+def _pallas_grad_chunk(
+  cfg: _Config,
+  q,
+  do,
+  lse,
+  delta,
+  q_info: Tokens,
+  q_meta,
+  dq,
+  kv,
+  dkv,
+  k_arrays,
+  src_rank,
+  active=True,
+):
   """:func:`_grad_chunk` with the Pallas kernels; ``lse``/``delta`` f32[B, Hkv, N, 1]."""
   k, v, k_meta, sched = _kernel_chunk(cfg, q_info, kv, k_arrays, src_rank, active)
-  dq_c, dk_c, dv_c = _kernels(cfg).backward(cfg.kernel, q, k, v, do, lse, delta, q_meta, k_meta,
-                                            sched)
+  dq_c, dk_c, dv_c = _kernels(cfg).backward(
+    cfg.kernel, q, k, v, do, lse, delta, q_meta, k_meta, sched
+  )
   return dq + dq_c, (dkv[0] + dk_c, dkv[1] + dv_c)
 
 
@@ -370,14 +402,23 @@ def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
     grad = functools.partial(_grad_chunk, cfg, _scaled(cfg, q), do, lse, delta, q_info)
   else:
     q_meta = _query_metadata(cfg, q_info, q)
-    grad = functools.partial(_pallas_grad_chunk, cfg, _scaled(cfg, _guarded(cfg, q)), do,
-                             lse[..., None], delta[..., None], q_info, q_meta)
+    grad = functools.partial(
+      _pallas_grad_chunk,
+      cfg,
+      _scaled(cfg, _guarded(cfg, q)),
+      do,
+      lse[..., None],
+      delta[..., None],
+      q_info,
+      q_meta,
+    )
   dq = filled_after(do, q.shape)
   zero_kv = _vary_like(filled_after(do, k.shape), k)
   travel = ((k, v), arrays)
   hops, back = cfg.plan
 
   if back == 0:
+
     def step(h, carry):
       dq, here, dkv = carry
       dq, dkv = grad(dq, *here[:1], dkv, here[1], (rank - h) % cp)
@@ -389,6 +430,7 @@ def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
     dq, dkv = grad(dq, here[0], dkv, here[1], (rank - hops) % cp)
     dk, dv = _shift(dkv, cfg, -hops)  # home: the chunk here is owned by rank - hops
   else:
+
     def step(h, carry):
       dq, fwd, dkv_f, bwd, dkv_b = carry
       dq, dkv_f = grad(dq, fwd[0], dkv_f, fwd[1], (rank - h) % cp)

@@ -41,9 +41,14 @@ class RingPlan(NamedTuple):
     return 1 + self.forward_hops + self.backward_hops
 
 
-def ring_plan(layout: ShardLayout, *, causal: bool = True, sliding_window: int | None = None,
-              has_vision_groups: bool = False, mask: AttentionMask | MaskRule | None = None
-              ) -> RingPlan:
+def ring_plan(
+  layout: ShardLayout,
+  *,
+  causal: bool = True,
+  sliding_window: int | None = None,
+  has_vision_groups: bool = False,
+  mask: AttentionMask | MaskRule | None = None,
+) -> RingPlan:
   """Which ring hops can reach allowed keys.
 
   The mask's :class:`cpjax.masks.Reach` bounds how far (in tokens) an allowed
@@ -107,8 +112,15 @@ def _divisors(n: int, top: int):
   return [x for x in range(min(n, top), 0, -1) if n % x == 0]
 
 
-def _block_sizes(layout: ShardLayout, implementation: str, head_dim: int, groups: int,
-                 block_q, block_kv, dtype=None) -> tuple[int, int]:
+def _block_sizes(
+  layout: ShardLayout,
+  implementation: str,
+  head_dim: int,
+  groups: int,
+  block_q,
+  block_kv,
+  dtype=None,
+) -> tuple[int, int]:
   """(block_q, block_kv) for this call: checked if given, else the default.
 
   Tiles never straddle a chunk, so both divide ``layout.chunk_len``; a
@@ -118,18 +130,24 @@ def _block_sizes(layout: ShardLayout, implementation: str, head_dim: int, groups
   """
   chunk = layout.chunk_len
   for name, blk in (("block_q", block_q), ("block_kv", block_kv)):
-    if blk is not None and (isinstance(blk, bool) or not isinstance(blk, int) or blk < 1
-                            or chunk % blk):
-      raise ValueError(f"{name} must be a positive divisor of layout.chunk_len ({chunk}), "
-                       f"got {blk!r}")
+    if blk is not None and (
+      isinstance(blk, bool) or not isinstance(blk, int) or blk < 1 or chunk % blk
+    ):
+      raise ValueError(
+        f"{name} must be a positive divisor of layout.chunk_len ({chunk}), got {blk!r}"
+      )
   if implementation == "xla":
-    return (default_block_size(chunk) if block_q is None else block_q,
-            default_block_size(chunk) if block_kv is None else block_kv)
+    return (
+      default_block_size(chunk) if block_q is None else block_q,
+      default_block_size(chunk) if block_kv is None else block_kv,
+    )
   target = TARGETS[implementation]
   problem = target.head_dim_problem(head_dim)
   if problem:
-    raise ValueError(f"implementation={implementation!r} cannot tile head dim {head_dim}: it "
-                     f"must be {problem}; pad the head dim or use implementation='xla'")
+    raise ValueError(
+      f"implementation={implementation!r} cannot tile head dim {head_dim}: it "
+      f"must be {problem}; pad the head dim or use implementation='xla'"
+    )
   rows, keys = target.default_tile(head_dim, dtype)
   local = layout.local_seq_len
 
@@ -145,7 +163,8 @@ def _block_sizes(layout: ShardLayout, implementation: str, head_dim: int, groups
   bq, bk = q_options[0], k_options[0]
   why = fits(bq, bk) or "no divisor of the chunk length fits the tile record"
   raise ValueError(
-      f"implementation={implementation!r} cannot tile layout.chunk_len={chunk} with G={groups} "
-      f"query heads per KV head (block_q={bq}, block_kv={bk}): {why}. Choose block_q and "
-      f"block_kv dividing the chunk length that meet this (a longer sequence or pad_multiple "
-      f"in shard_batch helps), or use implementation='xla'.")
+    f"implementation={implementation!r} cannot tile layout.chunk_len={chunk} with G={groups} "
+    f"query heads per KV head (block_q={bq}, block_kv={bk}): {why}. Choose block_q and "
+    f"block_kv dividing the chunk length that meet this (a longer sequence or pad_multiple "
+    f"in shard_batch helps), or use implementation='xla'."
+  )

@@ -37,7 +37,19 @@ from cpjax.training.step import make_loss_fn as make_loss_fn
 from cpjax.training.step import make_train_step as make_train_step
 from cpjax.training.step import stack_microbatches as stack_microbatches
 
-__all__ = ["HiddenStates", "LOSS_CHUNK_LOGITS", "TrainStep", "batch_specs", "cross_entropy",
-           "cross_entropy_sums", "default_forward", "linear_cross_entropy", "make_loss_fn",
-           "make_train_step", "manual_axes", "stack_microbatches", "state_specs",
-           "token_cross_entropy"]
+__all__ = [
+  "HiddenStates",
+  "LOSS_CHUNK_LOGITS",
+  "TrainStep",
+  "batch_specs",
+  "cross_entropy",
+  "cross_entropy_sums",
+  "default_forward",
+  "linear_cross_entropy",
+  "make_loss_fn",
+  "make_train_step",
+  "manual_axes",
+  "stack_microbatches",
+  "state_specs",
+  "token_cross_entropy",
+]

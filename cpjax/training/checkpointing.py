@@ -33,8 +33,9 @@ import jax
 __all__ = ["TrainCheckpointer", "check_run_matches"]
 
 
-def check_run_matches(saved: Mapping[str, Any], current: Mapping[str, Any], *,
-                      force: bool = False) -> None:
+def check_run_matches(
+  saved: Mapping[str, Any], current: Mapping[str, Any], *, force: bool = False
+) -> None:
   """Raise ``ValueError`` when a resumed run differs from the saved one.
 
   The model's config and what is trained (every weight, or LoRA adapters
@@ -44,21 +45,30 @@ def check_run_matches(saved: Mapping[str, Any], current: Mapping[str, Any], *,
   restored onto the current one.
   """
   if saved.get("model_config") != current.get("model_config"):
-    raise ValueError("the checkpoint was saved by a different model config; resume with the "
-                     "model it was trained with")
-  if saved.get("lora") != current.get("lora"):     # what the saved parameters are
+    raise ValueError(
+      "the checkpoint was saved by a different model config; resume with the "
+      "model it was trained with"
+    )
+  if saved.get("lora") != current.get("lora"):  # what the saved parameters are
+
     def what(run):
       lora = run.get("lora")
-      return "every weight" if lora is None else "LoRA " + ", ".join(
-          f"{k}={v}" for k, v in lora.items())
-    raise ValueError(f"the checkpoint trained {what(saved)}, this run trains {what(current)}; "
-                     f"resume with the same LoRA settings")
+      return (
+        "every weight" if lora is None else "LoRA " + ", ".join(f"{k}={v}" for k, v in lora.items())
+      )
+
+    raise ValueError(
+      f"the checkpoint trained {what(saved)}, this run trains {what(current)}; "
+      f"resume with the same LoRA settings"
+    )
   for key in ("batch_size", "seq_len", "microbatches"):
-    if key not in saved:   # saved before the key existed
+    if key not in saved:  # saved before the key existed
       continue
     if saved.get(key) != current.get(key) and not force:
-      raise ValueError(f"the checkpoint was saved with {key}={saved.get(key)}, this run has "
-                       f"{key}={current.get(key)}; pass --force-resume to continue anyway")
+      raise ValueError(
+        f"the checkpoint was saved with {key}={saved.get(key)}, this run has "
+        f"{key}={current.get(key)}; pass --force-resume to continue anyway"
+      )
 
 
 class TrainCheckpointer:
@@ -72,8 +82,14 @@ class TrainCheckpointer:
     async_save: write in the background.
   """
 
-  def __init__(self, directory: str | os.PathLike, *, save_every: int = 0,
-               max_to_keep: int | None = 3, async_save: bool = True):
+  def __init__(
+    self,
+    directory: str | os.PathLike,
+    *,
+    save_every: int = 0,
+    max_to_keep: int | None = 3,
+    async_save: bool = True,
+  ):
     import orbax.checkpoint as ocp
 
     if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 0:
@@ -82,25 +98,35 @@ class TrainCheckpointer:
     self.save_every = save_every
     self._ocp = ocp
     self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                             enable_async_checkpointing=async_save,
-                                             save_interval_steps=1))
+      self.directory,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, save_interval_steps=1
+      ),
+    )
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def maybe_save(self, step: int, *, params, opt_state, data_state: Mapping[str, Any],
-                 run: Mapping[str, Any], force: bool = False) -> bool:
+  def maybe_save(
+    self,
+    step: int,
+    *,
+    params,
+    opt_state,
+    data_state: Mapping[str, Any],
+    run: Mapping[str, Any],
+    force: bool = False,
+  ) -> bool:
     """Save the state after ``step`` steps when it is due; returns whether it saved."""
     due = force or (self.save_every > 0 and step % self.save_every == 0)
     if not due:
       return False
     ocp = self._ocp
     args = ocp.args.Composite(
-        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-        data_state=ocp.args.JsonSave(dict(data_state)),
-        run=ocp.args.JsonSave(dict(run)))
+      state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+      data_state=ocp.args.JsonSave(dict(data_state)),
+      run=ocp.args.JsonSave(dict(run)),
+    )
     return bool(self._manager.save(step, args=args, force=True))
 
   def saved_run(self, step: int | None = None) -> dict:
@@ -110,8 +136,9 @@ class TrainCheckpointer:
     if step is None:
       raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
     ocp = self._ocp
-    return dict(self._manager.restore(step, args=ocp.args.Composite(
-        run=ocp.args.JsonRestore())).run)
+    return dict(
+      self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore())).run
+    )
 
   def restore(self, step: int | None = None, *, params_like, opt_state_like) -> tuple[int, dict]:
     """``(step, {"params", "opt_state", "data_state", "run"})`` of ``step``
@@ -121,13 +148,23 @@ class TrainCheckpointer:
     if step is None:
       raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
     ocp = self._ocp
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                            {"params": params_like, "opt_state": opt_state_like})
-    out = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), data_state=ocp.args.JsonRestore(),
-        run=ocp.args.JsonRestore()))
-    return step, {"params": out.state["params"], "opt_state": out.state["opt_state"],
-                  "data_state": out.data_state, "run": out.run}
+    abstract = jax.tree.map(
+      ocp.utils.to_shape_dtype_struct, {"params": params_like, "opt_state": opt_state_like}
+    )
+    out = self._manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract),
+        data_state=ocp.args.JsonRestore(),
+        run=ocp.args.JsonRestore(),
+      ),
+    )
+    return step, {
+      "params": out.state["params"],
+      "opt_state": out.state["opt_state"],
+      "data_state": out.data_state,
+      "run": out.run,
+    }
 
   def wait(self) -> None:
     """Block until every pending save is on disk."""

@@ -63,8 +63,13 @@ from cpjax.parallel import (
   varying_axes,
 )
 
-__all__ = ["LOSS_CHUNK_LOGITS", "cross_entropy", "cross_entropy_sums", "linear_cross_entropy",
-           "token_cross_entropy"]
+__all__ = [
+  "LOSS_CHUNK_LOGITS",
+  "cross_entropy",
+  "cross_entropy_sums",
+  "linear_cross_entropy",
+  "token_cross_entropy",
+]
 
 # Tokens per chunk of the chunked loss: about 2**26 logits (256 MiB of
 # float32) per chunk whole, fewer per device when the head is split.
@@ -84,12 +89,19 @@ def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX):
   if isinstance(output, HiddenStates):
     # Chunks sized by the whole vocabulary, as with a head split over Auto
     # axes: a rank's block of a chunk's logits then shrinks with the split.
-    vocab = output.head.shape[0] * (1 if output.head_axis is None
-                                    else jax.lax.axis_size(output.head_axis))
+    vocab = output.head.shape[0] * (
+      1 if output.head_axis is None else jax.lax.axis_size(output.head_axis)
+    )
     chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // vocab))
-    return linear_cross_entropy(output.hidden, output.head, labels, chunk_size=chunk,
-                                logits_soft_cap=output.logits_soft_cap,
-                                ignore_index=ignore_index, vocab_axis=output.head_axis)
+    return linear_cross_entropy(
+      output.hidden,
+      output.head,
+      labels,
+      chunk_size=chunk,
+      logits_soft_cap=output.logits_soft_cap,
+      ignore_index=ignore_index,
+      vocab_axis=output.head_axis,
+    )
   return token_cross_entropy(output, labels, ignore_index=ignore_index)
 
 
@@ -116,12 +128,14 @@ def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
   return jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid, dtype=jnp.float32)
 
 
-def cross_entropy_sums(logits, labels, *, axis_names: tuple[str, ...] = ("cp",),
-                       ignore_index: int = IGNORE_INDEX):
+def cross_entropy_sums(
+  logits, labels, *, axis_names: tuple[str, ...] = ("cp",), ignore_index: int = IGNORE_INDEX
+):
   """The CP loss reduction: (CE sum, token count) over every rank of ``axis_names``.
 
   Call it inside ``shard_map`` on this rank's logits [B, L, V] (or
-  :class:`HiddenStates`) and labels int[B, L]; both sums are ``psum`` -ed over ``axis_names`` (the ``cp`` axis
+  :class:`HiddenStates`) and labels int[B, L]; both sums are ``psum`` -ed
+  over ``axis_names`` (the ``cp`` axis
   and a data-parallel axis), so ``ce_sum / count`` is the token-mean loss of
   the whole global batch on every rank, exactly the single-device loss, and
   differentiating it gives the single-device gradients. With
@@ -144,10 +158,16 @@ def cross_entropy_sums(logits, labels, *, axis_names: tuple[str, ...] = ("cp",),
   return jax.lax.psum(ce_sum, tuple(axis_names)), jax.lax.psum(count, tuple(axis_names))
 
 
-
-def linear_cross_entropy(hidden, head, labels, *, chunk_size: int = 1024,
-                         logits_soft_cap: float | None = None,
-                         ignore_index: int = IGNORE_INDEX, vocab_axis: str | None = None):
+def linear_cross_entropy(
+  hidden,
+  head,
+  labels,
+  *,
+  chunk_size: int = 1024,
+  logits_soft_cap: float | None = None,
+  ignore_index: int = IGNORE_INDEX,
+  vocab_axis: str | None = None,
+):
   """(sum of per-token CE, number of counted tokens), both float32 scalars:
   :func:`token_cross_entropy` of ``cap(hidden @ head.T)``.
 
@@ -173,22 +193,33 @@ def linear_cross_entropy(hidden, head, labels, *, chunk_size: int = 1024,
   """
   hidden, head, labels = jnp.asarray(hidden), jnp.asarray(head), jnp.asarray(labels)
   if hidden.ndim != 3 or head.ndim != 2 or hidden.shape[-1] != head.shape[-1]:
-    raise ValueError(f"hidden must be [B, L, D] and head [V, D] with the same D, got "
-                     f"{hidden.shape} and {head.shape}")
+    raise ValueError(
+      f"hidden must be [B, L, D] and head [V, D] with the same D, got "
+      f"{hidden.shape} and {head.shape}"
+    )
   if labels.shape != hidden.shape[:2] or not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise ValueError(f"labels must be an integer [B, L] = {list(hidden.shape[:2])} array, got "
-                     f"{labels.dtype}{list(labels.shape)}")
+    raise ValueError(
+      f"labels must be an integer [B, L] = {list(hidden.shape[:2])} array, got "
+      f"{labels.dtype}{list(labels.shape)}"
+    )
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
     raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
   where = row_placement(head, hidden.shape[0])
-  if where is not None and not where.table_axes:   # not split by vocabulary: whole
+  if where is not None and not where.table_axes:  # not split by vocabulary: whole
     head, where = gathered(head), None
-  tokens = hidden.shape[0] * hidden.shape[1] * (1 if vocab_axis is None
-                                                 else jax.lax.axis_size(vocab_axis))
-  setup = _Setup(min(chunk_size, max(tokens, 1)), logits_soft_cap, ignore_index, where,
-                 varying_axes(head), vocab_axis)
+  tokens = (
+    hidden.shape[0] * hidden.shape[1] * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
+  )
+  setup = _Setup(
+    min(chunk_size, max(tokens, 1)),
+    logits_soft_cap,
+    ignore_index,
+    where,
+    varying_axes(head),
+    vocab_axis,
+  )
   ce_sum = _ce_sum(hidden, head, labels, setup)
   return ce_sum, jnp.sum(labels != ignore_index, dtype=jnp.float32)
 
@@ -197,8 +228,8 @@ class _Setup(NamedTuple):
   chunk: int
   cap: float | None
   ignore_index: int
-  where: RowPlacement | None    # the head split over its vocabulary (None: whole here)
-  head_vma: frozenset[str]      # manual axes the head varies over (the ring's cp: none)
+  where: RowPlacement | None  # the head split over its vocabulary (None: whole here)
+  head_vma: frozenset[str]  # manual axes the head varies over (the ring's cp: none)
   vocab_axis: str | None = None  # a manual axis the head's rows are split over (the ring's cp)
 
 
@@ -271,6 +302,7 @@ def _zeros(shape, *refs):
 class _Stats(NamedTuple):
   """Per token [K, C]: the largest logit, the sum of exp(logit - top) and the
   label's logit, over the part of the vocabulary seen so far."""
+
   top: jax.Array
   sum_exp: jax.Array
   picked: jax.Array
@@ -278,8 +310,11 @@ class _Stats(NamedTuple):
   def merge(self, other: "_Stats") -> "_Stats":
     # The online log-sum-exp: an empty side (top -inf, sum 0) adds nothing.
     top = jnp.maximum(self.top, other.top)
-    return _Stats(top, self.sum_exp * jnp.exp(self.top - top)
-                  + other.sum_exp * jnp.exp(other.top - top), self.picked + other.picked)
+    return _Stats(
+      top,
+      self.sum_exp * jnp.exp(self.top - top) + other.sum_exp * jnp.exp(other.top - top),
+      self.picked + other.picked,
+    )
 
   def lse(self):
     return self.top + jnp.log(self.sum_exp)
@@ -308,8 +343,9 @@ def _block_stats(h, y, head, s: _Setup) -> _Stats:
 def _ring_hop(s: _Setup):
   """One hop of the ``vocab_axis`` ring: rank ``i`` sends to rank ``i + 1``."""
   n = jax.lax.axis_size(s.vocab_axis)
-  return functools.partial(jax.lax.ppermute, axis_name=s.vocab_axis,
-                           perm=[(i, (i + 1) % n) for i in range(n)])
+  return functools.partial(
+    jax.lax.ppermute, axis_name=s.vocab_axis, perm=[(i, (i + 1) % n) for i in range(n)]
+  )
 
 
 def _ring(step, moving, kept, home, s: _Setup):
@@ -324,8 +360,7 @@ def _ring(step, moving, kept, home, s: _Setup):
     moving, kept = step(*carry)
     return (hop(moving), kept), None
 
-  carry, _ = jax.lax.scan(visit, (moving, kept), None,
-                          length=jax.lax.axis_size(s.vocab_axis) - 1)
+  carry, _ = jax.lax.scan(visit, (moving, kept), None, length=jax.lax.axis_size(s.vocab_axis) - 1)
   moving, kept = step(*carry)
   return hop(home(moving)), kept
 
@@ -342,16 +377,19 @@ def _local_forward(hidden, head, labels, s: _Setup):
   if s.vocab_axis is None:
     stats = _block_stats(h, y, head, s)
   else:
+
     def step(moving, _):
       h, y, stats = moving
       return (h, y, stats.merge(_block_stats(h, y, head, s))), None
-    empty = _zeros(y.shape, h, y)    # combined over the Auto axes: varies as the tokens do
-    stats, _ = _ring(step, (h, y, _Stats(empty - jnp.inf, empty, empty)), None,
-                     lambda moving: moving[2], s)
+
+    empty = _zeros(y.shape, h, y)  # combined over the Auto axes: varies as the tokens do
+    stats, _ = _ring(
+      step, (h, y, _Stats(empty - jnp.inf, empty, empty)), None, lambda moving: moving[2], s
+    )
   lse = stats.lse()
   total = jnp.sum(jnp.where(y != s.ignore_index, lse - stats.picked, 0.0))
   if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
-    total = jax.lax.psum(total, s.where.batch)    # rows split over dp: add them
+    total = jax.lax.psum(total, s.where.batch)  # rows split over dp: add them
   return total[None], lse
 
 
@@ -382,8 +420,9 @@ def _block_grads(h, y, lse, head, g, dh, d_head, s: _Setup):
       d_w = d_w + jnp.einsum("cv,cd->vd", dz, hc, preferred_element_type=jnp.float32)
       return d_w, dhc + jnp.einsum("cv,vd->cd", dz, w, preferred_element_type=jnp.float32)
 
-    d_w, dh = jax.lax.scan(chunk, jax.lax.dynamic_slice_in_dim(d_head, i * rows, rows),
-                           (h, y, lse, dh))
+    d_w, dh = jax.lax.scan(
+      chunk, jax.lax.dynamic_slice_in_dim(d_head, i * rows, rows), (h, y, lse, dh)
+    )
     return dh, jax.lax.dynamic_update_slice_in_dim(d_head, d_w, i * rows, 0)
 
   return jax.lax.fori_loop(0, head.shape[0] // rows, tile, (dh, d_head))
@@ -402,10 +441,12 @@ def _local_backward(hidden, head, labels, lse, g, s: _Setup):
   if s.vocab_axis is None:
     dh, d_head = _block_grads(h, y, lse, head, g, dh, d_head, s)
   else:
+
     def step(moving, d_head):
       h, y, lse, dh = moving
       dh, d_head = _block_grads(h, y, lse, head, g, dh, d_head, s)
       return (h, y, lse, dh), d_head
+
     dh, d_head = _ring(step, (h, y, lse, dh), d_head, lambda moving: moving[3], s)
   n = hidden.shape[0] * hidden.shape[1]
   dh = dh.reshape(-1, rows[-1])[:n].reshape(hidden.shape)
@@ -452,9 +493,12 @@ def _ce_forward(hidden, head, labels, s: _Setup):
     total, lse = _local_forward(hidden, head, labels, s)
   else:
     rows, block, total_spec, lse_spec = _specs(s)
-    total, lse = jax.shard_map(functools.partial(_local_forward, s=s),
-                               in_specs=(rows, block, rows), out_specs=(total_spec, lse_spec),
-                               axis_names=set(s.where.auto))(hidden, head, labels)
+    total, lse = jax.shard_map(
+      functools.partial(_local_forward, s=s),
+      in_specs=(rows, block, rows),
+      out_specs=(total_spec, lse_spec),
+      axis_names=set(s.where.auto),
+    )(hidden, head, labels)
   return total[0], (hidden, head, labels, lse)
 
 
@@ -464,10 +508,12 @@ def _ce_backward(s: _Setup, residuals, g):
     dh, d_head = _local_backward(hidden, head, labels, lse, g, s)
   else:
     rows, block, _, lse_spec = _specs(s)
-    dh, d_head = jax.shard_map(functools.partial(_local_backward, s=s),
-                               in_specs=(rows, block, rows, lse_spec, P()),
-                               out_specs=(rows, block),
-                               axis_names=set(s.where.auto))(hidden, head, labels, lse, g)
+    dh, d_head = jax.shard_map(
+      functools.partial(_local_backward, s=s),
+      in_specs=(rows, block, rows, lse_spec, P()),
+      out_specs=(rows, block),
+      axis_names=set(s.where.auto),
+    )(hidden, head, labels, lse, g)
   # Inside the ring's shard_map every cp rank used the same head on its own
   # tokens: the head's gradient is the sum over those ranks.
   spread = tuple(sorted(varying_axes(d_head) - s.head_vma))

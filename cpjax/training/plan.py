@@ -23,7 +23,8 @@ local tokens, ``a`` activation bytes):
   a decoder layer's split over cp): the largest decoder layer in its stored
   dtype, plus its cast copy when the activations' dtype differs; full
   fine-tuning makes the embedding tables' float32 gradient beside the one it
-  is added into, ``4 V (D + layers D_ple) / s``. Embedding tables and the tied head are never gathered
+  is added into, ``4 V (D + layers D_ple) / s``. Embedding tables and the
+  tied head are never gathered
   (:func:`cpjax.parallel.lookup` and :func:`cpjax.parallel.ring_lookup`,
   the vocabulary-parallel loss); with the head split over cp the loss's
   tokens travel the cp ring, two ranks' worth at a time with their float32
@@ -99,22 +100,41 @@ import numpy as np
 from cpjax.training.run_config import ShardState, state_axes
 from cpjax.training.targets import collective_bytes
 
-__all__ = ["Plan", "collective_bytes", "compile_step", "compiled_plan", "estimate", "format_bytes",
-           "lora_param_count", "parse_bytes", "smallest_mesh"]
+__all__ = [
+  "Plan",
+  "collective_bytes",
+  "compile_step",
+  "compiled_plan",
+  "estimate",
+  "format_bytes",
+  "lora_param_count",
+  "parse_bytes",
+  "smallest_mesh",
+]
 
-GiB = 2 ** 30
-SHARD_STATE = typing.get_args(ShardState)    # cpjax train --shard-state's choices
-LOSS_CHUNK_LOGITS = 1 << 26    # cpjax.training.loss.LOSS_CHUNK_LOGITS (plan imports no JAX)
-MLP_TILE_VALUES = 1 << 23      # cpjax.models.gemma4.text.MLP_TILE_VALUES
-PLATFORMS = ("tpu", "cuda")    # the compilers the closed form follows
+GiB = 2**30
+SHARD_STATE = typing.get_args(ShardState)  # cpjax train --shard-state's choices
+LOSS_CHUNK_LOGITS = 1 << 26  # cpjax.training.loss.LOSS_CHUNK_LOGITS (plan imports no JAX)
+MLP_TILE_VALUES = 1 << 23  # cpjax.models.gemma4.text.MLP_TILE_VALUES
+PLATFORMS = ("tpu", "cuda")  # the compilers the closed form follows
 # XLA:GPU's float32 [B, L, D] values a layer beyond XLA:TPU's, fitted to the
 # H200 column of benchmarks/compile_targets.py (within 10% of it, or above).
 GPU_LAYER_VALUES = 4.5
 # XLA:GPU's buffers of the expert dispatch's size beyond the four it sends,
 # receives, computes and returns, fitted to the 26B-A4B slice's H200 rows.
 DISPATCH_GPU = 23
-_UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40,
-          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+_UNITS = {
+  "": 1,
+  "b": 1,
+  "kib": 2**10,
+  "mib": 2**20,
+  "gib": GiB,
+  "tib": 2**40,
+  "kb": 10**3,
+  "mb": 10**6,
+  "gb": 10**9,
+  "tb": 10**12,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -135,7 +155,7 @@ def format_bytes(n: float) -> str:
   >>> format_bytes(95 * 10**9), format_bytes(95 * 2**30), format_bytes(3.1 * 2**20)
   ('88.5 GiB', '95 GiB', '3.10 MiB')
   """
-  for unit, size in (("TiB", 2 ** 40), ("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+  for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
     if abs(n) >= size:
       value = n / size
       if value == int(value):
@@ -147,6 +167,7 @@ def format_bytes(n: float) -> str:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Per-device bytes of one training step (and its FLOPs per device)."""
+
   model: str
   seq_len: int
   mesh: dict
@@ -154,12 +175,12 @@ class Plan:
   dtype: str
   params: float
   optimizer: float
-  activations: float         # everything else: temporaries, gradients, batch
+  activations: float  # everything else: temporaries, gradients, batch
   total: float
-  flops: float               # NaN where the compiler gives none (XLA:GPU without a device)
-  source: str                # "estimate", "compiled" (XLA:CPU) or a target ("v5e-8")
-  lora_rank: int | None = None       # None: every weight trained
-  base_dtype: str = "float32"        # the frozen base's storage under LoRA
+  flops: float  # NaN where the compiler gives none (XLA:GPU without a device)
+  source: str  # "estimate", "compiled" (XLA:CPU) or a target ("v5e-8")
+  lora_rank: int | None = None  # None: every weight trained
+  base_dtype: str = "float32"  # the frozen base's storage under LoRA
   collectives: dict = dataclasses.field(default_factory=dict)  # compiled: {kind: bytes}
 
   def fits(self, device_memory: int) -> bool:
@@ -175,10 +196,12 @@ class Plan:
   def row(self) -> str:
     mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
     flops = "      n/a" if math.isnan(self.flops) else f"{self.flops / 1e12:9.3g}"
-    return (f"{self.model:>4} S={self.seq_len:<7d} {mesh:<18} {self.source:<8} "
-            f"params {format_bytes(self.params):>9}  optimizer {format_bytes(self.optimizer):>9}"
-            f"  activations+temp {format_bytes(self.activations):>9}  total "
-            f"{format_bytes(self.total):>9}  {flops} TFLOP/device")
+    return (
+      f"{self.model:>4} S={self.seq_len:<7d} {mesh:<18} {self.source:<8} "
+      f"params {format_bytes(self.params):>9}  optimizer {format_bytes(self.optimizer):>9}"
+      f"  activations+temp {format_bytes(self.activations):>9}  total "
+      f"{format_bytes(self.total):>9}  {flops} TFLOP/device"
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -200,8 +223,10 @@ def _count(cfg) -> tuple[int, int, int, int]:
   from flax import nnx
 
   params = nnx.state(_abstract_model(cfg), nnx.Param)
-  sizes = {jax.tree_util.keystr(p): int(np.prod(x.shape))
-           for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  sizes = {
+    jax.tree_util.keystr(p): int(np.prod(x.shape))
+    for p, x in jax.tree_util.tree_leaves_with_path(params)
+  }
   total = sum(sizes.values())
   t = cfg.text
   layer = [0] * t.num_hidden_layers
@@ -215,8 +240,9 @@ def _count(cfg) -> tuple[int, int, int, int]:
   # Parameters a text token multiplies by: the decoder layers (only k of the
   # experts) and the head (the tied embedding, V x D); embedding lookups and
   # the vision tower (no images in a plan) do no matmul FLOPs.
-  active = sum(layer) - (experts * (1 - t.top_k_experts / t.num_experts)
-                         if t.enable_moe_block else 0)
+  active = sum(layer) - (
+    experts * (1 - t.top_k_experts / t.num_experts) if t.enable_moe_block else 0
+  )
   active += t.vocab_size * t.hidden_size
   per_layer = sum(n for p, n in sizes.items() if "per_layer_model_projection" in p)
   return total, int(active + per_layer), max(layer), experts
@@ -229,8 +255,11 @@ def _projections(cfg) -> tuple[tuple[str, int, int], ...]:
 
   from cpjax.models.gemma4.layers import Linear
 
-  return tuple((".".join(map(str, path)), *m.weight.shape)
-               for path, m in nnx.iter_modules(_abstract_model(cfg)) if isinstance(m, Linear))
+  return tuple(
+    (".".join(map(str, path)), *m.weight.shape)
+    for path, m in nnx.iter_modules(_abstract_model(cfg))
+    if isinstance(m, Linear)
+  )
 
 
 def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
@@ -244,15 +273,25 @@ def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
   from cpjax.training.lora import DEFAULT_LORA_TARGETS, LoraConfig
 
   settings = LoraConfig(rank=rank, targets=targets or DEFAULT_LORA_TARGETS)
-  return sum(rank * (out + inp) for path, out, inp in _projections(cfg)
-             if settings.matches(path))
+  return sum(rank * (out + inp) for path, out, inp in _projections(cfg) if settings.matches(path))
 
 
-def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
-             batch_size: int | None = None, dtype: str = "bfloat16",
-             lora_rank: int | None = None, base_dtype: str = "float32",
-             lora_targets: str | None = None, capacity_factor: float | None = None,
-             shard_state: str = "fsdp+cp", platform: str = "tpu") -> Plan:
+def estimate(
+  cfg,
+  *,
+  model: str,
+  seq_len: int,
+  mesh: dict,
+  remat: str = "full",
+  batch_size: int | None = None,
+  dtype: str = "bfloat16",
+  lora_rank: int | None = None,
+  base_dtype: str = "float32",
+  lora_targets: str | None = None,
+  capacity_factor: float | None = None,
+  shard_state: str = "fsdp+cp",
+  platform: str = "tpu",
+) -> Plan:
   """The closed form of the module docstring (LoRA with ``lora_rank``;
   ``shard_state`` as ``cpjax train --shard-state``: the state over ``fsdp x cp``
   or whole over ``cp``; ``platform`` the compiler it follows, ``"tpu"`` or
@@ -285,28 +324,28 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   width = dense / tp + routed
   d, layers, ple = t.hidden_size, t.num_hidden_layers, t.hidden_size_per_layer_input or 0
   base = 2 if base_dtype == "bfloat16" else 4
-  stored = (n - experts) / shards + experts / expert_shards     # values per device
+  stored = (n - experts) / shards + experts / expert_shards  # values per device
   if lora_rank is None:
     base, trained = 4, n
     params = 4 * stored
-    optimizer, grads = 8 * stored + 4, 4 * stored      # + step count
+    optimizer, grads = 8 * stored + 4, 4 * stored  # + step count
   else:
     trained = lora_param_count(cfg, rank=lora_rank, targets=lora_targets)
     params = base * stored + 4 * trained / shards
     optimizer, grads = 8 * trained / shards + 4, 4 * trained / shards
   if cp > 1 and not over_cp:
-    grads *= 2     # the sum over the cp ranks is a second buffer
+    grads *= 2  # the sum over the cp ranks is a second buffer
   # A gathered weight in its stored dtype, and its cast copy for compute.
   cast = base + (a if a != base else 0)
   gathered = cast * (largest - experts / layers) if shards > 1 else 0
-  if experts and expert_shards > ep:   # fsdp shards each group's experts: gathered where used
+  if experts and expert_shards > ep:  # fsdp shards each group's experts: gathered where used
     gathered += cast * experts / layers / ep
   if ep > 1:
     # Dispatch buffers, sent, received, computed and returned: ep blocks of
     # T * k rows when no token may be dropped, c * T * k rows in all with a
     # capacity factor c.
     blocks = ep if capacity_factor is None else min(ep, capacity_factor)
-    dispatch = blocks * rows * local * t.top_k_experts * d      # values a buffer
+    dispatch = blocks * rows * local * t.top_k_experts * d  # values a buffer
     # Their transposes in the backward hold more of that size (the 26B-A4B
     # slice's buffer reports): XLA:TPU four in float32, XLA:GPU (each zero
     # fill and copy its own buffer) about DISPATCH_GPU in the activations'.
@@ -323,8 +362,15 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   # experts' for every token.
   tile = 1 << max(0, (MLP_TILE_VALUES // (rows * dense)).bit_length() - 1)
   widest = max(t.layer_head_dim(i) for i in range(layers))
-  working = 2 * rows * (local * (2 * heads * widest + 4 * kv * widest + 3 * routed)
-                        + min(local, tile) * 3 * dense / tp) * a
+  working = (
+    2
+    * rows
+    * (
+      local * (2 * heads * widest + 4 * kv * widest + 3 * routed)
+      + min(local, tile) * 3 * dense / tp
+    )
+    * a
+  )
   chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // t.vocab_size))
   logits = 4 * chunk * t.vocab_size / shards * 4 + rows * local * 4
   if over_cp:
@@ -342,21 +388,32 @@ def estimate(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
   # that XLA:TPU fuses away: its norms' multi-output fusions and the MLP
   # loop's output and copies (its live-range report at the peak).
   gpu = GPU_LAYER_VALUES * 4 * layers * rows * local * d if platform == "cuda" else 0
-  activations = (grads + gathered + ring + tables_grad
-                 + full_row + saved + working + logits + gpu)
+  activations = grads + gathered + ring + tables_grad + full_row + saved + working + logits + gpu
   tokens = rows * local
-  passes = 6 if lora_rank is None else 4       # forward, input and (full) weight gradients
+  passes = 6 if lora_rank is None else 4  # forward, input and (full) weight gradients
   matmul = (passes + (2 if remat != "none" else 0)) * active * tokens / tp
   if lora_rank is not None:
     matmul += 6 * trained * tokens / tp
   attention = 0.0
   for i in range(layers):
-    visible = (seq_len / 2 if t.is_full(i) else min(t.effective_sliding_window, seq_len))
+    visible = seq_len / 2 if t.is_full(i) else min(t.effective_sliding_window, seq_len)
     attention += 4 * tokens * visible * t.num_attention_heads / tp * t.layer_head_dim(i)
   flops = matmul + attention * (4 if remat != "none" else 3)
-  return Plan(model, seq_len, dict(mesh), remat, dtype, params, optimizer, activations,
-              params + optimizer + activations, flops, "estimate", lora_rank,
-              base_dtype if lora_rank is not None else "float32")
+  return Plan(
+    model,
+    seq_len,
+    dict(mesh),
+    remat,
+    dtype,
+    params,
+    optimizer,
+    activations,
+    params + optimizer + activations,
+    flops,
+    "estimate",
+    lora_rank,
+    base_dtype if lora_rank is not None else "float32",
+  )
 
 
 def _check_ep(cfg, mesh: dict) -> None:
@@ -371,15 +428,27 @@ def _check_ep(cfg, mesh: dict) -> None:
     raise ValueError(f"ep={ep} does not combine with tp={mesh['tp']}")
   cp, rows = mesh.get("cp", 1), mesh.get("fsdp", 1) * mesh.get("dp", 1)
   if ep not in (cp, rows, cp * rows):
-    raise ValueError(f"ep={ep} must equal the size of the token axes it folds onto: cp = {cp}, "
-                     f"the batch axis = {rows} or both = {cp * rows}")
+    raise ValueError(
+      f"ep={ep} must equal the size of the token axes it folds onto: cp = {cp}, "
+      f"the batch axis = {rows} or both = {cp * rows}"
+    )
 
 
-def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
-                 batch_size: int | None = None, dtype: str = "float32",
-                 lora_rank: int | None = None, base_dtype: str = "float32",
-                 lora_targets: str | None = None, capacity_factor: float | None = None,
-                 shard_state: str = "fsdp+cp", devices=None):
+def compile_step(
+  cfg,
+  *,
+  seq_len: int,
+  mesh: dict,
+  remat: str = "full",
+  batch_size: int | None = None,
+  dtype: str = "float32",
+  lora_rank: int | None = None,
+  base_dtype: str = "float32",
+  lora_targets: str | None = None,
+  capacity_factor: float | None = None,
+  shard_state: str = "fsdp+cp",
+  devices=None,
+):
   """The training step of ``cfg`` compiled abstractly (no array is made) on
   ``prod(mesh)`` devices: ``(compiled TrainStep, params, opt_state,
   frozen base or None)``, the state as sharded ``ShapeDtypeStruct`` s.
@@ -405,11 +474,12 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
 
   count = math.prod(v for k, v in mesh.items() if k != "ep")
   if devices is not None and len(devices) != count:
-    raise ValueError(f"mesh {mesh} has {count} devices, the target has {len(devices)}: give a "
-                     f"mesh of {len(devices)}")
-  if jax.device_count() < count:     # (a target's batch is laid out on as many)
-    raise ValueError(f"mesh {mesh} needs {count} devices, this process has "
-                     f"{jax.device_count()}")
+    raise ValueError(
+      f"mesh {mesh} has {count} devices, the target has {len(devices)}: give a "
+      f"mesh of {len(devices)}"
+    )
+  if jax.device_count() < count:  # (a target's batch is laid out on as many)
+    raise ValueError(f"mesh {mesh} needs {count} devices, this process has {jax.device_count()}")
   sizes = {k: v for k, v in mesh.items() if k != "ep"}
   grid = parallel.make_mesh(**sizes, devices=devices)
   # A compile-only device holds no array: the batch is laid out on a CPU mesh
@@ -429,30 +499,49 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
     # The adapters are made by running the model: abstractly here too.
     from cpjax.training import lora
 
-    abstract = nnx.eval_shape(lambda: lora.apply_lora(
+    abstract = nnx.eval_shape(
+      lambda: lora.apply_lora(
         Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat, param_dtype=storage),
-        lora.LoraConfig(rank=lora_rank, targets=lora_targets or lora.DEFAULT_LORA_TARGETS)))
+        lora.LoraConfig(rank=lora_rank, targets=lora_targets or lora.DEFAULT_LORA_TARGETS),
+      )
+    )
     graphdef, params, frozen = lora.split_lora(abstract)
   rule = partition_rule(cfg, tp=mesh.get("tp", 1), expert_axes=expert_axes)
 
   def placed(tree):
     specs = parallel.param_specs(tree, grid, rule=rule, state_axes=state_axes(shard_state))
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                          sharding=NamedSharding(grid, s)),
-                        tree, specs)
+    return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(grid, s)),
+      tree,
+      specs,
+    )
+
   params, frozen = placed(params), placed(frozen)
   optimizer = optax.adamw(1e-4)
   opt_state = parallel.shard_like_params(jax.eval_shape(optimizer.init, params), params)
-  text = {"input_ids": np.ones((rows, seq_len), np.int32),
-          "labels": np.ones((rows, seq_len), np.int32)}
+  text = {
+    "input_ids": np.ones((rows, seq_len), np.int32),
+    "labels": np.ones((rows, seq_len), np.int32),
+  }
   sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout="load_balanced")["cp_sharder"]
   kernels = resolve_implementation(None, platform=mesh_platform(grid))
   batch, layout = sharder.shard_batch(text, host, batch_axis=batch_axis, implementation=kernels)
   if host is not grid:
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=NamedSharding(grid, x.sharding.spec)), batch)
-  step = training.make_train_step(graphdef, optimizer, mesh=grid, layout=layout, frozen=frozen,
-                               expert_axes=expert_axes, capacity_factor=capacity_factor)
+    batch = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(grid, x.sharding.spec)
+      ),
+      batch,
+    )
+  step = training.make_train_step(
+    graphdef,
+    optimizer,
+    mesh=grid,
+    layout=layout,
+    frozen=frozen,
+    expert_axes=expert_axes,
+    capacity_factor=capacity_factor,
+  )
   compiled = step.compile(params, opt_state, batch)
   base = None
   if lora_rank is not None:
@@ -460,11 +549,22 @@ def compile_step(cfg, *, seq_len: int, mesh: dict, remat: str = "full",
   return compiled, params, opt_state, base
 
 
-def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "full",
-                  batch_size: int | None = None, dtype: str = "float32",
-                  lora_rank: int | None = None, base_dtype: str = "float32",
-                  lora_targets: str | None = None, capacity_factor: float | None = None,
-                  shard_state: str = "fsdp+cp", target=None) -> Plan:
+def compiled_plan(
+  cfg,
+  *,
+  model: str,
+  seq_len: int,
+  mesh: dict,
+  remat: str = "full",
+  batch_size: int | None = None,
+  dtype: str = "float32",
+  lora_rank: int | None = None,
+  base_dtype: str = "float32",
+  lora_targets: str | None = None,
+  capacity_factor: float | None = None,
+  shard_state: str = "fsdp+cp",
+  target=None,
+) -> Plan:
   """The :class:`Plan` of :func:`compile_step`'s program: its memory analysis,
   FLOPs and collective bytes, the parameters' and optimizer state's bytes per
   device. ``target``: a :class:`cpjax.training.targets.Target` to compile
@@ -472,12 +572,21 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
   from cpjax import parallel
 
   compiled, params, opt_state, base = compile_step(
-      cfg, seq_len=seq_len, mesh=mesh, remat=remat, batch_size=batch_size, dtype=dtype,
-      lora_rank=lora_rank, base_dtype=base_dtype, lora_targets=lora_targets,
-      capacity_factor=capacity_factor, shard_state=shard_state,
-      devices=None if target is None else target.devices())
+    cfg,
+    seq_len=seq_len,
+    mesh=mesh,
+    remat=remat,
+    batch_size=batch_size,
+    dtype=dtype,
+    lora_rank=lora_rank,
+    base_dtype=base_dtype,
+    lora_targets=lora_targets,
+    capacity_factor=capacity_factor,
+    shard_state=shard_state,
+    devices=None if target is None else target.devices(),
+  )
   memory = compiled.memory_analysis()
-  cost = compiled.cost_analysis()      # None from XLA:GPU without a device
+  cost = compiled.cost_analysis()  # None from XLA:GPU without a device
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   # The parameters: the trained ones, and under LoRA the frozen base (the
   # buffers, a few numbers, count with the rest as the closed form does).
@@ -485,21 +594,46 @@ def compiled_plan(cfg, *, model: str, seq_len: int, mesh: dict, remat: str = "fu
   if base is not None:
     param_bytes += parallel.bytes_per_device(base)
   opt_bytes = parallel.bytes_per_device(opt_state)
-  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
-  return Plan(model, seq_len, dict(mesh), remat, dtype, param_bytes, opt_bytes,
-              total - param_bytes - opt_bytes, total, float(cost.get("flops", math.nan)),
-              "compiled" if target is None else target.name, lora_rank,
-              base_dtype if lora_rank is not None else "float32",
-              collective_bytes(compiled.as_text()))
+  total = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+  )
+  return Plan(
+    model,
+    seq_len,
+    dict(mesh),
+    remat,
+    dtype,
+    param_bytes,
+    opt_bytes,
+    total - param_bytes - opt_bytes,
+    total,
+    float(cost.get("flops", math.nan)),
+    "compiled" if target is None else target.name,
+    lora_rank,
+    base_dtype if lora_rank is not None else "float32",
+    collective_bytes(compiled.as_text()),
+  )
 
 
-def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: str = "full",
-                  dtype: str = "bfloat16", max_devices: int = 4096,
-                  lora_rank: int | None = None, base_dtype: str = "float32",
-                  expert_parallel: bool = False,
-                  capacity_factor: float | None = None,
-                  shard_state: str = "fsdp+cp", platform: str = "tpu") -> Plan | None:
+def smallest_mesh(
+  cfg,
+  *,
+  model: str,
+  seq_len: int,
+  device_memory: int,
+  remat: str = "full",
+  dtype: str = "bfloat16",
+  max_devices: int = 4096,
+  lora_rank: int | None = None,
+  base_dtype: str = "float32",
+  expert_parallel: bool = False,
+  capacity_factor: float | None = None,
+  shard_state: str = "fsdp+cp",
+  platform: str = "tpu",
+) -> Plan | None:
   """The fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``
   (ties: the one with more memory to spare); None when none up to ``max_devices``.
   With ``expert_parallel`` each mesh folds the largest ``ep`` that divides the
@@ -508,19 +642,29 @@ def smallest_mesh(cfg, *, model: str, seq_len: int, device_memory: int, remat: s
   devices = 1
   while devices <= max_devices and best is None:
     for cp_log in range(int(math.log2(devices)) + 1):
-      cp = 2 ** cp_log
+      cp = 2**cp_log
       fsdp = devices // cp
       if seq_len % (2 * cp) or cfg.text.num_attention_heads == 0:
         continue
       mesh = {"fsdp": fsdp, "cp": cp} if fsdp > 1 else {"cp": cp}
       if expert_parallel and cfg.text.enable_moe_block:
-        ep = max((n for n in (cp * fsdp, cp, fsdp) if n > 1 and cfg.text.num_experts % n == 0),
-                 default=1)
+        ep = max(
+          (n for n in (cp * fsdp, cp, fsdp) if n > 1 and cfg.text.num_experts % n == 0), default=1
+        )
         mesh = {**mesh, "ep": ep} if ep > 1 else mesh
-      plan = estimate(cfg, model=model, seq_len=seq_len, mesh=mesh, remat=remat, dtype=dtype,
-                      lora_rank=lora_rank, base_dtype=base_dtype,
-                      capacity_factor=capacity_factor, shard_state=shard_state,
-                      platform=platform)
+      plan = estimate(
+        cfg,
+        model=model,
+        seq_len=seq_len,
+        mesh=mesh,
+        remat=remat,
+        dtype=dtype,
+        lora_rank=lora_rank,
+        base_dtype=base_dtype,
+        capacity_factor=capacity_factor,
+        shard_state=shard_state,
+        platform=platform,
+      )
       if plan.fits(device_memory) and (best is None or plan.total < best.total):
         best = plan
     devices *= 2

@@ -32,9 +32,22 @@ from typing import Callable, Literal, Optional
 
 from cpjax.training.lora.adapters import LoraConfig, check_lora_config
 
-__all__ = ["CheckpointingConfig", "DatasetConfig", "EvalConfig", "ExpertsConfig", "JobError",
-           "LR_SCHEDULES", "LoggingConfig", "OptimizerConfig", "ParallelConfig", "RunConfig",
-           "check", "get", "settings", "with_values"]
+__all__ = [
+  "CheckpointingConfig",
+  "DatasetConfig",
+  "EvalConfig",
+  "ExpertsConfig",
+  "JobError",
+  "LR_SCHEDULES",
+  "LoggingConfig",
+  "OptimizerConfig",
+  "ParallelConfig",
+  "RunConfig",
+  "check",
+  "get",
+  "settings",
+  "with_values",
+]
 
 Dtype = Literal["float32", "bfloat16"]
 Remat = Literal["none", "full", "save_attention_out"]
@@ -53,7 +66,8 @@ class JobError(ValueError):
   """A job that cannot run as asked, found before any training compute
   (``cpjax train`` prints it as a one-line usage error, exit status 2)."""
 
-MODEL_FLAGS = ("tiny", "tiny-moe", "e2b", "e4b", "a4b", "31b")   # what --model offers
+
+MODEL_FLAGS = ("tiny", "tiny-moe", "e2b", "e4b", "a4b", "31b")  # what --model offers
 LR_SCHEDULES = typing.get_args(Schedule)
 
 
@@ -118,16 +132,21 @@ class OptimizerConfig:
     import optax
 
     if self.schedule not in LR_SCHEDULES:
-      raise JobError(f"optimizer.schedule must be one of {list(LR_SCHEDULES)}, got "
-                     f"{self.schedule!r}")
+      raise JobError(
+        f"optimizer.schedule must be one of {list(LR_SCHEDULES)}, got {self.schedule!r}"
+      )
     if self.warmup_steps < 0 or (self.schedule != "constant" and self.warmup_steps >= self.steps):
-      raise JobError(f"optimizer.warmup_steps {self.warmup_steps} must be >= 0, and below "
-                     f"optimizer.steps {self.steps} for a {self.schedule} schedule (it decays "
-                     f"after the warmup)")
+      raise JobError(
+        f"optimizer.warmup_steps {self.warmup_steps} must be >= 0, and below "
+        f"optimizer.steps {self.steps} for a {self.schedule} schedule (it decays "
+        f"after the warmup)"
+      )
     lr, warm, rest = self.lr, self.warmup_steps, max(self.steps - self.warmup_steps, 1)
-    after = {"constant": optax.constant_schedule(lr),
-             "cosine": optax.cosine_decay_schedule(lr, rest),
-             "linear": optax.linear_schedule(lr, 0.0, rest)}[self.schedule]
+    after = {
+      "constant": optax.constant_schedule(lr),
+      "cosine": optax.cosine_decay_schedule(lr, rest),
+      "linear": optax.linear_schedule(lr, 0.0, rest),
+    }[self.schedule]
     if warm == 0:
       return after
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
@@ -277,8 +296,9 @@ def settings(cls=RunConfig, prefix: str = "") -> list[Setting]:
     if dataclasses.is_dataclass(hints[f.name]):
       out += settings(hints[f.name], f"{prefix}{f.name}.")
     else:
-      out.append(Setting(f"{prefix}{f.name}", hints[f.name], f.default,
-                         bool(f.metadata.get("positive"))))
+      out.append(
+        Setting(f"{prefix}{f.name}", hints[f.name], f.default, bool(f.metadata.get("positive")))
+      )
   return out
 
 
@@ -343,9 +363,11 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
       fail(f"{name(key)} must be >= 0, got {get(run, key)}")
   opt = run.optimizer
   if opt.schedule != "constant" and opt.warmup_steps >= opt.steps:
-    fail(f"{name('optimizer.warmup_steps')} {opt.warmup_steps} must be >= 0, and below "
-         f"{name('optimizer.steps')} {opt.steps} for a {opt.schedule} schedule (it decays after "
-         f"the warmup)")
+    fail(
+      f"{name('optimizer.warmup_steps')} {opt.warmup_steps} must be >= 0, and below "
+      f"{name('optimizer.steps')} {opt.steps} for a {opt.schedule} schedule (it decays after "
+      f"the warmup)"
+    )
   if run.dataset.seq_len < 32:
     fail(f"{name('dataset.seq_len')} must be >= 32, got {run.dataset.seq_len}")
   if run.model is not None and run.model not in PRESETS:
@@ -361,8 +383,10 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
   if sizes.get("dp", 1) > 1 and sizes.get("fsdp", 1) > 1:
     fail(f"{name('parallel.mesh')} splits the batch over dp or fsdp, not both")
   if run.dataset.batch_size % run.dataset.microbatches:
-    fail(f"{name('dataset.microbatches')} {run.dataset.microbatches} must divide "
-         f"{name('dataset.batch_size')} {run.dataset.batch_size}")
+    fail(
+      f"{name('dataset.microbatches')} {run.dataset.microbatches} must divide "
+      f"{name('dataset.batch_size')} {run.dataset.batch_size}"
+    )
   if run.checkpointing.save_every and run.checkpointing.state_dir is None:
     fail(f"{name('checkpointing.save_every')} needs {name('checkpointing.state_dir')}")
   if run.checkpointing.resume and run.checkpointing.state_dir is None:
@@ -370,8 +394,11 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
   if run.eval.every and run.eval.data is None:
     fail(f"{name('eval.every')} needs {name('eval.data')}")
   if run.lora.rank is None:
-    given = [name(f"lora.{f.name}") for f in dataclasses.fields(LoraConfig)
-             if getattr(run.lora, f.name) != f.default]
+    given = [
+      name(f"lora.{f.name}")
+      for f in dataclasses.fields(LoraConfig)
+      if getattr(run.lora, f.name) != f.default
+    ]
     if given:
       fail(f"{', '.join(given)} needs {name('lora.rank')}")
   else:
@@ -380,8 +407,10 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
     except (ValueError, TypeError) as e:
       fail(str(e))
   if run.lora.merge and run.checkpointing.save is None:
-    fail(f"{name('lora.merge')} says what {name('checkpointing.save')} writes; add "
-         f"{name('checkpointing.save')} DIR")
+    fail(
+      f"{name('lora.merge')} says what {name('checkpointing.save')} writes; add "
+      f"{name('checkpointing.save')} DIR"
+    )
   if files:
     _check_files(run, name, fail)
 
@@ -393,8 +422,8 @@ def _has_type(value, hint) -> bool:
   if hint is type(None):
     return value is None
   if typing.get_origin(hint) is Literal:
-    return True                                   # checked above, with its choices
-  if typing.get_origin(hint) is tuple:               # tuple[str, ...]
+    return True  # checked above, with its choices
+  if typing.get_origin(hint) is tuple:  # tuple[str, ...]
     return isinstance(value, tuple) and all(_has_type(v, typing.get_args(hint)[0]) for v in value)
   if hint is float:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -412,15 +441,15 @@ def _type_name(hint) -> str:
 
 
 def _check_files(run: RunConfig, name, fail) -> None:
-  if run.checkpoint is not None and not os.path.isfile(os.path.join(run.checkpoint,
-                                                                    "config.json")):
+  if run.checkpoint is not None and not os.path.isfile(os.path.join(run.checkpoint, "config.json")):
     fail(f"{name('checkpoint')} {run.checkpoint} has no config.json")
   for key in ("dataset.path", "eval.data"):
     path = get(run, key)
     if path is not None and not os.path.exists(path):
       fail(f"{name(key)} {path} does not exist")
   if run.dataset.tokenizer is not None and not os.path.isfile(
-      os.path.join(run.dataset.tokenizer, "tokenizer.json")):
+    os.path.join(run.dataset.tokenizer, "tokenizer.json")
+  ):
     fail(f"{name('dataset.tokenizer')} {run.dataset.tokenizer} has no tokenizer.json")
 
 

@@ -37,11 +37,22 @@ from cpjax.training.run_config import (
   with_values,
 )
 
-__all__ = ["FLAGS", "RUN_FILE", "alias_flag", "given_keys", "positive_float", "positive_int",
-           "read_run_config", "run_from_namespace", "run_parser", "to_yaml", "write_run_config"]
+__all__ = [
+  "FLAGS",
+  "RUN_FILE",
+  "alias_flag",
+  "given_keys",
+  "positive_float",
+  "positive_int",
+  "read_run_config",
+  "run_from_namespace",
+  "run_parser",
+  "to_yaml",
+  "write_run_config",
+]
 
 RUN_FILE = "run.yaml"
-_ALIAS = "alias__"    # an alias's argparse dest: alias__<key with dots as __>
+_ALIAS = "alias__"  # an alias's argparse dest: alias__<key with dots as __>
 
 
 class _ArgType:
@@ -77,8 +88,8 @@ def _positive_float(text: str) -> float:
   return value
 
 
-positive_int = _ArgType("int >= 1", _positive_int)        # argparse type: an integer >= 1
-positive_float = _ArgType("float > 0", _positive_float)   # argparse type: a number > 0
+positive_int = _ArgType("int >= 1", _positive_int)  # argparse type: an integer >= 1
+positive_float = _ArgType("float > 0", _positive_float)  # argparse type: a number > 0
 
 
 def _parse_mesh(text: str) -> str:
@@ -99,43 +110,43 @@ _mesh = _ArgType("AXIS=N,...", _parse_mesh)
 # the keywords say how it parses beyond what the setting's type gives. A
 # top-level setting whose flag is its key (``--model``) is that flag itself.
 FLAGS: dict[str, tuple[str, dict]] = {
-    "model": ("--model", {"choices": MODEL_FLAGS}),
-    "checkpoint": ("--checkpoint", {"metavar": "DIR"}),
-    "dtype": ("--dtype", {}),
-    "remat": ("--remat", {"nargs": "?", "const": "full", "metavar": "POLICY"}),
-    "seed": ("--seed", {"type": int}),
-    "parity_check": ("--no-parity-check", {"action": "store_false"}),
-    "dataset.path": ("--data", {"metavar": "PATH"}),
-    "dataset.tokenizer": ("--tokenizer", {"metavar": "DIR"}),
-    "dataset.truncate": ("--truncate", {}),
-    "dataset.seq_len": ("--seq-len", {}),
-    "dataset.batch_size": ("--batch-size", {}),
-    "dataset.microbatches": ("--microbatches", {"metavar": "K"}),
-    "dataset.images_per_row": ("--images-per-row", {"metavar": "N"}),
-    "optimizer.lr": ("--lr", {}),
-    "optimizer.schedule": ("--lr-schedule", {}),
-    "optimizer.warmup_steps": ("--warmup-steps", {"metavar": "N"}),
-    "optimizer.max_grad_norm": ("--max-grad-norm", {"metavar": "X"}),
-    "optimizer.steps": ("--steps", {}),
-    "parallel.mesh": ("--mesh", {"metavar": "AXIS=N,..."}),
-    "parallel.cp": ("--cp", {}),
-    "parallel.layout": ("--layout", {}),
-    "parallel.shard_state": ("--shard-state", {}),
-    "lora.rank": ("--lora-rank", {"metavar": "R"}),
-    "lora.alpha": ("--lora-alpha", {"metavar": "A"}),
-    "lora.targets": ("--lora-targets", {"metavar": "REGEX"}),
-    "lora.base_dtype": ("--base-dtype", {}),
-    "lora.merge": ("--merge-lora", {}),
-    "experts.capacity_factor": ("--capacity-factor", {"metavar": "C"}),
-    "eval.data": ("--eval-data", {"metavar": "PATH"}),
-    "eval.every": ("--eval-every", {"metavar": "N"}),
-    "eval.rows": ("--eval-rows", {"metavar": "N"}),
-    "logging.metrics": ("--metrics", {"metavar": "FILE"}),
-    "logging.tensorboard": ("--tensorboard", {"metavar": "DIR"}),
-    "checkpointing.state_dir": ("--state-dir", {"metavar": "DIR"}),
-    "checkpointing.save_every": ("--save-every", {"metavar": "N"}),
-    "checkpointing.force_resume": ("--force-resume", {}),
-    "checkpointing.save": ("--save", {"metavar": "DIR"}),
+  "model": ("--model", {"choices": MODEL_FLAGS}),
+  "checkpoint": ("--checkpoint", {"metavar": "DIR"}),
+  "dtype": ("--dtype", {}),
+  "remat": ("--remat", {"nargs": "?", "const": "full", "metavar": "POLICY"}),
+  "seed": ("--seed", {"type": int}),
+  "parity_check": ("--no-parity-check", {"action": "store_false"}),
+  "dataset.path": ("--data", {"metavar": "PATH"}),
+  "dataset.tokenizer": ("--tokenizer", {"metavar": "DIR"}),
+  "dataset.truncate": ("--truncate", {}),
+  "dataset.seq_len": ("--seq-len", {}),
+  "dataset.batch_size": ("--batch-size", {}),
+  "dataset.microbatches": ("--microbatches", {"metavar": "K"}),
+  "dataset.images_per_row": ("--images-per-row", {"metavar": "N"}),
+  "optimizer.lr": ("--lr", {}),
+  "optimizer.schedule": ("--lr-schedule", {}),
+  "optimizer.warmup_steps": ("--warmup-steps", {"metavar": "N"}),
+  "optimizer.max_grad_norm": ("--max-grad-norm", {"metavar": "X"}),
+  "optimizer.steps": ("--steps", {}),
+  "parallel.mesh": ("--mesh", {"metavar": "AXIS=N,..."}),
+  "parallel.cp": ("--cp", {}),
+  "parallel.layout": ("--layout", {}),
+  "parallel.shard_state": ("--shard-state", {}),
+  "lora.rank": ("--lora-rank", {"metavar": "R"}),
+  "lora.alpha": ("--lora-alpha", {"metavar": "A"}),
+  "lora.targets": ("--lora-targets", {"metavar": "REGEX"}),
+  "lora.base_dtype": ("--base-dtype", {}),
+  "lora.merge": ("--merge-lora", {}),
+  "experts.capacity_factor": ("--capacity-factor", {"metavar": "C"}),
+  "eval.data": ("--eval-data", {"metavar": "PATH"}),
+  "eval.every": ("--eval-every", {"metavar": "N"}),
+  "eval.rows": ("--eval-rows", {"metavar": "N"}),
+  "logging.metrics": ("--metrics", {"metavar": "FILE"}),
+  "logging.tensorboard": ("--tensorboard", {"metavar": "DIR"}),
+  "checkpointing.state_dir": ("--state-dir", {"metavar": "DIR"}),
+  "checkpointing.save_every": ("--save-every", {"metavar": "N"}),
+  "checkpointing.force_resume": ("--force-resume", {}),
+  "checkpointing.save": ("--save", {"metavar": "DIR"}),
 }
 
 
@@ -147,7 +158,7 @@ def alias_flag(s: Setting) -> str | None:
 def _alias_kwargs(s: Setting) -> dict:
   """argparse keywords of the short flag."""
   kwargs = dict(FLAGS[s.key][1])
-  base = s.type    # int for Optional[int]
+  base = s.type  # int for Optional[int]
   if typing.get_origin(base) is typing.Union:
     base = next(t for t in typing.get_args(base) if t is not type(None))
   if typing.get_origin(base) is not typing.Literal and base is not bool and "choices" not in kwargs:
@@ -159,8 +170,9 @@ def _alias_kwargs(s: Setting) -> dict:
   elif s.key == "parallel.mesh":
     kwargs.setdefault("type", _mesh)
   elif base in (int, float):
-    kwargs.setdefault("type", (positive_int if base is int else positive_float)
-                      if s.positive else base)
+    kwargs.setdefault(
+      "type", (positive_int if base is int else positive_float) if s.positive else base
+    )
   return kwargs
 
 
@@ -168,7 +180,7 @@ class _RunParser:
   """Mixed into jsonargparse's parser: a usage error is one line, exit 2 (or,
   reading a file from Python, a :class:`JobError`)."""
 
-  def error(self, message, ex=None):   # noqa: D401 -- argparse's hook
+  def error(self, message, ex=None):  # noqa: D401 -- argparse's hook
     if not self.exit_on_error:
       raise JobError(one_line(message))
     self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
@@ -185,14 +197,22 @@ def one_line(message: str) -> str:
   if key and value:
     types = {s.key: s.type for s in settings()}
     expected = types.get(key.group(1))
-    expected = (list(typing.get_args(expected)) if typing.get_origin(expected) is typing.Literal
-                else getattr(expected, "__name__", None) or str(expected).replace("typing.", ""))
+    expected = (
+      list(typing.get_args(expected))
+      if typing.get_origin(expected) is typing.Literal
+      else getattr(expected, "__name__", None) or str(expected).replace("typing.", "")
+    )
     return f"--{key.group(1)}: expected {expected}, got {value.group(1)!r}"
   return " ".join(message.split())
 
 
-def run_parser(prog: str = "cpjax train", description: str | None = None, *,
-               aliases: bool = True, exit_on_error: bool = True):
+def run_parser(
+  prog: str = "cpjax train",
+  description: str | None = None,
+  *,
+  aliases: bool = True,
+  exit_on_error: bool = True,
+):
   """Build jsonargparse's parser of a :class:`RunConfig`: ``--config FILE``
   and every setting by its dotted key (the top-level ones, ``--model``,
   ``--dtype``, ..., by their name), typed by their annotations, with the
@@ -204,15 +224,26 @@ def run_parser(prog: str = "cpjax train", description: str | None = None, *,
   # No --print_config (it would print the parser's namespace, aliases and the
   # command line's own flags, not the run: run.yaml is the run), and no
   # abbreviated keys (what the user typed must be what it names).
-  parser = parser_class(prog=prog, description=description, exit_on_error=exit_on_error,
-                        print_config=None, allow_abbrev=False)
-  parser.add_argument("--config", action=jsonargparse.ActionConfigFile, metavar="FILE",
-                      help="a YAML run config (a recipe, or the run.yaml a run wrote); keys "
-                           "after it on the command line override it")
+  parser = parser_class(
+    prog=prog,
+    description=description,
+    exit_on_error=exit_on_error,
+    print_config=None,
+    allow_abbrev=False,
+  )
+  parser.add_argument(
+    "--config",
+    action=jsonargparse.ActionConfigFile,
+    metavar="FILE",
+    help="a YAML run config (a recipe, or the run.yaml a run wrote); keys "
+    "after it on the command line override it",
+  )
   hints = typing.get_type_hints(RunConfig)
-  groups = {f.name: parser.add_argument_group(hints[f.name].__doc__.split("\n")[0].rstrip("."),
-                                              name=f.name)
-            for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
+  groups = {
+    f.name: parser.add_argument_group(hints[f.name].__doc__.split("\n")[0].rstrip("."), name=f.name)
+    for f in dataclasses.fields(RunConfig)
+    if dataclasses.is_dataclass(hints[f.name])
+  }
   top = parser.add_argument_group(RunConfig.__doc__.rstrip("."))
   for s in settings():
     flag = alias_flag(s)
@@ -227,8 +258,9 @@ def run_parser(prog: str = "cpjax train", description: str | None = None, *,
       kwargs = _alias_kwargs(s)
       inverted = " false" if kwargs.get("action") == "store_false" else ""
       dest = _ALIAS + s.key.replace(".", "__")
-      group.add_argument(flag, dest=dest, default=argparse.SUPPRESS,
-                         help=f"= --{s.key}{inverted}", **kwargs)
+      group.add_argument(
+        flag, dest=dest, default=argparse.SUPPRESS, help=f"= --{s.key}{inverted}", **kwargs
+      )
   return parser
 
 
@@ -243,8 +275,10 @@ def _doc(s: Setting) -> str:
 def _field_docs(cls) -> dict[str, str]:
   import docstring_parser
 
-  return {p.arg_name: " ".join((p.description or "").split())
-          for p in docstring_parser.parse_from_object(cls).params}
+  return {
+    p.arg_name: " ".join((p.description or "").split())
+    for p in docstring_parser.parse_from_object(cls).params
+  }
 
 
 def given_keys(namespace) -> dict[str, str]:
@@ -277,13 +311,13 @@ def to_yaml(run: RunConfig, note: str | None = None) -> str:
 
   version = importlib.metadata.version("cpjax")
   run = with_values(run, {"checkpointing.resume": False, "checkpointing.force_resume": False})
-  def plain(value):          # YAML has lists, not tuples (lora.targets' module names)
+
+  def plain(value):  # YAML has lists, not tuples (lora.targets' module names)
     if isinstance(value, dict):
       return {k: plain(v) for k, v in value.items()}
     return list(value) if isinstance(value, tuple) else value
 
-  body = yaml.safe_dump(plain(dataclasses.asdict(run)), sort_keys=False,
-                        default_flow_style=False)
+  body = yaml.safe_dump(plain(dataclasses.asdict(run)), sort_keys=False, default_flow_style=False)
   head = [f"cpjax {version} run config (cpjax train --config FILE runs it)"]
   head += (note or "").splitlines()
   return "".join(f"# {line}".rstrip() + "\n" for line in head) + body

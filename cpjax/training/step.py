@@ -39,8 +39,7 @@ from cpjax.parallel import varying_axes
 from cpjax.ring.kernels import mesh_platform, resolve_implementation
 from cpjax.training.loss import cross_entropy, cross_entropy_sums
 
-__all__ = ["TrainStep", "default_forward", "make_loss_fn", "make_train_step",
-           "stack_microbatches"]
+__all__ = ["TrainStep", "default_forward", "make_loss_fn", "make_train_step", "stack_microbatches"]
 
 
 _own_specs = batch_specs  # make_loss_fn's argument of the same name shadows it
@@ -56,13 +55,21 @@ def default_forward(model, batch: Mapping[str, Any], cp: CPContext | None):
   return call(batch) if cp is None else call(batch, cp=cp)
 
 
-def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | None = None,
-                 axis_name: str = "cp", batch_axis: str | None = None,
-                 forward: Callable = default_forward,
-                 batch_specs: Mapping[str, P] | Callable | None = None,
-                 frozen=None, implementation: str | None = None,
-                 interpret: bool = False, expert_axes: tuple[str, ...] = (),
-                 capacity_factor: float | None = None) -> Callable:
+def make_loss_fn(
+  graphdef,
+  *,
+  mesh: Mesh | None = None,
+  layout: ShardLayout | None = None,
+  axis_name: str = "cp",
+  batch_axis: str | None = None,
+  forward: Callable = default_forward,
+  batch_specs: Mapping[str, P] | Callable | None = None,
+  frozen=None,
+  implementation: str | None = None,
+  interpret: bool = False,
+  expert_axes: tuple[str, ...] = (),
+  capacity_factor: float | None = None,
+) -> Callable:
   """``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)`` of a split NNX model.
 
   Without ``mesh`` the model runs on one device (``forward(model, batch,
@@ -75,7 +82,8 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     graphdef: from ``nnx.split(model)``.
     mesh, layout, axis_name, batch_axis: where the batch is sharded.
     forward: ``(model, batch, cp) -> logits [B, L, V]`` or
-      :class:`HiddenStates`; the model's own call convention and CP context (``cp`` is a :class:`cpjax.CPContext` or
+      :class:`HiddenStates`; the model's own call convention and CP context
+      (``cp`` is a :class:`cpjax.CPContext` or
       None). ``batch["labels"]`` holds the labels.
     batch_specs: in_specs of the batch (a dict, or a function of the batch);
       default: :func:`cpjax.cp_context.batch_specs`, the arrays' own shardings.
@@ -104,21 +112,46 @@ def make_loss_fn(graphdef, *, mesh: Mesh | None = None, layout: ShardLayout | No
     >>> float(count)                     # the -100 label is not counted
     7.0
   """
-  parts = _loss_parts(graphdef, mesh=mesh, layout=layout, axis_name=axis_name,
-                      batch_axis=batch_axis, forward=forward, batch_specs=batch_specs,
-                      frozen=frozen, implementation=implementation, interpret=interpret,
-                      expert_axes=expert_axes, capacity_factor=capacity_factor)
+  parts = _loss_parts(
+    graphdef,
+    mesh=mesh,
+    layout=layout,
+    axis_name=axis_name,
+    batch_axis=batch_axis,
+    forward=forward,
+    batch_specs=batch_specs,
+    frozen=frozen,
+    implementation=implementation,
+    interpret=interpret,
+    expert_axes=expert_axes,
+    capacity_factor=capacity_factor,
+  )
 
   def loss_sums(params, batch, frozen=frozen):
     return parts(params, batch, frozen)[:2]
+
   return loss_sums
 
 
-def _loss_parts(graphdef, *, mesh, layout, axis_name, batch_axis, forward, batch_specs, frozen,
-                implementation, interpret, expert_axes, capacity_factor) -> Callable:
+def _loss_parts(
+  graphdef,
+  *,
+  mesh,
+  layout,
+  axis_name,
+  batch_axis,
+  forward,
+  batch_specs,
+  frozen,
+  implementation,
+  interpret,
+  expert_axes,
+  capacity_factor,
+) -> Callable:
   """:func:`make_loss_fn` returning ``(ce_sum, count, metrics)``: ``metrics``
   are the forward's own (:attr:`HiddenStates.metrics`) summed over the ranks,
   or ``{}``."""
+
   def merge(params, frozen):
     return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
@@ -128,13 +161,16 @@ def _loss_parts(graphdef, *, mesh, layout, axis_name, batch_axis, forward, batch
   default_frozen = frozen
   if mesh is None:
     if expert_axes or capacity_factor is not None:
-      raise ValueError(f"expert_axes {tuple(expert_axes)} and capacity_factor "
-                       f"{capacity_factor} need a mesh (one device runs every expert, "
-                       f"dropping nothing)")
+      raise ValueError(
+        f"expert_axes {tuple(expert_axes)} and capacity_factor "
+        f"{capacity_factor} need a mesh (one device runs every expert, "
+        f"dropping nothing)"
+      )
 
     def single(params, batch, frozen=default_frozen):
       output = forward(merge(params, frozen), batch, None)
       return (*cross_entropy(output, batch["labels"]), metrics_of(output))
+
     return single
   if layout is None:
     raise ValueError("layout is required with a mesh: pass the ShardLayout the sharder returned")
@@ -144,8 +180,9 @@ def _loss_parts(graphdef, *, mesh, layout, axis_name, batch_axis, forward, batch
   implementation = resolve_implementation(implementation, platform=mesh_platform(mesh))
   axes = tuple(a for a in mesh.axis_names if a in manual and a in (batch_axis, axis_name))
   varied = tuple(a for a in manual if mesh.shape[a] > 1)
-  context = CPContext(layout, axis_name, implementation, interpret, tuple(expert_axes),
-                      capacity_factor)
+  context = CPContext(
+    layout, axis_name, implementation, interpret, tuple(expert_axes), capacity_factor
+  )
   specs_of = _own_specs if batch_specs is None else batch_specs
   # The model's class, from the graph definition (its first node).
   at_use = getattr(graphdef.nodes[0].type, "GATHERED_AT_USE", ())
@@ -177,12 +214,16 @@ def _loss_parts(graphdef, *, mesh, layout, axis_name, batch_axis, forward, batch
     specs = specs_of(batch) if callable(specs_of) else dict(specs_of)
     in_specs = (state_specs(params, manual), specs, state_specs(frozen, manual))
     # What is stored split over cp, to be gathered where it is used.
-    split = (split_over(in_specs[0], axis_name, skip=experts)
-             + split_over(in_specs[2], axis_name, skip=experts))
-    run = functools.partial(local, context=dataclasses.replace(context,
-                                                               gathered=tuple(sorted(split))))
-    return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=P(),
-                         axis_names=manual)(params, batch, frozen)
+    split = split_over(in_specs[0], axis_name, skip=experts) + split_over(
+      in_specs[2], axis_name, skip=experts
+    )
+    run = functools.partial(
+      local, context=dataclasses.replace(context, gathered=tuple(sorted(split)))
+    )
+    return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=P(), axis_names=manual)(
+      params, batch, frozen
+    )
+
   return sharded
 
 
@@ -191,14 +232,22 @@ def _vary(x, axes):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
-                    mesh: Mesh | None = None, layout: ShardLayout | None = None,
-                    axis_name: str = "cp", batch_axis: str | None = None,
-                    forward: Callable = default_forward,
-                    batch_specs: Mapping[str, P] | Callable | None = None,
-                    frozen=None, implementation: str | None = None,
-                    interpret: bool = False, expert_axes: tuple[str, ...] = (),
-                    capacity_factor: float | None = None) -> "TrainStep":
+def make_train_step(
+  graphdef,
+  optimizer: optax.GradientTransformation,
+  *,
+  mesh: Mesh | None = None,
+  layout: ShardLayout | None = None,
+  axis_name: str = "cp",
+  batch_axis: str | None = None,
+  forward: Callable = default_forward,
+  batch_specs: Mapping[str, P] | Callable | None = None,
+  frozen=None,
+  implementation: str | None = None,
+  interpret: bool = False,
+  expert_axes: tuple[str, ...] = (),
+  capacity_factor: float | None = None,
+) -> "TrainStep":
   """One compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
   ``metrics`` holds ``loss`` (token mean), ``tokens`` (counted labels),
@@ -214,24 +263,36 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     >>> import numpy as np
     >>> graphdef, params = nnx.split(nnx.Embed(16, 16, rngs=nnx.Rngs(0)))
     >>> opt = optax.sgd(1.0)
-    >>> step = make_train_step(graphdef, opt, forward=lambda model, batch, cp: model(batch["input_ids"]))
+    >>> forward = lambda model, batch, cp: model(batch["input_ids"])
+    >>> step = make_train_step(graphdef, opt, forward=forward)
     >>> batch = {"input_ids": np.arange(8)[None], "labels": np.arange(1, 9)[None] % 8}
     >>> params, state, first = step(params, opt.init(params), batch)
     >>> params, state, second = step(params, state, batch)
     >>> float(first["tokens"]), bool(second["loss"] < first["loss"])
     (8.0, True)
   """
-  loss_parts = _loss_parts(graphdef, mesh=mesh, layout=layout, axis_name=axis_name,
-                           batch_axis=batch_axis, forward=forward, batch_specs=batch_specs,
-                           frozen=frozen, implementation=implementation, interpret=interpret,
-                           expert_axes=expert_axes, capacity_factor=capacity_factor)
+  loss_parts = _loss_parts(
+    graphdef,
+    mesh=mesh,
+    layout=layout,
+    axis_name=axis_name,
+    batch_axis=batch_axis,
+    forward=forward,
+    batch_specs=batch_specs,
+    frozen=frozen,
+    implementation=implementation,
+    interpret=interpret,
+    expert_axes=expert_axes,
+    capacity_factor=capacity_factor,
+  )
 
   def sums_and_grads(params, batch, frozen, scaled: bool = False):
     """(CE sum, count, metrics) of one batch and the gradient of the CE
     sum, or (``scaled``) of the token mean: the backward then starts from
     1 / count, so no divided copy of the gradients is ever made."""
     ce_sum, pullback, (count, metrics) = jax.vjp(
-        lambda p: _split_aux(loss_parts(p, batch, frozen)), params, has_aux=True)
+      lambda p: _split_aux(loss_parts(p, batch, frozen)), params, has_aux=True
+    )
     seed = 1.0 / jnp.maximum(count, 1.0) if scaled else jnp.ones_like(ce_sum)
     return ce_sum, count, metrics, pullback(seed.astype(ce_sum.dtype))[0]
 
@@ -248,9 +309,12 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     # cp among them); the metrics' shapes come from the forward alone.
     first = jax.tree.map(lambda x: x[0], stacked)
     metrics = jax.eval_shape(lambda: loss_parts(params, first, frozen)[2])
-    zeros = (jnp.float32(0), jnp.float32(0),
-             jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics),
-             jax.tree.map(jnp.zeros_like, params))
+    zeros = (
+      jnp.float32(0),
+      jnp.float32(0),
+      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics),
+      jax.tree.map(jnp.zeros_like, params),
+    )
     return jax.lax.scan(body, zeros, stacked)[0]
 
   def step(params, opt_state, batch, frozen=frozen):
@@ -264,8 +328,11 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     loss = ce_sum / denominator
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {**metrics, "loss": loss, "tokens": count,
-                               "grad_norm": optax.tree.norm(grads)}
+    return (
+      params,
+      opt_state,
+      {**metrics, "loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)},
+    )
 
   return TrainStep(step, mesh, frozen=frozen)
 
@@ -287,18 +354,24 @@ def stack_microbatches(batches: Sequence[Mapping[str, Any]]) -> dict:
   """
   batches = list(batches)
   if not batches or not all(isinstance(b, Mapping) for b in batches):
-    raise TypeError(f"microbatches must be a non-empty sequence of batch dicts, got "
-                    f"{[type(b).__name__ for b in batches]}")
+    raise TypeError(
+      f"microbatches must be a non-empty sequence of batch dicts, got "
+      f"{[type(b).__name__ for b in batches]}"
+    )
   first = batches[0]
   for i, b in enumerate(batches[1:], 1):
     if set(b) != set(first):
       raise ValueError(f"microbatch {i} has keys {sorted(b)}, microbatch 0 has {sorted(first)}")
     for key in first:
-      got, want = (jnp.shape(b[key]), jnp.result_type(b[key])), (jnp.shape(first[key]),
-                                                                 jnp.result_type(first[key]))
+      got, want = (
+        (jnp.shape(b[key]), jnp.result_type(b[key])),
+        (jnp.shape(first[key]), jnp.result_type(first[key])),
+      )
       if got != want:
-        raise ValueError(f"microbatch {i} key {key!r} has shape/dtype {got}, microbatch 0 has "
-                         f"{want}: every microbatch must have the same shape")
+        raise ValueError(
+          f"microbatch {i} key {key!r} has shape/dtype {got}, microbatch 0 has "
+          f"{want}: every microbatch must have the same shape"
+        )
   return {key: jnp.stack([jnp.asarray(b[key]) for b in batches]) for key in first}
 
 
@@ -338,6 +411,7 @@ class TrainStep:
       if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
         return x
       return jax.device_put(x, replicated)
+
     return jax.tree.map(place, (params, opt_state, frozen))
 
   def _jit(self, params, opt_state):
@@ -357,7 +431,7 @@ class TrainStep:
 
   def __call__(self, params, opt_state, batch):
     params, opt_state, frozen = self._place(params, opt_state, self.frozen)
-    self.frozen = frozen          # placed once; later steps reuse it
+    self.frozen = frozen  # placed once; later steps reuse it
     with self._context():
       if self._executable is not None:
         return self._executable(params, opt_state, batch, frozen)
@@ -367,8 +441,10 @@ class TrainStep:
     """The lowered step; arguments (and ``frozen``) may be
     ``jax.ShapeDtypeStruct`` s with shardings."""
     frozen = self.frozen
-    if self.mesh is not None and any(not isinstance(getattr(x, "sharding", None), NamedSharding)
-                                     for x in jax.tree.leaves((params, opt_state, frozen))):
+    if self.mesh is not None and any(
+      not isinstance(getattr(x, "sharding", None), NamedSharding)
+      for x in jax.tree.leaves((params, opt_state, frozen))
+    ):
       params, opt_state, frozen = self._place(params, opt_state, frozen)
     with self._context():
       return self._jit(params, opt_state).lower(params, opt_state, batch, frozen)
@@ -394,6 +470,7 @@ class TrainStep:
 
   def _compiled(self):
     if self._executable is None:
-      raise ValueError("memory_analysis, cost_analysis and as_text need a compiled step: call "
-                       ".compile(...) first")
+      raise ValueError(
+        "memory_analysis, cost_analysis and as_text need a compiled step: call .compile(...) first"
+      )
     return self._executable

@@ -29,7 +29,7 @@ import re
 
 __all__ = ["CHIPS", "Chip", "Target", "collective_bytes", "parse_target"]
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,16 +104,25 @@ device_description_str: "{self.kind}"
 # Memory per device: Cloud TPU's HBM per chip (v4 and v5p as one megacore
 # device), and the GPUs' device memory as their drivers report it.
 CHIPS = {
-    "v4": Chip("v4", "tpu", 32 * GiB, "TPU v4", cores_per_chip=2, mesh_dims=3,
-               chip_config="megacore", host=(2, 2, 1)),
-    "v5e": Chip("v5e", "tpu", 16 * GiB, "TPU v5 lite", mesh_dims=2, host=(2, 4, 1)),
-    "v5p": Chip("v5p", "tpu", 95 * GiB, "TPU v5", cores_per_chip=2, mesh_dims=3,
-                host=(2, 2, 1)),
-    "v6e": Chip("v6e", "tpu", 32 * GiB, "TPU v6 lite", mesh_dims=2, host=(2, 4, 1)),
-    "h100": Chip("h100", "cuda", 84942979072, "NVIDIA H100 80GB HBM3",
-                 gpu=(132, 9, 0, 232448, 233472)),
-    "h200": Chip("h200", "cuda", 151397597184, "NVIDIA H200 141GB HBM3e",
-                 gpu=(132, 9, 0, 232448, 233472)),
+  "v4": Chip(
+    "v4",
+    "tpu",
+    32 * GiB,
+    "TPU v4",
+    cores_per_chip=2,
+    mesh_dims=3,
+    chip_config="megacore",
+    host=(2, 2, 1),
+  ),
+  "v5e": Chip("v5e", "tpu", 16 * GiB, "TPU v5 lite", mesh_dims=2, host=(2, 4, 1)),
+  "v5p": Chip("v5p", "tpu", 95 * GiB, "TPU v5", cores_per_chip=2, mesh_dims=3, host=(2, 2, 1)),
+  "v6e": Chip("v6e", "tpu", 32 * GiB, "TPU v6 lite", mesh_dims=2, host=(2, 4, 1)),
+  "h100": Chip(
+    "h100", "cuda", 84942979072, "NVIDIA H100 80GB HBM3", gpu=(132, 9, 0, 232448, 233472)
+  ),
+  "h200": Chip(
+    "h200", "cuda", 151397597184, "NVIDIA H200 141GB HBM3e", gpu=(132, 9, 0, 232448, 233472)
+  ),
 }
 _ALIASES = {"v5litepod": "v5e"}
 _EXTRAS = {"tpu": ("libtpu", "tpu"), "cuda": ("jax_cuda12_plugin", "cuda")}
@@ -148,22 +157,31 @@ class Target:
     """The target's compile-only JAX devices (libtpu or the CUDA plugin needed)."""
     module, extra = _EXTRAS[self.chip.platform]
     if importlib.util.find_spec(module) is None:
-      raise ImportError(f"compiling for {self.name} needs {module}: pip install "
-                        f"'cpjax[{extra}]' (it installs it at jax's version)")
+      raise ImportError(
+        f"compiling for {self.name} needs {module}: pip install "
+        f"'cpjax[{extra}]' (it installs it at jax's version)"
+      )
     from jax.experimental import topologies
 
     if self.chip.platform == "tpu":
       host = tuple(min(h, s) for h, s in zip(self.chip.host, self.shape + (1,)))
       topo = topologies.get_topology_desc(
-          platform="tpu", topology_name=self.topology, chip_config_name=self.chip.chip_config,
-          chips_per_host_bounds=host, num_slices=1)
+        platform="tpu",
+        topology_name=self.topology,
+        chip_config_name=self.chip.chip_config,
+        chips_per_host_bounds=host,
+        num_slices=1,
+      )
     else:
-      topo = topologies.get_topology_desc(platform="cuda", topology=self.topology,
-                                          target_config=self.chip.target_config())
+      topo = topologies.get_topology_desc(
+        platform="cuda", topology=self.topology, target_config=self.chip.target_config()
+      )
     devices = list(topo.devices)
-    if len(devices) != self.num_devices:     # (libtpu's own count, should it differ)
-      raise ValueError(f"{self.name}: the {self.topology} topology has {len(devices)} devices, "
-                       f"expected {self.num_devices}")
+    if len(devices) != self.num_devices:  # (libtpu's own count, should it differ)
+      raise ValueError(
+        f"{self.name}: the {self.topology} topology has {len(devices)} devices, "
+        f"expected {self.num_devices}"
+      )
     return devices
 
 
@@ -171,8 +189,10 @@ def known_targets() -> str:
   """The names :func:`parse_target` takes, for error messages and ``--help``."""
   tpus = ", ".join(f"{c.name}-N" for c in CHIPS.values() if c.platform == "tpu")
   gpus = ", ".join(f"{c.name}-N or {c.name}-HxN" for c in CHIPS.values() if c.platform == "cuda")
-  return (f"{tpus} (Cloud TPU's accelerator types; v5litepod-N too), a topology such as "
-          f"v5e:2x4 or v5p:2x2x2, or {gpus} (H hosts of N GPUs)")
+  return (
+    f"{tpus} (Cloud TPU's accelerator types; v5litepod-N too), a topology such as "
+    f"v5e:2x4 or v5p:2x2x2, or {gpus} (H hosts of N GPUs)"
+  )
 
 
 def parse_target(text: str) -> Target:
@@ -195,8 +215,10 @@ def parse_target(text: str) -> Target:
   topology, hosts, count = match.group(2), match.group(3), match.group(4)
   if chip.platform == "cuda":
     if topology is not None:
-      raise ValueError(f"target {text!r}: a GPU target is {chip.name}-N or {chip.name}-HxN "
-                       f"(H hosts of N GPUs), not a topology")
+      raise ValueError(
+        f"target {text!r}: a GPU target is {chip.name}-N or {chip.name}-HxN "
+        f"(H hosts of N GPUs), not a topology"
+      )
     hosts, gpus = int(hosts or 1), int(count)
     if hosts < 1 or gpus < 1:
       raise ValueError(f"target {text!r} needs at least one host of one GPU")
@@ -204,9 +226,11 @@ def parse_target(text: str) -> Target:
   if topology is not None:
     shape = tuple(int(n) for n in topology.split("x"))
     if len(shape) != chip.mesh_dims or min(shape) < 1:
-      raise ValueError(f"target {text!r}: a {chip.name} topology has {chip.mesh_dims} "
-                       f"positive sides (such as {chip.name}:{'x'.join(['2'] * chip.mesh_dims)})"
-                       f", got {topology!r}")
+      raise ValueError(
+        f"target {text!r}: a {chip.name} topology has {chip.mesh_dims} "
+        f"positive sides (such as {chip.name}:{'x'.join(['2'] * chip.mesh_dims)})"
+        f", got {topology!r}"
+      )
     return Target(text, chip, f"{chip.name}:{topology}", math.prod(shape))
   if hosts is not None:
     raise ValueError(f"target {text!r}: a TPU slice is {chip.name}-N, not hosts x chips")
@@ -214,18 +238,33 @@ def parse_target(text: str) -> Target:
   chips, rest = divmod(cores, chip.cores_per_chip)
   if rest or chips < 1 or chips & (chips - 1):
     per = "TensorCores (two a chip)" if chip.cores_per_chip == 2 else "chips"
-    raise ValueError(f"target {text!r}: {chip.name}-N counts {per}; N must give a power of two "
-                     f"of chips, got {cores}")
+    raise ValueError(
+      f"target {text!r}: {chip.name}-N counts {per}; N must give a power of two "
+      f"of chips, got {cores}"
+    )
   shape = _torus(chips, chip.mesh_dims)
   return Target(text, chip, f"{chip.name}:{'x'.join(map(str, shape))}", chips)
 
 
 # ------------------------------------------- what a compiled program moves
-_COLLECTIVE = re.compile(r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|reduce-scatter|all-reduce|"
-                         r"collective-permute|all-to-all)(?:-start)?\(")
+_COLLECTIVE = re.compile(
+  r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|reduce-scatter|all-reduce|"
+  r"collective-permute|all-to-all)(?:-start)?\("
+)
 _SHAPE = re.compile(r"(pred|s8|u8|s32|u32|f32|bf16|f16|s64|u64|f64)\[([0-9,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "f32": 4, "bf16": 2, "f16": 2,
-          "s64": 8, "u64": 8, "f64": 8}
+_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "bf16": 2,
+  "f16": 2,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+}
 
 
 def collective_bytes(hlo: str) -> dict[str, int]:

@@ -18,8 +18,18 @@ import numpy as np
 
 # Gemma's first ids (pad 0, eos 1, bos 2, unk 3, mask 4), then Gemma 4's turn
 # and image markers.
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>",
-                  "<|image>", "<|image|>", "<image|>")
+SPECIAL_TOKENS = (
+  "<pad>",
+  "<eos>",
+  "<bos>",
+  "<unk>",
+  "<mask>",
+  "<|turn>",
+  "<turn|>",
+  "<|image>",
+  "<|image|>",
+  "<image|>",
+)
 
 # Gemma 4's conversation format: bos, then `<|turn>ROLE\n...<turn|>\n` per
 # message (the assistant's turns are "model"), images as `<|image|>`.
@@ -41,9 +51,15 @@ GEMMA_STYLE_TEMPLATE = """{{ bos_token }}
 """
 
 
-def gemma_style_tokenizer(directory: str, texts, *, vocab_size: int = 512,
-                          template: str = GEMMA_STYLE_TEMPLATE, config: dict | None = None,
-                          special_tokens=SPECIAL_TOKENS) -> str:
+def gemma_style_tokenizer(
+  directory: str,
+  texts,
+  *,
+  vocab_size: int = 512,
+  template: str = GEMMA_STYLE_TEMPLATE,
+  config: dict | None = None,
+  special_tokens=SPECIAL_TOKENS,
+) -> str:
   """Write a Gemma-style tokenizer trained on ``texts`` into ``directory``
   (``special_tokens`` take the first ids)."""
   from tokenizers import Tokenizer, decoders, models, normalizers, trainers
@@ -51,17 +67,25 @@ def gemma_style_tokenizer(directory: str, texts, *, vocab_size: int = 512,
   os.makedirs(directory, exist_ok=True)
   tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
   tok.normalizer = normalizers.Replace(" ", "▁")
-  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                   decoders.Fuse()])
+  tok.decoder = decoders.Sequence(
+    [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+  )
   byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*special_tokens,
-                                                                        *byte_tokens],
-                                show_progress=False)
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size, special_tokens=[*special_tokens, *byte_tokens], show_progress=False
+  )
   tok.train_from_iterator(texts, trainer)
   tok.save(os.path.join(directory, "tokenizer.json"), pretty=False)
-  config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>",
-            "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>",
-            "padding_side": "left", **(config or {})}
+  config = {
+    "tokenizer_class": "GemmaTokenizer",
+    "bos_token": "<bos>",
+    "eos_token": "<eos>",
+    "pad_token": "<pad>",
+    "unk_token": "<unk>",
+    "mask_token": "<mask>",
+    "padding_side": "left",
+    **(config or {}),
+  }
   with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
     json.dump(config, f, indent=1)
   with open(os.path.join(directory, "chat_template.jinja"), "w", encoding="utf-8") as f:
@@ -71,15 +95,19 @@ def gemma_style_tokenizer(directory: str, texts, *, vocab_size: int = 512,
 
 def conversation(rng) -> dict:
   a, b = (int(x) for x in rng.integers(1, 50, 2))
-  messages = [{"role": "user", "content": f"What is {a} plus {b}?"},
-              {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]
+  messages = [
+    {"role": "user", "content": f"What is {a} plus {b}?"},
+    {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+  ]
   if rng.random() < 0.3:
     messages.insert(0, {"role": "system", "content": "You add numbers."})
   total = a + b
   for _ in range(int(rng.integers(0, 3))):
     c = int(rng.integers(1, 20))
-    messages += [{"role": "user", "content": [{"type": "text", "text": f"And plus {c}?"}]},
-                 {"role": "assistant", "content": f"{total} plus {c} is {total + c}."}]
+    messages += [
+      {"role": "user", "content": [{"type": "text", "text": f"And plus {c}?"}]},
+      {"role": "assistant", "content": f"{total} plus {c} is {total + c}."},
+    ]
     total += c
   return {"messages": messages}
 
@@ -107,8 +135,9 @@ def texts_of(recs) -> list[str]:
 
 
 if __name__ == "__main__":
-  out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "cpjax", "examples",
-                     "chat")
+  out = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "cpjax", "examples", "chat"
+  )
   out = os.path.normpath(out)
   train, evaluation = records(400, seed=0), records(40, seed=1)
   gemma_style_tokenizer(out, texts_of(train))

@@ -14,12 +14,12 @@ the training layer or the command line.
 from cpjax.models.gemma4.config import PRESETS as PRESETS
 from cpjax.models.gemma4.config import Gemma4Config as Gemma4Config
 from cpjax.models.gemma4.cp_batch import (
-    make_contiguous_aux_only_shard_cp_batch as make_contiguous_aux_only_shard_cp_batch,
+  make_contiguous_aux_only_shard_cp_batch as make_contiguous_aux_only_shard_cp_batch,
 )
 from cpjax.models.gemma4.cp_batch import prepare_batch as prepare_batch
 from cpjax.models.gemma4.cp_batch import shard_aux_only_cp_batch as shard_aux_only_cp_batch
 from cpjax.models.gemma4.cp_batch import (
-    synthesize_single_document_seq_ids as synthesize_single_document_seq_ids,
+  synthesize_single_document_seq_ids as synthesize_single_document_seq_ids,
 )
 from cpjax.models.gemma4.cp_batch import synthetic_batch as synthetic_batch
 from cpjax.models.gemma4.cp_forward import cp_logits as cp_logits

@@ -47,7 +47,9 @@ __all__ = ["load_pretrained", "save_pretrained", "checkpoint_keys"]
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _AUDIO = re.compile(r"^model\.(audio_tower|embed_audio)\.")
-_SHARED_KV = re.compile(r"^model\.language_model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+_SHARED_KV = re.compile(
+  r"^model\.language_model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\."
+)
 
 
 def checkpoint_keys(model) -> dict[str, nnx.Variable]:
@@ -135,11 +137,13 @@ def _host_view(buffer: jax.Array) -> np.ndarray:
   return np.frombuffer(raw, dtype=buffer.dtype).reshape(buffer.shape)
 
 
-def _load_shard(file: str, key: str, index: tuple[slice, ...], shape: tuple[int, ...],
-                dtype, device) -> jax.Array:
+def _load_shard(
+  file: str, key: str, index: tuple[slice, ...], shape: tuple[int, ...], dtype, device
+) -> jax.Array:
   """The block ``index`` of tensor ``key`` (full ``shape``) on ``device``, as ``dtype``."""
   index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape)) + tuple(
-      slice(0, n) for n in shape[len(index):])
+    slice(0, n) for n in shape[len(index) :]
+  )
   block = tuple(s.stop - s.start for s in index)
   row_bytes = int(np.prod(block[1:], dtype=np.int64)) * max(np.dtype(dtype).itemsize, 4)
   if not block or block[0] * row_bytes <= CHUNK_BYTES:
@@ -152,7 +156,7 @@ def _load_shard(file: str, key: str, index: tuple[slice, ...], shape: tuple[int,
     hi = min(lo + rows, block[0])
     part = _read_slice(file, key, (slice(first + lo, first + hi), *index[1:]))
     if host is not None:
-      host[lo:hi] = part              # casts to dtype as numpy does
+      host[lo:hi] = part  # casts to dtype as numpy does
     else:
       buffer = _write_rows(buffer, jax.device_put(np.asarray(part, dtype), device), lo)
     del part
@@ -170,17 +174,26 @@ def _load_tensor(file: str, key: str, shape: tuple[int, ...], dtype, sharding) -
   read: dict = {}
   blocks = []
   for device, index in sharding.addressable_devices_indices_map(shape).items():
-    seen = read.get(repr(index))      # slices are unhashable before Python 3.12
-    block = (_load_shard(file, key, index, shape, dtype, device) if seen is None
-             else jax.device_put(seen, device))
+    seen = read.get(repr(index))  # slices are unhashable before Python 3.12
+    block = (
+      _load_shard(file, key, index, shape, dtype, device)
+      if seen is None
+      else jax.device_put(seen, device)
+    )
     read.setdefault(repr(index), block)
     blocks.append(block)
   return jax.make_array_from_single_device_arrays(shape, sharding, blocks)
 
 
-def load_pretrained(cls, path, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                    sharding: Callable[[str, tuple[int, ...]], P] | None = None,
-                    remat: bool | str = False):
+def load_pretrained(
+  cls,
+  path,
+  *,
+  dtype=jnp.float32,
+  mesh: Mesh | None = None,
+  sharding: Callable[[str, tuple[int, ...]], P] | None = None,
+  remat: bool | str = False,
+):
   """``cls`` (a :class:`Gemma4`) with the weights of the checkpoint in ``path``.
 
   ``dtype`` is both the parameter and the activation dtype (transformers'
@@ -190,22 +203,27 @@ def load_pretrained(cls, path, *, dtype=jnp.float32, mesh: Mesh | None = None,
   """
   path = os.fspath(path)
   cfg = Gemma4Config.from_hf(path)
-  model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype,
-                                     remat=remat))
+  model = nnx.eval_shape(
+    lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, remat=remat)
+  )
   wanted = checkpoint_keys(model)
   weight_map = _weight_map(path)
   shapes = _shapes(weight_map)
   missing = sorted(set(wanted) - set(shapes))
   unexpected = sorted(k for k in set(shapes) - set(wanted) if not _ignored(k, cfg))
   if missing or unexpected:
-    raise ValueError(f"checkpoint {path} does not fit the model its config.json describes: "
-                     f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''} "
-                     f"({len(missing)}), unexpected keys {unexpected[:8]}"
-                     f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})")
+    raise ValueError(
+      f"checkpoint {path} does not fit the model its config.json describes: "
+      f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+      f"({len(missing)}), unexpected keys {unexpected[:8]}"
+      f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
+    )
   for key, var in wanted.items():
     if shapes[key] != tuple(var.get_value().shape):
-      raise ValueError(f"checkpoint tensor {key!r} has shape {list(shapes[key])}, the model "
-                       f"expects {list(var.get_value().shape)}")
+      raise ValueError(
+        f"checkpoint tensor {key!r} has shape {list(shapes[key])}, the model "
+        f"expects {list(var.get_value().shape)}"
+      )
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   for key, var in wanted.items():
     spec = None if sharding is None or mesh is None else sharding(key, shapes[key])
@@ -224,12 +242,13 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 4 << 30) -> list[str]
   """
   from safetensors.numpy import save_file
 
-  adapters = [key for key, var in checkpoint_keys(model).items()
-              if isinstance(var, nnx.LoRAParam)]
+  adapters = [key for key, var in checkpoint_keys(model).items() if isinstance(var, nnx.LoRAParam)]
   if adapters:
-    raise ValueError(f"the model has LoRA adapters ({adapters[0]} ...), which a Hugging Face "
-                     f"checkpoint cannot hold: save them with cpjax.training.lora.save_adapter, or "
-                     f"save cpjax.training.lora.merge_lora(model)")
+    raise ValueError(
+      f"the model has LoRA adapters ({adapters[0]} ...), which a Hugging Face "
+      f"checkpoint cannot hold: save them with cpjax.training.lora.save_adapter, or "
+      f"save cpjax.training.lora.merge_lora(model)"
+    )
   path = os.fspath(path)
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
@@ -244,8 +263,11 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 4 << 30) -> list[str]
       size = 0
     groups[-1].append(key)
     size += nbytes
-  names = ([SINGLE_FILE] if len(groups) == 1 else
-           [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+  names = (
+    [SINGLE_FILE]
+    if len(groups) == 1
+    else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+  )
   weight_map, total = {}, 0
   for name, group in zip(names, groups):
     tensors = {k: np.asarray(jax.device_get(keys[k].get_value())) for k in group}

@@ -66,8 +66,9 @@ class Gemma4Config:
     if not isinstance(self.text, Gemma4TextConfig):
       raise TypeError(f"text must be a Gemma4TextConfig, got {type(self.text).__name__}")
     if self.vision is not None and not isinstance(self.vision, Gemma4VisionConfig):
-      raise TypeError(f"vision must be a Gemma4VisionConfig or None, got "
-                      f"{type(self.vision).__name__}")
+      raise TypeError(
+        f"vision must be a Gemma4VisionConfig or None, got {type(self.vision).__name__}"
+      )
 
   @property
   def placeholder_token_ids(self) -> tuple[int, int, int]:
@@ -80,8 +81,16 @@ class Gemma4Config:
     image and audio, pad, bos and eos (sorted)."""
     t = self.text
     eos = t.eos_token_id if isinstance(t.eos_token_id, tuple) else (t.eos_token_id,)
-    ids = {*self.placeholder_token_ids, self.boi_token_id, self.eoi_token_id, self.boa_token_id,
-           self.eoa_token_index, t.pad_token_id, t.bos_token_id, *eos}
+    ids = {
+      *self.placeholder_token_ids,
+      self.boi_token_id,
+      self.eoi_token_id,
+      self.boa_token_id,
+      self.eoa_token_index,
+      t.pad_token_id,
+      t.bos_token_id,
+      *eos,
+    }
     return tuple(sorted(ids))
 
   @classmethod
@@ -118,24 +127,42 @@ class Gemma4Config:
     if model_type == "gemma4_text":
       raw = {"text_config": raw, "vision_config": None}
     elif model_type != "gemma4":
-      raise ValueError(f"config.json model_type must be 'gemma4' or 'gemma4_text', got "
-                       f"{model_type!r}")
+      raise ValueError(
+        f"config.json model_type must be 'gemma4' or 'gemma4_text', got {model_type!r}"
+      )
     if "text_config" not in raw:
       raise KeyError("config.json has no 'text_config'")
-    _check_keys(raw, "config.json", {"text_config", "vision_config", "audio_config",
-                                     "tie_word_embeddings", "eoa_token_id", *_TOKEN_IDS})
+    _check_keys(
+      raw,
+      "config.json",
+      {
+        "text_config",
+        "vision_config",
+        "audio_config",
+        "tie_word_embeddings",
+        "eoa_token_id",
+        *_TOKEN_IDS,
+      },
+    )
     # The Hub's files carry both spellings of the end-of-audio id.
-    if raw.get("eoa_token_id", raw.get("eoa_token_index")) != raw.get("eoa_token_index",
-                                                                       raw.get("eoa_token_id")):
-      raise ValueError(f"config.json eoa_token_id ({raw['eoa_token_id']}) and eoa_token_index "
-                       f"({raw['eoa_token_index']}) disagree")
+    if raw.get("eoa_token_id", raw.get("eoa_token_index")) != raw.get(
+      "eoa_token_index", raw.get("eoa_token_id")
+    ):
+      raise ValueError(
+        f"config.json eoa_token_id ({raw['eoa_token_id']}) and eoa_token_index "
+        f"({raw['eoa_token_index']}) disagree"
+      )
     if "eoa_token_index" not in raw and "eoa_token_id" in raw:
       raw["eoa_token_index"] = raw["eoa_token_id"]
     text = _text_from_hf(dict(raw["text_config"]))
     if raw.get("tie_word_embeddings", text.tie_word_embeddings) != text.tie_word_embeddings:
-      raise ValueError(f"config.json tie_word_embeddings ({raw['tie_word_embeddings']}) and "
-                       f"text_config.tie_word_embeddings ({text.tie_word_embeddings}) disagree")
-    vision = None if raw.get("vision_config") is None else _vision_from_hf(dict(raw["vision_config"]))
+      raise ValueError(
+        f"config.json tie_word_embeddings ({raw['tie_word_embeddings']}) and "
+        f"text_config.tie_word_embeddings ({text.tie_word_embeddings}) disagree"
+      )
+    vision = (
+      None if raw.get("vision_config") is None else _vision_from_hf(dict(raw["vision_config"]))
+    )
     ids = {k: int(raw.get(k, v)) for k, v in _TOKEN_IDS.items()}
     return cls(text=text, vision=vision, has_audio=raw.get("audio_config") is not None, **ids)
 
@@ -152,51 +179,78 @@ class Gemma4Config:
     if t.full_rope_type == "proportional":
       full_rope["partial_rotary_factor"] = t.full_partial_rotary_factor
     text = {
-        "model_type": "gemma4_text", "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
-        "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_hidden_layers,
-        "num_attention_heads": t.num_attention_heads,
-        "num_key_value_heads": t.num_key_value_heads, "head_dim": t.head_dim,
-        "per_layer_config": full, "layer_types": list(t.layer_types),
-        "sliding_window": t.sliding_window,
-        "rope_parameters": {SLIDING: sliding_rope, FULL: full_rope},
-        "final_logit_softcapping": t.final_logit_softcapping,
-        "use_bidirectional_attention": t.use_bidirectional_attention,
-        "vocab_size_per_layer_input": t.vocab_size_per_layer_input,
-        "hidden_size_per_layer_input": t.hidden_size_per_layer_input,
-        "attention_k_eq_v": t.attention_k_eq_v, "num_kv_shared_layers": t.num_kv_shared_layers,
-        "enable_moe_block": t.enable_moe_block, "use_double_wide_mlp": t.use_double_wide_mlp,
-        "num_experts": t.num_experts, "top_k_experts": t.top_k_experts,
-        "moe_intermediate_size": t.moe_intermediate_size, "rms_norm_eps": t.rms_norm_eps,
-        "pad_token_id": t.pad_token_id,
-        "eos_token_id": list(t.eos_token_id) if isinstance(t.eos_token_id, tuple)
-        else t.eos_token_id,
-        "bos_token_id": t.bos_token_id, "max_position_embeddings": t.max_position_embeddings,
-        "tie_word_embeddings": t.tie_word_embeddings, "hidden_activation": _ACTIVATION,
-        "attention_bias": False,
+      "model_type": "gemma4_text",
+      "vocab_size": t.vocab_size,
+      "hidden_size": t.hidden_size,
+      "intermediate_size": t.intermediate_size,
+      "num_hidden_layers": t.num_hidden_layers,
+      "num_attention_heads": t.num_attention_heads,
+      "num_key_value_heads": t.num_key_value_heads,
+      "head_dim": t.head_dim,
+      "per_layer_config": full,
+      "layer_types": list(t.layer_types),
+      "sliding_window": t.sliding_window,
+      "rope_parameters": {SLIDING: sliding_rope, FULL: full_rope},
+      "final_logit_softcapping": t.final_logit_softcapping,
+      "use_bidirectional_attention": t.use_bidirectional_attention,
+      "vocab_size_per_layer_input": t.vocab_size_per_layer_input,
+      "hidden_size_per_layer_input": t.hidden_size_per_layer_input,
+      "attention_k_eq_v": t.attention_k_eq_v,
+      "num_kv_shared_layers": t.num_kv_shared_layers,
+      "enable_moe_block": t.enable_moe_block,
+      "use_double_wide_mlp": t.use_double_wide_mlp,
+      "num_experts": t.num_experts,
+      "top_k_experts": t.top_k_experts,
+      "moe_intermediate_size": t.moe_intermediate_size,
+      "rms_norm_eps": t.rms_norm_eps,
+      "pad_token_id": t.pad_token_id,
+      "eos_token_id": list(t.eos_token_id) if isinstance(t.eos_token_id, tuple) else t.eos_token_id,
+      "bos_token_id": t.bos_token_id,
+      "max_position_embeddings": t.max_position_embeddings,
+      "tie_word_embeddings": t.tie_word_embeddings,
+      "hidden_activation": _ACTIVATION,
+      "attention_bias": False,
     }
-    out = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
-           "text_config": text, "audio_config": None,
-           "tie_word_embeddings": t.tie_word_embeddings,
-           **{k: getattr(self, k) for k in _TOKEN_IDS}}
+    out = {
+      "architectures": ["Gemma4ForConditionalGeneration"],
+      "model_type": "gemma4",
+      "text_config": text,
+      "audio_config": None,
+      "tie_word_embeddings": t.tie_word_embeddings,
+      **{k: getattr(self, k) for k in _TOKEN_IDS},
+    }
     v = self.vision
-    out["vision_config"] = None if v is None else {
-        "model_type": "gemma4_vision", "hidden_size": v.hidden_size,
-        "intermediate_size": v.intermediate_size, "num_hidden_layers": v.num_hidden_layers,
+    out["vision_config"] = (
+      None
+      if v is None
+      else {
+        "model_type": "gemma4_vision",
+        "hidden_size": v.hidden_size,
+        "intermediate_size": v.intermediate_size,
+        "num_hidden_layers": v.num_hidden_layers,
         "num_attention_heads": v.num_attention_heads,
-        "num_key_value_heads": v.num_key_value_heads, "head_dim": v.head_dim,
-        "patch_size": v.patch_size, "pooling_kernel_size": v.pooling_kernel_size,
+        "num_key_value_heads": v.num_key_value_heads,
+        "head_dim": v.head_dim,
+        "patch_size": v.patch_size,
+        "pooling_kernel_size": v.pooling_kernel_size,
         "position_embedding_size": v.position_embedding_size,
         "rope_parameters": {"rope_theta": v.rope_theta, "rope_type": "axial"},
-        "use_clipped_linears": v.use_clipped_linears, "standardize": v.standardize,
-        "rms_norm_eps": v.rms_norm_eps, "hidden_activation": _ACTIVATION,
+        "use_clipped_linears": v.use_clipped_linears,
+        "standardize": v.standardize,
+        "rms_norm_eps": v.rms_norm_eps,
+        "hidden_activation": _ACTIVATION,
         "attention_bias": False,
-    }
+      }
+    )
     return out
 
 
 # The multimodal token ids, as transformers' Gemma4Config defaults them.
-_TOKEN_IDS = {f.name: f.default for f in dataclasses.fields(Gemma4Config)
-              if f.name.endswith(("_token_id", "_token_index"))}
+_TOKEN_IDS = {
+  f.name: f.default
+  for f in dataclasses.fields(Gemma4Config)
+  if f.name.endswith(("_token_id", "_token_index"))
+}
 
 
 def _pattern(layers: int, period: int) -> tuple[str, ...]:
@@ -204,66 +258,170 @@ def _pattern(layers: int, period: int) -> tuple[str, ...]:
 
 
 _SMALL_VISION = Gemma4VisionConfig(
-    hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
-    num_key_value_heads=12, head_dim=64, use_clipped_linears=True)
+  hidden_size=768,
+  intermediate_size=3072,
+  num_hidden_layers=16,
+  num_attention_heads=12,
+  num_key_value_heads=12,
+  head_dim=64,
+  use_clipped_linears=True,
+)
 _LARGE_VISION = Gemma4VisionConfig(
-    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-    num_key_value_heads=16, head_dim=72, standardize=True)
-_PUBLISHED = dict(vocab_size=262144, head_dim=256, global_head_dim=512,
-                  final_logit_softcapping=30.0, tie_word_embeddings=True)
+  hidden_size=1152,
+  intermediate_size=4304,
+  num_hidden_layers=27,
+  num_attention_heads=16,
+  num_key_value_heads=16,
+  head_dim=72,
+  standardize=True,
+)
+_PUBLISHED = dict(
+  vocab_size=262144,
+  head_dim=256,
+  global_head_dim=512,
+  final_logit_softcapping=30.0,
+  tie_word_embeddings=True,
+)
 # Tiny vision tower: patches of 4 pixels, 3x3 pooling, 2 layers.
 _TINY_VISION = Gemma4VisionConfig(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
-_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
-             final_logit_softcapping=30.0, vocab_size_per_layer_input=512,
-             max_position_embeddings=1 << 20)
+  hidden_size=32,
+  intermediate_size=64,
+  num_hidden_layers=2,
+  num_attention_heads=2,
+  num_key_value_heads=2,
+  head_dim=16,
+  patch_size=4,
+  position_embedding_size=64,
+)
+_TINY = dict(
+  vocab_size=512,
+  hidden_size=64,
+  intermediate_size=96,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  global_head_dim=32,
+  sliding_window=8,
+  final_logit_softcapping=30.0,
+  vocab_size_per_layer_input=512,
+  max_position_embeddings=1 << 20,
+)
 
 PRESETS: dict[str, Gemma4Config] = {
-    # --- the published sizes (transformers' converter and Google's gemma library)
-    "e2b": Gemma4Config(text=Gemma4TextConfig(
-        **_PUBLISHED, hidden_size=1536, num_hidden_layers=35, layer_types=_pattern(35, 5),
-        num_attention_heads=8, num_key_value_heads=1, intermediate_size=6144,
-        use_double_wide_mlp=True, sliding_window=512, hidden_size_per_layer_input=256,
-        num_kv_shared_layers=20), vision=_SMALL_VISION, has_audio=True),
-    "e4b": Gemma4Config(text=Gemma4TextConfig(
-        **_PUBLISHED, hidden_size=2560, num_hidden_layers=42, num_attention_heads=8,
-        num_key_value_heads=2, intermediate_size=10240, sliding_window=512,
-        hidden_size_per_layer_input=256, num_kv_shared_layers=18),
-        vision=_SMALL_VISION, has_audio=True),
-    "a4b": Gemma4Config(text=Gemma4TextConfig(
-        **_PUBLISHED, hidden_size=2816, num_hidden_layers=30, num_attention_heads=16,
-        num_key_value_heads=8, num_global_key_value_heads=2, attention_k_eq_v=True,
-        intermediate_size=2112, enable_moe_block=True, num_experts=128, top_k_experts=8,
-        moe_intermediate_size=704, sliding_window=1024, hidden_size_per_layer_input=0,
-        use_bidirectional_attention="vision", max_position_embeddings=262144),
-        vision=_LARGE_VISION),
-    "31b": Gemma4Config(text=Gemma4TextConfig(
-        **_PUBLISHED, hidden_size=5376, num_hidden_layers=60, num_attention_heads=32,
-        num_key_value_heads=16, num_global_key_value_heads=4, attention_k_eq_v=True,
-        intermediate_size=21504, sliding_window=1024, hidden_size_per_layer_input=0,
-        use_bidirectional_attention="vision", max_position_embeddings=262144),
-        vision=_LARGE_VISION),
-    # --- tiny models of the same architecture (tests, `cpjax train --model tiny`)
-    # E2B-like: per-layer inputs, K/V sharing with a double-wide MLP in the
-    # reuse layers, 4:1 pattern, clipped vision linears.
-    "tiny": Gemma4Config(text=Gemma4TextConfig(
-        **_TINY, num_hidden_layers=6, layer_types=_pattern(6, 3), hidden_size_per_layer_input=8,
-        num_kv_shared_layers=2, use_double_wide_mlp=True),
-        vision=dataclasses.replace(_TINY_VISION, use_clipped_linears=True)),
-    # 26B-A4B-like: MoE beside the dense MLP, k_eq_v with fewer full-layer KV
-    # heads, vision groups bidirectional on sliding layers, standardize.
-    "tiny-moe": Gemma4Config(text=Gemma4TextConfig(
-        **{**_TINY, "intermediate_size": 48}, num_hidden_layers=4, layer_types=_pattern(4, 2),
-        num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True,
-        num_experts=4, top_k_experts=2, moe_intermediate_size=24, hidden_size_per_layer_input=0,
-        use_bidirectional_attention="vision"),
-        vision=dataclasses.replace(_TINY_VISION, standardize=True)),
-    # use_bidirectional_attention="all" (every token sees both ways; no
-    # published model uses it), default RoPE on full layers, untied head.
-    "tiny-bidirectional": Gemma4Config(text=Gemma4TextConfig(
-        **{**_TINY, "tie_word_embeddings": False}, num_hidden_layers=3, layer_types=_pattern(3, 2),
-        hidden_size_per_layer_input=0, use_bidirectional_attention="all",
-        full_rope_type="default"), vision=_TINY_VISION),
+  # --- the published sizes (transformers' converter and Google's gemma library)
+  "e2b": Gemma4Config(
+    text=Gemma4TextConfig(
+      **_PUBLISHED,
+      hidden_size=1536,
+      num_hidden_layers=35,
+      layer_types=_pattern(35, 5),
+      num_attention_heads=8,
+      num_key_value_heads=1,
+      intermediate_size=6144,
+      use_double_wide_mlp=True,
+      sliding_window=512,
+      hidden_size_per_layer_input=256,
+      num_kv_shared_layers=20,
+    ),
+    vision=_SMALL_VISION,
+    has_audio=True,
+  ),
+  "e4b": Gemma4Config(
+    text=Gemma4TextConfig(
+      **_PUBLISHED,
+      hidden_size=2560,
+      num_hidden_layers=42,
+      num_attention_heads=8,
+      num_key_value_heads=2,
+      intermediate_size=10240,
+      sliding_window=512,
+      hidden_size_per_layer_input=256,
+      num_kv_shared_layers=18,
+    ),
+    vision=_SMALL_VISION,
+    has_audio=True,
+  ),
+  "a4b": Gemma4Config(
+    text=Gemma4TextConfig(
+      **_PUBLISHED,
+      hidden_size=2816,
+      num_hidden_layers=30,
+      num_attention_heads=16,
+      num_key_value_heads=8,
+      num_global_key_value_heads=2,
+      attention_k_eq_v=True,
+      intermediate_size=2112,
+      enable_moe_block=True,
+      num_experts=128,
+      top_k_experts=8,
+      moe_intermediate_size=704,
+      sliding_window=1024,
+      hidden_size_per_layer_input=0,
+      use_bidirectional_attention="vision",
+      max_position_embeddings=262144,
+    ),
+    vision=_LARGE_VISION,
+  ),
+  "31b": Gemma4Config(
+    text=Gemma4TextConfig(
+      **_PUBLISHED,
+      hidden_size=5376,
+      num_hidden_layers=60,
+      num_attention_heads=32,
+      num_key_value_heads=16,
+      num_global_key_value_heads=4,
+      attention_k_eq_v=True,
+      intermediate_size=21504,
+      sliding_window=1024,
+      hidden_size_per_layer_input=0,
+      use_bidirectional_attention="vision",
+      max_position_embeddings=262144,
+    ),
+    vision=_LARGE_VISION,
+  ),
+  # --- tiny models of the same architecture (tests, `cpjax train --model tiny`)
+  # E2B-like: per-layer inputs, K/V sharing with a double-wide MLP in the
+  # reuse layers, 4:1 pattern, clipped vision linears.
+  "tiny": Gemma4Config(
+    text=Gemma4TextConfig(
+      **_TINY,
+      num_hidden_layers=6,
+      layer_types=_pattern(6, 3),
+      hidden_size_per_layer_input=8,
+      num_kv_shared_layers=2,
+      use_double_wide_mlp=True,
+    ),
+    vision=dataclasses.replace(_TINY_VISION, use_clipped_linears=True),
+  ),
+  # 26B-A4B-like: MoE beside the dense MLP, k_eq_v with fewer full-layer KV
+  # heads, vision groups bidirectional on sliding layers, standardize.
+  "tiny-moe": Gemma4Config(
+    text=Gemma4TextConfig(
+      **{**_TINY, "intermediate_size": 48},
+      num_hidden_layers=4,
+      layer_types=_pattern(4, 2),
+      num_global_key_value_heads=1,
+      attention_k_eq_v=True,
+      enable_moe_block=True,
+      num_experts=4,
+      top_k_experts=2,
+      moe_intermediate_size=24,
+      hidden_size_per_layer_input=0,
+      use_bidirectional_attention="vision",
+    ),
+    vision=dataclasses.replace(_TINY_VISION, standardize=True),
+  ),
+  # use_bidirectional_attention="all" (every token sees both ways; no
+  # published model uses it), default RoPE on full layers, untied head.
+  "tiny-bidirectional": Gemma4Config(
+    text=Gemma4TextConfig(
+      **{**_TINY, "tie_word_embeddings": False},
+      num_hidden_layers=3,
+      layer_types=_pattern(3, 2),
+      hidden_size_per_layer_input=0,
+      use_bidirectional_attention="all",
+      full_rope_type="default",
+    ),
+    vision=_TINY_VISION,
+  ),
 }

@@ -26,8 +26,16 @@ from cpjax.layout import MIN_STRIPE_LEN, ShardLayout
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.sharding import shard_batch
 
-__all__ = ["IMAGE_OFFSET_KEY", "documents_from_positions", "synthetic_batch", "image_token_offsets", "make_contiguous_aux_only_shard_cp_batch",
-           "prepare_batch", "shard_aux_only_cp_batch", "synthesize_single_document_seq_ids"]
+__all__ = [
+  "IMAGE_OFFSET_KEY",
+  "documents_from_positions",
+  "synthetic_batch",
+  "image_token_offsets",
+  "make_contiguous_aux_only_shard_cp_batch",
+  "prepare_batch",
+  "shard_aux_only_cp_batch",
+  "synthesize_single_document_seq_ids",
+]
 
 # Per-row count of image tokens in the global rows before it (see
 # image_token_offsets): how a data-parallel shard finds its images.
@@ -65,21 +73,21 @@ def synthesize_single_document_seq_ids(batch: Mapping, seq_len: int) -> dict:
 
 
 def shard_aux_only_cp_batch(
-    mesh: Mesh,
-    batch: Mapping[str, Any],
-    *,
-    layout: str = "contiguous",
-    axis_name: str = "cp",
-    loss_mask=None,
-    padding_token_id: int = 0,
-    extra_seq_keys: Mapping[str, int] | None = None,
-    extra_pad_values: Mapping[str, Any] | None = None,
-    pad_multiple: int = 1,
-    batch_axis: str | None = None,
-    image_token_id: int | None = None,
-    implementation: str | None = None,
-    min_stripe_len: int = MIN_STRIPE_LEN,
-    layer_windows: Sequence[int | None] | None = None,
+  mesh: Mesh,
+  batch: Mapping[str, Any],
+  *,
+  layout: str = "contiguous",
+  axis_name: str = "cp",
+  loss_mask=None,
+  padding_token_id: int = 0,
+  extra_seq_keys: Mapping[str, int] | None = None,
+  extra_pad_values: Mapping[str, Any] | None = None,
+  pad_multiple: int = 1,
+  batch_axis: str | None = None,
+  image_token_id: int | None = None,
+  implementation: str | None = None,
+  min_stripe_len: int = MIN_STRIPE_LEN,
+  layer_windows: Sequence[int | None] | None = None,
 ) -> tuple[dict, ShardLayout]:
   """Gemma4's aux-only CP shard in any layout.
 
@@ -110,11 +118,21 @@ def shard_aux_only_cp_batch(
   seq_len = batch_lib.primary_length(batch)
   batch = synthesize_single_document_seq_ids(batch, seq_len)
   out, shard_layout = shard_batch(
-      batch, mesh, axis_name=axis_name, layout=layout, aux_only=True,
-      loss_mask=loss_mask, padding_token_id=padding_token_id,
-      extra_seq_keys=extra_seq_keys, extra_pad_values=extra_pad_values,
-      pad_multiple=pad_multiple, batch_axis=batch_axis, implementation=implementation,
-      min_stripe_len=min_stripe_len, layer_windows=layer_windows)
+    batch,
+    mesh,
+    axis_name=axis_name,
+    layout=layout,
+    aux_only=True,
+    loss_mask=loss_mask,
+    padding_token_id=padding_token_id,
+    extra_seq_keys=extra_seq_keys,
+    extra_pad_values=extra_pad_values,
+    pad_multiple=pad_multiple,
+    batch_axis=batch_axis,
+    implementation=implementation,
+    min_stripe_len=min_stripe_len,
+    layer_windows=layer_windows,
+  )
   if image_token_id is not None and "input_ids" in batch:
     is_image = jnp.asarray(batch["input_ids"]) == image_token_id
   elif "mm_token_type_ids" in batch:
@@ -130,14 +148,14 @@ def shard_aux_only_cp_batch(
 
 
 def make_contiguous_aux_only_shard_cp_batch(
-    mesh: Mesh,
-    batch: Mapping[str, Any],
-    *,
-    axis_name: str = "cp",
-    loss_mask=None,
-    padding_token_id: int = 0,
-    extra_seq_keys: Mapping[str, int] | None = None,
-    extra_pad_values: Mapping[str, Any] | None = None,
+  mesh: Mesh,
+  batch: Mapping[str, Any],
+  *,
+  axis_name: str = "cp",
+  loss_mask=None,
+  padding_token_id: int = 0,
+  extra_seq_keys: Mapping[str, int] | None = None,
+  extra_pad_values: Mapping[str, Any] | None = None,
 ) -> tuple[dict, ShardLayout]:
   """Aux-only contiguous CP shard for Gemma4's in-forward ("sunk") pre-embed.
 
@@ -154,9 +172,15 @@ def make_contiguous_aux_only_shard_cp_batch(
     ([[1, 1, 1, 1, 0, 0, 0, 0]], (1, 6))
   """
   return shard_aux_only_cp_batch(
-      mesh, batch, layout="contiguous", axis_name=axis_name, loss_mask=loss_mask,
-      padding_token_id=padding_token_id, extra_seq_keys=extra_seq_keys,
-      extra_pad_values=extra_pad_values)
+    mesh,
+    batch,
+    layout="contiguous",
+    axis_name=axis_name,
+    loss_mask=loss_mask,
+    padding_token_id=padding_token_id,
+    extra_seq_keys=extra_seq_keys,
+    extra_pad_values=extra_pad_values,
+  )
 
 
 def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> dict:
@@ -185,7 +209,8 @@ def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> d
 
   Example:
     >>> import numpy as np
-    >>> out = prepare_batch({"input_ids": np.ones((1, 3), np.int32), "labels": np.ones((1, 3), np.int32)})
+    >>> ones = np.ones((1, 3), np.int32)
+    >>> out = prepare_batch({"input_ids": ones, "labels": ones})
     >>> sorted(out)
     ['_packed_seq_ids', 'input_ids', 'labels', 'padding_mask', 'position_ids']
   """
@@ -194,14 +219,19 @@ def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> d
     raise TypeError(f"config must be a Gemma4Config or None, got {type(config).__name__}")
   for key in ("input_features", "input_features_mask", "pixel_values_videos"):
     if batch.get(key) is not None:
-      raise ValueError(f"batch key {key!r} is not supported: cpjax ports Gemma 4's text decoder "
-                       f"and vision tower (no audio tower; pass video frames as images)")
+      raise ValueError(
+        f"batch key {key!r} is not supported: cpjax ports Gemma 4's text decoder "
+        f"and vision tower (no audio tower; pass video frames as images)"
+      )
   if config is not None:
     _check_images(batch, config)
     _check_vocabulary(batch, config)
   out = batch_lib.attention_mask_to_padding_mask(batch)
-  if (batch_lib.DOCUMENT_IDS_KEY not in out and "padding_mask" not in out
-      and out.get("position_ids") is not None):
+  if (
+    batch_lib.DOCUMENT_IDS_KEY not in out
+    and "padding_mask" not in out
+    and out.get("position_ids") is not None
+  ):
     out[batch_lib.DOCUMENT_IDS_KEY] = documents_from_positions(out["position_ids"])
   out = synthesize_single_document_seq_ids(out, batch_lib.primary_length(out))
   out = batch_lib.normalize_batch(out, loss_mask=loss_mask, require_labels=False)
@@ -222,10 +252,11 @@ def documents_from_positions(position_ids) -> jax.Array:
   """
   pos = jnp.asarray(position_ids)
   if pos.ndim != 2:
-    raise ValueError(f"position_ids must be [B, S] to find packed documents, got shape "
-                     f"{tuple(pos.shape)}")
+    raise ValueError(
+      f"position_ids must be [B, S] to find packed documents, got shape {tuple(pos.shape)}"
+    )
   starts = jnp.diff(pos, axis=1, prepend=pos[:, :1] - 1) != 1
-  return 1 + jnp.cumsum(starts, axis=1, dtype=jnp.int32)   # 0 would mean padding
+  return 1 + jnp.cumsum(starts, axis=1, dtype=jnp.int32)  # 0 would mean padding
 
 
 def _check_images(batch: Mapping[str, Any], config) -> None:
@@ -239,32 +270,43 @@ def _check_images(batch: Mapping[str, Any], config) -> None:
   pixels = batch.get("pixel_values")
   if pixels is None:
     if placeholders:
-      raise ValueError(f"input_ids hold {placeholders} image placeholder tokens "
-                       f"(id {config.image_token_id}) but the batch has no pixel_values")
+      raise ValueError(
+        f"input_ids hold {placeholders} image placeholder tokens "
+        f"(id {config.image_token_id}) but the batch has no pixel_values"
+      )
     return
   if config.vision is None:
     raise ValueError("the batch has pixel_values but this Gemma 4 has no vision tower")
   if batch.get("image_position_ids") is None:
-    raise KeyError("the batch has pixel_values but no 'image_position_ids' (int[N, P, 2], "
-                   "the processor's patch (x, y) positions)")
+    raise KeyError(
+      "the batch has pixel_values but no 'image_position_ids' (int[N, P, 2], "
+      "the processor's patch (x, y) positions)"
+    )
   v = config.vision
   pix_shape = tuple(np.shape(pixels))
   pos = np.asarray(batch["image_position_ids"])
   if len(pix_shape) != 3 or pix_shape[2] != v.patch_features:
-    raise ValueError(f"pixel_values must be [N, P, 3 * patch_size**2 = {v.patch_features}] "
-                     f"patches, got shape {pix_shape}")
+    raise ValueError(
+      f"pixel_values must be [N, P, 3 * patch_size**2 = {v.patch_features}] "
+      f"patches, got shape {pix_shape}"
+    )
   if pos.shape != pix_shape[:2] + (2,):
-    raise ValueError(f"image_position_ids must have shape {pix_shape[:2] + (2,)} (that of "
-                     f"pixel_values [N, P] plus 2), got {pos.shape}")
-  k2 = v.pooling_kernel_size ** 2
+    raise ValueError(
+      f"image_position_ids must have shape {pix_shape[:2] + (2,)} (that of "
+      f"pixel_values [N, P] plus 2), got {pos.shape}"
+    )
+  k2 = v.pooling_kernel_size**2
   if pix_shape[1] % k2:
-    raise ValueError(f"patches per image ({pix_shape[1]}) must be a multiple of "
-                     f"pooling_kernel_size**2 = {k2}")
+    raise ValueError(
+      f"patches per image ({pix_shape[1]}) must be a multiple of pooling_kernel_size**2 = {k2}"
+    )
   soft = int(np.sum(soft_token_counts(pos, v.pooling_kernel_size)))
   if soft != placeholders:
-    raise ValueError(f"image placeholders and soft tokens disagree: input_ids hold "
-                     f"{placeholders} image tokens (id {config.image_token_id}) but the "
-                     f"{pix_shape[0]} images in pixel_values yield {soft} soft tokens")
+    raise ValueError(
+      f"image placeholders and soft tokens disagree: input_ids hold "
+      f"{placeholders} image tokens (id {config.image_token_id}) but the "
+      f"{pix_shape[0]} images in pixel_values yield {soft} soft tokens"
+    )
 
 
 def _check_vocabulary(batch: Mapping[str, Any], config) -> None:
@@ -278,12 +320,22 @@ def _check_vocabulary(batch: Mapping[str, Any], config) -> None:
   known = np.isin(ids, np.asarray(config.placeholder_token_ids))
   bad = ids[~known & ((ids < 0) | (ids >= config.text.vocab_size))]
   if bad.size:
-    raise ValueError(f"input_ids holds token ids outside the vocabulary [0, "
-                     f"{config.text.vocab_size}): {np.unique(bad)[:8].tolist()}")
+    raise ValueError(
+      f"input_ids holds token ids outside the vocabulary [0, "
+      f"{config.text.vocab_size}): {np.unique(bad)[:8].tolist()}"
+    )
 
 
-def synthetic_batch(rng, config, *, batch_size: int, seq_len: int, images_per_row: int = 1,
-                    max_docs: int = 4, image_grid: tuple[int, int] | None = None) -> dict:
+def synthetic_batch(
+  rng,
+  config,
+  *,
+  batch_size: int,
+  seq_len: int,
+  images_per_row: int = 1,
+  max_docs: int = 4,
+  image_grid: tuple[int, int] | None = None,
+) -> dict:
   """:func:`cpjax.data.synthetic_batch` for a :class:`Gemma4Config`: its
   vocabulary, image token and patch size (a text-only model gets no images).
   Text ids avoid every special id of the config
@@ -300,8 +352,9 @@ def synthetic_batch(rng, config, *, batch_size: int, seq_len: int, images_per_ro
   from cpjax.data.synthetic import synthetic_batch as generic
 
   if not isinstance(rng, np.random.Generator):
-    raise TypeError(f"rng must be a numpy Generator (np.random.default_rng(seed)), got "
-                    f"{type(rng).__name__}")
+    raise TypeError(
+      f"rng must be a numpy Generator (np.random.default_rng(seed)), got {type(rng).__name__}"
+    )
   if not isinstance(config, Gemma4Config):
     raise TypeError(f"config must be a Gemma4Config, got {type(config).__name__}")
   checks.integer("batch_size", batch_size, minimum=1)
@@ -312,11 +365,19 @@ def synthetic_batch(rng, config, *, batch_size: int, seq_len: int, images_per_ro
   if v is None:
     images_per_row = 0
   k = v.pooling_kernel_size if v else 3
-  out = generic(rng, batch_size=batch_size, seq_len=seq_len, vocab_size=config.text.vocab_size,
-                image_token_id=config.image_token_id, patch_size=v.patch_size if v else 1,
-                pooling_kernel_size=k, image_grid=image_grid or (2 * k, 2 * k),
-                images_per_row=images_per_row, max_docs=max_docs,
-                reserved_ids=config.special_token_ids)
+  out = generic(
+    rng,
+    batch_size=batch_size,
+    seq_len=seq_len,
+    vocab_size=config.text.vocab_size,
+    image_token_id=config.image_token_id,
+    patch_size=v.patch_size if v else 1,
+    pooling_kernel_size=k,
+    image_grid=image_grid or (2 * k, 2 * k),
+    images_per_row=images_per_row,
+    max_docs=max_docs,
+    reserved_ids=config.special_token_ids,
+  )
   if images_per_row == 0:
     for key in ("pixel_values", "image_position_ids", "mm_token_type_ids"):
       out.pop(key)

@@ -21,10 +21,18 @@ from cpjax.parallel import key_names
 __all__ = ["cp_logits"]
 
 
-def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "load_balanced",
-              axis_name: str = "cp", batch_axis: str | None = None,
-              implementation: str | None = None, interpret: bool = False,
-              expert_axes: tuple[str, ...] = ()) -> jax.Array:
+def cp_logits(
+  model: Gemma4,
+  batch: Mapping[str, Any],
+  mesh,
+  *,
+  layout: str = "load_balanced",
+  axis_name: str = "cp",
+  batch_axis: str | None = None,
+  implementation: str | None = None,
+  interpret: bool = False,
+  expert_axes: tuple[str, ...] = (),
+) -> jax.Array:
   """Full logits float32[B, S, V] of a :func:`prepare_batch` batch, computed
   with context parallelism over ``axis_name`` of ``mesh`` (and the batch
   over ``batch_axis``, if given) through the model's own sharder, gathered
@@ -49,12 +57,12 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
   """
   check_expert_axes(model.cfg, mesh, expert_axes)
   batch = dict(batch)
-  if "labels" not in batch:   # the sharder carries labels; these are never read
+  if "labels" not in batch:  # the sharder carries labels; these are never read
     batch["labels"] = jnp.full(jnp.shape(batch["input_ids"]), -100, jnp.int32)
   sharder = model.prepare_model_inputs_for_cp(layout=layout)["cp_sharder"]
-  sharded, shard_layout = sharder.shard_batch(batch, mesh, axis_name=axis_name,
-                                              batch_axis=batch_axis,
-                                              implementation=implementation)
+  sharded, shard_layout = sharder.shard_batch(
+    batch, mesh, axis_name=axis_name, batch_axis=batch_axis, implementation=implementation
+  )
   graphdef, state = nnx.split(model)
   context = CPContext(shard_layout, axis_name, implementation, interpret, tuple(expert_axes))
   specs = batch_specs(sharded)
@@ -63,15 +71,21 @@ def cp_logits(model: Gemma4, batch: Mapping[str, Any], mesh, *, layout: str = "l
     return nnx.merge(graphdef, state)(local_batch, cp=context)
 
   def run(state, sharded):
-    return jax.shard_map(local, mesh=mesh, in_specs=(state_specs(state, set(mesh.axis_names)),
-                                                     specs),
-                         out_specs=P(batch_axis, axis_name))(state, sharded)
+    return jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(state_specs(state, set(mesh.axis_names)), specs),
+      out_specs=P(batch_axis, axis_name),
+    )(state, sharded)
+
   # Experts split over the expert axes (as training stores them), the rest whole.
   rule = partition_rule(model.cfg, tp=1, expert_axes=tuple(expert_axes))
   placement = jax.tree.map_with_path(lambda path, x: rule(key_names(path), x.shape), state)
   with jax.set_mesh(mesh):
-    state = jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), state,
-                         placement)
+    state = jax.tree.map(
+      lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), state, placement
+    )
     logits = jax.jit(run)(state, sharded)
-  return from_rank_order(logits, shard_layout, source_index=sharded.get(SOURCE_INDEX_KEY)
-                         )[:, :shard_layout.original_seq_len]
+  return from_rank_order(logits, shard_layout, source_index=sharded.get(SOURCE_INDEX_KEY))[
+    :, : shard_layout.original_seq_len
+  ]

@@ -29,25 +29,43 @@ __all__ = ["IGNORED_CONFIG_KEYS"]
 # storage dtype (cpjax's ``dtype=`` chooses the compute and parameter dtype).
 # Every other key is either read into the config, checked to hold the one
 # value cpjax implements, or an unknown key (a ``ValueError`` naming it).
-_BOOKKEEPING = frozenset({
-    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype",
-    "initializer_range", "output_hidden_states", "output_attentions", "return_dict",
-    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-    "use_cache", "model_type"})
+_BOOKKEEPING = frozenset(
+  {
+    "_name_or_path",
+    "architectures",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "initializer_range",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "use_cache",
+    "model_type",
+  }
+)
 IGNORED_CONFIG_KEYS: dict[str, frozenset[str]] = {
-    # eos_token_id: generation's stop tokens. vision_soft_tokens_per_image:
-    # the processor's soft-token budget per image (it sizes the placeholder
-    # run in the text; the model reads the image as it comes).
-    "config.json": _BOOKKEEPING | {"eos_token_id", "vision_soft_tokens_per_image"},
-    "text_config": _BOOKKEEPING,
-    # The vision tower's patch positions come from position_embedding_size;
-    # its max_position_embeddings is unused by transformers' vision model.
-    # default_output_length: the processor's soft tokens per image, as above.
-    "vision_config": _BOOKKEEPING | {"max_position_embeddings", "default_output_length"},
+  # eos_token_id: generation's stop tokens. vision_soft_tokens_per_image:
+  # the processor's soft-token budget per image (it sizes the placeholder
+  # run in the text; the model reads the image as it comes).
+  "config.json": _BOOKKEEPING | {"eos_token_id", "vision_soft_tokens_per_image"},
+  "text_config": _BOOKKEEPING,
+  # The vision tower's patch positions come from position_embedding_size;
+  # its max_position_embeddings is unused by transformers' vision model.
+  # default_output_length: the processor's soft tokens per image, as above.
+  "vision_config": _BOOKKEEPING | {"max_position_embeddings", "default_output_length"},
 }
 # Keys that must hold the one value cpjax implements (transformers' defaults).
-_REQUIRED_VALUES = {"hidden_activation": _ACTIVATION, "attention_bias": False,
-                    "attention_dropout": 0.0}
+_REQUIRED_VALUES = {
+  "hidden_activation": _ACTIVATION,
+  "attention_bias": False,
+  "attention_dropout": 0.0,
+}
 
 
 def _check_keys(raw: dict, where: str, read: set[str]) -> None:
@@ -55,39 +73,54 @@ def _check_keys(raw: dict, where: str, read: set[str]) -> None:
   for key, want in _REQUIRED_VALUES.items():
     value = raw.get(key, want)
     if value != want and not (value is None and key != "hidden_activation"):
-      raise ValueError(f"{where}.{key} must be {want!r} (the only value cpjax implements), "
-                       f"got {value!r}")
+      raise ValueError(
+        f"{where}.{key} must be {want!r} (the only value cpjax implements), got {value!r}"
+      )
   unknown = sorted(set(raw) - read - set(_REQUIRED_VALUES) - IGNORED_CONFIG_KEYS[where])
   if unknown:
-    raise ValueError(f"{where} has keys cpjax does not know: {unknown}; they may change the "
-                     f"model's mathematics, so they are not ignored (keys ignored on purpose: "
-                     f"cpjax.models.gemma4.config.IGNORED_CONFIG_KEYS)")
+    raise ValueError(
+      f"{where} has keys cpjax does not know: {unknown}; they may change the "
+      f"model's mathematics, so they are not ignored (keys ignored on purpose: "
+      f"cpjax.models.gemma4.config.IGNORED_CONFIG_KEYS)"
+    )
 
 
-_TEXT_READ = ({f.name for f in dataclasses.fields(Gemma4TextConfig)}
-              | {"rope_parameters", "per_layer_config", "is_causal", "expert_intermediate_size"})
-_VISION_READ = ({f.name for f in dataclasses.fields(Gemma4VisionConfig)}
-                | {"rope_parameters", "global_head_dim"})
+_TEXT_READ = {f.name for f in dataclasses.fields(Gemma4TextConfig)} | {
+  "rope_parameters",
+  "per_layer_config",
+  "is_causal",
+  "expert_intermediate_size",
+}
+_VISION_READ = {f.name for f in dataclasses.fields(Gemma4VisionConfig)} | {
+  "rope_parameters",
+  "global_head_dim",
+}
 
 
 def _text_from_hf(raw: dict) -> Gemma4TextConfig:
   _check_keys(raw, "text_config", _TEXT_READ)
   fields = {f.name for f in dataclasses.fields(Gemma4TextConfig)}
   # The full-layer overrides are decided below, as transformers decides them.
-  kw = {k: v for k, v in raw.items()
-        if k in fields and k not in ("global_head_dim", "num_global_key_value_heads")}
+  kw = {
+    k: v
+    for k, v in raw.items()
+    if k in fields and k not in ("global_head_dim", "num_global_key_value_heads")
+  }
   if kw.get("layer_types") is not None:
     kw["layer_types"] = tuple(kw["layer_types"])
   # transformers writes is_causal = false exactly when every token sees both ways.
   causal = kw.get("use_bidirectional_attention") != "all"
   if raw.get("is_causal", causal) != causal:
-    raise ValueError(f"text_config.is_causal={raw['is_causal']} contradicts "
-                     f"use_bidirectional_attention={kw.get('use_bidirectional_attention')!r}")
+    raise ValueError(
+      f"text_config.is_causal={raw['is_causal']} contradicts "
+      f"use_bidirectional_attention={kw.get('use_bidirectional_attention')!r}"
+    )
   rope = raw.get("rope_parameters") or {}
   unknown = sorted(set(rope) - {SLIDING, FULL})
   if unknown:
-    raise ValueError(f"text_config.rope_parameters must be keyed by {SLIDING!r} and {FULL!r}, "
-                     f"got {unknown}")
+    raise ValueError(
+      f"text_config.rope_parameters must be keyed by {SLIDING!r} and {FULL!r}, got {unknown}"
+    )
   if SLIDING in rope:
     _check_rope(rope[SLIDING], f"text_config.rope_parameters.{SLIDING}", ("default",))
     kw["sliding_rope_theta"] = float(rope[SLIDING]["rope_theta"])
@@ -103,8 +136,10 @@ def _text_from_hf(raw: dict) -> Gemma4TextConfig:
   alias = raw.get("expert_intermediate_size")
   if alias is not None:
     if kw.get("moe_intermediate_size") not in (None, alias):
-      raise ValueError(f"text_config.expert_intermediate_size ({alias}) and "
-                       f"moe_intermediate_size ({kw['moe_intermediate_size']}) disagree")
+      raise ValueError(
+        f"text_config.expert_intermediate_size ({alias}) and "
+        f"moe_intermediate_size ({kw['moe_intermediate_size']}) disagree"
+      )
     kw["moe_intermediate_size"] = alias
   # A dense model's config.json may spell its MoE fields as null.
   for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
@@ -118,8 +153,10 @@ def _text_from_hf(raw: dict) -> Gemma4TextConfig:
     heads = {o.get("num_key_value_heads", base.num_key_value_heads) for o in full.values()}
     want = {i for i in range(base.num_hidden_layers) if base.is_full(i)}
     if set(full) != want or len(dims) != 1 or len(heads) != 1:
-      raise ValueError(f"text_config.per_layer_config must give every full layer {sorted(want)} "
-                       f"the same head_dim and num_key_value_heads, got {per_layer}")
+      raise ValueError(
+        f"text_config.per_layer_config must give every full layer {sorted(want)} "
+        f"the same head_dim and num_key_value_heads, got {per_layer}"
+      )
     kw["global_head_dim"], heads = dims.pop(), heads.pop()
     # None: "as the sliding layers" (the canonical spelling of no override).
     kw["num_global_key_value_heads"] = None if heads == base.num_key_value_heads else heads
@@ -151,8 +188,10 @@ def _vision_from_hf(raw: dict) -> Gemma4VisionConfig:
   kw = {k: v for k, v in raw.items() if k in fields}
   # The tower has no full-attention layers: the converter writes its head_dim here too.
   if raw.get("global_head_dim", kw.get("head_dim")) != kw.get("head_dim"):
-    raise ValueError(f"vision_config.global_head_dim ({raw['global_head_dim']}) must equal its "
-                     f"head_dim ({kw.get('head_dim')}): the vision tower has no full layers")
+    raise ValueError(
+      f"vision_config.global_head_dim ({raw['global_head_dim']}) must equal its "
+      f"head_dim ({kw.get('head_dim')}): the vision tower has no full layers"
+    )
   rope = raw.get("rope_parameters") or {}
   # The Hub's files say "default"; transformers reads that as the tower's
   # only kind, "axial" (standardize_rope_params with default_rope_type).

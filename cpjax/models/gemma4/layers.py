@@ -37,7 +37,7 @@ class Linear(nnx.Module):
   """A bias-free ``y = x @ W.T`` with ``W`` [out, in], computed in ``x``'s dtype."""
 
   def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs | None):
-    self.weight = nnx.Param(_init(rngs, (d_out, d_in), d_in ** -0.5))
+    self.weight = nnx.Param(_init(rngs, (d_out, d_in), d_in**-0.5))
 
   def __call__(self, x):
     return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
@@ -75,8 +75,9 @@ class RMSNorm(nnx.Module):
   """Gemma 4's RMSNorm: ``RMS(x) * w`` (plain ``w``, not Gemma 1-3's ``1 + w``)
   in float32, cast back to ``x``'s dtype. ``with_scale=False`` has no weight."""
 
-  def __init__(self, dim: int, *, eps: float, with_scale: bool = True,
-               rngs: nnx.Rngs | None = None):
+  def __init__(
+    self, dim: int, *, eps: float, with_scale: bool = True, rngs: nnx.Rngs | None = None
+  ):
     self.eps = eps
     self.with_scale = with_scale
     if with_scale:

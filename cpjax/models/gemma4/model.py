@@ -55,16 +55,19 @@ from cpjax.sharding import shard_sequence
 __all__ = ["Gemma4", "gemma4_masks"]
 
 UNSUPPORTED_INPUTS = {
-    "input_features": "audio inputs: cpjax ports Gemma 4's text decoder and vision tower, not "
-                      "the audio tower",
-    "pixel_values_videos": "video inputs: pass video frames as images (pixel_values) instead",
+  "input_features": "audio inputs: cpjax ports Gemma 4's text decoder and vision tower, not "
+  "the audio tower",
+  "pixel_values_videos": "video inputs: pass video frames as images (pixel_values) instead",
 }
 
 
 class Embedding(nnx.Module):
   def __init__(self, vocab: int, width: int, *, rngs: nnx.Rngs | None):
-    init = (jax.random.normal(rngs.params(), (vocab, width)) * width ** -0.5
-            if rngs is not None else jnp.zeros((vocab, width)))
+    init = (
+      jax.random.normal(rngs.params(), (vocab, width)) * width**-0.5
+      if rngs is not None
+      else jnp.zeros((vocab, width))
+    )
     self.weight = nnx.Param(init.astype(jnp.float32))
 
 
@@ -90,12 +93,14 @@ class Gemma4Model(nnx.Module):
     self.language_model = LanguageModel(cfg, rngs=rngs)
     if cfg.vision is not None:
       self.vision_tower = VisionTower(cfg.vision, rngs=rngs)
-      self.embed_vision = MultimodalEmbedder(cfg.vision.hidden_size, cfg.text.hidden_size,
-                                             eps=cfg.vision.rms_norm_eps, rngs=rngs)
+      self.embed_vision = MultimodalEmbedder(
+        cfg.vision.hidden_size, cfg.text.hidden_size, eps=cfg.vision.rms_norm_eps, rngs=rngs
+      )
 
 
-def gemma4_masks(cfg: Gemma4Config, *, segment_ids, padding_mask,
-                 vision_group_ids=None) -> dict[str, AttentionMask]:
+def gemma4_masks(
+  cfg: Gemma4Config, *, segment_ids, padding_mask, vision_group_ids=None
+) -> dict[str, AttentionMask]:
   """Gemma 4's attention mask of each layer type, as transformers builds them.
 
   * full: causal (``k <= q``); sliding: ``q - W < k <= q``;
@@ -123,8 +128,10 @@ def gemma4_masks(cfg: Gemma4Config, *, segment_ids, padding_mask,
   if t.use_bidirectional_attention == "all":
     rules = {FULL: LocalWindow(None, None), SLIDING: LocalWindow(w, w)}
   elif vision_group_ids is not None and t.use_bidirectional_attention == "vision":
-    rules = {FULL: LocalWindow(None, 0),
-             SLIDING: LocalWindow(w - 1, None) & (LocalWindow(None, 0) | SameVisionGroup())}
+    rules = {
+      FULL: LocalWindow(None, 0),
+      SLIDING: LocalWindow(w - 1, None) & (LocalWindow(None, 0) | SameVisionGroup()),
+    }
   else:
     rules = {FULL: LocalWindow(None, 0), SLIDING: LocalWindow(w - 1, 0)}
   out = {}
@@ -169,13 +176,22 @@ class Gemma4(nnx.Module):
   # gathers where it is used: each decoder layer inside its remat scope, the
   # tables looked up round the ring, the head left to the vocabulary-parallel
   # loss. The training step gathers the rest when it starts.
-  GATHERED_AT_USE = (("model", "language_model", "layers"),
-                     ("model", "language_model", "embed_tokens"),
-                     ("model", "language_model", "embed_tokens_per_layer"),
-                     ("lm_head",))
+  GATHERED_AT_USE = (
+    ("model", "language_model", "layers"),
+    ("model", "language_model", "embed_tokens"),
+    ("model", "language_model", "embed_tokens_per_layer"),
+    ("lm_head",),
+  )
 
-  def __init__(self, cfg: Gemma4Config, *, rngs: nnx.Rngs | None, dtype=jnp.float32,
-               param_dtype=jnp.float32, remat: bool | str = False):
+  def __init__(
+    self,
+    cfg: Gemma4Config,
+    *,
+    rngs: nnx.Rngs | None,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    remat: bool | str = False,
+  ):
     if not isinstance(cfg, Gemma4Config):
       raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")
     self.cfg = cfg
@@ -191,8 +207,9 @@ class Gemma4(nnx.Module):
 
   # ------------------------------------------------------------ checkpoints
   @classmethod
-  def from_pretrained(cls, path, *, dtype=jnp.float32, mesh=None, sharding=None,
-                      remat: bool | str = False) -> "Gemma4":
+  def from_pretrained(
+    cls, path, *, dtype=jnp.float32, mesh=None, sharding=None, remat: bool | str = False
+  ) -> "Gemma4":
     """Load a Hugging Face checkpoint directory (``config.json`` plus
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``).
 
@@ -247,9 +264,11 @@ class Gemma4(nnx.Module):
     types = batch.get("mm_token_type_ids")
     if types is not None and t.use_bidirectional_attention == "vision":
       groups = vision_group_ids(jnp.asarray(types))
-    return {"text_ids": jnp.where(placeholder, t.pad_token_id, ids),
-            "image_slot": jnp.where(is_image, slot, -1).astype(jnp.int32),
-            "vision_groups": groups}
+    return {
+      "text_ids": jnp.where(placeholder, t.pad_token_id, ids),
+      "image_slot": jnp.where(is_image, slot, -1).astype(jnp.int32),
+      "vision_groups": groups,
+    }
 
   def embed(self, batch: Mapping[str, Any], cp: CPContext | None = None):
     """Embeddings [B, L, D], per-layer inputs [B, L, layers, P] (or None) and
@@ -266,8 +285,12 @@ class Gemma4(nnx.Module):
     text_ids, slot, groups = streams["text_ids"], streams["image_slot"], streams["vision_groups"]
     inside = jnp.ones(text_ids.shape, bool)
     if cp is not None:
-      cut = functools.partial(shard_sequence, layout=cp.layout, axis_name=cp.axis_name,
-                              source_index=batch.get(SOURCE_INDEX_KEY))
+      cut = functools.partial(
+        shard_sequence,
+        layout=cp.layout,
+        axis_name=cp.axis_name,
+        source_index=batch.get(SOURCE_INDEX_KEY),
+      )
       text_ids, slot = cut(text_ids, pad_value=t.pad_token_id), cut(slot, pad_value=-1)
       groups = None if groups is None else cut(groups, pad_value=-1)
       inside = cut(inside, pad_value=False)
@@ -275,6 +298,7 @@ class Gemma4(nnx.Module):
     def table_lookup(name):
       table = getattr(lm, name).weight[...]
       return lookup(table, text_ids) if cp is None else cp.lookup(table, text_ids, _path(name))
+
     x = table_lookup("embed_tokens").astype(dt) * embed_scale(t.hidden_size, dt)
     if batch.get("pixel_values") is not None:
       x = self._place_images(x, slot, batch, cp)
@@ -284,21 +308,24 @@ class Gemma4(nnx.Module):
       b, l = text_ids.shape
       p = t.hidden_size_per_layer_input
       shape = (b, l, t.num_hidden_layers, p)
-      token = (table_lookup("embed_tokens_per_layer").astype(dt)
-               * embed_scale(p, dt)).reshape(shape)
-      context = lm.per_layer_model_projection(x) * jnp.asarray(t.hidden_size ** -0.5, dt)
+      token = (table_lookup("embed_tokens_per_layer").astype(dt) * embed_scale(p, dt)).reshape(
+        shape
+      )
+      context = lm.per_layer_model_projection(x) * jnp.asarray(t.hidden_size**-0.5, dt)
       context = lm.per_layer_projection_norm(context.reshape(shape))
-      per_layer = (context + token) * jnp.asarray(2 ** -0.5, dt)
+      per_layer = (context + token) * jnp.asarray(2**-0.5, dt)
       per_layer = jnp.where(inside[..., None, None], per_layer, 0)
     return x, per_layer, groups
 
   def image_features(self, pixel_values, image_position_ids):
     """Soft tokens of every image: ([N, M, D] in the activation dtype, bool[N, M])."""
     if self.cfg.vision is None:
-      raise ValueError("this Gemma 4 has no vision tower (vision_config is null) but the batch "
-                       "has pixel_values")
-    pooled, valid = self.model.vision_tower(jnp.asarray(pixel_values),
-                                            jnp.asarray(image_position_ids), self.dtype)
+      raise ValueError(
+        "this Gemma 4 has no vision tower (vision_config is null) but the batch has pixel_values"
+      )
+    pooled, valid = self.model.vision_tower(
+      jnp.asarray(pixel_values), jnp.asarray(image_position_ids), self.dtype
+    )
     return self.model.embed_vision(pooled).astype(self.dtype), valid
 
   def _split_image_features(self, pixel_values, image_position_ids, cp: CPContext | None):
@@ -323,14 +350,16 @@ class Gemma4(nnx.Module):
     """Soft tokens, numbered row-major over the GLOBAL batch, replace the
     image tokens: ``slot`` int[B, L] is each image token's number (-1 for
     the rest)."""
-    soft, valid = self._split_image_features(batch["pixel_values"], batch["image_position_ids"],
-                                             cp)
+    soft, valid = self._split_image_features(batch["pixel_values"], batch["image_position_ids"], cp)
     n, m, d = soft.shape
     soft, valid = soft.reshape(n * m, d), valid.reshape(n * m)
     # Real bins in order: the k-th real bin lives at flat index where_real[k].
     rank = jnp.cumsum(valid) - 1
-    where_real = jnp.zeros((n * m,), jnp.int32).at[jnp.where(valid, rank, n * m)].set(
-        jnp.arange(n * m, dtype=jnp.int32), mode="drop")
+    where_real = (
+      jnp.zeros((n * m,), jnp.int32)
+      .at[jnp.where(valid, rank, n * m)]
+      .set(jnp.arange(n * m, dtype=jnp.int32), mode="drop")
+    )
     source = where_real[jnp.clip(slot, 0, n * m - 1)]
     return jnp.where((slot >= 0)[..., None], gathered(soft)[source], x)
 
@@ -352,8 +381,7 @@ class Gemma4(nnx.Module):
     cap = out.logits_soft_cap
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
-  def hidden_states(self, batch: Mapping[str, Any], *, cp: CPContext | None = None
-                    ) -> HiddenStates:
+  def hidden_states(self, batch: Mapping[str, Any], *, cp: CPContext | None = None) -> HiddenStates:
     """The final hidden states [B, L, D] of this device's tokens, the output
     head [V, D] and the final soft cap: what :func:`cpjax.training.step.make_train_step`
     trains through (:func:`cpjax.training.loss.linear_cross_entropy`). Same
@@ -361,9 +389,11 @@ class Gemma4(nnx.Module):
     checks.mapping("batch", batch)
     missing = [k for k in MODEL_INPUTS if k not in batch]
     if missing:
-      raise KeyError(f"the model's batch lacks {missing}: pass a batch through "
-                     f"gemma4.prepare_batch (one device) or the model's sharder (CP), which "
-                     f"add them; got keys {sorted(batch)}")
+      raise KeyError(
+        f"the model's batch lacks {missing}: pass a batch through "
+        f"gemma4.prepare_batch (one device) or the model's sharder (CP), which "
+        f"add them; got keys {sorted(batch)}"
+      )
     if cp is not None and not isinstance(cp, CPContext):
       raise TypeError(f"cp must be a cpjax.CPContext or None, got {type(cp).__name__}")
     x, per_layer, groups = self.embed(batch, cp)
@@ -373,8 +403,12 @@ class Gemma4(nnx.Module):
     """The decoder on this device's tokens: embeddings x [B, L, D] -> :class:`HiddenStates`."""
     t = self.cfg.text
     positions = jnp.asarray(batch["position_ids"])
-    masks = gemma4_masks(self.cfg, segment_ids=jnp.asarray(batch[DOCUMENT_IDS_KEY]),
-                         padding_mask=jnp.asarray(batch["padding_mask"]), vision_group_ids=groups)
+    masks = gemma4_masks(
+      self.cfg,
+      segment_ids=jnp.asarray(batch[DOCUMENT_IDS_KEY]),
+      padding_mask=jnp.asarray(batch["padding_mask"]),
+      vision_group_ids=groups,
+    )
     ropes = {}
     for i, kind in enumerate(t.layer_types):
       if kind not in ropes:
@@ -386,9 +420,18 @@ class Gemma4(nnx.Module):
         if cp is None:
           out = reference_attention(q, k, v, mask=mask, scale=1.0)
         else:
-          out = ring_attention(q, k, v, layout=cp.layout, axis_name=cp.axis_name, mask=mask,
-                               scale=1.0, **cp.attention_options())
+          out = ring_attention(
+            q,
+            k,
+            v,
+            layout=cp.layout,
+            axis_name=cp.axis_name,
+            mask=mask,
+            scale=1.0,
+            **cp.attention_options(),
+          )
         return checkpoint_name(out, "attention_out")
+
       return attend
 
     experts = {} if cp is None else cp.expert_options()
@@ -402,23 +445,27 @@ class Gemma4(nnx.Module):
         if cp is not None and cp.gathered:
           graphdef, state = nnx.split(layer)
           layer = nnx.merge(graphdef, cp.gather(state, prefix))
-        x, kv, layer_stats = _run_layer(layer, x, pl, shared_kv, rope=ropes[kind],
-                                        attend=make_attend(masks), **experts)
+        x, kv, layer_stats = _run_layer(
+          layer, x, pl, shared_kv, rope=ropes[kind], attend=make_attend(masks), **experts
+        )
       else:
         # Everything the layer reads is an argument (no array is closed
         # over), as a custom VJP needs.
         graphdef, state = nnx.split(layer)
 
         def body(st, x, pl, kv, rope, masks, graphdef=graphdef, prefix=prefix):
-          if cp is not None:   # this layer's weights, whole, only inside its remat scope
+          if cp is not None:  # this layer's weights, whole, only inside its remat scope
             st = cp.gather(st, prefix)
-          return _run_layer(nnx.merge(graphdef, st), x, pl, kv, rope=rope,
-                            attend=make_attend(masks), **experts)
+          return _run_layer(
+            nnx.merge(graphdef, st), x, pl, kv, rope=rope, attend=make_attend(masks), **experts
+          )
+
         if self.remat == "full":
           run = remat_after_cotangent(body)
         else:
-          run = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(
-              "attention_out"))
+          run = jax.checkpoint(
+            body, policy=jax.checkpoint_policies.save_only_these_names("attention_out")
+          )
         x, kv, layer_stats = run(state, x, pl, dict(shared_kv), ropes[kind], masks)
       if t.kv_sharing_modes[i] == "store":
         shared_kv[kind] = kv
@@ -433,13 +480,16 @@ class Gemma4(nnx.Module):
     if cp is not None:
       head, head_axis = cp.head(head, path)
     metrics = None
-    if stats:   # what the routers did, per MoE layer: the step reports it
-      metrics = {"expert_tokens": jax.lax.stop_gradient(jnp.stack([s.tokens for s in stats])),
-                 "expert_dropped": jax.lax.stop_gradient(jnp.stack([s.dropped for s in stats]))}
+    if stats:  # what the routers did, per MoE layer: the step reports it
+      metrics = {
+        "expert_tokens": jax.lax.stop_gradient(jnp.stack([s.tokens for s in stats])),
+        "expert_dropped": jax.lax.stop_gradient(jnp.stack([s.dropped for s in stats])),
+      }
     return HiddenStates(x, head.astype(x.dtype), t.final_logit_softcapping, metrics, head_axis)
 
-  def prepare_model_inputs_for_cp(self, batch: Mapping[str, Any] | None = None, *,
-                                  layout: str = "contiguous") -> dict:
+  def prepare_model_inputs_for_cp(
+    self, batch: Mapping[str, Any] | None = None, *, layout: str = "contiguous"
+  ) -> dict:
     """``{"cp_sharder": ContextParallelSharder}`` whose ``shard_batch`` is the
     aux-only sharder (``layout`` ``"contiguous"`` as the original,
     ``"load_balanced"`` or ``"document_balanced"``, whose stripes are no
@@ -450,13 +500,21 @@ class Gemma4(nnx.Module):
     if layout not in LAYOUT_KINDS:
       raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
     t = self.cfg.text
-    return {"cp_sharder": ContextParallelSharder(shard_batch=functools.partial(
-        _sharder_call, layout=layout, image_token_id=self.cfg.image_token_id,
-        # document_balanced: stripes no shorter than the window keep its ring
-        # at one hop, and the balance counts each layer's own work.
-        min_stripe_len=t.effective_sliding_window,
-        layer_windows=tuple(t.effective_sliding_window if kind == SLIDING else None
-                            for kind in t.layer_types)))}
+    return {
+      "cp_sharder": ContextParallelSharder(
+        shard_batch=functools.partial(
+          _sharder_call,
+          layout=layout,
+          image_token_id=self.cfg.image_token_id,
+          # document_balanced: stripes no shorter than the window keep its ring
+          # at one hop, and the balance counts each layer's own work.
+          min_stripe_len=t.effective_sliding_window,
+          layer_windows=tuple(
+            t.effective_sliding_window if kind == SLIDING else None for kind in t.layer_types
+          ),
+        )
+      )
+    }
 
 
 def _run_layer(layer, x, per_layer_input, shared_kv, *, rope, attend, **experts):
@@ -466,4 +524,3 @@ def _run_layer(layer, x, per_layer_input, shared_kv, *, rope, attend, **experts)
 def _sharder_call(batch, mesh, *, layout, image_token_id, **kw):
   """``shard_batch(batch, mesh, **kw)`` argument order for the Gemma 4 sharder."""
   return shard_aux_only_cp_batch(mesh, batch, layout=layout, image_token_id=image_token_id, **kw)
-

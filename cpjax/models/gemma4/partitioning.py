@@ -33,12 +33,13 @@ from cpjax.parallel import PartitionRule, batch_axis_of, expert_axes
 
 __all__ = ["check_expert_axes", "check_mesh", "partition_rule"]
 
-_ROWS = ("q_proj", "gate_proj", "up_proj")     # [out = heads x head_dim or hidden, in]
-_COLUMNS = ("o_proj", "down_proj")             # [out, in = heads x head_dim or hidden]
+_ROWS = ("q_proj", "gate_proj", "up_proj")  # [out = heads x head_dim or hidden, in]
+_COLUMNS = ("o_proj", "down_proj")  # [out, in = heads x head_dim or hidden]
 
 
-def partition_rule(cfg: Gemma4Config, *, tp: int,
-                   expert_axes: tuple[str, ...] = ()) -> PartitionRule:
+def partition_rule(
+  cfg: Gemma4Config, *, tp: int, expert_axes: tuple[str, ...] = ()
+) -> PartitionRule:
   """``rule(path, shape) -> PartitionSpec`` placing ``"tp"`` on Gemma 4's text
   decoder, and the experts over ``expert_axes`` when given (their expert
   dimension split over those axes, the first major)."""
@@ -53,7 +54,7 @@ def partition_rule(cfg: Gemma4Config, *, tp: int,
     if len(path) < 6 or path[:3] != ("model", "language_model", "layers"):
       return P()
     layer, block, name = int(path[3]), path[4], path[5]
-    if block == "experts":              # gate_up_proj [E, 2I, D], down_proj [E, D, I]
+    if block == "experts":  # gate_up_proj [E, 2I, D], down_proj [E, D, I]
       return P(expert_axes) if expert_axes else P("tp") if tp > 1 else P()
     if tp == 1:
       return P()
@@ -95,19 +96,29 @@ def check_expert_axes(cfg: Gemma4Config, mesh: Mesh, expert_axes) -> None:
     return
   unknown = [a for a in expert_axes if a not in mesh.axis_names]
   if unknown:
-    raise ValueError(f"expert_axes {expert_axes} name axes {unknown} the mesh "
-                     f"{mesh.axis_names} does not have")
+    raise ValueError(
+      f"expert_axes {expert_axes} name axes {unknown} the mesh {mesh.axis_names} does not have"
+    )
   ep = math.prod(int(mesh.shape[a]) for a in expert_axes)
   if not cfg.text.enable_moe_block:
-    raise ValueError(f"ep={ep} needs a mixture of experts; this Gemma 4 has none "
-                     f"(enable_moe_block is false; expert_axes {expert_axes})")
+    raise ValueError(
+      f"ep={ep} needs a mixture of experts; this Gemma 4 has none "
+      f"(enable_moe_block is false; expert_axes {expert_axes})"
+    )
   if cfg.text.num_experts % ep:
-    raise ValueError(f"ep={ep} does not divide the {cfg.text.num_experts} experts "
-                     f"(expert_axes {expert_axes})")
+    raise ValueError(
+      f"ep={ep} does not divide the {cfg.text.num_experts} experts (expert_axes {expert_axes})"
+    )
 
 
-def check_mesh(cfg: Gemma4Config, mesh: Mesh, *, seq_len: int | None = None,
-               batch_size: int | None = None, ep: int = 1) -> None:
+def check_mesh(
+  cfg: Gemma4Config,
+  mesh: Mesh,
+  *,
+  seq_len: int | None = None,
+  batch_size: int | None = None,
+  ep: int = 1,
+) -> None:
   """``ValueError`` naming the axis and the sizes when ``mesh`` cannot run ``cfg``.
 
   ``tp`` must divide the query heads, every layer's MLP width and the number
@@ -127,19 +138,24 @@ def check_mesh(cfg: Gemma4Config, mesh: Mesh, *, seq_len: int | None = None,
   t = cfg.text
   tp = int(mesh.shape["tp"]) if "tp" in mesh.axis_names else 1
   if t.num_attention_heads % tp:
-    raise ValueError(f"mesh axis 'tp' of size {tp} does not divide the "
-                     f"{t.num_attention_heads} attention heads")
+    raise ValueError(
+      f"mesh axis 'tp' of size {tp} does not divide the {t.num_attention_heads} attention heads"
+    )
   for i in range(t.num_hidden_layers):
     if t.mlp_size(i) % tp:
-      raise ValueError(f"mesh axis 'tp' of size {tp} does not divide layer {i}'s MLP width "
-                       f"{t.mlp_size(i)}")
+      raise ValueError(
+        f"mesh axis 'tp' of size {tp} does not divide layer {i}'s MLP width {t.mlp_size(i)}"
+      )
   if t.enable_moe_block and t.num_experts % tp:
     raise ValueError(f"mesh axis 'tp' of size {tp} does not divide the {t.num_experts} experts")
   check_expert_axes(cfg, mesh, expert_axes(mesh, ep))
   batch_axis = batch_axis_of(mesh)
   if batch_size is not None and batch_axis is not None and batch_size % mesh.shape[batch_axis]:
-    raise ValueError(f"mesh axis {batch_axis!r} of size {mesh.shape[batch_axis]} does not "
-                     f"divide the batch size {batch_size}")
+    raise ValueError(
+      f"mesh axis {batch_axis!r} of size {mesh.shape[batch_axis]} does not "
+      f"divide the batch size {batch_size}"
+    )
   if seq_len is not None and "cp" in mesh.axis_names and seq_len % mesh.shape["cp"]:
-    raise ValueError(f"mesh axis 'cp' of size {mesh.shape['cp']} does not divide the "
-                     f"sequence length {seq_len}")
+    raise ValueError(
+      f"mesh axis 'cp' of size {mesh.shape['cp']} does not divide the sequence length {seq_len}"
+    )

@@ -56,16 +56,20 @@ def remat_after_cotangent(fn):
   a later re-trace recomputes the layer without its adapters, and their
   gradients come out zero).
   """
+
   def run(*args):
     flat, tree = jax.tree.flatten(args)
-    traced, out_shape = jax.make_jaxpr(lambda *leaves: fn(*tree.unflatten(leaves)),
-                                       return_shape=True)(*flat)
+    traced, out_shape = jax.make_jaxpr(
+      lambda *leaves: fn(*tree.unflatten(leaves)), return_shape=True
+    )(*flat)
     out_tree = jax.tree.structure(out_shape)
 
     def replay(*args):
       out = jax.core.eval_jaxpr(traced.jaxpr, traced.consts, *jax.tree.leaves(args))
       return out_tree.unflatten(out)
+
     return _tied_remat(replay, *args)
+
   return run
 
 
@@ -95,6 +99,7 @@ def _tied_remat_bwd(fn, args, g):
     if not varying_axes(nan) <= varying_axes(v):
       return v
     return jnp.where(nan, jnp.zeros_like(v), v)
+
   x, state = tie(x), jax.tree.map(tie, state)
   # The masks (integer streams) get no cotangent.
   return (*jax.vjp(lambda *a: fn(*a, masks), state, x, *rest)[1](g), None)
@@ -133,6 +138,7 @@ def remat_tiles(fn, state, tiles):
 
   def one_tile(leaves, tile):
     return jax.core.eval_jaxpr(traced.jaxpr, traced.consts, *leaves, tile)[0]
+
   return _remat_tiles(one_tile, leaves, tiles)
 
 
@@ -140,6 +146,7 @@ def remat_tiles(fn, state, tiles):
 def _remat_tiles(one_tile, leaves, tiles):
   def one(i, out):
     return lax.dynamic_update_index_in_dim(out, one_tile(leaves, tiles[i]), i, 0)
+
   return lax.fori_loop(0, tiles.shape[0], one, filled_after(tiles, tiles.shape, dtype=tiles.dtype))
 
 
@@ -157,8 +164,11 @@ def _remat_tiles_bwd(one_tile, residuals, g):
     d_leaf, d_tile = jax.vjp(one_tile, leaves, tiles[i])[1](g[i])
     d_leaves = [d + d_leaf[j] for d, j in zip(d_leaves, grows)]
     return d_leaves, lax.dynamic_update_index_in_dim(d_tiles, d_tile, i, 0)
-  init = ([filled_after(g, leaves[j].shape, dtype=leaves[j].dtype) for j in grows],
-          filled_after(g, tiles.shape, dtype=tiles.dtype))
+
+  init = (
+    [filled_after(g, leaves[j].shape, dtype=leaves[j].dtype) for j in grows],
+    filled_after(g, tiles.shape, dtype=tiles.dtype),
+  )
   d_grown, d_tiles = lax.fori_loop(0, tiles.shape[0], one, init)
   d_leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in leaves]
   for j, d in zip(grows, d_grown):

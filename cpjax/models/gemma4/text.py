@@ -129,7 +129,7 @@ class Router(nnx.Module):
     self.scale = nnx.Param(jnp.ones((cfg.hidden_size,), jnp.float32))
     self.per_expert_scale = nnx.Param(jnp.ones((cfg.num_experts,), jnp.float32))
     self.top_k, self.eps = cfg.top_k_experts, cfg.rms_norm_eps
-    self.root = cfg.hidden_size ** -0.5
+    self.root = cfg.hidden_size**-0.5
 
   def __call__(self, r):
     """r: [T, D] -> (weights float32[T, k], expert ids int32[T, k])."""
@@ -150,14 +150,24 @@ class Experts(nnx.Module):
 
   def __init__(self, cfg: Gemma4TextConfig, *, rngs):
     e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    normal = (lambda shape, fan_in: jax.random.normal(rngs.params(), shape) * fan_in ** -0.5
-              if rngs is not None else jnp.zeros(shape))
+    normal = lambda shape, fan_in: (
+      jax.random.normal(rngs.params(), shape) * fan_in**-0.5
+      if rngs is not None
+      else jnp.zeros(shape)
+    )
     self.gate_up_proj = nnx.Param(normal((e, 2 * i, d), d).astype(jnp.float32))
     self.down_proj = nnx.Param(normal((e, d, i), i).astype(jnp.float32))
     self.num_experts, self.hidden = e, i
 
-  def __call__(self, x, weights, idx, *, expert_axes: tuple[str, ...] = (),
-               capacity_factor: float | None = None) -> tuple[jax.Array, ExpertStats]:
+  def __call__(
+    self,
+    x,
+    weights,
+    idx,
+    *,
+    expert_axes: tuple[str, ...] = (),
+    capacity_factor: float | None = None,
+  ) -> tuple[jax.Array, ExpertStats]:
     """x: [T, D]; weights float32[T, k]; idx int32[T, k] -> ([T, D], stats).
 
     With ``expert_axes`` the experts are split over those mesh axes and
@@ -165,15 +175,23 @@ class Experts(nnx.Module):
     hidden = self.hidden
 
     def run(rows, sizes, params):
-      gate_up, down = params                          # [E, 2I, D], [E, D, I] (those here)
+      gate_up, down = params  # [E, 2I, D], [E, D, I] (those here)
       dt = rows.dtype
       gu = grouped_matmul(rows, jnp.swapaxes(gate_up, 1, 2).astype(dt), sizes)
-      return grouped_matmul(gelu(gu[:, :hidden]) * gu[:, hidden:],
-                            jnp.swapaxes(down, 1, 2).astype(dt), sizes)
+      return grouped_matmul(
+        gelu(gu[:, :hidden]) * gu[:, hidden:], jnp.swapaxes(down, 1, 2).astype(dt), sizes
+      )
 
-    return routed_experts(x, weights, idx, (self.gate_up_proj[...], self.down_proj[...]), run,
-                          num_experts=self.num_experts, expert_axes=expert_axes,
-                          capacity_factor=capacity_factor)
+    return routed_experts(
+      x,
+      weights,
+      idx,
+      (self.gate_up_proj[...], self.down_proj[...]),
+      run,
+      num_experts=self.num_experts,
+      expert_axes=expert_axes,
+      capacity_factor=capacity_factor,
+    )
 
 
 class DecoderLayer(nnx.Module):
@@ -202,8 +220,17 @@ class DecoderLayer(nnx.Module):
       self.per_layer_projection = Linear(self.ple, d, rngs=rngs)
       self.post_per_layer_input_norm = RMSNorm(d, eps=eps)
 
-  def __call__(self, x, per_layer_input, rope, attend, shared_kv: dict, *,
-               expert_axes: tuple[str, ...] = (), capacity_factor: float | None = None):
+  def __call__(
+    self,
+    x,
+    per_layer_input,
+    rope,
+    attend,
+    shared_kv: dict,
+    *,
+    expert_axes: tuple[str, ...] = (),
+    capacity_factor: float | None = None,
+  ):
     """x: [B, S, D]; per_layer_input: [B, S, P] or None. Returns (x, (k, v),
     :class:`~cpjax.experts.ExpertStats` or None); ``expert_axes`` and
     ``capacity_factor`` as :func:`cpjax.experts.routed_experts`."""
@@ -221,11 +248,15 @@ class DecoderLayer(nnx.Module):
       weights, idx = self.router(flat)
       b = residual.shape[0]
       experts, stats = self.experts(
-          self.pre_feedforward_layernorm_2(flat).reshape(b, -1, flat.shape[-1]),
-          weights.reshape(b, -1, weights.shape[-1]), idx.reshape(b, -1, idx.shape[-1]),
-          expert_axes=expert_axes, capacity_factor=capacity_factor)
-      ffw = (self.post_feedforward_layernorm_1(ffw)
-             + self.post_feedforward_layernorm_2(experts.reshape(residual.shape)))
+        self.pre_feedforward_layernorm_2(flat).reshape(b, -1, flat.shape[-1]),
+        weights.reshape(b, -1, weights.shape[-1]),
+        idx.reshape(b, -1, idx.shape[-1]),
+        expert_axes=expert_axes,
+        capacity_factor=capacity_factor,
+      )
+      ffw = self.post_feedforward_layernorm_1(ffw) + self.post_feedforward_layernorm_2(
+        experts.reshape(residual.shape)
+      )
     x = residual + self.post_feedforward_layernorm(ffw)
     if self.ple:
       gated = gelu(self.per_layer_input_gate(x)) * per_layer_input

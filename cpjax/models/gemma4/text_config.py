@@ -75,50 +75,74 @@ class Gemma4TextConfig:
   tie_word_embeddings: bool = True
 
   def __post_init__(self):
-    _require_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                             "num_attention_heads", "num_key_value_heads", "head_dim",
-                             "global_head_dim", "sliding_window", "max_position_embeddings"))
+    _require_positive(
+      self,
+      (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "global_head_dim",
+        "sliding_window",
+        "max_position_embeddings",
+      ),
+    )
     layers = self.num_hidden_layers
     types = self.layer_types
     if types is None:
       types = tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(layers))
     types = tuple(types)
     if len(types) != layers or set(types) - {FULL, SLIDING}:
-      raise ValueError(f"layer_types must be {layers} entries of {FULL!r} / {SLIDING!r}, got "
-                       f"{list(types)}")
+      raise ValueError(
+        f"layer_types must be {layers} entries of {FULL!r} / {SLIDING!r}, got {list(types)}"
+      )
     # As transformers: the last layer is always full attention.
     object.__setattr__(self, "layer_types", types[:-1] + (FULL,))
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
     for i in range(layers):
       if self.num_attention_heads % self.kv_heads(i):
-        raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                         f"layer {i}'s KV heads ({self.kv_heads(i)})")
+        raise ValueError(
+          f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+          f"layer {i}'s KV heads ({self.kv_heads(i)})"
+        )
     if self.head_dim % 2 or self.global_head_dim % 2:
-      raise ValueError(f"head_dim and global_head_dim must be even (RoPE), got {self.head_dim} "
-                       f"and {self.global_head_dim}")
+      raise ValueError(
+        f"head_dim and global_head_dim must be even (RoPE), got {self.head_dim} "
+        f"and {self.global_head_dim}"
+      )
     if self.use_bidirectional_attention not in _BIDIRECTIONAL:
-      raise ValueError(f"use_bidirectional_attention must be one of {_BIDIRECTIONAL}, got "
-                       f"{self.use_bidirectional_attention!r}")
+      raise ValueError(
+        f"use_bidirectional_attention must be one of {_BIDIRECTIONAL}, got "
+        f"{self.use_bidirectional_attention!r}"
+      )
     if self.full_rope_type not in ("default", "proportional"):
-      raise ValueError(f"full_rope_type must be 'default' or 'proportional', got "
-                       f"{self.full_rope_type!r}")
+      raise ValueError(
+        f"full_rope_type must be 'default' or 'proportional', got {self.full_rope_type!r}"
+      )
     if not 0 < self.full_partial_rotary_factor <= 1:
-      raise ValueError(f"full_partial_rotary_factor must be in (0, 1], got "
-                       f"{self.full_partial_rotary_factor}")
+      raise ValueError(
+        f"full_partial_rotary_factor must be in (0, 1], got {self.full_partial_rotary_factor}"
+      )
     if not 0 <= self.num_kv_shared_layers <= layers:
-      raise ValueError(f"num_kv_shared_layers must be in [0, {layers}], got "
-                       f"{self.num_kv_shared_layers}")
+      raise ValueError(
+        f"num_kv_shared_layers must be in [0, {layers}], got {self.num_kv_shared_layers}"
+      )
     if self.hidden_size_per_layer_input < 0:
-      raise ValueError(f"hidden_size_per_layer_input must be >= 0, got "
-                       f"{self.hidden_size_per_layer_input}")
+      raise ValueError(
+        f"hidden_size_per_layer_input must be >= 0, got {self.hidden_size_per_layer_input}"
+      )
     if self.hidden_size_per_layer_input:
       _require_positive(self, ("vocab_size_per_layer_input",))
     if self.enable_moe_block:
       _require_positive(self, ("num_experts", "top_k_experts", "moe_intermediate_size"))
       if self.top_k_experts > self.num_experts:
-        raise ValueError(f"top_k_experts ({self.top_k_experts}) must be <= num_experts "
-                         f"({self.num_experts})")
+        raise ValueError(
+          f"top_k_experts ({self.top_k_experts}) must be <= num_experts ({self.num_experts})"
+        )
     self.kv_sharing_modes  # noqa: B018  (validates that every reused type has a store layer)
 
   # ------------------------------------------------------------ per layer
@@ -144,16 +168,19 @@ class Gemma4TextConfig:
     layers, shared = self.num_hidden_layers, self.num_kv_shared_layers
     if shared == layers:
       # transformers: every layer reuses, nothing stores; it cannot run.
-      raise ValueError("num_kv_shared_layers equal to num_hidden_layers leaves no layer to "
-                       "compute K/V")
+      raise ValueError(
+        "num_kv_shared_layers equal to num_hidden_layers leaves no layer to compute K/V"
+      )
     first = layers - shared
     modes: list[str | None] = [None if i < first else "reuse" for i in range(layers)]
     if shared:
       for kind in set(self.layer_types[first:]):
         owners = [i for i in range(first) if self.layer_types[i] == kind]
         if not owners:
-          raise ValueError(f"reuse layers of type {kind!r} need an earlier {kind!r} layer "
-                           f"below layer {first} to store their K/V")
+          raise ValueError(
+            f"reuse layers of type {kind!r} need an earlier {kind!r} layer "
+            f"below layer {first} to store their K/V"
+          )
       for kind in set(self.layer_types):
         owners = [i for i in range(first) if self.layer_types[i] == kind]
         if owners:
@@ -163,8 +190,9 @@ class Gemma4TextConfig:
   def store_layer(self, layer: int) -> int:
     """The layer whose K/V a reuse layer attends to."""
     kind = self.layer_types[layer]
-    return max(i for i, m in enumerate(self.kv_sharing_modes)
-               if m == "store" and self.layer_types[i] == kind)
+    return max(
+      i for i, m in enumerate(self.kv_sharing_modes) if m == "store" and self.layer_types[i] == kind
+    )
 
   @property
   def effective_sliding_window(self) -> int:
@@ -192,8 +220,11 @@ class Gemma4TextConfig:
       theta, rotated = self.sliding_rope_theta, d // 2
     else:
       theta = self.full_rope_theta
-      rotated = (int(self.full_partial_rotary_factor * d // 2)
-                 if self.full_rope_type == "proportional" else d // 2)
+      rotated = (
+        int(self.full_partial_rotary_factor * d // 2)
+        if self.full_rope_type == "proportional"
+        else d // 2
+      )
     # float32 as transformers computes them, so positions * inv_freq agree bit for bit.
     exponents = np.arange(0, 2 * rotated, 2, dtype=np.float32) / np.float32(d)
     freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)

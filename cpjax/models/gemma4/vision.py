@@ -94,8 +94,9 @@ def _axial_rope(x, rope):
   """First half of the head rotated by x positions, second half by y."""
   half = x.shape[-1] // 2
   (cos_x, sin_x), (cos_y, sin_y) = rope
-  return jnp.concatenate([apply_rope(x[..., :half], cos_x, sin_x),
-                          apply_rope(x[..., half:], cos_y, sin_y)], axis=-1)
+  return jnp.concatenate(
+    [apply_rope(x[..., :half], cos_x, sin_x), apply_rope(x[..., half:], cos_y, sin_y)], axis=-1
+  )
 
 
 class VisionMLP(nnx.Module):
@@ -126,16 +127,19 @@ class VisionEncoderLayer(nnx.Module):
 
 class VisionEncoder(nnx.Module):
   def __init__(self, cfg: Gemma4VisionConfig, *, rngs):
-    self.layers = nnx.List([VisionEncoderLayer(cfg, rngs=rngs)
-                            for _ in range(cfg.num_hidden_layers)])
+    self.layers = nnx.List(
+      [VisionEncoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)]
+    )
 
 
 class PatchEmbedder(nnx.Module):
   def __init__(self, cfg: Gemma4VisionConfig, *, rngs):
     self.input_proj = Linear(cfg.patch_features, cfg.hidden_size, rngs=rngs)
-    table = (jax.random.normal(rngs.params(), (2, cfg.position_embedding_size, cfg.hidden_size))
-             * 0.02 if rngs is not None else
-             jnp.zeros((2, cfg.position_embedding_size, cfg.hidden_size)))
+    table = (
+      jax.random.normal(rngs.params(), (2, cfg.position_embedding_size, cfg.hidden_size)) * 0.02
+      if rngs is not None
+      else jnp.zeros((2, cfg.position_embedding_size, cfg.hidden_size))
+    )
     self.position_embedding_table = nnx.Param(table.astype(jnp.float32))
 
 
@@ -157,7 +161,7 @@ class VisionTower(nnx.Module):
     k = cfg.pooling_kernel_size
     bins = p // (k * k)
     pos = jnp.asarray(image_position_ids).astype(jnp.int32)
-    padding = jnp.all(pos == -1, axis=-1)                                   # [N, P]
+    padding = jnp.all(pos == -1, axis=-1)  # [N, P]
     # 1. Patch embedding: pixels rescaled to [-1, 1], plus x and y tables.
     x = self.patch_embedder.input_proj((2.0 * (pixel_values - 0.5)).astype(dtype))
     table = gathered(self.patch_embedder.position_embedding_table[...])
@@ -165,8 +169,10 @@ class VisionTower(nnx.Module):
     pe = table[0][clamped[..., 0]] + table[1][clamped[..., 1]]
     x = x + jnp.where(padding[..., None], 0.0, pe).astype(dtype)
     # 2. Encoder. RoPE uses the raw ids: padding rows are junk nobody reads.
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim // 2, 2, dtype=np.float32)
-                                         / np.float32(cfg.head_dim // 2)))
+    inv_freq = 1.0 / (
+      cfg.rope_theta
+      ** (np.arange(0, cfg.head_dim // 2, 2, dtype=np.float32) / np.float32(cfg.head_dim // 2))
+    )
     rope = (rope_angles(pos[..., 0], inv_freq, dtype), rope_angles(pos[..., 1], inv_freq, dtype))
     real = ~padding
     for layer in self.encoder.layers:
@@ -175,13 +181,13 @@ class VisionTower(nnx.Module):
     x = jnp.where(padding[..., None], 0.0, x).astype(jnp.float32)
     max_x = jnp.max(clamped[..., 0], axis=-1, keepdims=True) + 1
     cell = clamped // k
-    bin_of = cell[..., 0] + (max_x // k) * cell[..., 1]                      # [N, P]
-    weights = jax.nn.one_hot(bin_of, bins, dtype=jnp.float32) / (k * k)     # [N, P, M]
+    bin_of = cell[..., 0] + (max_x // k) * cell[..., 1]  # [N, P]
+    weights = jax.nn.one_hot(bin_of, bins, dtype=jnp.float32) / (k * k)  # [N, P, M]
     pooled = jnp.einsum("npm,npe->nme", weights, x, precision=jax.lax.Precision.HIGHEST)
     # A bin is a soft token when a real patch falls in it (padding patches
     # add zeros to bin 0, which a real image's corner patch fills anyway; an
     # all-padding image slot then yields no soft token).
-    valid = jnp.any((weights != 0) & real[..., None], axis=1)               # [N, M]
+    valid = jnp.any((weights != 0) & real[..., None], axis=1)  # [N, M]
     pooled = pooled.astype(dtype).astype(jnp.float32) * math.sqrt(cfg.hidden_size)
     if cfg.standardize:
       pooled = (pooled - self.std_bias[...]) * self.std_scale[...]

@@ -32,16 +32,29 @@ class Gemma4VisionConfig:
   rms_norm_eps: float = 1e-6
 
   def __post_init__(self):
-    _require_positive(self, ("hidden_size", "intermediate_size", "num_hidden_layers",
-                             "num_attention_heads", "num_key_value_heads", "head_dim",
-                             "patch_size", "pooling_kernel_size", "position_embedding_size"))
+    _require_positive(
+      self,
+      (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "patch_size",
+        "pooling_kernel_size",
+        "position_embedding_size",
+      ),
+    )
     if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                       f"num_key_value_heads ({self.num_key_value_heads})")
+      raise ValueError(
+        f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+        f"num_key_value_heads ({self.num_key_value_heads})"
+      )
     if self.head_dim % 4:
       raise ValueError(f"head_dim must be a multiple of 4 (2-D RoPE), got {self.head_dim}")
 
   @property
   def patch_features(self) -> int:
     """3 * patch_size**2: the last dim of ``pixel_values``."""
-    return 3 * self.patch_size ** 2
+    return 3 * self.patch_size**2

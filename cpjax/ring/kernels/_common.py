@@ -31,14 +31,25 @@ from cpjax.masks import BlockMap, MaskRule, Tokens
 from cpjax.parallel import BATCH_AXES, HEAD_AXIS, vary_over, varying_axes
 from cpjax.ring.kernels import _interpret
 
-__all__ = ["KernelParams", "Metadata", "Schedule", "f32_like", "fold_tile",
-           "grad_tile", "manual_over_mesh", "metadata", "schedule", "tile_mask"]
+__all__ = [
+  "KernelParams",
+  "Metadata",
+  "Schedule",
+  "f32_like",
+  "fold_tile",
+  "grad_tile",
+  "manual_over_mesh",
+  "metadata",
+  "schedule",
+  "tile_mask",
+]
 
 
 def f32_like(shape, ref) -> jax.ShapeDtypeStruct:
   """A float32 kernel output of ``shape`` that varies over the mesh axes ``ref`` does."""
-  return jax.ShapeDtypeStruct(shape, jnp.float32,
-                              manual_axis_type=getattr(jax.typeof(ref), "manual_axis_type", None))
+  return jax.ShapeDtypeStruct(
+    shape, jnp.float32, manual_axis_type=getattr(jax.typeof(ref), "manual_axis_type", None)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +58,10 @@ class KernelParams:
 
   rule: MaskRule
   soft_cap: float | None
-  block_q: int      # tokens per query tile
-  block_kv: int     # keys per key tile
-  groups: int       # G = Hq // Hkv
-  interpret: Any   # bool, or a pltpu.InterpretParams (hashable) for Pallas' TPU interpreter
+  block_q: int  # tokens per query tile
+  block_kv: int  # keys per key tile
+  groups: int  # G = Hq // Hkv
+  interpret: Any  # bool, or a pltpu.InterpretParams (hashable) for Pallas' TPU interpreter
 
   @property
   def rows(self) -> int:
@@ -123,8 +134,9 @@ class Schedule(NamedTuple):
     """(row tiles, key tiles) in one block, given the tiles of a hop's side."""
     nq, nk = self.cols.shape[1:]
     if row_tiles % nq or key_tiles % nk:
-      raise ValueError(f"a schedule of {nq} x {nk} blocks cannot group {row_tiles} x "
-                       f"{key_tiles} tiles")
+      raise ValueError(
+        f"a schedule of {nq} x {nk} blocks cannot group {row_tiles} x {key_tiles} tiles"
+      )
     return row_tiles // nq, key_tiles // nk
 
 
@@ -193,8 +205,11 @@ def manual_over_mesh(kernel):
   @functools.wraps(kernel)
   def run(params: KernelParams, *operands):
     mesh = jax.sharding.get_abstract_mesh()
-    free = () if mesh.empty else tuple(
-        n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+    free = (
+      ()
+      if mesh.empty
+      else tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+    )
     if not free:
       return kernel(params, *operands)
     ref = next(x for x in jax.tree.leaves(operands) if x.ndim == 4)
@@ -214,8 +229,9 @@ def manual_over_mesh(kernel):
       axes = frozenset().union(*map(varying_axes, jax.tree.leaves(operands)))
       return kernel(params, *jax.tree.map(lambda x: vary_over(x, axes), operands))
 
-    return jax.shard_map(local, in_specs=specs, out_specs=P(over_b, over_h),
-                         axis_names=set(free))(*operands)
+    return jax.shard_map(local, in_specs=specs, out_specs=P(over_b, over_h), axis_names=set(free))(
+      *operands
+    )
 
   return run
 
@@ -233,9 +249,11 @@ def launch(params: KernelParams, make_call, *args):
   out = make_call.keywords["out_shape"]
   single = not isinstance(out, (list, tuple))
   outs = [out] if single else list(out)
-  results = _interpret.run(lambda *a: jax.tree.leaves(make_call(interpret=params.interpret)(*a)),
-                           *args,
-                           out_shapes=[(o.shape, o.dtype) for o in outs])
+  results = _interpret.run(
+    lambda *a: jax.tree.leaves(make_call(interpret=params.interpret)(*a)),
+    *args,
+    out_shapes=[(o.shape, o.dtype) for o in outs],
+  )
   return results[0] if single else results
 
 

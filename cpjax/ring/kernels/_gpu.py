@@ -61,13 +61,14 @@ def _block_tokens(params: KernelParams, refs, start, size):
 
 def _split(params: KernelParams, refs):
   n = 1 + len(params.array_names)
-  return refs[:n], refs[n:2 * n], refs[2 * n:]
+  return refs[:n], refs[n : 2 * n], refs[2 * n :]
 
 
 def _tile(visit_full, step, carry):
   """``step(carry, masked)`` with the mask only where the tile is not full."""
-  return lax.cond(visit_full, functools.partial(step, masked=False),
-                  functools.partial(step, masked=True), carry)
+  return lax.cond(
+    visit_full, functools.partial(step, masked=False), functools.partial(step, masked=True), carry
+  )
 
 
 def _in_block(t, per: int):
@@ -77,8 +78,7 @@ def _in_block(t, per: int):
 
 
 # ------------------------------------------------------------------ forward
-def _walk_keys(params: KernelParams, tables, group, b, i, q_tok, k_ref, v_ref, k_meta, fold,
-               init):
+def _walk_keys(params: KernelParams, tables, group, b, i, q_tok, k_ref, v_ref, k_meta, fold, init):
   """Fold row tile i's non-empty key tiles, in order: ``fold(k, v, mask, carry)``.
 
   ``group`` (row tiles, key tiles) per schedule block: row tile i reads its
@@ -97,8 +97,11 @@ def _walk_keys(params: KernelParams, tables, group, b, i, q_tok, k_ref, v_ref, k
 
     def step(carry, masked):
       k, v = k_ref[pl.ds(j * kb, kb), :], v_ref[pl.ds(j * kb, kb), :]
-      mask = (common.tile_mask(params, q_tok, _block_tokens(params, k_meta, j * kb, kb))
-              if masked else None)
+      mask = (
+        common.tile_mask(params, q_tok, _block_tokens(params, k_meta, j * kb, kb))
+        if masked
+        else None
+      )
       return fold(k, v, mask, carry)
 
     return _tile(full_ref[b, ib, jb] != 0, step, carry)
@@ -106,25 +109,38 @@ def _walk_keys(params: KernelParams, tables, group, b, i, q_tok, k_ref, v_ref, k
   return lax.fori_loop(0, ncols_ref[b, ib] * per_key, body, init)
 
 
-def _forward_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs,
-                    params: KernelParams, group):
+def _forward_kernel(
+  cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, *refs, params: KernelParams, group
+):
   q_meta, k_meta, (o_ref, lse_ref) = _split(params, refs)
   b, i = pl.program_id(0), pl.program_id(2)
   r = params.rows
   q = q_ref[...]
-  init = (jnp.full((r, 1), -jnp.inf, jnp.float32), jnp.zeros((r, 1), jnp.float32),
-          jnp.zeros(q.shape, jnp.float32))
-  state = _walk_keys(params, (cols_ref, ncols_ref, full_ref), group, b, i,
-                     _block_tokens(params, q_meta, i * r, r), k_ref, v_ref, k_meta,
-                     lambda k, v, mask, c: common.fold_tile(params, q, k, v, mask, *c), init)
+  init = (
+    jnp.full((r, 1), -jnp.inf, jnp.float32),
+    jnp.zeros((r, 1), jnp.float32),
+    jnp.zeros(q.shape, jnp.float32),
+  )
+  state = _walk_keys(
+    params,
+    (cols_ref, ncols_ref, full_ref),
+    group,
+    b,
+    i,
+    _block_tokens(params, q_meta, i * r, r),
+    k_ref,
+    v_ref,
+    k_meta,
+    lambda k, v, mask, c: common.fold_tile(params, q, k, v, mask, *c),
+    init,
+  )
   out, lse = common.finish(*state)
   o_ref[...] = out
   lse_ref[...] = lse
 
 
 @common.manual_over_mesh
-def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
-            sched: Schedule):
+def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata, sched: Schedule):
   """(out f32[B, Hkv, N, D], lse f32[B, Hkv, N, 1]) of q against one K/V chunk."""
   b, h, n, d = q.shape
   r = params.rows
@@ -132,21 +148,50 @@ def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
   row = lambda shape: pl.BlockSpec(shape, lambda b_, h_, i: (b_, h_, i, 0))  # noqa: E731
   tables = (sched.cols, sched.ncols, sched.full)
   return common.launch(
-      params, functools.partial(
-          pl.pallas_call, functools.partial(_forward_kernel, params=params, group=group),
-          grid=(b, h, n // r),
-          in_specs=[pl.no_block_spec] * 3 + [row((None, None, r, d)), _whole(k.shape),
-                                             _whole(v.shape), *_meta_specs(q_meta),
-                                             *_meta_specs(k_meta)],
-          out_specs=[row((None, None, r, d)), row((None, None, r, 1))],
-          out_shape=[common.f32_like((b, h, n, d), q), common.f32_like((b, h, n, 1), q)],
-          compiler_params=_compiler_params(params), name="cpjax_ring_forward"),
-      *tables, q, k, v, q_meta.positions, *q_meta.arrays, k_meta.positions, *k_meta.arrays)
+    params,
+    functools.partial(
+      pl.pallas_call,
+      functools.partial(_forward_kernel, params=params, group=group),
+      grid=(b, h, n // r),
+      in_specs=[pl.no_block_spec] * 3
+      + [
+        row((None, None, r, d)),
+        _whole(k.shape),
+        _whole(v.shape),
+        *_meta_specs(q_meta),
+        *_meta_specs(k_meta),
+      ],
+      out_specs=[row((None, None, r, d)), row((None, None, r, 1))],
+      out_shape=[common.f32_like((b, h, n, d), q), common.f32_like((b, h, n, 1), q)],
+      compiler_params=_compiler_params(params),
+      name="cpjax_ring_forward",
+    ),
+    *tables,
+    q,
+    k,
+    v,
+    q_meta.positions,
+    *q_meta.arrays,
+    k_meta.positions,
+    *k_meta.arrays,
+  )
 
 
 # ----------------------------------------------------------------- backward
-def _dq_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               *refs, params: KernelParams, group):
+def _dq_kernel(
+  cols_ref,
+  ncols_ref,
+  full_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  *refs,
+  params: KernelParams,
+  group,
+):
   q_meta, k_meta, (dq_ref,) = _split(params, refs)
   b, i = pl.program_id(0), pl.program_id(2)
   r = params.rows
@@ -155,13 +200,35 @@ def _dq_kernel(cols_ref, ncols_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   def fold(k, v, mask, dq):
     return dq + common.grad_tile(params, q, k, v, do, lse, delta, mask)[0]
 
-  dq_ref[...] = _walk_keys(params, (cols_ref, ncols_ref, full_ref), group, b, i,
-                           _block_tokens(params, q_meta, i * r, r), k_ref, v_ref, k_meta, fold,
-                           jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = _walk_keys(
+    params,
+    (cols_ref, ncols_ref, full_ref),
+    group,
+    b,
+    i,
+    _block_tokens(params, q_meta, i * r, r),
+    k_ref,
+    v_ref,
+    k_meta,
+    fold,
+    jnp.zeros(q.shape, jnp.float32),
+  )
 
 
-def _dkdv_kernel(rows_ref, nrows_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                 *refs, params: KernelParams, group):
+def _dkdv_kernel(
+  rows_ref,
+  nrows_ref,
+  full_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  *refs,
+  params: KernelParams,
+  group,
+):
   k_meta, q_meta, (dk_ref, dv_ref) = _split(params, refs)
   b, j = pl.program_id(0), pl.program_id(2)
   r, kb = params.rows, params.block_kv
@@ -177,10 +244,12 @@ def _dkdv_kernel(rows_ref, nrows_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse
 
     def step(carry, masked):
       rows = pl.ds(start, r)
-      mask = (common.tile_mask(params, _block_tokens(params, q_meta, start, r), k_tok)
-              if masked else None)
-      _, dk, dv = common.grad_tile(params, q_ref[rows, :], k, v, do_ref[rows, :],
-                                   lse_ref[rows, :], delta_ref[rows, :], mask)
+      mask = (
+        common.tile_mask(params, _block_tokens(params, q_meta, start, r), k_tok) if masked else None
+      )
+      _, dk, dv = common.grad_tile(
+        params, q_ref[rows, :], k, v, do_ref[rows, :], lse_ref[rows, :], delta_ref[rows, :], mask
+      )
       return carry[0] + dk, carry[1] + dv
 
     return _tile(full_ref[b, ib, jb] != 0, step, carry)
@@ -192,8 +261,9 @@ def _dkdv_kernel(rows_ref, nrows_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse
 
 
 @common.manual_over_mesh
-def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
-             k_meta: Metadata, sched: Schedule):
+def backward(
+  params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta: Metadata, sched: Schedule
+):
   """(dq f32[B, Hkv, N, D], dk f32[B, Hkv, L, D], dv f32[B, Hkv, L, D]) of one chunk;
   ``lse``/``delta`` f32[B, Hkv, N, 1]."""
   b, h, n, d = q.shape
@@ -202,28 +272,75 @@ def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
   group = sched.tiles_per_block(n // r, length // kb)
   row = lambda shape: pl.BlockSpec(shape, lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
   dq = common.launch(
-      params, functools.partial(
-          pl.pallas_call, functools.partial(_dq_kernel, params=params, group=group),
-          grid=(b, h, n // r),
-          in_specs=[pl.no_block_spec] * 3 + [
-              row((None, None, r, d)), _whole(k.shape), _whole(v.shape), row((None, None, r, d)),
-              row((None, None, r, 1)), row((None, None, r, 1)), *_meta_specs(q_meta),
-              *_meta_specs(k_meta)],
-          out_specs=row((None, None, r, d)),
-          out_shape=common.f32_like((b, h, n, d), q),
-          compiler_params=_compiler_params(params), name="cpjax_ring_dq"),
-      sched.cols, sched.ncols, sched.full, q, k, v, do, lse, delta, q_meta.positions,
-      *q_meta.arrays, k_meta.positions, *k_meta.arrays)
+    params,
+    functools.partial(
+      pl.pallas_call,
+      functools.partial(_dq_kernel, params=params, group=group),
+      grid=(b, h, n // r),
+      in_specs=[pl.no_block_spec] * 3
+      + [
+        row((None, None, r, d)),
+        _whole(k.shape),
+        _whole(v.shape),
+        row((None, None, r, d)),
+        row((None, None, r, 1)),
+        row((None, None, r, 1)),
+        *_meta_specs(q_meta),
+        *_meta_specs(k_meta),
+      ],
+      out_specs=row((None, None, r, d)),
+      out_shape=common.f32_like((b, h, n, d), q),
+      compiler_params=_compiler_params(params),
+      name="cpjax_ring_dq",
+    ),
+    sched.cols,
+    sched.ncols,
+    sched.full,
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    q_meta.positions,
+    *q_meta.arrays,
+    k_meta.positions,
+    *k_meta.arrays,
+  )
   dk, dv = common.launch(
-      params, functools.partial(
-          pl.pallas_call, functools.partial(_dkdv_kernel, params=params, group=group),
-          grid=(b, h, length // kb),
-          in_specs=[pl.no_block_spec] * 3 + [
-              _whole(q.shape), row((None, None, kb, d)), row((None, None, kb, d)), _whole(do.shape),
-              _whole(lse.shape), _whole(delta.shape), *_meta_specs(k_meta), *_meta_specs(q_meta)],
-          out_specs=[row((None, None, kb, d))] * 2,
-          out_shape=[common.f32_like((b, h, length, d), q)] * 2,
-          compiler_params=_compiler_params(params), name="cpjax_ring_dkdv"),
-      sched.rows, sched.nrows, sched.full, q, k, v, do, lse, delta, k_meta.positions,
-      *k_meta.arrays, q_meta.positions, *q_meta.arrays)
+    params,
+    functools.partial(
+      pl.pallas_call,
+      functools.partial(_dkdv_kernel, params=params, group=group),
+      grid=(b, h, length // kb),
+      in_specs=[pl.no_block_spec] * 3
+      + [
+        _whole(q.shape),
+        row((None, None, kb, d)),
+        row((None, None, kb, d)),
+        _whole(do.shape),
+        _whole(lse.shape),
+        _whole(delta.shape),
+        *_meta_specs(k_meta),
+        *_meta_specs(q_meta),
+      ],
+      out_specs=[row((None, None, kb, d))] * 2,
+      out_shape=[common.f32_like((b, h, length, d), q)] * 2,
+      compiler_params=_compiler_params(params),
+      name="cpjax_ring_dkdv",
+    ),
+    sched.rows,
+    sched.nrows,
+    sched.full,
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    k_meta.positions,
+    *k_meta.arrays,
+    q_meta.positions,
+    *q_meta.arrays,
+  )
   return dq, dk, dv

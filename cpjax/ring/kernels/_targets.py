@@ -69,15 +69,19 @@ class KernelTarget:
 
   def default_tile(self, head_dim: int, dtype=None) -> tuple[int, int]:
     """(rows, keys) of the tile record for ``head_dim`` and the inputs' ``dtype``."""
-    table = self.f32_tiles if self.f32_tiles and np.dtype(dtype or np.float16) == np.float32 \
-        else self.tiles
+    table = (
+      self.f32_tiles
+      if self.f32_tiles and np.dtype(dtype or np.float16) == np.float32
+      else self.tiles
+    )
     for max_d, rows, keys in table:
       if head_dim <= max_d:
         return rows, keys
     return table[-1][1:]
 
-  def schedule_blocks(self, block_q: int, block_kv: int, *, chunk_len: int,
-                      local_len: int) -> tuple[int, int]:
+  def schedule_blocks(
+    self, block_q: int, block_kv: int, *, chunk_len: int, local_len: int
+  ) -> tuple[int, int]:
     """(query tokens, keys) per block of a hop's schedule: the tile, grown in
     powers of two until the schedule has at most ``schedule_tiles`` blocks.
 
@@ -139,15 +143,20 @@ class KernelTarget:
 # to 1024 rows, and their tables go to SMEM in pieces (cpjax.ring.kernels._tpu).
 # Neither is tuned for speed on hardware yet: see benchmarks/accelerator.py.
 TARGETS = {
-    "pallas_tpu": KernelTarget("pallas_tpu", ("tpu",),
-                               ((128, 1024, 512), (256, 512, 512), (512, 256, 512)),
-                               chosen_on="Mosaic for TPU v5e (compile-only, libtpu 0.0.42)"),
-    "pallas_gpu": KernelTarget("pallas_gpu", ("cuda",),
-                               ((64, 128, 128), (128, 128, 64), (256, 32, 32), (512, 16, 16)),
-                               f32_tiles=((64, 64, 32), (128, 32, 32), (256, 16, 16),
-                                          (512, 16, 16)),
-                               schedule_tiles=1 << 20,
-                               chosen_on="ptxas for sm_90a (H200, compile-only, CUDA 12)"),
+  "pallas_tpu": KernelTarget(
+    "pallas_tpu",
+    ("tpu",),
+    ((128, 1024, 512), (256, 512, 512), (512, 256, 512)),
+    chosen_on="Mosaic for TPU v5e (compile-only, libtpu 0.0.42)",
+  ),
+  "pallas_gpu": KernelTarget(
+    "pallas_gpu",
+    ("cuda",),
+    ((64, 128, 128), (128, 128, 64), (256, 32, 32), (512, 16, 16)),
+    f32_tiles=((64, 64, 32), (128, 32, 32), (256, 16, 16), (512, 16, 16)),
+    schedule_tiles=1 << 20,
+    chosen_on="ptxas for sm_90a (H200, compile-only, CUDA 12)",
+  ),
 }
 
 
@@ -177,8 +186,9 @@ def resolve_implementation(implementation: str | None, *, platform: str | None =
     platform = jax.default_backend() if platform is None else platform
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
-                     f"got {implementation!r}")
+    raise ValueError(
+      f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
+    )
   return implementation
 
 
@@ -196,10 +206,11 @@ def _guard_lowering(ctx, x, *, target: str):
   wrong = [p for p in ctx.module_context.platforms if p not in allowed]
   if wrong:
     raise ValueError(
-        f"implementation={target!r} compiles for {'/'.join(allowed)}, but this program is "
-        f"lowered for the {wrong[0]!r} backend. Pass implementation=None (the default: the "
-        f"backend's own kernels, XLA on CPU) or 'xla', or interpret=True to run the "
-        f"{target} kernels in Pallas' interpreter.")
+      f"implementation={target!r} compiles for {'/'.join(allowed)}, but this program is "
+      f"lowered for the {wrong[0]!r} backend. Pass implementation=None (the default: the "
+      f"backend's own kernels, XLA on CPU) or 'xla', or interpret=True to run the "
+      f"{target} kernels in Pallas' interpreter."
+    )
   return [x]
 
 

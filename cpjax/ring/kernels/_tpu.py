@@ -59,9 +59,12 @@ def _meta_specs(params: KernelParams, size: int, block_of):
 def _split_meta(params: KernelParams, refs):
   """(first side's tokens, second side's tokens, other refs) from the kernel's refs."""
   n = 1 + len(params.array_names)
-  first, second = refs[:n], refs[n:2 * n]
-  return (common.tokens(params, first[0][...], [r[...] for r in first[1:]]),
-          common.tokens(params, second[0][...], [r[...] for r in second[1:]]), refs[2 * n:])
+  first, second = refs[:n], refs[n : 2 * n]
+  return (
+    common.tokens(params, first[0][...], [r[...] for r in first[1:]]),
+    common.tokens(params, second[0][...], [r[...] for r in second[1:]]),
+    refs[2 * n :],
+  )
 
 
 def _packed(lists, full_of):
@@ -90,8 +93,14 @@ def _entry(lists, counts, b, x, t, n, m):
 def _pieces(batch: int, lists: int, per_list: int):
   """Slices of ``lists`` (tile lists of ``per_list`` entries, per batch row)
   cut into the fewest equal pieces whose tables fit :data:`TABLE_WORDS`."""
-  count = next((p for p in range(1, lists + 1)
-                if lists % p == 0 and batch * (lists // p) * per_list <= TABLE_WORDS), lists)
+  count = next(
+    (
+      p
+      for p in range(1, lists + 1)
+      if lists % p == 0 and batch * (lists // p) * per_list <= TABLE_WORDS
+    ),
+    lists,
+  )
   size = lists // count
   return [slice(i * size, (i + 1) * size) for i in range(count)]
 
@@ -107,14 +116,16 @@ def _meta_piece(meta: Metadata, tokens: slice) -> Metadata:
 
 def _row_piece(sched: Schedule, blocks: slice) -> Schedule:
   """The schedule of row blocks ``blocks``, walked by rows (forward, dq)."""
-  return sched._replace(cols=sched.cols[:, blocks], ncols=sched.ncols[:, blocks],
-                        full=sched.full[:, blocks])
+  return sched._replace(
+    cols=sched.cols[:, blocks], ncols=sched.ncols[:, blocks], full=sched.full[:, blocks]
+  )
 
 
 def _key_piece(sched: Schedule, blocks: slice) -> Schedule:
   """The schedule of key blocks ``blocks``, walked by keys (dk/dv)."""
-  return sched._replace(rows=sched.rows[:, blocks], nrows=sched.nrows[:, blocks],
-                        full=sched.full[:, :, blocks])
+  return sched._replace(
+    rows=sched.rows[:, blocks], nrows=sched.nrows[:, blocks], full=sched.full[:, :, blocks]
+  )
 
 
 def _joined(parts):
@@ -145,8 +156,9 @@ def _forward_kernel(cols_ref, ncols_ref, q_ref, k_ref, v_ref, *refs, params: Ker
 
   def step(masked):
     mask = common.tile_mask(params, q_tok, k_tok) if masked else None
-    m, l, acc = common.fold_tile(params, q_ref[...], k_ref[...], v_ref[...], mask,
-                                 m_sc[...], l_sc[...], acc_sc[...])
+    m, l, acc = common.fold_tile(
+      params, q_ref[...], k_ref[...], v_ref[...], mask, m_sc[...], l_sc[...], acc_sc[...]
+    )
     m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
   _, full, within = _entry(cols_ref, ncols_ref, b, i, t, nq, nk)
@@ -160,47 +172,79 @@ def _forward_kernel(cols_ref, ncols_ref, q_ref, k_ref, v_ref, *refs, params: Ker
 
 
 @common.manual_over_mesh
-def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
-            sched: Schedule):
+def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata, sched: Schedule):
   """(out f32[B, Hkv, N, D], lse f32[B, Hkv, N, 1]) of q against one K/V chunk."""
   r, nk = params.rows, k.shape[2] // params.block_kv
-  return _joined([
-      _forward(params, q[:, :, _span(s, r)], k, v, _meta_piece(q_meta, _span(s, r)),
-               k_meta, _row_piece(sched, s))
-      for s in _pieces(q.shape[0], q.shape[2] // r, nk)])
+  return _joined(
+    [
+      _forward(
+        params,
+        q[:, :, _span(s, r)],
+        k,
+        v,
+        _meta_piece(q_meta, _span(s, r)),
+        k_meta,
+        _row_piece(sched, s),
+      )
+      for s in _pieces(q.shape[0], q.shape[2] // r, nk)
+    ]
+  )
 
 
-def _forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata,
-             sched: Schedule):
+def _forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata, sched: Schedule):
   b, h, n, d = q.shape
   r, kb = params.rows, params.block_kv
   nq, nk = n // r, k.shape[2] // kb
   col = lambda b_, i, t, cols, *_: cols[(b_ * nq + i) * nk + t] >> 1  # noqa: E731
   row = lambda b_, i, t, *_: i  # noqa: E731
-  key_blk = pl.BlockSpec((None, None, kb, d), lambda b_, h_, i, t, *s: (b_, h_, col(b_, i, t, *s),
-                                                                         0))
+  key_blk = pl.BlockSpec(
+    (None, None, kb, d), lambda b_, h_, i, t, *s: (b_, h_, col(b_, i, t, *s), 0)
+  )
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2, grid=(b, h, nq, nk),
-      in_specs=[
-          pl.BlockSpec((None, None, r, d), lambda b_, h_, i, t, *_: (b_, h_, i, 0)),
-          key_blk, key_blk,
-          *_meta_specs(params, r, row), *_meta_specs(params, kb, col)],
-      out_specs=[pl.BlockSpec((None, None, r, d), lambda b_, h_, i, t, *_: (b_, h_, i, 0)),
-                 pl.BlockSpec((None, None, r, 1), lambda b_, h_, i, t, *_: (b_, h_, i, 0))],
-      scratch_shapes=[pltpu.VMEM((r, 1), jnp.float32), pltpu.VMEM((r, 1), jnp.float32),
-                      pltpu.VMEM((r, d), jnp.float32)])
+    num_scalar_prefetch=2,
+    grid=(b, h, nq, nk),
+    in_specs=[
+      pl.BlockSpec((None, None, r, d), lambda b_, h_, i, t, *_: (b_, h_, i, 0)),
+      key_blk,
+      key_blk,
+      *_meta_specs(params, r, row),
+      *_meta_specs(params, kb, col),
+    ],
+    out_specs=[
+      pl.BlockSpec((None, None, r, d), lambda b_, h_, i, t, *_: (b_, h_, i, 0)),
+      pl.BlockSpec((None, None, r, 1), lambda b_, h_, i, t, *_: (b_, h_, i, 0)),
+    ],
+    scratch_shapes=[
+      pltpu.VMEM((r, 1), jnp.float32),
+      pltpu.VMEM((r, 1), jnp.float32),
+      pltpu.VMEM((r, d), jnp.float32),
+    ],
+  )
   return common.launch(
-      params, functools.partial(
-          pl.pallas_call, functools.partial(_forward_kernel, params=params), grid_spec=grid_spec,
-          out_shape=[common.f32_like((b, h, n, d), q), common.f32_like((b, h, n, 1), q)],
-          compiler_params=_compiler_params(), name="cpjax_ring_forward"),
-      *_tables(sched, by_rows=True), q, k, v, q_meta.positions, *q_meta.arrays,
-      k_meta.positions, *k_meta.arrays)
+    params,
+    functools.partial(
+      pl.pallas_call,
+      functools.partial(_forward_kernel, params=params),
+      grid_spec=grid_spec,
+      out_shape=[common.f32_like((b, h, n, d), q), common.f32_like((b, h, n, 1), q)],
+      compiler_params=_compiler_params(),
+      name="cpjax_ring_forward",
+    ),
+    *_tables(sched, by_rows=True),
+    q,
+    k,
+    v,
+    q_meta.positions,
+    *q_meta.arrays,
+    k_meta.positions,
+    *k_meta.arrays,
+  )
 
 
 # ----------------------------------------------------------------- backward
-def _dq_kernel(cols_ref, ncols_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
-               params: KernelParams):
+def _dq_kernel(
+  cols_ref, ncols_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, params: KernelParams
+):
   q_tok, k_tok, (dq_ref, dq_sc) = _split_meta(params, refs)
   b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   nq, nk = pl.num_programs(2), pl.num_programs(3)
@@ -211,8 +255,9 @@ def _dq_kernel(cols_ref, ncols_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_
 
   def step(masked):
     mask = common.tile_mask(params, q_tok, k_tok) if masked else None
-    dq, _, _ = common.grad_tile(params, q_ref[...], k_ref[...], v_ref[...], do_ref[...],
-                                lse_ref[...], delta_ref[...], mask)
+    dq, _, _ = common.grad_tile(
+      params, q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], mask
+    )
     dq_sc[...] += dq
 
   _, full, within = _entry(cols_ref, ncols_ref, b, i, t, nq, nk)
@@ -223,8 +268,9 @@ def _dq_kernel(cols_ref, ncols_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_
     dq_ref[...] = dq_sc[...]
 
 
-def _dkdv_kernel(rows_ref, nrows_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
-                 params: KernelParams):
+def _dkdv_kernel(
+  rows_ref, nrows_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, params: KernelParams
+):
   # The metadata comes key side first here (the fixed block of this grid).
   k_tok, q_tok, (dk_ref, dv_ref, dk_sc, dv_sc) = _split_meta(params, refs)
   b, j, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -237,8 +283,9 @@ def _dkdv_kernel(rows_ref, nrows_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
 
   def step(masked):
     mask = common.tile_mask(params, q_tok, k_tok) if masked else None
-    _, dk, dv = common.grad_tile(params, q_ref[...], k_ref[...], v_ref[...], do_ref[...],
-                                 lse_ref[...], delta_ref[...], mask)
+    _, dk, dv = common.grad_tile(
+      params, q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], mask
+    )
     dk_sc[...] += dk
     dv_sc[...] += dv
 
@@ -252,8 +299,9 @@ def _dkdv_kernel(rows_ref, nrows_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
 
 
 @common.manual_over_mesh
-def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
-             k_meta: Metadata, sched: Schedule):
+def backward(
+  params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta: Metadata, sched: Schedule
+):
   """(dq f32[B, Hkv, N, D], dk f32[B, Hkv, L, D], dv f32[B, Hkv, L, D]) of one chunk;
   ``lse``/``delta`` f32[B, Hkv, N, 1]."""
   b, r, kb = q.shape[0], params.rows, params.block_kv
@@ -261,20 +309,46 @@ def backward(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata,
   dq_parts = []
   for s in _pieces(b, nq, nk):
     rows = _span(s, r)
-    dq_parts.append([_dq(params, q[:, :, rows], k, v, do[:, :, rows], lse[:, :, rows],
-                         delta[:, :, rows], _meta_piece(q_meta, rows), k_meta,
-                         _row_piece(sched, s))])
+    dq_parts.append(
+      [
+        _dq(
+          params,
+          q[:, :, rows],
+          k,
+          v,
+          do[:, :, rows],
+          lse[:, :, rows],
+          delta[:, :, rows],
+          _meta_piece(q_meta, rows),
+          k_meta,
+          _row_piece(sched, s),
+        )
+      ]
+    )
   dk_dv = []
   for s in _pieces(b, nk, nq):
     keys = _span(s, kb)
-    dk_dv.append(_dkdv(params, q, k[:, :, keys], v[:, :, keys], do, lse, delta, q_meta,
-                       _meta_piece(k_meta, keys), _key_piece(sched, s)))
+    dk_dv.append(
+      _dkdv(
+        params,
+        q,
+        k[:, :, keys],
+        v[:, :, keys],
+        do,
+        lse,
+        delta,
+        q_meta,
+        _meta_piece(k_meta, keys),
+        _key_piece(sched, s),
+      )
+    )
   (dq,), (dk, dv) = _joined(dq_parts), _joined(dk_dv)
   return dq, dk, dv
 
 
-def _dq(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta: Metadata,
-        sched: Schedule):
+def _dq(
+  params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta: Metadata, sched: Schedule
+):
   b, h, n, d = q.shape
   r, kb = params.rows, params.block_kv
   nq, nk = n // r, k.shape[2] // kb
@@ -282,26 +356,50 @@ def _dq(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta:
   fixed = lambda b_, x, t, *_: x  # noqa: E731
   row_blk = lambda shape: pl.BlockSpec(shape, lambda b_, h_, i, t, *_: (b_, h_, i, 0))  # noqa: E731
   col_blk = lambda shape: pl.BlockSpec(  # noqa: E731
-      shape, lambda b_, h_, i, t, *s: (b_, h_, by_col(b_, i, t, *s), 0))
+    shape, lambda b_, h_, i, t, *s: (b_, h_, by_col(b_, i, t, *s), 0)
+  )
   return common.launch(
-      params, functools.partial(
-          pl.pallas_call, functools.partial(_dq_kernel, params=params),
-          grid_spec=pltpu.PrefetchScalarGridSpec(
-              num_scalar_prefetch=2, grid=(b, h, nq, nk),
-              in_specs=[row_blk((None, None, r, d)), col_blk((None, None, kb, d)),
-                        col_blk((None, None, kb, d)), row_blk((None, None, r, d)),
-                        row_blk((None, None, r, 1)), row_blk((None, None, r, 1)),
-                        *_meta_specs(params, r, fixed), *_meta_specs(params, kb, by_col)],
-              out_specs=row_blk((None, None, r, d)),
-              scratch_shapes=[pltpu.VMEM((r, d), jnp.float32)]),
-          out_shape=common.f32_like((b, h, n, d), q),
-          compiler_params=_compiler_params(), name="cpjax_ring_dq"),
-      *_tables(sched, by_rows=True), q, k, v, do, lse, delta, q_meta.positions, *q_meta.arrays,
-      k_meta.positions, *k_meta.arrays)
+    params,
+    functools.partial(
+      pl.pallas_call,
+      functools.partial(_dq_kernel, params=params),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, h, nq, nk),
+        in_specs=[
+          row_blk((None, None, r, d)),
+          col_blk((None, None, kb, d)),
+          col_blk((None, None, kb, d)),
+          row_blk((None, None, r, d)),
+          row_blk((None, None, r, 1)),
+          row_blk((None, None, r, 1)),
+          *_meta_specs(params, r, fixed),
+          *_meta_specs(params, kb, by_col),
+        ],
+        out_specs=row_blk((None, None, r, d)),
+        scratch_shapes=[pltpu.VMEM((r, d), jnp.float32)],
+      ),
+      out_shape=common.f32_like((b, h, n, d), q),
+      compiler_params=_compiler_params(),
+      name="cpjax_ring_dq",
+    ),
+    *_tables(sched, by_rows=True),
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    q_meta.positions,
+    *q_meta.arrays,
+    k_meta.positions,
+    *k_meta.arrays,
+  )
 
 
-def _dkdv(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta: Metadata,
-          sched: Schedule):
+def _dkdv(
+  params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta: Metadata, sched: Schedule
+):
   # Walk the row blocks of each key block: the schedule's transposed lists.
   b, h, n, d = q.shape
   length = k.shape[2]
@@ -311,19 +409,42 @@ def _dkdv(params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_met
   key_blk = lambda shape: pl.BlockSpec(shape, lambda b_, h_, j, t, *_: (b_, h_, j, 0))  # noqa: E731
   by_row = lambda b_, j, t, rows, *_: rows[(b_ * nk + j) * nq + t] >> 1  # noqa: E731
   q_blk = lambda shape: pl.BlockSpec(  # noqa: E731
-      shape, lambda b_, h_, j, t, *s: (b_, h_, by_row(b_, j, t, *s), 0))
+    shape, lambda b_, h_, j, t, *s: (b_, h_, by_row(b_, j, t, *s), 0)
+  )
   return common.launch(
-      params, functools.partial(
-          pl.pallas_call, functools.partial(_dkdv_kernel, params=params),
-          grid_spec=pltpu.PrefetchScalarGridSpec(
-              num_scalar_prefetch=2, grid=(b, h, nk, nq),
-              in_specs=[q_blk((None, None, r, d)), key_blk((None, None, kb, d)),
-                        key_blk((None, None, kb, d)), q_blk((None, None, r, d)),
-                        q_blk((None, None, r, 1)), q_blk((None, None, r, 1)),
-                        *_meta_specs(params, kb, fixed), *_meta_specs(params, r, by_row)],
-              out_specs=[key_blk((None, None, kb, d)), key_blk((None, None, kb, d))],
-              scratch_shapes=[pltpu.VMEM((kb, d), jnp.float32), pltpu.VMEM((kb, d), jnp.float32)]),
-          out_shape=[common.f32_like((b, h, length, d), q)] * 2,
-          compiler_params=_compiler_params(), name="cpjax_ring_dkdv"),
-      *_tables(sched, by_rows=False), q, k, v, do, lse, delta, k_meta.positions,
-      *k_meta.arrays, q_meta.positions, *q_meta.arrays)
+    params,
+    functools.partial(
+      pl.pallas_call,
+      functools.partial(_dkdv_kernel, params=params),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, h, nk, nq),
+        in_specs=[
+          q_blk((None, None, r, d)),
+          key_blk((None, None, kb, d)),
+          key_blk((None, None, kb, d)),
+          q_blk((None, None, r, d)),
+          q_blk((None, None, r, 1)),
+          q_blk((None, None, r, 1)),
+          *_meta_specs(params, kb, fixed),
+          *_meta_specs(params, r, by_row),
+        ],
+        out_specs=[key_blk((None, None, kb, d)), key_blk((None, None, kb, d))],
+        scratch_shapes=[pltpu.VMEM((kb, d), jnp.float32), pltpu.VMEM((kb, d), jnp.float32)],
+      ),
+      out_shape=[common.f32_like((b, h, length, d), q)] * 2,
+      compiler_params=_compiler_params(),
+      name="cpjax_ring_dkdv",
+    ),
+    *_tables(sched, by_rows=False),
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    k_meta.positions,
+    *k_meta.arrays,
+    q_meta.positions,
+    *q_meta.arrays,
+  )

@@ -84,8 +84,12 @@ def kernel_usage(lowered, *, arch: str = "sm_90a") -> dict[str, Usage]:
       with open(path) as f:
         if "cpjax_" not in f.read():
           continue
-      run = subprocess.run([ptxas(), f"-arch={arch}", "-v", path, "-o", os.devnull],
-                           capture_output=True, text=True, check=True)
+      run = subprocess.run(
+        [ptxas(), f"-arch={arch}", "-v", path, "-o", os.devnull],
+        capture_output=True,
+        text=True,
+        check=True,
+      )
       for name, usage in parse_usage(run.stdout + run.stderr).items():
         if name not in worst or usage.spill_stores > worst[name].spill_stores:
           worst[name] = usage

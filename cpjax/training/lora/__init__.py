@@ -58,6 +58,18 @@ from cpjax.training.lora.peft_format import load_adapter as load_adapter
 from cpjax.training.lora.peft_format import read_adapter_config as read_adapter_config
 from cpjax.training.lora.peft_format import save_adapter as save_adapter
 
-__all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "DEFAULT_LORA_TARGETS", "LoraConfig",
-           "adapted_modules", "apply_lora", "check_lora_config", "load_adapter", "lora_param_count", "merge_lora",
-           "read_adapter_config", "save_adapter", "split_lora"]
+__all__ = [
+  "ADAPTER_CONFIG_FILE",
+  "ADAPTER_WEIGHTS_FILE",
+  "DEFAULT_LORA_TARGETS",
+  "LoraConfig",
+  "adapted_modules",
+  "apply_lora",
+  "check_lora_config",
+  "load_adapter",
+  "lora_param_count",
+  "merge_lora",
+  "read_adapter_config",
+  "save_adapter",
+  "split_lora",
+]

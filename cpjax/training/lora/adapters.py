@@ -20,15 +20,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["DEFAULT_LORA_TARGETS", "LoraConfig", "adapted_modules", "apply_lora",
-           "check_lora_config", "lora_param_count", "merge_lora", "split_lora"]
+__all__ = [
+  "DEFAULT_LORA_TARGETS",
+  "LoraConfig",
+  "adapted_modules",
+  "apply_lora",
+  "check_lora_config",
+  "lora_param_count",
+  "merge_lora",
+  "split_lora",
+]
 
 # The attention and MLP projections of Gemma 4's text decoder, by the names
 # PEFT users know (q_proj ... down_proj). Restricted to the language model:
 # the vision tower's projections share the names but are clipped linears
 # (``q_proj.linear`` holds the weight), and PEFT cannot adapt those wrappers.
-DEFAULT_LORA_TARGETS = (r".*language_model\.layers\.\d+\."
-                        r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)")
+DEFAULT_LORA_TARGETS = (
+  r".*language_model\.layers\.\d+\."
+  r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +71,7 @@ class LoraConfig:
   instead of the adapter"""
 
   def __post_init__(self):
-    if isinstance(self.targets, list):       # PEFT's JSON list of module names
+    if isinstance(self.targets, list):  # PEFT's JSON list of module names
       object.__setattr__(self, "targets", tuple(self.targets))
 
   @property
@@ -99,19 +109,24 @@ def check_lora_config(config: LoraConfig, *, name=lambda field: f"LoRA {field}")
   rank, alpha, targets = config.rank, config.alpha, config.targets
   if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
     raise ValueError(f"{name('rank')} must be an integer >= 1, got {rank!r}")
-  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
-      math.isfinite(alpha) and alpha > 0):
+  if (
+    isinstance(alpha, bool)
+    or not isinstance(alpha, (int, float))
+    or not (math.isfinite(alpha) and alpha > 0)
+  ):
     raise ValueError(f"{name('alpha')} must be a positive number, got {alpha!r}")
   if isinstance(targets, str):
     try:
       re.compile(targets)
     except re.error as e:
-      raise ValueError(f"{name('targets')} {targets!r} is not a regular expression: {e}"
-                       ) from None
-  elif not (isinstance(targets, tuple) and targets
-            and all(isinstance(t, str) and t for t in targets)):
-    raise TypeError(f"{name('targets')} must be a regex string or a non-empty tuple of module "
-                    f"names, got {targets!r}")
+      raise ValueError(f"{name('targets')} {targets!r} is not a regular expression: {e}") from None
+  elif not (
+    isinstance(targets, tuple) and targets and all(isinstance(t, str) and t for t in targets)
+  ):
+    raise TypeError(
+      f"{name('targets')} must be a regex string or a non-empty tuple of module "
+      f"names, got {targets!r}"
+    )
 
 
 def _peft_init(key, shape, dtype=jnp.float32):
@@ -137,16 +152,31 @@ def _provider(module_path: str, settings: LoraConfig):
       dtype = kwargs.get("preferred_element_type") or jnp.result_type(*operands)
       return super().einsum(einsum_str, *operands, **kwargs).astype(dtype)
 
-    def dot_general(self, lhs, rhs, dimension_numbers, precision=None,
-                    preferred_element_type=None, out_sharding=None):
+    def dot_general(
+      self,
+      lhs,
+      rhs,
+      dimension_numbers,
+      precision=None,
+      preferred_element_type=None,
+      out_sharding=None,
+    ):
       dtype = preferred_element_type or jnp.result_type(lhs, rhs)
-      return super().dot_general(lhs, rhs, dimension_numbers, precision,
-                                 preferred_element_type, out_sharding).astype(dtype)
+      return (
+        super()
+        .dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+        .astype(dtype)
+      )
 
   # qwix divides alpha by the rank; rsLoRA divides by its square root.
   alpha = settings.alpha * (math.sqrt(settings.rank) if settings.use_rslora else 1.0)
-  return PeftNumerics(module_path=module_path, rank=settings.rank, alpha=alpha,
-                      lora_a_initializer=_peft_init, lora_b_initializer=_zeros)
+  return PeftNumerics(
+    module_path=module_path,
+    rank=settings.rank,
+    alpha=alpha,
+    lora_a_initializer=_peft_init,
+    lora_b_initializer=_zeros,
+  )
 
 
 def _module_paths(model) -> dict[str, Any]:
@@ -157,8 +187,11 @@ def _module_paths(model) -> dict[str, Any]:
 def adapted_modules(model) -> dict[str, nnx.Module]:
   """{dotted module path: module} of every module that holds adapters
   (see :func:`apply_lora`'s example)."""
-  return {path: m for path, m in _module_paths(model).items()
-          if any(isinstance(v, nnx.LoRAParam) for v in vars(m).values())}
+  return {
+    path: m
+    for path, m in _module_paths(model).items()
+    if any(isinstance(v, nnx.LoRAParam) for v in vars(m).values())
+  }
 
 
 def _adapter_pairs(module) -> dict[str, tuple[nnx.LoRAParam, nnx.LoRAParam]]:
@@ -166,7 +199,7 @@ def _adapter_pairs(module) -> dict[str, tuple[nnx.LoRAParam, nnx.LoRAParam]]:
   pairs = {}
   for name, value in vars(module).items():
     if isinstance(value, nnx.LoRAParam) and name.endswith("_lora_a"):
-      base = name[:-len("_lora_a")]
+      base = name[: -len("_lora_a")]
       pairs[base] = (value, getattr(module, base + "_lora_b"))
   return pairs
 
@@ -177,13 +210,21 @@ def _example_inputs(model):
   make = getattr(model, "example_inputs", None)
   if callable(make):
     return make()
-  raise TypeError(f"apply_lora needs example inputs for a {type(model).__name__}: the model "
-                  f"runs once on them to create its adapters (pass them after the model, or "
-                  f"give the model an example_inputs() method returning (args, kwargs))")
+  raise TypeError(
+    f"apply_lora needs example inputs for a {type(model).__name__}: the model "
+    f"runs once on them to create its adapters (pass them after the model, or "
+    f"give the model an example_inputs() method returning (args, kwargs))"
+  )
 
 
-def apply_lora(model: nnx.Module, config: LoraConfig, *example_inputs, seed: int = 0,
-               method: str | None = None, **example_kwargs) -> nnx.Module:
+def apply_lora(
+  model: nnx.Module,
+  config: LoraConfig,
+  *example_inputs,
+  seed: int = 0,
+  method: str | None = None,
+  **example_kwargs,
+) -> nnx.Module:
   """Add LoRA adapters to a copy of ``model`` on ``config.targets``' projections.
 
   qwix runs the model once on ``example_inputs`` (any values of the right
@@ -229,20 +270,25 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *example_inputs, seed: int
   import qwix
 
   if not isinstance(config, LoraConfig):
-    raise TypeError(f"apply_lora's config must be a LoraConfig (LoraConfig(rank=...)), got "
-                    f"{type(config).__name__}")
+    raise TypeError(
+      f"apply_lora's config must be a LoraConfig (LoraConfig(rank=...)), got "
+      f"{type(config).__name__}"
+    )
   check_lora_config(config)
   settings = config
   if not isinstance(model, nnx.Module):
     raise TypeError(f"apply_lora takes a Flax NNX module, got {type(model).__name__}")
   if adapted_modules(model):
-    raise ValueError("the model already has LoRA adapters: merge them (merge_lora) or start "
-                     "from the base model")
+    raise ValueError(
+      "the model already has LoRA adapters: merge them (merge_lora) or start from the base model"
+    )
   paths = _module_paths(model)
   matched = sorted(p for p in paths if settings.matches(p))
   if not matched:
-    raise ValueError(f"LoRA targets {settings.targets!r} match no module of the "
-                     f"{type(model).__name__}; its modules are e.g. {sorted(paths)[:8]}")
+    raise ValueError(
+      f"LoRA targets {settings.targets!r} match no module of the "
+      f"{type(model).__name__}; its modules are e.g. {sorted(paths)[:8]}"
+    )
   if method is None:
     method = "hidden_states" if callable(getattr(model, "hidden_states", None)) else "__call__"
   if not example_inputs and not example_kwargs:
@@ -255,9 +301,14 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *example_inputs, seed: int
     model.remat = "none"
   try:
     with _auto_typed(model) as restore:
-      adapted = qwix.apply_lora_to_model(model, _provider(module_path, settings),
-                                         *example_inputs, rngs=nnx.Rngs(seed),
-                                         methods=(method,), **example_kwargs)
+      adapted = qwix.apply_lora_to_model(
+        model,
+        _provider(module_path, settings),
+        *example_inputs,
+        rngs=nnx.Rngs(seed),
+        methods=(method,),
+        **example_kwargs,
+      )
       restore(adapted)
   finally:
     if remat not in (None, "none"):
@@ -266,10 +317,12 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *example_inputs, seed: int
     adapted.remat = remat
   missing = sorted(set(matched) - set(adapted_modules(adapted)))
   if missing:
-    raise ValueError(f"LoRA targets {settings.targets!r} match modules that cannot carry "
-                     f"adapters (no jnp.einsum / lax.dot_general / jnp.dot on a parameter of "
-                     f"their own while {method} runs): {missing[:6]}"
-                     f"{' ...' if len(missing) > 6 else ''}")
+    raise ValueError(
+      f"LoRA targets {settings.targets!r} match modules that cannot carry "
+      f"adapters (no jnp.einsum / lax.dot_general / jnp.dot on a parameter of "
+      f"their own while {method} runs): {missing[:6]}"
+      f"{' ...' if len(missing) > 6 else ''}"
+    )
   adapted.lora_config = settings
   return adapted
 
@@ -301,13 +354,14 @@ def _auto_typed(model: nnx.Module):
   too); ``model``'s own are restored on exit."""
   from jax.sharding import AxisType
 
-  explicit = {}                 # Auto view -> the mesh it views
+  explicit = {}  # Auto view -> the mesh it views
 
   def auto(mesh):
     if all(t == AxisType.Auto for t in mesh.axis_types):
       return mesh
-    view = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                             axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    view = jax.sharding.Mesh(
+      mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+    )
     explicit[view] = mesh
     return view
 
@@ -332,8 +386,9 @@ def split_lora(model: nnx.Module):
 
 def lora_param_count(model: nnx.Module) -> int:
   """The number of trained adapter values."""
-  return sum(int(np.prod(v.shape)) for _, v in nnx.iter_graph(model)
-             if isinstance(v, nnx.LoRAParam))
+  return sum(
+    int(np.prod(v.shape)) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.LoRAParam)
+  )
 
 
 def _settings(model) -> LoraConfig:
@@ -346,18 +401,22 @@ def _settings(model) -> LoraConfig:
 def _delta(name: str, base: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
   """``scale * A B`` in the base parameter's layout: ``weight`` [O, I] (the
   PyTorch / Hugging Face layout, cpjax's Gemma 4) or ``kernel`` [I, O] (Flax)."""
-  delta = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST) * scale
+  delta = (
+    jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    * scale
+  )
   if base.ndim != 2 or a.ndim != 2 or b.ndim != 2:
     raise ValueError(f"only 2-D projections can be merged; {name} is {base.shape}")
   if name == "weight":
     delta = delta.T
   elif name != "kernel":
-    raise ValueError(f"merge_lora knows 'weight' [out, in] and 'kernel' [in, out] "
-                     f"parameters, got {name!r}")
+    raise ValueError(
+      f"merge_lora knows 'weight' [out, in] and 'kernel' [in, out] parameters, got {name!r}"
+    )
   if delta.shape != base.shape:
-    raise ValueError(f"the adapters of {name} give a {delta.shape} update for a {base.shape} "
-                     f"parameter")
+    raise ValueError(
+      f"the adapters of {name} give a {delta.shape} update for a {base.shape} parameter"
+    )
   return delta
 
 
@@ -385,8 +444,9 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
   for path, module in adapted_modules(model).items():
     for name, (a, b) in _adapter_pairs(module).items():
       base = getattr(module, name)
-      merged = base[...].astype(jnp.float32) + _delta(name, base[...], a[...], b[...],
-                                                       settings.scale)
+      merged = base[...].astype(jnp.float32) + _delta(
+        name, base[...], a[...], b[...], settings.scale
+      )
       base.set_value(merged.astype(base[...].dtype))
       for suffix in ("_lora_a", "_lora_b", "_lora_einsum_str"):
         if hasattr(module, name + suffix):

@@ -32,16 +32,22 @@ from cpjax.training.lora.adapters import (
   apply_lora,
 )
 
-__all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "load_adapter", "read_adapter_config",
-           "save_adapter"]
+__all__ = [
+  "ADAPTER_CONFIG_FILE",
+  "ADAPTER_WEIGHTS_FILE",
+  "load_adapter",
+  "read_adapter_config",
+  "save_adapter",
+]
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 
 
-def save_adapter(model: nnx.Module, path, *, base_model_name_or_path: str | None = None
-                 ) -> list[str]:
+def save_adapter(
+  model: nnx.Module, path, *, base_model_name_or_path: str | None = None
+) -> list[str]:
   """Write the adapters as PEFT does: ``adapter_config.json`` and
   ``adapter_model.safetensors`` (float32) in directory ``path``; returns the
   file paths. ``peft.PeftModel.from_pretrained(base, path)`` loads them onto
@@ -53,25 +59,39 @@ def save_adapter(model: nnx.Module, path, *, base_model_name_or_path: str | None
   for module_path, module in adapted_modules(model).items():
     pairs = _adapter_pairs(module)
     if len(pairs) != 1:
-      raise ValueError(f"PEFT stores one adapter pair per module; {module_path} has "
-                       f"{sorted(pairs)}")
-    (a, b), = pairs.values()
+      raise ValueError(
+        f"PEFT stores one adapter pair per module; {module_path} has {sorted(pairs)}"
+      )
+    ((a, b),) = pairs.values()
     if a.ndim != 2 or b.ndim != 2:
-      raise ValueError(f"PEFT's LoRA is on 2-D projections; {module_path} has A {a.shape}, "
-                       f"B {b.shape}")
+      raise ValueError(
+        f"PEFT's LoRA is on 2-D projections; {module_path} has A {a.shape}, B {b.shape}"
+      )
     key = _PEFT_PREFIX + module_path
     tensors[key + ".lora_A.weight"] = np.ascontiguousarray(np.asarray(a[...], np.float32).T)
     tensors[key + ".lora_B.weight"] = np.ascontiguousarray(np.asarray(b[...], np.float32).T)
   config = {
-      "peft_type": "LORA", "task_type": "CAUSAL_LM",
-      "base_model_name_or_path": base_model_name_or_path,
-      "r": settings.rank, "lora_alpha": settings.alpha,
-      "target_modules": (settings.targets if isinstance(settings.targets, str)
-                         else list(settings.targets)),
-      "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-      "use_rslora": settings.use_rslora, "use_dora": False, "init_lora_weights": True,
-      "inference_mode": True, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
-      "layers_to_transform": None, "layers_pattern": None, "revision": None,
+    "peft_type": "LORA",
+    "task_type": "CAUSAL_LM",
+    "base_model_name_or_path": base_model_name_or_path,
+    "r": settings.rank,
+    "lora_alpha": settings.alpha,
+    "target_modules": (
+      settings.targets if isinstance(settings.targets, str) else list(settings.targets)
+    ),
+    "lora_dropout": 0.0,
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "use_rslora": settings.use_rslora,
+    "use_dora": False,
+    "init_lora_weights": True,
+    "inference_mode": True,
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "revision": None,
   }
   os.makedirs(path, exist_ok=True)
   files = [os.path.join(path, ADAPTER_CONFIG_FILE), os.path.join(path, ADAPTER_WEIGHTS_FILE)]
@@ -83,16 +103,15 @@ def save_adapter(model: nnx.Module, path, *, base_model_name_or_path: str | None
 
 # PEFT options whose non-default values change what the adapters compute.
 _UNSUPPORTED = {
-    "use_dora": (False, "DoRA adapters"),
-    "bias": ("none", "trained biases"),
-    "fan_in_fan_out": (False, "fan_in_fan_out layers (GPT-2 style Conv1D)"),
-    "modules_to_save": (None, "fully trained modules_to_save"),
-    "rank_pattern": ({}, "per-module ranks (rank_pattern)"),
-    "alpha_pattern": ({}, "per-module alphas (alpha_pattern)"),
-    "layers_to_transform": (None, "layers_to_transform"),
-    "target_parameters": (None, "target_parameters (adapters on raw parameters such as MoE "
-                                "experts)"),
-    "lora_bias": (False, "LoRA biases (lora_bias)"),
+  "use_dora": (False, "DoRA adapters"),
+  "bias": ("none", "trained biases"),
+  "fan_in_fan_out": (False, "fan_in_fan_out layers (GPT-2 style Conv1D)"),
+  "modules_to_save": (None, "fully trained modules_to_save"),
+  "rank_pattern": ({}, "per-module ranks (rank_pattern)"),
+  "alpha_pattern": ({}, "per-module alphas (alpha_pattern)"),
+  "layers_to_transform": (None, "layers_to_transform"),
+  "target_parameters": (None, "target_parameters (adapters on raw parameters such as MoE experts)"),
+  "lora_bias": (False, "LoRA biases (lora_bias)"),
 }
 
 
@@ -114,9 +133,12 @@ def read_adapter_config(path) -> LoraConfig:
   targets = config.get("target_modules")
   if targets is None:
     raise ValueError(f"{file}: target_modules is missing")
-  return LoraConfig(rank=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
-                      targets=targets if isinstance(targets, str) else tuple(targets),
-                      use_rslora=bool(config.get("use_rslora", False)))
+  return LoraConfig(
+    rank=int(config["r"]),
+    alpha=float(config.get("lora_alpha", 8)),
+    targets=targets if isinstance(targets, str) else tuple(targets),
+    use_rslora=bool(config.get("use_rslora", False)),
+  )
 
 
 def load_adapter(model: nnx.Module, path, *example_inputs, **example_kwargs) -> nnx.Module:
@@ -130,41 +152,47 @@ def load_adapter(model: nnx.Module, path, *example_inputs, **example_kwargs) -> 
   settings = read_adapter_config(path)
   weights_file = os.path.join(path, ADAPTER_WEIGHTS_FILE)
   if not os.path.isfile(weights_file):
-    raise FileNotFoundError(f"{path}: no {ADAPTER_WEIGHTS_FILE} (cpjax reads the safetensors "
-                            f"form PEFT writes by default)")
+    raise FileNotFoundError(
+      f"{path}: no {ADAPTER_WEIGHTS_FILE} (cpjax reads the safetensors form PEFT writes by default)"
+    )
   tensors = load_file(weights_file)
   pattern = re.compile(re.escape(_PEFT_PREFIX) + r"(.+)\.lora_([AB])\.weight")
   found: dict[str, dict[str, np.ndarray]] = {}
   for key, value in tensors.items():
     match = pattern.fullmatch(key)
     if match is None:
-      raise KeyError(f"{weights_file}: key {key!r} is not a LoRA factor "
-                     f"('{_PEFT_PREFIX}<module>.lora_A.weight' or '.lora_B.weight')")
+      raise KeyError(
+        f"{weights_file}: key {key!r} is not a LoRA factor "
+        f"('{_PEFT_PREFIX}<module>.lora_A.weight' or '.lora_B.weight')"
+      )
     found.setdefault(match.group(1), {})[match.group(2)] = value
   for module_path, pair in found.items():
     if set(pair) != {"A", "B"}:
       raise KeyError(f"{weights_file}: {module_path} has lora_{''.join(pair)} only")
   unknown = sorted(set(found) - set(_module_paths(model)))
   if unknown:
-    raise KeyError(f"{weights_file}: adapters for modules the model does not have: "
-                   f"{unknown[:6]}")
+    raise KeyError(f"{weights_file}: adapters for modules the model does not have: {unknown[:6]}")
   # The file says which modules carry adapters (PEFT skips target matches it
   # cannot adapt); each must also match the config's target_modules.
   stray = sorted(p for p in found if not settings.matches(p))
   if stray:
-    raise ValueError(f"{weights_file}: adapters for modules outside target_modules "
-                     f"{settings.targets!r}: {stray[:6]}")
+    raise ValueError(
+      f"{weights_file}: adapters for modules outside target_modules "
+      f"{settings.targets!r}: {stray[:6]}"
+    )
   exact = "|".join(re.escape(p) for p in sorted(found))
   exact_config = dataclasses.replace(settings, targets=exact)
   adapted = apply_lora(model, exact_config, *example_inputs, **example_kwargs)
   adapted.lora_config = settings
   for module_path, module in adapted_modules(adapted).items():
-    (a, b), = _adapter_pairs(module).values()
+    ((a, b),) = _adapter_pairs(module).values()
     want_a, want_b = found[module_path]["A"].T, found[module_path]["B"].T
     if want_a.shape != a.shape or want_b.shape != b.shape:
-      raise ValueError(f"{weights_file}: {module_path} has lora_A {want_a.T.shape} and lora_B "
-                       f"{want_b.T.shape}; the model's projection needs "
-                       f"{tuple(reversed(a.shape))} and {tuple(reversed(b.shape))}")
+      raise ValueError(
+        f"{weights_file}: {module_path} has lora_A {want_a.T.shape} and lora_B "
+        f"{want_b.T.shape}; the model's projection needs "
+        f"{tuple(reversed(a.shape))} and {tuple(reversed(b.shape))}"
+      )
     a.set_value(_like(a, want_a))
     b.set_value(_like(b, want_b))
   return adapted
