@@ -32,15 +32,19 @@ _GOOD_ENOUGH = 1.01
 
 
 def token_work(document_ids, layer_windows=None) -> np.ndarray:
-  """float64[B, S]: each token's attention work, summed over the model's
-  layers: ``min(p + 1, W)`` keys at position ``p`` of its document (a maximal
-  run of one non-zero id) in a layer of window ``W``, ``p + 1`` in a full
-  causal one; 0 for padding.
+  """Return each token's attention work, summed over the model's layers.
+
+  A token's work is ``min(p + 1, W)`` keys at position ``p`` of its document (a
+  maximal run of one non-zero id) in a layer of window ``W``, ``p + 1`` in a
+  full causal one; 0 for padding.
 
   Args:
     document_ids: int[B, S], 0 = pad.
     layer_windows: the window of each attention layer, None for a full
       causal one (default: one full causal layer).
+
+  Returns:
+    float64[B, S]: each token's attention work, summed over the model's layers.
 
   >>> token_work(np.array([[1, 1, 1, 2, 2, 0]])).tolist()
   [[1.0, 2.0, 3.0, 1.0, 2.0, 0.0]]
@@ -95,9 +99,17 @@ def _prefix_work(n, windows) -> np.ndarray:
 
 
 def rank_work(work, layout: ShardLayout) -> np.ndarray:
-  """float64[B, cp]: the work each rank holds, from per-token work in **rank
-  order** (as :func:`cpjax.shard_batch` returns its streams: rank r holds
-  columns ``r*L .. (r+1)*L - 1``).
+  """Return the work each rank holds, from per-token work in **rank order**.
+
+  Rank order is as :func:`cpjax.shard_batch` returns its streams: rank r holds
+  columns ``r*L .. (r+1)*L - 1``.
+
+  Args:
+    work: per-token work [B, S] in rank order (e.g. from :func:`token_work`).
+    layout: the :class:`ShardLayout`.
+
+  Returns:
+    float64[B, cp]: the work each rank holds.
 
   >>> lay = ShardLayout(8, 8, 2, "load_balanced")
   >>> rank_work(np.arange(1.0, 9.0)[None], lay).tolist()
@@ -114,8 +126,9 @@ def rank_work(work, layout: ShardLayout) -> np.ndarray:
 def balance_documents(
   document_ids, layout: ShardLayout, *, seed: int = 0, layer_windows=None
 ) -> np.ndarray:
-  """int32[B, S]: for each slot of the reordered row, the index it takes its
-  token from, chosen so that ``layout``'s ranks get even attention work
+  """Return, for each slot of the reordered row, the index it takes its token from.
+
+  The indices are chosen so that ``layout``'s ranks get even attention work
   (:func:`token_work` over ``layer_windows``).
 
   Each row's documents (maximal runs of one id; padding, id 0, is a run of
@@ -134,6 +147,10 @@ def balance_documents(
       for a full causal one (default: one full causal layer). A windowed
       layer's work is nearly even along a document; balancing causal work
       alone would uneven it.
+
+  Returns:
+    int32[B, S]: for each slot of the reordered row, the index it takes its
+    token from.
 
   Example:
     >>> lay = ShardLayout(16, 16, 2, "document_balanced", stripes=2)
@@ -169,14 +186,21 @@ def balance_documents(
 
 
 def renumber_documents(document_ids) -> np.ndarray:
-  """int32[B, S]: each row's non-zero ids renamed 1, 2, ... in the order they
-  first appear; 0 (padding) stays 0. Same ids stay equal, different ones
-  different, so every document mask means what it meant.
+  """Rename each row's non-zero ids 1, 2, ... in the order they first appear.
+
+  0 (padding) stays 0. Same ids stay equal, different ones different, so every
+  document mask means what it meant.
 
   Why: the ring skips a tile when the id ranges of its query and key blocks
   cannot meet. After :func:`balance_documents` reorders a row its ids are no
   longer increasing, a block's range spans documents it does not hold, and
   tiles the mask leaves empty would be computed.
+
+  Args:
+    document_ids: int[B, S], 0 = pad.
+
+  Returns:
+    int32[B, S]: each row's ids renamed.
 
   >>> renumber_documents(np.array([[7, 7, 3, 0, 5, 5, 3]])).tolist()
   [[1, 1, 2, 0, 3, 3, 2]]

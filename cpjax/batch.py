@@ -66,7 +66,13 @@ def _is_integer(x) -> bool:
 
 
 def primary_key(batch: Mapping) -> str:
-  """The name of the batch's primary stream, ``input_ids`` or ``inputs_embeds``.
+  """Return the name of the batch's primary stream, ``input_ids`` or ``inputs_embeds``.
+
+  Args:
+    batch: the batch dict.
+
+  Returns:
+    ``"input_ids"`` or ``"inputs_embeds"``, whichever the batch holds.
 
   Raises:
     KeyError: when neither or both are present.
@@ -81,7 +87,14 @@ def primary_key(batch: Mapping) -> str:
 
 
 def primary_length(batch: Mapping) -> int:
-  """Sequence length ``S`` of the primary stream (dim 1)."""
+  """Return the sequence length ``S`` of the primary stream (dim 1).
+
+  Args:
+    batch: the batch dict.
+
+  Returns:
+    ``S``, the primary stream's dim 1.
+  """
   return jnp.shape(batch[primary_key(batch)])[1]
 
 
@@ -172,7 +185,7 @@ def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
 
 
 def vision_group_ids(mm_token_type_ids) -> jax.Array:
-  """Id of the contiguous vision span each token belongs to; -1 for text.
+  """Return the id of the contiguous vision span each token belongs to; -1 for text.
 
   A token is vision when its type is 1 (image) or 2 (video); a group
   starts where a vision token follows a non-vision one (or starts the row).
@@ -201,7 +214,7 @@ def vision_group_ids(mm_token_type_ids) -> jax.Array:
 
 
 def next_token_labels(input_ids, document_ids=None, ignore_index: int = IGNORE_INDEX):
-  """Shifted next-token labels, made *before* sharding.
+  """Make shifted next-token labels, *before* sharding.
 
   ``labels[t] = input_ids[t + 1]`` when tokens t and t + 1 belong to the same
   (non-pad) document; the last token of every document, every pad token

@@ -105,8 +105,18 @@ def attention_options(*, scale=None, logits_soft_cap=None) -> tuple[float | None
 
 
 def fits_int32(name: str, x) -> None:
-  """A concrete integer array whose values int32 cannot hold is a ValueError
-  (JAX would wrap them silently); traced arrays pass unchecked."""
+  """Check that a concrete integer array's values fit int32.
+
+  A concrete integer array whose values int32 cannot hold is a ValueError
+  (JAX would wrap them silently); traced arrays pass unchecked.
+
+  Args:
+    name: the argument's name, for the error message.
+    x: the array.
+
+  Raises:
+    ValueError: when ``x`` is concrete and holds values outside int32.
+  """
   if isinstance(x, jax.core.Tracer):
     return
   # The array's own dtype: jnp.result_type would report int64 as int32 already.
@@ -161,8 +171,16 @@ def _axis_size(axis_name: str) -> int | None:
 
 
 def cp_axis(caller: str, axis_name: str, cp_size: int) -> None:
-  """``caller`` runs with a layout of ``cp_size`` ranks: inside ``shard_map``
-  over ``axis_name`` of that size (or anywhere when ``cp_size`` is 1)."""
+  """Check that ``caller`` runs where a layout of ``cp_size`` ranks can.
+
+  ``caller`` runs with a layout of ``cp_size`` ranks: inside ``shard_map``
+  over ``axis_name`` of that size (or anywhere when ``cp_size`` is 1).
+
+  Args:
+    caller: the calling function's name, for the error message.
+    axis_name: the CP mesh axis.
+    cp_size: the layout's number of ranks.
+  """
   size = _axis_size(axis_name)
   if size is None and cp_size != 1:
     raise ValueError(
@@ -176,7 +194,16 @@ def cp_axis(caller: str, axis_name: str, cp_size: int) -> None:
 
 
 def integer(name: str, value, *, minimum: int | None = None) -> int:
-  """A Python or numpy int (not bool) >= ``minimum``."""
+  """Check that ``value`` is a Python or numpy int (not bool) >= ``minimum``.
+
+  Args:
+    name: the argument's name, for the error message.
+    value: the value to check.
+    minimum: the smallest allowed value, or None for no bound.
+
+  Returns:
+    ``value`` as a Python int.
+  """
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
     raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
   if minimum is not None and value < minimum:
@@ -185,9 +212,18 @@ def integer(name: str, value, *, minimum: int | None = None) -> int:
 
 
 def mapping(name: str, value) -> dict:
-  """A mapping (e.g. a batch dict) as a new dict; list and tuple values
-  become numpy arrays, as ``np.asarray`` takes them (a ragged one is a
-  ``TypeError`` naming its key)."""
+  """Copy a mapping (e.g. a batch dict) into a new dict.
+
+  List and tuple values become numpy arrays, as ``np.asarray`` takes them (a
+  ragged one is a ``TypeError`` naming its key).
+
+  Args:
+    name: the argument's name, for the error message.
+    value: the mapping.
+
+  Returns:
+    A new dict of ``value``'s items.
+  """
   if not isinstance(value, Mapping):
     raise TypeError(f"{name} must be a mapping of names to arrays, got {type(value).__name__}")
   out = dict(value)

@@ -125,12 +125,21 @@ class CPContext:
       )
 
   def gather(self, state, prefix: tuple[str, ...] = (), *, skip=()):
-    """``state`` with every leaf stored split over ``axis_name`` gathered
-    whole: an ``all_gather``, whose transpose reduce-scatters the gradient.
+    """Gather whole every leaf of ``state`` stored split over ``axis_name``.
+
+    The gather is an ``all_gather``, whose transpose reduce-scatters the gradient.
 
     ``prefix`` is ``state``'s path in the model's whole state (a layer's, when
     the model gathers one layer where it runs); leaves under a path in ``skip``
     stay split. Without :attr:`gathered` (state whole over cp) this is ``state``.
+
+    Args:
+      state: a pytree of the model's state (or None).
+      prefix: ``state``'s path in the model's whole state.
+      skip: paths whose leaves stay split.
+
+    Returns:
+      ``state`` with those leaves gathered whole.
     """
     if not self.gathered or state is None:
       return state
@@ -144,7 +153,14 @@ class CPContext:
     return jax.tree_util.tree_map_with_path(leaf, state)
 
   def split_dim(self, path: tuple[str, ...]) -> int | None:
-    """The dimension the leaf at ``path`` is stored split along over ``axis_name``, or None."""
+    """Return the dimension the leaf at ``path`` is stored split along over ``axis_name``.
+
+    Args:
+      path: the leaf's path in the model's state.
+
+    Returns:
+      The dimension, or None.
+    """
     return dict(self.gathered).get(_leaf_path(path))
 
   def _gathered(self, x, path):
@@ -152,26 +168,48 @@ class CPContext:
     return x if dim is None else jax.lax.all_gather(x, self.axis_name, axis=dim, tiled=True)
 
   def lookup(self, table, ids, path: tuple[str, ...]):
-    """``table[ids]`` of this rank's token ids [B, L]: a :func:`cpjax.parallel.ring_lookup`
-    when the table at ``path`` is stored split over its rows, else
-    :func:`cpjax.parallel.lookup` (the table gathered first if split otherwise)."""
+    """Look up ``table[ids]`` of this rank's token ids [B, L].
+
+    A :func:`cpjax.parallel.ring_lookup` when the table at ``path`` is stored
+    split over its rows, else :func:`cpjax.parallel.lookup` (the table gathered
+    first if split otherwise).
+
+    Args:
+      table: the table [V, ...].
+      ids: this rank's token ids [B, L].
+      path: the table's path in the model's state.
+
+    Returns:
+      ``table[ids]``.
+    """
     if self.split_dim(path) == 0:
       return ring_lookup(table, ids, self.axis_name)
     return lookup(self._gathered(table, path), ids)
 
   def head(self, head, path: tuple[str, ...]) -> tuple:
-    """``(head, head_axis)`` for :class:`HiddenStates`: a head stored split over
-    its rows stays split (the loss is vocabulary-parallel over ``axis_name``)."""
+    """Return ``(head, head_axis)`` for :class:`HiddenStates`.
+
+    A head stored split over its rows stays split (the loss is
+    vocabulary-parallel over ``axis_name``).
+
+    Args:
+      head: the output head's weights.
+      path: the head's path in the model's state.
+
+    Returns:
+      ``(head, head_axis)``: ``head_axis`` is ``axis_name`` when the head stays
+      split, else None.
+    """
     if self.split_dim(path) == 0:
       return head, self.axis_name
     return self._gathered(head, path), None
 
   def expert_options(self) -> dict:
-    """The keywords that pass this context's expert parallelism to a mixture of experts."""
+    """Return the keywords that pass this context's expert parallelism to a mixture of experts."""
     return {"expert_axes": self.expert_axes, "capacity_factor": self.capacity_factor}
 
   def attention_options(self) -> dict:
-    """The keywords that pass this context's backend to :func:`cpjax.ring_attention`."""
+    """Return the keywords that pass this context's backend to :func:`cpjax.ring_attention`."""
     return {"implementation": self.implementation, "interpret": self.interpret}
 
 
@@ -201,12 +239,18 @@ class ContextParallelSharder:
 
 
 def batch_specs(batch: Mapping[str, Any]) -> dict:
-  """``shard_map`` in_specs of a sharded batch: each array's own ``PartitionSpec``.
+  """Return the ``shard_map`` in_specs of a sharded batch: each array's own ``PartitionSpec``.
 
   The model's sharder decides where every key lives; this reads it back
   (``jax.typeof(x).sharding`` under ``jit`` on an Explicit mesh, the array's
   sharding outside). Keys with no named sharding (numpy arrays, scalars) are
   replicated: ``P()``.
+
+  Args:
+    batch: the sharded batch.
+
+  Returns:
+    ``{key: PartitionSpec}``.
 
   >>> import jax, numpy as np, cpjax
   >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
@@ -224,12 +268,20 @@ def batch_specs(batch: Mapping[str, Any]) -> dict:
 
 
 def manual_axes(mesh: Mesh, axis_name: str = "cp") -> frozenset[str]:
-  """The mesh axes the loss's ``shard_map`` is manual over: ``axis_name`` and
-  every axis that is not Auto.
+  """Return the mesh axes the loss's ``shard_map`` is manual over.
+
+  They are ``axis_name`` and every axis that is not Auto.
 
   Auto axes (``fsdp``, ``tp`` and ``dp`` of :func:`cpjax.make_mesh`) stay the
   SPMD partitioner's: the parameters' and batch's shardings over them flow
   through the model untouched (see :mod:`cpjax.parallel`).
+
+  Args:
+    mesh: the training mesh.
+    axis_name: the context-parallel mesh axis.
+
+  Returns:
+    The manual axes' names.
 
   >>> from cpjax.parallel import make_mesh
   >>> sorted(manual_axes(make_mesh(fsdp=2, cp=2, tp=2)))
@@ -250,9 +302,19 @@ def _leaf_path(keys) -> tuple[str, ...]:
 def split_over(
   specs, axis_name: str, *, skip: Callable[[tuple[str, ...]], bool] = lambda k: False
 ) -> tuple:
-  """``((path, dim), ...)``, sorted: the leaves whose ``PartitionSpec`` (from
-  :func:`state_specs`) splits ``dim`` over ``axis_name``, for
-  :attr:`CPContext.gathered`; those ``skip(path)`` rejects left out."""
+  """List the leaves whose ``PartitionSpec`` splits a dimension over ``axis_name``.
+
+  For :attr:`CPContext.gathered`; those ``skip(path)`` rejects are left out.
+
+  Args:
+    specs: a pytree of ``PartitionSpec`` (from :func:`state_specs`).
+    axis_name: the mesh axis.
+    skip: ``skip(path)`` is true for the leaves to leave out.
+
+  Returns:
+    ``((path, dim), ...)``, sorted: the leaves whose ``PartitionSpec`` splits
+    ``dim`` over ``axis_name``.
+  """
   split = {}
   for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)):
     keys = _leaf_path(key_names(path))
@@ -263,11 +325,20 @@ def split_over(
 
 
 def state_specs(state, axes) -> Any:
-  """``shard_map`` in_specs of parameters (or frozen state) for a ``shard_map``
-  manual over ``axes``: ``P()`` for every leaf but those stored split over
-  one of ``axes`` (experts over ``cp``), which enter split as they are
-  stored (read from ``jax.typeof(x).sharding`` under ``jit``, which names
-  the Explicit axes)."""
+  """Return the ``shard_map`` in_specs of parameters (or frozen state).
+
+  For a ``shard_map`` manual over ``axes``: ``P()`` for every leaf but those
+  stored split over one of ``axes`` (experts over ``cp``), which enter split as
+  they are stored (read from ``jax.typeof(x).sharding`` under ``jit``, which
+  names the Explicit axes).
+
+  Args:
+    state: the parameters (or frozen state), or None.
+    axes: the mesh axes the ``shard_map`` is manual over.
+
+  Returns:
+    A ``PartitionSpec`` per leaf (``P()`` when ``state`` is None).
+  """
   if state is None:
     return P()
 

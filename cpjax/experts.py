@@ -95,7 +95,7 @@ def routed_experts(
   expert_axes: tuple[str, ...] = (),
   capacity_factor: float | None = None,
 ) -> tuple[jax.Array, ExpertStats]:
-  """``y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``, and :class:`ExpertStats`.
+  """Compute ``y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``, and :class:`ExpertStats`.
 
   Args:
     x: [T..., D] tokens (any leading shape; the first dimension is the
@@ -352,8 +352,9 @@ def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
 
 
 def grouped_matmul(rows, weights, sizes, *, tile: int = GROUPED_TILE):
-  """``rows[i] @ weights[g]`` for each row ``i`` of group ``g``, as
-  ``jax.lax.ragged_dot``: rows [M, K] in group order (``sizes`` int32[G]
+  """Compute ``rows[i] @ weights[g]`` for each row ``i`` of group ``g``.
+
+  As ``jax.lax.ragged_dot``: rows [M, K] in group order (``sizes`` int32[G]
   rows a group; rows past ``sum(sizes)`` give zeros), weights [G, K, N] ->
   [M, N] in the operands' dtype (float32 accumulation).
 
@@ -367,6 +368,15 @@ def grouped_matmul(rows, weights, sizes, *, tile: int = GROUPED_TILE):
   ``M / tile + G - 1`` products of [tile, K] x [K, N], masked to the
   group's rows; its backward (rows' and weights' gradients) walks the same
   pairs.
+
+  Args:
+    rows: [M, K] in group order.
+    weights: [G, K, N].
+    sizes: int32[G], the rows of each group.
+    tile: the rows of one tile of the loop.
+
+  Returns:
+    [M, N] in the operands' dtype.
 
   >>> w = jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])            # G = 2
   >>> grouped_matmul(jnp.ones((3, 2)), w, jnp.array([1, 1], jnp.int32))

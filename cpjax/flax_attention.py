@@ -63,7 +63,7 @@ def use_cp(cp: CPContext | None) -> Iterator[CPContext | None]:
 
 
 def current_context() -> CPContext | None:
-  """The innermost :func:`use_cp` context, or None."""
+  """Return the innermost :func:`use_cp` context, or None."""
   return _CONTEXT.get()
 
 
@@ -76,7 +76,7 @@ def ring_attention_fn(
   implementation: str | None = None,
   interpret: bool | None = None,
 ) -> Callable:
-  """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` that runs on the ring.
+  """Make an ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` that runs on the ring.
 
   The returned function takes flax's arguments ``(query [B, L, H, D], key,
   value [B, L, Hkv, D], bias=None, mask=None, ..., is_causal=False)`` and
@@ -89,6 +89,9 @@ def ring_attention_fn(
     scale, logits_soft_cap, block_q, block_kv: as :func:`cpjax.ring_attention`.
     implementation, interpret: as :func:`cpjax.ring_attention`; None takes
       them from the active :class:`cpjax.CPContext` (its defaults outside one).
+
+  Returns:
+    The ``attention_fn``.
 
   Example:
     >>> import jax, numpy as np, cpjax

@@ -68,7 +68,7 @@ def _rows_index(x, layout: ShardLayout, axis: int, source_index, inverse: bool):
 def to_rank_order(
   x, layout: ShardLayout, *, axis: int = 1, pad_value=0, source_index=None
 ) -> jax.Array:
-  """Natural token order -> rank order, along ``axis``.
+  """Reorder tokens from natural order to rank order, along ``axis``.
 
   ``x`` has ``layout.original_seq_len`` tokens on ``axis`` (it is then
   right-padded with ``pad_value``) or already ``layout.padded_seq_len``.
@@ -118,7 +118,7 @@ def to_rank_order(
 
 
 def from_rank_order(x, layout: ShardLayout, *, axis: int = 1, source_index=None) -> jax.Array:
-  """Rank order -> natural token order, along ``axis``; padding is kept.
+  """Reorder tokens from rank order to natural order, along ``axis``; padding is kept.
 
   The inverse of :func:`to_rank_order`: slice ``[:layout.original_seq_len]``
   on ``axis`` to drop the padded tail.
@@ -174,7 +174,7 @@ def context_parallel_attention(
   interpret: bool = False,
   **mask_keywords,
 ):
-  """Ring attention of global, rank-ordered arrays; calls ``shard_map`` itself.
+  """Compute ring attention of global, rank-ordered arrays; calls ``shard_map`` itself.
 
   Equals :func:`cpjax.reference_attention` of the same arrays in natural
   order (:func:`from_rank_order`), values and gradients.

@@ -141,14 +141,22 @@ class ShardLayout:
     return self.padded_seq_len - self.original_seq_len
 
   def rank_chunks(self, rank: int) -> tuple[int, ...]:
-    """The global chunk indices rank ``rank`` holds, in local order: one per
-    pass of the serpentine (forward on even passes, backward on odd ones)."""
+    """Return the global chunk indices rank ``rank`` holds, in local order.
+
+    One per pass of the serpentine (forward on even passes, backward on odd ones).
+
+    Args:
+      rank: the rank, in ``[0, cp_size)``.
+
+    Returns:
+      The rank's global chunk indices, in local order.
+    """
     cp = self.cp_size
     return tuple(k * cp + (rank if k % 2 == 0 else cp - 1 - rank) for k in range(self.stripes))
 
 
 def default_stripes(seq_len: int, cp_size: int, *, min_stripe_len: int = MIN_STRIPE_LEN) -> int:
-  """Stripes per rank of a ``"document_balanced"`` layout of a row this long.
+  """Return the stripes per rank of a ``"document_balanced"`` layout of a row this long.
 
   The largest even ``R <= MAX_STRIPES`` whose stripes hold at least
   ``min_stripe_len`` tokens (2 when none does). :func:`padded_length` pads
@@ -160,6 +168,14 @@ def default_stripes(seq_len: int, cp_size: int, *, min_stripe_len: int = MIN_STR
   stripe sit on the same or the neighbouring rank). So give the model's
   longest window as ``min_stripe_len``; the default, ``MIN_STRIPE_LEN``, is
   Gemma 4's longest.
+
+  Args:
+    seq_len: the row's length in tokens.
+    cp_size: the number of CP ranks.
+    min_stripe_len: the fewest tokens a stripe should hold.
+
+  Returns:
+    ``R``, the number of stripes per rank.
 
   >>> default_stripes(131072, 8), default_stripes(131071, 8), default_stripes(64, 2)
   (16, 14, 2)
@@ -184,7 +200,7 @@ def padded_length(
   chunk_multiple: int = 1,
   stripes: int | None = None,
 ) -> int:
-  """The padded length ``shard_batch`` uses for ``seq_len`` tokens.
+  """Return the padded length ``shard_batch`` uses for ``seq_len`` tokens.
 
   Rounds up to a multiple of ``cp_size * max(pad_multiple, 2)`` (as the
   original, in every layout) and, for ``"load_balanced"``, also of
@@ -193,6 +209,18 @@ def padded_length(
   what :func:`default_stripes` gives a row of ``seq_len`` tokens). With
   ``chunk_multiple``, every chunk of the layout also holds a multiple of
   that many tokens (what a Pallas target's tiles need).
+
+  Args:
+    seq_len: the number of tokens.
+    cp_size: the number of CP ranks.
+    kind: the layout, ``"contiguous"``, ``"load_balanced"`` or
+      ``"document_balanced"``.
+    pad_multiple: the padded length is a multiple of ``cp_size * max(pad_multiple, 2)``.
+    chunk_multiple: every chunk of the layout holds a multiple of this many tokens.
+    stripes: ``R`` of a ``"document_balanced"`` layout (None: :func:`default_stripes`).
+
+  Returns:
+    The padded length.
 
   >>> padded_length(6, 2), padded_length(7, 3, pad_multiple=4)
   (8, 12)
@@ -216,7 +244,7 @@ def padded_length(
 
 
 def local_token_indices(layout: ShardLayout, rank) -> jax.Array:
-  """Global (padded) token index of each local position of ``rank``.
+  """Return the global (padded) token index of each local position of ``rank``.
 
   Args:
     layout: the :class:`ShardLayout`.
@@ -255,10 +283,16 @@ def local_token_indices(layout: ShardLayout, rank) -> jax.Array:
 
 
 def rank_order(layout: ShardLayout) -> np.ndarray:
-  """int[S] numpy: the global index at each position of the rank-ordered array.
+  """Return the global index at each position of the rank-ordered array.
 
   ``x_rank_ordered = x_global[..., rank_order(layout)]``; its inverse
   permutation (``np.argsort``) restores global order.
+
+  Args:
+    layout: the :class:`ShardLayout`.
+
+  Returns:
+    int[S] numpy: the global index at each position of the rank-ordered array.
 
   >>> rank_order(ShardLayout(8, 8, 2, "load_balanced")).tolist()
   [0, 1, 6, 7, 2, 3, 4, 5]

@@ -105,11 +105,22 @@ def make_mesh(
   tp: int = 1,
   devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-  """A training mesh with axes ``dp`` or ``fsdp`` (when > 1), ``cp`` (always), ``tp`` (when > 1).
+  """Build a training mesh with axes ``dp`` or ``fsdp`` (when > 1), ``cp``, ``tp`` (when > 1).
 
-  Uses the first ``dp * fsdp * cp * tp`` of ``devices`` (default: all), with
-  ``tp`` innermost so that its collectives stay on the nearest devices.
-  ``cp`` is Explicit and the other axes Auto (see the module docstring).
+  ``cp`` is always an axis. Uses the first ``dp * fsdp * cp * tp`` of
+  ``devices`` (default: all), with ``tp`` innermost so that its collectives
+  stay on the nearest devices. ``cp`` is Explicit and the other axes Auto
+  (see the module docstring).
+
+  Args:
+    cp: the context-parallel axis's size.
+    fsdp: the ``fsdp`` axis's size.
+    dp: the ``dp`` axis's size.
+    tp: the tensor-parallel axis's size.
+    devices: the devices to use (default: all).
+
+  Returns:
+    The :class:`jax.sharding.Mesh`.
 
   >>> make_mesh(fsdp=4, cp=2).axis_names
   ('fsdp', 'cp')
@@ -142,10 +153,16 @@ def make_mesh(
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-  """``"fsdp=2,cp=4"`` -> ``{"fsdp": 2, "cp": 4}`` (the ``--mesh`` flag's format).
+  """Parse ``"fsdp=2,cp=4"`` into ``{"fsdp": 2, "cp": 4}`` (the ``--mesh`` flag's format).
 
   ``ep=N`` may follow: the expert parallelism folded onto the other axes
   (:func:`expert_axes`), not an axis of its own.
+
+  Args:
+    text: the mesh, as the ``--mesh`` flag takes it.
+
+  Returns:
+    ``{axis: size}``.
 
   >>> parse_mesh("fsdp=2,cp=2,tp=2")
   {'fsdp': 2, 'cp': 2, 'tp': 2}
@@ -169,17 +186,25 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def expert_axes(mesh: Mesh, ep: int) -> tuple[str, ...]:
-  """The mesh axes ``ep``-way expert parallelism folds onto: ``()`` for
-  ``ep = 1``, else ``("cp",)``, the batch axis, or ``("cp", batch axis)``,
-  whichever has ``ep`` devices (``cp`` first when two do: its ranks are the
-  nearest, see :func:`make_mesh`). The experts' leading dimension is split
-  over them in that order, ``cp`` major.
+  """Return the mesh axes ``ep``-way expert parallelism folds onto.
+
+  They are ``()`` for ``ep = 1``, else ``("cp",)``, the batch axis, or
+  ``("cp", batch axis)``, whichever has ``ep`` devices (``cp`` first when two
+  do: its ranks are the nearest, see :func:`make_mesh`). The experts' leading
+  dimension is split over them in that order, ``cp`` major.
 
   Tokens must differ across the devices that hold different experts, so
   ``ep`` can only fold onto axes that split tokens (``tp`` ranks hold the
   same tokens). A mesh with ``tp`` does not take ``ep`` (on this JAX the
   SPMD partitioner aborts on the dispatch beside an Auto ``tp`` axis);
   without ``ep`` its experts split over ``tp`` instead.
+
+  Args:
+    mesh: the training mesh.
+    ep: the expert parallelism.
+
+  Returns:
+    The axes, in the order the experts split over them.
 
   >>> expert_axes(make_mesh(fsdp=2, cp=4), 8)
   ('cp', 'fsdp')
@@ -210,7 +235,14 @@ def expert_axes(mesh: Mesh, ep: int) -> tuple[str, ...]:
 
 
 def batch_axis_of(mesh: Mesh) -> str | None:
-  """The mesh's batch axis (``"dp"`` or ``"fsdp"``), or None."""
+  """Return the mesh's batch axis (``"dp"`` or ``"fsdp"``), or None.
+
+  Args:
+    mesh: the mesh.
+
+  Returns:
+    The batch axis's name, or None.
+  """
   found = [a for a in mesh.axis_names if a in BATCH_AXES]
   if len(found) > 1:
     raise ValueError(f"a mesh splits the batch over one axis, this one has {found}")
@@ -218,7 +250,15 @@ def batch_axis_of(mesh: Mesh) -> str | None:
 
 
 def axis_size(mesh: Mesh, name: str) -> int:
-  """The size of ``mesh``'s axis ``name``, 1 when the mesh has no such axis."""
+  """Return the size of ``mesh``'s axis ``name``, 1 when the mesh has no such axis.
+
+  Args:
+    mesh: the mesh.
+    name: the axis's name.
+
+  Returns:
+    The axis's size.
+  """
   return int(mesh.shape[name]) if name in mesh.axis_names else 1
 
 
@@ -226,27 +266,51 @@ def axis_size(mesh: Mesh, name: str) -> int:
 
 
 def varying_axes(x) -> frozenset:
-  """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+  """Return the mesh axes ``x`` varies over inside ``shard_map`` (empty outside).
+
+  Args:
+    x: an array.
+
+  Returns:
+    The axes' names.
+  """
   mat = getattr(jax.typeof(x), "manual_axis_type", None)
   return getattr(mat, "varying", frozenset())
 
 
 def vary_like(x, ref):
-  """``x`` made varying over the mesh axes ``ref`` varies over (check_vma)."""
+  """Make ``x`` varying over the mesh axes ``ref`` varies over (check_vma).
+
+  Args:
+    x: an array.
+    ref: the array whose varying axes ``x`` takes.
+
+  Returns:
+    ``x``, varying over those axes too.
+  """
   missing = tuple(sorted(varying_axes(ref) - varying_axes(x)))
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def vary_over(x, axes: frozenset):
-  """``x`` made varying over ``axes`` too (check_vma)."""
+  """Make ``x`` varying over ``axes`` too (check_vma).
+
+  Args:
+    x: an array.
+    axes: the mesh axes.
+
+  Returns:
+    ``x``, varying over ``axes`` too.
+  """
   missing = tuple(sorted(axes - varying_axes(x)))
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def filled_after(ref, shape, fill=0.0, dtype=jnp.float32):
-  """``fill`` everywhere in ``shape``, varying as ``ref`` does, and computed
-  from ``ref``: an accumulator's initial value that no schedule can build
-  before ``ref`` exists.
+  """Return ``fill`` everywhere in ``shape``, varying as ``ref`` does, and computed from ``ref``.
+
+  It is an accumulator's initial value that no schedule can build before
+  ``ref`` exists.
 
   A constant fill (``jnp.zeros``) is one broadcast, which XLA shares between
   every layer's loops; XLA:CPU builds it when the program starts and copies
@@ -257,6 +321,15 @@ def filled_after(ref, shape, fill=0.0, dtype=jnp.float32):
   value: XLA:GPU's simplifier otherwise folds ``convert(pred) * 0`` to a
   constant and fuses every such fill into one operandless fusion, all of
   them alive from the step's start.
+
+  Args:
+    ref: the array the fill is computed from.
+    shape: the result's shape.
+    fill: the value.
+    dtype: the result's dtype.
+
+  Returns:
+    The filled array.
 
   >>> filled_after(jnp.ones(3), (2,), -jnp.inf)
   Array([-inf, -inf], dtype=float32)
@@ -277,7 +350,13 @@ STATE_AXES = ("fsdp", "cp")
 
 
 def key_names(path) -> tuple[str, ...]:
-  """A pytree key path as strings, as a :data:`PartitionRule` receives it.
+  """Return a pytree key path as strings, as a :data:`PartitionRule` receives it.
+
+  Args:
+    path: a pytree key path.
+
+  Returns:
+    The path's keys as strings.
 
   >>> key_names(jax.tree_util.tree_leaves_with_path({"a": [0, 1]})[1][0])
   ('a', '1')
@@ -288,7 +367,7 @@ def key_names(path) -> tuple[str, ...]:
 def param_specs(
   params, mesh: Mesh, *, rule: PartitionRule | None = None, state_axes: Sequence[str] = STATE_AXES
 ):
-  """A ``PartitionSpec`` per parameter leaf (same tree as ``params``).
+  """Return a ``PartitionSpec`` per parameter leaf (same tree as ``params``).
 
   ``rule(path, shape)`` gives the tensor-parallel part (``"tp"`` on the
   dimensions whose computation splits, experts' axes on their expert
@@ -310,6 +389,15 @@ def param_specs(
   ring's ``shard_map`` split and is gathered where it is used (a Gemma 4
   decoder layer inside its remat scope, the rest when the step starts); its
   gradient leaves reduce-scattered.
+
+  Args:
+    params: the parameters.
+    mesh: the training mesh.
+    rule: ``rule(path, shape)``, the tensor-parallel part (default: none).
+    state_axes: the token axes that split the storage further.
+
+  Returns:
+    A ``PartitionSpec`` per parameter leaf.
   """
   state_axes = tuple(state_axes)
   if set(state_axes) not in ({"fsdp"}, {"fsdp", "cp"}) or len(set(state_axes)) < len(state_axes):
@@ -372,7 +460,16 @@ def param_specs(
 
 
 def shard_params(params, mesh: Mesh, specs):
-  """``params`` placed on ``mesh`` per ``specs`` (from :func:`param_specs`)."""
+  """Place ``params`` on ``mesh`` per ``specs`` (from :func:`param_specs`).
+
+  Args:
+    params: the parameters.
+    mesh: the mesh.
+    specs: a ``PartitionSpec`` per parameter leaf.
+
+  Returns:
+    ``params`` placed on ``mesh``.
+  """
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   if jax.tree.structure(params) != jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)):
@@ -423,7 +520,7 @@ def shard_like_params(tree, params):
 
 
 def gathered(table: jax.Array) -> jax.Array:
-  """``table`` whole on every device, for a lookup (``table[ids]``).
+  """Gather ``table`` whole on every device, for a lookup (``table[ids]``).
 
   A no-op outside a mesh. Under one, a lookup into a table sharded over an
   Auto axis (``fsdp``) by ids sharded over that same axis (the batch rows)
@@ -432,6 +529,12 @@ def gathered(table: jax.Array) -> jax.Array:
   asking for the table whole first, as ZeRO-3 gathers any weight before
   use, gives the partitioner a plain local gather. The gathered table is a
   temporary, freed after the lookup and its backward.
+
+  Args:
+    table: the table.
+
+  Returns:
+    ``table``, whole on every device.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not any(kind == AxisType.Auto for kind in mesh.axis_types):
@@ -440,7 +543,7 @@ def gathered(table: jax.Array) -> jax.Array:
 
 
 def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
-  """``table[ids]`` [B, ..., D] without the whole table on any device.
+  """Look up ``table[ids]`` [B, ..., D] without the whole table on any device.
 
   On a mesh whose Auto axes (``fsdp``, ``tp``) split the table's rows, as
   :func:`param_specs` places a table (both axes on the vocabulary), each
@@ -459,6 +562,9 @@ def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     table: [V, D] rows to look up.
     ids: int[B, ...] row numbers in ``[0, V)``; ``B`` split over the mesh's
       batch axis when it has one that divides it.
+
+  Returns:
+    ``table[ids]`` [B, ..., D].
 
   Example:
     >>> import numpy as np
@@ -489,15 +595,31 @@ class RowPlacement(NamedTuple):
   vma: frozenset[str]  # manual axes (cp) the table varies over: none, usually
 
   def block_rows(self) -> int:
+    """Return the table rows each device holds: ``rows`` over the ``table_axes``' sizes.
+
+    The sizes are the current abstract mesh's.
+
+    Returns:
+      The rows of one device's block.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     return self.rows // int(np.prod([mesh.shape[a] for a in self.table_axes], dtype=int))
 
 
 def row_placement(table: jax.Array, batch_rows: int) -> RowPlacement | None:
-  """How ``table`` [V, ...] splits over the current mesh's Auto axes, as
-  :func:`param_specs` places it: None without Auto axes (one device, or
+  """Return how ``table`` [V, ...] splits over the current mesh's Auto axes.
+
+  As :func:`param_specs` places it: None without Auto axes (one device, or
   every axis manual); ``table_axes`` empty when the split is not over the
-  rows alone (then gather it). ``batch_rows`` is the batch's ``B``."""
+  rows alone (then gather it).
+
+  Args:
+    table: the table [V, ...].
+    batch_rows: the batch's ``B``.
+
+  Returns:
+    The :class:`RowPlacement`, or None.
+  """
   mesh = jax.sharding.get_abstract_mesh()
   auto = (
     ()
@@ -585,8 +707,9 @@ _sharded_lookup.defvjp(_lookup_forward, _lookup_backward)
 
 
 def ring_lookup(block: jax.Array, ids: jax.Array, axis_name: str = "cp") -> jax.Array:
-  """``table[ids]`` [B, L, D] inside a ``shard_map`` manual over ``axis_name``,
-  where each rank holds one block of the table's rows and its own tokens.
+  """Look up ``table[ids]`` [B, L, D] inside a ``shard_map`` manual over ``axis_name``.
+
+  Each rank holds one block of the table's rows and its own tokens.
 
   Rank ``i`` holds rows ``[i * Vb, (i + 1) * Vb)`` (``block`` [Vb, D], as
   :func:`param_specs` stores a table over ``fsdp x cp``, cp major) and the
@@ -602,6 +725,9 @@ def ring_lookup(block: jax.Array, ids: jax.Array, axis_name: str = "cp") -> jax.
     block: [Vb, D] this rank's rows of the table.
     ids: int[B, ...] row numbers in ``[0, n * Vb)``, this rank's tokens.
     axis_name: the manual mesh axis the rows are split over.
+
+  Returns:
+    ``table[ids]`` [B, L, D] of this rank's tokens.
 
   Example:
     >>> import numpy as np
@@ -679,13 +805,19 @@ _ring_lookup.defvjp(_ring_forward, _ring_backward)
 
 
 def gather_safe(x: jax.Array) -> jax.Array:
-  """``x`` whole on every device when the mesh has two or more Auto axes, else ``x``.
+  """Gather ``x`` whole on every device when the mesh has two or more Auto axes.
 
   For activations entering data-dependent gathers and scatters (MoE
   dispatch): on an fsdp x cp x tp mesh XLA's SPMD partitioner fails a check
   on them (see :func:`gathered`), so the dispatch runs on whole activations
   there, repeated on each fsdp and tp rank. Meshes with one Auto axis keep
   the partitioned dispatch.
+
+  Args:
+    x: an activation.
+
+  Returns:
+    ``x`` whole on every device when the mesh has two or more Auto axes, else ``x``.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -699,7 +831,14 @@ def gather_safe(x: jax.Array) -> jax.Array:
 
 
 def bytes_per_device(tree) -> int:
-  """Bytes one device holds of the arrays in ``tree`` (its largest shard per leaf)."""
+  """Count the bytes one device holds of the arrays in ``tree`` (its largest shard per leaf).
+
+  Args:
+    tree: a pytree of arrays.
+
+  Returns:
+    The bytes.
+  """
   total = 0
   for x in jax.tree.leaves(tree):
     shape = x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else np.shape(x)

@@ -33,7 +33,7 @@ def reference_attention(
   scale: float | None = None,
   logits_soft_cap: float | None = None,
 ):
-  """Masked softmax attention over full, unsharded sequences, in float32.
+  """Compute masked softmax attention over full, unsharded sequences, in float32.
 
   Args:
     q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] with Hq a multiple of Hkv (query

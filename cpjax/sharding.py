@@ -333,7 +333,7 @@ def _document_order(
 def unshard_batch(
   batch: Mapping[str, Any], layout: ShardLayout, *, extra_seq_keys: Mapping[str, int] | None = None
 ) -> dict:
-  """Inverse of :func:`shard_batch`: restore global token order, strip padding.
+  """Invert :func:`shard_batch`: restore global token order, strip padding.
 
   Every sharded stream (the known keys not in ``layout.replicated_keys``, plus
   ``extra_seq_keys``) must have ``layout.padded_seq_len`` on its sequence
@@ -345,6 +345,15 @@ def unshard_batch(
   from the arrays (both layouts hold the same number of tokens per rank, and
   a stream's values say nothing about the order they were cut in), so it
   would return the tokens scrambled without an error.
+
+  Args:
+    batch: the sharded batch.
+    layout: the :class:`ShardLayout` :func:`shard_batch` returned with it.
+    extra_seq_keys: ``{key: seq_dim}`` of further sharded streams, as
+      :func:`shard_batch` took them.
+
+  Returns:
+    A new dict: the streams in global token order, without padding.
 
   Example:
     >>> import jax, numpy as np, cpjax
@@ -396,8 +405,16 @@ def unshard_batch(
 
 
 def source_index(batch: Mapping[str, Any], layout: ShardLayout):
-  """The ``_source_index`` stream a ``"document_balanced"`` layout needs (None
-  for the other kinds), checked: [B, padded_seq_len] integers."""
+  """Return the ``_source_index`` stream a ``"document_balanced"`` layout needs.
+
+  Args:
+    batch: the batch, carrying the stream :func:`shard_batch` wrote.
+    layout: its :class:`ShardLayout`.
+
+  Returns:
+    The stream, checked: [B, padded_seq_len] integers; None for the other
+    kinds.
+  """
   if layout.kind != "document_balanced":
     return None
   if batch_lib.SOURCE_INDEX_KEY not in batch:
@@ -443,7 +460,7 @@ def shard_sequence(
   pad_value=0,
   source_index=None,
 ):
-  """This rank's part of a full-length stream, called inside ``shard_map``.
+  """Return this rank's part of a full-length stream, called inside ``shard_map``.
 
   Pads ``x`` on the right along ``seq_axis`` to ``layout.padded_seq_len`` with
   ``pad_value`` and takes the positions ``local_token_indices(layout, rank)``

@@ -88,9 +88,20 @@ def _pad_stream(key: str, x, seq_dim: int, pad_len: int, pad_value):
 
 
 def take_rows(x, index, *, seq_dim: int, batch_dim: int | None):
-  """``x`` gathered along ``seq_dim`` with a per-row index int[B, T]: row b
-  of the result takes positions ``index[b]`` (``batch_dim`` None: x has no
-  batch dimension and every row of ``index`` must be the same; row 0 is used)."""
+  """Gather ``x`` along ``seq_dim`` with a per-row index int[B, T].
+
+  Row b of the result takes positions ``index[b]`` (``batch_dim`` None: x has
+  no batch dimension and every row of ``index`` must be the same; row 0 is used).
+
+  Args:
+    x: the array.
+    index: int[B, T], the positions each row takes.
+    seq_dim: ``x``'s sequence dimension.
+    batch_dim: ``x``'s batch dimension, or None.
+
+  Returns:
+    ``x`` gathered along ``seq_dim``.
+  """
   if batch_dim is None:
     return jnp.take(x, index[0], axis=seq_dim)
   shape = [1] * x.ndim

@@ -232,3 +232,54 @@ def test_no_object_is_exported_from_more_than_two_places():
   assert places[("cpjax.parallel", "make_mesh")] == {"cpjax", "cpjax.parallel"}
   many = {key: sorted(where) for key, where in places.items() if len(where) > 2}
   assert many == {}
+
+
+def public_functions():
+  """(module file, qualified name, node) of every public function and method
+  of the public modules (properties aside: their docstrings name a value)."""
+  found = []
+  for name in public_modules():
+    tree = ast.parse(MODULES[name].read_text())
+    members = [(node, "") for node in tree.body]
+    members += [
+      (m, node.name + ".")
+      for node in tree.body
+      if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+      for m in node.body
+    ]
+    for node, owner in members:
+      if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+        continue
+      if any(
+        getattr(d, "id", getattr(d, "attr", "")) in ("property", "cached_property", "setter")
+        for d in node.decorator_list
+      ):
+        continue
+      found.append((name, owner + node.name, node))
+  return found
+
+
+# Words a docstring opens with when it names a thing instead of saying what
+# the function does.
+NOUN_OPENINGS = {"The", "A", "An", "One", "Every", "Each", "What", "Which", "Whether", "How"}
+
+
+def test_public_functions_say_what_they_do_verb_first():
+  """Every public function has a docstring, and it opens with a verb
+  (``Return ...``, ``Shard ...``), as optax's and the Google style guide's
+  do."""
+  import re
+
+  functions = public_functions()
+  assert len(functions) > 200
+  noun, missing = [], []
+  for module, name, node in functions:
+    doc = ast.get_docstring(node)
+    if not doc:
+      missing.append(f"{module}.{name}")
+      continue
+    first = doc.split()[0]
+    if not re.fullmatch(r"[A-Z][a-z]+,?", first) or first.rstrip(",") in NOUN_OPENINGS:
+      noun.append(f"{module}.{name}: {doc.splitlines()[0][:60]}")
+  assert missing == []
+  assert noun == []

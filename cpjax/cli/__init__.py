@@ -37,6 +37,14 @@ __all__ = ["build_parser", "main", "train_parser"]
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Run the ``cpjax`` command line.
+
+  Args:
+    argv: the arguments after the program's name (default: ``sys.argv[1:]``).
+
+  Returns:
+    The exit code.
+  """
   argv = sys.argv[1:] if argv is None else list(argv)
   machine.cpu_unless_accelerators()
   if argv[:1] == ["train"]:

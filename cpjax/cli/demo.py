@@ -6,10 +6,17 @@ import numpy as np
 
 
 def demo_batch(seq_len: int = 22, seed: int = 0) -> dict:
-  """One row: three packed documents, an image span, and a padded tail.
+  """Build one row: three packed documents, an image span, and a padded tail.
 
   Labels come from :func:`cpjax.next_token_labels`, so none crosses a
   document boundary.
+
+  Args:
+    seq_len: the row's length.
+    seed: the random seed.
+
+  Returns:
+    The one-row batch.
   """
   import cpjax
 

@@ -11,11 +11,13 @@ _ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")
 
 
 def cpu_unless_accelerators() -> None:
-  """On a machine with no TPU or GPU device node, run JAX on the CPU alone
-  (``JAX_PLATFORMS=cpu``) unless the user chose: libtpu and the CUDA plugin,
-  installed to compile for chips (``cpjax plan --target``), would otherwise
-  probe for chips at start-up and print errors about the ones not there.
-  Must run before JAX initialises."""
+  """Run JAX on the CPU alone on a machine with no TPU or GPU device node.
+
+  That is ``JAX_PLATFORMS=cpu``, unless the user chose: libtpu and the CUDA
+  plugin, installed to compile for chips (``cpjax plan --target``), would
+  otherwise probe for chips at start-up and print errors about the ones not
+  there. Must run before JAX initialises.
+  """
   if "JAX_PLATFORMS" not in os.environ and not any(glob.glob(p) for p in _ACCELERATOR_NODES):
     os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -35,9 +37,14 @@ def use_cpu_devices(n: int, *, collectives: str | None = None) -> None:
 
 
 def available_memory() -> tuple[int | None, str]:
-  """(bytes one training device may use, what they are): an accelerator's
-  own limit, or on the CPU backend the host's available memory, which every
-  emulated device shares."""
+  """Return the bytes one training device may use, and what they are.
+
+  They are an accelerator's own limit, or on the CPU backend the host's
+  available memory, which every emulated device shares.
+
+  Returns:
+    (bytes one training device may use, what they are).
+  """
   import jax
 
   device = jax.devices()[0]

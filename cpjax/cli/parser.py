@@ -53,9 +53,15 @@ TRAIN_DESCRIPTION = (
 
 
 def train_parser():
-  """``cpjax train``'s parser: the run config's settings (see
+  """Build ``cpjax train``'s parser.
+
+  It takes the run config's settings (see
   :func:`cpjax.training.run_file.run_parser`), then what only the command
-  line says: a recipe, resuming, the memory check and the cluster."""
+  line says: a recipe, resuming, the memory check and the cluster.
+
+  Returns:
+    The parser.
+  """
   from cpjax.training.run_file import run_parser
 
   parser = run_parser("cpjax train", TRAIN_DESCRIPTION)
@@ -113,6 +119,13 @@ def train_parser():
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """Build the ``cpjax`` parser: ``--version`` and the subcommands' flags.
+
+  ``train`` is only listed: its flags come from :func:`train_parser`.
+
+  Returns:
+    The parser.
+  """
   from cpjax import __version__
 
   parser = _Parser(prog="cpjax", description="Context-parallel training for JAX.")

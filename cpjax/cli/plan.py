@@ -10,7 +10,17 @@ from cpjax.cli import machine
 
 
 def plan_config(parser, args):
-  """(config, display name) of --model or --checkpoint; a bad config.json is a usage error."""
+  """Return the (config, display name) of --model or --checkpoint.
+
+  A bad config.json is a usage error.
+
+  Args:
+    parser: the command's parser (for the usage error).
+    args: the parsed command line.
+
+  Returns:
+    (config, display name).
+  """
   from cpjax.models.gemma4 import Gemma4Config
 
   if args.checkpoint is None:
@@ -132,6 +142,19 @@ def _target(parser, args):
 
 
 def plan(parser, args) -> int:
+  """Run ``cpjax plan``: print the step's per-device memory and FLOPs.
+
+  The closed-form estimate in bfloat16 and float32, and the compiled step unless
+  ``--estimate-only``; without ``--mesh``, on the smallest fsdp x cp mesh that the
+  estimate fits into ``--device-memory``. Writes ``--write-config`` when given.
+
+  Args:
+    parser: the command's parser (for usage errors).
+    args: the parsed command line.
+
+  Returns:
+    The exit code: 1 when no mesh fits or the target's compiled step does not fit, else 0.
+  """
   import time
 
   from cpjax.training import plan

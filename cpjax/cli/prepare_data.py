@@ -6,6 +6,15 @@ import os
 
 
 def prepare_data(parser, args) -> int:
+  """Run ``cpjax prepare-data``: write the corpus and print its summary.
+
+  Args:
+    parser: the command's parser (for usage errors).
+    args: the parsed command line.
+
+  Returns:
+    The exit code, 0.
+  """
   from cpjax.data.records import BadRecord, prepare_data
 
   if args.truncate and args.seq_len is None:

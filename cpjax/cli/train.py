@@ -16,9 +16,19 @@ _ONE_OF = (("model", "checkpoint"), ("parallel.mesh", "parallel.cp"))
 
 
 def train(parser, argv: list[str]) -> int:
-  """``cpjax train``: read the run config (a recipe, files, dotted keys and
-  their short flags, a resumed run's run.yaml), check it, start JAX on the
-  devices it names, run the job."""
+  """Run ``cpjax train``.
+
+  Read the run config (a recipe, files, dotted keys and their short flags, a
+  resumed run's run.yaml), check it, start JAX on the devices it names, run
+  the job.
+
+  Args:
+    parser: ``cpjax train``'s parser.
+    argv: the command line's arguments.
+
+  Returns:
+    The exit status.
+  """
   from cpjax.training.run_config import JobError, check, devices_needed, get, settings, with_values
   from cpjax.training.run_file import RUN_FILE, alias_flag, given_keys, run_from_namespace
 

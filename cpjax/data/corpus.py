@@ -118,9 +118,15 @@ def _record(doc, number: int) -> bytes:
 
 
 def corpus_images(path) -> dict | None:
-  """The image processor of a corpus directory with images (its
-  ``summary.json``'s ``image_processor``: patch_size, max_soft_tokens,
-  pooling_kernel_size, image_token_id, and max_images_per_document), or None."""
+  """Return the image processor of a corpus directory with images, or None.
+
+  Args:
+    path: the corpus directory.
+
+  Returns:
+    Its ``summary.json``'s ``image_processor`` (patch_size, max_soft_tokens,
+    pooling_kernel_size, image_token_id, and max_images_per_document), or None.
+  """
   if not isinstance(path, (str, os.PathLike)):
     return None
   path = os.fspath(path)
@@ -306,7 +312,7 @@ def packed_rows(
   max_document_pieces: int = 4096,
   images_per_row: int | None = None,
 ):
-  """A grain ``IterDataset`` of packed rows (dicts of int32 [S] arrays).
+  """Build a grain ``IterDataset`` of packed rows (dicts of int32 [S] arrays).
 
   Args:
     path: an ArrayRecord file, a directory of them, or a list of files.
@@ -320,6 +326,9 @@ def packed_rows(
     max_document_pieces: longest document allowed, in ``seq_len`` pieces.
     images_per_row: image slots per row, for a corpus with images (default:
       its largest document's image count).
+
+  Returns:
+    The grain ``IterDataset`` of packed rows.
 
   Example:
     >>> import tempfile, os
@@ -385,10 +394,18 @@ def packed_rows(
 
 
 def packed_batches(path, *, batch_size: int, seq_len: int, **kwargs):
-  """:func:`packed_rows` stacked into batches: dicts of int32 [B, S] arrays
-  (and, with images, ``pixel_values`` [B * I, P, F] and
-  ``image_position_ids`` [B * I, P, 2]: the rows' image slots in row order,
-  as the model numbers soft tokens).
+  """Stack :func:`packed_rows` into batches.
+
+  Args:
+    path: as :func:`packed_rows`.
+    batch_size: rows per batch (B).
+    seq_len: tokens per row (S).
+    **kwargs: the other keywords of :func:`packed_rows`.
+
+  Returns:
+    A dataset of dicts of int32 [B, S] arrays (and, with images,
+    ``pixel_values`` [B * I, P, F] and ``image_position_ids`` [B * I, P, 2]:
+    the rows' image slots in row order, as the model numbers soft tokens).
 
   >>> import tempfile, os
   >>> path = os.path.join(tempfile.mkdtemp(), "docs.array_record")
@@ -405,7 +422,14 @@ def packed_batches(path, *, batch_size: int, seq_len: int, **kwargs):
 
 
 def flatten_image_slots(batch: dict) -> dict:
-  """Stacked rows' image slots [B, I, ...] -> the model's images [B * I, ...]."""
+  """Flatten stacked rows' image slots [B, I, ...] into the model's images [B * I, ...].
+
+  Args:
+    batch: a batch of stacked rows.
+
+  Returns:
+    ``batch``, its ``pixel_values`` and ``image_position_ids`` flattened.
+  """
   for key in ("pixel_values", "image_position_ids"):
     if key in batch:
       batch[key] = batch[key].reshape(-1, *batch[key].shape[2:])

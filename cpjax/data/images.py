@@ -38,7 +38,14 @@ SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 
 
 def load_image(path: str | os.PathLike):
-  """A PIL RGB image from a file, upright (its EXIF orientation applied)."""
+  """Load a PIL RGB image from a file, upright (its EXIF orientation applied).
+
+  Args:
+    path: the image file.
+
+  Returns:
+    The PIL RGB image.
+  """
   from PIL import Image, ImageOps
 
   path = os.fspath(path)
@@ -61,8 +68,16 @@ def _rgb(image):
 
 
 def pixel_values(patches: np.ndarray) -> np.ndarray:
-  """uint8 [..., F] patches -> the processor's float32 pixels in [0, 1]
-  (rescaled in float64, then cast, as transformers does)."""
+  """Convert uint8 patches to the processor's float32 pixels in [0, 1].
+
+  Rescaled in float64, then cast, as transformers does.
+
+  Args:
+    patches: uint8 [..., F] patches.
+
+  Returns:
+    float32 [..., F] pixels in [0, 1].
+  """
   return (np.asarray(patches).astype(np.float64) * (1 / 255)).astype(np.float32)
 
 
@@ -95,9 +110,15 @@ class ImageProcessor:
 
   @classmethod
   def from_checkpoint(cls, path: str | os.PathLike) -> "ImageProcessor | None":
-    """The settings in a checkpoint's ``processor_config.json`` (its
-    ``image_processor`` entry) or ``preprocessor_config.json``; None when it
-    has neither."""
+    """Read the settings in a checkpoint's processor config.
+
+    Args:
+      path: the checkpoint directory.
+
+    Returns:
+      The settings in its ``processor_config.json`` (its ``image_processor``
+      entry) or ``preprocessor_config.json``; None when it has neither.
+    """
     for name in ("processor_config.json", "preprocessor_config.json"):
       file = os.path.join(os.fspath(path), name)
       if os.path.isfile(file):
@@ -116,7 +137,15 @@ class ImageProcessor:
     return 3 * self.patch_size**2
 
   def target_size(self, height: int, width: int) -> tuple[int, int]:
-    """(height, width) after the aspect-preserving resize."""
+    """Return the (height, width) after the aspect-preserving resize.
+
+    Args:
+      height: the image's height.
+      width: the image's width.
+
+    Returns:
+      (height, width) after the resize.
+    """
     p, k = self.patch_size, self.pooling_kernel_size
     target_px = self.max_patches * p * p
     factor = math.sqrt(target_px / (height * width))
@@ -138,8 +167,14 @@ class ImageProcessor:
     return h, w
 
   def patches(self, image) -> tuple[np.ndarray, np.ndarray]:
-    """``(uint8 [n, F] patches, int32 [n, 2] (column, row) positions)`` of a
-    PIL image (converted to RGB) after the resize."""
+    """Cut a PIL image (converted to RGB) into patches after the resize.
+
+    Args:
+      image: a PIL image.
+
+    Returns:
+      ``(uint8 [n, F] patches, int32 [n, 2] (column, row) positions)``.
+    """
     from PIL import Image
 
     if not isinstance(image, Image.Image):
@@ -157,7 +192,14 @@ class ImageProcessor:
     return patches.reshape(rows * cols, self.patch_features), positions
 
   def soft_tokens(self, patches: np.ndarray) -> int:
-    """Soft tokens an image of these patches yields."""
+    """Count the soft tokens an image of these patches yields.
+
+    Args:
+      patches: the image's patches [n, F].
+
+    Returns:
+      The number of soft tokens.
+    """
     return len(patches) // self.pooling_kernel_size**2
 
   def __call__(self, images) -> dict:

@@ -64,12 +64,24 @@ class Summary:
   dropped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
   def as_dict(self) -> dict:
+    """Return the summary as a JSON-ready dict, each dropped record as ``{"line", "reason"}``.
+
+    Returns:
+      The fields as a dict.
+    """
     out = dataclasses.asdict(self)
     out["dropped"] = [{"line": line, "reason": reason} for line, reason in self.dropped]
     return out
 
   def lines(self, *, show: int = 10) -> list[str]:
-    """The summary as printed lines (the first ``show`` dropped records)."""
+    """Return the summary as printed lines (the first ``show`` dropped records).
+
+    Args:
+      show: how many dropped records to list.
+
+    Returns:
+      The lines.
+    """
     images = f", {self.images} images" if self.images else ""
     out = [
       f"{self.source}: {self.documents} documents, {self.tokens} tokens "
@@ -146,12 +158,25 @@ def encode_record(
   images: ImageProcessor | None = None,
   base_dir: str = ".",
 ) -> dict:
-  """One parsed record -> ``{"input_ids": int32[T], "loss_mask": uint8[T]}``
-  (:class:`BadRecord` saying why it cannot), plus, for a conversation with
-  images (read with ``images``, the checkpoint's image processor; relative
-  paths from ``base_dir``), ``image_patches`` uint8 [n, F],
-  ``image_positions`` int32 [n, 2] and ``image_sizes`` int32 [k] (patches
-  per image).
+  """Encode one parsed record as ``{"input_ids": int32[T], "loss_mask": uint8[T]}``.
+
+  Plus, for a conversation with images (read with ``images``, the
+  checkpoint's image processor; relative paths from ``base_dir``),
+  ``image_patches`` uint8 [n, F], ``image_positions`` int32 [n, 2] and
+  ``image_sizes`` int32 [k] (patches per image).
+
+  Args:
+    record: one parsed record.
+    tokenizer: the checkpoint's tokenizer and chat template.
+    images: the checkpoint's image processor, for a conversation with images.
+    base_dir: the directory relative image paths start from.
+
+  Returns:
+    ``{"input_ids": int32[T], "loss_mask": uint8[T]}``, plus the image keys
+    above for a conversation with images.
+
+  Raises:
+    BadRecord: saying why the record cannot be encoded.
 
   >>> import tempfile, json, os
   >>> from tokenizers import Tokenizer, models, pre_tokenizers
@@ -227,7 +252,7 @@ def read_jsonl(
   strict: bool = False,
   summary: Summary | None = None,
 ) -> Iterator[dict]:
-  """The documents of a JSONL file, in order (a generator).
+  """Read the documents of a JSONL file, in order (a generator).
 
   Args:
     path: the JSONL file.
@@ -242,6 +267,10 @@ def read_jsonl(
       record instead of dropping and reporting it.
     summary: a :class:`Summary` to count into (its ``dropped`` lists every
       dropped line with the reason).
+
+  Yields:
+    Each kept document, as :func:`encode_record` encodes it (cut to
+    ``seq_len`` with ``truncate``).
   """
   path = os.fspath(path)
   base_dir = os.path.dirname(os.path.abspath(path))

@@ -30,7 +30,7 @@ def synthetic_batch(
   pad_fraction: float = 0.1,
   reserved_ids=(0,),
 ) -> dict:
-  """A dict of numpy arrays as Gemma 4's processor and a packing collator make them.
+  """Make a dict of numpy arrays as Gemma 4's processor and a packing collator make them.
 
   Keys: ``input_ids`` (image placeholders are ``image_token_id``),
   ``labels`` (next token within a document, -100 on the last token of each
@@ -45,6 +45,23 @@ def synthetic_batch(
   model passes its placeholders and control ids too, so that random text
   never forges an image token): document ``d``'s ``k``-th id is the
   ``(start_d + stride_d * k)``-th id of the vocabulary without them.
+
+  Args:
+    rng: the numpy random generator.
+    batch_size: rows (B).
+    seq_len: tokens per row (S).
+    vocab_size: the vocabulary's size.
+    image_token_id: the image placeholder id.
+    patch_size: ``p``, an image patch's side in pixels.
+    pooling_kernel_size: ``k``, the soft tokens' pooling kernel.
+    image_grid: ``(columns, rows)`` patches per image.
+    images_per_row: images in each row.
+    max_docs: the most documents in a row.
+    pad_fraction: the largest fraction of the row that is padding.
+    reserved_ids: ids text never takes.
+
+  Returns:
+    The dict of numpy arrays, with the keys above.
 
   >>> b = synthetic_batch(np.random.default_rng(0), batch_size=2, seq_len=32, vocab_size=50,
   ...                     image_token_id=99, patch_size=4, pooling_kernel_size=3)

@@ -241,13 +241,28 @@ class CheckpointTokenizer:
 
   # ------------------------------------------------------------------ text
   def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of ``text``: ``tokenizer(text)["input_ids"]``."""
+    """Encode ``text`` as token ids: ``tokenizer(text)["input_ids"]``.
+
+    Args:
+      text: the text.
+      add_special_tokens: add the tokenizer's special tokens.
+
+    Returns:
+      The token ids.
+    """
     if not isinstance(text, str):
       raise TypeError(f"text must be a str, got {type(text).__name__}")
     return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
   def token_id(self, token: str) -> int:
-    """The id of one token of the vocabulary (a ``KeyError`` if absent)."""
+    """Return the id of one token of the vocabulary (a ``KeyError`` if absent).
+
+    Args:
+      token: the token.
+
+    Returns:
+      Its id.
+    """
     i = self.backend.token_to_id(token)
     if i is None:
       raise KeyError(f"token {token!r} is not in the vocabulary of {self.path}")
@@ -284,7 +299,17 @@ class CheckpointTokenizer:
   def render(
     self, messages: Sequence[Mapping], *, add_generation_prompt: bool = False, **template_kwargs
   ) -> str:
-    """The conversation as the chat template writes it (a string)."""
+    """Render the conversation as the chat template writes it (a string).
+
+    Args:
+      messages: the conversation, a list of ``{"role", "content"}`` dicts.
+      add_generation_prompt: passed to the template.
+      **template_kwargs: further template variables (they override the special
+        tokens).
+
+    Returns:
+      The rendered conversation.
+    """
     return self._template().render(
       **self._context(messages, add_generation_prompt, template_kwargs)
     )
@@ -297,19 +322,29 @@ class CheckpointTokenizer:
     add_generation_prompt: bool = False,
     **template_kwargs,
   ) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids int32[T], answer bool[T])``: the rendered conversation's tokens
-    and which of them the assistant wrote (see the module's docstring).
+    """Encode the rendered conversation's tokens and which of them the assistant wrote.
 
-    ``soft_tokens``: for a conversation with images, each image's soft-token
-    count, in order. As Gemma 4's processor, the k-th image placeholder the
-    template writes (``image_token``) becomes ``boi_token + image_token *
-    soft_tokens[k] + eoi_token``; image tokens are never answer tokens.
+    See the module's docstring.
 
-    Raises ``ValueError`` naming the message when a template without
-    generation tags renders an earlier part of the conversation differently
-    from the whole (then the answer spans cannot be read off the
-    rendering), and when the rendering holds a different number of image
-    placeholders than ``soft_tokens``.
+    Args:
+      messages: the conversation, a list of ``{"role", "content"}`` dicts.
+      soft_tokens: for a conversation with images, each image's soft-token
+        count, in order. As Gemma 4's processor, the k-th image placeholder the
+        template writes (``image_token``) becomes ``boi_token + image_token *
+        soft_tokens[k] + eoi_token``; image tokens are never answer tokens.
+      add_generation_prompt: passed to the template.
+      **template_kwargs: further template variables, as :meth:`render`.
+
+    Returns:
+      ``(ids int32[T], answer bool[T])``: the rendered conversation's tokens
+      and which of them the assistant wrote.
+
+    Raises:
+      ValueError: naming the message when a template without generation tags
+        renders an earlier part of the conversation differently from the whole
+        (then the answer spans cannot be read off the rendering), and when the
+        rendering holds a different number of image placeholders than
+        ``soft_tokens``.
     """
     check_messages(messages)
     if self.marks_generation:
@@ -382,9 +417,14 @@ class CheckpointTokenizer:
 
 
 def check_messages(messages) -> None:
-  """A conversation: a non-empty list of ``{"role", "content"}`` dicts with a
-  known role and string or list content (``ValueError`` / ``TypeError``
-  naming the message)."""
+  """Check a conversation: a non-empty list of ``{"role", "content"}`` dicts.
+
+  Each has a known role and string or list content (``ValueError`` /
+  ``TypeError`` naming the message).
+
+  Args:
+    messages: the conversation.
+  """
   if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
     raise ValueError(
       f"messages must be a non-empty list of {{'role', 'content'}} dicts, got "

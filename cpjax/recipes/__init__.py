@@ -43,7 +43,14 @@ RECIPES = {
 
 
 def path(name: str) -> str:
-  """The file of recipe ``name``; ``KeyError`` naming the recipes there are."""
+  """Return the file of recipe ``name``; ``KeyError`` naming the recipes there are.
+
+  Args:
+    name: the recipe's name.
+
+  Returns:
+    The recipe file's path.
+  """
   if name not in RECIPES:
     raise KeyError(f"no recipe {name!r}; the recipes are {sorted(RECIPES)}")
   return os.path.join(os.path.dirname(__file__), f"{name}.yaml")

@@ -105,6 +105,11 @@ class TrainCheckpointer:
     )
 
   def latest_step(self) -> int | None:
+    """Return the step of the latest complete checkpoint.
+
+    Returns:
+      The step, or None when there is none.
+    """
     return self._manager.latest_step()
 
   def maybe_save(
@@ -130,8 +135,16 @@ class TrainCheckpointer:
     return bool(self._manager.save(step, args=args, force=True))
 
   def saved_run(self, step: int | None = None) -> dict:
-    """The run description saved with ``step`` (default: the latest), read
-    without restoring any array: check it before restoring."""
+    """Read the run description saved with ``step``, without restoring any array.
+
+    Check it before restoring.
+
+    Args:
+      step: the checkpoint's step (default: the latest).
+
+    Returns:
+      The run description.
+    """
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
@@ -141,9 +154,19 @@ class TrainCheckpointer:
     )
 
   def restore(self, step: int | None = None, *, params_like, opt_state_like) -> tuple[int, dict]:
-    """``(step, {"params", "opt_state", "data_state", "run"})`` of ``step``
-    (default: the latest complete one). The arrays take the shardings of
-    ``params_like`` / ``opt_state_like`` (arrays or ``ShapeDtypeStruct``)."""
+    """Restore the checkpoint of ``step`` (default: the latest complete one).
+
+    The arrays take the shardings of ``params_like`` / ``opt_state_like``
+    (arrays or ``ShapeDtypeStruct``).
+
+    Args:
+      step: the checkpoint's step (default: the latest complete one).
+      params_like: the parameters' arrays or ``ShapeDtypeStruct``.
+      opt_state_like: the optimizer state's arrays or ``ShapeDtypeStruct``.
+
+    Returns:
+      ``(step, {"params", "opt_state", "data_state", "run"})`` of ``step``.
+    """
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
@@ -171,4 +194,5 @@ class TrainCheckpointer:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
+    """Close the orbax ``CheckpointManager``."""
     self._manager.close()

@@ -77,8 +77,18 @@ LOSS_CHUNK_LOGITS = 1 << 26
 
 
 def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX):
-  """(CE sum, count) of a forward's output: :func:`token_cross_entropy` of
-  logits [B, L, V], or :func:`linear_cross_entropy` of :class:`HiddenStates`.
+  """Compute the (CE sum, count) of a forward's output.
+
+  :func:`token_cross_entropy` of logits [B, L, V], or
+  :func:`linear_cross_entropy` of :class:`HiddenStates`.
+
+  Args:
+    output: logits [B, L, V] or :class:`HiddenStates`.
+    labels: int[B, L]; ``ignore_index`` is not counted.
+    ignore_index: the label of tokens not counted.
+
+  Returns:
+    (CE sum, count).
 
   >>> import numpy as np
   >>> out = HiddenStates(np.ones((1, 2, 3), np.float32), np.zeros((4, 3), np.float32))
@@ -106,9 +116,15 @@ def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX):
 
 
 def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
-  """(sum of per-token CE, number of counted tokens), both float32 scalars.
+  """Compute the sum of per-token cross-entropies and the number of counted tokens.
 
-  logits: [B, L, V]; labels: int[B, L] (``ignore_index`` = not counted).
+  Args:
+    logits: [B, L, V].
+    labels: int[B, L] (``ignore_index`` = not counted).
+    ignore_index: the label of tokens not counted.
+
+  Returns:
+    (sum of per-token CE, number of counted tokens), both float32 scalars.
 
   >>> import numpy as np
   >>> s, n = token_cross_entropy(np.zeros((1, 2, 4)), np.array([[1, -100]]))
@@ -131,7 +147,7 @@ def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
 def cross_entropy_sums(
   logits, labels, *, axis_names: tuple[str, ...] = ("cp",), ignore_index: int = IGNORE_INDEX
 ):
-  """The CP loss reduction: (CE sum, token count) over every rank of ``axis_names``.
+  """Reduce the CP loss: (CE sum, token count) over every rank of ``axis_names``.
 
   Call it inside ``shard_map`` on this rank's logits [B, L, V] (or
   :class:`HiddenStates`) and labels int[B, L]; both sums are ``psum`` -ed
@@ -140,6 +156,15 @@ def cross_entropy_sums(
   the whole global batch on every rank, exactly the single-device loss, and
   differentiating it gives the single-device gradients. With
   ``axis_names=()`` it is :func:`token_cross_entropy`.
+
+  Args:
+    logits: this rank's logits [B, L, V] (or :class:`HiddenStates`).
+    labels: this rank's labels int[B, L].
+    axis_names: the mesh axes to sum over.
+    ignore_index: the label of tokens not counted.
+
+  Returns:
+    (CE sum, token count) over every rank of ``axis_names``.
 
   Example:
     >>> import jax, numpy as np
@@ -168,8 +193,7 @@ def linear_cross_entropy(
   ignore_index: int = IGNORE_INDEX,
   vocab_axis: str | None = None,
 ):
-  """(sum of per-token CE, number of counted tokens), both float32 scalars:
-  :func:`token_cross_entropy` of ``cap(hidden @ head.T)``.
+  """Compute :func:`token_cross_entropy` of ``cap(hidden @ head.T)``.
 
   Args:
     hidden: [B, L, D] final hidden states (any float dtype; the matmul
@@ -182,6 +206,9 @@ def linear_cross_entropy(
       axis whose rank ``i`` holds block ``i`` of the head's rows while
       ``hidden`` and ``labels`` are that rank's own tokens (the ring's
       ``cp``); the sums are then this rank's tokens'.
+
+  Returns:
+    (sum of per-token CE, number of counted tokens), both float32 scalars.
 
   Example:
     >>> import numpy as np

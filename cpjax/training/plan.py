@@ -138,7 +138,13 @@ _UNITS = {
 
 
 def parse_bytes(text: str) -> int:
-  """``"16GiB"`` -> 17179869184.
+  """Parse a byte count: ``"16GiB"`` -> 17179869184.
+
+  Args:
+    text: the byte count with its unit.
+
+  Returns:
+    The bytes.
 
   >>> parse_bytes("95GiB") / 2**30, parse_bytes("141 GiB") / 2**30
   (95.0, 141.0)
@@ -150,7 +156,13 @@ def parse_bytes(text: str) -> int:
 
 
 def format_bytes(n: float) -> str:
-  """Bytes in the largest binary unit that keeps three significant digits.
+  """Format bytes in the largest binary unit that keeps three significant digits.
+
+  Args:
+    n: the bytes.
+
+  Returns:
+    The formatted bytes.
 
   >>> format_bytes(95 * 10**9), format_bytes(95 * 2**30), format_bytes(3.1 * 2**20)
   ('88.5 GiB', '95 GiB', '3.10 MiB')
@@ -184,6 +196,14 @@ class Plan:
   collectives: dict = dataclasses.field(default_factory=dict)  # compiled: {kind: bytes}
 
   def fits(self, device_memory: int) -> bool:
+    """Return whether the step's total bytes fit one device's memory.
+
+    Args:
+      device_memory: the memory of one device, in bytes.
+
+    Returns:
+      True when ``total <= device_memory``.
+    """
     return self.total <= device_memory
 
   @property
@@ -194,6 +214,11 @@ class Plan:
     return f"LoRA r={self.lora_rank} ({self.base_dtype} base)"
 
   def row(self) -> str:
+    """Return the plan as one table row: model, length, mesh, source, bytes and TFLOP.
+
+    Returns:
+      The row.
+    """
     mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
     flops = "      n/a" if math.isnan(self.flops) else f"{self.flops / 1e12:9.3g}"
     return (
@@ -263,8 +288,18 @@ def _projections(cfg) -> tuple[tuple[str, int, int], ...]:
 
 
 def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
-  """Adapter values of rank ``rank`` on the projections ``targets`` matches
-  (default :data:`cpjax.training.lora.DEFAULT_LORA_TARGETS`): ``r * (in + out)`` each.
+  """Count the adapter values of rank ``rank`` on the projections ``targets`` matches.
+
+  ``r * (in + out)`` each.
+
+  Args:
+    cfg: the :class:`Gemma4Config`.
+    rank: the adapters' rank.
+    targets: the projections to adapt (default
+      :data:`cpjax.training.lora.DEFAULT_LORA_TARGETS`).
+
+  Returns:
+    The number of adapter values.
 
   >>> from cpjax.models.gemma4 import Gemma4Config
   >>> lora_param_count(Gemma4Config.preset("tiny"), rank=4)
@@ -292,10 +327,28 @@ def estimate(
   shard_state: str = "fsdp+cp",
   platform: str = "tpu",
 ) -> Plan:
-  """The closed form of the module docstring (LoRA with ``lora_rank``;
-  ``shard_state`` as ``cpjax train --shard-state``: the state over ``fsdp x cp``
-  or whole over ``cp``; ``platform`` the compiler it follows, ``"tpu"`` or
-  ``"cuda"``, a :class:`~cpjax.training.targets.Chip`'s)."""
+  """Estimate the plan with the closed form of the module docstring.
+
+  Args:
+    cfg: the :class:`Gemma4Config`.
+    model: the model's name in the plan.
+    seq_len: the row length ``S``.
+    mesh: ``{axis: size}`` (``ep`` included).
+    remat: the per-layer rematerialisation.
+    batch_size: rows per batch (default: one per batch shard).
+    dtype: the activations' dtype.
+    lora_rank: LoRA with ``lora_rank``; None: full fine-tuning.
+    base_dtype: the frozen base's storage under LoRA.
+    lora_targets: the projections LoRA adapts.
+    capacity_factor: as :mod:`cpjax.experts`.
+    shard_state: as ``cpjax train --shard-state``: the state over ``fsdp x cp``
+      or whole over ``cp``.
+    platform: the compiler it follows, ``"tpu"`` or ``"cuda"``, a
+      :class:`~cpjax.training.targets.Chip`'s.
+
+  Returns:
+    The :class:`Plan`.
+  """
   if shard_state not in SHARD_STATE:
     raise ValueError(f"shard_state must be one of {SHARD_STATE}, got {shard_state!r}")
   if platform not in PLATFORMS:
@@ -449,17 +502,24 @@ def compile_step(
   shard_state: str = "fsdp+cp",
   devices=None,
 ):
-  """The training step of ``cfg`` compiled abstractly (no array is made) on
-  ``prod(mesh)`` devices: ``(compiled TrainStep, params, opt_state,
-  frozen base or None)``, the state as sharded ``ShapeDtypeStruct`` s.
-  ``mesh`` may carry ``ep`` (:func:`cpjax.parallel.expert_axes`);
-  ``capacity_factor`` as :mod:`cpjax.experts`.
+  """Compile the training step of ``cfg`` abstractly (no array is made) on ``prod(mesh)`` devices.
 
-  ``devices``: the devices to compile for, by default the process's own
-  (``cpjax plan`` sets ``jax_num_cpu_devices`` before JAX starts); or a
-  target's compile-only ones (:meth:`cpjax.training.targets.Target.devices`),
-  which compile with their own chip's kernels and compiler. The batch is
-  laid out on as many CPU devices (its shapes and shardings only).
+  The batch is laid out on as many CPU devices (its shapes and shardings only).
+
+  Args:
+    cfg: the :class:`Gemma4Config`.
+    seq_len, remat, batch_size, dtype, lora_rank, base_dtype, lora_targets,
+      shard_state: as :func:`estimate`.
+    mesh: ``{axis: size}``; it may carry ``ep`` (:func:`cpjax.parallel.expert_axes`).
+    capacity_factor: as :mod:`cpjax.experts`.
+    devices: the devices to compile for, by default the process's own
+      (``cpjax plan`` sets ``jax_num_cpu_devices`` before JAX starts); or a
+      target's compile-only ones (:meth:`cpjax.training.targets.Target.devices`),
+      which compile with their own chip's kernels and compiler.
+
+  Returns:
+    ``(compiled TrainStep, params, opt_state, frozen base or None)``, the
+    state as sharded ``ShapeDtypeStruct`` s.
   """
   import jax
   import jax.numpy as jnp
@@ -565,10 +625,19 @@ def compiled_plan(
   shard_state: str = "fsdp+cp",
   target=None,
 ) -> Plan:
-  """The :class:`Plan` of :func:`compile_step`'s program: its memory analysis,
-  FLOPs and collective bytes, the parameters' and optimizer state's bytes per
-  device. ``target``: a :class:`cpjax.training.targets.Target` to compile
-  for with its own compiler and kernels (default: this process's devices)."""
+  """Build the :class:`Plan` of :func:`compile_step`'s program.
+
+  Args:
+    cfg, model, seq_len, mesh, remat, batch_size, dtype, lora_rank, base_dtype,
+      lora_targets, capacity_factor, shard_state: as :func:`estimate`.
+    target: a :class:`cpjax.training.targets.Target` to compile for with its
+      own compiler and kernels (default: this process's devices).
+
+  Returns:
+    The :class:`Plan` of :func:`compile_step`'s program: its memory analysis,
+    FLOPs and collective bytes, the parameters' and optimizer state's bytes
+    per device.
+  """
   from cpjax import parallel
 
   compiled, params, opt_state, base = compile_step(
@@ -634,10 +703,22 @@ def smallest_mesh(
   shard_state: str = "fsdp+cp",
   platform: str = "tpu",
 ) -> Plan | None:
-  """The fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``
-  (ties: the one with more memory to spare); None when none up to ``max_devices``.
-  With ``expert_parallel`` each mesh folds the largest ``ep`` that divides the
-  experts onto its token axes (``cp * fsdp``, ``cp`` or ``fsdp``)."""
+  """Find the fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``.
+
+  Ties: the one with more memory to spare. With ``expert_parallel`` each mesh
+  folds the largest ``ep`` that divides the experts onto its token axes
+  (``cp * fsdp``, ``cp`` or ``fsdp``).
+
+  Args:
+    cfg, model, seq_len, remat, dtype, lora_rank, base_dtype, capacity_factor,
+      shard_state, platform: as :func:`estimate`.
+    device_memory: the bytes one device holds.
+    max_devices: the most devices to try.
+    expert_parallel: fold expert parallelism onto each mesh's token axes.
+
+  Returns:
+    The :class:`Plan` of that mesh; None when none up to ``max_devices``.
+  """
   best = None
   devices = 1
   while devices <= max_devices and best is None:

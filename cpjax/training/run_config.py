@@ -57,8 +57,14 @@ ShardState = Literal["fsdp+cp", "fsdp"]
 
 
 def state_axes(shard_state: str) -> tuple[str, ...]:
-  """The mesh axes :func:`cpjax.parallel.param_specs` splits the state over for
-  ``shard_state`` (``"fsdp+cp"``: ``("fsdp", "cp")``)."""
+  """Return the mesh axes :func:`cpjax.parallel.param_specs` splits the state over.
+
+  Args:
+    shard_state: ``"fsdp+cp"`` or ``"fsdp"``.
+
+  Returns:
+    The axes for ``shard_state`` (``"fsdp+cp"``: ``("fsdp", "cp")``).
+  """
   return tuple(shard_state.split("+"))
 
 
@@ -116,7 +122,7 @@ class OptimizerConfig:
   """optimizer steps"""
 
   def lr_schedule(self):
-    """The optax schedule: step -> learning rate (step 0 is the first update).
+    """Build the optax schedule: step -> learning rate (step 0 is the first update).
 
     As transformers' ``get_{constant,cosine,linear}_schedule_with_warmup``:
     ``lr * s / warmup`` during the warmup, then constant, a half cosine or a
@@ -187,11 +193,11 @@ class ParallelConfig:
   for small models)"""
 
   def state_axes(self) -> tuple[str, ...]:
-    """The mesh axes :func:`cpjax.parallel.param_specs` splits the state over."""
+    """Return the mesh axes :func:`cpjax.parallel.param_specs` splits the state over."""
     return state_axes(self.shard_state)
 
   def mesh_sizes(self) -> dict:
-    """``{axis: size}`` of the mesh, ep included (``{"cp": 8}`` by default)."""
+    """Return the ``{axis: size}`` of the mesh, ep included (``{"cp": 8}`` by default)."""
     from cpjax.parallel import parse_mesh
 
     return parse_mesh(self.mesh) if self.mesh else {"cp": self.cp or 8}
@@ -454,5 +460,12 @@ def _check_files(run: RunConfig, name, fail) -> None:
 
 
 def devices_needed(run: RunConfig) -> int:
-  """Devices of the run's mesh (ep folds onto the other axes: not counted)."""
+  """Count the devices of the run's mesh (ep folds onto the other axes: not counted).
+
+  Args:
+    run: the :class:`RunConfig`.
+
+  Returns:
+    The number of devices.
+  """
   return math.prod(v for k, v in run.parallel.mesh_sizes().items() if k != "ep")

@@ -151,7 +151,14 @@ FLAGS: dict[str, tuple[str, dict]] = {
 
 
 def alias_flag(s: Setting) -> str | None:
-  """The short flag of a setting (``--seq-len``), or None."""
+  """Return the short flag of a setting (``--seq-len``), or None.
+
+  Args:
+    s: the setting.
+
+  Returns:
+    The short flag, or None.
+  """
   return FLAGS[s.key][0] if s.key in FLAGS else None
 
 
@@ -187,7 +194,13 @@ class _RunParser:
 
 
 def one_line(message: str) -> str:
-  """jsonargparse's multi-line type errors as one line that names the key.
+  """Rewrite jsonargparse's multi-line type errors as one line that names the key.
+
+  Args:
+    message: jsonargparse's error message.
+
+  Returns:
+    The one-line message.
 
   >>> one_line('Parser key "dataset.seq_len":\\n  Expected a <class \\'int\\'>. Got value: x')
   "--dataset.seq_len: expected int, got 'x'"
@@ -282,7 +295,14 @@ def _field_docs(cls) -> dict[str, str]:
 
 
 def given_keys(namespace) -> dict[str, str]:
-  """``{dotted key: flag}`` for each alias the command line gave."""
+  """List the aliases the command line gave.
+
+  Args:
+    namespace: the parsed command line.
+
+  Returns:
+    ``{dotted key: flag}`` for each alias the command line gave.
+  """
   out = {}
   for s in settings():
     if namespace.get(_ALIAS + s.key.replace(".", "__"), argparse.SUPPRESS) is not argparse.SUPPRESS:
@@ -291,8 +311,16 @@ def given_keys(namespace) -> dict[str, str]:
 
 
 def run_from_namespace(namespace) -> RunConfig:
-  """The :class:`RunConfig` a parsed command line (or file) describes; an
-  alias beats the dotted key's value (the file's, or the command line's)."""
+  """Return the :class:`RunConfig` a parsed command line (or file) describes.
+
+  An alias beats the dotted key's value (the file's, or the command line's).
+
+  Args:
+    namespace: the parsed command line (or file).
+
+  Returns:
+    The :class:`RunConfig`.
+  """
   values = {}
   for s in settings():
     alias = namespace.get(_ALIAS + s.key.replace(".", "__"), argparse.SUPPRESS)
@@ -301,10 +329,19 @@ def run_from_namespace(namespace) -> RunConfig:
 
 
 def to_yaml(run: RunConfig, note: str | None = None) -> str:
-  """The resolved config as YAML, every value, under a comment naming cpjax's
-  version (and ``note``'s lines, as comments). ``checkpointing.resume`` and
-  ``force_resume`` say how one command started, not what the run is: they
-  are written false (``--resume`` and ``--force-resume`` ask again)."""
+  """Write the resolved config as YAML, every value, under a comment naming cpjax's version.
+
+  ``checkpointing.resume`` and ``force_resume`` say how one command started,
+  not what the run is: they are written false (``--resume`` and
+  ``--force-resume`` ask again).
+
+  Args:
+    run: the :class:`RunConfig`.
+    note: lines to add to the comment, or None.
+
+  Returns:
+    The YAML text.
+  """
   import importlib.metadata
 
   import yaml
@@ -333,8 +370,17 @@ def write_run_config(run: RunConfig, directory: str | os.PathLike) -> str:
 
 
 def read_run_config(path: str | os.PathLike) -> RunConfig:
-  """The :class:`RunConfig` of a YAML file (a ``run.yaml`` or a recipe);
-  unknown keys and wrong types raise :class:`JobError` naming the key."""
+  """Read the :class:`RunConfig` of a YAML file (a ``run.yaml`` or a recipe).
+
+  Args:
+    path: the YAML file.
+
+  Returns:
+    The :class:`RunConfig`.
+
+  Raises:
+    JobError: naming the key, for unknown keys and wrong types.
+  """
   parser = run_parser(aliases=False, exit_on_error=False)
   try:
     namespace = parser.parse_args(["--config", os.fspath(path)])

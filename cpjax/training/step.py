@@ -46,10 +46,21 @@ _own_specs = batch_specs  # make_loss_fn's argument of the same name shadows it
 
 
 def default_forward(model, batch: Mapping[str, Any], cp: CPContext | None):
-  """What the loss reads: ``model.hidden_states(batch, cp=cp)`` (a
-  :class:`HiddenStates`) when the model has that method, as Gemma 4 does,
-  else the logits [B, L, V] of ``model(batch, cp=cp)``; without ``cp``
-  (one device) the same calls without it."""
+  """Run the forward the loss reads.
+
+  That is ``model.hidden_states(batch, cp=cp)`` (a :class:`HiddenStates`)
+  when the model has that method, as Gemma 4 does, else the logits [B, L, V]
+  of ``model(batch, cp=cp)``; without ``cp`` (one device) the same calls
+  without it.
+
+  Args:
+    model: the model.
+    batch: the batch.
+    cp: the :class:`CPContext`, or None on one device.
+
+  Returns:
+    :class:`HiddenStates` or logits [B, L, V].
+  """
   call = getattr(model, "hidden_states", None)
   call = model if not callable(call) else call
   return call(batch) if cp is None else call(batch, cp=cp)
@@ -70,7 +81,7 @@ def make_loss_fn(
   expert_axes: tuple[str, ...] = (),
   capacity_factor: float | None = None,
 ) -> Callable:
-  """``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)`` of a split NNX model.
+  """Make ``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)`` of a split NNX model.
 
   Without ``mesh`` the model runs on one device (``forward(model, batch,
   None)``) on an unsharded batch; with it, inside ``shard_map`` on a batch
@@ -98,6 +109,9 @@ def make_loss_fn(
       its :class:`cpjax.CPContext` (see :mod:`cpjax.experts`). Parameters
       split over a manual axis (experts over ``cp``) enter the ``shard_map``
       split, as they are stored.
+
+  Returns:
+    ``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)``.
 
   Example (any NNX model; the default ``forward`` calls ``model(batch)``):
     >>> import numpy as np
@@ -248,7 +262,7 @@ def make_train_step(
   expert_axes: tuple[str, ...] = (),
   capacity_factor: float | None = None,
 ) -> "TrainStep":
-  """One compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+  """Make one compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
   ``metrics`` holds ``loss`` (token mean), ``tokens`` (counted labels),
   ``grad_norm``, and the forward's own :attr:`HiddenStates.metrics` summed
@@ -258,6 +272,16 @@ def make_train_step(
   ``opt_state`` are donated. ``forward``, ``batch_specs`` and ``frozen``
   (untrained state, e.g. buffers), ``implementation`` and ``interpret`` (the
   ring's per-hop backend) as :func:`make_loss_fn`.
+
+  Args:
+    graphdef: from ``nnx.split(model)``.
+    optimizer: the optax optimizer.
+    mesh, layout, axis_name, batch_axis, forward, batch_specs, frozen,
+      implementation, interpret, expert_axes, capacity_factor: as
+      :func:`make_loss_fn`.
+
+  Returns:
+    The :class:`TrainStep`.
 
   Example (a bare ``nnx.Embed`` as a bigram model, called through ``forward``):
     >>> import numpy as np
@@ -343,10 +367,16 @@ def _split_aux(parts):
 
 
 def stack_microbatches(batches: Sequence[Mapping[str, Any]]) -> dict:
-  """One batch with a leading microbatch axis [K, ...] from K same-shaped batches.
+  """Stack K same-shaped batches into one batch with a leading microbatch axis [K, ...].
 
   ``ValueError`` (before any compute) when the batches differ in keys,
   shapes or dtypes: every microbatch must have the one compiled shape.
+
+  Args:
+    batches: K same-shaped batches.
+
+  Returns:
+    One batch with a leading microbatch axis [K, ...].
 
   >>> import numpy as np
   >>> stack_microbatches([{"x": np.zeros((2, 3))}, {"x": np.ones((2, 3))}])["x"].shape
@@ -438,8 +468,19 @@ class TrainStep:
       return self._jit(params, opt_state)(params, opt_state, batch, frozen)
 
   def lower(self, params, opt_state, batch):
-    """The lowered step; arguments (and ``frozen``) may be
-    ``jax.ShapeDtypeStruct`` s with shardings."""
+    """Lower the step.
+
+    The arguments (and ``frozen``) may be ``jax.ShapeDtypeStruct`` s with
+    shardings.
+
+    Args:
+      params: the parameters.
+      opt_state: the optimizer state.
+      batch: the batch.
+
+    Returns:
+      The lowered step.
+    """
     frozen = self.frozen
     if self.mesh is not None and any(
       not isinstance(getattr(x, "sharding", None), NamedSharding)
@@ -450,17 +491,39 @@ class TrainStep:
       return self._jit(params, opt_state).lower(params, opt_state, batch, frozen)
 
   def compile(self, params, opt_state, batch) -> "TrainStep":
+    """Compile the step ahead of time for these arguments.
+
+    They may be ``jax.ShapeDtypeStruct`` s with shardings, as in :meth:`lower`.
+
+    Args:
+      params: the parameters.
+      opt_state: the optimizer state.
+      batch: the batch.
+
+    Returns:
+      A :class:`TrainStep` that runs the compiled program.
+    """
     executable = self.lower(params, opt_state, batch).compile()
     return TrainStep(self.step, self.mesh, executable, frozen=self.frozen)
 
   def memory_analysis(self):
+    """Return the compiled program's memory analysis.
+
+    Returns:
+      XLA's memory statistics: argument, output, alias and temporary bytes.
+    """
     return self._compiled().memory_analysis()
 
   def cost_analysis(self):
+    """Return the compiled program's cost analysis.
+
+    Returns:
+      XLA's cost analysis (its FLOPs, ...); None from XLA:GPU without a device.
+    """
     return self._compiled().cost_analysis()
 
   def as_text(self) -> str:
-    """The compiled program's text (HLO): its buffers' shapes and its collectives."""
+    """Return the compiled program's text (HLO): its buffers' shapes and its collectives."""
     return self._compiled().as_text()
 
   @property

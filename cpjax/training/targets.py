@@ -61,7 +61,7 @@ class Chip:
   gpu: tuple[int, ...] = ()
 
   def target_config(self) -> str:
-    """XLA's ``GpuTargetConfigProto`` of this GPU, in protobuf text format."""
+    """Return XLA's ``GpuTargetConfigProto`` of this GPU, in protobuf text format."""
     sms, major, minor, smem_optin, smem_sm = self.gpu
     return f"""gpu_device_info {{
   threads_per_block_limit: 1024
@@ -154,7 +154,7 @@ class Target:
     return tuple(int(n) for n in self.topology.split(":")[-1].split("x"))
 
   def devices(self) -> list:
-    """The target's compile-only JAX devices (libtpu or the CUDA plugin needed)."""
+    """Return the target's compile-only JAX devices (libtpu or the CUDA plugin needed)."""
     module, extra = _EXTRAS[self.chip.platform]
     if importlib.util.find_spec(module) is None:
       raise ImportError(
@@ -186,7 +186,7 @@ class Target:
 
 
 def known_targets() -> str:
-  """The names :func:`parse_target` takes, for error messages and ``--help``."""
+  """Describe the names :func:`parse_target` takes, for error messages and ``--help``."""
   tpus = ", ".join(f"{c.name}-N" for c in CHIPS.values() if c.platform == "tpu")
   gpus = ", ".join(f"{c.name}-N or {c.name}-HxN" for c in CHIPS.values() if c.platform == "cuda")
   return (
@@ -196,7 +196,13 @@ def known_targets() -> str:
 
 
 def parse_target(text: str) -> Target:
-  """The :class:`Target` that ``text`` names (see the module docstring).
+  """Parse the :class:`Target` that ``text`` names (see the module docstring).
+
+  Args:
+    text: the target's name.
+
+  Returns:
+    The :class:`Target`.
 
   >>> parse_target("v4-8").num_devices, parse_target("v5e:4x4").num_devices
   (4, 16)
@@ -268,8 +274,15 @@ _BYTES = {
 
 
 def collective_bytes(hlo: str) -> dict[str, int]:
-  """{kind: output bytes} of the collectives in a compiled program's text
-  (per device; a loop body counted once).
+  """Count the output bytes of the collectives in a compiled program's text.
+
+  Per device; a loop body counted once.
+
+  Args:
+    hlo: the compiled program's text.
+
+  Returns:
+    {kind: output bytes}.
 
   >>> collective_bytes("%x = f32[4,8]{1,0} all-gather(f32[1,8] %y), dimensions={0}")
   {'all-gather': 128}

@@ -52,20 +52,47 @@ __all__ = [
 
 
 def compute_dtype(name: str):
+  """Return the jnp dtype named ``name``.
+
+  Args:
+    name: ``"float32"`` or ``"bfloat16"``.
+
+  Returns:
+    ``jnp.float32`` or ``jnp.bfloat16``.
+  """
   import jax.numpy as jnp
 
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
 def host_value(x) -> float:
-  """A replicated scalar's value, also when the array spans other processes."""
+  """Read a replicated scalar's value, also when the array spans other processes.
+
+  Args:
+    x: the replicated scalar array.
+
+  Returns:
+    Its value.
+  """
   return float(np.asarray(x.addressable_data(0)))
 
 
 def checkpoint_sharding(cfg, mesh, rule, state_axes=("fsdp",)):
-  """``sharding(key, shape)`` for ``Gemma4.from_pretrained``: each parameter as
-  the training step keeps it (:func:`cpjax.parallel.param_specs`); buffers
-  replicated on the mesh, where every jitted program that reads them runs."""
+  """Make the ``sharding(key, shape)`` for ``Gemma4.from_pretrained``.
+
+  Each parameter as the training step keeps it
+  (:func:`cpjax.parallel.param_specs`); buffers replicated on the mesh, where
+  every jitted program that reads them runs.
+
+  Args:
+    cfg: the :class:`Gemma4Config`.
+    mesh: the training mesh.
+    rule: the partition rule, as :func:`cpjax.parallel.param_specs` takes it.
+    state_axes: as :func:`cpjax.parallel.param_specs`.
+
+  Returns:
+    ``sharding(key, shape)``.
+  """
   from flax import nnx
 
   from cpjax import parallel
@@ -127,8 +154,17 @@ class Data:
 
 
 def build(job: RunConfig) -> TrainState:
-  """The mesh, the model (random init or a checkpoint, each device reading
-  its own shards), the optimizer, and the sharded training state."""
+  """Build the mesh, the model, the optimizer, and the sharded training state.
+
+  The model is a random init or a checkpoint, each device reading its own
+  shards.
+
+  Args:
+    job: the :class:`RunConfig`.
+
+  Returns:
+    The :class:`TrainState`.
+  """
   import jax
   from flax import nnx
 
@@ -240,8 +276,16 @@ def build(job: RunConfig) -> TrainState:
 
 
 def add_lora(job: RunConfig, model):
-  """``(model, graphdef, adapters, frozen)``: ``model`` with LoRA adapters
-  (:func:`cpjax.training.lora.apply_lora`) split for the step."""
+  """Add LoRA adapters to ``model`` (:func:`cpjax.training.lora.apply_lora`), split for the step.
+
+  Args:
+    job: the :class:`RunConfig`.
+    model: the base model.
+
+  Returns:
+    ``(model, graphdef, adapters, frozen)``: ``model`` with LoRA adapters,
+    split for the step.
+  """
   from cpjax.training import lora
 
   try:
@@ -252,9 +296,20 @@ def add_lora(job: RunConfig, model):
 
 
 def corpus_path(job: RunConfig, path: str, flag: str, log) -> str:
-  """A corpus to read: ``path`` itself, or a JSONL file tokenized into one
-  (with the tokenizer and chat template of ``--tokenizer`` or
-  ``--checkpoint``) in a fresh temporary directory."""
+  """Return a corpus to read: ``path`` itself, or a JSONL file tokenized into one.
+
+  A JSONL file is tokenized (with the tokenizer and chat template of
+  ``--tokenizer`` or ``--checkpoint``) in a fresh temporary directory.
+
+  Args:
+    job: the :class:`RunConfig`.
+    path: a corpus, or a JSONL file.
+    flag: the flag that gave ``path``, for errors.
+    log: prints a line.
+
+  Returns:
+    The corpus's path.
+  """
   if not path.endswith(".jsonl"):
     return path
   import tempfile
@@ -286,6 +341,19 @@ def corpus_path(job: RunConfig, path: str, flag: str, log) -> str:
 
 
 def check_vocabulary(batch: dict, cfg, where: str) -> dict:
+  """Check that a batch's token ids are inside the model's vocabulary.
+
+  Args:
+    batch: the batch, with ``input_ids`` int[B, S].
+    cfg: the :class:`Gemma4Config`.
+    where: the batch's source, for the error (e.g. ``"--data PATH"``).
+
+  Returns:
+    ``batch``, unchanged.
+
+  Raises:
+    ValueError: a token id is ``>= cfg.text.vocab_size``.
+  """
   top = int(batch["input_ids"].max())
   if top >= cfg.text.vocab_size:
     raise ValueError(
@@ -295,7 +363,17 @@ def check_vocabulary(batch: dict, cfg, where: str) -> dict:
 
 
 def open_data(job: RunConfig, cfg, rows: int, log) -> Data:
-  """The corpus (``--data``) or synthetic packed multimodal rows."""
+  """Open the corpus (``--data``) or synthetic packed multimodal rows.
+
+  Args:
+    job: the :class:`RunConfig`.
+    cfg: the :class:`Gemma4Config`.
+    rows: rows of one microbatch.
+    log: prints a line.
+
+  Returns:
+    The :class:`Data`.
+  """
   if job.dataset.path:
     from cpjax.data.corpus import packed_batches
 
@@ -340,7 +418,15 @@ def open_data(job: RunConfig, cfg, rows: int, log) -> Data:
 
 
 def run_identity(job: RunConfig, cfg) -> dict:
-  """What a resumed run must share with the saved one (see checkpointing)."""
+  """Describe what a resumed run must share with the saved one (see checkpointing).
+
+  Args:
+    job: the :class:`RunConfig`.
+    cfg: the :class:`Gemma4Config`.
+
+  Returns:
+    The run's identity, a dict.
+  """
   identity = {
     "model_config": cfg.to_hf(),
     "batch_size": job.dataset.batch_size,
@@ -362,8 +448,20 @@ def run_identity(job: RunConfig, cfg) -> dict:
 
 
 def resume(job: RunConfig, trainer: TrainState, data: Data, log):
-  """``(first_step, checkpointer or None)``; with ``--resume`` the training
-  state and the data's place come back from the latest checkpoint."""
+  """Open the run's checkpoints; with ``--resume`` restore from the latest one.
+
+  With ``--resume`` the training state and the data's place come back from
+  the latest checkpoint.
+
+  Args:
+    job: the :class:`RunConfig`.
+    trainer: the :class:`TrainState`.
+    data: the :class:`Data`.
+    log: prints a line.
+
+  Returns:
+    ``(first_step, checkpointer or None)``.
+  """
   first_step, checkpointer = 0, None
   if job.checkpointing.state_dir:
     from cpjax.training.checkpointing import TrainCheckpointer, check_run_matches
@@ -401,6 +499,13 @@ def resume(job: RunConfig, trainer: TrainState, data: Data, log):
 
 
 def describe(job: RunConfig, trainer: TrainState, log) -> None:
+  """Log the run's opening line: model, data, shapes, mesh, devices and dtype.
+
+  Args:
+    job: the :class:`RunConfig`.
+    trainer: the :class:`TrainState`.
+    log: prints a line.
+  """
   import jax
 
   devices = list(trainer.mesh.devices.flat)
@@ -419,7 +524,16 @@ def describe(job: RunConfig, trainer: TrainState, log) -> None:
 
 
 def step_batches(job: RunConfig, trainer: TrainState, data: Data):
-  """The step's rows (as microbatches), their sharded form and its layout."""
+  """Fetch the step's rows (as microbatches) and shard them.
+
+  Args:
+    job: the :class:`RunConfig`.
+    trainer: the :class:`TrainState`.
+    data: the :class:`Data`.
+
+  Returns:
+    The step's rows (as microbatches), their sharded form and its layout.
+  """
   parts = [data.next_batch() for _ in range(job.dataset.microbatches)]
   placed = [
     trainer.sharder.shard_batch(b, trainer.mesh, batch_axis=trainer.batch_axis) for b in parts
@@ -444,9 +558,26 @@ def make_hooks(
   summary: dict,
   log,
 ) -> list:
-  """The periodic work, in order (a later hook reads what an earlier one
-  wrote into the step's record): parity at step 1, validation, the metrics
-  file, TensorBoard, checkpoints. Each carries its ``name`` for errors."""
+  """Make the periodic work, in order.
+
+  A later hook reads what an earlier one wrote into the step's record: parity
+  at step 1, validation, the metrics file, TensorBoard, checkpoints. Each
+  carries its ``name`` for errors.
+
+  Args:
+    job: the :class:`RunConfig`.
+    trainer: the :class:`TrainState`.
+    data: the :class:`Data`.
+    batches: the first step's rows, for the parity check.
+    layout: the step's layout.
+    checkpointer: the checkpointer, or None.
+    first_step: the step the run starts after.
+    summary: the run's summary dict, which hooks write into.
+    log: prints a line.
+
+  Returns:
+    The hooks, in order.
+  """
   hooks = []
 
   def add(name, hook):
@@ -473,8 +604,21 @@ def make_hooks(
 
 
 def parity_hook(job: RunConfig, trainer: TrainState, batches, summary: dict, log):
-  """At step 1, the CP step's loss and gradient norm against the same rows on
-  one device with unsharded parameters; a disagreement stops the run."""
+  """Make the parity check hook.
+
+  At step 1, the CP step's loss and gradient norm against the same rows on
+  one device with unsharded parameters; a disagreement stops the run.
+
+  Args:
+    job: the :class:`RunConfig`.
+    trainer: the :class:`TrainState`.
+    batches: the first step's rows (as microbatches).
+    summary: the run's summary dict.
+    log: prints a line.
+
+  Returns:
+    The hook.
+  """
   import jax
   import optax
 
@@ -557,9 +701,20 @@ def save_hook(job: RunConfig, trainer: TrainState, data: Data, checkpointer, log
 
 
 def eval_rows(job: RunConfig, trainer: TrainState, log) -> list[dict]:
-  """The fixed validation rows: the first ``eval_rows`` packed rows of the
-  validation data (in file order, one pass), in batches of the step's rows;
-  the last batch is filled up with empty rows (they count no token)."""
+  """Read the fixed validation rows.
+
+  They are the first ``eval_rows`` packed rows of the validation data (in file
+  order, one pass), in batches of the step's rows; the last batch is filled up
+  with empty rows (they count no token).
+
+  Args:
+    job: the :class:`RunConfig`.
+    trainer: the :class:`TrainState`.
+    log: prints a line.
+
+  Returns:
+    The batches of validation rows.
+  """
   from cpjax.data.corpus import flatten_image_slots, packed_rows
 
   path = corpus_path(job, job.eval.data, "--eval-data", log)
@@ -589,9 +744,22 @@ def eval_rows(job: RunConfig, trainer: TrainState, log) -> list[dict]:
 
 
 def eval_hook(job: RunConfig, trainer: TrainState, layout, summary: dict, log):
-  """Every ``eval_every`` steps and after the last one: the token-mean loss
-  of the fixed validation rows, with the training step's CP forward and
-  shardings (no gradient), into the step's record as ``eval_loss``."""
+  """Make the validation hook.
+
+  Every ``eval_every`` steps and after the last one: the token-mean loss of
+  the fixed validation rows, with the training step's CP forward and
+  shardings (no gradient), into the step's record as ``eval_loss``.
+
+  Args:
+    job: the :class:`RunConfig`.
+    trainer: the :class:`TrainState`.
+    layout: the step's layout.
+    summary: the run's summary dict.
+    log: prints a line.
+
+  Returns:
+    The hook.
+  """
   import jax
 
   from cpjax import training
@@ -660,8 +828,18 @@ def metrics_hook(path: str, schedule, first_step: int):
 
 
 def tensorboard_hook(logdir: str, schedule):
-  """The step's scalars as TensorBoard events (tensorboardX: a pure-Python
-  writer of TensorBoard's event files, without TensorFlow); process 0 only."""
+  """Make the hook that writes the step's scalars as TensorBoard events.
+
+  tensorboardX: a pure-Python writer of TensorBoard's event files, without
+  TensorFlow; process 0 only.
+
+  Args:
+    logdir: the events' directory.
+    schedule: the learning-rate schedule.
+
+  Returns:
+    The hook.
+  """
   import jax
 
   if jax.process_index() != 0:
@@ -688,6 +866,11 @@ def tensorboard_hook(logdir: str, schedule):
 
 
 def external_write():
+  """Return tqdm's context for printing a line of its own, outside the progress bar.
+
+  Returns:
+    The context manager.
+  """
   from tqdm.auto import tqdm
 
   return tqdm.external_write_mode()  # a line of its own, not inside the bar

@@ -53,7 +53,14 @@ _SHARED_KV = re.compile(
 
 
 def checkpoint_keys(model) -> dict[str, nnx.Variable]:
-  """{checkpoint key: variable} of every parameter and buffer of ``model``."""
+  """Map every parameter and buffer of ``model`` to its checkpoint key.
+
+  Args:
+    model: the model.
+
+  Returns:
+    {checkpoint key: variable} of every parameter and buffer of ``model``.
+  """
   out = {}
   for path, var in nnx.iter_graph(model):
     if isinstance(var, (nnx.Param, Buffer)):
@@ -194,12 +201,23 @@ def load_pretrained(
   sharding: Callable[[str, tuple[int, ...]], P] | None = None,
   remat: bool | str = False,
 ):
-  """``cls`` (a :class:`Gemma4`) with the weights of the checkpoint in ``path``.
+  """Load ``cls`` (a :class:`Gemma4`) with the weights of the checkpoint in ``path``.
 
   ``dtype`` is both the parameter and the activation dtype (transformers'
   ``dtype=``). With ``mesh``, every tensor, buffers included, is placed
   there as it is read: as ``sharding(key, shape)`` says (a
   ``PartitionSpec``), or replicated (no ``sharding``, or None for that key).
+
+  Args:
+    cls: the model class, a :class:`Gemma4`.
+    path: the checkpoint's directory.
+    dtype: the parameter and activation dtype.
+    mesh: the mesh to place the tensors on, or None.
+    sharding: ``sharding(key, shape)``, each tensor's ``PartitionSpec``.
+    remat: the model's per-layer rematerialisation.
+
+  Returns:
+    The model, with the checkpoint's weights.
   """
   path = os.fspath(path)
   cfg = Gemma4Config.from_hf(path)

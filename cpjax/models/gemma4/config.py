@@ -95,8 +95,17 @@ class Gemma4Config:
 
   @classmethod
   def preset(cls, name: str, **text_overrides) -> "Gemma4Config":
-    """A published size (``e2b``, ``e4b``, ``a4b``, ``31b``) or a tiny test
-    model (see :data:`PRESETS`), with optional text-config overrides."""
+    """Return a published size (``e2b``, ``e4b``, ``a4b``, ``31b``) or a tiny test model.
+
+    See :data:`PRESETS`; with optional text-config overrides.
+
+    Args:
+      name: the preset's name.
+      **text_overrides: text-config fields to replace.
+
+    Returns:
+      The :class:`Gemma4Config`.
+    """
     if name not in PRESETS:
       raise KeyError(f"unknown Gemma 4 preset {name!r}; expected one of {sorted(PRESETS)}")
     cfg = PRESETS[name]
@@ -107,7 +116,7 @@ class Gemma4Config:
   # ------------------------------------------------------------ config.json
   @classmethod
   def from_hf(cls, source: str | os.PathLike | Mapping[str, Any]) -> "Gemma4Config":
-    """From a Hugging Face ``config.json`` (a directory, the file, or its dict).
+    """Read the config from a Hugging Face ``config.json`` (a directory, the file, or its dict).
 
     Reads both ways of writing the full-attention overrides: the Hub's
     ``global_head_dim`` (default 512) / ``num_global_key_value_heads`` (used
@@ -115,6 +124,12 @@ class Gemma4Config:
     ``per_layer_config`` saved by transformers 5.24. Settings cpjax does not
     implement (other activations, attention biases, other RoPE types) are a
     ``ValueError``.
+
+    Args:
+      source: a directory holding ``config.json``, the file, or its dict.
+
+    Returns:
+      The :class:`Gemma4Config`.
     """
     if not isinstance(source, Mapping):
       path = os.fspath(source)
@@ -167,8 +182,13 @@ class Gemma4Config:
     return cls(text=text, vision=vision, has_audio=raw.get("audio_config") is not None, **ids)
 
   def to_hf(self) -> dict:
-    """The ``config.json`` dict transformers 5.24 writes for this model
-    (without an audio tower: cpjax does not carry one)."""
+    """Return the ``config.json`` dict transformers 5.24 writes for this model.
+
+    Without an audio tower: cpjax does not carry one.
+
+    Returns:
+      The ``config.json`` dict.
+    """
     t = self.text
     full = {}
     for i in range(t.num_hidden_layers):

@@ -43,10 +43,14 @@ IMAGE_OFFSET_KEY = "_image_token_offset"
 
 
 def image_token_offsets(is_image) -> jax.Array:
-  """int32[B]: image tokens in the rows before each row.
+  """Count the image tokens in the rows before each row.
 
-  ``is_image`` bool[B, S] marks the image placeholders (an int array is read
-  as ``mm_token_type_ids``: type 1 is an image).
+  Args:
+    is_image: bool[B, S], marks the image placeholders (an int array is read
+      as ``mm_token_type_ids``: type 1 is an image).
+
+  Returns:
+    int32[B]: image tokens in the rows before each row.
 
   >>> import numpy as np
   >>> image_token_offsets(np.array([[1, 1, 0], [0, 0, 0], [0, 1, 0]])).tolist()
@@ -60,9 +64,16 @@ def image_token_offsets(is_image) -> jax.Array:
 
 
 def synthesize_single_document_seq_ids(batch: Mapping, seq_len: int) -> dict:
-  """The original's ``_synthesize_single_document_seq_ids``, returning a new dict.
+  """Run the original's ``_synthesize_single_document_seq_ids``, returning a new dict.
 
   See :func:`cpjax.synthesize_document_ids`.
+
+  Args:
+    batch: the batch.
+    seq_len: its sequence length.
+
+  Returns:
+    A new dict, as :func:`cpjax.synthesize_document_ids` returns it.
 
   >>> import numpy as np
   >>> out = synthesize_single_document_seq_ids({"input_ids": np.zeros((2, 3), int)}, 3)
@@ -89,7 +100,7 @@ def shard_aux_only_cp_batch(
   min_stripe_len: int = MIN_STRIPE_LEN,
   layer_windows: Sequence[int | None] | None = None,
 ) -> tuple[dict, ShardLayout]:
-  """Gemma4's aux-only CP shard in any layout.
+  """Shard a batch as Gemma4's aux-only CP shard, in any layout.
 
   Converts ``attention_mask``, synthesizes ``_packed_seq_ids`` from the full
   pre-pad ``padding_mask`` (its pad zeros depend on the global pad tail,
@@ -102,6 +113,17 @@ def shard_aux_only_cp_batch(
   placeholders over the global batch is added as ``IMAGE_OFFSET_KEY``
   (placeholders are ``input_ids == image_token_id``, or
   ``mm_token_type_ids == 1`` without ``image_token_id``).
+
+  Args:
+    mesh: a mesh with an ``axis_name`` axis.
+    batch: dict of [B, S, ...] arrays.
+    layout: ``"contiguous"`` (default), ``"load_balanced"`` or
+      ``"document_balanced"``.
+    axis_name, loss_mask, padding_token_id, extra_seq_keys, extra_pad_values,
+      pad_multiple, batch_axis, implementation, min_stripe_len, layer_windows:
+      as :func:`cpjax.shard_batch`.
+    image_token_id: the image placeholder id (None: placeholders are
+      ``mm_token_type_ids == 1``).
 
   Returns:
     ``(sharded_batch, layout)`` as :func:`cpjax.shard_batch`.
@@ -157,10 +179,17 @@ def make_contiguous_aux_only_shard_cp_batch(
   extra_seq_keys: Mapping[str, int] | None = None,
   extra_pad_values: Mapping[str, Any] | None = None,
 ) -> tuple[dict, ShardLayout]:
-  """Aux-only contiguous CP shard for Gemma4's in-forward ("sunk") pre-embed.
+  """Shard a batch aux-only and contiguously for Gemma4's in-forward ("sunk") pre-embed.
 
   The seed's function under its familiar name:
   :func:`shard_aux_only_cp_batch` with ``layout="contiguous"``.
+
+  Args:
+    mesh, batch, axis_name, loss_mask, padding_token_id, extra_seq_keys,
+      extra_pad_values: as :func:`shard_aux_only_cp_batch`.
+
+  Returns:
+    ``(sharded_batch, layout)`` as :func:`cpjax.shard_batch`.
 
   Example:
     >>> import jax, numpy as np
@@ -184,7 +213,7 @@ def make_contiguous_aux_only_shard_cp_batch(
 
 
 def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> dict:
-  """A batch as users have it -> the model's single-device input.
+  """Turn a batch as users have it into the model's single-device input.
 
   Accepts the Gemma 4 processor's keys (``input_ids``, ``attention_mask``,
   ``position_ids``, ``mm_token_type_ids``, ``pixel_values`` [N, P, 3 p^2],
@@ -206,6 +235,15 @@ def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> d
   (``input_ids == image_token_id``) equal to the soft tokens the images
   yield; a mismatch is a ``ValueError`` giving both counts. So are token
   ids outside the vocabulary (when ``input_ids`` is concrete).
+
+  Args:
+    batch: the batch, with the keys above.
+    config: a :class:`Gemma4Config` to check the images and ids against, or
+      None.
+    loss_mask: as :func:`cpjax.normalize_batch`.
+
+  Returns:
+    The model's single-device input, a new dict.
 
   Example:
     >>> import numpy as np
@@ -242,9 +280,16 @@ def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> d
 
 
 def documents_from_positions(position_ids) -> jax.Array:
-  """int32[B, S] document ids (from 1) of a packed row: a document starts
-  wherever a position is not the previous one plus 1 (transformers' rule for
-  packed sequences without an attention mask).
+  """Return the document ids (from 1) of a packed row, read off its positions.
+
+  A document starts wherever a position is not the previous one plus 1
+  (transformers' rule for packed sequences without an attention mask).
+
+  Args:
+    position_ids: int[B, S] positions.
+
+  Returns:
+    int32[B, S] document ids (from 1).
 
   >>> import numpy as np
   >>> documents_from_positions(np.array([[0, 1, 2, 0, 1, 0]])).tolist()
@@ -336,11 +381,23 @@ def synthetic_batch(
   max_docs: int = 4,
   image_grid: tuple[int, int] | None = None,
 ) -> dict:
-  """:func:`cpjax.data.synthetic_batch` for a :class:`Gemma4Config`: its
-  vocabulary, image token and patch size (a text-only model gets no images).
-  Text ids avoid every special id of the config
+  """Make a :func:`cpjax.data.synthetic_batch` for a :class:`Gemma4Config`.
+
+  It uses the config's vocabulary, image token and patch size (a text-only
+  model gets no images). Text ids avoid every special id of the config
   (:attr:`Gemma4Config.special_token_ids`): image tokens appear only in
   image spans.
+
+  Args:
+    rng: the numpy random generator.
+    config: the :class:`Gemma4Config`.
+    batch_size, seq_len, images_per_row, max_docs: as
+      :func:`cpjax.data.synthetic_batch`.
+    image_grid: ``(columns, rows)`` patches per image (default: twice the
+      pooling kernel each way).
+
+  Returns:
+    The dict of numpy arrays.
 
   >>> import numpy as np
   >>> from cpjax.models.gemma4 import Gemma4Config

@@ -33,16 +33,30 @@ def cp_logits(
   interpret: bool = False,
   expert_axes: tuple[str, ...] = (),
 ) -> jax.Array:
-  """Full logits float32[B, S, V] of a :func:`prepare_batch` batch, computed
-  with context parallelism over ``axis_name`` of ``mesh`` (and the batch
-  over ``batch_axis``, if given) through the model's own sharder, gathered
-  back into natural token order without padding.
+  """Compute the full logits float32[B, S, V] of a :func:`prepare_batch` batch.
+
+  Computed with context parallelism over ``axis_name`` of ``mesh`` (and the
+  batch over ``batch_axis``, if given) through the model's own sharder,
+  gathered back into natural token order without padding.
 
   Evaluates sequences too long for one device; equals ``model(batch)``.
   ``implementation`` and ``interpret`` pick the ring's per-hop backend (see
   :func:`cpjax.ring_attention`). With ``expert_axes``
   (:func:`cpjax.parallel.expert_axes`) the experts are split over those
   axes and tokens travel to them (:mod:`cpjax.experts`).
+
+  Args:
+    model: the :class:`Gemma4`.
+    batch: a :func:`prepare_batch` batch.
+    mesh: a mesh with an ``axis_name`` axis.
+    layout: the layout the model's sharder shards with.
+    axis_name: the context-parallel mesh axis.
+    batch_axis: optional mesh axis the batch is sharded over.
+    implementation, interpret: the ring's per-hop backend.
+    expert_axes: the mesh axes the experts are split over.
+
+  Returns:
+    float32[B, S, V] logits in natural token order, without padding.
 
   Example:
     >>> import jax, numpy as np

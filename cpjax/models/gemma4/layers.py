@@ -23,7 +23,14 @@ class Buffer(nnx.Variable):
 
 
 def gelu(x):
-  """GELU, tanh approximation (``gelu_pytorch_tanh``)."""
+  """Apply GELU, tanh approximation (``gelu_pytorch_tanh``).
+
+  Args:
+    x: the input.
+
+  Returns:
+    ``gelu(x)``.
+  """
   return jax.nn.gelu(x, approximate=True)
 
 
@@ -66,7 +73,15 @@ class ClippableLinear(nnx.Module):
 
 
 def rms_normalize(x, eps: float):
-  """``x * (mean(x^2) + eps)^-0.5`` in float32 (transformers uses a pow, not rsqrt)."""
+  """Compute ``x * (mean(x^2) + eps)^-0.5`` in float32 (transformers uses a pow, not rsqrt).
+
+  Args:
+    x: the input; the mean is over its last dimension.
+    eps: added to the mean.
+
+  Returns:
+    The normalised ``x``, in float32.
+  """
   xf = x.astype(jnp.float32)
   return xf * jnp.power(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps, -0.5)
 
@@ -91,10 +106,18 @@ class RMSNorm(nnx.Module):
 
 
 def rope_angles(positions, inv_freq, dtype):
-  """(cos, sin) [..., 2F] of ``positions [...] * inv_freq [F]``.
+  """Compute (cos, sin) [..., 2F] of ``positions [...] * inv_freq [F]``.
 
   Computed in float32, duplicated ``[f, f]`` and then cast to the
   activation dtype, as transformers does.
+
+  Args:
+    positions: the positions [...].
+    inv_freq: the inverse frequencies [F].
+    dtype: the activation dtype.
+
+  Returns:
+    (cos, sin) [..., 2F] in ``dtype``.
   """
   freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
   emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -107,8 +130,13 @@ def _rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-  """Half-split RoPE: ``x * cos + rotate_half(x) * sin``.
+  """Apply half-split RoPE: ``x * cos + rotate_half(x) * sin``.
 
-  x: [B, S, H, D]; cos, sin: [B, S, D] (broadcast over heads).
+  Args:
+    x: [B, S, H, D].
+    cos, sin: [B, S, D] (broadcast over heads).
+
+  Returns:
+    [B, S, H, D], the rotated ``x``.
   """
   return x * cos[..., None, :] + _rotate_half(x) * sin[..., None, :]

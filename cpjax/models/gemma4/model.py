@@ -101,7 +101,7 @@ class Gemma4Model(nnx.Module):
 def gemma4_masks(
   cfg: Gemma4Config, *, segment_ids, padding_mask, vision_group_ids=None
 ) -> dict[str, AttentionMask]:
-  """Gemma 4's attention mask of each layer type, as transformers builds them.
+  """Build Gemma 4's attention mask of each layer type, as transformers builds them.
 
   * full: causal (``k <= q``); sliding: ``q - W < k <= q``;
   * sliding with vision groups (``use_bidirectional_attention == "vision"``
@@ -111,6 +111,15 @@ def gemma4_masks(
   * ``"all"``: full layers see every key, sliding ``|q - k| <= W // 2 + 1``;
 
   and always: keys of the same document (``segment_ids``), not padding.
+
+  Args:
+    cfg: the :class:`Gemma4Config`.
+    segment_ids: [B, S] document ids.
+    padding_mask: [B, S] (True = pad).
+    vision_group_ids: [B, S] vision groups (-1 for text), or None.
+
+  Returns:
+    ``{layer type: AttentionMask}``.
 
   >>> import numpy as np
   >>> from cpjax.models.gemma4 import Gemma4Config
@@ -223,9 +232,14 @@ class Gemma4(nnx.Module):
     return load_pretrained(cls, path, dtype=dtype, mesh=mesh, sharding=sharding, remat=remat)
 
   def example_inputs(self) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of a one-row, 8-token call of :meth:`hidden_states`:
-    what :func:`cpjax.training.lora.apply_lora` runs the model on to create its
-    adapters (any values of the right structure do)."""
+    """Return the ``(args, kwargs)`` of a one-row, 8-token call of :meth:`hidden_states`.
+
+    It is what :func:`cpjax.training.lora.apply_lora` runs the model on to
+    create its adapters (any values of the right structure do).
+
+    Returns:
+      ``(args, kwargs)``.
+    """
     import numpy as np
 
     from cpjax.models.gemma4.cp_batch import prepare_batch
@@ -242,11 +256,19 @@ class Gemma4(nnx.Module):
 
   # ------------------------------------------------------------- embeddings
   def token_streams(self, batch: Mapping[str, Any]) -> dict:
-    """The integer streams the embeddings need, on the FULL row [B, S]:
-    ``text_ids`` (placeholders replaced by the pad id), ``image_slot`` (each
-    image token's index among the global batch's image tokens, -1 elsewhere)
-    and ``vision_groups`` (or None). They are cheap: under CP they are cut to
-    this rank's tokens before any float work."""
+    """Compute the integer streams the embeddings need, on the FULL row [B, S].
+
+    They are cheap: under CP they are cut to this rank's tokens before any
+    float work.
+
+    Args:
+      batch: the model's batch.
+
+    Returns:
+      ``text_ids`` (placeholders replaced by the pad id), ``image_slot`` (each
+      image token's index among the global batch's image tokens, -1 elsewhere)
+      and ``vision_groups`` (or None).
+    """
     for key, why in UNSUPPORTED_INPUTS.items():
       if batch.get(key) is not None:
         raise ValueError(f"batch key {key!r} is not supported: {why}")
@@ -271,13 +293,20 @@ class Gemma4(nnx.Module):
     }
 
   def embed(self, batch: Mapping[str, Any], cp: CPContext | None = None):
-    """Embeddings [B, L, D], per-layer inputs [B, L, layers, P] (or None) and
-    vision group ids [B, L] (or None) of this device's tokens.
+    """Embed this device's tokens.
 
     Only :meth:`token_streams` see the full row; the table lookups, the
     soft-token placement and the per-layer projection run on the ``L``
     local tokens, so no float tensor of the full row exists. Positions the
     layout pads on get zeros, as if the full-row embeddings were padded.
+
+    Args:
+      batch: the model's batch.
+      cp: the :class:`CPContext`, or None on one device.
+
+    Returns:
+      Embeddings [B, L, D], per-layer inputs [B, L, layers, P] (or None) and
+      vision group ids [B, L] (or None) of this device's tokens.
     """
     t, dt = self.cfg.text, self.dtype
     lm = self.model.language_model
@@ -318,7 +347,15 @@ class Gemma4(nnx.Module):
     return x, per_layer, groups
 
   def image_features(self, pixel_values, image_position_ids):
-    """Soft tokens of every image: ([N, M, D] in the activation dtype, bool[N, M])."""
+    """Compute the soft tokens of every image.
+
+    Args:
+      pixel_values: [N, P, F] images.
+      image_position_ids: int[N, P, 2] patch positions.
+
+    Returns:
+      ([N, M, D] in the activation dtype, bool[N, M]).
+    """
     if self.cfg.vision is None:
       raise ValueError(
         "this Gemma 4 has no vision tower (vision_config is null) but the batch has pixel_values"
@@ -382,10 +419,20 @@ class Gemma4(nnx.Module):
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
   def hidden_states(self, batch: Mapping[str, Any], *, cp: CPContext | None = None) -> HiddenStates:
-    """The final hidden states [B, L, D] of this device's tokens, the output
-    head [V, D] and the final soft cap: what :func:`cpjax.training.step.make_train_step`
-    trains through (:func:`cpjax.training.loss.linear_cross_entropy`). Same
-    arguments as calling the model."""
+    """Return the final hidden states of this device's tokens, the output head and the soft cap.
+
+    What :func:`cpjax.training.step.make_train_step` trains through
+    (:func:`cpjax.training.loss.linear_cross_entropy`). Same arguments as
+    calling the model.
+
+    Args:
+      batch: the model's batch, as when calling the model.
+      cp: the :class:`CPContext`, or None on one device.
+
+    Returns:
+      :class:`HiddenStates`: the final hidden states [B, L, D] of this
+      device's tokens, the output head [V, D] and the final soft cap.
+    """
     checks.mapping("batch", batch)
     missing = [k for k in MODEL_INPUTS if k not in batch]
     if missing:
@@ -400,7 +447,18 @@ class Gemma4(nnx.Module):
     return self.decode(x, per_layer, groups, batch, cp)
 
   def decode(self, x, per_layer, groups, batch, cp: CPContext | None) -> HiddenStates:
-    """The decoder on this device's tokens: embeddings x [B, L, D] -> :class:`HiddenStates`."""
+    """Run the decoder on this device's tokens: embeddings x [B, L, D] -> :class:`HiddenStates`.
+
+    Args:
+      x: embeddings [B, L, D].
+      per_layer: per-layer inputs [B, L, layers, P], or None.
+      groups: vision group ids [B, L], or None.
+      batch: the model's batch.
+      cp: the :class:`CPContext`, or None on one device.
+
+    Returns:
+      The :class:`HiddenStates`.
+    """
     t = self.cfg.text
     positions = jnp.asarray(batch["position_ids"])
     masks = gemma4_masks(
@@ -490,12 +548,20 @@ class Gemma4(nnx.Module):
   def prepare_model_inputs_for_cp(
     self, batch: Mapping[str, Any] | None = None, *, layout: str = "contiguous"
   ) -> dict:
-    """``{"cp_sharder": ContextParallelSharder}`` whose ``shard_batch`` is the
-    aux-only sharder (``layout`` ``"contiguous"`` as the original,
-    ``"load_balanced"`` or ``"document_balanced"``, whose stripes are no
-    shorter than the sliding window and whose balance counts the work of
-    each layer, sliding and full): the CP dispatch calls it instead of a
-    generic one."""
+    """Return the model's :class:`ContextParallelSharder`: the aux-only sharder.
+
+    Its ``shard_batch`` is the aux-only sharder; the CP dispatch calls it
+    instead of a generic one.
+
+    Args:
+      batch: unused (the sharder is the same for every batch of this model).
+      layout: ``"contiguous"`` as the original, ``"load_balanced"`` or
+        ``"document_balanced"``, whose stripes are no shorter than the sliding
+        window and whose balance counts the work of each layer, sliding and full.
+
+    Returns:
+      ``{"cp_sharder": ContextParallelSharder}``.
+    """
     del batch  # the sharder is the same for every batch of this model
     if layout not in LAYOUT_KINDS:
       raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")

@@ -40,9 +40,19 @@ _COLUMNS = ("o_proj", "down_proj")  # [out, in = heads x head_dim or hidden]
 def partition_rule(
   cfg: Gemma4Config, *, tp: int, expert_axes: tuple[str, ...] = ()
 ) -> PartitionRule:
-  """``rule(path, shape) -> PartitionSpec`` placing ``"tp"`` on Gemma 4's text
-  decoder, and the experts over ``expert_axes`` when given (their expert
-  dimension split over those axes, the first major)."""
+  """Make a ``rule(path, shape) -> PartitionSpec`` placing ``"tp"`` on Gemma 4's text decoder.
+
+  The rule also places the experts over ``expert_axes`` when given (their
+  expert dimension split over those axes, the first major).
+
+  Args:
+    cfg: the :class:`Gemma4Config`.
+    tp: the tensor-parallel axis's size.
+    expert_axes: the mesh axes the experts are split over.
+
+  Returns:
+    The :data:`cpjax.parallel.PartitionRule`.
+  """
   if not isinstance(cfg, Gemma4Config):
     raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")
   checks.integer("tp", tp, minimum=1)
@@ -80,9 +90,17 @@ def partition_rule(
 
 
 def check_expert_axes(cfg: Gemma4Config, mesh: Mesh, expert_axes) -> None:
-  """``ValueError`` naming ep and the experts' count when ``expert_axes``
-  (:func:`cpjax.parallel.expert_axes`) of ``mesh`` cannot split ``cfg``'s
-  experts evenly, or ``cfg`` has none.
+  """Check that ``expert_axes`` of ``mesh`` can split ``cfg``'s experts evenly.
+
+  Args:
+    cfg: the :class:`Gemma4Config`.
+    mesh: the mesh.
+    expert_axes: the mesh axes the experts are split over
+      (:func:`cpjax.parallel.expert_axes`).
+
+  Raises:
+    ValueError: naming ep and the experts' count when ``expert_axes`` of
+      ``mesh`` cannot split ``cfg``'s experts evenly, or ``cfg`` has none.
 
   >>> import jax
   >>> mesh = jax.make_mesh((8,), ("cp",), devices=jax.devices()[:8])
@@ -119,7 +137,7 @@ def check_mesh(
   batch_size: int | None = None,
   ep: int = 1,
 ) -> None:
-  """``ValueError`` naming the axis and the sizes when ``mesh`` cannot run ``cfg``.
+  """Check that ``mesh`` can run ``cfg``.
 
   ``tp`` must divide the query heads, every layer's MLP width and the number
   of experts; the batch axis must divide ``batch_size``; ``cp`` must
@@ -127,6 +145,16 @@ def check_mesh(
   a planned length must not need padding); and ``ep`` (expert parallelism,
   :func:`cpjax.parallel.expert_axes`) needs a mixture of experts whose
   expert count it divides.
+
+  Args:
+    cfg: the :class:`Gemma4Config`.
+    mesh: the mesh.
+    seq_len: the row length, or None.
+    batch_size: the batch size, or None.
+    ep: the expert parallelism.
+
+  Raises:
+    ValueError: naming the axis and the sizes when ``mesh`` cannot run ``cfg``.
   """
   if not isinstance(cfg, Gemma4Config):
     raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")

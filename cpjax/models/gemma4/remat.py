@@ -35,9 +35,11 @@ def _remat_policy(remat: bool | str) -> str:
 
 
 def remat_after_cotangent(fn):
-  """``jax.checkpoint(fn)`` (save nothing) whose recomputation cannot start
-  before the backward pass reaches it; ``fn(state, x, *rest, masks)`` must
-  close over no array (pass them as arguments); ``masks`` gets no gradient.
+  """Wrap ``fn`` as a ``jax.checkpoint(fn)`` (save nothing) that recomputes only in the backward.
+
+  Its recomputation cannot start before the backward pass reaches it;
+  ``fn(state, x, *rest, masks)`` must close over no array (pass them as
+  arguments); ``masks`` gets no gradient.
 
   With plain ``jax.checkpoint`` XLA is free to schedule a layer's
   recomputation as soon as its saved input exists, i.e. during the forward
@@ -55,6 +57,12 @@ def remat_after_cotangent(fn):
   context (it intercepts ``jnp.einsum`` only while the model's method runs;
   a later re-trace recomputes the layer without its adapters, and their
   gradients come out zero).
+
+  Args:
+    fn: ``fn(state, x, *rest, masks)``, closing over no array.
+
+  Returns:
+    The rematerialised function, called as ``fn`` is.
   """
 
   def run(*args):
@@ -109,10 +117,11 @@ _tied_remat.defvjp(_tied_remat_fwd, _tied_remat_bwd)
 
 
 def remat_tiles(fn, state, tiles):
-  """``out[i] = fn(state, tiles[i])`` for each tile, in a loop whose backward
-  recomputes one tile at a time: tiles [N, ...] -> [N, ...] (``fn`` keeps a
-  tile's shape and dtype and closes over no array; ``state`` is a pytree of
-  the arrays it uses, differentiated).
+  """Compute ``out[i] = fn(state, tiles[i])`` for each tile, in a loop.
+
+  The loop's backward recomputes one tile at a time: tiles [N, ...] -> [N, ...]
+  (``fn`` keeps a tile's shape and dtype and closes over no array; ``state``
+  is a pytree of the arrays it uses, differentiated).
 
   This is ``fori_loop`` over ``jax.checkpoint(fn)`` with the backward written
   out. JAX's own transpose of that loop starts the input's gradient and every
@@ -126,6 +135,14 @@ def remat_tiles(fn, state, tiles):
   not more: they are made varying as the tiles are before the loop, so that
   their gradients add up over the tiles on each rank and are summed over the
   other ranks once, not once per tile.
+
+  Args:
+    fn: ``fn(state, tile)``, keeping a tile's shape and dtype.
+    state: a pytree of the arrays ``fn`` uses, differentiated.
+    tiles: [N, ...].
+
+  Returns:
+    [N, ...]: ``out[i] = fn(state, tiles[i])``.
 
   >>> remat_tiles(lambda w, t: t * w, jnp.float32(2), jnp.ones((3, 2)))
   Array([[2., 2.],

@@ -265,5 +265,13 @@ class DecoderLayer(nnx.Module):
 
 
 def embed_scale(width: int, dtype) -> jax.Array:
-  """``sqrt(width)`` rounded to ``dtype`` first (bf16: sqrt(1536) -> 39.25)."""
+  """Return ``sqrt(width)`` rounded to ``dtype`` first (bf16: sqrt(1536) -> 39.25).
+
+  Args:
+    width: the embedding width.
+    dtype: the activation dtype.
+
+  Returns:
+    ``sqrt(width)`` as a ``dtype`` scalar.
+  """
   return jnp.asarray(math.sqrt(width), dtype)

@@ -147,17 +147,54 @@ class Gemma4TextConfig:
 
   # ------------------------------------------------------------ per layer
   def is_full(self, layer: int) -> bool:
+    """Return whether ``layer`` is a full attention layer.
+
+    Args:
+      layer: the layer's index.
+
+    Returns:
+      True when its type is :data:`FULL`.
+    """
     return self.layer_types[layer] == FULL
 
   def layer_head_dim(self, layer: int) -> int:
+    """Return the head dim of ``layer``: ``global_head_dim`` if full, else ``head_dim``.
+
+    Args:
+      layer: the layer's index.
+
+    Returns:
+      The head dim.
+    """
     return self.global_head_dim if self.is_full(layer) else self.head_dim
 
   def kv_heads(self, layer: int) -> int:
+    """Return the key/value heads of ``layer``.
+
+    ``num_global_key_value_heads`` for a full layer when it is set, else
+    ``num_key_value_heads``.
+
+    Args:
+      layer: the layer's index.
+
+    Returns:
+      The key/value heads.
+    """
     if self.is_full(layer) and self.num_global_key_value_heads is not None:
       return self.num_global_key_value_heads
     return self.num_key_value_heads
 
   def mlp_size(self, layer: int) -> int:
+    """Return the MLP width of ``layer``.
+
+    ``intermediate_size``, doubled for a K/V reuse layer when ``use_double_wide_mlp``.
+
+    Args:
+      layer: the layer's index.
+
+    Returns:
+      The MLP's intermediate size.
+    """
     double = self.use_double_wide_mlp and self.kv_sharing_modes[layer] == "reuse"
     return self.intermediate_size * (2 if double else 1)
 
@@ -188,7 +225,14 @@ class Gemma4TextConfig:
     return tuple(modes)
 
   def store_layer(self, layer: int) -> int:
-    """The layer whose K/V a reuse layer attends to."""
+    """Return the layer whose K/V a reuse layer attends to.
+
+    Args:
+      layer: the reuse layer's index.
+
+    Returns:
+      The store layer's index.
+    """
     kind = self.layer_types[layer]
     return max(
       i for i, m in enumerate(self.kv_sharing_modes) if m == "store" and self.layer_types[i] == kind
@@ -203,11 +247,17 @@ class Gemma4TextConfig:
     return self.sliding_window
 
   def rope_inv_freq(self, layer: int):
-    """float64 numpy [head_dim // 2]: RoPE inverse frequencies of ``layer``.
+    """Return the RoPE inverse frequencies of ``layer``.
 
     Sliding: ``theta^(-2j/d)``. Full, proportional: the first
     ``int(factor * d // 2)`` pairs rotate with exponent denominator the FULL
     head dim ``d``; the rest have frequency 0 (identity).
+
+    Args:
+      layer: the layer's index.
+
+    Returns:
+      float64 numpy [head_dim // 2]: RoPE inverse frequencies of ``layer``.
 
     >>> cfg = Gemma4TextConfig(num_hidden_layers=1, global_head_dim=16)
     >>> [round(float(f), 4) for f in cfg.rope_inv_freq(0)]

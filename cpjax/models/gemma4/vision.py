@@ -37,13 +37,20 @@ __all__ = ["VisionTower", "MultimodalEmbedder", "soft_token_counts"]
 
 
 def soft_token_counts(image_position_ids, pooling_kernel_size: int) -> np.ndarray:
-  """int[N]: soft tokens each image yields (host-side, to validate a batch).
+  """Count the soft tokens each image yields (host-side, to validate a batch).
 
   Mirrors :class:`VisionTower`'s pooling: patch (x, y) falls in bin
   ``x // k + (W // k) * (y // k)`` (``W`` = the image's patch columns) and
   every bin that receives a real patch yields one soft token. Padding
   patches (position -1) yield none, so an image slot that is all padding
   (a packed row's unused slot) yields no soft token.
+
+  Args:
+    image_position_ids: int[N, P, 2] patch positions (-1 = padding).
+    pooling_kernel_size: ``k``.
+
+  Returns:
+    int[N]: soft tokens each image yields.
 
   >>> pos = np.array([[[x, y] for y in range(3) for x in range(6)] + [[-1, -1]] * 9,
   ...                 [[-1, -1]] * 27])

@@ -43,7 +43,7 @@ class Usage(NamedTuple):
 
 
 def ptxas() -> str:
-  """The ptxas that ``nvidia-cuda-nvcc-cu12`` installs (else the one on PATH)."""
+  """Return the path of the ptxas that ``nvidia-cuda-nvcc-cu12`` installs (else the one on PATH)."""
   spec = importlib.util.find_spec("nvidia.cuda_nvcc")
   for root in (spec.submodule_search_locations or []) if spec else []:
     path = os.path.join(root, "bin", "ptxas")
@@ -56,7 +56,15 @@ def ptxas() -> str:
 
 
 def parse_usage(report: str, prefix: str = "cpjax_") -> dict[str, Usage]:
-  """``{kernel: Usage}`` of the entry functions named ``prefix...`` in ptxas -v's output."""
+  """Parse the usage of the entry functions named ``prefix...`` in ptxas -v's output.
+
+  Args:
+    report: ptxas -v's output.
+    prefix: the kernels' name prefix.
+
+  Returns:
+    ``{kernel: Usage}``.
+  """
   out: dict[str, Usage] = {}
   name, spill = None, (0, 0, 0)
   for line in report.splitlines():
@@ -72,10 +80,16 @@ def parse_usage(report: str, prefix: str = "cpjax_") -> dict[str, Usage]:
 
 
 def kernel_usage(lowered, *, arch: str = "sm_90a") -> dict[str, Usage]:
-  """``{kernel: Usage}`` of every cpjax kernel in ``lowered`` (a
-  ``jax.stages.Lowered`` for a CUDA target), the worst of each name's copies.
+  """Return the ``{kernel: Usage}`` of every cpjax kernel in ``lowered``.
 
   Compiles ``lowered`` again with XLA's PTX dumped to a scratch folder.
+
+  Args:
+    lowered: a ``jax.stages.Lowered`` for a CUDA target.
+    arch: ptxas's ``-arch``.
+
+  Returns:
+    ``{kernel: Usage}``, the worst of each name's copies.
   """
   worst: dict[str, Usage] = {}
   with tempfile.TemporaryDirectory(prefix="cpjax-ptx-") as folder:

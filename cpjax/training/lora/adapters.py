@@ -80,7 +80,14 @@ class LoraConfig:
     return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
   def matches(self, path: str) -> bool:
-    """Whether the module at dotted ``path`` is a target (PEFT's rule)."""
+    """Check whether the module at dotted ``path`` is a target (PEFT's rule).
+
+    Args:
+      path: the module's dotted path.
+
+    Returns:
+      Whether the module is a target.
+    """
     if isinstance(self.targets, str):
       return re.fullmatch(self.targets, path) is not None
     return any(path == t or path.endswith("." + t) for t in self.targets)
@@ -185,8 +192,14 @@ def _module_paths(model) -> dict[str, Any]:
 
 
 def adapted_modules(model) -> dict[str, nnx.Module]:
-  """{dotted module path: module} of every module that holds adapters
-  (see :func:`apply_lora`'s example)."""
+  """Find every module that holds adapters (see :func:`apply_lora`'s example).
+
+  Args:
+    model: the model.
+
+  Returns:
+    {dotted module path: module} of every module that holds adapters.
+  """
   return {
     path: m
     for path, m in _module_paths(model).items()
@@ -376,16 +389,30 @@ def _auto_typed(model: nnx.Module):
 
 
 def split_lora(model: nnx.Module):
-  """``(graphdef, adapters, frozen)``: the adapters to train, and the rest
-  (base parameters and buffers) as :func:`cpjax.training.step.make_train_step`'s
-  ``frozen``."""
+  """Split a model into the adapters to train and the rest.
+
+  Args:
+    model: a model with LoRA adapters.
+
+  Returns:
+    ``(graphdef, adapters, frozen)``: the adapters to train, and the rest
+    (base parameters and buffers) as :func:`cpjax.training.step.make_train_step`'s
+    ``frozen``.
+  """
   if not adapted_modules(model):
     raise ValueError("the model has no LoRA adapters (apply_lora or load_adapter first)")
   return nnx.split(model, nnx.LoRAParam, ...)
 
 
 def lora_param_count(model: nnx.Module) -> int:
-  """The number of trained adapter values."""
+  """Count the trained adapter values.
+
+  Args:
+    model: a model with LoRA adapters.
+
+  Returns:
+    The number of trained adapter values.
+  """
   return sum(
     int(np.prod(v.shape)) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.LoRAParam)
   )
@@ -421,9 +448,16 @@ def _delta(name: str, base: jax.Array, a: jax.Array, b: jax.Array, scale: float)
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:
-  """The base model (its own class, no adapters) with ``W + scale * A B`` in
-  every adapted parameter, computed in float32 and stored in ``W``'s dtype:
-  what PEFT's ``merge_and_unload`` gives.
+  """Merge the adapters into the base model (its own class, no adapters).
+
+  Every adapted parameter becomes ``W + scale * A B``, computed in float32 and
+  stored in ``W``'s dtype: what PEFT's ``merge_and_unload`` gives.
+
+  Args:
+    model: a model with LoRA adapters.
+
+  Returns:
+    The base model with ``W + scale * A B`` in every adapted parameter.
 
   >>> class One(nnx.Module):
   ...   def __init__(self, rngs):

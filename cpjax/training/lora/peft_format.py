@@ -116,9 +116,17 @@ _UNSUPPORTED = {
 
 
 def read_adapter_config(path) -> LoraConfig:
-  """The :class:`LoraConfig` of a PEFT adapter directory's
-  ``adapter_config.json``; ``ValueError`` naming the field for what cpjax
-  does not compute (DoRA, biases, per-module ranks ...)."""
+  """Read the :class:`LoraConfig` of a PEFT adapter directory's ``adapter_config.json``.
+
+  ``ValueError`` naming the field for what cpjax does not compute (DoRA,
+  biases, per-module ranks ...).
+
+  Args:
+    path: the PEFT adapter directory.
+
+  Returns:
+    The :class:`LoraConfig`.
+  """
   file = os.path.join(path, ADAPTER_CONFIG_FILE)
   if not os.path.isfile(file):
     raise FileNotFoundError(f"{path} is not a PEFT adapter directory: no {ADAPTER_CONFIG_FILE}")
@@ -142,11 +150,21 @@ def read_adapter_config(path) -> LoraConfig:
 
 
 def load_adapter(model: nnx.Module, path, *example_inputs, **example_kwargs) -> nnx.Module:
-  """``model`` (a base model) with the PEFT adapter in directory ``path``:
-  the adapters of exactly the modules the file names, with its rank, alpha
+  """Load the PEFT adapter in directory ``path`` into ``model`` (a base model).
+
+  The adapters of exactly the modules the file names, with its rank, alpha
   and scaling. Strict: ``KeyError`` for a file key that is no adapter of a
   module of the model, or an adapted module the file leaves out;
-  ``ValueError`` for a wrong shape. Example inputs as :func:`apply_lora`."""
+  ``ValueError`` for a wrong shape.
+
+  Args:
+    model: a base model.
+    path: the PEFT adapter directory.
+    *example_inputs, **example_kwargs: example inputs, as :func:`apply_lora`.
+
+  Returns:
+    ``model`` with the adapter.
+  """
   from safetensors.numpy import load_file
 
   settings = read_adapter_config(path)
