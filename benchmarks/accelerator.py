@@ -15,7 +15,12 @@ does, so a kernel that skips more empty tiles does not look faster for it.
 case; "pallas / xla" the speed-up over cpjax's XLA tile loop.
 
     python benchmarks/accelerator.py            # on the accelerator
+    python benchmarks/accelerator.py --check    # values and gradients only
     python benchmarks/accelerator.py --smoke    # tiny shapes, interpreter, any machine
+
+``--check`` first compares the chip's kernels with ``cpjax.reference_attention``
+(values and the three gradients, float32 and bfloat16, head dims 128 and 256,
+every mask kind of the timed cases plus padding) and exits non-zero on a miss.
 
 Writes ``results/accelerator.json``.
 """
@@ -151,12 +156,99 @@ def time_fwd_bwd(attend, case, repeats: int) -> float:
   return median_time(lambda: jax.block_until_ready(grad(q, k, v)), repeats=repeats)
 
 
+# Relative error allowed against the float32 reference: float32 kernels carry
+# the GPU's tf32-free float32 dots (far under 1e-3 in practice); bfloat16
+# operands round each product input to 8 bits of mantissa.
+CHECK_TOLERANCE = {jnp.float32: 2e-3, jnp.bfloat16: 3e-2}
+
+
+def check_cases(s: int):
+  return [
+    dict(name="causal", s=s, hkv=16, window=None, docs=1, pad=0),
+    dict(name="causal gqa", s=s, hkv=4, window=None, docs=1, pad=0),
+    dict(name="window", s=s, hkv=16, window=s // 8, docs=1, pad=0),
+    dict(name="8 documents", s=s, hkv=4, window=None, docs=8, pad=0),
+    dict(name="padding", s=s, hkv=4, window=None, docs=1, pad=s // 3),
+  ]
+
+
+def check_against_reference(implementation: str, interpret: bool, s: int) -> list[dict]:
+  """Values and gradients of the chip's kernels against the dense reference."""
+  from cpjax.reference import reference_attention
+
+  rows = []
+  for d in (128, 256):
+    for dtype in (jnp.float32, jnp.bfloat16):
+      for case in check_cases(s):
+        keys = jax.random.split(jax.random.key(d + case["hkv"] + case["s"]), 4)
+        q = jax.random.normal(keys[0], (1, s, 16, d), dtype)
+        k = jax.random.normal(keys[1], (1, s, case["hkv"], d), dtype)
+        v = jax.random.normal(keys[2], (1, s, case["hkv"], d), dtype)
+        w = jax.random.normal(keys[3], (1, s, 16, d), jnp.float32)
+        seg = documents(s, case["docs"]) if case["docs"] > 1 else None
+        pad = None
+        if case["pad"]:
+          pad = jnp.arange(s)[None] >= s - case["pad"]
+        lay = cpjax.ShardLayout(s, s, 1)
+
+        def ours(q, k, v):
+          return cpjax.ring_attention(
+            q,
+            k,
+            v,
+            layout=lay,
+            sliding_window=case["window"],
+            segment_ids=seg,
+            padding_mask=pad,
+            implementation=implementation,
+            interpret=interpret,
+          )
+
+        def theirs(q, k, v):
+          return reference_attention(
+            q, k, v, sliding_window=case["window"], segment_ids=seg, padding_mask=pad
+          )
+
+        def value_and_grads(attend, *args):
+          loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * w)  # noqa: E731
+          out = attend(*args)
+          return (out, *jax.grad(loss, argnums=(0, 1, 2))(*args))
+
+        got = jax.jit(functools.partial(value_and_grads, ours))(q, k, v)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        with jax.default_matmul_precision("float32"):  # no tf32 in the reference
+          want = jax.jit(functools.partial(value_and_grads, theirs))(*f32)
+        errors = {
+          name: float(
+            jnp.linalg.norm((a.astype(jnp.float32) - b).ravel()) / jnp.linalg.norm(b.ravel())
+          )
+          for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)
+        }
+        finite = all(bool(jnp.all(jnp.isfinite(a))) for a in got)
+        ok = finite and max(errors.values()) <= CHECK_TOLERANCE[dtype]
+        row = {"case": case["name"], "D": d, "dtype": jnp.dtype(dtype).name, **errors}
+        row["ok"] = ok
+        rows.append(row)
+        print(
+          f"  check {case['name']} D={d} {row['dtype']}: "
+          + " ".join(f"{n} {e:.1e}" for n, e in errors.items())
+          + ("" if ok else "  MISS"),
+          flush=True,
+        )
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument(
     "--smoke",
     action="store_true",
     help="tiny shapes, Pallas GPU kernels in the interpreter (any machine)",
+  )
+  parser.add_argument(
+    "--check",
+    action="store_true",
+    help="only compare the kernels' values and gradients with the dense reference",
   )
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument(
@@ -171,6 +263,12 @@ def main(argv=None):
   implementation = "pallas_gpu" if args.smoke else resolve_implementation(None)
   if implementation == "xla":
     parser.error(f"no Pallas target for platform {platform!r}: run on a GPU or TPU, or --smoke")
+  checked = check_against_reference(implementation, args.smoke, 256 if args.smoke else 2048)
+  print_table(checked, ["case", "D", "dtype", "out", "dq", "dk", "dv", "ok"])
+  if not all(r["ok"] for r in checked):
+    sys.exit("the kernels differ from the dense reference")
+  if args.check:
+    return
   rows = []
   for case in cases(args.smoke):
     pairs = allowed_pairs(case["s"], window=case["window"], docs=case["docs"])
