@@ -275,13 +275,7 @@ def tiny_sweep(budget: int, seq_lens: list[int]) -> dict:
       batch, layout = sharder.shard_batch(raw, mesh)
       step = training.make_train_step(graphdef, optimizer, mesh=mesh, layout=layout, frozen=frozen)
       compiled = step.compile(params, optimizer.init(params), batch)
-      m = compiled.memory_analysis()
-      total = (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-      )
+      total = plan.compiled_bytes(compiled)
       rows.append(
         {
           "training": kind,

@@ -57,14 +57,8 @@ def measure(cfg, *, seq_len: int, mesh: dict, shard_state: str) -> dict:
   compiled, params, opt_state, _ = plan.compile_step(
     cfg, seq_len=seq_len, mesh=mesh, shard_state=shard_state
   )
-  memory = compiled.memory_analysis()
   state = parallel.bytes_per_device(params) + parallel.bytes_per_device(opt_state)
-  total = (
-    memory.argument_size_in_bytes
-    + memory.output_size_in_bytes
-    - memory.alias_size_in_bytes
-    + memory.temp_size_in_bytes
-  )
+  total = plan.compiled_bytes(compiled)
   moved = plan.collective_bytes(compiled.as_text())
   return {
     "state": state / plan.GiB,

@@ -245,25 +245,17 @@ def test_fine_tune_a_checkpoint_on_chat_jsonl_with_images(tmp_path):
   from cpjax.data.tokenizer import CheckpointTokenizer
   from cpjax.training.run_config import RunConfig, with_values
   from cpjax.training.trainer import run_train_job
-  from tests.data.make_chat_example import SPECIAL_TOKENS, gemma_style_tokenizer
+  from tests.data.make_chat_example import MARKERS, SPECIAL_TOKENS, gemma_style_tokenizer
 
-  markers = {
-    "boi_token": "<|image>",
-    "image_token": "<|image|>",
-    "eoi_token": "<image|>",
-    "boa_token": "<|audio>",
-    "audio_token": "<|audio|>",
-    "eoa_token": "<audio|>",
-  }
   gemma_style_tokenizer(
     str(tmp_path),
     ["what is in the picture", "a red one"] * 5,
     vocab_size=400,
-    config=markers,
+    config=MARKERS,
     special_tokens=(*SPECIAL_TOKENS, "<|audio>", "<|audio|>", "<audio|>"),
   )
   tok = CheckpointTokenizer(tmp_path)
-  ids = {key: tok.token_id(value) for key, value in markers.items()}
+  ids = {key: tok.token_id(value) for key, value in MARKERS.items()}
   tiny = gemma4.Gemma4Config.preset("tiny")
   cfg = dataclasses.replace(
     tiny,

@@ -13,19 +13,9 @@ from cpjax.data import corpus
 from cpjax.data.images import ImageProcessor, pixel_values
 from cpjax.data.records import encode_record, prepare_data
 from cpjax.data.tokenizer import CheckpointTokenizer
-from tests.data.make_chat_example import SPECIAL_TOKENS, gemma_style_tokenizer
+from tests.data.make_chat_example import MARKERS, SPECIAL_TOKENS, gemma_style_tokenizer
 
 RNG = np.random.default_rng(0)
-# Gemma 4's tokenizer names its image and audio markers; transformers'
-# processor wants all of them.
-MARKERS = {
-  "boi_token": "<|image>",
-  "image_token": "<|image|>",
-  "eoi_token": "<image|>",
-  "boa_token": "<|audio>",
-  "audio_token": "<|audio|>",
-  "eoa_token": "<audio|>",
-}
 TEXTS = ["what is in the picture", "a red square and a blue one", "hello world"] * 5
 
 

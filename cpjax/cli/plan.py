@@ -221,37 +221,23 @@ def plan(parser, args) -> int:
   machine.use_cpu_devices(devices)
   seconds = None
   try:
+    step = dict(
+      model=name,
+      seq_len=args.seq_len,
+      mesh=mesh,
+      remat=args.remat,
+      batch_size=args.batch_size,
+      capacity_factor=args.capacity_factor,
+      **lora,
+    )
     rows = [
-      plan.estimate(
-        cfg,
-        model=name,
-        seq_len=args.seq_len,
-        mesh=mesh,
-        remat=args.remat,
-        batch_size=args.batch_size,
-        dtype=dtype,
-        capacity_factor=args.capacity_factor,
-        platform=platform,
-        **lora,
-      )
+      plan.estimate(cfg, dtype=dtype, platform=platform, **step)
       for dtype in ("bfloat16", "float32")
     ]
     if not args.estimate_only:
       start = time.perf_counter()
-      rows.append(
-        plan.compiled_plan(
-          cfg,
-          model=name,
-          seq_len=args.seq_len,
-          mesh=mesh,
-          remat=args.remat,
-          batch_size=args.batch_size,
-          capacity_factor=args.capacity_factor,
-          target=target,
-          dtype=args.dtype if target is not None else "float32",
-          **lora,
-        )
-      )
+      dtype = args.dtype if target is not None else "float32"
+      rows.append(plan.compiled_plan(cfg, target=target, dtype=dtype, **step))
       seconds = time.perf_counter() - start
   except ImportError as e:  # a target's compiler is not installed
     parser.exit(2, f"cpjax plan: error: --target: {e}\n")

@@ -187,28 +187,12 @@ def _check_memory(parser, run) -> None:
   cfg, name = plan_config(
     parser, argparse.Namespace(command="train", model=run.model, checkpoint=run.checkpoint)
   )
-  sizes = run.parallel.mesh_sizes()
-  shape = dict(
-    seq_len=run.dataset.seq_len,
-    remat=run.remat,
-    dtype=run.dtype,
-    batch_size=run.dataset.batch_size // run.dataset.microbatches,
-    lora_rank=run.lora.rank,
-    base_dtype=run.lora.base_dtype,
-    lora_targets=run.lora.targets,
-  )
+  shape = plan.run_shape(run)
+  sizes = shape["mesh"]
   # The closed form as the compiler that will run it (XLA:TPU's off a GPU).
   platform = "cuda" if jax.devices()[0].platform == "gpu" else "tpu"
   try:
-    est = plan.estimate(
-      cfg,
-      model=name,
-      mesh=sizes,
-      capacity_factor=run.experts.capacity_factor,
-      shard_state=run.parallel.shard_state,
-      platform=platform,
-      **shape,
-    )
+    est = plan.estimate(cfg, model=name, platform=platform, **shape)
   except ValueError as e:  # a mesh the model cannot use (ep), before any compute
     parser.exit(2, f"cpjax train: error: --mesh: {e}\n")
   devices = math.prod(v for k, v in sizes.items() if k != "ep")
@@ -216,7 +200,7 @@ def _check_memory(parser, run) -> None:
     # Emulated devices share the host: each holds its own copy or shard.
     need = est.total * devices // jax.process_count()
     if run.parity_check:
-      need += plan.estimate(cfg, model=name, mesh={}, **shape).total
+      need += plan.estimate(cfg, model=name, **{**shape, "mesh": {}}).total
     where = f"{devices // jax.process_count()} emulated CPU devices need"
   else:
     need, where = est.total, "one device needs"

@@ -230,6 +230,64 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=8)
+def run_shape(run) -> dict:
+  """Return what a run config fixes of its step, as :func:`estimate`'s keywords.
+
+  The plan of a run is the plan of one step: one microbatch's rows.
+
+  Args:
+    run: a :class:`cpjax.training.run_config.RunConfig`.
+
+  Returns:
+    ``seq_len``, ``mesh``, ``remat``, ``dtype``, ``batch_size``, ``lora_rank``,
+    ``base_dtype``, ``lora_targets``, ``capacity_factor`` and ``shard_state``;
+    :func:`compiled_plan` takes the same.
+
+  Example:
+    >>> from cpjax.training.run_config import RunConfig, with_values
+    >>> run = with_values(RunConfig(), {"dataset.batch_size": 4, "dataset.microbatches": 2})
+    >>> run_shape(run)["batch_size"]
+    2
+  """
+  return dict(
+    seq_len=run.dataset.seq_len,
+    mesh=run.parallel.mesh_sizes(),
+    remat=run.remat,
+    dtype=run.dtype,
+    batch_size=run.dataset.batch_size // run.dataset.microbatches,
+    lora_rank=run.lora.rank,
+    base_dtype=run.lora.base_dtype,
+    lora_targets=run.lora.targets,
+    capacity_factor=run.experts.capacity_factor,
+    shard_state=run.parallel.shard_state,
+  )
+
+
+def compiled_bytes(compiled) -> int:
+  """Return a compiled program's memory per device, as its compiler counts it.
+
+  Args:
+    compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``).
+
+  Returns:
+    Bytes: arguments + outputs - outputs aliased to (donated) arguments +
+    temporaries, from ``compiled.memory_analysis()``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.zeros(256, jnp.float32)).compile()
+    >>> compiled_bytes(compiled) >= 2 * 256 * 4   # the argument and the output
+    True
+  """
+  memory = compiled.memory_analysis()
+  return (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+  )
+
+
 def _abstract_model(cfg):
   """The model with abstract parameters (shapes only): seconds at a published
   size, so built once per config."""
@@ -654,7 +712,6 @@ def compiled_plan(
     shard_state=shard_state,
     devices=None if target is None else target.devices(),
   )
-  memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()  # None from XLA:GPU without a device
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   # The parameters: the trained ones, and under LoRA the frozen base (the
@@ -663,12 +720,7 @@ def compiled_plan(
   if base is not None:
     param_bytes += parallel.bytes_per_device(base)
   opt_bytes = parallel.bytes_per_device(opt_state)
-  total = (
-    memory.argument_size_in_bytes
-    + memory.output_size_in_bytes
-    - memory.alias_size_in_bytes
-    + memory.temp_size_in_bytes
-  )
+  total = compiled_bytes(compiled)
   return Plan(
     model,
     seq_len,

@@ -31,6 +31,17 @@ SPECIAL_TOKENS = (
   "<image|>",
 )
 
+# Gemma 4's tokenizer config names its image and audio markers; transformers'
+# processor wants all of them.
+MARKERS = {
+  "boi_token": "<|image>",
+  "image_token": "<|image|>",
+  "eoi_token": "<image|>",
+  "boa_token": "<|audio>",
+  "audio_token": "<|audio|>",
+  "eoa_token": "<audio|>",
+}
+
 # Gemma 4's conversation format: bos, then `<|turn>ROLE\n...<turn|>\n` per
 # message (the assistant's turns are "model"), images as `<|image|>`.
 GEMMA_STYLE_TEMPLATE = """{{ bos_token }}
