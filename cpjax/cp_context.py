@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from cpjax.layout import ShardLayout, local_token_indices
 from cpjax.parallel import key_names, lookup, ring_lookup
+from cpjax.ring import STRATEGIES
 from cpjax.ring.kernels import resolve_implementation
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
   "HiddenStates",
   "batch_specs",
   "manual_axes",
+  "parse_strategy",
   "split_over",
   "state_specs",
 ]
@@ -84,11 +86,19 @@ class CPContext:
       ``axis_name`` along ``dim`` (the training step fills it from the
       shardings; empty when the state is whole over cp): what :meth:`gather`,
       :meth:`lookup` and :meth:`head` read.
+    strategy: how attention's K/V reach the queries (``ring_attention``'s
+      ``strategy``): one of :data:`cpjax.ring.STRATEGIES` for every layer, or
+      one per layer kind, as a mapping or as text
+      (``"full_attention=all_gather,sliding_attention=ring"``); a kind it
+      does not name takes ``"ring"``. Stored as sorted ``(kind, strategy)``
+      pairs (:func:`parse_strategy`).
 
   >>> import cpjax
-  >>> cp = cpjax.CPContext(cpjax.ShardLayout(6, 8, 2))
-  >>> cp.axis_name, cp.attention_options()
-  ('cp', {'implementation': None, 'interpret': False})
+  >>> cp = cpjax.CPContext(cpjax.ShardLayout(6, 8, 2), strategy={"full_attention": "all_gather"})
+  >>> cp.axis_name, cp.attention_options("full_attention")
+  ('cp', {'implementation': None, 'interpret': False, 'strategy': 'all_gather'})
+  >>> cp.attention_options("sliding_attention")["strategy"]
+  'ring'
   """
 
   layout: ShardLayout
@@ -98,8 +108,11 @@ class CPContext:
   expert_axes: tuple[str, ...] = ()
   capacity_factor: float | None = None
   gathered: tuple = ()
+  strategy: str | Mapping[str, str] | tuple = "ring"
 
   def __post_init__(self):
+    # A mapping is stored as sorted pairs: the context stays hashable.
+    object.__setattr__(self, "strategy", parse_strategy(self.strategy))
     if not isinstance(self.layout, ShardLayout):
       raise TypeError(f"layout must be a ShardLayout, got {type(self.layout).__name__}")
     if not isinstance(self.axis_name, str):
@@ -208,9 +221,77 @@ class CPContext:
     """Return the keywords that pass this context's expert parallelism to a mixture of experts."""
     return {"expert_axes": self.expert_axes, "capacity_factor": self.capacity_factor}
 
-  def attention_options(self) -> dict:
-    """Return the keywords that pass this context's backend to :func:`cpjax.ring_attention`."""
-    return {"implementation": self.implementation, "interpret": self.interpret}
+  def attention_options(self, layer_kind: str | None = None) -> dict:
+    """Return the keywords that pass this context's backend to :func:`cpjax.ring_attention`.
+
+    Args:
+      layer_kind: the calling layer's kind (Gemma 4's ``"sliding_attention"``
+        or ``"full_attention"``), which picks its strategy; None for a model
+        without kinds (only a single strategy applies to it).
+
+    Returns:
+      ``implementation``, ``interpret`` and ``strategy``.
+    """
+    strategy = self.strategy
+    if not isinstance(strategy, str):
+      strategy = dict(strategy).get(layer_kind, "ring")
+    return {
+      "implementation": self.implementation,
+      "interpret": self.interpret,
+      "strategy": strategy,
+    }
+
+  def check_layer_kinds(self, kinds) -> None:
+    """Raise a ``ValueError`` if the per-kind strategy names a kind not in ``kinds``.
+
+    Args:
+      kinds: the layer kinds of the model this context runs.
+    """
+    if isinstance(self.strategy, str):
+      return
+    for kind, strategy in self.strategy:
+      if kind not in kinds:
+        raise ValueError(
+          f"strategy names layer kind {kind!r} ({kind}={strategy}), which this model "
+          f"lacks: its layer kinds are {sorted(set(kinds))}"
+        )
+
+
+def parse_strategy(strategy) -> str | tuple[tuple[str, str], ...]:
+  """Check a CP attention strategy: one name, or one per layer kind.
+
+  Args:
+    strategy: a name of :data:`cpjax.ring.STRATEGIES`; or a mapping of layer
+      kinds to names, or its text ``"kind=name,kind=name"``, or its pairs.
+
+  Returns:
+    The name, or the sorted ``(kind, name)`` pairs.
+
+  Raises:
+    ValueError: a name that is not a strategy, or text that is not pairs.
+    TypeError: anything else.
+
+  >>> parse_strategy("sliding_attention=ring, full_attention=all_gather")
+  (('full_attention', 'all_gather'), ('sliding_attention', 'ring'))
+  """
+  expected = f"one of {STRATEGIES} or a mapping of layer kinds to them"
+  if isinstance(strategy, str) and "=" in strategy:
+    pairs = [item.split("=") for item in strategy.split(",")]
+    if any(len(p) != 2 or not p[0].strip() for p in pairs):
+      raise ValueError(f"strategy must be {expected} (kind=name,...), got {strategy!r}")
+    strategy = {kind.strip(): name.strip() for kind, name in pairs}
+  if isinstance(strategy, str):
+    if strategy not in STRATEGIES:
+      raise ValueError(f"strategy must be {expected}, got {strategy!r}")
+    return strategy
+  if isinstance(strategy, tuple):
+    strategy = dict(strategy)
+  if not isinstance(strategy, Mapping):
+    raise TypeError(f"strategy must be {expected}, got {type(strategy).__name__}")
+  for kind, name in strategy.items():
+    if not isinstance(kind, str) or name not in STRATEGIES:
+      raise ValueError(f"strategy[{kind!r}] must be one of {STRATEGIES}, got {name!r}")
+  return tuple(sorted(strategy.items()))
 
 
 @dataclasses.dataclass(frozen=True)

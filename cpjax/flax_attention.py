@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from cpjax.cp_context import CPContext
 from cpjax.layout import ShardLayout
 from cpjax.masks import AttentionMask
-from cpjax.ring import ring_attention
+from cpjax.ring import STRATEGIES, ring_attention
 from cpjax.ring.kernels import resolve_implementation
 
 __all__ = ["use_cp", "current_context", "ring_attention_fn"]
@@ -75,6 +75,7 @@ def ring_attention_fn(
   block_kv: int | None = None,
   implementation: str | None = None,
   interpret: bool | None = None,
+  strategy: str | None = None,
 ) -> Callable:
   """Make an ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` that runs on the ring.
 
@@ -87,8 +88,9 @@ def ring_attention_fn(
 
   Args:
     scale, logits_soft_cap, block_q, block_kv: as :func:`cpjax.ring_attention`.
-    implementation, interpret: as :func:`cpjax.ring_attention`; None takes
-      them from the active :class:`cpjax.CPContext` (its defaults outside one).
+    implementation, interpret, strategy: as :func:`cpjax.ring_attention`;
+      None takes them from the active :class:`cpjax.CPContext` (its defaults
+      outside one).
 
   Returns:
     The ``attention_fn``.
@@ -110,6 +112,8 @@ def ring_attention_fn(
     resolve_implementation(implementation)
   if interpret is not None and not isinstance(interpret, bool):
     raise TypeError(f"interpret must be a bool or None, got {type(interpret).__name__}")
+  if strategy is not None and strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
 
   def attention_fn(
     query,
@@ -166,6 +170,8 @@ def ring_attention_fn(
       options["implementation"] = implementation
     if interpret is not None:
       options["interpret"] = interpret
+    if strategy is not None:
+      options["strategy"] = strategy
     return ring_attention(
       query,
       key,

@@ -172,6 +172,7 @@ def context_parallel_attention(
   block_kv: int | None = None,
   implementation: str | None = None,
   interpret: bool = False,
+  strategy: str = "ring",
   **mask_keywords,
 ):
   """Compute ring attention of global, rank-ordered arrays; calls ``shard_map`` itself.
@@ -194,8 +195,8 @@ def context_parallel_attention(
       order; or, instead of it, the keywords ``causal``, ``sliding_window``,
       ``segment_ids``, ``padding_mask``, ``vision_group_ids`` of
       :meth:`cpjax.AttentionMask.create` (arrays [B, S] in rank order).
-    scale, logits_soft_cap, block_q, block_kv, implementation, interpret: as
-      :func:`cpjax.ring_attention`.
+    scale, logits_soft_cap, block_q, block_kv, implementation, interpret,
+      strategy: as :func:`cpjax.ring_attention`.
 
   Returns:
     [B, S, H, D] in q's dtype and rank order, sharded like q's in_spec
@@ -269,6 +270,7 @@ def context_parallel_attention(
       block_kv=block_kv,
       implementation=implementation,
       interpret=interpret,
+      strategy=strategy,
     )
 
   ring = jax.shard_map(

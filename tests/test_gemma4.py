@@ -134,6 +134,29 @@ def test_cp_logits_equal_transformers(name, cp, layout):
   assert max_error(got, logits["images/float64"], inputs) <= F32_TOL
 
 
+@pytest.mark.parametrize(
+  "name,cp,layout,strategy",
+  [
+    # 26B-A4B's K = V global layers all-gathered, its sliding ones on the ring.
+    ("moe_k_eq_v_vision", 4, "load_balanced", {"full_attention": "all_gather"}),
+    ("ple_kv_sharing", 2, "document_balanced", "all_gather"),
+  ],
+)
+def test_cp_logits_with_another_strategy_equal_transformers(name, cp, layout, strategy):
+  model, batches, logits = fixture(name)
+  inputs = batches["images"]
+  batch = gemma4.prepare_batch(inputs, model.cfg)
+  got = gemma4.cp_logits(model, batch, cp_mesh(cp), layout=layout, strategy=strategy)
+  assert max_error(got, logits["images/float64"], inputs) <= F32_TOL
+
+
+def test_a_strategy_for_a_layer_kind_the_model_lacks_is_refused():
+  model, batches, _ = fixture("ple_kv_sharing")
+  batch = gemma4.prepare_batch(batches["images"], model.cfg)
+  with pytest.raises(ValueError, match="strategy names layer kind 'global_attention'"):
+    gemma4.cp_logits(model, batch, cp_mesh(2), strategy={"global_attention": "all_gather"})
+
+
 @pytest.mark.parametrize("name,kind", cases(("images", "packed")))
 def test_cp_logits_on_a_dp_cp_mesh(name, kind):
   """The batch split over dp: each shard scatters ITS rows' images (row-major

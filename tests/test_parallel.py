@@ -60,10 +60,11 @@ def mesh_step(
   remat=None,
   implementation=None,
   interpret=False,
+  strategy="ring",
 ):
   """Shard the model over make_mesh(**shape) (its state over ``state_axes``),
-  run one step (the ring's hops on ``implementation``); also return the
-  compiled step."""
+  run one step (the ring's hops on ``implementation``, attention's CP
+  ``strategy``); also return the compiled step."""
   cfg, model, graphdef, params, buffers, batch = setup(preset)
   if remat is not None:
     model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0), remat=remat)
@@ -97,6 +98,7 @@ def mesh_step(
     frozen=buffers,
     implementation=implementation,
     interpret=interpret,
+    strategy=strategy,
   )
   step = step.compile(placed, opt_state, sharded)
   new, _, metrics = step(placed, opt_state, sharded)
@@ -226,6 +228,26 @@ def test_kernels_split_over_the_axes_the_partitioner_shards():
   loss, new, step, _, _ = mesh_step(
     "tiny", {"fsdp": 2, "cp": 2, "tp": 2}, implementation="pallas_gpu", interpret=True
   )
+  assert abs(loss - want_loss) <= 1e-6 * want_loss
+  assert_same_update(new, want, setup("tiny")[3])
+
+
+@pytest.mark.parametrize(
+  "shape, strategy",
+  [
+    # CI: fsdp, cp and tp at once, with the full layers gathered and the
+    # sliding ones on the ring; `make soak`: the rest.
+    pytest.param({"cp": 8}, "all_gather", marks=pytest.mark.slow),
+    ({"fsdp": 2, "cp": 2, "tp": 2}, {"full_attention": "all_gather"}),
+    pytest.param({"fsdp": 2, "cp": 4}, "all_gather", marks=pytest.mark.slow),
+  ],
+  ids=["cp8-all_gather", "fsdp2xcp2xtp2-mixed", "fsdp2xcp4-all_gather"],
+)
+def test_the_step_with_another_cp_strategy_equals_the_single_device_step(shape, strategy):
+  """attention's K/V all-gathered over cp, for every layer or only the full
+  attention layers: the same step as the single device's."""
+  want_loss, want = single_device_step("tiny")
+  loss, new, _, _, _ = mesh_step("tiny", shape, strategy=strategy)
   assert abs(loss - want_loss) <= 1e-6 * want_loss
   assert_same_update(new, want, setup("tiny")[3])
 

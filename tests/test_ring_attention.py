@@ -23,7 +23,16 @@ BF16 = dict(rtol=2e-2, atol=2e-2)
 
 def check(q, k, v, w, *, cp, kind, meta=None, tol=F32, **kw):
   out, grads = H.ring(q, k, v, w, cp=cp, kind=kind, meta=meta, **kw)
-  for ring_only in ("block_q", "block_kv", "mesh", "batch_axis", "stripes"):
+  for ring_only in (
+    "block_q",
+    "block_kv",
+    "mesh",
+    "batch_axis",
+    "stripes",
+    "strategy",
+    "implementation",
+    "interpret",
+  ):
     kw.pop(ring_only, None)
   ref_out, ref_grads = H.reference(q, k, v, w, meta=meta, **kw)
   chex.assert_tree_all_finite((out, grads))

@@ -57,20 +57,7 @@ def test_each_published_size_recipe_fits_its_device(name):
   chips = targets.parse_target(target.target)
   assert chips.num_devices == target.devices
   assert abs(chips.chip.memory - plan.parse_bytes(target.device_memory)) < 2**30
-  est = plan.estimate(
-    Gemma4Config.preset(run.model),
-    model=run.model,
-    seq_len=run.dataset.seq_len,
-    mesh=run.parallel.mesh_sizes(),
-    remat=run.remat,
-    dtype=run.dtype,
-    batch_size=run.dataset.batch_size // run.dataset.microbatches,
-    lora_rank=run.lora.rank,
-    base_dtype=run.lora.base_dtype,
-    lora_targets=run.lora.targets,
-    capacity_factor=run.experts.capacity_factor,
-    shard_state=run.parallel.shard_state,
-  )
+  est = plan.estimate(Gemma4Config.preset(run.model), model=run.model, **plan.run_shape(run))
   memory = plan.parse_bytes(target.device_memory)
   assert est.fits(memory), est.row()
   assert run.dataset.seq_len >= 131072 and not run.parity_check
@@ -212,6 +199,16 @@ def test_every_short_flag_sets_its_dotted_key():
     (["--config", "FILE:parity_check: null\n"], "parity_check must be bool, got None"),
     (["--checkpointing.resume", "true"], "--checkpointing.resume: use --resume DIR"),
     (["--optimizer.l", "1"], "unrecognized arguments: --optimizer.l 1"),
+    (
+      ["--parallel.strategy", "ulysses"],
+      "error: --parallel.strategy: strategy must be one of ('ring', 'all_gather') or a "
+      "mapping of layer kinds to them, got 'ulysses'",
+    ),
+    (
+      ["--model", "tiny", "--parallel.strategy", "global=all_gather"],
+      "error: --parallel.strategy names layer kind 'global', which tiny lacks: its layer "
+      "kinds are ['full_attention', 'sliding_attention']",
+    ),
   ],
 )
 def test_unknown_keys_and_wrong_types_are_one_line_exit_two(
@@ -509,6 +506,9 @@ def test_python_users_get_dotted_keys():
   with pytest.raises(KeyError, match=r"unknown run settings \['dataset\.seqlen'\]"):
     with_values(run, {"dataset.seqlen": 64})
   assert to_yaml(run).count("\n") > len(settings())  # every value written
+  mixed = with_values(run, {"parallel.strategy": "full_attention=all_gather"})
+  check(mixed)
+  assert "  strategy: full_attention=all_gather\n" in to_yaml(mixed)
   forced = with_values(run, {"checkpointing.resume": True, "checkpointing.force_resume": True})
   assert "  resume: false\n  force_resume: false\n" in to_yaml(forced)
 

@@ -36,6 +36,32 @@ class Mutant:
 TILES = "tests/test_tile_schedule.py"
 
 MUTANTS = (
+  # --- the all-gather strategy (issue 46)
+  Mutant(
+    "all_gather: each rank keeps its own share of the key gradients, unsummed",
+    "cpjax/ring/_passes.py",
+    "  return lax.psum_scatter(grad, cfg.axis_name, scatter_dimension=2, tiled=True)",
+    "  size = grad.shape[2] // cfg.layout.cp_size\n"
+    "  return lax.dynamic_slice_in_dim(grad, _rank(cfg) * size, size, 2)",
+    ("tests/test_all_gather.py::test_all_gather_equals_the_reference",),
+  ),
+  Mutant(
+    "all_gather: K = V scatters dK alone",
+    "cpjax/ring/_passes.py",
+    "      dk, dv = _scatter_home(cfg, dk + dv), zero_kv",
+    "      dk, dv = _scatter_home(cfg, dk), zero_kv",
+    ("tests/test_all_gather.py::test_one_tensor_for_k_and_v_gets_the_sum_of_both_gradients",),
+  ),
+  Mutant(
+    "all_gather: K = V scatters dK and dV apart",
+    "cpjax/ring/_passes.py",
+    "    if cfg.shared_kv:  # one tensor: its gradient is dk + dv, scattered once",
+    "    if False:",
+    (
+      "tests/test_all_gather.py::"
+      "test_all_gather_of_one_tensor_for_k_and_v_gathers_and_scatters_it_once",
+    ),
+  ),
   # --- tile tables within SMEM, and the closed form against XLA:TPU (issue 44)
   Mutant(
     "TPU kernels: one call however long its tile table",

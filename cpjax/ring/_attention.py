@@ -50,7 +50,10 @@ from cpjax.ring._schedule import _block_sizes, ring_plan
 from cpjax.ring.kernels._common import KernelParams
 from cpjax.ring.kernels._targets import resolve_implementation
 
-__all__ = ["ring_attention"]
+__all__ = ["STRATEGIES", "ring_attention"]
+
+#: How K/V reach a rank's queries (``ring_attention(strategy=...)``).
+STRATEGIES = ("ring", "all_gather")
 
 
 def ring_attention(
@@ -72,6 +75,7 @@ def ring_attention(
   block_kv: int | None = None,
   implementation: str | None = None,
   interpret: bool = False,
+  strategy: str = "ring",
 ):
   """Exact attention over a sequence sharded on ``axis_name``, inside ``shard_map``.
 
@@ -108,6 +112,14 @@ def ring_attention(
       ``pltpu.InterpretParams`` for Pallas' TPU interpreter (which simulates
       Mosaic's memory spaces and DMAs and can detect races; much slower).
       Ignored by ``"xla"``.
+    strategy: how K/V reach the queries (:data:`STRATEGIES`): ``"ring"``
+      passes each rank's chunk around a ``ppermute`` ring (O(L) memory, only
+      the hops the mask can reach); ``"all_gather"`` gathers every rank's
+      K/V over the axis at once and attends to the whole row in one pass,
+      reduce-scattering dK/dV in the backward (O(S) K/V memory, no hops;
+      cheap when few K/V heads serve many query heads). Both give the same
+      values and gradients. Passing ``k`` and ``v`` as the same array (K = V)
+      gathers it once.
 
   Returns:
     [B, L, Hq, D] in q's dtype. Rows with nothing allowed are 0, with zero
@@ -161,6 +173,8 @@ def ring_attention(
     )
   else:
     interpret = bool(interpret)
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
   g = hq // hkv
   block_q, block_kv = _block_sizes(layout, implementation, d, g, block_q, block_kv, q.dtype)
   kernel = None
@@ -185,6 +199,8 @@ def ring_attention(
     groups=g,
     implementation=implementation,
     kernel=kernel,
+    strategy=strategy,
+    shared_kv=k is v,
   )
   arrays = mask.arrays
   if cfg.layout.cp_size > 1:

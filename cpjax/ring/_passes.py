@@ -15,6 +15,12 @@ Each hop's compute has two backends: the portable XLA tile loop (a
 :mod:`cpjax.ring.kernels`, which fold a visiting chunk into (out, lse) that the
 ring merges.
 
+The all-gather strategy (``strategy="all_gather"``) takes no hops: each rank
+all-gathers K/V (one tensor when K = V) and the mask's arrays over the axis,
+in rank order, and folds that whole row as one chunk with the same tile
+schedule and kernels; its backward reduce-scatters dK/dV to their owners.
+Per-device memory is then O(S) in K/V, not O(L).
+
 Shape letters: ``B`` batch, ``L`` local tokens, ``Hkv`` key/value heads,
 ``G`` query heads per KV head, ``D`` head dim, ``bq``/``bk`` tile sizes;
 q [B, Hkv, N = L*G, D] (row ``t*G + g`` is token t, head g), k/v
@@ -31,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cpjax.layout import ShardLayout, local_token_indices
+from cpjax.layout import ShardLayout, local_token_indices, rank_order
 from cpjax.masks import MaskRule, Tokens
 from cpjax.parallel import filled_after
 from cpjax.parallel import vary_like as _vary_like
@@ -57,21 +63,23 @@ class _Config:
   groups: int  # G = Hq // Hkv
   implementation: str = "xla"
   kernel: KernelParams | None = None  # the Pallas targets' static parameters
+  strategy: str = "ring"  # or "all_gather"
+  shared_kv: bool = False  # k is v (Gemma 4's K = V layers): one gradient to scatter
 
   @property
   def tile_rows(self) -> int:
     """Query rows per tile: ``block_q`` tokens times ``G`` heads."""
     return self.block_q * self.groups
 
-  @property
-  def schedule_blocks(self) -> tuple[int, int]:
-    """(query tokens, keys) per block of a kernel hop's schedule (see
-    :meth:`cpjax.ring.kernels.KernelTarget.schedule_blocks`)."""
+  def schedule_blocks(self, key_len: int) -> tuple[int, int]:
+    """(query tokens, keys) per block of a kernel hop's schedule over
+    ``key_len`` keys (see :meth:`cpjax.ring.kernels.KernelTarget.schedule_blocks`)."""
     return TARGETS[self.implementation].schedule_blocks(
       self.block_q,
       self.block_kv,
       chunk_len=self.layout.chunk_len,
       local_len=self.layout.local_seq_len,
+      key_len=key_len,
     )
 
 
@@ -86,7 +94,13 @@ def _shift(tree, cfg: _Config, offset: int):
 
 
 def _tokens(cfg: _Config, rank, arrays) -> Tokens:
-  """The tokens rank ``rank`` holds: global positions and the mask's arrays."""
+  """The tokens rank ``rank`` holds: global positions and the mask's arrays.
+
+  ``rank`` None stands for the all-gathered row: every rank's tokens, in rank
+  order (``arrays`` then hold the whole row too).
+  """
+  if rank is None:
+    return Tokens(jnp.asarray(rank_order(cfg.layout), jnp.int32), arrays)
   return Tokens(local_token_indices(cfg.layout, rank), arrays)
 
 
@@ -244,7 +258,7 @@ def _guarded(cfg: _Config, x):
 def _kernel_chunk(cfg: _Config, q_info: Tokens, kv, k_arrays, src_rank, active):
   """(k, v, key metadata, schedule) of one visiting chunk for the kernels."""
   k_info = _tokens(cfg, src_rank, k_arrays)
-  blocks = cfg.rule.classify(q_info, k_info, *cfg.schedule_blocks)
+  blocks = cfg.rule.classify(q_info, k_info, *cfg.schedule_blocks(kv[0].shape[2]))
   sched = kernel_common.schedule(blocks, kv[0].shape[0], active)
   k_meta = kernel_common.metadata(cfg.kernel, k_info.positions, k_info.arrays)
   # A pallas_call's operands vary over the same mesh axes as its results.
@@ -278,6 +292,23 @@ def _pallas_fold(cfg: _Config, q, q_info: Tokens):
   return init, attend, lambda state: (state[0], state[1][..., 0])
 
 
+def _gathered(cfg: _Config, k, v, arrays):
+  """((k, v), arrays) of the whole row: every rank's, gathered in rank order."""
+  gather = lambda x, axis: lax.all_gather(x, cfg.axis_name, axis=axis, tiled=True)  # noqa: E731
+  # (K = V: XLA merges the two gathers of one tensor into one.)
+  return (gather(k, 2), gather(v, 2)), {n: gather(x, 1) for n, x in arrays.items()}
+
+
+def _scatter_home(cfg: _Config, grad):
+  """The gathered row's key gradient [B, Hkv, cp*L, D], summed over the ranks
+  (each holds its queries' share) and cut to the keys this rank owns."""
+  return lax.psum_scatter(grad, cfg.axis_name, scatter_dimension=2, tiled=True)
+
+
+def _all_gathered(cfg: _Config) -> bool:
+  return cfg.strategy == "all_gather" and cfg.layout.cp_size > 1
+
+
 def _forward(cfg: _Config, q, k, v, arrays):
   """Returns out [B, Hkv, N, D] (q's dtype) and lse f32[B, Hkv, N]."""
   cp = cfg.layout.cp_size
@@ -288,7 +319,9 @@ def _forward(cfg: _Config, q, k, v, arrays):
   travel = ((k, v), arrays)
   hops, back = cfg.plan
 
-  if back == 0:
+  if _all_gathered(cfg):
+    stats = attend(stats, *_gathered(cfg, k, v, arrays), None)
+  elif back == 0:
 
     def step(h, carry):
       stats, here = carry
@@ -417,7 +450,15 @@ def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
   travel = ((k, v), arrays)
   hops, back = cfg.plan
 
-  if back == 0:
+  if _all_gathered(cfg):
+    kv, row = _gathered(cfg, k, v, arrays)
+    zero_row = _vary_like(filled_after(do, kv[0].shape), k)
+    dq, (dk, dv) = grad(dq, kv, (zero_row, zero_row), row, None)
+    if cfg.shared_kv:  # one tensor: its gradient is dk + dv, scattered once
+      dk, dv = _scatter_home(cfg, dk + dv), zero_kv
+    else:
+      dk, dv = _scatter_home(cfg, dk), _scatter_home(cfg, dv)
+  elif back == 0:
 
     def step(h, carry):
       dq, here, dkv = carry

@@ -30,6 +30,7 @@ import os
 import typing
 from typing import Callable, Literal, Optional
 
+from cpjax.cp_context import parse_strategy
 from cpjax.training.lora.adapters import LoraConfig, check_lora_config
 
 __all__ = [
@@ -191,6 +192,11 @@ class ParallelConfig:
   fsdp+cp (every device that shares the model holds 1 / (fsdp * cp) of it; each
   layer's weights are gathered where it runs) or fsdp (whole over cp: no gathers,
   for small models)"""
+  strategy: str = _setting("ring")
+  """how attention's keys and values reach each rank's queries: ring (ppermute
+  hops, O(S/cp) memory a device) or all_gather (the row's K/V gathered at once, no
+  hops), for every layer or per layer kind, e.g.
+  full_attention=all_gather,sliding_attention=ring"""
 
   def state_axes(self) -> tuple[str, ...]:
     """Return the mesh axes :func:`cpjax.parallel.param_specs` splits the state over."""
@@ -388,6 +394,18 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
     fail(f"{name('parallel.mesh')}: {e}")
   if sizes.get("dp", 1) > 1 and sizes.get("fsdp", 1) > 1:
     fail(f"{name('parallel.mesh')} splits the batch over dp or fsdp, not both")
+  try:
+    strategy = parse_strategy(run.parallel.strategy)
+  except ValueError as e:
+    fail(f"{name('parallel.strategy')}: {e}")
+  if run.model is not None and not isinstance(strategy, str):
+    kinds = set(PRESETS[run.model].text.layer_types)
+    for kind, _ in strategy:
+      if kind not in kinds:
+        fail(
+          f"{name('parallel.strategy')} names layer kind {kind!r}, which {run.model} "
+          f"lacks: its layer kinds are {sorted(kinds)}"
+        )
   if run.dataset.batch_size % run.dataset.microbatches:
     fail(
       f"{name('dataset.microbatches')} {run.dataset.microbatches} must divide "

@@ -31,6 +31,7 @@ from cpjax.cp_context import (
   HiddenStates,
   batch_specs,
   manual_axes,
+  parse_strategy,
   split_over,
   state_specs,
 )
@@ -80,6 +81,7 @@ def make_loss_fn(
   interpret: bool = False,
   expert_axes: tuple[str, ...] = (),
   capacity_factor: float | None = None,
+  strategy="ring",
 ) -> Callable:
   """Make ``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)`` of a split NNX model.
 
@@ -109,6 +111,10 @@ def make_loss_fn(
       its :class:`cpjax.CPContext` (see :mod:`cpjax.experts`). Parameters
       split over a manual axis (experts over ``cp``) enter the ``shard_map``
       split, as they are stored.
+    strategy: how attention's K/V reach the queries, one for every layer or
+      one per layer kind (``{"full_attention": "all_gather"}``), handed to
+      the model in its :class:`cpjax.CPContext` (see
+      :func:`cpjax.ring_attention` and :func:`cpjax.cp_context.parse_strategy`).
 
   Returns:
     ``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)``.
@@ -139,6 +145,7 @@ def make_loss_fn(
     interpret=interpret,
     expert_axes=expert_axes,
     capacity_factor=capacity_factor,
+    strategy=strategy,
   )
 
   def loss_sums(params, batch, frozen=frozen):
@@ -161,6 +168,7 @@ def _loss_parts(
   interpret,
   expert_axes,
   capacity_factor,
+  strategy,
 ) -> Callable:
   """:func:`make_loss_fn` returning ``(ce_sum, count, metrics)``: ``metrics``
   are the forward's own (:attr:`HiddenStates.metrics`) summed over the ranks,
@@ -173,6 +181,7 @@ def _loss_parts(
     return dict(output.metrics or {}) if isinstance(output, HiddenStates) else {}
 
   default_frozen = frozen
+  parse_strategy(strategy)  # a bad strategy fails here, on one device too
   if mesh is None:
     if expert_axes or capacity_factor is not None:
       raise ValueError(
@@ -195,7 +204,13 @@ def _loss_parts(
   axes = tuple(a for a in mesh.axis_names if a in manual and a in (batch_axis, axis_name))
   varied = tuple(a for a in manual if mesh.shape[a] > 1)
   context = CPContext(
-    layout, axis_name, implementation, interpret, tuple(expert_axes), capacity_factor
+    layout,
+    axis_name,
+    implementation,
+    interpret,
+    tuple(expert_axes),
+    capacity_factor,
+    strategy=strategy,
   )
   specs_of = _own_specs if batch_specs is None else batch_specs
   # The model's class, from the graph definition (its first node).
@@ -261,6 +276,7 @@ def make_train_step(
   interpret: bool = False,
   expert_axes: tuple[str, ...] = (),
   capacity_factor: float | None = None,
+  strategy="ring",
 ) -> "TrainStep":
   """Make one compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
@@ -277,7 +293,7 @@ def make_train_step(
     graphdef: from ``nnx.split(model)``.
     optimizer: the optax optimizer.
     mesh, layout, axis_name, batch_axis, forward, batch_specs, frozen,
-      implementation, interpret, expert_axes, capacity_factor: as
+      implementation, interpret, expert_axes, capacity_factor, strategy: as
       :func:`make_loss_fn`.
 
   Returns:
@@ -308,6 +324,7 @@ def make_train_step(
     interpret=interpret,
     expert_axes=expert_axes,
     capacity_factor=capacity_factor,
+    strategy=strategy,
   )
 
   def sums_and_grads(params, batch, frozen, scaled: bool = False):

@@ -776,6 +776,7 @@ def eval_hook(job: RunConfig, trainer: TrainState, layout, summary: dict, log):
       layout=layout,
       expert_axes=trainer.expert_axes,
       capacity_factor=job.experts.capacity_factor,
+      strategy=job.parallel.strategy,
     )
   )
   counted = sum(int(np.sum(b["labels"] != -100)) for b in host)
@@ -920,6 +921,7 @@ def run_train_job(job: RunConfig, *, log=print) -> dict:
     frozen=trainer.frozen,
     expert_axes=trainer.expert_axes,
     capacity_factor=job.experts.capacity_factor,
+    strategy=job.parallel.strategy,
   )
   step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
 

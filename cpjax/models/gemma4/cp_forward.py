@@ -32,6 +32,7 @@ def cp_logits(
   implementation: str | None = None,
   interpret: bool = False,
   expert_axes: tuple[str, ...] = (),
+  strategy="ring",
 ) -> jax.Array:
   """Compute the full logits float32[B, S, V] of a :func:`prepare_batch` batch.
 
@@ -54,6 +55,8 @@ def cp_logits(
     batch_axis: optional mesh axis the batch is sharded over.
     implementation, interpret: the ring's per-hop backend.
     expert_axes: the mesh axes the experts are split over.
+    strategy: attention's CP strategy, one or one per layer kind (see
+      :class:`cpjax.CPContext`).
 
   Returns:
     float32[B, S, V] logits in natural token order, without padding.
@@ -78,7 +81,9 @@ def cp_logits(
     batch, mesh, axis_name=axis_name, batch_axis=batch_axis, implementation=implementation
   )
   graphdef, state = nnx.split(model)
-  context = CPContext(shard_layout, axis_name, implementation, interpret, tuple(expert_axes))
+  context = CPContext(
+    shard_layout, axis_name, implementation, interpret, tuple(expert_axes), strategy=strategy
+  )
   specs = batch_specs(sharded)
 
   def local(state, local_batch):

@@ -460,6 +460,8 @@ class Gemma4(nnx.Module):
       The :class:`HiddenStates`.
     """
     t = self.cfg.text
+    if cp is not None:
+      cp.check_layer_kinds(t.layer_types)
     positions = jnp.asarray(batch["position_ids"])
     masks = gemma4_masks(
       self.cfg,
@@ -486,7 +488,7 @@ class Gemma4(nnx.Module):
             axis_name=cp.axis_name,
             mask=mask,
             scale=1.0,
-            **cp.attention_options(),
+            **cp.attention_options(t.layer_types[layer]),
           )
         return checkpoint_name(out, "attention_out")
 

@@ -80,10 +80,12 @@ class KernelTarget:
     return table[-1][1:]
 
   def schedule_blocks(
-    self, block_q: int, block_kv: int, *, chunk_len: int, local_len: int
+    self, block_q: int, block_kv: int, *, chunk_len: int, local_len: int, key_len: int | None = None
   ) -> tuple[int, int]:
     """(query tokens, keys) per block of a hop's schedule: the tile, grown in
     powers of two until the schedule has at most ``schedule_tiles`` blocks.
+    A hop's keys are ``local_len`` tokens (one rank's chunk) unless
+    ``key_len`` says otherwise (the all-gather's whole row).
 
     A schedule is dense in (row block, key block), so with small tiles it
     grows as L**2: Triton's 16-row tiles at head dim 512 and L = 262144 local
@@ -101,7 +103,8 @@ class KernelTarget:
     bq, bk = block_q, block_kv
     if self.schedule_tiles is None:
       return bq, bk
-    while (local_len // bq) * (local_len // bk) > self.schedule_tiles:
+    key_len = local_len if key_len is None else key_len
+    while (local_len // bq) * (key_len // bk) > self.schedule_tiles:
       sides = [side for side, size in (("q", bq), ("k", bk)) if chunk_len % (2 * size) == 0]
       if not sides:
         break

@@ -1,0 +1,200 @@
+"""ring_attention(strategy="all_gather") against the dense float32 reference.
+
+The all-gather takes no hops: every rank gathers the row's K/V at once and
+reduce-scatters dK/dV home. Its values and gradients must equal the
+reference (and so the ring) for every layout and mask kind.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import cpjax
+from tests import attention_harness as H
+from tests.helpers import cp_mesh
+from tests.test_ring_attention import check, owner_ranks
+
+GATHER = dict(strategy="all_gather")
+
+
+@pytest.fixture(scope="module")
+def inputs():
+  return H.make_inputs(np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "load_balanced", "document_balanced"])
+@pytest.mark.parametrize(
+  "mask",
+  [
+    dict(),
+    dict(sliding_window=6),
+    dict(causal=False, vision=True),
+  ],
+  ids=["causal", "window", "bidirectional-vision"],
+)
+def test_all_gather_equals_the_reference(inputs, kind, mask):
+  mask = dict(mask)
+  vision = mask.pop("vision", False)
+  meta = H.packed_metadata(np.random.default_rng(1), 2, 64, pad_from=50, vision=vision)
+  check(*inputs, cp=4, kind=kind, meta=meta, **mask, **GATHER)
+
+
+def test_all_gather_with_gqa_soft_cap_and_a_batch_axis():
+  inputs = H.make_inputs(np.random.default_rng(2), hq=8, hkv=2)
+  meta = H.packed_metadata(np.random.default_rng(2), 2, 64, pad_from=60)
+  mesh = cp_mesh(4, ("dp", 2))
+  check(
+    *inputs,
+    cp=4,
+    kind="load_balanced",
+    meta=meta,
+    mesh=mesh,
+    batch_axis="dp",
+    logits_soft_cap=5.0,
+    **GATHER,
+  )
+
+
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+def test_all_gather_runs_the_kernels_over_the_whole_row(implementation):
+  """Pallas' interpreter: one kernel call folds the gathered row (128-key
+  tiles for the TPU target, whose lanes need them)."""
+  inputs = H.make_inputs(np.random.default_rng(3), s=512, hq=4, hkv=1, d=16)
+  meta = H.packed_metadata(np.random.default_rng(3), 2, 512, pad_from=450)
+  check(
+    *inputs,
+    cp=2,
+    kind="load_balanced",
+    meta=meta,
+    sliding_window=150,
+    implementation=implementation,
+    interpret=True,
+    **GATHER,
+  )
+
+
+def test_all_gather_zeroes_fully_padded_ranks(inputs):
+  q, k, v, w = inputs
+  pad_from = 22
+  lay = cpjax.ShardLayout(64, 64, 8, "load_balanced")
+  assert [r for r in range(8) if (owner_ranks(lay) == r)[:pad_from].sum() == 0] == [6, 7]
+  meta = H.packed_metadata(np.random.default_rng(6), 2, 64, pad_from=pad_from)
+  out, grads = check(q, k, v, w, cp=8, kind="load_balanced", meta=meta, **GATHER)
+  for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+    chex.assert_trees_all_equal(
+      x[:, pad_from:], np.zeros_like(x[:, pad_from:]), custom_message=name
+    )
+
+
+def _program(*, shared: bool, strategy: str, cp: int = 4) -> str:
+  """The compiled gradient program of attention on 8 tokens a rank."""
+  s = 8 * cp
+  mesh = cp_mesh(cp)
+  lay = cpjax.ShardLayout(s, s, cp, "load_balanced")
+  spec = jax.NamedSharding(mesh, P(None, "cp"))
+
+  def attend(q, k, v):
+    return cpjax.ring_attention(q, k, k if shared else v, layout=lay, strategy=strategy)
+
+  f = jax.shard_map(attend, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+  loss = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
+  args = [
+    jax.ShapeDtypeStruct(shape, jnp.float32, sharding=spec)
+    for shape in ((1, s, 4, 8), (1, s, 1, 8), (1, s, 1, 8))
+  ]
+  with jax.set_mesh(mesh):
+    return jax.jit(loss).lower(*args).compile().as_text()
+
+
+def _count(text: str, op: str) -> int:
+  return len([line for line in text.splitlines() if f" {op}(" in line or f" {op}-start(" in line])
+
+
+def test_all_gather_takes_no_hops_and_reduce_scatters_the_key_gradients():
+  ring = _program(shared=False, strategy="ring")
+  gathered = _program(shared=False, strategy="all_gather")
+  assert _count(ring, "collective-permute") > 0 and _count(ring, "all-gather") == 0
+  assert _count(gathered, "collective-permute") == 0
+  # dK and dV: one reduce-scatter each, home to the rank that owns the keys.
+  assert _count(gathered, "reduce-scatter") == 2, gathered
+
+
+def test_all_gather_of_one_tensor_for_k_and_v_gathers_and_scatters_it_once():
+  """Gemma 4's K = V layers pass one tensor: it travels once each way."""
+  two = _program(shared=False, strategy="all_gather")
+  one = _program(shared=True, strategy="all_gather")
+  assert _count(one, "reduce-scatter") == 1 < _count(two, "reduce-scatter")
+  assert _count(one, "all-gather") < _count(two, "all-gather")
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_one_tensor_for_k_and_v_gets_the_sum_of_both_gradients(strategy):
+  """K = V: the shared tensor's gradient is dK + dV, as the reference's."""
+  q, k, _, w = H.make_inputs(np.random.default_rng(4), s=32, hq=4, hkv=1)
+  mesh = cp_mesh(4)
+  lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
+  order = cpjax.rank_order(lay)
+  spec = jax.NamedSharding(mesh, P(None, "cp"))
+  put = lambda x: jax.device_put(jnp.asarray(np.asarray(x)[:, order]), spec)  # noqa: E731
+  f = jax.shard_map(
+    lambda q, kv: cpjax.ring_attention(q, kv, kv, layout=lay, strategy=strategy),
+    mesh=mesh,
+    in_specs=P(None, "cp"),
+    out_specs=P(None, "cp"),
+  )
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.grad(lambda q, kv: jnp.sum(f(q, kv) * put(w)), argnums=(0, 1)))(
+      put(q), put(k)
+    )
+  want = jax.grad(lambda q, kv: jnp.sum(cpjax.reference_attention(q, kv, kv) * w), argnums=(0, 1))(
+    q, k
+  )
+  inverse = np.argsort(order)
+  for g, r in zip(got, want):
+    chex.assert_trees_all_close(np.asarray(g)[:, inverse], r, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_strategy_is_refused_before_any_compute():
+  from tests.test_ring_attention import KV, Q, _call
+
+  with pytest.raises(
+    ValueError, match=r"strategy must be one of \('ring', 'all_gather'\), got 'a2a'"
+  ):
+    _call(Q, KV, KV, strategy="a2a")
+
+
+def test_context_parallel_attention_and_flax_take_the_strategy():
+  """The global-array entry point all-gathers too; the flax attention_fn
+  takes the strategy or the context's."""
+  mesh = cp_mesh(4)
+  lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
+  x = np.random.default_rng(5).standard_normal((1, 32, 2, 8), np.float32)
+  docs = np.repeat([[1, 2]], 16, axis=1)
+  xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
+  out = cpjax.context_parallel_attention(
+    xr, xr, xr, mesh=mesh, layout=lay, segment_ids=dr, strategy="all_gather"
+  )
+  want = cpjax.reference_attention(x, x, x, segment_ids=docs)
+  chex.assert_trees_all_close(cpjax.from_rank_order(out, lay), want, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"strategy must be one of \('ring', 'all_gather'\) or None"):
+    cpjax.ring_attention_fn(strategy="a2a")
+
+
+def test_a_strategy_per_layer_kind_is_checked_and_kept_hashable():
+  from cpjax.cp_context import parse_strategy
+
+  cp = cpjax.CPContext(cpjax.ShardLayout(8, 8, 2), strategy="full_attention=all_gather")
+  assert cp.strategy == (("full_attention", "all_gather"),) and hash(cp)
+  assert cp.attention_options("full_attention")["strategy"] == "all_gather"
+  assert cp.attention_options("sliding_attention")["strategy"] == "ring"
+  with pytest.raises(ValueError, match=r"strategy\['full'\] must be one of .*, got 'ulysses'"):
+    parse_strategy({"full": "ulysses"})
+  with pytest.raises(ValueError, match=r"\(kind=name,\.\.\.\), got 'full=ring=x'"):
+    parse_strategy("full=ring=x")
+  with pytest.raises(TypeError, match="got int"):
+    parse_strategy(3)
+  with pytest.raises(ValueError, match="which this model lacks: its layer kinds are"):
+    cp.check_layer_kinds(("sliding_attention",))
