@@ -1,5 +1,6 @@
 """The command line: flags, errors, and the main job end to end."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -363,6 +364,30 @@ def test_the_cpu_is_chosen_only_where_no_accelerator_is(monkeypatch):
       monkeypatch.setenv("JAX_PLATFORMS", given)
     machine.cpu_unless_accelerators()
     assert os.environ.get("JAX_PLATFORMS") == want, (nodes, given)
+
+
+@pytest.mark.skipif(
+  importlib.util.find_spec("libtpu") is None
+  and importlib.util.find_spec("jax_cuda12_plugin") is None,
+  reason="without libtpu or the CUDA plugin there is no start-up noise to stop",
+)
+def test_a_command_prints_no_plugin_start_up_errors_on_a_machine_without_chips():
+  """The command's modules import jax before it chooses the CPU: the choice
+  must reach jax's flag, not only the environment (``make run`` printed the
+  CUDA plugin's cuInit traceback and libtpu's warnings)."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  proc = subprocess.run(
+    [sys.executable, "-c", "import sys; from cpjax.cli import main; sys.exit(main(sys.argv[1:]))"]
+    + ["demo", "--cp", "2", "--seq-len", "8"],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert "document ids" in proc.stdout
+  for noise in ("plugin configuration error", "cuInit", "TPU", "libtpu"):
+    assert noise not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("target, platform", [("h200-8", "cuda"), ("v5e-8", "tpu")])

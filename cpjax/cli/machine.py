@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 # Device nodes of the accelerators JAX's plugins drive: TPU VMs (/dev/accel*,
 # or VFIO groups on v5e and later) and NVIDIA GPUs.
@@ -20,6 +21,11 @@ def cpu_unless_accelerators() -> None:
   """
   if "JAX_PLATFORMS" not in os.environ and not any(glob.glob(p) for p in _ACCELERATOR_NODES):
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # jax reads the variable when it is imported, and the command's modules
+    # import it before this runs: set its flag too (read when the backends
+    # start, on the first device query).
+    if "jax" in sys.modules:
+      sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def use_cpu_devices(n: int, *, collectives: str | None = None) -> None:
