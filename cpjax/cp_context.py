@@ -226,14 +226,23 @@ class CPContext:
 
     Args:
       layer_kind: the calling layer's kind (Gemma 4's ``"sliding_attention"``
-        or ``"full_attention"``), which picks its strategy; None for a model
-        without kinds (only a single strategy applies to it).
+        or ``"full_attention"``), which picks its strategy; None for a caller
+        without kinds, which takes a single strategy only.
 
     Returns:
       ``implementation``, ``interpret`` and ``strategy``.
+
+    Raises:
+      ValueError: a strategy per layer kind, and no ``layer_kind`` to pick by.
     """
     strategy = self.strategy
     if not isinstance(strategy, str):
+      if layer_kind is None:
+        raise ValueError(
+          f"strategy is given per layer kind ({dict(strategy)}), but this attention "
+          "call names no layer kind: give one strategy for every layer (a flax "
+          "model's ring_attention_fn(strategy=...), or CPContext(strategy='all_gather'))"
+        )
       strategy = dict(strategy).get(layer_kind, "ring")
     return {
       "implementation": self.implementation,
@@ -277,21 +286,29 @@ def parse_strategy(strategy) -> str | tuple[tuple[str, str], ...]:
   expected = f"one of {STRATEGIES} or a mapping of layer kinds to them"
   if isinstance(strategy, str) and "=" in strategy:
     pairs = [item.split("=") for item in strategy.split(",")]
-    if any(len(p) != 2 or not p[0].strip() for p in pairs):
+    if any(len(p) != 2 for p in pairs):
       raise ValueError(f"strategy must be {expected} (kind=name,...), got {strategy!r}")
-    strategy = {kind.strip(): name.strip() for kind, name in pairs}
-  if isinstance(strategy, str):
+    pairs = [(kind.strip(), name.strip()) for kind, name in pairs]
+  elif isinstance(strategy, str):
     if strategy not in STRATEGIES:
       raise ValueError(f"strategy must be {expected}, got {strategy!r}")
     return strategy
-  if isinstance(strategy, tuple):
-    strategy = dict(strategy)
-  if not isinstance(strategy, Mapping):
-    raise TypeError(f"strategy must be {expected}, got {type(strategy).__name__}")
-  for kind, name in strategy.items():
-    if not isinstance(kind, str) or name not in STRATEGIES:
+  elif isinstance(strategy, Mapping):
+    pairs = list(strategy.items())
+  elif isinstance(strategy, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in strategy):
+    pairs = list(strategy)
+  else:
+    raise TypeError(f"strategy must be {expected}, got {strategy!r}")
+  seen = set()
+  for kind, name in pairs:
+    if not isinstance(kind, str) or not kind:
+      raise ValueError(f"strategy's layer kinds must be non-empty names, got {kind!r}")
+    if kind in seen:
+      raise ValueError(f"strategy names layer kind {kind!r} twice")
+    seen.add(kind)
+    if name not in STRATEGIES:
       raise ValueError(f"strategy[{kind!r}] must be one of {STRATEGIES}, got {name!r}")
-  return tuple(sorted(strategy.items()))
+  return tuple(sorted(pairs))
 
 
 @dataclasses.dataclass(frozen=True)

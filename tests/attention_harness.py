@@ -114,3 +114,18 @@ def reference(q, k, v, w, *, meta=None, grads=True, **kw):
   out = f(q, k, v)
   g = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v) if grads else None
   return np.asarray(out), (None if g is None else tuple(np.asarray(x, np.float32) for x in g))
+
+
+def count_gathers(monkeypatch) -> list:
+  """Record each all-gathered attention call as it is traced (one entry a
+  call): where a strategy reaches the attention, not only its values."""
+  from cpjax.ring import _passes
+
+  calls, real = [], _passes._gathered
+
+  def spy(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(_passes, "_gathered", spy)
+  return calls

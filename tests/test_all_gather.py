@@ -123,7 +123,7 @@ def test_all_gather_takes_no_hops_and_reduce_scatters_the_key_gradients():
 
 
 def test_all_gather_of_one_tensor_for_k_and_v_gathers_and_scatters_it_once():
-  """Gemma 4's K = V layers pass one tensor: it travels once each way."""
+  """The same array passed as K and V travels once each way."""
   two = _program(shared=False, strategy="all_gather")
   one = _program(shared=True, strategy="all_gather")
   assert _count(one, "reduce-scatter") == 1 < _count(two, "reduce-scatter")
@@ -166,9 +166,10 @@ def test_an_unknown_strategy_is_refused_before_any_compute():
     _call(Q, KV, KV, strategy="a2a")
 
 
-def test_context_parallel_attention_and_flax_take_the_strategy():
+def test_context_parallel_attention_and_flax_take_the_strategy(monkeypatch):
   """The global-array entry point all-gathers too; the flax attention_fn
   takes the strategy or the context's."""
+  gathers = H.count_gathers(monkeypatch)
   mesh = cp_mesh(4)
   lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
   x = np.random.default_rng(5).standard_normal((1, 32, 2, 8), np.float32)
@@ -179,6 +180,30 @@ def test_context_parallel_attention_and_flax_take_the_strategy():
   )
   want = cpjax.reference_attention(x, x, x, segment_ids=docs)
   chex.assert_trees_all_close(cpjax.from_rank_order(out, lay), want, rtol=1e-5, atol=1e-5)
+  assert len(gathers) == 1
+
+  def flax_attention(q, context_strategy, strategy):
+    context = cpjax.CPContext(lay, strategy=context_strategy)
+    with cpjax.use_cp(context):
+      return cpjax.ring_attention_fn(strategy=strategy)(q, q, q, is_causal=True)
+
+  spec = jax.NamedSharding(mesh, P(None, "cp"))
+  for context_strategy, strategy, gathered in (
+    ("all_gather", None, 1),
+    ("ring", "all_gather", 1),
+    ("all_gather", "ring", 0),
+  ):
+    gathers.clear()
+    f = jax.shard_map(
+      lambda q: flax_attention(q, context_strategy, strategy),
+      mesh=mesh,
+      in_specs=P(None, "cp"),
+      out_specs=P(None, "cp"),
+    )
+    out = f(jax.device_put(jnp.asarray(xr), spec))
+    want = cpjax.reference_attention(x, x, x)
+    chex.assert_trees_all_close(cpjax.from_rank_order(out, lay), want, rtol=1e-5, atol=1e-5)
+    assert len(gathers) == gathered, (context_strategy, strategy)
   with pytest.raises(ValueError, match=r"strategy must be one of \('ring', 'all_gather'\) or None"):
     cpjax.ring_attention_fn(strategy="a2a")
 
@@ -194,7 +219,29 @@ def test_a_strategy_per_layer_kind_is_checked_and_kept_hashable():
     parse_strategy({"full": "ulysses"})
   with pytest.raises(ValueError, match=r"\(kind=name,\.\.\.\), got 'full=ring=x'"):
     parse_strategy("full=ring=x")
-  with pytest.raises(TypeError, match="got int"):
+  with pytest.raises(TypeError, match="got 3"):
     parse_strategy(3)
   with pytest.raises(ValueError, match="which this model lacks: its layer kinds are"):
     cp.check_layer_kinds(("sliding_attention",))
+  with pytest.raises(ValueError, match="names no layer kind: give one strategy"):
+    cp.attention_options()
+  for bad, error, message in (
+    ("full=ring,full=all_gather", ValueError, "names layer kind 'full' twice"),
+    ({1: "ring"}, ValueError, "layer kinds must be non-empty names, got 1"),
+    ({"": "ring"}, ValueError, "non-empty names, got ''"),
+    (("ring",), TypeError, "got \\('ring',\\)"),
+  ):
+    with pytest.raises(error, match=message):
+      parse_strategy(bad)
+
+
+def test_all_gather_checks_its_key_tiles_against_the_whole_row():
+  """Mosaic takes a key block that is not a multiple of 128 only as the whole
+  key array: one rank's row is that for the ring, not for the gathered row."""
+  from tests.test_ring_attention import _call
+
+  lay = cpjax.ShardLayout(128, 128, 2, "contiguous")
+  x = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.float32)
+  _call(x, x, x, lay=lay, mesh_cp=2, implementation="pallas_tpu")
+  with pytest.raises(ValueError, match="block_kv = 64 must be a multiple of 128"):
+    _call(x, x, x, lay=lay, mesh_cp=2, implementation="pallas_tpu", strategy="all_gather")

@@ -82,7 +82,7 @@ def _mask(kind):
   return cpjax.AttentionMask(cpjax.LocalWindow(None, 0) | PrefixLM(300)), {}
 
 
-def compiled_ring(target, kind, layout_kind, d, hq, hkv, dtype, seq_len=S):
+def compiled_ring(target, kind, layout_kind, d, hq, hkv, dtype, seq_len=S, strategy="ring"):
   mesh = parallel.make_mesh(cp=CP, devices=devices(target))
   layout = cpjax.ShardLayout(seq_len, seq_len, CP, layout_kind)
   mask, keywords = _mask(kind)
@@ -98,7 +98,7 @@ def compiled_ring(target, kind, layout_kind, d, hq, hkv, dtype, seq_len=S):
 
   def loss(q, k, v, arrays):
     out = cpjax.context_parallel_attention(
-      q, k, v, mesh=mesh, layout=layout, mask=mask, **static, **arrays
+      q, k, v, mesh=mesh, layout=layout, mask=mask, strategy=strategy, **static, **arrays
     )
     return jnp.sum(out.astype(jnp.float32))
 
@@ -120,6 +120,21 @@ def test_the_ring_kernels_compile_for_the_chip(target, case):
   )
   names = set(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text))
   assert names == {"forward", "dq", "dkdv"}, names
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, marks=m) for t, m in needs.items()])
+@pytest.mark.parametrize(
+  "case", ["documents-padding-d256-g2-bf16-document_balanced", "window-d512-g1-f32-contiguous"]
+)
+def test_the_all_gather_kernels_compile_for_the_chip(target, case):
+  """strategy="all_gather": the kernels fold the gathered row (cp times a
+  hop's keys) in one call per pass, and no hop travels."""
+  compiled = compiled_ring(target, *RING_CASES[case], strategy="all_gather")
+  text = compiled.as_text()
+  call, _ = KERNEL[target]
+  assert set(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text)) == {"forward", "dq", "dkdv"}
+  assert call in text and "collective-permute" not in text
+  assert "all-gather" in text and "reduce-scatter" in text
 
 
 @needs["v5e-8"]

@@ -20,6 +20,7 @@ from flax import nnx
 import cpjax
 from cpjax import training
 from cpjax.models import gemma4
+from tests import attention_harness as H
 from tests.helpers import cp_mesh
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4")
@@ -137,17 +138,25 @@ def test_cp_logits_equal_transformers(name, cp, layout):
 @pytest.mark.parametrize(
   "name,cp,layout,strategy",
   [
-    # 26B-A4B's K = V global layers all-gathered, its sliding ones on the ring.
+    # 26B-A4B-like: the full layers (K = V projection) all-gathered, the
+    # sliding ones on the ring.
     ("moe_k_eq_v_vision", 4, "load_balanced", {"full_attention": "all_gather"}),
     ("ple_kv_sharing", 2, "document_balanced", "all_gather"),
   ],
 )
-def test_cp_logits_with_another_strategy_equal_transformers(name, cp, layout, strategy):
+def test_cp_logits_with_another_strategy_equal_transformers(
+  name, cp, layout, strategy, monkeypatch
+):
   model, batches, logits = fixture(name)
   inputs = batches["images"]
   batch = gemma4.prepare_batch(inputs, model.cfg)
+  gathers = H.count_gathers(monkeypatch)
   got = gemma4.cp_logits(model, batch, cp_mesh(cp), layout=layout, strategy=strategy)
   assert max_error(got, logits["images/float64"], inputs) <= F32_TOL
+  # One gathered call for each layer whose kind takes the all-gather.
+  kinds = model.cfg.text.layer_types
+  chosen = [k for k in kinds if (strategy if isinstance(strategy, str) else strategy.get(k))]
+  assert len(gathers) == len(chosen), (len(gathers), kinds)
 
 
 def test_a_strategy_for_a_layer_kind_the_model_lacks_is_refused():

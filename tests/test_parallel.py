@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from cpjax import parallel, training
 from cpjax.models import gemma4
 from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
+from tests import attention_harness as H
 
 B, S = 4, 64
 
@@ -243,11 +244,15 @@ def test_kernels_split_over_the_axes_the_partitioner_shards():
   ],
   ids=["cp8-all_gather", "fsdp2xcp2xtp2-mixed", "fsdp2xcp4-all_gather"],
 )
-def test_the_step_with_another_cp_strategy_equals_the_single_device_step(shape, strategy):
+def test_the_step_with_another_cp_strategy_equals_the_single_device_step(
+  shape, strategy, monkeypatch
+):
   """attention's K/V all-gathered over cp, for every layer or only the full
   attention layers: the same step as the single device's."""
   want_loss, want = single_device_step("tiny")
+  gathers = H.count_gathers(monkeypatch)
   loss, new, _, _, _ = mesh_step("tiny", shape, strategy=strategy)
+  assert gathers, "no attention call was all-gathered"
   assert abs(loss - want_loss) <= 1e-6 * want_loss
   assert_same_update(new, want, setup("tiny")[3])
 

@@ -62,6 +62,37 @@ MUTANTS = (
       "test_all_gather_of_one_tensor_for_k_and_v_gathers_and_scatters_it_once",
     ),
   ),
+  Mutant(
+    "all_gather: the training step's context drops the strategy",
+    "cpjax/training/step.py",
+    "    capacity_factor,\n    strategy=strategy,\n  )",
+    "    capacity_factor,\n  )",
+    (
+      "tests/test_parallel.py::"
+      "test_the_step_with_another_cp_strategy_equals_the_single_device_step",
+    ),
+  ),
+  Mutant(
+    "all_gather: cp_logits drops the strategy",
+    "cpjax/models/gemma4/cp_forward.py",
+    "tuple(expert_axes), strategy=strategy",
+    "tuple(expert_axes)",
+    ("tests/test_gemma4.py::test_cp_logits_with_another_strategy_equal_transformers",),
+  ),
+  Mutant(
+    "all_gather: Gemma 4's layers take the strategy of no kind",
+    "cpjax/models/gemma4/model.py",
+    "            **cp.attention_options(t.layer_types[layer]),",
+    "            **cp.attention_options(),",
+    ("tests/test_gemma4.py::test_cp_logits_with_another_strategy_equal_transformers",),
+  ),
+  Mutant(
+    "all_gather: key tiles checked against one rank's row",
+    "cpjax/ring/_attention.py",
+    "    key_len=layout.padded_seq_len if gathered else None,",
+    "    key_len=None,",
+    ("tests/test_all_gather.py::test_all_gather_checks_its_key_tiles_against_the_whole_row",),
+  ),
   # --- tile tables within SMEM, and the closed form against XLA:TPU (issue 44)
   Mutant(
     "TPU kernels: one call however long its tile table",

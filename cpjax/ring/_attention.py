@@ -118,8 +118,8 @@ def ring_attention(
       K/V over the axis at once and attends to the whole row in one pass,
       reduce-scattering dK/dV in the backward (O(S) K/V memory, no hops;
       cheap when few K/V heads serve many query heads). Both give the same
-      values and gradients. Passing ``k`` and ``v`` as the same array (K = V)
-      gathers it once.
+      values and gradients. Passing the same array as ``k`` and ``v``
+      gathers it once and scatters its gradient once.
 
   Returns:
     [B, L, Hq, D] in q's dtype. Rows with nothing allowed are 0, with zero
@@ -176,7 +176,17 @@ def ring_attention(
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
   g = hq // hkv
-  block_q, block_kv = _block_sizes(layout, implementation, d, g, block_q, block_kv, q.dtype)
+  gathered = strategy == "all_gather" and layout.cp_size > 1
+  block_q, block_kv = _block_sizes(
+    layout,
+    implementation,
+    d,
+    g,
+    block_q,
+    block_kv,
+    q.dtype,
+    key_len=layout.padded_seq_len if gathered else None,
+  )
   kernel = None
   if implementation != "xla":
     kernel = KernelParams(

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cpjax.layout import ShardLayout, local_token_indices, rank_order
+from cpjax.layout import ShardLayout, local_token_indices
 from cpjax.masks import MaskRule, Tokens
 from cpjax.parallel import filled_after
 from cpjax.parallel import vary_like as _vary_like
@@ -64,7 +64,7 @@ class _Config:
   implementation: str = "xla"
   kernel: KernelParams | None = None  # the Pallas targets' static parameters
   strategy: str = "ring"  # or "all_gather"
-  shared_kv: bool = False  # k is v (Gemma 4's K = V layers): one gradient to scatter
+  shared_kv: bool = False  # k is v (one array passed for both): one gradient to scatter
 
   @property
   def tile_rows(self) -> int:
@@ -99,8 +99,9 @@ def _tokens(cfg: _Config, rank, arrays) -> Tokens:
   ``rank`` None stands for the all-gathered row: every rank's tokens, in rank
   order (``arrays`` then hold the whole row too).
   """
-  if rank is None:
-    return Tokens(jnp.asarray(rank_order(cfg.layout), jnp.int32), arrays)
+  if rank is None:  # (from iota, as a rank's own: no [S] constant in the program)
+    each = jax.vmap(functools.partial(local_token_indices, cfg.layout))
+    return Tokens(each(jnp.arange(cfg.layout.cp_size)).reshape(-1), arrays)
   return Tokens(local_token_indices(cfg.layout, rank), arrays)
 
 

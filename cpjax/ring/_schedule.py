@@ -120,8 +120,13 @@ def _block_sizes(
   block_q,
   block_kv,
   dtype=None,
+  key_len: int | None = None,
 ) -> tuple[int, int]:
   """(block_q, block_kv) for this call: checked if given, else the default.
+
+  ``key_len``: the keys a kernel call sees, when not a rank's own
+  ``local_seq_len`` (the all-gather's whole row: a key block as long as one
+  rank's row is then not the whole array, which Mosaic requires).
 
   Tiles never straddle a chunk, so both divide ``layout.chunk_len``; a
   Pallas target adds its tiling rules and takes its defaults from its tile
@@ -152,7 +157,8 @@ def _block_sizes(
   local = layout.local_seq_len
 
   def fits(bq, bk):
-    return target.block_problem(bq * groups, bk, local_rows=local * groups, local_len=local)
+    keys = local if key_len is None else key_len
+    return target.block_problem(bq * groups, bk, local_rows=local * groups, local_len=keys)
 
   q_options = [block_q] if block_q is not None else _divisors(chunk, max(rows // groups, 1))
   k_options = [block_kv] if block_kv is not None else _divisors(chunk, keys)

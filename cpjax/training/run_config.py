@@ -196,7 +196,8 @@ class ParallelConfig:
   """how attention's keys and values reach each rank's queries: ring (ppermute
   hops, O(S/cp) memory a device) or all_gather (the row's K/V gathered at once, no
   hops), for every layer or per layer kind, e.g.
-  full_attention=all_gather,sliding_attention=ring"""
+  full_attention=all_gather,sliding_attention=ring (the memory check's estimate
+  assumes the ring)"""
 
   def state_axes(self) -> tuple[str, ...]:
     """Return the mesh axes :func:`cpjax.parallel.param_specs` splits the state over."""

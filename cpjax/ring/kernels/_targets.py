@@ -99,6 +99,8 @@ class KernelTarget:
     (256, 256)
     >>> gpu.schedule_blocks(2, 16, chunk_len=1024, local_len=2048)   # 131072 blocks: as is
     (2, 16)
+    >>> gpu.schedule_blocks(2, 16, chunk_len=1024, local_len=4096, key_len=8 * 4096)  # a row
+    (8, 16)
     """
     bq, bk = block_q, block_kv
     if self.schedule_tiles is None:
