@@ -38,6 +38,7 @@ __all__ = [
   "batch_specs",
   "manual_axes",
   "parse_strategy",
+  "unknown_layer_kinds",
   "split_over",
   "state_specs",
 ]
@@ -256,14 +257,27 @@ class CPContext:
     Args:
       kinds: the layer kinds of the model this context runs.
     """
-    if isinstance(self.strategy, str):
-      return
-    for kind, strategy in self.strategy:
-      if kind not in kinds:
-        raise ValueError(
-          f"strategy names layer kind {kind!r} ({kind}={strategy}), which this model "
-          f"lacks: its layer kinds are {sorted(set(kinds))}"
-        )
+    for kind, strategy in unknown_layer_kinds(self.strategy, kinds):
+      raise ValueError(
+        f"strategy names layer kind {kind!r} ({kind}={strategy}), which this model "
+        f"lacks: its layer kinds are {sorted(set(kinds))}"
+      )
+
+
+def unknown_layer_kinds(strategy, kinds) -> list[tuple[str, str]]:
+  """Return the ``(kind, name)`` pairs of a parsed strategy naming a kind not in ``kinds``.
+
+  Args:
+    strategy: one name (which names no kind) or sorted ``(kind, name)`` pairs.
+    kinds: the layer kinds of a model.
+
+  Returns:
+    The pairs naming a kind the model lacks, in order.
+
+  >>> unknown_layer_kinds((("global", "all_gather"),), ("full_attention",))
+  [('global', 'all_gather')]
+  """
+  return [] if isinstance(strategy, str) else [p for p in strategy if p[0] not in kinds]
 
 
 def parse_strategy(strategy) -> str | tuple[tuple[str, str], ...]:

@@ -16,9 +16,10 @@ Each hop's compute has two backends: the portable XLA tile loop (a
 ring merges.
 
 The all-gather strategy (``strategy="all_gather"``) takes no hops: each rank
-all-gathers K/V (one tensor when K = V) and the mask's arrays over the axis,
-in rank order, and folds that whole row as one chunk with the same tile
-schedule and kernels; its backward reduce-scatters dK/dV to their owners.
+all-gathers K/V (once, when one array is passed as both) and the mask's
+arrays over the axis, in rank order, and folds that whole row as one chunk
+with the same tile schedule and kernels; its backward reduce-scatters dK/dV
+to their owners.
 Per-device memory is then O(S) in K/V, not O(L).
 
 Shape letters: ``B`` batch, ``L`` local tokens, ``Hkv`` key/value heads,

@@ -157,8 +157,8 @@ def _block_sizes(
   local = layout.local_seq_len
 
   def fits(bq, bk):
-    keys = local if key_len is None else key_len
-    return target.block_problem(bq * groups, bk, local_rows=local * groups, local_len=keys)
+    key_count = local if key_len is None else key_len
+    return target.block_problem(bq * groups, bk, local_rows=local * groups, local_len=key_count)
 
   q_options = [block_q] if block_q is not None else _divisors(chunk, max(rows // groups, 1))
   k_options = [block_kv] if block_kv is not None else _divisors(chunk, keys)

@@ -30,7 +30,7 @@ import os
 import typing
 from typing import Callable, Literal, Optional
 
-from cpjax.cp_context import parse_strategy
+from cpjax.cp_context import parse_strategy, unknown_layer_kinds
 from cpjax.training.lora.adapters import LoraConfig, check_lora_config
 
 __all__ = [
@@ -399,14 +399,13 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
     strategy = parse_strategy(run.parallel.strategy)
   except ValueError as e:
     fail(f"{name('parallel.strategy')}: {e}")
-  if run.model is not None and not isinstance(strategy, str):
+  if run.model is not None:
     kinds = set(PRESETS[run.model].text.layer_types)
-    for kind, _ in strategy:
-      if kind not in kinds:
-        fail(
-          f"{name('parallel.strategy')} names layer kind {kind!r}, which {run.model} "
-          f"lacks: its layer kinds are {sorted(kinds)}"
-        )
+    for kind, _ in unknown_layer_kinds(strategy, kinds):
+      fail(
+        f"{name('parallel.strategy')} names layer kind {kind!r}, which {run.model} "
+        f"lacks: its layer kinds are {sorted(kinds)}"
+      )
   if run.dataset.batch_size % run.dataset.microbatches:
     fail(
       f"{name('dataset.microbatches')} {run.dataset.microbatches} must divide "
