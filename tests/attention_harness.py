@@ -121,11 +121,23 @@ def count_gathers(monkeypatch) -> list:
   call): where a strategy reaches the attention, not only its values."""
   from cpjax.ring import _passes
 
-  calls, real = [], _passes._gathered
+  return spy(monkeypatch, _passes, "_gathered")
 
-  def spy(*args, **kwargs):
+
+def count_ulysses(monkeypatch) -> list:
+  """Record each Ulysses attention call as it is traced (its output's all-to-all home)."""
+  from cpjax.ring import _attention
+
+  return spy(monkeypatch, _attention, "_row_to_heads")
+
+
+def spy(monkeypatch, module, name: str) -> list:
+  """Record each call of ``module.name`` (one entry a call) while a test runs."""
+  calls, real = [], getattr(module, name)
+
+  def record(*args, **kwargs):
     calls.append(1)
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(_passes, "_gathered", spy)
+  monkeypatch.setattr(module, name, record)
   return calls

@@ -13,6 +13,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import cpjax
+from cpjax.masks import MaskSpec
+from cpjax.ring import _passes
+from cpjax.ring._schedule import Halo, halo
 from tests import attention_harness as H
 from tests.helpers import cp_mesh
 from tests.test_ring_attention import check, owner_ranks
@@ -56,6 +59,42 @@ def test_all_gather_with_gqa_soft_cap_and_a_batch_axis():
     logits_soft_cap=5.0,
     **GATHER,
   )
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "load_balanced", "document_balanced"])
+@pytest.mark.parametrize(
+  "mask",
+  [dict(sliding_window=6), dict(sliding_window=3, causal=False), dict(sliding_window=11)],
+  ids=["window-6", "bidirectional-window-3", "window-11"],
+)
+def test_a_window_gathers_only_its_halo(inputs, kind, mask, monkeypatch):
+  """cp = 8, 2-token key tiles: each rank receives only the blocks of its
+  neighbours that its queries' window reaches (window 11 reaches past the
+  8-token chunk, two hops, on a contiguous layout)."""
+  halos = H.spy(monkeypatch, _passes, "_with_halo")
+  gathers = H.count_gathers(monkeypatch)
+  meta = H.packed_metadata(np.random.default_rng(1), 2, 64, pad_from=50)
+  check(*inputs, cp=8, kind=kind, meta=meta, block_q=2, block_kv=2, **mask, **GATHER)
+  assert halos and not gathers
+
+
+def test_the_halo_is_the_reach_before_each_chunk_in_whole_key_blocks():
+  """Hand-worked: 4 ranks, 1024-token chunks, 128-key blocks."""
+  causal = MaskSpec(sliding_window=512).rule()  # 511 keys back -> 4 blocks
+  both = MaskSpec(sliding_window=200, causal=False).rule()  # 199 each way -> 2 blocks
+  contiguous = cpjax.ShardLayout(4096, 4096, 4, "contiguous")
+  balanced = cpjax.ShardLayout(8192, 8192, 4, "load_balanced")
+  assert halo(contiguous, causal, 128) == (Halo(1, ((512, 512),)),)
+  assert halo(contiguous, both, 128) == (Halo(1, ((768, 256),)), Halo(-1, ((0, 256),)))
+  # Rank r holds chunks r and 7 - r: the end of r - 1's first chunk reaches
+  # chunk r, the end of r + 1's second chunk reaches chunk 7 - r.
+  assert halo(balanced, causal, 128) == (Halo(1, ((512, 512),)), Halo(-1, ((1536, 512),)))
+  assert halo(balanced, both, 128) == (
+    Halo(1, ((768, 512),)),
+    Halo(-1, ((0, 256), (1792, 256))),
+  )
+  assert halo(balanced, MaskSpec().rule(), 128) is None  # causal: unbounded
+  assert halo(balanced, MaskSpec(sliding_window=2000).rule(), 128) is None  # the whole ring
 
 
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
@@ -161,7 +200,7 @@ def test_an_unknown_strategy_is_refused_before_any_compute():
   from tests.test_ring_attention import KV, Q, _call
 
   with pytest.raises(
-    ValueError, match=r"strategy must be one of \('ring', 'all_gather'\), got 'a2a'"
+    ValueError, match=r"strategy must be one of \('ring', 'all_gather', 'ulysses'\), got 'a2a'"
   ):
     _call(Q, KV, KV, strategy="a2a")
 
@@ -204,7 +243,9 @@ def test_context_parallel_attention_and_flax_take_the_strategy(monkeypatch):
     want = cpjax.reference_attention(x, x, x)
     chex.assert_trees_all_close(cpjax.from_rank_order(out, lay), want, rtol=1e-5, atol=1e-5)
     assert len(gathers) == gathered, (context_strategy, strategy)
-  with pytest.raises(ValueError, match=r"strategy must be one of \('ring', 'all_gather'\) or None"):
+  with pytest.raises(
+    ValueError, match=r"strategy must be one of \('ring', 'all_gather', 'ulysses'\) or None"
+  ):
     cpjax.ring_attention_fn(strategy="a2a")
 
 
@@ -215,8 +256,8 @@ def test_a_strategy_per_layer_kind_is_checked_and_kept_hashable():
   assert cp.strategy == (("full_attention", "all_gather"),) and hash(cp)
   assert cp.attention_options("full_attention")["strategy"] == "all_gather"
   assert cp.attention_options("sliding_attention")["strategy"] == "ring"
-  with pytest.raises(ValueError, match=r"strategy\['full'\] must be one of .*, got 'ulysses'"):
-    parse_strategy({"full": "ulysses"})
+  with pytest.raises(ValueError, match=r"strategy\['full'\] must be one of .*, got 'a2a'"):
+    parse_strategy({"full": "a2a"})
   with pytest.raises(ValueError, match=r"\(kind=name,\.\.\.\), got 'full=ring=x'"):
     parse_strategy("full=ring=x")
   with pytest.raises(TypeError, match="got 3"):

@@ -128,13 +128,30 @@ def test_the_ring_kernels_compile_for_the_chip(target, case):
 )
 def test_the_all_gather_kernels_compile_for_the_chip(target, case):
   """strategy="all_gather": the kernels fold the gathered row (cp times a
-  hop's keys) in one call per pass, and no hop travels."""
+  hop's keys) in one call per pass, and no hop travels; a window's rank
+  folds its chunk and the halo its neighbours send, and gathers nothing."""
   compiled = compiled_ring(target, *RING_CASES[case], strategy="all_gather")
   text = compiled.as_text()
   call, _ = KERNEL[target]
   assert set(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text)) == {"forward", "dq", "dkdv"}
-  assert call in text and "collective-permute" not in text
-  assert "all-gather" in text and "reduce-scatter" in text
+  assert call in text
+  halo = case.startswith("window")
+  assert ("collective-permute" in text) == halo
+  assert ("all-gather" in text) == ("reduce-scatter" in text) == (not halo)
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, marks=m) for t, m in needs.items()])
+@pytest.mark.parametrize(
+  "case", ["causal-d256-g8-bf16-load_balanced", "user-rule-d512-g8-bf16-load_balanced"]
+)
+def test_the_ulysses_kernels_compile_for_the_chip(target, case):
+  """strategy="ulysses": all-to-alls move heads, and the kernels fold the
+  whole row of queries and keys (8 query heads, one a rank) in one call."""
+  compiled = compiled_ring(target, *RING_CASES[case], strategy="ulysses")
+  text = compiled.as_text()
+  assert set(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text)) == {"forward", "dq", "dkdv"}
+  assert KERNEL[target][0] in text and "all-to-all" in text
+  assert "collective-permute" not in text
 
 
 @needs["v5e-8"]

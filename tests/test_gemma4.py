@@ -142,6 +142,13 @@ def test_cp_logits_equal_transformers(name, cp, layout):
     # sliding ones on the ring.
     ("moe_k_eq_v_vision", 4, "load_balanced", {"full_attention": "all_gather"}),
     ("ple_kv_sharing", 2, "document_balanced", "all_gather"),
+    # Ulysses on the sliding layers (their vision groups over the whole row).
+    (
+      "moe_k_eq_v_vision",
+      2,
+      "document_balanced",
+      {"full_attention": "all_gather", "sliding_attention": "ulysses"},
+    ),
   ],
 )
 def test_cp_logits_with_another_strategy_equal_transformers(
@@ -150,13 +157,16 @@ def test_cp_logits_with_another_strategy_equal_transformers(
   model, batches, logits = fixture(name)
   inputs = batches["images"]
   batch = gemma4.prepare_batch(inputs, model.cfg)
-  gathers = H.count_gathers(monkeypatch)
+  calls = {"all_gather": H.count_gathers(monkeypatch), "ulysses": H.count_ulysses(monkeypatch)}
   got = gemma4.cp_logits(model, batch, cp_mesh(cp), layout=layout, strategy=strategy)
   assert max_error(got, logits["images/float64"], inputs) <= F32_TOL
-  # One gathered call for each layer whose kind takes the all-gather.
+  # One call of a strategy for each layer whose kind takes it.
   kinds = model.cfg.text.layer_types
-  chosen = [k for k in kinds if (strategy if isinstance(strategy, str) else strategy.get(k))]
-  assert len(gathers) == len(chosen), (len(gathers), kinds)
+  for name, seen in calls.items():
+    chosen = [
+      k for k in kinds if (strategy if isinstance(strategy, str) else strategy.get(k)) == name
+    ]
+    assert len(seen) == len(chosen), (name, len(seen), kinds)
 
 
 def test_a_strategy_for_a_layer_kind_the_model_lacks_is_refused():

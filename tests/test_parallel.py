@@ -237,22 +237,30 @@ def test_kernels_split_over_the_axes_the_partitioner_shards():
   "shape, strategy",
   [
     # CI: fsdp, cp and tp at once, with the full layers gathered and the
-    # sliding ones on the ring; `make soak`: the rest.
+    # sliding ones on Ulysses (2 query heads a tp rank over cp = 2); `make
+    # soak`: the rest.
     pytest.param({"cp": 8}, "all_gather", marks=pytest.mark.slow),
-    ({"fsdp": 2, "cp": 2, "tp": 2}, {"full_attention": "all_gather"}),
+    (
+      {"fsdp": 2, "cp": 2, "tp": 2},
+      {"full_attention": "all_gather", "sliding_attention": "ulysses"},
+    ),
     pytest.param({"fsdp": 2, "cp": 4}, "all_gather", marks=pytest.mark.slow),
+    pytest.param({"fsdp": 2, "cp": 4}, "ulysses", marks=pytest.mark.slow),
   ],
-  ids=["cp8-all_gather", "fsdp2xcp2xtp2-mixed", "fsdp2xcp4-all_gather"],
+  ids=["cp8-all_gather", "fsdp2xcp2xtp2-mixed", "fsdp2xcp4-all_gather", "fsdp2xcp4-ulysses"],
 )
 def test_the_step_with_another_cp_strategy_equals_the_single_device_step(
   shape, strategy, monkeypatch
 ):
-  """attention's K/V all-gathered over cp, for every layer or only the full
-  attention layers: the same step as the single device's."""
+  """attention's K/V all-gathered over cp, or its heads split over cp
+  (Ulysses), for every layer or per layer kind: the same step as the single
+  device's."""
   want_loss, want = single_device_step("tiny")
-  gathers = H.count_gathers(monkeypatch)
+  kinds = {strategy} if isinstance(strategy, str) else set(strategy.values())
+  calls = {"all_gather": H.count_gathers(monkeypatch), "ulysses": H.count_ulysses(monkeypatch)}
   loss, new, _, _, _ = mesh_step("tiny", shape, strategy=strategy)
-  assert gathers, "no attention call was all-gathered"
+  for name, seen in calls.items():
+    assert bool(seen) == (name in kinds), f"{name} reached attention {len(seen)} times"
   assert abs(loss - want_loss) <= 1e-6 * want_loss
   assert_same_update(new, want, setup("tiny")[3])
 

@@ -200,9 +200,15 @@ def test_every_short_flag_sets_its_dotted_key():
     (["--checkpointing.resume", "true"], "--checkpointing.resume: use --resume DIR"),
     (["--optimizer.l", "1"], "unrecognized arguments: --optimizer.l 1"),
     (
-      ["--parallel.strategy", "ulysses"],
-      "error: --parallel.strategy: strategy must be one of ('ring', 'all_gather') or a "
-      "mapping of layer kinds to them, got 'ulysses'",
+      ["--parallel.strategy", "a2a"],
+      "error: --parallel.strategy: strategy must be one of ('ring', 'all_gather', 'ulysses') "
+      "or a mapping of layer kinds to them, got 'a2a'",
+    ),
+    (
+      ["--model", "tiny", "--cp", "8", "--parallel.strategy", "full_attention=ulysses"],
+      "error: --parallel.strategy 'full_attention=ulysses' splits tiny's 4 query heads a tp "
+      "rank over cp = 8, which does not divide them; use ring or all_gather, or a cp size "
+      "dividing 4",
     ),
     (
       ["--model", "tiny", "--parallel.strategy", "global=all_gather"],

@@ -6,8 +6,9 @@ chunk into flash-style online-softmax statistics, skipping the tiles its
 mask leaves empty; the backward pass replays the ring from the saved
 log-sum-exp. :func:`ring_plan` says, before tracing, which hops a mask's
 reach needs (:class:`RingPlan`). With ``strategy="all_gather"`` the same
-passes take no hops: each rank gathers the whole row's K/V at once
-(:data:`STRATEGIES`).
+passes take no hops: each rank gathers the whole row's K/V at once, or a
+window's halo (:func:`halo`); with ``strategy="ulysses"`` all-to-alls turn
+the sequence split into a head split (:data:`STRATEGIES`).
 
 Internal modules: ``_schedule`` (the static plan and the tile sizes),
 ``_passes`` (the forward and backward passes and their custom VJP),
@@ -23,8 +24,20 @@ RingPlan(forward_hops=1, backward_hops=0)
 
 from cpjax.ring._attention import STRATEGIES as STRATEGIES
 from cpjax.ring._attention import ring_attention as ring_attention
+from cpjax.ring._attention import ulysses_kv_repeats as ulysses_kv_repeats
+from cpjax.ring._schedule import Halo as Halo
 from cpjax.ring._schedule import RingPlan as RingPlan
 from cpjax.ring._schedule import default_block_size as default_block_size
+from cpjax.ring._schedule import halo as halo
 from cpjax.ring._schedule import ring_plan as ring_plan
 
-__all__ = ["STRATEGIES", "RingPlan", "default_block_size", "ring_attention", "ring_plan"]
+__all__ = [
+  "STRATEGIES",
+  "Halo",
+  "RingPlan",
+  "default_block_size",
+  "halo",
+  "ring_attention",
+  "ring_plan",
+  "ulysses_kv_repeats",
+]

@@ -38,7 +38,9 @@ This module checks the inputs and runs the ring; the static schedule is
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from cpjax import checks
@@ -46,14 +48,49 @@ from cpjax.layout import ShardLayout
 from cpjax.masks import AttentionMask, resolve_mask
 from cpjax.parallel import vary_like as _vary_like
 from cpjax.ring._passes import _Config, _ring
-from cpjax.ring._schedule import _block_sizes, ring_plan
+from cpjax.ring._schedule import _block_sizes, halo, ring_plan
 from cpjax.ring.kernels._common import KernelParams
 from cpjax.ring.kernels._targets import resolve_implementation
 
-__all__ = ["STRATEGIES", "ring_attention"]
+__all__ = ["STRATEGIES", "ring_attention", "ulysses_kv_repeats"]
 
 #: How K/V reach a rank's queries (``ring_attention(strategy=...)``).
-STRATEGIES = ("ring", "all_gather")
+STRATEGIES = ("ring", "all_gather", "ulysses")
+
+
+def ulysses_kv_repeats(q_heads: int, kv_heads: int, cp_size: int) -> int:
+  """How many times Ulysses repeats each K/V head so that cp splits them.
+
+  The all-to-all gives rank r query heads ``r*Hq/cp ..``; their K/V heads
+  must arrive with them. Repeating each K/V head ``f`` times (f a divisor of
+  ``G = Hq/Hkv``) keeps query head h on K/V head ``h // (G/f)``; the smallest
+  ``f`` with ``Hkv * f`` a multiple of cp sends the least.
+
+  Raises:
+    ValueError: ``Hq`` is not a multiple of ``cp_size``.
+
+  >>> ulysses_kv_repeats(8, 1, 4), ulysses_kv_repeats(16, 2, 8), ulysses_kv_repeats(8, 8, 4)
+  (4, 4, 1)
+  """
+  if q_heads % cp_size:
+    raise ValueError(
+      f"strategy='ulysses' splits the query heads over the cp ranks: {q_heads} query heads "
+      f"(local, after any tp split) is not a multiple of cp_size = {cp_size}; use "
+      f"strategy='ring' or 'all_gather', or a cp size dividing {q_heads}"
+    )
+  groups = q_heads // kv_heads
+  return min(f for f in range(1, groups + 1) if groups % f == 0 and kv_heads * f % cp_size == 0)
+
+
+def _heads_to_row(x, axis_name: str):
+  """[B, L, H, D] -> [B, cp*L, H/cp, D]: every rank's tokens (rank order) of
+  this rank's ``H/cp`` heads."""
+  return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _row_to_heads(x, axis_name: str):
+  """The inverse of :func:`_heads_to_row`."""
+  return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
 
 def ring_attention(
@@ -117,9 +154,15 @@ def ring_attention(
       the hops the mask can reach); ``"all_gather"`` gathers every rank's
       K/V over the axis at once and attends to the whole row in one pass,
       reduce-scattering dK/dV in the backward (O(S) K/V memory, no hops;
-      cheap when few K/V heads serve many query heads). Both give the same
+      cheap when few K/V heads serve many query heads), and under a bounded
+      reach (a window) receives only its halo, the neighbours' key blocks
+      the window reaches; ``"ulysses"`` turns the sequence split into a
+      head split with an all-to-all (``[B, L, H, D] -> [B, S, H/cp, D]``),
+      attends each rank's heads over the whole row and turns the output
+      back (``Hq`` must be a multiple of cp; K/V heads are repeated only
+      as far as cp needs, :func:`ulysses_kv_repeats`). All give the same
       values and gradients. Passing the same array as ``k`` and ``v``
-      gathers it once and scatters its gradient once.
+      moves it once and its gradient once.
 
   Returns:
     [B, L, Hq, D] in q's dtype. Rows with nothing allowed are 0, with zero
@@ -175,8 +218,11 @@ def ring_attention(
     interpret = bool(interpret)
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-  g = hq // hkv
-  gathered = strategy == "all_gather" and layout.cp_size > 1
+  if layout.cp_size == 1:
+    strategy = "ring"  # one rank: every strategy is the same single pass
+  repeats = ulysses_kv_repeats(hq, hkv, layout.cp_size) if strategy == "ulysses" else 1
+  g = hq // hkv // repeats
+  row = layout.padded_seq_len
   block_q, block_kv = _block_sizes(
     layout,
     implementation,
@@ -185,7 +231,8 @@ def ring_attention(
     block_q,
     block_kv,
     q.dtype,
-    key_len=layout.padded_seq_len if gathered else None,
+    query_len=row if strategy == "ulysses" else None,
+    key_len=row if strategy != "ring" else None,
   )
   kernel = None
   if implementation != "xla":
@@ -211,12 +258,33 @@ def ring_attention(
     kernel=kernel,
     strategy=strategy,
     shared_kv=k is v,
+    halo=halo(layout, mask.rule, block_kv) if strategy == "all_gather" else None,
   )
   arrays = mask.arrays
   if cfg.layout.cp_size > 1:
     # The mask's arrays ride the ring, so they must vary over the axis like K/V do.
     arrays = jax.tree.map(lambda x: _vary_like(x, k), arrays)
-  qh = q.reshape(b, l, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, l * g, d)
+  if strategy != "ulysses":
+    return _head_major(cfg, q, k, v, arrays)
+  # Ulysses: a sequence split becomes a head split (one all-to-all each way),
+  # and every rank attends its heads over the whole row; the mask's arrays
+  # are gathered whole. Repeats keep each query head with its K/V head.
+  shared = k is v
+  if repeats > 1:
+    k = jnp.repeat(k, repeats, axis=2)
+    v = k if shared else jnp.repeat(v, repeats, axis=2)
+  q_row, k_row = _heads_to_row(q, axis_name), _heads_to_row(k, axis_name)
+  v_row = k_row if shared else _heads_to_row(v, axis_name)
+  arrays = {n: lax.all_gather(x, axis_name, axis=1, tiled=True) for n, x in arrays.items()}
+  return _row_to_heads(_head_major(cfg, q_row, k_row, v_row, arrays), axis_name)
+
+
+def _head_major(cfg: _Config, q, k, v, arrays):
+  """Run the passes on [B, T, Hq, D] queries (T: this rank's tokens or the
+  row) in the passes' head-major layout, and return [B, T, Hq, D]."""
+  b, t, hq, d = q.shape
+  hkv, g = k.shape[2], cfg.groups
+  qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   out = _ring(cfg, qh, kh, vh, arrays)
-  return out.reshape(b, hkv, l, g, d).transpose(0, 2, 1, 3, 4).reshape(b, l, hq, d)
+  return out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)

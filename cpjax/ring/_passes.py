@@ -19,8 +19,12 @@ The all-gather strategy (``strategy="all_gather"``) takes no hops: each rank
 all-gathers K/V (once, when one array is passed as both) and the mask's
 arrays over the axis, in rank order, and folds that whole row as one chunk
 with the same tile schedule and kernels; its backward reduce-scatters dK/dV
-to their owners.
-Per-device memory is then O(S) in K/V, not O(L).
+to their owners. Per-device memory is then O(S) in K/V, not O(L). Under a
+bounded reach it receives only its halo (``_Config.halo``: the neighbours'
+key blocks the window reaches) and sends the halo's gradient back.
+Ulysses (``strategy="ulysses"``) arrives here with the whole row of queries
+and keys for a rank's heads (its all-to-alls are the caller's) and folds it
+as one chunk, with no collective at all.
 
 Shape letters: ``B`` batch, ``L`` local tokens, ``Hkv`` key/value heads,
 ``G`` query heads per KV head, ``D`` head dim, ``bq``/``bk`` tile sizes;
@@ -43,7 +47,7 @@ from cpjax.masks import MaskRule, Tokens
 from cpjax.parallel import filled_after
 from cpjax.parallel import vary_like as _vary_like
 from cpjax.parallel import varying_axes as _varying_axes
-from cpjax.ring._schedule import RingPlan
+from cpjax.ring._schedule import Halo, RingPlan
 from cpjax.ring.kernels import _common as kernel_common
 from cpjax.ring.kernels._common import KernelParams
 from cpjax.ring.kernels._targets import TARGETS, platform_guard
@@ -64,13 +68,19 @@ class _Config:
   groups: int  # G = Hq // Hkv
   implementation: str = "xla"
   kernel: KernelParams | None = None  # the Pallas targets' static parameters
-  strategy: str = "ring"  # or "all_gather"
+  strategy: str = "ring"  # or "all_gather", "ulysses" (cp_size > 1 only)
   shared_kv: bool = False  # k is v (one array passed for both): one gradient to scatter
+  halo: tuple[Halo, ...] | None = None  # all_gather with a bounded reach: the keys it needs
 
   @property
   def tile_rows(self) -> int:
     """Query rows per tile: ``block_q`` tokens times ``G`` heads."""
     return self.block_q * self.groups
+
+  @property
+  def query_len(self) -> int:
+    """Query tokens this rank holds: the whole row under Ulysses, else its own."""
+    return self.layout.padded_seq_len if self.strategy == "ulysses" else self.layout.local_seq_len
 
   def schedule_blocks(self, key_len: int) -> tuple[int, int]:
     """(query tokens, keys) per block of a kernel hop's schedule over
@@ -79,7 +89,7 @@ class _Config:
       self.block_q,
       self.block_kv,
       chunk_len=self.layout.chunk_len,
-      local_len=self.layout.local_seq_len,
+      local_len=self.query_len,
       key_len=key_len,
     )
 
@@ -98,8 +108,11 @@ def _tokens(cfg: _Config, rank, arrays) -> Tokens:
   """The tokens rank ``rank`` holds: global positions and the mask's arrays.
 
   ``rank`` None stands for the all-gathered row: every rank's tokens, in rank
-  order (``arrays`` then hold the whole row too).
+  order (``arrays`` then hold the whole row too); a :class:`Tokens` (a
+  rank's chunk and its halo) is returned as it is.
   """
+  if isinstance(rank, Tokens):
+    return rank
   if rank is None:  # (from iota, as a rank's own: no [S] constant in the program)
     each = jax.vmap(functools.partial(local_token_indices, cfg.layout))
     return Tokens(each(jnp.arange(cfg.layout.cp_size)).reshape(-1), arrays)
@@ -307,21 +320,64 @@ def _scatter_home(cfg: _Config, grad):
   return lax.psum_scatter(grad, cfg.axis_name, scatter_dimension=2, tiled=True)
 
 
-def _all_gathered(cfg: _Config) -> bool:
-  return cfg.strategy == "all_gather" and cfg.layout.cp_size > 1
+def _halo_pieces(cfg: _Config, x, axis: int, halo: Halo):
+  """The tokens of ``x`` (a rank's own, along ``axis``) that ``halo`` sends."""
+  cut = [lax.slice_in_dim(x, start, start + n, axis=axis) for start, n in halo.runs]
+  return cut[0] if len(cut) == 1 else jnp.concatenate(cut, axis=axis)
+
+
+def _with_halo(cfg: _Config, k, v, arrays, rank):
+  """((k, v), Tokens) of this rank's chunk followed by its halo: from each
+  neighbour the halo names, the keys this rank's queries can reach."""
+  own = _tokens(cfg, rank, arrays)
+  ks, vs, positions, parts = [k], [v], [own.positions], [arrays]
+  for h in cfg.halo:
+    piece = functools.partial(_halo_pieces, cfg, halo=h)
+    sent = (piece(k, 2), piece(v, 2), {n: piece(x, 1) for n, x in arrays.items()})
+    hk, hv, harrays = _shift(sent, cfg, h.offset)
+    src = (rank - h.offset) % cfg.layout.cp_size
+    ks, vs, parts = ks + [hk], vs + [hv], parts + [harrays]
+    positions.append(piece(local_token_indices(cfg.layout, src), 0))
+  join = lambda xs, axis: jnp.concatenate(xs, axis=axis)  # noqa: E731
+  arrays = {n: join([p[n] for p in parts], 1) for n in arrays}
+  return (join(ks, 2), join(vs, 2)), Tokens(join(positions, 0), arrays)
+
+
+def _halo_home(cfg: _Config, grad, local_len: int):
+  """A key gradient over the chunk and its halo, [B, Hkv, L + halo, D]: the
+  halo's parts sent back to their owners and added to the chunk's."""
+  own, start = grad[:, :, :local_len], local_len
+  for h in cfg.halo:
+    back = _shift(grad[:, :, start : start + h.length], cfg, -h.offset)
+    start, at = start + h.length, 0
+    for first, n in h.runs:
+      own = own.at[:, :, first : first + n].add(back[:, :, at : at + n])
+      at += n
+  return own
+
+
+def _query_rank(cfg: _Config):
+  """The rank whose tokens the queries are; None for the whole row (Ulysses,
+  whose caller turned a sequence split into a head split)."""
+  return None if cfg.strategy == "ulysses" else _rank(cfg)
 
 
 def _forward(cfg: _Config, q, k, v, arrays):
   """Returns out [B, Hkv, N, D] (q's dtype) and lse f32[B, Hkv, N]."""
   cp = cfg.layout.cp_size
-  rank = _rank(cfg)
+  rank = _query_rank(cfg)
   q_info = _tokens(cfg, rank, arrays)
   fold = _xla_fold if cfg.kernel is None else _pallas_fold
   stats, attend, finish = fold(cfg, q, q_info)
   travel = ((k, v), arrays)
   hops, back = cfg.plan
 
-  if _all_gathered(cfg):
+  if cfg.strategy == "ulysses":  # the whole row is here already
+    stats = attend(stats, *travel, None)
+  elif cfg.strategy == "all_gather" and cfg.halo is not None:
+    kv, k_info = _with_halo(cfg, k, v, arrays, rank)
+    stats = attend(stats, kv, k_info.arrays, k_info)
+  elif cfg.strategy == "all_gather":
     stats = attend(stats, *_gathered(cfg, k, v, arrays), None)
   elif back == 0:
 
@@ -430,7 +486,7 @@ def _pallas_grad_chunk(
 
 def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
   cp = cfg.layout.cp_size
-  rank = _rank(cfg)
+  rank = _query_rank(cfg)
   q_info = _tokens(cfg, rank, arrays)
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   if cfg.kernel is None:
@@ -452,7 +508,17 @@ def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
   travel = ((k, v), arrays)
   hops, back = cfg.plan
 
-  if _all_gathered(cfg):
+  if cfg.strategy == "ulysses":
+    dq, (dk, dv) = grad(dq, (k, v), (zero_kv, zero_kv), arrays, None)
+  elif cfg.strategy == "all_gather" and cfg.halo is not None:
+    kv, k_info = _with_halo(cfg, k, v, arrays, rank)
+    zero = _vary_like(filled_after(do, kv[0].shape), k)
+    dq, (dk, dv) = grad(dq, kv, (zero, zero), k_info.arrays, k_info)
+    if cfg.shared_kv:  # one tensor: its gradient is dk + dv, sent home once
+      dk, dv = _halo_home(cfg, dk + dv, k.shape[2]), zero_kv
+    else:
+      dk, dv = _halo_home(cfg, dk, k.shape[2]), _halo_home(cfg, dv, k.shape[2])
+  elif cfg.strategy == "all_gather":
     kv, row = _gathered(cfg, k, v, arrays)
     zero_row = _vary_like(filled_after(do, kv[0].shape), k)
     dq, (dk, dv) = grad(dq, kv, (zero_row, zero_row), row, None)

@@ -19,11 +19,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cpjax.layout import ShardLayout
+from cpjax.layout import ShardLayout, rank_order
 from cpjax.masks import AttentionMask, MaskRule, MaskSpec, Reach
 from cpjax.ring.kernels._targets import TARGETS
 
-__all__ = ["DEFAULT_BLOCK", "RingPlan", "default_block_size", "ring_plan"]
+__all__ = ["DEFAULT_BLOCK", "Halo", "RingPlan", "default_block_size", "halo", "ring_plan"]
 
 DEFAULT_BLOCK = 128
 
@@ -91,6 +91,73 @@ def ring_plan(
   return RingPlan(hop, hop) if 2 * hop < cp - 1 else full
 
 
+class Halo(NamedTuple):
+  """The keys one hop of the all-gather's halo brings: rank r receives, from
+  rank ``r - offset`` (modulo cp), that rank's local tokens ``[start, start +
+  length)`` for each ``(start, length)`` of ``runs``."""
+
+  offset: int
+  runs: tuple[tuple[int, int], ...]
+
+  @property
+  def length(self) -> int:
+    """Tokens this hop brings."""
+    return sum(n for _, n in self.runs)
+
+
+def halo(
+  layout: ShardLayout, mask: AttentionMask | MaskRule, block_kv: int
+) -> tuple[Halo, ...] | None:
+  """The halo a bounded mask's all-gather needs, or None for the whole row.
+
+  With a bounded reach (a window without vision groups) a rank's queries see
+  only keys within the reach of its chunks: the ``W - 1`` tokens before each
+  chunk (and after, when not causal), which the layout puts on the
+  neighbours :func:`ring_plan` names. For each of those hops the sender's
+  tokens any receiver can reach, in whole ``block_kv`` blocks (tiles never
+  straddle a chunk), are the same local slices on every rank: a static halo.
+  None where the reach is unbounded or the halo would be the whole row.
+
+  Example:
+    >>> lay = ShardLayout(8192, 8192, 4, "load_balanced")
+    >>> halo(lay, MaskSpec(sliding_window=512).rule(), 128)   # chunk 1024: 511 keys -> 512
+    (Halo(offset=1, runs=((512, 512),)), Halo(offset=-1, runs=((1536, 512),)))
+  """
+  rule = mask.rule if isinstance(mask, AttentionMask) else mask
+  plan = ring_plan(layout, mask=rule)
+  cp, local = layout.cp_size, layout.local_seq_len
+  if cp == 1 or plan.forward_hops + plan.backward_hops >= cp - 1:
+    return None
+  reach = rule.reach()
+  behind = local * cp if reach.behind is None else reach.behind
+  ahead = local * cp if reach.ahead is None else reach.ahead
+  positions = rank_order(layout).reshape(cp, local)  # rank r's tokens: row r
+  hops = [h for h in range(1, plan.forward_hops + 1)] + [
+    -h for h in range(1, plan.backward_hops + 1)
+  ]
+  out = []
+  for offset in hops:
+    needed = np.zeros(local, bool)
+    for r in range(cp):
+      queries = np.sort(positions[r])
+      keys = positions[(r - offset) % cp]
+      # A key k is needed if some query q has k - ahead <= q <= k + behind.
+      lo = np.searchsorted(queries, keys - ahead, side="left")
+      hi = np.searchsorted(queries, keys + behind, side="right")
+      needed |= hi > lo
+    blocks = needed.reshape(-1, block_kv).any(axis=1)
+    runs, start = [], None
+    for i, used in enumerate(np.append(blocks, False)):
+      if used and start is None:
+        start = i
+      elif not used and start is not None:
+        runs.append((start * block_kv, (i - start) * block_kv))
+        start = None
+    if runs:
+      out.append(Halo(offset, tuple(runs)))
+  return tuple(out)
+
+
 def default_block_size(chunk_len: int, target: int = DEFAULT_BLOCK) -> int:
   """Largest divisor of ``chunk_len`` not above ``target``.
 
@@ -120,13 +187,15 @@ def _block_sizes(
   block_q,
   block_kv,
   dtype=None,
+  query_len: int | None = None,
   key_len: int | None = None,
 ) -> tuple[int, int]:
   """(block_q, block_kv) for this call: checked if given, else the default.
 
-  ``key_len``: the keys a kernel call sees, when not a rank's own
-  ``local_seq_len`` (the all-gather's whole row: a key block as long as one
-  rank's row is then not the whole array, which Mosaic requires).
+  ``query_len``, ``key_len``: the queries and keys a kernel call sees, when
+  not a rank's own ``local_seq_len`` (the whole row: all-gathered keys, or
+  Ulysses' queries and keys; a block as long as one rank's row is then not
+  the whole array, which Mosaic requires).
 
   Tiles never straddle a chunk, so both divide ``layout.chunk_len``; a
   Pallas target adds its tiling rules and takes its defaults from its tile
@@ -154,11 +223,11 @@ def _block_sizes(
       f"must be {problem}; pad the head dim or use implementation='xla'"
     )
   rows, keys = target.default_tile(head_dim, dtype)
-  local = layout.local_seq_len
+  queries = layout.local_seq_len if query_len is None else query_len
+  keys_seen = layout.local_seq_len if key_len is None else key_len
 
   def fits(bq, bk):
-    key_count = local if key_len is None else key_len
-    return target.block_problem(bq * groups, bk, local_rows=local * groups, local_len=key_count)
+    return target.block_problem(bq * groups, bk, local_rows=queries * groups, local_len=keys_seen)
 
   q_options = [block_q] if block_q is not None else _divisors(chunk, max(rows // groups, 1))
   k_options = [block_kv] if block_kv is not None else _divisors(chunk, keys)

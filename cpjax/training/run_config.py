@@ -194,8 +194,9 @@ class ParallelConfig:
   for small models)"""
   strategy: str = _setting("ring")
   """how attention's keys and values reach each rank's queries: ring (ppermute
-  hops, O(S/cp) memory a device) or all_gather (the row's K/V gathered at once, no
-  hops), for every layer or per layer kind, e.g.
+  hops, O(S/cp) memory a device), all_gather (the row's K/V gathered at once, no
+  hops) or ulysses (an all-to-all turns the sequence split into a head split: the
+  query heads a tp rank must divide by cp), for every layer or per layer kind, e.g.
   full_attention=all_gather,sliding_attention=ring (the memory check's estimate
   assumes the ring)"""
 
@@ -400,11 +401,22 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
   except ValueError as e:
     fail(f"{name('parallel.strategy')}: {e}")
   if run.model is not None:
-    kinds = set(PRESETS[run.model].text.layer_types)
+    text = PRESETS[run.model].text
+    kinds = set(text.layer_types)
     for kind, _ in unknown_layer_kinds(strategy, kinds):
       fail(
         f"{name('parallel.strategy')} names layer kind {kind!r}, which {run.model} "
         f"lacks: its layer kinds are {sorted(kinds)}"
+      )
+    heads = text.num_attention_heads // sizes.get("tp", 1)
+    uses_ulysses = "ulysses" in (
+      (strategy,) if isinstance(strategy, str) else dict(strategy).values()
+    )
+    if uses_ulysses and heads % sizes.get("cp", 1):
+      fail(
+        f"{name('parallel.strategy')} {run.parallel.strategy!r} splits {run.model}'s "
+        f"{heads} query heads a tp rank over cp = {sizes.get('cp', 1)}, which does not "
+        f"divide them; use ring or all_gather, or a cp size dividing {heads}"
       )
   if run.dataset.batch_size % run.dataset.microbatches:
     fail(

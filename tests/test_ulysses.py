@@ -1,0 +1,141 @@
+"""ring_attention(strategy="ulysses") against the dense float32 reference.
+
+Ulysses turns the sequence split into a head split with one all-to-all, lets
+each rank attend its ``Hq/cp`` heads over the whole row, and turns the
+output back; K/V heads fewer than cp are repeated only as far as needed. Its
+values and gradients must equal the reference for every layout, mask kind and
+GQA grouping.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import cpjax
+from cpjax.ring._attention import ulysses_kv_repeats
+from tests import attention_harness as H
+from tests.helpers import cp_mesh
+from tests.test_all_gather import _count
+from tests.test_ring_attention import check, owner_ranks
+
+ULYSSES = dict(strategy="ulysses")
+
+
+@pytest.fixture(scope="module")
+def inputs():
+  return H.make_inputs(np.random.default_rng(0))  # 4 query heads on 2 K/V heads
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "load_balanced", "document_balanced"])
+@pytest.mark.parametrize(
+  "mask",
+  [dict(), dict(sliding_window=6), dict(causal=False, vision=True)],
+  ids=["causal", "window", "bidirectional-vision"],
+)
+def test_ulysses_equals_the_reference(inputs, kind, mask):
+  mask = dict(mask)
+  vision = mask.pop("vision", False)
+  meta = H.packed_metadata(np.random.default_rng(1), 2, 64, pad_from=50, vision=vision)
+  check(*inputs, cp=4, kind=kind, meta=meta, **mask, **ULYSSES)
+
+
+@pytest.mark.parametrize(
+  "hq, hkv, cp, repeats",
+  [(8, 2, 8, 4), (8, 1, 4, 4), (8, 4, 2, 1), (6, 3, 2, 2)],
+  ids=["gqa-2kv-cp8", "one-kv-head", "kv-heads-split", "odd-kv-heads"],
+)
+def test_ulysses_keeps_each_query_head_on_its_kv_head(hq, hkv, cp, repeats):
+  """K/V heads are repeated (not tiled) just enough for cp to split them."""
+  assert ulysses_kv_repeats(hq, hkv, cp) == repeats
+  inputs = H.make_inputs(np.random.default_rng(2), hq=hq, hkv=hkv)
+  meta = H.packed_metadata(np.random.default_rng(2), 2, 64, pad_from=60)
+  check(*inputs, cp=cp, kind="load_balanced", meta=meta, logits_soft_cap=5.0, **ULYSSES)
+
+
+def test_ulysses_with_a_batch_axis():
+  inputs = H.make_inputs(np.random.default_rng(3), hq=4, hkv=1)
+  meta = H.packed_metadata(np.random.default_rng(3), 2, 64, pad_from=40)
+  mesh = cp_mesh(4, ("dp", 2))
+  check(*inputs, cp=4, kind="load_balanced", meta=meta, mesh=mesh, batch_axis="dp", **ULYSSES)
+
+
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+def test_ulysses_runs_the_kernels_over_the_whole_row(implementation):
+  """Pallas' interpreter: the kernels see every query and key of the row."""
+  inputs = H.make_inputs(np.random.default_rng(4), s=512, hq=4, hkv=1, d=16)
+  meta = H.packed_metadata(np.random.default_rng(4), 2, 512, pad_from=450)
+  check(
+    *inputs,
+    cp=2,
+    kind="load_balanced",
+    meta=meta,
+    sliding_window=150,
+    implementation=implementation,
+    interpret=True,
+    **ULYSSES,
+  )
+
+
+def test_ulysses_zeroes_fully_padded_ranks(inputs):
+  q, k, v, w = inputs
+  pad_from = 22
+  lay = cpjax.ShardLayout(64, 64, 4, "load_balanced")
+  assert [r for r in range(4) if (owner_ranks(lay) == r)[:pad_from].sum() == 0] == [3]
+  meta = H.packed_metadata(np.random.default_rng(6), 2, 64, pad_from=pad_from)
+  out, grads = check(q, k, v, w, cp=4, kind="load_balanced", meta=meta, **ULYSSES)
+  for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+    chex.assert_trees_all_equal(
+      x[:, pad_from:], np.zeros_like(x[:, pad_from:]), custom_message=name
+    )
+
+
+def test_heads_cp_cannot_split_are_refused_before_any_compute(inputs):
+  with pytest.raises(ValueError, match="4 query heads .* is not a multiple of cp_size = 8"):
+    H.ring(*inputs, cp=8, kind="load_balanced", **ULYSSES)
+
+
+def _program(*, shared: bool, cp: int = 4) -> str:
+  """The compiled gradient program of Ulysses on 8 tokens a rank, 4 query heads on 1 K/V head."""
+  s = 8 * cp
+  mesh = cp_mesh(cp)
+  lay = cpjax.ShardLayout(s, s, cp, "load_balanced")
+  spec = jax.NamedSharding(mesh, P(None, "cp"))
+
+  def attend(q, k, v):
+    return cpjax.ring_attention(q, k, k if shared else v, layout=lay, **ULYSSES)
+
+  f = jax.shard_map(attend, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+  loss = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
+  args = [
+    jax.ShapeDtypeStruct(shape, jnp.float32, sharding=spec)
+    for shape in ((1, s, 4, 8), (1, s, 1, 8), (1, s, 1, 8))
+  ]
+  with jax.set_mesh(mesh):
+    return jax.jit(loss).lower(*args).compile().as_text()
+
+
+def test_ulysses_takes_no_hops_and_moves_heads_with_all_to_alls():
+  """q, k, v to the row, the output's gradient to the row, dq, dk, dv home
+  (the gradient of a sum never needs the output home); one tensor for K and V
+  moves once each way."""
+  two, one = _program(shared=False), _program(shared=True)
+  assert _count(two, "collective-permute") == _count(two, "all-gather") == 0
+  assert _count(two, "all-to-all") == 7 and _count(one, "all-to-all") == 5, (two, one)
+
+
+def test_context_parallel_attention_takes_ulysses(monkeypatch):
+  calls = H.count_ulysses(monkeypatch)
+  mesh = cp_mesh(4)
+  lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
+  x = np.random.default_rng(5).standard_normal((1, 32, 4, 8), np.float32)
+  docs = np.repeat([[1, 2]], 16, axis=1)
+  xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
+  out = cpjax.context_parallel_attention(
+    xr, xr, xr, mesh=mesh, layout=lay, segment_ids=dr, **ULYSSES
+  )
+  want = cpjax.reference_attention(x, x, x, segment_ids=docs)
+  chex.assert_trees_all_close(cpjax.from_rank_order(out, lay), want, rtol=1e-5, atol=1e-5)
+  assert len(calls) == 1
