@@ -36,6 +36,35 @@ class Mutant:
 TILES = "tests/test_tile_schedule.py"
 
 MUTANTS = (
+  # --- the window's halo and Ulysses (issue 46)
+  Mutant(
+    "halo: one key block short of the window's reach",
+    "cpjax/ring/_schedule.py",
+    '      hi = np.searchsorted(queries, keys + behind, side="right")',
+    '      hi = np.searchsorted(queries, keys + behind - block_kv, side="right")',
+    ("tests/test_all_gather.py::test_a_window_gathers_only_its_halo",),
+  ),
+  Mutant(
+    "halo: its gradient stays with the receiver",
+    "cpjax/ring/_passes.py",
+    "    back = _shift(grad[:, :, start : start + h.length], cfg, -h.offset)",
+    "    back = grad[:, :, start : start + h.length]",
+    ("tests/test_all_gather.py::test_a_window_gathers_only_its_halo",),
+  ),
+  Mutant(
+    "ulysses: K/V heads tiled, not repeated (query heads on the wrong K/V head)",
+    "cpjax/ring/_attention.py",
+    "    k = jnp.repeat(k, repeats, axis=2)",
+    "    k = jnp.tile(k, (1, 1, repeats, 1))",
+    ("tests/test_ulysses.py::test_ulysses_keeps_each_query_head_on_its_kv_head",),
+  ),
+  Mutant(
+    "ulysses: the output comes home in the wrong head order",
+    "cpjax/ring/_attention.py",
+    "  return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)",
+    "  return jnp.flip(lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True), 2)",
+    ("tests/test_ulysses.py::test_ulysses_equals_the_reference",),
+  ),
   # --- the all-gather strategy (issue 46)
   Mutant(
     "all_gather: each rank keeps its own share of the key gradients, unsummed",
@@ -89,7 +118,7 @@ MUTANTS = (
   Mutant(
     "all_gather: key tiles checked against one rank's row",
     "cpjax/ring/_attention.py",
-    "    key_len=layout.padded_seq_len if gathered else None,",
+    '    key_len=row if strategy != "ring" else None,',
     "    key_len=None,",
     ("tests/test_all_gather.py::test_all_gather_checks_its_key_tiles_against_the_whole_row",),
   ),

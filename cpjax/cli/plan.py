@@ -157,7 +157,7 @@ def plan(parser, args) -> int:
   """
   import time
 
-  from cpjax.training import plan
+  from cpjax.training import cp_strategy, plan
 
   _from_run(parser, args)
   target = _target(parser, args)
@@ -234,10 +234,21 @@ def plan(parser, args) -> int:
       plan.estimate(cfg, dtype=dtype, platform=platform, **step)
       for dtype in ("bfloat16", "float32")
     ]
+    choices = cp_strategy.choose(
+      cfg.text,
+      seq_len=args.seq_len,
+      cp=mesh.get("cp", 1),
+      tp=mesh.get("tp", 1),
+      device_memory=args.device_memory,
+    )
     if not args.estimate_only:
       start = time.perf_counter()
       dtype = args.dtype if target is not None else "float32"
-      rows.append(plan.compiled_plan(cfg, target=target, dtype=dtype, **step))
+      rows.append(
+        plan.compiled_plan(
+          cfg, target=target, dtype=dtype, strategy=cp_strategy.as_strategy(choices), **step
+        )
+      )
       seconds = time.perf_counter() - start
   except ImportError as e:  # a target's compiler is not installed
     parser.exit(2, f"cpjax plan: error: --target: {e}\n")
@@ -255,6 +266,8 @@ def plan(parser, args) -> int:
         args.device_memory
       )
     print(f"  {row.row()} [{row.dtype} activations]{fits}")
+  for kind, choice in choices.items():  # what cpjax train's parallel.strategy auto takes
+    print(f"  cp strategy for {kind}: {choice.strategy} ({choice.why})")
   if seconds is not None:
     compiled = rows[-1]
     moved = ", ".join(

@@ -559,6 +559,7 @@ def compile_step(
   capacity_factor: float | None = None,
   shard_state: str = "fsdp+cp",
   devices=None,
+  strategy="ring",
 ):
   """Compile the training step of ``cfg`` abstractly (no array is made) on ``prod(mesh)`` devices.
 
@@ -574,6 +575,8 @@ def compile_step(
       (``cpjax plan`` sets ``jax_num_cpu_devices`` before JAX starts); or a
       target's compile-only ones (:meth:`cpjax.training.targets.Target.devices`),
       which compile with their own chip's kernels and compiler.
+    strategy: the CP strategy, as :func:`cpjax.training.make_train_step`
+      takes it (``cpjax plan`` passes its rule's choice).
 
   Returns:
     ``(compiled TrainStep, params, opt_state, frozen base or None)``, the
@@ -659,6 +662,7 @@ def compile_step(
     frozen=frozen,
     expert_axes=expert_axes,
     capacity_factor=capacity_factor,
+    strategy=strategy,
   )
   compiled = step.compile(params, opt_state, batch)
   base = None
@@ -682,6 +686,7 @@ def compiled_plan(
   capacity_factor: float | None = None,
   shard_state: str = "fsdp+cp",
   target=None,
+  strategy="ring",
 ) -> Plan:
   """Build the :class:`Plan` of :func:`compile_step`'s program.
 
@@ -690,6 +695,7 @@ def compiled_plan(
       lora_targets, capacity_factor, shard_state: as :func:`estimate`.
     target: a :class:`cpjax.training.targets.Target` to compile for with its
       own compiler and kernels (default: this process's devices).
+    strategy: the CP strategy (:func:`compile_step`).
 
   Returns:
     The :class:`Plan` of :func:`compile_step`'s program: its memory analysis,
@@ -711,6 +717,7 @@ def compiled_plan(
     capacity_factor=capacity_factor,
     shard_state=shard_state,
     devices=None if target is None else target.devices(),
+    strategy=strategy,
   )
   cost = compiled.cost_analysis()  # None from XLA:GPU without a device
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}

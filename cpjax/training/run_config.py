@@ -192,11 +192,13 @@ class ParallelConfig:
   fsdp+cp (every device that shares the model holds 1 / (fsdp * cp) of it; each
   layer's weights are gathered where it runs) or fsdp (whole over cp: no gathers,
   for small models)"""
-  strategy: str = _setting("ring")
-  """how attention's keys and values reach each rank's queries: ring (ppermute
-  hops, O(S/cp) memory a device), all_gather (the row's K/V gathered at once, no
-  hops) or ulysses (an all-to-all turns the sequence split into a head split: the
-  query heads a tp rank must divide by cp), for every layer or per layer kind, e.g.
+  strategy: str = _setting("auto")
+  """how attention's keys and values reach each rank's queries: auto (the rule
+  cpjax plan shows picks one per layer kind, cpjax.training.cp_strategy), ring
+  (ppermute hops, O(S/cp) memory a device), all_gather (the row's K/V gathered at
+  once, no hops; a window's halo only) or ulysses (an all-to-all turns the
+  sequence split into a head split: the query heads a tp rank must divide by cp),
+  for every layer or per layer kind, e.g.
   full_attention=all_gather,sliding_attention=ring (the memory check's estimate
   assumes the ring)"""
 
@@ -396,10 +398,12 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
     fail(f"{name('parallel.mesh')}: {e}")
   if sizes.get("dp", 1) > 1 and sizes.get("fsdp", 1) > 1:
     fail(f"{name('parallel.mesh')} splits the batch over dp or fsdp, not both")
-  try:
-    strategy = parse_strategy(run.parallel.strategy)
-  except ValueError as e:
-    fail(f"{name('parallel.strategy')}: {e}")
+  strategy = run.parallel.strategy
+  if strategy != "auto":
+    try:
+      strategy = parse_strategy(strategy)
+    except ValueError as e:
+      fail(f"{name('parallel.strategy')}: {e}")
   if run.model is not None:
     text = PRESETS[run.model].text
     kinds = set(text.layer_types)

@@ -521,6 +521,40 @@ def describe(job: RunConfig, trainer: TrainState, log) -> None:
     f"mesh {mesh_text} ({job.parallel.layout}) on "
     f"{len(devices)} {devices[0].platform.upper()} devices{procs}, {job.dtype}"
   )
+  if job.parallel.strategy == "auto":
+    for kind, choice in _choices(job, trainer).items():
+      log(f"  cp strategy for {kind}: {choice.strategy} ({choice.why})")
+
+
+def cp_strategy(job: RunConfig, trainer: TrainState):
+  """Return the run's CP strategy: ``parallel.strategy``, or with ``auto`` the rule's
+  choice per layer kind (:func:`cpjax.training.cp_strategy.choose`).
+
+  Args:
+    job: the :class:`RunConfig`.
+    trainer: the :class:`TrainState`.
+
+  Returns:
+    A strategy name or sorted ``(layer kind, strategy)`` pairs.
+  """
+  from cpjax.training.cp_strategy import as_strategy
+
+  if job.parallel.strategy != "auto":
+    return job.parallel.strategy
+  return as_strategy(_choices(job, trainer))
+
+
+def _choices(job: RunConfig, trainer: TrainState):
+  from cpjax.training.cp_strategy import choose
+
+  shape = dict(trainer.mesh.shape)
+  return choose(
+    trainer.cfg.text,
+    seq_len=job.dataset.seq_len,
+    cp=shape.get("cp", 1),
+    tp=shape.get("tp", 1),
+    layout=job.parallel.layout,
+  )
 
 
 def step_batches(job: RunConfig, trainer: TrainState, data: Data):
@@ -776,7 +810,7 @@ def eval_hook(job: RunConfig, trainer: TrainState, layout, summary: dict, log):
       layout=layout,
       expert_axes=trainer.expert_axes,
       capacity_factor=job.experts.capacity_factor,
-      strategy=job.parallel.strategy,
+      strategy=cp_strategy(job, trainer),
     )
   )
   counted = sum(int(np.sum(b["labels"] != -100)) for b in host)
@@ -921,7 +955,7 @@ def run_train_job(job: RunConfig, *, log=print) -> dict:
     frozen=trainer.frozen,
     expert_axes=trainer.expert_axes,
     capacity_factor=job.experts.capacity_factor,
-    strategy=job.parallel.strategy,
+    strategy=cp_strategy(job, trainer),
   )
   step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
 
