@@ -60,3 +60,8 @@ def test_the_halo_follows_the_layout(layout):
   why = choose(Gemma4Config.preset("e2b").text, seq_len=131072, cp=8, layout=layout)
   want = "1 neighbour" if layout == "contiguous" else "2 neighbour"
   assert want in why["sliding_attention"].why
+
+
+def test_a_length_the_layout_pads_is_planned_as_padded():
+  """1000 tokens on cp = 8 load-balanced rows are padded to 1008 (16 chunks)."""
+  assert strategies("e2b", seq_len=1000, cp=8) == strategies("e2b", seq_len=1008, cp=8)

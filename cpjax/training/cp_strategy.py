@@ -91,7 +91,7 @@ def choose(
     if cp == 1:
       out[kind] = Choice("ring", "one cp rank: every strategy is the same single pass")
       continue
-    lay = ShardLayout(seq_len, seq_len, cp, layout)
+    lay = _padded_layout(seq_len, cp, layout)
     block = next(b for b in (_KEY_BLOCK, 64, 32, 16, 8, 4, 2, 1) if lay.chunk_len % b == 0)
     # Vision groups bidirectional on a kind make its reach unbounded in rows
     # with images (26B-A4B's sliding layers): no halo holds it there.
@@ -133,6 +133,13 @@ def as_strategy(choices: dict[str, Choice]) -> tuple[tuple[str, str], ...]:
 def describe(choices: dict[str, Choice]) -> str:
   """Return the choices as ``kind=strategy,...`` (the run config's text)."""
   return ",".join(f"{kind}={c.strategy}" for kind, c in sorted(choices.items()))
+
+
+def _padded_layout(seq_len: int, cp: int, kind: str) -> ShardLayout:
+  """The layout of a row of ``seq_len`` tokens, right-padded as the batch is."""
+  chunks = ShardLayout(16 * cp, 16 * cp, cp, kind).num_chunks
+  padded = -(-seq_len // chunks) * chunks
+  return ShardLayout(seq_len, padded, cp, kind)
 
 
 def _gib(n: float) -> str:
