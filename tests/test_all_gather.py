@@ -97,10 +97,12 @@ def test_the_halo_is_the_reach_before_each_chunk_in_whole_key_blocks():
   assert halo(balanced, MaskSpec(sliding_window=2000).rule(), 128) is None  # the whole ring
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
-def test_all_gather_runs_the_kernels_over_the_whole_row(implementation):
+def test_the_row_strategies_run_the_kernels_over_the_whole_row(implementation, strategy):
   """Pallas' interpreter: one kernel call folds the gathered row (128-key
-  tiles for the TPU target, whose lanes need them)."""
+  tiles for the TPU target, whose lanes need them); under Ulysses the
+  kernels see every query of the row too."""
   inputs = H.make_inputs(np.random.default_rng(3), s=512, hq=4, hkv=1, d=16)
   meta = H.packed_metadata(np.random.default_rng(3), 2, 512, pad_from=450)
   check(
@@ -111,17 +113,21 @@ def test_all_gather_runs_the_kernels_over_the_whole_row(implementation):
     sliding_window=150,
     implementation=implementation,
     interpret=True,
-    **GATHER,
+    strategy=strategy,
   )
 
 
-def test_all_gather_zeroes_fully_padded_ranks(inputs):
+@pytest.mark.parametrize(
+  "strategy, cp, padded_ranks", [("all_gather", 8, [6, 7]), ("ulysses", 4, [3])]
+)
+def test_the_row_strategies_zero_fully_padded_ranks(inputs, strategy, cp, padded_ranks):
+  """(Ulysses splits the 4 query heads: cp = 4.)"""
   q, k, v, w = inputs
   pad_from = 22
-  lay = cpjax.ShardLayout(64, 64, 8, "load_balanced")
-  assert [r for r in range(8) if (owner_ranks(lay) == r)[:pad_from].sum() == 0] == [6, 7]
+  lay = cpjax.ShardLayout(64, 64, cp, "load_balanced")
+  assert [r for r in range(cp) if (owner_ranks(lay) == r)[:pad_from].sum() == 0] == padded_ranks
   meta = H.packed_metadata(np.random.default_rng(6), 2, 64, pad_from=pad_from)
-  out, grads = check(q, k, v, w, cp=8, kind="load_balanced", meta=meta, **GATHER)
+  out, grads = check(q, k, v, w, cp=cp, kind="load_balanced", meta=meta, strategy=strategy)
   for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
     chex.assert_trees_all_equal(
       x[:, pad_from:], np.zeros_like(x[:, pad_from:]), custom_message=name

@@ -19,7 +19,7 @@ from cpjax.ring._attention import ulysses_kv_repeats
 from tests import attention_harness as H
 from tests.helpers import cp_mesh
 from tests.test_all_gather import _count
-from tests.test_ring_attention import check, owner_ranks
+from tests.test_ring_attention import check
 
 ULYSSES = dict(strategy="ulysses")
 
@@ -62,34 +62,8 @@ def test_ulysses_with_a_batch_axis():
   check(*inputs, cp=4, kind="load_balanced", meta=meta, mesh=mesh, batch_axis="dp", **ULYSSES)
 
 
-@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
-def test_ulysses_runs_the_kernels_over_the_whole_row(implementation):
-  """Pallas' interpreter: the kernels see every query and key of the row."""
-  inputs = H.make_inputs(np.random.default_rng(4), s=512, hq=4, hkv=1, d=16)
-  meta = H.packed_metadata(np.random.default_rng(4), 2, 512, pad_from=450)
-  check(
-    *inputs,
-    cp=2,
-    kind="load_balanced",
-    meta=meta,
-    sliding_window=150,
-    implementation=implementation,
-    interpret=True,
-    **ULYSSES,
-  )
-
-
-def test_ulysses_zeroes_fully_padded_ranks(inputs):
-  q, k, v, w = inputs
-  pad_from = 22
-  lay = cpjax.ShardLayout(64, 64, 4, "load_balanced")
-  assert [r for r in range(4) if (owner_ranks(lay) == r)[:pad_from].sum() == 0] == [3]
-  meta = H.packed_metadata(np.random.default_rng(6), 2, 64, pad_from=pad_from)
-  out, grads = check(q, k, v, w, cp=4, kind="load_balanced", meta=meta, **ULYSSES)
-  for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
-    chex.assert_trees_all_equal(
-      x[:, pad_from:], np.zeros_like(x[:, pad_from:]), custom_message=name
-    )
+# The kernels in Pallas' interpreter and fully padded ranks: tests/test_all_gather.py's
+# row-strategy tests, for both strategies.
 
 
 def test_heads_cp_cannot_split_are_refused_before_any_compute(inputs):

@@ -320,7 +320,7 @@ def _scatter_home(cfg: _Config, grad):
   return lax.psum_scatter(grad, cfg.axis_name, scatter_dimension=2, tiled=True)
 
 
-def _halo_pieces(cfg: _Config, x, axis: int, halo: Halo):
+def _halo_pieces(x, axis: int, halo: Halo):
   """The tokens of ``x`` (a rank's own, along ``axis``) that ``halo`` sends."""
   cut = [lax.slice_in_dim(x, start, start + n, axis=axis) for start, n in halo.runs]
   return cut[0] if len(cut) == 1 else jnp.concatenate(cut, axis=axis)
@@ -332,7 +332,7 @@ def _with_halo(cfg: _Config, k, v, arrays, rank):
   own = _tokens(cfg, rank, arrays)
   ks, vs, positions, parts = [k], [v], [own.positions], [arrays]
   for h in cfg.halo:
-    piece = functools.partial(_halo_pieces, cfg, halo=h)
+    piece = functools.partial(_halo_pieces, halo=h)
     sent = (piece(k, 2), piece(v, 2), {n: piece(x, 1) for n, x in arrays.items()})
     hk, hv, harrays = _shift(sent, cfg, h.offset)
     src = (rank - h.offset) % cfg.layout.cp_size

@@ -15,6 +15,7 @@ entry point is :func:`cpjax.ring_attention`.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -105,6 +106,7 @@ class Halo(NamedTuple):
     return sum(n for _, n in self.runs)
 
 
+@functools.lru_cache(maxsize=64)  # every layer of a model traces it with the same arguments
 def halo(
   layout: ShardLayout, mask: AttentionMask | MaskRule, block_kv: int
 ) -> tuple[Halo, ...] | None:
@@ -132,9 +134,7 @@ def halo(
   behind = local * cp if reach.behind is None else reach.behind
   ahead = local * cp if reach.ahead is None else reach.ahead
   positions = rank_order(layout).reshape(cp, local)  # rank r's tokens: row r
-  hops = [h for h in range(1, plan.forward_hops + 1)] + [
-    -h for h in range(1, plan.backward_hops + 1)
-  ]
+  hops = [*range(1, plan.forward_hops + 1), *range(-1, -plan.backward_hops - 1, -1)]
   out = []
   for offset in hops:
     needed = np.zeros(local, bool)
@@ -145,14 +145,12 @@ def halo(
       lo = np.searchsorted(queries, keys - ahead, side="left")
       hi = np.searchsorted(queries, keys + behind, side="right")
       needed |= hi > lo
-    blocks = needed.reshape(-1, block_kv).any(axis=1)
-    runs, start = [], None
-    for i, used in enumerate(np.append(blocks, False)):
-      if used and start is None:
-        start = i
-      elif not used and start is not None:
-        runs.append((start * block_kv, (i - start) * block_kv))
-        start = None
+    # Runs of needed blocks: where the padded 0/1 sequence steps up, and down.
+    steps = np.diff(
+      np.concatenate([[0], needed.reshape(-1, block_kv).any(axis=1), [0]]).astype(int)
+    )
+    firsts, ends = np.flatnonzero(steps == 1), np.flatnonzero(steps == -1)
+    runs = [(int(a) * block_kv, int(b - a) * block_kv) for a, b in zip(firsts, ends)]
     if runs:
       out.append(Halo(offset, tuple(runs)))
   return tuple(out)
