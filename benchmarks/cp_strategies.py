@@ -1,22 +1,26 @@
 """One Gemma 4 attention layer's gradient per CP strategy, as the TPU and GPU
-compilers build it: memory per device and bytes moved by collectives.
+compilers build it (memory per device, bytes moved by collectives) and as
+this CPU runs it (step time).
 
 For each layer kind of Gemma 4 (E2B: 8 query heads on 1 K/V head; the full
 layers at head dim 512, the sliding ones at 256 with a 512-token window),
-sequence length and strategy (``ring``, ``all_gather``), the gradient of
-``context_parallel_attention`` (causal, packed documents, bfloat16, the
-chip's kernels) is compiled for a v5e slice (XLA:TPU and Mosaic) and for 8
-H200s (XLA:GPU, Triton and ptxas), on compile-only devices: no chip needed
-(``pip install 'cpjax[tpu]'`` and ``'cpjax[cuda]'``).
+sequence length and strategy (``ring``, ``all_gather`` with a window's halo,
+``ulysses``), the gradient of ``context_parallel_attention`` (causal, packed
+documents, bfloat16, the chip's kernels) is compiled for a v5e slice (XLA:TPU
+and Mosaic) and for 8 H200s (XLA:GPU, Triton and ptxas), on compile-only
+devices: no chip needed (``pip install 'cpjax[tpu]'`` and ``'cpjax[cuda]'``).
+``--cpu-seq-lens`` times the same gradients (float32, the XLA tile loop) on
+this machine's 8 emulated CPU devices, at lengths a CPU runs.
 
-    python benchmarks/cp_strategies.py                       # S = 32768 and 131072, cp = 8
-    python benchmarks/cp_strategies.py --seq-lens 32768 --chips v5e-8
+    python benchmarks/cp_strategies.py --cp 2 4 8          # S = 32768 and 131072
+    python benchmarks/cp_strategies.py --seq-lens 32768 --chips v5e-8 --cpu-seq-lens
 
 Columns: GiB per device (arguments + outputs - aliases + temporaries, the
 compiler's); MiB each device sends in a step (forward and backward), counted
 from the programs' shapes (:func:`bytes_sent`: a compiled program's text
 holds a loop's collectives once, not once a hop); the ring's hops; the
-compile seconds. Writes results/cp_strategies.json.
+compile seconds; on the CPU, the median step seconds and the ratio to the
+ring's in the same run. Writes results/cp_strategies.json.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import cpjax  # noqa: E402
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import median_time, print_table, setup_devices, write_json  # noqa: E402
 from cpjax import parallel  # noqa: E402
 from cpjax.training import plan, targets  # noqa: E402
 
@@ -57,29 +62,41 @@ def bytes_sent(kind: str, seq_len: int, cp: int, strategy: str) -> tuple[int, in
   backward, then those home (one more send, unless the ring came full
   circle). The all-gather sends its share to each other rank in the forward
   and again in the backward (it recomputes rather than keeps the row), and
-  reduce-scatters the row's float32 dK/dV.
+  reduce-scatters the row's float32 dK/dV; under a window it sends only its
+  halo (:func:`cpjax.ring.halo`, 128-key tiles) the same way, and its
+  gradient back. Ulysses all-to-alls (``(cp - 1) / cp`` of each tensor
+  leaves the rank) q, the repeated K and V and the output, then the output's
+  gradient and dq, dK, dV, and all-gathers the document ids once.
   """
   hq, hkv, d, window = KINDS[kind]
   local = seq_len // cp
   kv, ids, grads = 2 * local * hkv * d * 2, local * 4, 2 * local * hkv * d * 4
-  if strategy == "all_gather":
-    return (cp - 1) * (2 * (kv + ids) + grads), 0
   layout = cpjax.ShardLayout(seq_len, seq_len, cp, "load_balanced")
+  if strategy == "ulysses":
+    repeated = hkv * cpjax.ring.ulysses_kv_repeats(hq, hkv, cp)
+    heads = 4 * hq + 4 * repeated  # q, out, do, dq; k, v, dk, dv (bf16)
+    return (cp - 1) * (local * heads * d * 2 // cp + ids), 0
+  if strategy == "all_gather":
+    rule = cpjax.MaskSpec(sliding_window=window).rule()
+    halo = cpjax.ring.halo(layout, rule, 128) if window else None
+    if halo:
+      tokens = sum(h.length for h in halo)
+      return 2 * tokens * (kv + ids) // local + tokens * grads // local, 0
+    return (cp - 1) * (2 * (kv + ids) + grads), 0
   ring = cpjax.ring_plan(layout, sliding_window=window)
   hops = ring.forward_hops * (2 if ring.backward_hops else 1)
   home = (2 if ring.backward_hops else 1) * int(ring.forward_hops % cp != 0) * grads
   return hops * (kv + ids) + hops * (kv + ids + grads) + home, hops
 
 
-def compile_layer(chip: str, kind: str, seq_len: int, cp: int, strategy: str):
-  """The compiled gradient of one layer's attention on ``chip``'s devices."""
+def layer_gradient(kind: str, seq_len: int, cp: int, strategy: str, devices, dtype):
+  """(jitted gradient of one layer's attention, its abstract arguments, mesh)."""
   hq, hkv, d, window = KINDS[kind]
-  target = targets.parse_target(chip)
-  mesh = parallel.make_mesh(cp=cp, devices=target.devices()[:cp])
+  mesh = parallel.make_mesh(cp=cp, devices=devices[:cp])
   layout = cpjax.ShardLayout(seq_len, seq_len, cp, "load_balanced")
   rows = NamedSharding(mesh, P(None, "cp"))
-  q = jax.ShapeDtypeStruct((1, seq_len, hq, d), jnp.bfloat16, sharding=rows)
-  kv = jax.ShapeDtypeStruct((1, seq_len, hkv, d), jnp.bfloat16, sharding=rows)
+  q = jax.ShapeDtypeStruct((1, seq_len, hq, d), dtype, sharding=rows)
+  kv = jax.ShapeDtypeStruct((1, seq_len, hkv, d), dtype, sharding=rows)
   docs = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=rows)
 
   def loss(q, k, v, docs):
@@ -95,16 +112,42 @@ def compile_layer(chip: str, kind: str, seq_len: int, cp: int, strategy: str):
     )
     return jnp.sum(out.astype(jnp.float32))
 
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, kv, kv, docs), mesh
+
+
+def compile_layer(chip: str, kind: str, seq_len: int, cp: int, strategy: str):
+  """The compiled gradient of one layer's attention on ``chip``'s devices."""
+  devices = targets.parse_target(chip).devices()
+  grad, args, mesh = layer_gradient(kind, seq_len, cp, strategy, devices, jnp.bfloat16)
   with jax.set_mesh(mesh):
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, docs).lower().compile()
+    return grad.trace(*args).lower().compile()
+
+
+def cpu_seconds(kind: str, seq_len: int, cp: int, strategy: str) -> float:
+  """Median seconds of one layer's gradient on this machine's CPU devices (float32)."""
+  grad, args, mesh = layer_gradient(kind, seq_len, cp, strategy, jax.devices(), jnp.float32)
+  rng = np.random.default_rng(0)
+  real = [
+    jax.device_put(rng.standard_normal(a.shape).astype(np.float32), a.sharding) for a in args[:3]
+  ]
+  docs = jax.device_put(
+    np.repeat([[1, 2]], seq_len // 2, axis=1).astype(np.int32), args[3].sharding
+  )
+  with jax.set_mesh(mesh):
+    compiled = grad.trace(*real, docs).lower().compile()
+    return median_time(lambda: jax.block_until_ready(compiled(*real, docs)), repeats=3)
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072])
   parser.add_argument("--cp", type=int, nargs="+", default=[8])
-  parser.add_argument("--chips", nargs="+", default=["v5e-8", "h200-8"])
+  parser.add_argument("--chips", nargs="*", default=["v5e-8", "h200-8"])
+  parser.add_argument(
+    "--cpu-seq-lens", type=int, nargs="*", default=[], help="also time on this CPU (e.g. 4096)"
+  )
   args = parser.parse_args(argv)
+  setup_devices(8)
   rows = []
   for chip in args.chips:
     for seq_len in args.seq_lens:
@@ -131,9 +174,25 @@ def main(argv=None):
               f"{row['MiB sent']:.0f} MiB sent ({row['compile s']:.0f} s)",
               flush=True,
             )
+  timed = []
+  for seq_len in args.cpu_seq_lens:
+    for cp in args.cp:
+      for kind in KINDS:
+        base = None
+        for strategy in cpjax.ring.STRATEGIES:  # the ring first: the ratios' base
+          seconds = cpu_seconds(kind, seq_len, cp, strategy)
+          base = seconds if strategy == "ring" else base
+          row = {"S": seq_len, "cp": cp, "layer": kind, "strategy": strategy}
+          row.update({"CPU s": seconds, "vs ring": seconds / base})
+          timed.append(row)
+          print(f"  cpu S={seq_len} cp={cp} {kind} {strategy}: {seconds:.2f} s", flush=True)
   columns = ["chip", "S", "cp", "layer", "strategy", "GiB", "MiB sent", "hops"]
-  print_table(rows, columns + ["compile s"])
-  print(f"wrote {write_json('cp_strategies', {'kinds': KINDS, 'rows': rows})}")
+  if rows:
+    print_table(rows, columns + ["compile s"])
+  if timed:
+    print_table(timed, ["S", "cp", "layer", "strategy", "CPU s", "vs ring"])
+  path = write_json("cp_strategies", {"kinds": KINDS, "rows": rows, "cpu": timed})
+  print(f"wrote {path}")
 
 
 if __name__ == "__main__":

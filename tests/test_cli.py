@@ -403,7 +403,7 @@ def test_plan_target_follows_the_gpu_compiler(target, platform, capsys, monkeypa
     plan,
     "compiled_plan",
     lambda cfg, **kw: plan.estimate(
-      cfg, **{k: v for k, v in kw.items() if k not in ("target", "strategy")}
+      cfg, **{k: v for k, v in kw.items() if k not in ("target", "strategy", "loss_strategy")}
     ),
   )
   cli.main(["plan", "--model", "e2b", "--seq-len", "131072", "--target", target])

@@ -193,6 +193,29 @@ def test_linear_cross_entropy_bad_input():
   ids=lambda v: "+".join(v) if isinstance(v, tuple) else "x".join(f"{k}{n}" for k, n in v.items()),
 )
 def test_linear_cross_entropy_is_vocabulary_parallel(shape, state_axes, monkeypatch):
+  check_vocabulary_parallel(shape, state_axes, monkeypatch)
+
+
+@pytest.mark.parametrize(
+  "shape",
+  [{"fsdp": 2, "cp": 2, "tp": 2}, {"fsdp": 2, "cp": 4}, {"dp": 2, "cp": 4}, {"cp": 8}],
+  ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()),
+)
+def test_the_losss_all_gather_over_cp_equals_the_dense_loss(shape, monkeypatch):
+  """strategy="all_gather": every cp rank gathers the row's hidden states
+  and labels instead of sending them round the ring: the same loss and
+  gradients, and the ring never runs."""
+  from cpjax.training import loss
+  from tests.attention_harness import spy
+
+  rings = spy(monkeypatch, loss, "_ring")
+  text = check_vocabulary_parallel(shape, ("fsdp", "cp"), monkeypatch, strategy="all_gather")
+  assert not rings and "all-gather" in text
+
+
+def check_vocabulary_parallel(shape, state_axes, monkeypatch, strategy="ring"):
+  """Compare the vocabulary-parallel loss on ``shape`` with the dense one;
+  return the compiled gradient program's text."""
   from cpjax import parallel
 
   rng = np.random.default_rng(5)
@@ -212,7 +235,13 @@ def test_linear_cross_entropy_is_vocabulary_parallel(shape, state_axes, monkeypa
   def objective(h, w, y):
     def local(h, w, y):
       s, n = training.linear_cross_entropy(
-        h, w, y, chunk_size=5, logits_soft_cap=CAP, vocab_axis="cp" if over_cp else None
+        h,
+        w,
+        y,
+        chunk_size=5,
+        logits_soft_cap=CAP,
+        vocab_axis="cp" if over_cp else None,
+        strategy=strategy,
       )
       return jax.lax.psum(s, "cp") / jax.lax.psum(n, "cp")
 
@@ -238,10 +267,11 @@ def test_linear_cross_entropy_is_vocabulary_parallel(shape, state_axes, monkeypa
   assert grads[1].sharding.is_equivalent_to(NamedSharding(mesh, head_spec), 2)
   if len(head_spec):  # split over the vocabulary: never whole on a device
     assert f"f32[{vocab},{width}]" not in text
-  if over_cp:  # the tokens travel the ring: never a whole row's on a device
+  if over_cp and strategy == "ring":  # the tokens travel the ring: never a whole row's on a device
     split = jax.tree.leaves(tuple(head_spec))
     rows_here = rows if batch_axis in split else rows // mesh.shape.get(batch_axis, 1)
     held = [
       math.prod(map(int, dims.split(","))) for dims in re.findall(rf"f32\[([\d,]+),{width}\]", text)
     ]
     assert max(held) < rows_here * length, (max(held), rows_here * length)
+  return text

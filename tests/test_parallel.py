@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from cpjax import parallel, training
 from cpjax.models import gemma4
 from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
+from cpjax.training import loss as loss_module
 from tests import attention_harness as H
 
 B, S = 4, 64
@@ -62,10 +63,11 @@ def mesh_step(
   implementation=None,
   interpret=False,
   strategy="ring",
+  loss_strategy="ring",
 ):
   """Shard the model over make_mesh(**shape) (its state over ``state_axes``),
   run one step (the ring's hops on ``implementation``, attention's CP
-  ``strategy``); also return the compiled step."""
+  ``strategy``, the loss's ``loss_strategy``); also return the compiled step."""
   cfg, model, graphdef, params, buffers, batch = setup(preset)
   if remat is not None:
     model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0), remat=remat)
@@ -100,6 +102,7 @@ def mesh_step(
     implementation=implementation,
     interpret=interpret,
     strategy=strategy,
+    loss_strategy=loss_strategy,
   )
   step = step.compile(placed, opt_state, sharded)
   new, _, metrics = step(placed, opt_state, sharded)
@@ -258,7 +261,11 @@ def test_the_step_with_another_cp_strategy_equals_the_single_device_step(
   want_loss, want = single_device_step("tiny")
   kinds = {strategy} if isinstance(strategy, str) else set(strategy.values())
   calls = {"all_gather": H.count_gathers(monkeypatch), "ulysses": H.count_ulysses(monkeypatch)}
-  loss, new, _, _, _ = mesh_step("tiny", shape, strategy=strategy)
+  # The loss's tokens gathered over cp too (the state, head included, is
+  # split over fsdp x cp): the ring of tests/test_loss.py never runs.
+  rings = H.spy(monkeypatch, loss_module, "_ring")
+  loss, new, _, _, _ = mesh_step("tiny", shape, strategy=strategy, loss_strategy="all_gather")
+  assert not rings
   for name, seen in calls.items():
     assert bool(seen) == (name in kinds), f"{name} reached attention {len(seen)} times"
   assert abs(loss - want_loss) <= 1e-6 * want_loss

@@ -65,6 +65,20 @@ MUTANTS = (
     "  return jnp.flip(lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True), 2)",
     ("tests/test_ulysses.py::test_ulysses_equals_the_reference",),
   ),
+  Mutant(
+    "loss all_gather: the vocabulary blocks' statistics not combined over cp",
+    "cpjax/training/loss.py",
+    "    axes = (s.vocab_axis, *axes)",
+    "    axes = axes",
+    ("tests/test_loss.py::test_the_losss_all_gather_over_cp_equals_the_dense_loss",),
+  ),
+  Mutant(
+    "loss all_gather: every rank takes the first rank's hidden-state gradient",
+    "cpjax/training/loss.py",
+    "    dh = jax.lax.psum_scatter(dh, s.vocab_axis, scatter_dimension=1, tiled=True)",
+    "    dh = jax.lax.psum(dh, s.vocab_axis)[:, : local[1]]",
+    ("tests/test_loss.py::test_the_losss_all_gather_over_cp_equals_the_dense_loss",),
+  ),
   # --- the all-gather strategy (issue 46)
   Mutant(
     "all_gather: each rank keeps its own share of the key gradients, unsummed",

@@ -246,7 +246,12 @@ def plan(parser, args) -> int:
       dtype = args.dtype if target is not None else "float32"
       rows.append(
         plan.compiled_plan(
-          cfg, target=target, dtype=dtype, strategy=cp_strategy.as_strategy(choices), **step
+          cfg,
+          target=target,
+          dtype=dtype,
+          strategy=cp_strategy.as_strategy(choices),
+          loss_strategy="auto",
+          **step,
         )
       )
       seconds = time.perf_counter() - start

@@ -37,7 +37,7 @@ from cpjax.layout import ShardLayout
 from cpjax.masks import MaskSpec
 from cpjax.ring import halo
 
-__all__ = ["DEFAULT_DEVICE_MEMORY", "Choice", "as_strategy", "choose", "describe"]
+__all__ = ["DEFAULT_DEVICE_MEMORY", "Choice", "as_strategy", "choose", "describe", "row_fits"]
 
 #: The device memory the rule budgets for when none is given (a v5e's 16 GiB HBM).
 DEFAULT_DEVICE_MEMORY = 16 * 2**30
@@ -110,7 +110,7 @@ def choose(
       out[kind] = Choice(
         "ulysses", f"{hq} query and {hkv} K/V heads split over cp = {cp}: O(S/cp) memory"
       )
-    elif row <= budget:
+    elif row_fits(row, device_memory):
       out[kind] = Choice(
         "all_gather",
         f"{hkv} K/V head(s) of dim {d}: the gathered row ({_gib(row)}) fits 1/{_ROW_SHARE} "
@@ -123,6 +123,17 @@ def choose(
         f"{_gib(budget * _ROW_SHARE)}: the ring keeps O(S/cp) memory",
       )
   return out
+
+
+def row_fits(nbytes: int, device_memory: int | None = None) -> bool:
+  """Return whether a gathered row of ``nbytes`` takes at most the rule's
+  share of a device's memory (the loss's choice between its all-gather and
+  its ring reads it too: :func:`cpjax.training.loss.cross_entropy`).
+
+  >>> row_fits(2 * 2**30), row_fits(2 * 2**30 + 1)
+  (True, False)
+  """
+  return nbytes <= (DEFAULT_DEVICE_MEMORY if device_memory is None else device_memory) // _ROW_SHARE
 
 
 def as_strategy(choices: dict[str, Choice]) -> tuple[tuple[str, str], ...]:

@@ -40,7 +40,12 @@ and the label's logit) to the visiting chunk's, which travel with it and
 come home whole; the backward sends the chunks round again with their
 log-sum-exps and their hidden states' gradient, which each rank adds its
 block's part to, while the head's gradient stays on its rank. No rank holds
-more than two ranks' tokens (``[B, 2 L, D]``), never the whole row's.
+more than two ranks' tokens (``[B, 2 L, D]``), never the whole row's. Rows
+short enough take the all-gather instead (``strategy="all_gather"``, or
+``"auto"`` by the CP strategy rule): every rank gathers the row's hidden
+states and labels at once, its block's statistics combine with the others'
+by collectives of ``C`` values as the Auto axes' do, and the hidden states'
+gradient is reduce-scattered home.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from cpjax.parallel import (
   vary_like,
   varying_axes,
 )
+from cpjax.training.cp_strategy import row_fits
 
 __all__ = [
   "LOSS_CHUNK_LOGITS",
@@ -76,7 +82,11 @@ __all__ = [
 LOSS_CHUNK_LOGITS = 1 << 26
 
 
-def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX):
+#: How the loss's tokens meet a head split over cp (``cross_entropy(strategy=...)``).
+LOSS_STRATEGIES = ("ring", "all_gather", "auto")
+
+
+def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX, strategy: str = "ring"):
   """Compute the (CE sum, count) of a forward's output.
 
   :func:`token_cross_entropy` of logits [B, L, V], or
@@ -86,6 +96,12 @@ def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX):
     output: logits [B, L, V] or :class:`HiddenStates`.
     labels: int[B, L]; ``ignore_index`` is not counted.
     ignore_index: the label of tokens not counted.
+    strategy: for a head split over the cp ranks (``head_axis``), how the
+      tokens meet its blocks: ``"ring"``, ``"all_gather"`` (see
+      :func:`linear_cross_entropy`), or ``"auto"``: the all-gather while the
+      row's gathered hidden states and their float32 gradient fit the CP
+      strategy rule's share of a device
+      (:func:`cpjax.training.cp_strategy.row_fits`), else the ring.
 
   Returns:
     (CE sum, count).
@@ -103,6 +119,14 @@ def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX):
       1 if output.head_axis is None else jax.lax.axis_size(output.head_axis)
     )
     chunk = max(16, min(4096, LOSS_CHUNK_LOGITS // vocab))
+    if strategy == "auto":
+      strategy = "ring"
+      if output.head_axis is not None:
+        # Attention's rule (cpjax.training.cp_strategy): the row's hidden
+        # states and their float32 gradient, gathered, within the share.
+        h = output.hidden
+        row = h.shape[0] * h.shape[1] * jax.lax.axis_size(output.head_axis) * h.shape[2]
+        strategy = "all_gather" if row_fits(row * (h.dtype.itemsize + 4)) else "ring"
     return linear_cross_entropy(
       output.hidden,
       output.head,
@@ -111,6 +135,7 @@ def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX):
       logits_soft_cap=output.logits_soft_cap,
       ignore_index=ignore_index,
       vocab_axis=output.head_axis,
+      strategy=strategy,
     )
   return token_cross_entropy(output, labels, ignore_index=ignore_index)
 
@@ -145,7 +170,12 @@ def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
 
 
 def cross_entropy_sums(
-  logits, labels, *, axis_names: tuple[str, ...] = ("cp",), ignore_index: int = IGNORE_INDEX
+  logits,
+  labels,
+  *,
+  axis_names: tuple[str, ...] = ("cp",),
+  ignore_index: int = IGNORE_INDEX,
+  strategy: str = "ring",
 ):
   """Reduce the CP loss: (CE sum, token count) over every rank of ``axis_names``.
 
@@ -162,6 +192,7 @@ def cross_entropy_sums(
     labels: this rank's labels int[B, L].
     axis_names: the mesh axes to sum over.
     ignore_index: the label of tokens not counted.
+    strategy: as :func:`cross_entropy`.
 
   Returns:
     (CE sum, token count) over every rank of ``axis_names``.
@@ -177,7 +208,7 @@ def cross_entropy_sums(
     >>> round(float(s / n), 4), float(n)       # log(4) over 3 counted tokens
     (1.3863, 3.0)
   """
-  ce_sum, count = cross_entropy(logits, labels, ignore_index=ignore_index)
+  ce_sum, count = cross_entropy(logits, labels, ignore_index=ignore_index, strategy=strategy)
   if not axis_names:
     return ce_sum, count
   return jax.lax.psum(ce_sum, tuple(axis_names)), jax.lax.psum(count, tuple(axis_names))
@@ -192,6 +223,7 @@ def linear_cross_entropy(
   logits_soft_cap: float | None = None,
   ignore_index: int = IGNORE_INDEX,
   vocab_axis: str | None = None,
+  strategy: str = "ring",
 ):
   """Compute :func:`token_cross_entropy` of ``cap(hidden @ head.T)``.
 
@@ -206,6 +238,13 @@ def linear_cross_entropy(
       axis whose rank ``i`` holds block ``i`` of the head's rows while
       ``hidden`` and ``labels`` are that rank's own tokens (the ring's
       ``cp``); the sums are then this rank's tokens'.
+    strategy: how the tokens meet every block of the head over
+      ``vocab_axis``: ``"ring"`` (they travel the ring; no rank holds more
+      than two ranks' tokens) or ``"all_gather"`` (every rank gathers the
+      row's hidden states and labels at once, combines its block's
+      statistics with the others' by ``C``-value collectives, and
+      reduce-scatters the hidden states' gradient home; for rows whose
+      gathered hidden states fit). Both give the same sums and gradients.
 
   Returns:
     (sum of per-token CE, number of counted tokens), both float32 scalars.
@@ -233,6 +272,8 @@ def linear_cross_entropy(
     raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
+  if strategy not in LOSS_STRATEGIES[:2]:
+    raise ValueError(f"strategy must be 'ring' or 'all_gather', got {strategy!r}")
   where = row_placement(head, hidden.shape[0])
   if where is not None and not where.table_axes:  # not split by vocabulary: whole
     head, where = gathered(head), None
@@ -246,6 +287,7 @@ def linear_cross_entropy(
     where,
     varying_axes(head),
     vocab_axis,
+    vocab_axis is not None and strategy == "all_gather",
   )
   ce_sum = _ce_sum(hidden, head, labels, setup)
   return ce_sum, jnp.sum(labels != ignore_index, dtype=jnp.float32)
@@ -258,6 +300,7 @@ class _Setup(NamedTuple):
   where: RowPlacement | None  # the head split over its vocabulary (None: whole here)
   head_vma: frozenset[str]  # manual axes the head varies over (the ring's cp: none)
   vocab_axis: str | None = None  # a manual axis the head's rows are split over (the ring's cp)
+  gather_tokens: bool = False  # over vocab_axis: the row's tokens gathered, not a ring
 
 
 def _vocab_axes(s: _Setup) -> tuple[str, ...]:
@@ -283,6 +326,25 @@ def _gathers_rows(s: _Setup) -> bool:
   """Whether the batch axis also splits the vocabulary: then every device
   needs every row's hidden states against its block of the head."""
   return s.where is not None and s.where.batch in s.where.table_axes
+
+
+def _gather_tokens(hidden, labels, s: _Setup):
+  """The row's tokens, every rank's in rank order, when they are gathered over ``vocab_axis``."""
+  if not s.gather_tokens:
+    return hidden, labels
+  gather = functools.partial(jax.lax.all_gather, axis_name=s.vocab_axis, axis=1, tiled=True)
+  return gather(hidden), gather(labels)
+
+
+def _own_tokens(labels, s: _Setup):
+  """Labels of the gathered row with every other rank's tokens ignored (None
+  when nothing is gathered)."""
+  if not s.gather_tokens:
+    return None
+  n = jax.lax.axis_size(s.vocab_axis)
+  mine = jax.lax.axis_index(s.vocab_axis) == jnp.arange(n)
+  ignored = jnp.full_like(labels, s.ignore_index)
+  return jnp.concatenate([jnp.where(m, labels, ignored) for m in mine], axis=1)
 
 
 def _chunks(hidden, labels, s: _Setup):
@@ -352,6 +414,8 @@ def _block_stats(h, y, head, s: _Setup) -> _Stats:
   vocabulary, combined over the Auto axes splitting it (collectives of ``C``
   values)."""
   axes, start = _auto_axes(s), _block_start(head, s)
+  if s.gather_tokens:  # every rank holds the row: combine the blocks as the Auto axes' are
+    axes = (s.vocab_axis, *axes)
 
   def chunk(_, xs):
     hc, yc = xs
@@ -400,8 +464,10 @@ def _local_forward(hidden, head, labels, s: _Setup):
   statistics to the visiting chunk's, which travel with it and come home
   whole, so no rank holds more than two ranks' tokens."""
   hidden, labels = _gather_rows(hidden, labels, s)
+  own = _own_tokens(labels, s)
+  hidden, labels = _gather_tokens(hidden, labels, s)
   h, y = _chunks(hidden, labels, s)
-  if s.vocab_axis is None:
+  if s.vocab_axis is None or s.gather_tokens:
     stats = _block_stats(h, y, head, s)
   else:
 
@@ -414,7 +480,10 @@ def _local_forward(hidden, head, labels, s: _Setup):
       step, (h, y, _Stats(empty - jnp.inf, empty, empty)), None, lambda moving: moving[2], s
     )
   lse = stats.lse()
-  total = jnp.sum(jnp.where(y != s.ignore_index, lse - stats.picked, 0.0))
+  counted = y != s.ignore_index
+  if s.gather_tokens:  # the sum is this rank's tokens' (each rank has the row's)
+    counted &= _chunks(hidden, own, s)[1] != s.ignore_index
+  total = jnp.sum(jnp.where(counted, lse - stats.picked, 0.0))
   if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
     total = jax.lax.psum(total, s.where.batch)  # rows split over dp: add them
   return total[None], lse
@@ -463,9 +532,11 @@ def _local_backward(hidden, head, labels, lse, g, s: _Setup):
   head's gradient stays on its rank."""
   rows = hidden.shape
   hidden, labels = _gather_rows(hidden, labels, s)
+  local = hidden.shape
+  hidden, labels = _gather_tokens(hidden, labels, s)
   h, y = _chunks(hidden, labels, s)
   dh, d_head = _zeros(h.shape, h, y, head), _zeros(head.shape, h, y, head)
-  if s.vocab_axis is None:
+  if s.vocab_axis is None or s.gather_tokens:
     dh, d_head = _block_grads(h, y, lse, head, g, dh, d_head, s)
   else:
 
@@ -477,6 +548,9 @@ def _local_backward(hidden, head, labels, lse, g, s: _Setup):
     dh, d_head = _ring(step, (h, y, lse, dh), d_head, lambda moving: moving[3], s)
   n = hidden.shape[0] * hidden.shape[1]
   dh = dh.reshape(-1, rows[-1])[:n].reshape(hidden.shape)
+  if s.gather_tokens:  # each block's part of every token's: summed, and home
+    dh = jax.lax.psum_scatter(dh, s.vocab_axis, scatter_dimension=1, tiled=True)
+    hidden = hidden[:, : local[1]]
   # Each block's dh is a partial sum over its part of the vocabulary. (Every
   # rank's g is the same: the step sums the ranks' CE sums.)
   if _gathers_rows(s):

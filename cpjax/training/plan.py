@@ -560,6 +560,7 @@ def compile_step(
   shard_state: str = "fsdp+cp",
   devices=None,
   strategy="ring",
+  loss_strategy: str = "ring",
 ):
   """Compile the training step of ``cfg`` abstractly (no array is made) on ``prod(mesh)`` devices.
 
@@ -575,8 +576,9 @@ def compile_step(
       (``cpjax plan`` sets ``jax_num_cpu_devices`` before JAX starts); or a
       target's compile-only ones (:meth:`cpjax.training.targets.Target.devices`),
       which compile with their own chip's kernels and compiler.
-    strategy: the CP strategy, as :func:`cpjax.training.make_train_step`
-      takes it (``cpjax plan`` passes its rule's choice).
+    strategy, loss_strategy: the CP strategies of attention and of the
+      loss, as :func:`cpjax.training.make_train_step` takes them (``cpjax
+      plan`` passes its rule's choice and ``"auto"``, as ``cpjax train`` does).
 
   Returns:
     ``(compiled TrainStep, params, opt_state, frozen base or None)``, the
@@ -663,6 +665,7 @@ def compile_step(
     expert_axes=expert_axes,
     capacity_factor=capacity_factor,
     strategy=strategy,
+    loss_strategy=loss_strategy,
   )
   compiled = step.compile(params, opt_state, batch)
   base = None
@@ -687,6 +690,7 @@ def compiled_plan(
   shard_state: str = "fsdp+cp",
   target=None,
   strategy="ring",
+  loss_strategy: str = "ring",
 ) -> Plan:
   """Build the :class:`Plan` of :func:`compile_step`'s program.
 
@@ -695,7 +699,7 @@ def compiled_plan(
       lora_targets, capacity_factor, shard_state: as :func:`estimate`.
     target: a :class:`cpjax.training.targets.Target` to compile for with its
       own compiler and kernels (default: this process's devices).
-    strategy: the CP strategy (:func:`compile_step`).
+    strategy, loss_strategy: the CP strategies (:func:`compile_step`).
 
   Returns:
     The :class:`Plan` of :func:`compile_step`'s program: its memory analysis,
@@ -718,6 +722,7 @@ def compiled_plan(
     shard_state=shard_state,
     devices=None if target is None else target.devices(),
     strategy=strategy,
+    loss_strategy=loss_strategy,
   )
   cost = compiled.cost_analysis()  # None from XLA:GPU without a device
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}

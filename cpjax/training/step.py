@@ -38,7 +38,7 @@ from cpjax.cp_context import (
 from cpjax.layout import ShardLayout
 from cpjax.parallel import varying_axes
 from cpjax.ring.kernels import mesh_platform, resolve_implementation
-from cpjax.training.loss import cross_entropy, cross_entropy_sums
+from cpjax.training.loss import LOSS_STRATEGIES, cross_entropy, cross_entropy_sums
 
 __all__ = ["TrainStep", "default_forward", "make_loss_fn", "make_train_step", "stack_microbatches"]
 
@@ -82,6 +82,7 @@ def make_loss_fn(
   expert_axes: tuple[str, ...] = (),
   capacity_factor: float | None = None,
   strategy="ring",
+  loss_strategy: str = "ring",
 ) -> Callable:
   """Make ``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)`` of a split NNX model.
 
@@ -115,6 +116,9 @@ def make_loss_fn(
       one per layer kind (``{"full_attention": "all_gather"}``), handed to
       the model in its :class:`cpjax.CPContext` (see
       :func:`cpjax.ring_attention` and :func:`cpjax.cp_context.parse_strategy`).
+    loss_strategy: how the loss's tokens meet a head split over cp: ``"ring"``,
+      ``"all_gather"`` or ``"auto"`` (:func:`cpjax.training.loss.cross_entropy`;
+      ``cpjax train`` takes ``"auto"`` with ``parallel.strategy: auto``).
 
   Returns:
     ``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)``.
@@ -146,6 +150,7 @@ def make_loss_fn(
     expert_axes=expert_axes,
     capacity_factor=capacity_factor,
     strategy=strategy,
+    loss_strategy=loss_strategy,
   )
 
   def loss_sums(params, batch, frozen=frozen):
@@ -169,6 +174,7 @@ def _loss_parts(
   expert_axes,
   capacity_factor,
   strategy,
+  loss_strategy="ring",
 ) -> Callable:
   """:func:`make_loss_fn` returning ``(ce_sum, count, metrics)``: ``metrics``
   are the forward's own (:attr:`HiddenStates.metrics`) summed over the ranks,
@@ -182,6 +188,8 @@ def _loss_parts(
 
   default_frozen = frozen
   parse_strategy(strategy)  # a bad strategy fails here, on one device too
+  if loss_strategy not in LOSS_STRATEGIES:
+    raise ValueError(f"loss_strategy must be one of {LOSS_STRATEGIES}, got {loss_strategy!r}")
   if mesh is None:
     if expert_axes or capacity_factor is not None:
       raise ValueError(
@@ -230,7 +238,9 @@ def _loss_parts(
     # gradients returned by a nested shard_map, as expert parallelism's.)
     params = jax.tree.map(lambda x: _vary(x, varied), params)
     output = forward(merge(params, frozen), batch, context)
-    ce_sum, count = cross_entropy_sums(output, batch["labels"], axis_names=axes)
+    ce_sum, count = cross_entropy_sums(
+      output, batch["labels"], axis_names=axes, strategy=loss_strategy
+    )
     metrics = {k: jax.lax.psum(v, axes) if axes else v for k, v in metrics_of(output).items()}
     return ce_sum, count, metrics
 
@@ -277,6 +287,7 @@ def make_train_step(
   expert_axes: tuple[str, ...] = (),
   capacity_factor: float | None = None,
   strategy="ring",
+  loss_strategy: str = "ring",
 ) -> "TrainStep":
   """Make one compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
@@ -293,8 +304,8 @@ def make_train_step(
     graphdef: from ``nnx.split(model)``.
     optimizer: the optax optimizer.
     mesh, layout, axis_name, batch_axis, forward, batch_specs, frozen,
-      implementation, interpret, expert_axes, capacity_factor, strategy: as
-      :func:`make_loss_fn`.
+      implementation, interpret, expert_axes, capacity_factor, strategy,
+      loss_strategy: as :func:`make_loss_fn`.
 
   Returns:
     The :class:`TrainStep`.
@@ -325,6 +336,7 @@ def make_train_step(
     expert_axes=expert_axes,
     capacity_factor=capacity_factor,
     strategy=strategy,
+    loss_strategy=loss_strategy,
   )
 
   def sums_and_grads(params, batch, frozen, scaled: bool = False):

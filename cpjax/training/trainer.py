@@ -811,6 +811,7 @@ def eval_hook(job: RunConfig, trainer: TrainState, layout, summary: dict, log):
       expert_axes=trainer.expert_axes,
       capacity_factor=job.experts.capacity_factor,
       strategy=cp_strategy(job, trainer),
+      loss_strategy="auto" if job.parallel.strategy == "auto" else "ring",
     )
   )
   counted = sum(int(np.sum(b["labels"] != -100)) for b in host)
@@ -956,6 +957,7 @@ def run_train_job(job: RunConfig, *, log=print) -> dict:
     expert_axes=trainer.expert_axes,
     capacity_factor=job.experts.capacity_factor,
     strategy=cp_strategy(job, trainer),
+    loss_strategy="auto" if job.parallel.strategy == "auto" else "ring",
   )
   step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
 
