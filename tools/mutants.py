@@ -76,7 +76,7 @@ MUTANTS = (
     "loss all_gather: every rank takes the first rank's hidden-state gradient",
     "cpjax/training/loss.py",
     "    dh = jax.lax.psum_scatter(dh, s.vocab_axis, scatter_dimension=1, tiled=True)",
-    "    dh = jax.lax.psum(dh, s.vocab_axis)[:, : local[1]]",
+    "    dh = jax.lax.psum(dh, s.vocab_axis)[:, : rows[1]]",
     ("tests/test_loss.py::test_the_losss_all_gather_over_cp_equals_the_dense_loss",),
   ),
   # --- the all-gather strategy (issue 46)

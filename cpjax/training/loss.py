@@ -336,15 +336,11 @@ def _gather_tokens(hidden, labels, s: _Setup):
   return gather(hidden), gather(labels)
 
 
-def _own_tokens(labels, s: _Setup):
-  """Labels of the gathered row with every other rank's tokens ignored (None
-  when nothing is gathered)."""
-  if not s.gather_tokens:
-    return None
-  n = jax.lax.axis_size(s.vocab_axis)
-  mine = jax.lax.axis_index(s.vocab_axis) == jnp.arange(n)
-  ignored = jnp.full_like(labels, s.ignore_index)
-  return jnp.concatenate([jnp.where(m, labels, ignored) for m in mine], axis=1)
+def _own(y, local_len: int, s: _Setup):
+  """bool[K, C]: which tokens of the gathered rows' chunks ``y`` are this
+  rank's own (each row holds every rank's ``local_len`` tokens in rank order)."""
+  token = jnp.arange(y.size).reshape(y.shape) % (local_len * jax.lax.axis_size(s.vocab_axis))
+  return token // local_len == jax.lax.axis_index(s.vocab_axis)
 
 
 def _chunks(hidden, labels, s: _Setup):
@@ -464,7 +460,7 @@ def _local_forward(hidden, head, labels, s: _Setup):
   statistics to the visiting chunk's, which travel with it and come home
   whole, so no rank holds more than two ranks' tokens."""
   hidden, labels = _gather_rows(hidden, labels, s)
-  own = _own_tokens(labels, s)
+  local_len = hidden.shape[1]
   hidden, labels = _gather_tokens(hidden, labels, s)
   h, y = _chunks(hidden, labels, s)
   if s.vocab_axis is None or s.gather_tokens:
@@ -482,7 +478,7 @@ def _local_forward(hidden, head, labels, s: _Setup):
   lse = stats.lse()
   counted = y != s.ignore_index
   if s.gather_tokens:  # the sum is this rank's tokens' (each rank has the row's)
-    counted &= _chunks(hidden, own, s)[1] != s.ignore_index
+    counted &= _own(y, local_len, s)
   total = jnp.sum(jnp.where(counted, lse - stats.picked, 0.0))
   if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
     total = jax.lax.psum(total, s.where.batch)  # rows split over dp: add them
@@ -532,7 +528,6 @@ def _local_backward(hidden, head, labels, lse, g, s: _Setup):
   head's gradient stays on its rank."""
   rows = hidden.shape
   hidden, labels = _gather_rows(hidden, labels, s)
-  local = hidden.shape
   hidden, labels = _gather_tokens(hidden, labels, s)
   h, y = _chunks(hidden, labels, s)
   dh, d_head = _zeros(h.shape, h, y, head), _zeros(head.shape, h, y, head)
@@ -550,7 +545,6 @@ def _local_backward(hidden, head, labels, lse, g, s: _Setup):
   dh = dh.reshape(-1, rows[-1])[:n].reshape(hidden.shape)
   if s.gather_tokens:  # each block's part of every token's: summed, and home
     dh = jax.lax.psum_scatter(dh, s.vocab_axis, scatter_dimension=1, tiled=True)
-    hidden = hidden[:, : local[1]]
   # Each block's dh is a partial sum over its part of the vocabulary. (Every
   # rank's g is the same: the step sums the ranks' CE sums.)
   if _gathers_rows(s):
