@@ -19,6 +19,10 @@ S and cp):
    small beside the queries, and it sends fewer bytes than the ring's hops.
 4. The ring, which keeps ``O(S/cp)`` memory at any length.
 
+The loss reads the same share (:func:`row_fits`): with ``auto`` it gathers
+the row's hidden states over cp while they and their float32 gradient fit,
+else its tokens travel the ring (:func:`cpjax.training.loss.cross_entropy`).
+
 >>> from cpjax.models.gemma4 import Gemma4Config
 >>> e2b = Gemma4Config.preset("e2b").text
 >>> for kind, c in choose(e2b, seq_len=131072, cp=8).items():
