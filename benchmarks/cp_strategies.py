@@ -5,7 +5,8 @@ this CPU runs it (step time).
 For each layer kind of Gemma 4 (E2B: 8 query heads on 1 K/V head; the full
 layers at head dim 512, the sliding ones at 256 with a 512-token window),
 sequence length and strategy (``ring``, ``all_gather`` with a window's halo,
-``ulysses``), the gradient of ``context_parallel_attention`` (causal, packed
+``ulysses``, and ``hybrid`` where K/V heads make its groups: 26B-A4B's full
+layers, ``--kinds``), the gradient of ``context_parallel_attention`` (causal, packed
 documents, bfloat16, the chip's kernels) is compiled for a v5e slice (XLA:TPU
 and Mosaic) and for 8 H200s (XLA:GPU, Triton and ptxas), on compile-only
 devices: no chip needed (``pip install 'cpjax[tpu]'`` and ``'cpjax[cuda]'``).
@@ -14,6 +15,7 @@ this machine's 8 emulated CPU devices, at lengths a CPU runs.
 
     python benchmarks/cp_strategies.py --cp 2 4 8          # S = 32768 and 131072
     python benchmarks/cp_strategies.py --seq-lens 32768 --chips v5e-8 --cpu-seq-lens
+    python benchmarks/cp_strategies.py --kinds a4b_full_attention --out cp_strategies_a4b
 
 Columns: GiB per device (arguments + outputs - aliases + temporaries, the
 compiler's); MiB each device sends in a step (forward and backward), counted
@@ -47,11 +49,27 @@ from benchmarks.common import median_time, print_table, setup_devices, write_jso
 from cpjax import parallel  # noqa: E402
 from cpjax.training import plan, targets  # noqa: E402
 
-# Gemma 4 E2B's attention layers: (query heads, K/V heads, head dim, window).
+# Gemma 4 E2B's attention layers, and 26B-A4B's full ones (2 K/V heads: the
+# hybrid's groups of 2): (query heads, K/V heads, head dim, window).
 KINDS = {
   "full_attention": (8, 1, 512, None),
   "sliding_attention": (8, 1, 256, 512),
+  "a4b_full_attention": (16, 2, 512, None),
 }
+E2B_KINDS = ("full_attention", "sliding_attention")
+
+
+def applies(kind: str, cp: int, strategy: str) -> bool:
+  """Whether ``strategy`` is its own program for ``kind`` at ``cp``: the
+  hybrid needs K/V heads sharing a factor with cp, and one group of the
+  whole axis is Ulysses."""
+  if strategy != "hybrid":
+    return True
+  hq, hkv, _, _ = KINDS[kind]
+  try:
+    return cpjax.ring.hybrid_ulysses_size(hq, hkv, cp) < cp
+  except ValueError:
+    return False
 
 
 def bytes_sent(kind: str, seq_len: int, cp: int, strategy: str) -> tuple[int, int]:
@@ -66,7 +84,10 @@ def bytes_sent(kind: str, seq_len: int, cp: int, strategy: str) -> tuple[int, in
   halo (:func:`cpjax.ring.halo`, 128-key tiles) the same way, and its
   gradient back. Ulysses all-to-alls (``(cp - 1) / cp`` of each tensor
   leaves the rank) q, the repeated K and V and the output, then the output's
-  gradient and dq, dK, dV, and all-gathers the document ids once.
+  gradient and dq, dK, dV, and all-gathers the document ids once. The
+  hybrid does Ulysses' all-to-alls inside its groups of ``U`` ranks (no K/V
+  head repeated), then the ring's hops over the groups: the same K/V bytes
+  a hop, ``U`` times the document ids.
   """
   hq, hkv, d, window = KINDS[kind]
   local = seq_len // cp
@@ -76,6 +97,15 @@ def bytes_sent(kind: str, seq_len: int, cp: int, strategy: str) -> tuple[int, in
     repeated = hkv * cpjax.ring.ulysses_kv_repeats(hq, hkv, cp)
     heads = 4 * hq + 4 * repeated  # q, out, do, dq; k, v, dk, dv (bf16)
     return (cp - 1) * (local * heads * d * 2 // cp + ids), 0
+  if strategy == "hybrid":
+    size = cpjax.ring.hybrid_ulysses_size(hq, hkv, cp)
+    heads = 4 * hq + 4 * hkv
+    within = (size - 1) * (local * heads * d * 2 // size + ids)
+    groups = cpjax.ShardLayout(seq_len, seq_len, cp // size, "load_balanced")
+    ring = cpjax.ring_plan(groups, sliding_window=window)
+    hops = ring.forward_hops * (2 if ring.backward_hops else 1)
+    home = (2 if ring.backward_hops else 1) * int(ring.forward_hops % (cp // size) != 0) * grads
+    return within + hops * (kv + size * ids) + hops * (kv + size * ids + grads) + home, hops
   if strategy == "all_gather":
     rule = cpjax.MaskSpec(sliding_window=window).rule()
     halo = cpjax.ring.halo(layout, rule, 128) if window else None
@@ -146,14 +176,22 @@ def main(argv=None):
   parser.add_argument(
     "--cpu-seq-lens", type=int, nargs="*", default=[], help="also time on this CPU (e.g. 4096)"
   )
+  parser.add_argument(
+    "--kinds",
+    nargs="+",
+    choices=list(KINDS),
+    default=list(E2B_KINDS),
+    help="layers to measure (default: E2B's two kinds)",
+  )
+  parser.add_argument("--out", default="cp_strategies", help="results/NAME.json")
   args = parser.parse_args(argv)
   setup_devices(8)
   rows = []
   for chip in args.chips:
     for seq_len in args.seq_lens:
       for cp in args.cp:
-        for kind in KINDS:
-          for strategy in cpjax.ring.STRATEGIES:
+        for kind in args.kinds:
+          for strategy in filter(lambda x: applies(kind, cp, x), cpjax.ring.STRATEGIES):
             start = time.perf_counter()
             row = {"chip": chip, "S": seq_len, "cp": cp, "layer": kind, "strategy": strategy}
             try:
@@ -177,9 +215,10 @@ def main(argv=None):
   timed = []
   for seq_len in args.cpu_seq_lens:
     for cp in args.cp:
-      for kind in KINDS:
+      for kind in args.kinds:
         base = None
-        for strategy in cpjax.ring.STRATEGIES:  # the ring first: the ratios' base
+        # The ring first: the ratios' base.
+        for strategy in filter(lambda x: applies(kind, cp, x), cpjax.ring.STRATEGIES):
           seconds = cpu_seconds(kind, seq_len, cp, strategy)
           base = seconds if strategy == "ring" else base
           row = {"S": seq_len, "cp": cp, "layer": kind, "strategy": strategy}
@@ -191,7 +230,8 @@ def main(argv=None):
     print_table(rows, columns + ["compile s"])
   if timed:
     print_table(timed, ["S", "cp", "layer", "strategy", "CPU s", "vs ring"])
-  path = write_json("cp_strategies", {"kinds": KINDS, "rows": rows, "cpu": timed})
+  kinds = {k: KINDS[k] for k in args.kinds}
+  path = write_json(args.out, {"kinds": kinds, "rows": rows, "cpu": timed})
   print(f"wrote {path}")
 
 

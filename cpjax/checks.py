@@ -163,7 +163,9 @@ def token_stream(
     fits_int32(name, x)
 
 
-def _axis_size(axis_name: str) -> int | None:
+def axis_size(axis_name) -> int | None:
+  """Return the size of mesh axis ``axis_name`` (or a tuple of axes) where it
+  is bound (inside ``shard_map``), else None."""
   try:
     return jax.lax.axis_size(axis_name)
   except (NameError, ValueError, KeyError):
@@ -181,7 +183,7 @@ def cp_axis(caller: str, axis_name: str, cp_size: int) -> None:
     axis_name: the CP mesh axis.
     cp_size: the layout's number of ranks.
   """
-  size = _axis_size(axis_name)
+  size = axis_size(axis_name)
   if size is None and cp_size != 1:
     raise ValueError(
       f"{caller} with layout.cp_size={cp_size} must run inside shard_map over "

@@ -16,6 +16,8 @@ and key/value heads, ``D`` head dim.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,7 +164,7 @@ def context_parallel_attention(
   *,
   mesh: Mesh,
   layout: ShardLayout,
-  axis_name: str = "cp",
+  axis_name: str | tuple[str, str] = "cp",
   batch_axis: str | None = None,
   head_axis: str | None = None,
   mask: AttentionMask | None = None,
@@ -186,7 +188,10 @@ def context_parallel_attention(
     mesh: a mesh with an ``axis_name`` axis of size ``layout.cp_size``.
     layout: the :class:`cpjax.ShardLayout` the arrays follow (from
       :func:`cpjax.shard_batch`).
-    axis_name: the context-parallel mesh axis.
+    axis_name: the context-parallel mesh axis; for ``strategy="hybrid"``
+      also a pair ``(ring_axis, ulysses_axis)`` (see
+      :func:`cpjax.ring_attention`), the product of their sizes
+      ``layout.cp_size``.
     batch_axis: optional mesh axis the batch is sharded over (B divisible by
       its size).
     head_axis: optional mesh axis the heads are sharded over (tensor
@@ -215,7 +220,9 @@ def context_parallel_attention(
     True
   """
   _check_layout(layout)
-  cp_size = _mesh_axis_size(mesh, axis_name, "axis_name")
+  # (A pair of axes is the hybrid's: ring_attention checks the strategy.)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  cp_size = math.prod(_mesh_axis_size(mesh, a, "axis_name") for a in names)
   if cp_size != layout.cp_size:
     raise ValueError(
       f"layout.cp_size ({layout.cp_size}) must equal the size of mesh axis "
@@ -226,7 +233,7 @@ def context_parallel_attention(
     if axis is None:
       continue
     _mesh_axis_size(mesh, axis, name)
-    if axis in axes.values():
+    if axis in names or axis in axes.values():
       raise ValueError(f"{name}={axis!r} must differ from the other axes {axes}")
     axes[name] = axis
   b, s, _, _, _ = checks.attention_inputs(q, k, v, length="S")

@@ -97,17 +97,20 @@ def test_the_halo_is_the_reach_before_each_chunk_in_whole_key_blocks():
   assert halo(balanced, MaskSpec(sliding_window=2000).rule(), 128) is None  # the whole ring
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+@pytest.mark.parametrize(
+  "strategy, hkv, cp", [("all_gather", 1, 2), ("ulysses", 1, 2), ("hybrid", 2, 4)]
+)
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
-def test_the_row_strategies_run_the_kernels_over_the_whole_row(implementation, strategy):
+def test_the_row_strategies_run_the_kernels_over_the_whole_row(implementation, strategy, hkv, cp):
   """Pallas' interpreter: one kernel call folds the gathered row (128-key
   tiles for the TPU target, whose lanes need them); under Ulysses the
-  kernels see every query of the row too."""
-  inputs = H.make_inputs(np.random.default_rng(3), s=512, hq=4, hkv=1, d=16)
+  kernels see every query of the row too, and under the hybrid (groups of
+  2 ranks) every query of the group, on a ring of 2 groups."""
+  inputs = H.make_inputs(np.random.default_rng(3), s=512, hq=4, hkv=hkv, d=16)
   meta = H.packed_metadata(np.random.default_rng(3), 2, 512, pad_from=450)
   check(
     *inputs,
-    cp=2,
+    cp=cp,
     kind="load_balanced",
     meta=meta,
     sliding_window=150,
@@ -118,10 +121,12 @@ def test_the_row_strategies_run_the_kernels_over_the_whole_row(implementation, s
 
 
 @pytest.mark.parametrize(
-  "strategy, cp, padded_ranks", [("all_gather", 8, [6, 7]), ("ulysses", 4, [3])]
+  "strategy, cp, padded_ranks",
+  [("all_gather", 8, [6, 7]), ("ulysses", 4, [3]), ("hybrid", 8, [6, 7])],
 )
 def test_the_row_strategies_zero_fully_padded_ranks(inputs, strategy, cp, padded_ranks):
-  """(Ulysses splits the 4 query heads: cp = 4.)"""
+  """(Ulysses splits the 4 query heads: cp = 4; the hybrid, the 2 K/V heads:
+  groups of 2, one of them all padding.)"""
   q, k, v, w = inputs
   pad_from = 22
   lay = cpjax.ShardLayout(64, 64, cp, "load_balanced")
@@ -206,7 +211,8 @@ def test_an_unknown_strategy_is_refused_before_any_compute():
   from tests.test_ring_attention import KV, Q, _call
 
   with pytest.raises(
-    ValueError, match=r"strategy must be one of \('ring', 'all_gather', 'ulysses'\), got 'a2a'"
+    ValueError,
+    match=r"strategy must be one of \('ring', 'all_gather', 'ulysses', 'hybrid'\), got 'a2a'",
   ):
     _call(Q, KV, KV, strategy="a2a")
 
@@ -250,7 +256,8 @@ def test_context_parallel_attention_and_flax_take_the_strategy(monkeypatch):
     chex.assert_trees_all_close(cpjax.from_rank_order(out, lay), want, rtol=1e-5, atol=1e-5)
     assert len(gathers) == gathered, (context_strategy, strategy)
   with pytest.raises(
-    ValueError, match=r"strategy must be one of \('ring', 'all_gather', 'ulysses'\) or None"
+    ValueError,
+    match=r"strategy must be one of \('ring', 'all_gather', 'ulysses', 'hybrid'\) or None",
   ):
     cpjax.ring_attention_fn(strategy="a2a")
 

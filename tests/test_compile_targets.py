@@ -154,6 +154,18 @@ def test_the_ulysses_kernels_compile_for_the_chip(target, case):
   assert "collective-permute" not in text
 
 
+@pytest.mark.parametrize("target", [pytest.param(t, marks=m) for t, m in needs.items()])
+def test_the_hybrid_kernels_compile_for_the_chip(target):
+  """strategy="hybrid": 2 K/V heads make groups of 2 ranks; the all-to-alls
+  stay inside them and the kernels fold each group's chunk on a ring of 4."""
+  case = "documents-padding-d256-g2-bf16-document_balanced"
+  text = compiled_ring(target, *RING_CASES[case], strategy="hybrid").as_text()
+  assert set(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text)) == {"forward", "dq", "dkdv"}
+  assert KERNEL[target][0] in text and "collective-permute" in text
+  groups = set(re.findall(r"all-to-all(?:-start)?\(.*?replica_groups=(\{[\d,{}]*\})", text))
+  assert groups == {"{{0,1},{2,3},{4,5},{6,7}}"}, groups
+
+
 @needs["v5e-8"]
 def test_the_tpu_kernels_compile_at_a_million_tokens_on_8_ranks():
   """131072 tokens a rank at head dim 512, 8 query heads on one KV head: each

@@ -28,14 +28,22 @@ def test_e2b_and_26b_a4b_at_131072_tokens_on_cp_8():
   assert why.startswith("window 512: a halo of 1024 keys from 2 neighbour(s)"), why
 
 
-def test_a_row_past_an_eighth_of_device_memory_takes_the_ring():
+def test_a_row_past_an_eighth_of_device_memory_takes_the_hybrid_or_the_ring():
   """26B-A4B's full layers at S = 262144: 12 bytes x S x 2 heads x 512 = 3 GiB
-  gathered, over 16 GiB / 8; with 32 GiB devices it fits again."""
-  assert strategies("a4b", seq_len=262144, cp=8)["full_attention"] == "ring"
+  gathered, over 16 GiB / 8, and their 2 K/V heads make Ulysses groups of 2
+  on a ring of 4 (3 hops); with 32 GiB devices the row fits again. E2B's
+  one K/V head at S = 2**21 (a 12 GiB row) shares no factor with cp: the
+  ring."""
+  a4b = choose(Gemma4Config.preset("a4b").text, seq_len=262144, cp=8)["full_attention"]
+  assert a4b.strategy == "hybrid"
+  assert "groups of 2 ranks, the ring over 4 groups (3 hops, not 7)" in a4b.why, a4b.why
   assert (
     strategies("a4b", seq_len=262144, cp=8, device_memory=32 * 2**30)["full_attention"]
     == "all_gather"
   )
+  assert strategies("e2b", seq_len=2**21, cp=8)["full_attention"] == "ring"
+  # At cp = 2 the 2 K/V heads split whole: Ulysses (rule 2) comes first.
+  assert strategies("a4b", seq_len=2**20, cp=2)["full_attention"] == "ulysses"
 
 
 def test_one_rank_is_the_ring_and_tp_divides_the_heads():

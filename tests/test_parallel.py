@@ -249,8 +249,17 @@ def test_kernels_split_over_the_axes_the_partitioner_shards():
     ),
     pytest.param({"fsdp": 2, "cp": 4}, "all_gather", marks=pytest.mark.slow),
     pytest.param({"fsdp": 2, "cp": 4}, "ulysses", marks=pytest.mark.slow),
+    # The hybrid on the full layers: Ulysses over pairs of ranks (tiny's 2
+    # K/V heads), the ring over the 2 pairs.
+    ({"fsdp": 2, "cp": 4}, {"full_attention": "hybrid", "sliding_attention": "ring"}),
   ],
-  ids=["cp8-all_gather", "fsdp2xcp2xtp2-mixed", "fsdp2xcp4-all_gather", "fsdp2xcp4-ulysses"],
+  ids=[
+    "cp8-all_gather",
+    "fsdp2xcp2xtp2-mixed",
+    "fsdp2xcp4-all_gather",
+    "fsdp2xcp4-ulysses",
+    "fsdp2xcp4-hybrid",
+  ],
 )
 def test_the_step_with_another_cp_strategy_equals_the_single_device_step(
   shape, strategy, monkeypatch
@@ -260,6 +269,7 @@ def test_the_step_with_another_cp_strategy_equals_the_single_device_step(
   device's."""
   want_loss, want = single_device_step("tiny")
   kinds = {strategy} if isinstance(strategy, str) else set(strategy.values())
+  kinds = {{"hybrid": "ulysses"}.get(k, k) for k in kinds}  # its all-to-alls are Ulysses'
   calls = {"all_gather": H.count_gathers(monkeypatch), "ulysses": H.count_ulysses(monkeypatch)}
   # The loss's tokens gathered over cp too (the state, head included, is
   # split over fsdp x cp): the ring of tests/test_loss.py never runs.

@@ -201,7 +201,8 @@ def test_every_short_flag_sets_its_dotted_key():
     (["--optimizer.l", "1"], "unrecognized arguments: --optimizer.l 1"),
     (
       ["--parallel.strategy", "a2a"],
-      "error: --parallel.strategy: strategy must be one of ('ring', 'all_gather', 'ulysses') "
+      "error: --parallel.strategy: strategy must be one of ('ring', 'all_gather', 'ulysses', "
+      "'hybrid') "
       "or a mapping of layer kinds to them, got 'a2a'",
     ),
     (
@@ -209,6 +210,12 @@ def test_every_short_flag_sets_its_dotted_key():
       "error: --parallel.strategy 'full_attention=ulysses' splits tiny's 4 query heads a tp "
       "rank over cp = 8, which does not divide them; use ring or all_gather, or a cp size "
       "dividing 4",
+    ),
+    (
+      ["--model", "tiny-moe", "--cp", "4", "--parallel.strategy", "hybrid"],
+      "error: --parallel.strategy 'hybrid' runs Ulysses over a factor of cp = 4 that splits "
+      "the K/V heads of tiny-moe's full_attention layers (1 a tp rank), and none does; use "
+      "ring, all_gather or ulysses, or a cp size sharing a factor with them",
     ),
     (
       ["--model", "tiny", "--parallel.strategy", "global=all_gather"],

@@ -61,9 +61,39 @@ MUTANTS = (
   Mutant(
     "ulysses: the output comes home in the wrong head order",
     "cpjax/ring/_attention.py",
-    "  return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)",
-    "  return jnp.flip(lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True), 2)",
+    "  return lax.all_to_all(\n    x, axis_name, split_axis=1, concat_axis=2, tiled=True, "
+    "axis_index_groups=groups\n  )",
+    "  return jnp.flip(lax.all_to_all(\n    x, axis_name, split_axis=1, concat_axis=2, tiled=True, "
+    "axis_index_groups=groups\n  ), 2)",
     ("tests/test_ulysses.py::test_ulysses_equals_the_reference",),
+  ),
+  Mutant(
+    "hybrid: the serpentine's odd passes keep the ranks' order (tokens at the wrong places)",
+    "cpjax/ring/_attention.py",
+    "  y = jnp.concatenate([y[:, :, :1], jnp.flip(y[:, :, 1:], axis=3)], axis=2)",
+    "  y = jnp.concatenate([y[:, :, :1], y[:, :, 1:]], axis=2)",
+    ("tests/test_hybrid.py::test_hybrid_equals_the_reference",),
+  ),
+  Mutant(
+    "hybrid: a hop goes to the next rank, not to the peer in the next group",
+    "cpjax/ring/_passes.py",
+    "  perm = [(i, (i + offset * size) % (cp * size)) for i in range(cp * size)]",
+    "  perm = [(i, (i + offset) % (cp * size)) for i in range(cp * size)]",
+    ("tests/test_hybrid.py::test_hybrid_equals_the_reference",),
+  ),
+  Mutant(
+    "hybrid: the ring position is the rank's, not its group's",
+    "cpjax/ring/_passes.py",
+    "  return lax.axis_index(cfg.axis_name) // cfg.ulysses_size",
+    "  return lax.axis_index(cfg.axis_name) % cfg.layout.cp_size",
+    ("tests/test_hybrid.py::test_hybrid_equals_the_reference",),
+  ),
+  Mutant(
+    "hybrid: Ulysses groups take K/V heads they must repeat",
+    "cpjax/ring/_attention.py",
+    "  size = max(u for u in range(1, cp_size + 1) if cp_size % u == 0 and kv_heads % u == 0)",
+    "  size = max(u for u in range(1, cp_size + 1) if cp_size % u == 0 and q_heads % u == 0)",
+    ("tests/test_hybrid.py::test_hybrid_takes_the_largest_ulysses_group_the_kv_heads_allow",),
   ),
   Mutant(
     "loss all_gather: the vocabulary blocks' statistics not combined over cp",
@@ -132,7 +162,7 @@ MUTANTS = (
   Mutant(
     "all_gather: key tiles checked against one rank's row",
     "cpjax/ring/_attention.py",
-    '    key_len=row if strategy != "ring" else None,',
+    '    key_len=row if strategy in ("all_gather", "ulysses") else None,',
     "    key_len=None,",
     ("tests/test_all_gather.py::test_all_gather_checks_its_key_tiles_against_the_whole_row",),
   ),

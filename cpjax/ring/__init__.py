@@ -8,7 +8,9 @@ log-sum-exp. :func:`ring_plan` says, before tracing, which hops a mask's
 reach needs (:class:`RingPlan`). With ``strategy="all_gather"`` the same
 passes take no hops: each rank gathers the whole row's K/V at once, or a
 window's halo (:func:`halo`); with ``strategy="ulysses"`` all-to-alls turn
-the sequence split into a head split (:data:`STRATEGIES`).
+the sequence split into a head split; ``strategy="hybrid"`` runs Ulysses
+inside groups of neighbouring ranks and the ring over the groups
+(:func:`hybrid_ulysses_size`, :data:`STRATEGIES`).
 
 Internal modules: ``_schedule`` (the static plan and the tile sizes),
 ``_passes`` (the forward and backward passes and their custom VJP),
@@ -23,6 +25,7 @@ RingPlan(forward_hops=1, backward_hops=0)
 """
 
 from cpjax.ring._attention import STRATEGIES as STRATEGIES
+from cpjax.ring._attention import hybrid_ulysses_size as hybrid_ulysses_size
 from cpjax.ring._attention import ring_attention as ring_attention
 from cpjax.ring._attention import ulysses_kv_repeats as ulysses_kv_repeats
 from cpjax.ring._schedule import Halo as Halo
@@ -37,6 +40,7 @@ __all__ = [
   "RingPlan",
   "default_block_size",
   "halo",
+  "hybrid_ulysses_size",
   "ring_attention",
   "ring_plan",
   "ulysses_kv_repeats",

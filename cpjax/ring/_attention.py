@@ -37,6 +37,8 @@ This module checks the inputs and runs the ring; the static schedule is
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,10 +54,10 @@ from cpjax.ring._schedule import _block_sizes, halo, ring_plan
 from cpjax.ring.kernels._common import KernelParams
 from cpjax.ring.kernels._targets import resolve_implementation
 
-__all__ = ["STRATEGIES", "ring_attention", "ulysses_kv_repeats"]
+__all__ = ["STRATEGIES", "hybrid_ulysses_size", "ring_attention", "ulysses_kv_repeats"]
 
 #: How K/V reach a rank's queries (``ring_attention(strategy=...)``).
-STRATEGIES = ("ring", "all_gather", "ulysses")
+STRATEGIES = ("ring", "all_gather", "ulysses", "hybrid")
 
 
 def ulysses_kv_repeats(q_heads: int, kv_heads: int, cp_size: int) -> int:
@@ -82,15 +84,113 @@ def ulysses_kv_repeats(q_heads: int, kv_heads: int, cp_size: int) -> int:
   return min(f for f in range(1, groups + 1) if groups % f == 0 and kv_heads * f % cp_size == 0)
 
 
-def _heads_to_row(x, axis_name: str):
-  """[B, L, H, D] -> [B, cp*L, H/cp, D]: every rank's tokens (rank order) of
-  this rank's ``H/cp`` heads."""
-  return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+def hybrid_ulysses_size(q_heads: int, kv_heads: int, cp_size: int) -> int:
+  """The Ulysses degree ``U`` of ``strategy="hybrid"``: cp factored as ``R x U``.
+
+  The hybrid (USP's Ulysses and ring degrees) runs Ulysses inside groups of
+  ``U`` neighbouring cp ranks and the ring over the ``R = cp / U`` groups.
+  ``U`` is the largest divisor of cp that splits the K/V heads (and so the
+  query heads) with no K/V head repeated: a rank then holds ``U*L`` tokens
+  of ``Hkv/U`` K/V heads, the ring's memory, and the ring takes ``R - 1``
+  hops instead of ``cp - 1``. ``U = cp`` is Ulysses itself.
+
+  Raises:
+    ValueError: no divisor of cp above 1 splits the K/V heads (the hybrid
+      would have no Ulysses axis: use ``"ring"`` or ``"ulysses"``, which
+      repeats K/V heads).
+
+  >>> hybrid_ulysses_size(16, 2, 8), hybrid_ulysses_size(16, 8, 8), hybrid_ulysses_size(12, 6, 4)
+  (2, 8, 2)
+  """
+  size = max(u for u in range(1, cp_size + 1) if cp_size % u == 0 and kv_heads % u == 0)
+  if size == 1:
+    raise ValueError(
+      f"strategy='hybrid' runs Ulysses over a factor of cp that splits the K/V heads: "
+      f"{kv_heads} K/V head(s) (local, after any tp split) share no factor with "
+      f"cp_size = {cp_size}, so there is no Ulysses axis; use strategy='ring', or "
+      f"'ulysses' (which repeats K/V heads)"
+    )
+  return size
 
 
-def _row_to_heads(x, axis_name: str):
+def _is_pair(axis_name) -> bool:
+  return len(axis_name) == 2 and all(isinstance(a, str) for a in axis_name)
+
+
+def _ulysses_axis_size(name: str, q_heads: int) -> int:
+  """The size of the hybrid's Ulysses mesh axis ``name``, which must split the query heads."""
+  size = checks.axis_size(name)
+  if size is None:
+    raise ValueError(
+      f"strategy='hybrid' with a pair of axes runs Ulysses over mesh axis {name!r} "
+      f"inside shard_map; that axis is not bound"
+    )
+  if q_heads % size:
+    raise ValueError(
+      f"strategy='hybrid' splits the query heads over the Ulysses axis {name!r}: {q_heads} "
+      f"query heads (local, after any tp split) is not a multiple of its size {size}"
+    )
+  return size
+
+
+def _groups(cp_size: int, size: int):
+  """The cp ranks of each Ulysses group: ``size`` neighbours each, or None
+  for one group of the whole axis."""
+  if size == cp_size:
+    return None
+  return [list(range(start, start + size)) for start in range(0, cp_size, size)]
+
+
+def _heads_to_row(x, axis_name: str, groups=None):
+  """[B, L, H, D] -> [B, U*L, H/U, D]: every group rank's tokens (rank order)
+  of this rank's ``H/U`` heads (U: the group's size, cp for one group)."""
+  return lax.all_to_all(
+    x, axis_name, split_axis=2, concat_axis=1, tiled=True, axis_index_groups=groups
+  )
+
+
+def _row_to_heads(x, axis_name: str, groups=None):
   """The inverse of :func:`_heads_to_row`."""
-  return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+  return lax.all_to_all(
+    x, axis_name, split_axis=1, concat_axis=2, tiled=True, axis_index_groups=groups
+  )
+
+
+def _group_layout(layout: ShardLayout, size: int) -> ShardLayout:
+  """The layout of the ring over groups of ``size`` neighbouring ranks.
+
+  A group's tokens are exactly rank ``g`` of the same kind of layout over
+  ``cp / size`` ranks with chunks ``size`` times as long: on pass k of the
+  serpentine its ranks hold ``size`` neighbouring chunks, in ascending
+  order on even passes and descending on odd ones (:func:`_group_order`).
+  """
+  return ShardLayout(
+    layout.original_seq_len,
+    layout.padded_seq_len,
+    layout.cp_size // size,
+    layout.kind,
+    stripes=layout.stripes,
+  )
+
+
+def _group_order(x, size: int, stripes: int, *, inverse: bool = False):
+  """Reorder a group's gathered tokens [B, U*L, ...] (rank order) into its
+  :func:`_group_layout` order, or back with ``inverse``: per stripe, the
+  ranks' chunks side by side, reversed on odd passes. Layout copies only."""
+  if stripes == 1:  # contiguous: rank order is already the group's order
+    return x
+  b, t, rest = x.shape[0], x.shape[1], x.shape[2:]
+  c = t // (size * stripes)
+  y = x.reshape(b, stripes, size, c, *rest) if inverse else x.reshape(b, size, stripes, c, *rest)
+  if not inverse:
+    y = jnp.swapaxes(y, 1, 2)  # [B, K, U, C, ...]
+  # Odd passes of the serpentine run the ranks backwards (K is even here).
+  y = y.reshape(b, stripes // 2, 2, size, c, *rest)
+  y = jnp.concatenate([y[:, :, :1], jnp.flip(y[:, :, 1:], axis=3)], axis=2)
+  y = y.reshape(b, stripes, size, c, *rest)
+  if inverse:
+    y = jnp.swapaxes(y, 1, 2)  # [B, U, K, C, ...]
+  return y.reshape(b, t, *rest)
 
 
 def ring_attention(
@@ -99,7 +199,7 @@ def ring_attention(
   v,
   *,
   layout: ShardLayout,
-  axis_name: str = "cp",
+  axis_name: str | tuple[str, str] = "cp",
   mask: AttentionMask | None = None,
   causal: bool | None = None,
   sliding_window: int | None = None,
@@ -125,7 +225,11 @@ def ring_attention(
     k, v: [B, L, Hkv, D] local keys and values; Hq a multiple of Hkv (query
       head h reads KV head ``h // (Hq // Hkv)``); only these Hkv heads travel.
     layout: the :class:`cpjax.ShardLayout` the sequence was sharded with.
-    axis_name: the context-parallel mesh axis (unused when cp_size is 1).
+    axis_name: the context-parallel mesh axis (unused when cp_size is 1);
+      for ``strategy="hybrid"`` also a pair ``(ring_axis, ulysses_axis)``
+      of mesh axes the sequence is split over together, the ring's major
+      (``P(None, (ring_axis, ulysses_axis))``): Ulysses over the second,
+      the ring over the first.
     mask: a :class:`cpjax.AttentionMask` whose arrays are [B, L] (this rank's
       tokens); or, instead of it, the keywords of
       :meth:`cpjax.AttentionMask.create`:
@@ -160,8 +264,13 @@ def ring_attention(
       head split with an all-to-all (``[B, L, H, D] -> [B, S, H/cp, D]``),
       attends each rank's heads over the whole row and turns the output
       back (``Hq`` must be a multiple of cp; K/V heads are repeated only
-      as far as cp needs, :func:`ulysses_kv_repeats`). All give the same
-      values and gradients. Passing the same array as ``k`` and ``v``
+      as far as cp needs, :func:`ulysses_kv_repeats`); ``"hybrid"`` (USP)
+      factors cp as ``R x U``: Ulysses' all-to-alls inside each group of
+      ``U`` neighbouring ranks (``U``: :func:`hybrid_ulysses_size`, as many
+      as split the K/V heads unrepeated), the ring over the ``R`` groups,
+      each rank with its peers (the ring's O(L) memory in ``R - 1`` hops
+      instead of ``cp - 1``; a group of the whole axis is Ulysses). All give
+      the same values and gradients. Passing the same array as ``k`` and ``v``
       moves it once and its gradient once.
 
   Returns:
@@ -184,8 +293,12 @@ def ring_attention(
   """
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
-  if not isinstance(axis_name, str):
-    raise TypeError(f"axis_name must be a mesh axis name (str), got {type(axis_name).__name__}")
+  pair = isinstance(axis_name, tuple)
+  if not (isinstance(axis_name, str) or pair and _is_pair(axis_name)):
+    raise TypeError(
+      f"axis_name must be a mesh axis name (str), or for strategy='hybrid' a pair "
+      f"(ring axis, Ulysses axis) of names, got {axis_name!r}"
+    )
   b, l, hq, hkv, d = checks.attention_inputs(q, k, v)
   scale, logits_soft_cap = checks.attention_options(scale=scale, logits_soft_cap=logits_soft_cap)
   checks.cp_axis("ring_attention", axis_name, layout.cp_size)
@@ -218,13 +331,30 @@ def ring_attention(
     interpret = bool(interpret)
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+  if pair and strategy != "hybrid":
+    raise ValueError(
+      f"axis_name={axis_name!r} names two mesh axes (ring axis, Ulysses axis): that is "
+      f"strategy='hybrid', got strategy={strategy!r}"
+    )
   if layout.cp_size == 1:
     strategy = "ring"  # one rank: every strategy is the same single pass
-  repeats = ulysses_kv_repeats(hq, hkv, layout.cp_size) if strategy == "ulysses" else 1
+  # Ulysses runs over groups of `size` neighbouring ranks (the whole axis for
+  # "ulysses", a factor of it for "hybrid": the second of a pair of axes, or
+  # as many as split the K/V heads), the passes over the groups.
+  size = {"ulysses": layout.cp_size, "hybrid": None}.get(strategy, 1)
+  if strategy == "hybrid" and pair:
+    size = _ulysses_axis_size(axis_name[1], hq)
+  elif strategy == "hybrid":
+    size = hybrid_ulysses_size(hq, hkv, layout.cp_size)
+  if strategy == "hybrid" and size == layout.cp_size:
+    strategy = "ulysses"  # one group: Ulysses itself
+  ulysses_axis = axis_name[1] if pair else axis_name
+  repeats = ulysses_kv_repeats(hq, hkv, size) if size > 1 else 1
   g = hq // hkv // repeats
+  ring_layout = _group_layout(layout, size) if strategy == "hybrid" else layout
   row = layout.padded_seq_len
   block_q, block_kv = _block_sizes(
-    layout,
+    ring_layout,
     implementation,
     d,
     g,
@@ -232,7 +362,7 @@ def ring_attention(
     block_kv,
     q.dtype,
     query_len=row if strategy == "ulysses" else None,
-    key_len=row if strategy != "ring" else None,
+    key_len=row if strategy in ("all_gather", "ulysses") else None,
   )
   kernel = None
   if implementation != "xla":
@@ -245,10 +375,10 @@ def ring_attention(
       interpret=interpret,
     )
   cfg = _Config(
-    layout=layout,
+    layout=ring_layout,
     axis_name=axis_name,
     rule=mask.rule,
-    plan=ring_plan(layout, mask=mask),
+    plan=ring_plan(ring_layout, mask=mask),
     scale=d**-0.5 if scale is None else scale,
     soft_cap=logits_soft_cap,
     block_q=block_q,
@@ -256,27 +386,38 @@ def ring_attention(
     groups=g,
     implementation=implementation,
     kernel=kernel,
-    strategy=strategy,
+    strategy="ring" if strategy == "hybrid" else strategy,
     shared_kv=k is v,
     halo=halo(layout, mask.rule, block_kv) if strategy == "all_gather" else None,
+    ulysses_size=size if strategy == "hybrid" else 1,
   )
   arrays = mask.arrays
-  if cfg.layout.cp_size > 1:
+  if layout.cp_size > 1:
     # The mask's arrays ride the ring, so they must vary over the axis like K/V do.
     arrays = jax.tree.map(lambda x: _vary_like(x, k), arrays)
-  if strategy != "ulysses":
+  if size == 1:
     return _head_major(cfg, q, k, v, arrays)
-  # Ulysses: a sequence split becomes a head split (one all-to-all each way),
-  # and every rank attends its heads over the whole row; the mask's arrays
-  # are gathered whole. Repeats keep each query head with its K/V head.
+  # Ulysses: a sequence split becomes a head split (one all-to-all each way
+  # inside each group), and every rank attends its heads over its group's
+  # tokens: the whole row for "ulysses", one chunk of the groups' ring for
+  # "hybrid"; the mask's arrays are gathered likewise. Repeats keep each
+  # query head with its K/V head.
+  groups = None if pair else _groups(layout.cp_size, size)
+  if strategy == "hybrid":
+    order = functools.partial(_group_order, size=size, stripes=layout.stripes)
+  else:  # the passes read the row in rank order
+    order = lambda x, inverse=False: x  # noqa: E731
+  to_row = lambda x: order(_heads_to_row(x, ulysses_axis, groups))  # noqa: E731
   shared = k is v
   if repeats > 1:
     k = jnp.repeat(k, repeats, axis=2)
     v = k if shared else jnp.repeat(v, repeats, axis=2)
-  q_row, k_row = _heads_to_row(q, axis_name), _heads_to_row(k, axis_name)
-  v_row = k_row if shared else _heads_to_row(v, axis_name)
-  arrays = {n: lax.all_gather(x, axis_name, axis=1, tiled=True) for n, x in arrays.items()}
-  return _row_to_heads(_head_major(cfg, q_row, k_row, v_row, arrays), axis_name)
+  q_row, k_row = to_row(q), to_row(k)
+  v_row = k_row if shared else to_row(v)
+  gather = functools.partial(lax.all_gather, axis_name=ulysses_axis, axis=1, tiled=True)
+  arrays = {n: order(gather(x, axis_index_groups=groups)) for n, x in arrays.items()}
+  out = _head_major(cfg, q_row, k_row, v_row, arrays)
+  return _row_to_heads(order(out, inverse=True), ulysses_axis, groups)
 
 
 def _head_major(cfg: _Config, q, k, v, arrays):

@@ -24,7 +24,10 @@ bounded reach it receives only its halo (``_Config.halo``: the neighbours'
 key blocks the window reaches) and sends the halo's gradient back.
 Ulysses (``strategy="ulysses"``) arrives here with the whole row of queries
 and keys for a rank's heads (its all-to-alls are the caller's) and folds it
-as one chunk, with no collective at all.
+as one chunk, with no collective at all. The hybrid (``strategy="hybrid"``)
+arrives with a Ulysses group's tokens for a rank's heads and runs the ring
+over the groups (``_Config.ulysses_size`` ranks each): every rank of a
+group rotates with its peers in the other groups.
 
 Shape letters: ``B`` batch, ``L`` local tokens, ``Hkv`` key/value heads,
 ``G`` query heads per KV head, ``D`` head dim, ``bq``/``bk`` tile sizes;
@@ -71,6 +74,9 @@ class _Config:
   strategy: str = "ring"  # or "all_gather", "ulysses" (cp_size > 1 only)
   shared_kv: bool = False  # k is v (one array passed for both): one gradient to scatter
   halo: tuple[Halo, ...] | None = None  # all_gather with a bounded reach: the keys it needs
+  # The hybrid: cp ranks per ring position (a Ulysses group of neighbours);
+  # ``layout`` then describes the ring over the groups.
+  ulysses_size: int = 1
 
   @property
   def tile_rows(self) -> int:
@@ -96,11 +102,12 @@ class _Config:
 
 # ------------------------------------------------------------------ helpers
 def _shift(tree, cfg: _Config, offset: int):
-  """Send every leaf from rank i to rank i + offset on the ring."""
-  cp = cfg.layout.cp_size
+  """Send every leaf from rank i to rank i + offset on the ring (from each
+  rank of group i to its peer in group i + offset under the hybrid)."""
+  cp, size = cfg.layout.cp_size, cfg.ulysses_size
   if offset % cp == 0:
     return tree
-  perm = [(i, (i + offset) % cp) for i in range(cp)]
+  perm = [(i, (i + offset * size) % (cp * size)) for i in range(cp * size)]
   return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
 
 
@@ -236,9 +243,10 @@ def _attend_chunk(
 
 
 def _rank(cfg: _Config):
+  """This rank's place on the ring (its group's, under the hybrid)."""
   if cfg.layout.cp_size == 1:
     return jnp.int32(0)
-  return lax.axis_index(cfg.axis_name)
+  return lax.axis_index(cfg.axis_name) // cfg.ulysses_size
 
 
 def _xla_fold(cfg: _Config, q, q_info: Tokens):

@@ -17,7 +17,12 @@ S and cp):
    float32 gradients in the backward) is at most 1/8 of a device's memory:
    few K/V heads (Gemma 4's global layers: 1 or 2, K = V in 26B-A4B) make it
    small beside the queries, and it sends fewer bytes than the ring's hops.
-4. The ring, which keeps ``O(S/cp)`` memory at any length.
+4. Past that share, the hybrid where K/V heads share a factor ``U`` with cp
+   (:func:`cpjax.ring.hybrid_ulysses_size`): Ulysses inside groups of ``U``
+   ranks keeps the ring's ``O(S/cp)`` memory, and the ring over the groups
+   takes ``cp/U - 1`` hops of ``U`` times the tokens instead of ``cp - 1``:
+   the same K/V bytes in fewer, longer hops, the all-to-alls' bytes besides.
+5. The ring, which keeps ``O(S/cp)`` memory at any length.
 
 The loss reads the same share (:func:`row_fits`): with ``auto`` it gathers
 the row's hidden states over cp while they and their float32 gradient fit,
@@ -29,17 +34,21 @@ else its tokens travel the ring (:func:`cpjax.training.loss.cross_entropy`).
 ...   print(kind, c.strategy)
 full_attention all_gather
 sliding_attention all_gather
->>> choose(e2b, seq_len=2**21, cp=8)["full_attention"].strategy   # a 2 GiB row: the ring
+>>> choose(e2b, seq_len=2**21, cp=8)["full_attention"].strategy   # a 2 GiB row, 1 K/V head
 'ring'
+>>> a4b = Gemma4Config.preset("a4b").text
+>>> choose(a4b, seq_len=2**18, cp=8)["full_attention"].strategy   # a 3 GiB row, 2 K/V heads
+'hybrid'
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from cpjax.layout import ShardLayout
 from cpjax.masks import MaskSpec
-from cpjax.ring import halo
+from cpjax.ring import halo, hybrid_ulysses_size
 
 __all__ = ["DEFAULT_DEVICE_MEMORY", "Choice", "as_strategy", "choose", "describe", "row_fits"]
 
@@ -119,6 +128,14 @@ def choose(
         "all_gather",
         f"{hkv} K/V head(s) of dim {d}: the gathered row ({_gib(row)}) fits 1/{_ROW_SHARE} "
         f"of {_gib(budget * _ROW_SHARE)}, no hops",
+      )
+    elif math.gcd(hkv, cp) > 1:
+      size = hybrid_ulysses_size(hq, hkv, cp)
+      out[kind] = Choice(
+        "hybrid",
+        f"the gathered row ({_gib(row)}) exceeds 1/{_ROW_SHARE} of {_gib(budget * _ROW_SHARE)}; "
+        f"{hkv} K/V heads: Ulysses in groups of {size} ranks, the ring over {cp // size} groups "
+        f"({cp // size - 1} hops, not {cp - 1}), O(S/cp) memory",
       )
     else:
       out[kind] = Choice(

@@ -196,9 +196,10 @@ class ParallelConfig:
   """how attention's keys and values reach each rank's queries: auto (the rule
   cpjax plan shows picks one per layer kind, cpjax.training.cp_strategy), ring
   (ppermute hops, O(S/cp) memory a device), all_gather (the row's K/V gathered at
-  once, no hops; a window's halo only) or ulysses (an all-to-all turns the
-  sequence split into a head split: the query heads a tp rank must divide by cp),
-  for every layer or per layer kind, e.g.
+  once, no hops; a window's halo only), ulysses (an all-to-all turns the
+  sequence split into a head split: the query heads a tp rank must divide by cp)
+  or hybrid (Ulysses inside groups of neighbouring cp ranks as large as the K/V
+  heads a tp rank allow, the ring over the groups), for every layer or per layer kind, e.g.
   full_attention=all_gather,sliding_attention=ring (the memory check's estimate
   assumes the ring)"""
 
@@ -412,16 +413,24 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
         f"{name('parallel.strategy')} names layer kind {kind!r}, which {run.model} "
         f"lacks: its layer kinds are {sorted(kinds)}"
       )
-    heads = text.num_attention_heads // sizes.get("tp", 1)
-    uses_ulysses = "ulysses" in (
-      (strategy,) if isinstance(strategy, str) else dict(strategy).values()
-    )
-    if uses_ulysses and heads % sizes.get("cp", 1):
-      fail(
-        f"{name('parallel.strategy')} {run.parallel.strategy!r} splits {run.model}'s "
-        f"{heads} query heads a tp rank over cp = {sizes.get('cp', 1)}, which does not "
-        f"divide them; use ring or all_gather, or a cp size dividing {heads}"
-      )
+    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
+    heads = text.num_attention_heads // tp
+    for kind in sorted(kinds):
+      chosen = strategy if isinstance(strategy, str) else dict(strategy).get(kind)
+      layer = list(text.layer_types).index(kind)
+      if chosen == "ulysses" and heads % cp:
+        fail(
+          f"{name('parallel.strategy')} {run.parallel.strategy!r} splits {run.model}'s "
+          f"{heads} query heads a tp rank over cp = {cp}, which does not divide them; use "
+          f"ring or all_gather, or a cp size dividing {heads}"
+        )
+      if chosen == "hybrid" and cp > 1 and math.gcd(text.kv_heads(layer) // tp, cp) == 1:
+        fail(
+          f"{name('parallel.strategy')} {run.parallel.strategy!r} runs Ulysses over a "
+          f"factor of cp = {cp} that splits the K/V heads of {run.model}'s {kind} layers "
+          f"({text.kv_heads(layer) // tp} a tp rank), and none does; use ring, all_gather "
+          f"or ulysses, or a cp size sharing a factor with them"
+        )
   if run.dataset.batch_size % run.dataset.microbatches:
     fail(
       f"{name('dataset.microbatches')} {run.dataset.microbatches} must divide "
