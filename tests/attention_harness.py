@@ -141,3 +141,30 @@ def spy(monkeypatch, module, name: str) -> list:
 
   monkeypatch.setattr(module, name, record)
   return calls
+
+
+def gradient_program(strategy: str, *, cp: int = 4, hkv: int = 1, shared: bool = False) -> str:
+  """The compiled gradient program (text) of attention on 8 load-balanced
+  tokens a rank, 4 query heads on ``hkv`` K/V heads; ``shared``: one array
+  passed as both K and V."""
+  s = 8 * cp
+  mesh = cp_mesh(cp)
+  lay = cpjax.ShardLayout(s, s, cp, "load_balanced")
+  spec = NamedSharding(mesh, P(None, "cp"))
+
+  def attend(q, k, v):
+    return cpjax.ring_attention(q, k, k if shared else v, layout=lay, strategy=strategy)
+
+  f = jax.shard_map(attend, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+  loss = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
+  args = [
+    jax.ShapeDtypeStruct(shape, jnp.float32, sharding=spec)
+    for shape in ((1, s, 4, 8), (1, s, hkv, 8), (1, s, hkv, 8))
+  ]
+  with jax.set_mesh(mesh):
+    return jax.jit(loss).lower(*args).compile().as_text()
+
+
+def count_ops(text: str, op: str) -> int:
+  """How many ``op`` instructions (or their async ``-start`` halves) a program's text holds."""
+  return len([line for line in text.splitlines() if f" {op}(" in line or f" {op}-start(" in line])

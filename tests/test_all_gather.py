@@ -139,45 +139,21 @@ def test_the_row_strategies_zero_fully_padded_ranks(inputs, strategy, cp, padded
     )
 
 
-def _program(*, shared: bool, strategy: str, cp: int = 4) -> str:
-  """The compiled gradient program of attention on 8 tokens a rank."""
-  s = 8 * cp
-  mesh = cp_mesh(cp)
-  lay = cpjax.ShardLayout(s, s, cp, "load_balanced")
-  spec = jax.NamedSharding(mesh, P(None, "cp"))
-
-  def attend(q, k, v):
-    return cpjax.ring_attention(q, k, k if shared else v, layout=lay, strategy=strategy)
-
-  f = jax.shard_map(attend, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
-  loss = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
-  args = [
-    jax.ShapeDtypeStruct(shape, jnp.float32, sharding=spec)
-    for shape in ((1, s, 4, 8), (1, s, 1, 8), (1, s, 1, 8))
-  ]
-  with jax.set_mesh(mesh):
-    return jax.jit(loss).lower(*args).compile().as_text()
-
-
-def _count(text: str, op: str) -> int:
-  return len([line for line in text.splitlines() if f" {op}(" in line or f" {op}-start(" in line])
-
-
 def test_all_gather_takes_no_hops_and_reduce_scatters_the_key_gradients():
-  ring = _program(shared=False, strategy="ring")
-  gathered = _program(shared=False, strategy="all_gather")
-  assert _count(ring, "collective-permute") > 0 and _count(ring, "all-gather") == 0
-  assert _count(gathered, "collective-permute") == 0
+  ring = H.gradient_program("ring")
+  gathered = H.gradient_program("all_gather")
+  assert H.count_ops(ring, "collective-permute") > 0 and H.count_ops(ring, "all-gather") == 0
+  assert H.count_ops(gathered, "collective-permute") == 0
   # dK and dV: one reduce-scatter each, home to the rank that owns the keys.
-  assert _count(gathered, "reduce-scatter") == 2, gathered
+  assert H.count_ops(gathered, "reduce-scatter") == 2, gathered
 
 
 def test_all_gather_of_one_tensor_for_k_and_v_gathers_and_scatters_it_once():
   """The same array passed as K and V travels once each way."""
-  two = _program(shared=False, strategy="all_gather")
-  one = _program(shared=True, strategy="all_gather")
-  assert _count(one, "reduce-scatter") == 1 < _count(two, "reduce-scatter")
-  assert _count(one, "all-gather") < _count(two, "all-gather")
+  two = H.gradient_program("all_gather")
+  one = H.gradient_program("all_gather", shared=True)
+  assert H.count_ops(one, "reduce-scatter") == 1 < H.count_ops(two, "reduce-scatter")
+  assert H.count_ops(one, "all-gather") < H.count_ops(two, "all-gather")
 
 
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import cpjax
 from cpjax.ring import RingPlan, hybrid_ulysses_size
@@ -32,18 +31,7 @@ def inputs():
   return H.make_inputs(np.random.default_rng(0))  # 4 query heads on 2 K/V heads: U = 2
 
 
-@pytest.mark.parametrize("kind", ["contiguous", "load_balanced", "document_balanced"])
-@pytest.mark.parametrize(
-  "mask",
-  [dict(), dict(sliding_window=6), dict(causal=False, vision=True)],
-  ids=["causal", "window", "bidirectional-vision"],
-)
-def test_hybrid_equals_the_reference(inputs, kind, mask):
-  """cp = 8 as 4 groups of 2: the ring over the groups, Ulysses inside."""
-  mask = dict(mask)
-  vision = mask.pop("vision", False)
-  meta = H.packed_metadata(np.random.default_rng(1), 2, 64, pad_from=50, vision=vision)
-  check(*inputs, cp=8, kind=kind, meta=meta, **mask, **HYBRID)
+# Every layout and mask kind: tests/test_ulysses.py's head-split strategies.
 
 
 @pytest.mark.parametrize(
@@ -114,31 +102,10 @@ def test_hybrid_without_a_ulysses_axis_is_refused_before_any_compute():
     H.ring(*inputs, cp=8, kind="load_balanced", **HYBRID)
 
 
-def _program(cp: int = 8) -> str:
-  """The compiled gradient program of the hybrid on 8 tokens a rank, 4 query
-  heads on 2 K/V heads (groups of 2)."""
-  s = 8 * cp
-  mesh = cp_mesh(cp)
-  lay = cpjax.ShardLayout(s, s, cp, "load_balanced")
-  spec = jax.NamedSharding(mesh, P(None, "cp"))
-
-  def attend(q, k, v):
-    return cpjax.ring_attention(q, k, v, layout=lay, **HYBRID)
-
-  f = jax.shard_map(attend, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
-  loss = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
-  args = [
-    jax.ShapeDtypeStruct(shape, jnp.float32, sharding=spec)
-    for shape in ((1, s, 4, 8), (1, s, 2, 8), (1, s, 2, 8))
-  ]
-  with jax.set_mesh(mesh):
-    return jax.jit(loss).lower(*args).compile().as_text()
-
-
 def test_the_all_to_alls_stay_in_neighbour_groups_and_the_ring_steps_over_them():
   """Ulysses' all-to-alls in groups {0,1}, {2,3}, ...; every hop sends rank i
   to its peer i + 2 in the next group."""
-  text = _program()
+  text = H.gradient_program("hybrid", cp=8, hkv=2)
   groups = set(re.findall(r"all-to-all\(.*?replica_groups=(\{[\d,{}]*\})", text))
   pairs = set(
     re.findall(r"collective-permute(?:-start)?\(.*?source_target_pairs=(\{[\d,{}]*\})", text)
@@ -198,7 +165,9 @@ def test_two_axes_are_the_hybrids_and_its_ulysses_axis_must_split_the_heads():
   call = functools.partial(
     cpjax.context_parallel_attention, x, x, x, mesh=mesh, layout=lay, axis_name=("ring", "ulysses")
   )
-  with pytest.raises(ValueError, match=r"names two mesh axes .* strategy='hybrid', got strategy='ring'"):
+  with pytest.raises(
+    ValueError, match=r"names two mesh axes .* strategy='hybrid', got strategy='ring'"
+  ):
     call(strategy="ring")
   with pytest.raises(ValueError, match="2 query heads .* not a multiple of its size 4"):
     call(strategy="hybrid")

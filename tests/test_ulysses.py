@@ -1,4 +1,5 @@
-"""ring_attention(strategy="ulysses") against the dense float32 reference.
+"""ring_attention(strategy="ulysses") (and the hybrid's Ulysses groups)
+against the dense float32 reference.
 
 Ulysses turns the sequence split into a head split with one all-to-all, lets
 each rank attend its ``Hq/cp`` heads over the whole row, and turns the
@@ -8,17 +9,13 @@ GQA grouping.
 """
 
 import chex
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import cpjax
 from cpjax.ring._attention import ulysses_kv_repeats
 from tests import attention_harness as H
 from tests.helpers import cp_mesh
-from tests.test_all_gather import _count
 from tests.test_ring_attention import check
 
 ULYSSES = dict(strategy="ulysses")
@@ -35,11 +32,17 @@ def inputs():
   [dict(), dict(sliding_window=6), dict(causal=False, vision=True)],
   ids=["causal", "window", "bidirectional-vision"],
 )
-def test_ulysses_equals_the_reference(inputs, kind, mask):
+@pytest.mark.parametrize(
+  "strategy, cp", [("ulysses", 4), ("hybrid", 8)], ids=["ulysses-cp4", "hybrid-cp8"]
+)
+def test_the_head_split_strategies_equal_the_reference(inputs, strategy, cp, kind, mask):
+  """Ulysses over the whole axis; the hybrid on cp = 8 as 4 groups of 2
+  ranks (the 2 K/V heads), the ring over the groups
+  (tests/test_hybrid.py)."""
   mask = dict(mask)
   vision = mask.pop("vision", False)
   meta = H.packed_metadata(np.random.default_rng(1), 2, 64, pad_from=50, vision=vision)
-  check(*inputs, cp=4, kind=kind, meta=meta, **mask, **ULYSSES)
+  check(*inputs, cp=cp, kind=kind, meta=meta, strategy=strategy, **mask)
 
 
 @pytest.mark.parametrize(
@@ -71,33 +74,13 @@ def test_heads_cp_cannot_split_are_refused_before_any_compute(inputs):
     H.ring(*inputs, cp=8, kind="load_balanced", **ULYSSES)
 
 
-def _program(*, shared: bool, cp: int = 4) -> str:
-  """The compiled gradient program of Ulysses on 8 tokens a rank, 4 query heads on 1 K/V head."""
-  s = 8 * cp
-  mesh = cp_mesh(cp)
-  lay = cpjax.ShardLayout(s, s, cp, "load_balanced")
-  spec = jax.NamedSharding(mesh, P(None, "cp"))
-
-  def attend(q, k, v):
-    return cpjax.ring_attention(q, k, k if shared else v, layout=lay, **ULYSSES)
-
-  f = jax.shard_map(attend, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
-  loss = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
-  args = [
-    jax.ShapeDtypeStruct(shape, jnp.float32, sharding=spec)
-    for shape in ((1, s, 4, 8), (1, s, 1, 8), (1, s, 1, 8))
-  ]
-  with jax.set_mesh(mesh):
-    return jax.jit(loss).lower(*args).compile().as_text()
-
-
 def test_ulysses_takes_no_hops_and_moves_heads_with_all_to_alls():
   """q, k, v to the row, the output's gradient to the row, dq, dk, dv home
   (the gradient of a sum never needs the output home); one tensor for K and V
   moves once each way."""
-  two, one = _program(shared=False), _program(shared=True)
-  assert _count(two, "collective-permute") == _count(two, "all-gather") == 0
-  assert _count(two, "all-to-all") == 7 and _count(one, "all-to-all") == 5, (two, one)
+  two, one = H.gradient_program("ulysses"), H.gradient_program("ulysses", shared=True)
+  assert H.count_ops(two, "collective-permute") == H.count_ops(two, "all-gather") == 0
+  assert H.count_ops(two, "all-to-all") == 7 and H.count_ops(one, "all-to-all") == 5, (two, one)
 
 
 def test_context_parallel_attention_takes_ulysses(monkeypatch):

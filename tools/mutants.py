@@ -65,28 +65,28 @@ MUTANTS = (
     "axis_index_groups=groups\n  )",
     "  return jnp.flip(lax.all_to_all(\n    x, axis_name, split_axis=1, concat_axis=2, tiled=True, "
     "axis_index_groups=groups\n  ), 2)",
-    ("tests/test_ulysses.py::test_ulysses_equals_the_reference",),
+    ("tests/test_ulysses.py::test_the_head_split_strategies_equal_the_reference",),
   ),
   Mutant(
     "hybrid: the serpentine's odd passes keep the ranks' order (tokens at the wrong places)",
     "cpjax/ring/_attention.py",
     "  y = jnp.concatenate([y[:, :, :1], jnp.flip(y[:, :, 1:], axis=3)], axis=2)",
     "  y = jnp.concatenate([y[:, :, :1], y[:, :, 1:]], axis=2)",
-    ("tests/test_hybrid.py::test_hybrid_equals_the_reference",),
+    ("tests/test_ulysses.py::test_the_head_split_strategies_equal_the_reference",),
   ),
   Mutant(
     "hybrid: a hop goes to the next rank, not to the peer in the next group",
     "cpjax/ring/_passes.py",
     "  perm = [(i, (i + offset * size) % (cp * size)) for i in range(cp * size)]",
     "  perm = [(i, (i + offset) % (cp * size)) for i in range(cp * size)]",
-    ("tests/test_hybrid.py::test_hybrid_equals_the_reference",),
+    ("tests/test_ulysses.py::test_the_head_split_strategies_equal_the_reference",),
   ),
   Mutant(
     "hybrid: the ring position is the rank's, not its group's",
     "cpjax/ring/_passes.py",
     "  return lax.axis_index(cfg.axis_name) // cfg.ulysses_size",
     "  return lax.axis_index(cfg.axis_name) % cfg.layout.cp_size",
-    ("tests/test_hybrid.py::test_hybrid_equals_the_reference",),
+    ("tests/test_ulysses.py::test_the_head_split_strategies_equal_the_reference",),
   ),
   Mutant(
     "hybrid: Ulysses groups take K/V heads they must repeat",
