@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import cpjax  # noqa: E402
 from benchmarks.common import median_time, print_table, setup_devices, write_json  # noqa: E402
 from cpjax import parallel  # noqa: E402
-from cpjax.training import plan, targets  # noqa: E402
+from cpjax.training import cp_strategy, plan, targets  # noqa: E402
 
 # Gemma 4 E2B's attention layers, and 26B-A4B's full ones (2 K/V heads: the
 # hybrid's groups of 2): (query heads, K/V heads, head dim, window).
@@ -73,50 +73,11 @@ def applies(kind: str, cp: int, strategy: str) -> bool:
 
 
 def bytes_sent(kind: str, seq_len: int, cp: int, strategy: str) -> tuple[int, int]:
-  """(bytes each device sends in one forward + backward, ring hops a pass).
-
-  The ring sends its K/V chunk (bfloat16) and document ids (int32) once a
-  hop in the forward, and with them the float32 dK/dV accumulators in the
-  backward, then those home (one more send, unless the ring came full
-  circle). The all-gather sends its share to each other rank in the forward
-  and again in the backward (it recomputes rather than keeps the row), and
-  reduce-scatters the row's float32 dK/dV; under a window it sends only its
-  halo (:func:`cpjax.ring.halo`, 128-key tiles) the same way, and its
-  gradient back. Ulysses all-to-alls (``(cp - 1) / cp`` of each tensor
-  leaves the rank) q, the repeated K and V and the output, then the output's
-  gradient and dq, dK, dV, and all-gathers the document ids once. The
-  hybrid does Ulysses' all-to-alls inside its groups of ``U`` ranks (no K/V
-  head repeated), then the ring's hops over the groups: the same K/V bytes
-  a hop, ``U`` times the document ids.
-  """
+  """(bytes each device sends in one forward + backward, ring hops a pass):
+  :func:`cpjax.training.cp_strategy.bytes_sent`, the count the rule compares."""
   hq, hkv, d, window = KINDS[kind]
-  local = seq_len // cp
-  kv, ids, grads = 2 * local * hkv * d * 2, local * 4, 2 * local * hkv * d * 4
-  layout = cpjax.ShardLayout(seq_len, seq_len, cp, "load_balanced")
-  if strategy == "ulysses":
-    repeated = hkv * cpjax.ring.ulysses_kv_repeats(hq, hkv, cp)
-    heads = 4 * hq + 4 * repeated  # q, out, do, dq; k, v, dk, dv (bf16)
-    return (cp - 1) * (local * heads * d * 2 // cp + ids), 0
-  if strategy == "hybrid":
-    size = cpjax.ring.hybrid_ulysses_size(hq, hkv, cp)
-    heads = 4 * hq + 4 * hkv
-    within = (size - 1) * (local * heads * d * 2 // size + ids)
-    groups = cpjax.ShardLayout(seq_len, seq_len, cp // size, "load_balanced")
-    ring = cpjax.ring_plan(groups, sliding_window=window)
-    hops = ring.forward_hops * (2 if ring.backward_hops else 1)
-    home = (2 if ring.backward_hops else 1) * int(ring.forward_hops % (cp // size) != 0) * grads
-    return within + hops * (kv + size * ids) + hops * (kv + size * ids + grads) + home, hops
-  if strategy == "all_gather":
-    rule = cpjax.MaskSpec(sliding_window=window).rule()
-    halo = cpjax.ring.halo(layout, rule, 128) if window else None
-    if halo:
-      tokens = sum(h.length for h in halo)
-      return 2 * tokens * (kv + ids) // local + tokens * grads // local, 0
-    return (cp - 1) * (2 * (kv + ids) + grads), 0
-  ring = cpjax.ring_plan(layout, sliding_window=window)
-  hops = ring.forward_hops * (2 if ring.backward_hops else 1)
-  home = (2 if ring.backward_hops else 1) * int(ring.forward_hops % cp != 0) * grads
-  return hops * (kv + ids) + hops * (kv + ids + grads) + home, hops
+  shape = dict(seq_len=seq_len, cp=cp, q_heads=hq, kv_heads=hkv, head_dim=d, window=window)
+  return cp_strategy.bytes_sent(strategy, **shape)
 
 
 def layer_gradient(kind: str, seq_len: int, cp: int, strategy: str, devices, dtype):

@@ -96,6 +96,30 @@ MUTANTS = (
     ("tests/test_hybrid.py::test_hybrid_takes_the_largest_ulysses_group_the_kv_heads_allow",),
   ),
   Mutant(
+    "cp strategy rule: the most bytes, not the fewest",
+    "cpjax/training/cp_strategy.py",
+    "    best = min(sent, key=sent.get)",
+    "    best = max(sent, key=sent.get)",
+    ("tests/test_cp_strategy.py::test_e2b_and_26b_a4b_at_131072_tokens_on_cp_8",),
+  ),
+  Mutant(
+    "cp strategy bytes: the hybrid's hops carry one rank's mask ids, not the group's",
+    "cpjax/training/cp_strategy.py",
+    "    sent, hops = ring(cp // size, size * ids)",
+    "    sent, hops = ring(cp // size, ids)",
+    ("tests/test_cp_strategy.py::test_the_byte_count_is_the_benchmarks",),
+  ),
+  Mutant(
+    "cp strategy rule: Ulysses' unrepeated K/V heads judged as a gathered row",
+    "cpjax/training/cp_strategy.py",
+    "  return repeats == 1 or row_fits(row * kv_heads * repeats // cp, device_memory)",
+    "  return row_fits(row * kv_heads * repeats // cp, device_memory)",
+    (
+      "tests/test_cp_strategy.py::"
+      "test_a_row_past_an_eighth_of_device_memory_takes_the_hybrid_or_the_ring",
+    ),
+  ),
+  Mutant(
     "loss all_gather: the vocabulary blocks' statistics not combined over cp",
     "cpjax/training/loss.py",
     "    axes = (s.vocab_axis, *axes)",

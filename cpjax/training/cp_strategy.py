@@ -1,28 +1,28 @@
 """Which CP strategy each attention layer kind takes: the rule ``cpjax plan``
 shows and ``cpjax train`` follows by default (``parallel.strategy: auto``).
 
-The rule reads the shapes :mod:`benchmarks.cp_strategies` measured with the
-TPU and GPU compilers (one Gemma 4 layer's gradient per strategy, layer kind,
-S and cp):
+The rule reads what :mod:`benchmarks.cp_strategies` measured with the TPU
+and GPU compilers (one Gemma 4 layer's gradient per strategy, layer kind, S
+and cp: ``benchmarks/README.md``):
 
 1. A bounded reach (a sliding window, without vision groups that override
-   it) whose neighbours hold it takes the
-   all-gather's halo: each rank receives the key blocks its window reaches
-   (``W - 1`` keys a side, in whole tiles) where the ring sends whole chunks
-   a hop, and holds ``L + halo`` keys, not ``3 L``.
-2. K/V heads that cp splits (``Hkv`` and ``Hq`` multiples of cp) take
-   Ulysses: all-to-alls of the local tensors and ``O(S/cp)`` memory, with no
-   K/V head repeated.
-3. Otherwise the all-gather, while the gathered row (K and V, and their
-   float32 gradients in the backward) is at most 1/8 of a device's memory:
-   few K/V heads (Gemma 4's global layers: 1 or 2, K = V in 26B-A4B) make it
-   small beside the queries, and it sends fewer bytes than the ring's hops.
-4. Past that share, the hybrid where K/V heads share a factor ``U`` with cp
-   (:func:`cpjax.ring.hybrid_ulysses_size`): Ulysses inside groups of ``U``
-   ranks keeps the ring's ``O(S/cp)`` memory, and the ring over the groups
-   takes ``cp/U - 1`` hops of ``U`` times the tokens instead of ``cp - 1``:
-   the same K/V bytes in fewer, longer hops, the all-to-alls' bytes besides.
-5. The ring, which keeps ``O(S/cp)`` memory at any length.
+   it) whose neighbours hold it takes the all-gather's halo: each rank
+   receives the key blocks its window reaches (``W - 1`` keys a side, in
+   whole tiles) where the ring sends whole chunks a hop, and holds
+   ``L + halo`` keys, not ``3 L``.
+2. Otherwise, of the strategies the heads allow whose whole-row K/V (and
+   their float32 gradients) take at most 1/8 of a device's memory, the one
+   that sends the fewest bytes a step (:func:`bytes_sent`, the benchmark's
+   count): the all-gather holds the row's ``Hkv`` heads; Ulysses (``Hq`` a
+   multiple of cp) the row's ``Hkv / cp``, a ring chunk's size, or with
+   K/V heads repeated ``f`` times the row's ``Hkv * f / cp``; the hybrid
+   (K/V heads sharing a factor with cp) and the ring hold ``O(S/cp)`` and
+   always fit. Ulysses' all-to-alls send about the same at
+   any cp while the all-gather's and the ring's grow with it: the
+   all-gather wins at small cp, Ulysses at cp = 8 (26B-A4B's full layers,
+   v5e, S = 131072: 1344 MiB and 2.42 GiB against the all-gather's 1793 and
+   3.88, the hybrid's 1473 and 3.07, the ring's 1921 and 3.07), and past
+   the share the hybrid's fewer hops beat the ring at cp = 8, not at cp = 4.
 
 The loss reads the same share (:func:`row_fits`): with ``auto`` it gathers
 the row's hidden states over cp while they and their float32 gradient fit,
@@ -32,12 +32,12 @@ else its tokens travel the ring (:func:`cpjax.training.loss.cross_entropy`).
 >>> e2b = Gemma4Config.preset("e2b").text
 >>> for kind, c in choose(e2b, seq_len=131072, cp=8).items():
 ...   print(kind, c.strategy)
-full_attention all_gather
+full_attention ulysses
 sliding_attention all_gather
->>> choose(e2b, seq_len=2**21, cp=8)["full_attention"].strategy   # a 2 GiB row, 1 K/V head
+>>> choose(e2b, seq_len=2**21, cp=8)["full_attention"].strategy   # no row fits, 1 K/V head
 'ring'
 >>> a4b = Gemma4Config.preset("a4b").text
->>> choose(a4b, seq_len=2**18, cp=8)["full_attention"].strategy   # a 3 GiB row, 2 K/V heads
+>>> choose(a4b, seq_len=2**20, cp=8)["full_attention"].strategy   # 2 K/V heads: groups of 2
 'hybrid'
 """
 
@@ -48,9 +48,17 @@ from typing import NamedTuple
 
 from cpjax.layout import ShardLayout
 from cpjax.masks import MaskSpec
-from cpjax.ring import halo, hybrid_ulysses_size
+from cpjax.ring import STRATEGIES, halo, hybrid_ulysses_size, ring_plan, ulysses_kv_repeats
 
-__all__ = ["DEFAULT_DEVICE_MEMORY", "Choice", "as_strategy", "choose", "describe", "row_fits"]
+__all__ = [
+  "DEFAULT_DEVICE_MEMORY",
+  "Choice",
+  "as_strategy",
+  "bytes_sent",
+  "choose",
+  "describe",
+  "row_fits",
+]
 
 #: The device memory the rule budgets for when none is given (a v5e's 16 GiB HBM).
 DEFAULT_DEVICE_MEMORY = 16 * 2**30
@@ -105,13 +113,11 @@ def choose(
       out[kind] = Choice("ring", "one cp rank: every strategy is the same single pass")
       continue
     lay = _padded_layout(seq_len, cp, layout)
-    block = next(b for b in (_KEY_BLOCK, 64, 32, 16, 8, 4, 2, 1) if lay.chunk_len % b == 0)
     # Vision groups bidirectional on a kind make its reach unbounded in rows
     # with images (26B-A4B's sliding layers): no halo holds it there.
     vision = kind == "sliding_attention" and text.use_bidirectional_attention == "vision"
     bounded = window is not None and not vision
-    sides = halo(lay, MaskSpec(sliding_window=window).rule(), block) if bounded else None
-    row = 12 * seq_len * hkv * d  # K, V bf16 and their f32 gradients, the whole row
+    sides = halo(lay, MaskSpec(sliding_window=window).rule(), _key_block(lay)) if bounded else None
     if sides:
       keys = sum(h.length for h in sides)
       out[kind] = Choice(
@@ -119,31 +125,111 @@ def choose(
         f"window {window}: a halo of {keys} keys from {len(sides)} neighbour(s) "
         f"instead of whole {lay.local_seq_len}-token chunks a hop",
       )
-    elif hq % cp == 0 and hkv % cp == 0:
-      out[kind] = Choice(
-        "ulysses", f"{hq} query and {hkv} K/V heads split over cp = {cp}: O(S/cp) memory"
-      )
-    elif row_fits(row, device_memory):
-      out[kind] = Choice(
-        "all_gather",
-        f"{hkv} K/V head(s) of dim {d}: the gathered row ({_gib(row)}) fits 1/{_ROW_SHARE} "
-        f"of {_gib(budget * _ROW_SHARE)}, no hops",
-      )
-    elif math.gcd(hkv, cp) > 1:
-      size = hybrid_ulysses_size(hq, hkv, cp)
-      out[kind] = Choice(
-        "hybrid",
-        f"the gathered row ({_gib(row)}) exceeds 1/{_ROW_SHARE} of {_gib(budget * _ROW_SHARE)}; "
-        f"{hkv} K/V heads: Ulysses in groups of {size} ranks, the ring over {cp // size} groups "
-        f"({cp // size - 1} hops, not {cp - 1}), O(S/cp) memory",
-      )
-    else:
-      out[kind] = Choice(
-        "ring",
-        f"the gathered row ({_gib(row)}) exceeds 1/{_ROW_SHARE} of "
-        f"{_gib(budget * _ROW_SHARE)}: the ring keeps O(S/cp) memory",
-      )
+      continue
+    # K, V (bfloat16) and their float32 gradients over the whole row, per K/V head.
+    row = 12 * seq_len * d
+    share = f"1/{_ROW_SHARE} of {_gib(budget * _ROW_SHARE)}"
+    why_not = {}  # the strategies left out, and why
+    if not row_fits(row * hkv, device_memory):
+      why_not["all_gather"] = f"its row of {_gib(row * hkv)} is over {share}"
+    if hq % cp:
+      why_not["ulysses"] = f"{hq} query heads are not a multiple of cp"
+    elif not _ulysses_fits(hq, hkv, cp, row, device_memory):
+      heads = hkv * ulysses_kv_repeats(hq, hkv, cp) // cp
+      why_not["ulysses"] = f"its repeated K/V row of {_gib(row * heads)} is over {share}"
+    if math.gcd(hkv, cp) == 1:
+      why_not["hybrid"] = f"{hkv} K/V head(s) share no factor with cp"
+    elif hybrid_ulysses_size(hq, hkv, cp) == cp:
+      why_not["hybrid"] = "one group is Ulysses"
+    shape = dict(seq_len=seq_len, cp=cp, q_heads=hq, kv_heads=hkv, head_dim=d, layout=layout)
+    shape["window"] = window if bounded else None
+    sent = {s: bytes_sent(s, **shape)[0] for s in STRATEGIES if s not in why_not}
+    best = min(sent, key=sent.get)  # (ties: the first in STRATEGIES' order)
+    others = ", ".join(f"{s} {_mib(b)}" for s, b in sent.items() if s != best)
+    left = "".join(f"; {s}: {why}" for s, why in why_not.items())
+    out[kind] = Choice(
+      best,
+      f"{hq} query / {hkv} K/V heads of dim {d}: the fewest bytes a step, "
+      f"{_mib(sent[best])} ({others}){left}",
+    )
   return out
+
+
+def bytes_sent(
+  strategy: str,
+  *,
+  seq_len: int,
+  cp: int,
+  q_heads: int,
+  kv_heads: int,
+  head_dim: int,
+  window: int | None = None,
+  layout: str = "load_balanced",
+) -> tuple[int, int]:
+  """Return (bytes each rank sends in one forward + backward, ring hops a pass).
+
+  Counted from the shapes (a compiled program's text holds a loop's
+  collectives once, not once a hop), K/V and the activations in bfloat16,
+  with one int32 mask array a token (the document ids). The ring sends its
+  K/V chunk and ids once a hop in the forward, and with them the float32
+  dK/dV accumulators in the backward, then those home (one more send,
+  unless the ring came full circle). The all-gather sends its share to each
+  other rank in the forward and again in the backward (it recomputes rather
+  than keeps the row), and reduce-scatters the row's float32 dK/dV; under a
+  window it sends only its halo (:func:`cpjax.ring.halo`, 128-key tiles)
+  the same way, and its gradient back. Ulysses all-to-alls (``(cp - 1) /
+  cp`` of each tensor leaves the rank) q, the repeated K and V and the
+  output, then the output's gradient and dq, dK, dV, and all-gathers the
+  ids once. The hybrid does Ulysses' all-to-alls inside its groups of ``U``
+  ranks, then the ring's hops over the groups: the same K/V bytes a hop,
+  ``U`` times the ids.
+
+  >>> bytes_sent("ring", seq_len=1024, cp=4, q_heads=8, kv_heads=1, head_dim=128)
+  (1841152, 3)
+  """
+  local = seq_len // cp
+  kv, ids = 2 * local * kv_heads * head_dim * 2, local * 4
+  grads = 2 * local * kv_heads * head_dim * 4
+  lay = _padded_layout(seq_len, cp, layout)
+
+  def ring(ranks: int, ids: int) -> tuple[int, int]:
+    plan = ring_plan(_padded_layout(seq_len, ranks, layout), sliding_window=window)
+    both = 2 if plan.backward_hops else 1
+    hops = plan.forward_hops * both
+    home = both * int(plan.forward_hops % ranks != 0) * grads
+    return hops * (kv + ids) + hops * (kv + ids + grads) + home, hops
+
+  if strategy in ("ulysses", "hybrid"):
+    size = cp if strategy == "ulysses" else hybrid_ulysses_size(q_heads, kv_heads, cp)
+    repeated = kv_heads * ulysses_kv_repeats(q_heads, kv_heads, size)
+    heads = 4 * q_heads + 4 * repeated  # q, out, do, dq; k, v, dk, dv
+    within = (size - 1) * (local * heads * head_dim * 2 // size + ids)
+    if size == cp:
+      return within, 0
+    sent, hops = ring(cp // size, size * ids)
+    return within + sent, hops
+  if strategy == "all_gather":
+    rule = MaskSpec(sliding_window=window).rule()
+    sides = halo(lay, rule, _key_block(lay)) if window else None
+    if sides:
+      tokens = sum(h.length for h in sides)
+      return 2 * tokens * (kv + ids) // local + tokens * grads // local, 0
+    return (cp - 1) * (2 * (kv + ids) + grads), 0
+  if strategy == "ring":
+    return ring(cp, ids)
+  raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def _key_block(lay: ShardLayout) -> int:
+  """The halo's key tiles: a TPU's 128 lanes, or the longest a short chunk divides."""
+  return next(b for b in (_KEY_BLOCK, 64, 32, 16, 8, 4, 2, 1) if lay.chunk_len % b == 0)
+
+
+def _ulysses_fits(q_heads: int, kv_heads: int, cp: int, row: int, device_memory) -> bool:
+  """Whether Ulysses' K/V fit: its ``Hkv / cp`` heads over the row are a
+  ring chunk's size (``O(S/cp)``); repeated ones, the share's test."""
+  repeats = ulysses_kv_repeats(q_heads, kv_heads, cp)
+  return repeats == 1 or row_fits(row * kv_heads * repeats // cp, device_memory)
 
 
 def row_fits(nbytes: int, device_memory: int | None = None) -> bool:
@@ -172,6 +258,11 @@ def _padded_layout(seq_len: int, cp: int, kind: str) -> ShardLayout:
   chunks = ShardLayout(16 * cp, 16 * cp, cp, kind).num_chunks
   padded = -(-seq_len // chunks) * chunks
   return ShardLayout(seq_len, padded, cp, kind)
+
+
+def _mib(n: float) -> str:
+  mib = n / 2**20
+  return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.3g} MiB"
 
 
 def _gib(n: float) -> str:
