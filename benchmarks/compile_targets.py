@@ -8,6 +8,7 @@ this CPU machine with compile-only devices (no chip needed).
     python benchmarks/compile_targets.py --judges gpu --keep   # rerun one judge's cells
     python benchmarks/compile_targets.py --judges --keep       # the closed forms only
     python benchmarks/compile_targets.py --model a4b-slice --judges tpu gpu   # v5p-16, h200-8
+    python benchmarks/compile_targets.py --strategy auto --judges tpu gpu  # train's default
 
 The closed form is the TPU's and, beside it, the GPU's (platform="cuda").
 
@@ -102,6 +103,13 @@ def main(argv=None) -> None:
     "recomputed beside the saved cells)",
   )
   parser.add_argument(
+    "--strategy",
+    choices=["ring", "auto"],
+    default="ring",
+    help="the CP strategy: the ring, or auto (cpjax train's default: the rule's "
+    "choice per layer kind and the loss's auto); auto writes results/NAME_auto.json",
+  )
+  parser.add_argument(
     "--keep",
     action="store_true",
     help="keep the other judges' cells of the rows in "
@@ -110,24 +118,39 @@ def main(argv=None) -> None:
   )
   args = parser.parse_args(argv)
   tpu, name, seq_lens, meshes = MODELS[args.model]
+  name += "_auto" if args.strategy == "auto" else ""
   args.seq_lens, args.meshes = args.seq_lens or seq_lens, args.meshes or meshes
   judges = {**JUDGES, "tpu": tpu}
   kept = _kept_cells(args.judges, name) if args.keep else {}
   setup_devices(8)
   from cpjax.parallel import parse_mesh
-  from cpjax.training import plan, targets
+  from cpjax.training import cp_strategy, plan, targets
 
   cfg = e2b_slice() if args.model == "e2b-slice" else a4b_slice()
   rows = []
   for seq_len in args.seq_lens:
     for mesh_text in args.meshes:
       mesh = parse_mesh(mesh_text)
+      strategies, chosen = {}, "ring"
+      if args.strategy == "auto":
+        choices = cp_strategy.choose(
+          cfg.text, seq_len=seq_len, cp=mesh.get("cp", 1), tp=mesh.get("tp", 1)
+        )
+        strategies = {"strategy": cp_strategy.as_strategy(choices), "loss_strategy": "auto"}
+        chosen = cp_strategy.describe(choices)
       for training in args.trainings:
         lora = {"lora_rank": 16, "base_dtype": "bfloat16"} if training == "lora" else {}
         for dtype in args.dtypes:
           closed = {
             p: plan.estimate(
-              cfg, model=args.model, seq_len=seq_len, mesh=mesh, dtype=dtype, platform=p, **lora
+              cfg,
+              model=args.model,
+              seq_len=seq_len,
+              mesh=mesh,
+              dtype=dtype,
+              platform=p,
+              **lora,
+              **strategies,
             ).total
             / plan.GiB
             for p in plan.PLATFORMS
@@ -137,6 +160,7 @@ def main(argv=None) -> None:
             "mesh": mesh_text,
             "training": training,
             "dtype": dtype,
+            "strategy": chosen,
             "closed form": closed["tpu"],
             "closed form gpu": closed["cuda"],
           }
@@ -155,6 +179,7 @@ def main(argv=None) -> None:
                 mesh=mesh,
                 dtype=dtype,
                 **lora,
+                **strategies,
                 target=None if chips is None else targets.parse_target(chips),
               )
               row[judge] = got.total / plan.GiB

@@ -396,15 +396,13 @@ def test_plan_target_follows_the_gpu_compiler(target, platform, capsys, monkeypa
   H200s (more than XLA:TPU's), XLA:TPU's on a v5e. (The compile itself is
   tested in tests/test_plan.py; here it is replaced by the estimate.)"""
   from cpjax.models.gemma4 import Gemma4Config
-  from cpjax.training import plan
+  from cpjax.training import cp_strategy, plan
 
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   monkeypatch.setattr(
     plan,
     "compiled_plan",
-    lambda cfg, **kw: plan.estimate(
-      cfg, **{k: v for k, v in kw.items() if k not in ("target", "strategy", "loss_strategy")}
-    ),
+    lambda cfg, **kw: plan.estimate(cfg, **{k: v for k, v in kw.items() if k != "target"}),
   )
   cli.main(["plan", "--model", "e2b", "--seq-len", "131072", "--target", target])
   out = capsys.readouterr().out
@@ -413,10 +411,11 @@ def test_plan_target_follows_the_gpu_compiler(target, platform, capsys, monkeypa
   assert want in out, out
   assert "  cp strategy for sliding_attention: all_gather (window 512: a halo" in out, out
   cfg = Gemma4Config.preset("e2b")
+  # The closed form of what it compiles: the rule's strategies, the loss's auto.
+  choices = cp_strategy.choose(cfg.text, seq_len=131072, cp=8)
+  auto = dict(strategy=cp_strategy.as_strategy(choices), loss_strategy="auto")
+  shape = dict(model="e2b", seq_len=131072, mesh={"cp": 8}, **auto)
   for dtype in ("bfloat16", "float32"):
-    want = {
-      p: plan.estimate(cfg, model="e2b", seq_len=131072, mesh={"cp": 8}, dtype=dtype, platform=p)
-      for p in plan.PLATFORMS
-    }
+    want = {p: plan.estimate(cfg, **shape, dtype=dtype, platform=p) for p in plan.PLATFORMS}
     assert want["cuda"].total > want["tpu"].total
     assert f"  {want[platform].row()} [{dtype} activations]" in out, out

@@ -49,6 +49,30 @@ def test_estimate_shrinks_state_with_fsdp_and_cp_and_activations_with_cp():
   assert whole.activations - base.activations > 3 * n
 
 
+def test_the_closed_form_adds_the_strategies_whole_row_buffers():
+  """E2B at S = 131072 on cp = 8, one row: the all-gather's K/V row on the
+  full layers (1 head of dim 512: 131072 x 512 x (2 + 2 + 4 + 4) bytes =
+  0.75 GiB) and Ulysses' (its one K/V head repeated 8 times, 1 a rank over
+  the row: the same); the sliding layers' halo, 1024 keys of dim 256 (3 MiB);
+  the worst layer counts. The loss's all-gather holds the row's hidden states
+  (d = 1536) and their float32 gradient with labels and lse, where the ring
+  holds two ranks' worth."""
+  cfg = gemma4.Gemma4Config.preset("e2b")
+  shape = dict(model="e2b", seq_len=131072, mesh={"cp": 8}, dtype="bfloat16")
+  ring = plan.estimate(cfg, **shape).activations
+  for strategy in ({"full_attention": "all_gather"}, "ulysses", "full_attention=ulysses"):
+    got = plan.estimate(cfg, **shape, strategy=strategy).activations - ring
+    assert got == 131072 * 512 * 12, strategy
+  halo = plan.estimate(cfg, **shape, strategy={"sliding_attention": "all_gather"})
+  assert halo.activations - ring == 1024 * 256 * 12
+  hybrid = plan.estimate(cfg, **shape, strategy="hybrid").activations
+  assert hybrid == ring  # (E2B's one K/V head makes no group; the closed form holds the ring's)
+  loss = plan.estimate(cfg, **shape, loss_strategy="all_gather").activations - ring
+  per_token = 1536 * 2 + 4 * 1536 + 8
+  assert loss == 131072 * per_token - 2 * 16384 * per_token
+  assert plan.estimate(cfg, **shape, loss_strategy="auto").activations - ring == loss
+
+
 def test_smallest_mesh_fits_and_the_next_smaller_does_not():
   cfg = gemma4.Gemma4Config.preset("e4b")
   memory = plan.parse_bytes("95GiB")

@@ -120,6 +120,20 @@ MUTANTS = (
     ),
   ),
   Mutant(
+    "plan: the closed form leaves out the strategies' whole-row K/V",
+    "cpjax/training/plan.py",
+    "  ring += rows * _row_buffers(t, strategy, seq_len=seq_len, cp=cp, tp=tp, itemsize=a)",
+    "  ring += 0",
+    ("tests/test_plan.py::test_the_closed_form_adds_the_strategies_whole_row_buffers",),
+  ),
+  Mutant(
+    "plan: the closed form's loss keeps the ring's tokens under the loss's all-gather",
+    "cpjax/training/plan.py",
+    '    if loss_strategy == "all_gather" or (',
+    '    if loss_strategy == "never" or (',
+    ("tests/test_plan.py::test_the_closed_form_adds_the_strategies_whole_row_buffers",),
+  ),
+  Mutant(
     "loss all_gather: the vocabulary blocks' statistics not combined over cp",
     "cpjax/training/loss.py",
     "    axes = (s.vocab_axis, *axes)",

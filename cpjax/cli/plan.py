@@ -230,10 +230,6 @@ def plan(parser, args) -> int:
       capacity_factor=args.capacity_factor,
       **lora,
     )
-    rows = [
-      plan.estimate(cfg, dtype=dtype, platform=platform, **step)
-      for dtype in ("bfloat16", "float32")
-    ]
     choices = cp_strategy.choose(
       cfg.text,
       seq_len=args.seq_len,
@@ -241,19 +237,16 @@ def plan(parser, args) -> int:
       tp=mesh.get("tp", 1),
       device_memory=args.device_memory,
     )
+    # What cpjax train's parallel.strategy auto runs: the rule's choice, the loss's auto.
+    step.update(strategy=cp_strategy.as_strategy(choices), loss_strategy="auto")
+    rows = [
+      plan.estimate(cfg, dtype=dtype, platform=platform, **step)
+      for dtype in ("bfloat16", "float32")
+    ]
     if not args.estimate_only:
       start = time.perf_counter()
       dtype = args.dtype if target is not None else "float32"
-      rows.append(
-        plan.compiled_plan(
-          cfg,
-          target=target,
-          dtype=dtype,
-          strategy=cp_strategy.as_strategy(choices),
-          loss_strategy="auto",
-          **step,
-        )
-      )
+      rows.append(plan.compiled_plan(cfg, target=target, dtype=dtype, **step))
       seconds = time.perf_counter() - start
   except ImportError as e:  # a target's compiler is not installed
     parser.exit(2, f"cpjax plan: error: --target: {e}\n")

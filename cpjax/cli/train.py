@@ -179,7 +179,7 @@ def _check_memory(parser, run) -> None:
 
   import jax
 
-  from cpjax.training import plan
+  from cpjax.training import cp_strategy, plan
 
   limit, what = machine.available_memory()
   if limit is None:
@@ -192,7 +192,8 @@ def _check_memory(parser, run) -> None:
   # The closed form as the compiler that will run it (XLA:TPU's off a GPU).
   platform = "cuda" if jax.devices()[0].platform == "gpu" else "tpu"
   try:
-    est = plan.estimate(cfg, model=name, platform=platform, **shape)
+    strategies = cp_strategy.for_run(run, cfg.text)
+    est = plan.estimate(cfg, model=name, platform=platform, **shape, **strategies)
   except ValueError as e:  # a mesh the model cannot use (ep), before any compute
     parser.exit(2, f"cpjax train: error: --mesh: {e}\n")
   devices = math.prod(v for k, v in sizes.items() if k != "ep")

@@ -57,7 +57,10 @@ __all__ = [
   "bytes_sent",
   "choose",
   "describe",
+  "for_run",
+  "row_buffer",
   "row_fits",
+  "run_choices",
 ]
 
 #: The device memory the rule budgets for when none is given (a v5e's 16 GiB HBM).
@@ -230,6 +233,79 @@ def _ulysses_fits(q_heads: int, kv_heads: int, cp: int, row: int, device_memory)
   ring chunk's size (``O(S/cp)``); repeated ones, the share's test."""
   repeats = ulysses_kv_repeats(q_heads, kv_heads, cp)
   return repeats == 1 or row_fits(row * kv_heads * repeats // cp, device_memory)
+
+
+def row_buffer(
+  text,
+  kind: str,
+  strategy: str,
+  *,
+  seq_len: int,
+  cp: int,
+  tp: int = 1,
+  itemsize: int = 2,
+  layout: str = "load_balanced",
+) -> int:
+  """Return the bytes of whole-row K/V that ``strategy`` holds in one layer of ``kind``.
+
+  K and V in the activations' dtype (``itemsize`` bytes) and their float32
+  gradients, over the tokens the strategy brings to a rank beyond the O(S/cp)
+  a ring holds: the all-gather's row (or a window's halo), Ulysses' row of
+  its ``Hkv * f / cp`` K/V heads when it repeats them (``f > 1``). The ring,
+  the hybrid and unrepeated Ulysses hold none. A batch row's worth; the
+  closed form (:func:`cpjax.training.plan.estimate`) adds the worst layer.
+
+  >>> from cpjax.models.gemma4 import Gemma4Config
+  >>> e2b = Gemma4Config.preset("e2b").text
+  >>> row_buffer(e2b, "full_attention", "all_gather", seq_len=131072, cp=8) / 2**30
+  0.75
+  """
+  hq, hkv, d, window = _kind_shapes(text, kind, tp)
+  if cp == 1 or strategy in ("ring", "hybrid"):
+    return 0
+  per_token = d * (2 * itemsize + 8)
+  if strategy == "ulysses":
+    repeats = ulysses_kv_repeats(hq, hkv, cp)
+    return 0 if repeats == 1 else seq_len * per_token * hkv * repeats // cp
+  if strategy != "all_gather":
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+  lay = _padded_layout(seq_len, cp, layout)
+  vision = kind == "sliding_attention" and text.use_bidirectional_attention == "vision"
+  rule = MaskSpec(sliding_window=window).rule()
+  sides = halo(lay, rule, _key_block(lay)) if window is not None and not vision else None
+  tokens = sum(h.length for h in sides) if sides else lay.padded_seq_len
+  return tokens * per_token * hkv
+
+
+def for_run(run, text) -> dict:
+  """Return the CP strategies a run config's step takes, as keywords of
+  :func:`cpjax.training.make_train_step` and :func:`cpjax.training.plan.estimate`.
+
+  ``parallel.strategy: auto`` takes the rule's choice per layer kind and the
+  loss's ``auto``; a named strategy is taken as it is, with the loss's ring.
+
+  Args:
+    run: a :class:`cpjax.training.run_config.RunConfig`.
+    text: its model's Gemma 4 text config.
+
+  Returns:
+    ``{"strategy": ..., "loss_strategy": ...}``.
+  """
+  if run.parallel.strategy != "auto":
+    return {"strategy": run.parallel.strategy, "loss_strategy": "ring"}
+  return {"strategy": as_strategy(run_choices(run, text)), "loss_strategy": "auto"}
+
+
+def run_choices(run, text) -> dict[str, Choice]:
+  """Return :func:`choose`'s choices for a run config's row length, mesh and layout."""
+  sizes = run.parallel.mesh_sizes()
+  return choose(
+    text,
+    seq_len=run.dataset.seq_len,
+    cp=sizes.get("cp", 1),
+    tp=sizes.get("tp", 1),
+    layout=run.parallel.layout,
+  )
 
 
 def row_fits(nbytes: int, device_memory: int | None = None) -> bool:

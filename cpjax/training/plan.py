@@ -97,6 +97,8 @@ import typing
 
 import numpy as np
 
+from cpjax.cp_context import parse_strategy
+from cpjax.training import cp_strategy
 from cpjax.training.run_config import ShardState, state_axes
 from cpjax.training.targets import collective_bytes
 
@@ -384,6 +386,8 @@ def estimate(
   capacity_factor: float | None = None,
   shard_state: str = "fsdp+cp",
   platform: str = "tpu",
+  strategy="ring",
+  loss_strategy: str = "ring",
 ) -> Plan:
   """Estimate the plan with the closed form of the module docstring.
 
@@ -403,6 +407,13 @@ def estimate(
       or whole over ``cp``.
     platform: the compiler it follows, ``"tpu"`` or ``"cuda"``, a
       :class:`~cpjax.training.targets.Chip`'s.
+    strategy: the CP strategy, one or per layer kind (as
+      :func:`cpjax.training.make_train_step`'s): the all-gather's and
+      repeated Ulysses' whole-row K/V are added at the worst layer
+      (:func:`cpjax.training.cp_strategy.row_buffer`).
+    loss_strategy: as :func:`cpjax.training.make_train_step`'s: the loss's
+      all-gather holds the row's hidden states and their float32 gradient
+      where the ring holds two ranks' worth.
 
   Returns:
     The :class:`Plan`.
@@ -487,11 +498,20 @@ def estimate(
   if over_cp:
     # The head split over cp: the tokens travel the cp ring, two ranks'
     # worth in flight (this hop's and the next's), with their labels and
-    # log-sum-exps and, in the backward, their float32 d hidden.
-    logits += 2 * rows * local * (d * a + 4 * d + 4 + 4)
+    # log-sum-exps and, in the backward, their float32 d hidden; or the
+    # all-gather holds the whole row's (the loss's auto: while it fits the
+    # CP strategy rule's share, as cpjax.training.loss.cross_entropy).
+    gathered_row = rows * seq_len * d * (a + 4)
+    if loss_strategy == "all_gather" or (
+      loss_strategy == "auto" and cp_strategy.row_fits(gathered_row)
+    ):
+      logits += rows * seq_len * (d * a + 4 * d + 4 + 4)
+    else:
+      logits += 2 * rows * local * (d * a + 4 * d + 4 + 4)
   # The ring's float32 hop results and accumulators in a layer's backward,
   # at the widest head: forward out and dq [B, L, H, Dh], dk and dv [B, L, Hkv, Dh].
   ring = 4 * rows * local * widest * 4 * (heads + kv)
+  ring += rows * _row_buffers(t, strategy, seq_len=seq_len, cp=cp, tp=tp, itemsize=a)
   # Full fine-tuning: the lookups' transposes make the tables' gradient in
   # float32 beside the one it is added into (one more table-sized buffer).
   tables_grad = 4 * t.vocab_size * (d + ple * layers) / shards if lora_rank is None else 0
@@ -524,6 +544,24 @@ def estimate(
     "estimate",
     lora_rank,
     base_dtype if lora_rank is not None else "float32",
+  )
+
+
+def _row_buffers(text, strategy, *, seq_len: int, cp: int, tp: int, itemsize: int) -> int:
+  """The worst layer kind's whole-row K/V under ``strategy`` (one or per kind)."""
+  strategy = parse_strategy(strategy)
+  chosen = {} if isinstance(strategy, str) else dict(strategy)
+  return max(
+    cp_strategy.row_buffer(
+      text,
+      kind,
+      strategy if isinstance(strategy, str) else chosen.get(kind, "ring"),
+      seq_len=seq_len,
+      cp=cp,
+      tp=tp,
+      itemsize=itemsize,
+    )
+    for kind in sorted(set(text.layer_types))
   )
 
 

@@ -522,7 +522,9 @@ def describe(job: RunConfig, trainer: TrainState, log) -> None:
     f"{len(devices)} {devices[0].platform.upper()} devices{procs}, {job.dtype}"
   )
   if job.parallel.strategy == "auto":
-    for kind, choice in _choices(job, trainer).items():
+    from cpjax.training.cp_strategy import run_choices
+
+    for kind, choice in run_choices(job, trainer.cfg.text).items():
       log(f"  cp strategy for {kind}: {choice.strategy} ({choice.why})")
 
 
@@ -537,24 +539,9 @@ def cp_strategy(job: RunConfig, trainer: TrainState):
   Returns:
     A strategy name or sorted ``(layer kind, strategy)`` pairs.
   """
-  from cpjax.training.cp_strategy import as_strategy
+  from cpjax.training.cp_strategy import for_run
 
-  if job.parallel.strategy != "auto":
-    return job.parallel.strategy
-  return as_strategy(_choices(job, trainer))
-
-
-def _choices(job: RunConfig, trainer: TrainState):
-  from cpjax.training.cp_strategy import choose
-
-  shape = dict(trainer.mesh.shape)
-  return choose(
-    trainer.cfg.text,
-    seq_len=job.dataset.seq_len,
-    cp=shape.get("cp", 1),
-    tp=shape.get("tp", 1),
-    layout=job.parallel.layout,
-  )
+  return for_run(job, trainer.cfg.text)["strategy"]
 
 
 def step_batches(job: RunConfig, trainer: TrainState, data: Data):
