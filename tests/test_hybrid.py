@@ -171,5 +171,10 @@ def test_two_axes_are_the_hybrids_and_its_ulysses_axis_must_split_the_heads():
     call(strategy="ring")
   with pytest.raises(ValueError, match="2 query heads .* not a multiple of its size 4"):
     call(strategy="hybrid")
+  local = jnp.zeros((1, 8, 2, 8))
+  with pytest.raises(ValueError, match=r"shard_map over a mesh axis \('ring', 'ulysses'\)"):
+    cpjax.ring_attention(
+      local, local, local, layout=lay, axis_name=("ring", "ulysses"), strategy="hybrid"
+    )
   with pytest.raises(TypeError, match=r"a pair \(ring axis, Ulysses axis\) of names, got"):
     cpjax.ring_attention(x, x, x, layout=lay, axis_name=("ring",), strategy="hybrid")

@@ -252,6 +252,7 @@ def test_kernels_split_over_the_axes_the_partitioner_shards():
     # The hybrid on the full layers: Ulysses over pairs of ranks (tiny's 2
     # K/V heads), the ring over the 2 pairs.
     ({"fsdp": 2, "cp": 4}, {"full_attention": "hybrid", "sliding_attention": "ring"}),
+    pytest.param({"cp": 8}, "hybrid", marks=pytest.mark.slow),
   ],
   ids=[
     "cp8-all_gather",
@@ -259,6 +260,7 @@ def test_kernels_split_over_the_axes_the_partitioner_shards():
     "fsdp2xcp4-all_gather",
     "fsdp2xcp4-ulysses",
     "fsdp2xcp4-hybrid",
+    "cp8-hybrid",
   ],
 )
 def test_the_step_with_another_cp_strategy_equals_the_single_device_step(
