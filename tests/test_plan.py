@@ -175,6 +175,31 @@ def test_cli_plan_estimate_only():
   assert "fits 95 GiB" in out.stdout
 
 
+def test_cli_plan_follows_the_runs_strategy_or_the_rule():
+  """Without a strategy in the run, cpjax plan plans the rule's choice and
+  the loss's all-gather, as cpjax train's auto; with --parallel.strategy it
+  plans that one (and says the rule's choice was not taken)."""
+  from cpjax.training import cp_strategy
+
+  cfg = gemma4.Gemma4Config.preset("e2b")
+  shape = dict(model="e2b", seq_len=131072, mesh={"cp": 8}, dtype="bfloat16")
+  base = ("--model", "e2b", "--seq-len", "131072", "--mesh", "cp=8", "--estimate-only")
+  choices = cp_strategy.choose(cfg.text, seq_len=131072, cp=8)
+  auto = plan.estimate(
+    cfg, **shape, strategy=cp_strategy.as_strategy(choices), loss_strategy="auto"
+  )
+  ring = plan.estimate(cfg, **shape, strategy="ring")
+  assert auto.total > ring.total
+  for flags, want, said in (
+    ((), auto, "cp strategy for full_attention: ulysses (8 query"),
+    (("--parallel.strategy", "ring"), ring, "cp strategy: ring (the run's parallel.strategy)"),
+  ):
+    out = _cpjax_plan(*base, *flags)
+    assert out.returncode == 0, out.stderr
+    assert f"  {want.row()} [bfloat16 activations]" in out.stdout, out.stdout
+    assert said in out.stdout, out.stdout
+
+
 def test_cli_plan_rejects_a_mesh_the_model_cannot_use():
   out = _cpjax_plan("--model", "tiny", "--seq-len", "64", "--mesh", "cp=2,tp=8")
   assert out.returncode != 0

@@ -107,6 +107,8 @@ def _from_run(parser, args) -> None:
       "cpjax plan: error: give --seq-len (or a run config: --recipe, --config, "
       "--dataset.seq_len)\n",
     )
+  # The run's CP strategy where it names one, else what cpjax train's auto picks.
+  args.strategy = run.parallel.strategy if named("parallel.strategy") else "auto"
   args.remat = args.remat or "full"
   args.shard_state = args.shard_state or "fsdp+cp"
   # The compiled step's activations: the run's dtype; float32 without a run
@@ -237,8 +239,10 @@ def plan(parser, args) -> int:
       tp=mesh.get("tp", 1),
       device_memory=args.device_memory,
     )
-    # What cpjax train's parallel.strategy auto runs: the rule's choice, the loss's auto.
-    step.update(strategy=cp_strategy.as_strategy(choices), loss_strategy="auto")
+    if args.strategy == "auto":  # the rule's choice, the loss's auto, as cpjax train's
+      step.update(strategy=cp_strategy.as_strategy(choices), loss_strategy="auto")
+    else:
+      step.update(strategy=args.strategy, loss_strategy="ring")
     rows = [
       plan.estimate(cfg, dtype=dtype, platform=platform, **step)
       for dtype in ("bfloat16", "float32")
@@ -264,8 +268,11 @@ def plan(parser, args) -> int:
         args.device_memory
       )
     print(f"  {row.row()} [{row.dtype} activations]{fits}")
+  if args.strategy != "auto":
+    print(f"  cp strategy: {args.strategy} (the run's parallel.strategy)")
   for kind, choice in choices.items():  # what cpjax train's parallel.strategy auto takes
-    print(f"  cp strategy for {kind}: {choice.strategy} ({choice.why})")
+    taken = "" if args.strategy == "auto" else ", not taken"
+    print(f"  cp strategy for {kind}: {choice.strategy} ({choice.why}{taken})")
   if seconds is not None:
     compiled = rows[-1]
     moved = ", ".join(
