@@ -294,11 +294,13 @@ def ring_attention(
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
   pair = isinstance(axis_name, tuple)
-  if not (isinstance(axis_name, str) or pair and _is_pair(axis_name)):
+  if pair and not _is_pair(axis_name):
     raise TypeError(
-      f"axis_name must be a mesh axis name (str), or for strategy='hybrid' a pair "
-      f"(ring axis, Ulysses axis) of names, got {axis_name!r}"
+      f"axis_name as a tuple is strategy='hybrid''s pair (ring axis, Ulysses axis) of "
+      f"names, got {axis_name!r}"
     )
+  if not pair and not isinstance(axis_name, str):
+    raise TypeError(f"axis_name must be a mesh axis name (str), got {type(axis_name).__name__}")
   b, l, hq, hkv, d = checks.attention_inputs(q, k, v)
   scale, logits_soft_cap = checks.attention_options(scale=scale, logits_soft_cap=logits_soft_cap)
   checks.cp_axis("ring_attention", axis_name, layout.cp_size)
