@@ -497,6 +497,38 @@ def test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings(tmp_path, c
     assert e.value.code == 2 and message in capsys.readouterr().err, argv
 
 
+@pytest.mark.parametrize("kind, mesh", [("dense", "fsdp=2,cp=4"), ("moe", "fsdp=2,cp=4,ep=4")])
+def test_plan_takes_dotted_keys_with_a_transformers_checkpoint(
+  kind, mesh, hf_checkpoint, capsys, monkeypatch
+):
+  """A checkpoint saved by transformers (dense, and MoE with its experts over
+  cp): cpjax plan reads the model from its config.json and the length and
+  mesh from the dotted keys, as cpjax train would, and prints the closed form
+  of that config with the strategies cpjax train would take."""
+  from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.parallel import parse_mesh
+  from cpjax.training import cp_strategy
+
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  checkpoint = hf_checkpoint(kind)
+  argv = ["plan", "--checkpoint", checkpoint, "--dataset.seq_len", "512"]
+  assert cli.main([*argv, "--parallel.mesh", mesh, "--estimate-only"]) == 0
+  out = capsys.readouterr().out
+  cfg = Gemma4Config.from_hf(checkpoint)
+  choices = cp_strategy.choose(cfg.text, seq_len=512, cp=4)
+  want = plan.estimate(
+    cfg,
+    model=os.path.basename(os.path.normpath(checkpoint)),
+    seq_len=512,
+    mesh=parse_mesh(mesh),
+    dtype="bfloat16",
+    strategy=cp_strategy.as_strategy(choices),
+    loss_strategy="auto",
+  )
+  assert f"  {want.row()} [bfloat16 activations]" in out, out
+  assert "S=512, remat full, full training, 8 devices" in out, out
+
+
 def test_python_users_get_dotted_keys():
   with pytest.raises(
     JobError, match=r"^dataset\.microbatches 3 must divide dataset\.batch_size 4$"
