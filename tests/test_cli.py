@@ -103,6 +103,10 @@ def _run(*args, timeout=600):
       "--mesh cp=4 has 4 devices, --target v5e-8 has 8 (v5e:2x4)",
     ),
     (
+      ["plan", "--model", "tiny", "--seq-len", "64", "--target", "v5e", "--mesh", "cp=4"],
+      "--target v5e searches its slices and their meshes; with --mesh name the slice (v5e-N)",
+    ),
+    (
       ["plan", "--model", "tiny", "--seq-len", "64", "--target", "h200-8", "--estimate-only"],
       "--target compiles; it does not go with --estimate-only",
     ),
@@ -388,6 +392,39 @@ def test_a_command_prints_no_plugin_start_up_errors_on_a_machine_without_chips()
   assert "document ids" in proc.stdout
   for noise in ("plugin configuration error", "cuInit", "TPU", "libtpu"):
     assert noise not in proc.stderr, proc.stderr
+
+
+def test_plan_for_a_bare_chip_searches_its_slices_and_writes_the_smallest(
+  capsys, monkeypatch, tmp_path
+):
+  """``--target v5e`` on a recipe: the target search (tests/test_plan.py)
+  with a compiler replaced by a table, each compile printed; the recipe's
+  mesh is replaced by the smallest slice's, and --write-config writes it
+  with the compiler's figure beside the closed form's."""
+  from cpjax.training import plan
+  from cpjax.training.run_file import read_run_config
+
+  totals = {"v5e-4": 17 * plan.GiB, "v5e-8": 12 * plan.GiB}
+
+  def compiled_plan(cfg, *, target, model, seq_len, mesh, dtype, **kw):
+    total = totals[target.name]
+    return plan.Plan(model, seq_len, mesh, "full", dtype, 0, 0, total, total, 0.0, target.name)
+
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(plan, "compiled_plan", compiled_plan)
+  path = tmp_path / "plan.yaml"
+  argv = ["plan", "--recipe", "e2b-lora-128k", "--target", "v5e", "--write-config", str(path)]
+  assert cli.main(argv) in (0, None)
+  out = capsys.readouterr().out
+  assert "searching the slices of v5e (16 GiB a device)" in out, out
+  lines = [line for line in out.splitlines() if " v5e-" in line and "params" in line]
+  assert len(lines) == 2, out
+  assert "cp=4" in lines[0] and "does NOT fit 16 GiB" in lines[0], out
+  assert "cp=8" in lines[1] and "  fits 16 GiB" in lines[1], out
+  assert "smallest: v5e-8 (2 compiled in" in out, out
+  run = read_run_config(path)
+  assert (run.parallel.mesh, run.dtype, run.lora.rank) == ("cp=8", "bfloat16", 16)
+  assert "# compiled by v5e-8's compiler: 12 GiB per device, fits" in path.read_text()
 
 
 @pytest.mark.parametrize("target, platform", [("h200-8", "cuda"), ("v5e-8", "tpu")])

@@ -85,6 +85,66 @@ def test_smallest_mesh_fits_and_the_next_smaller_does_not():
       assert not plan.estimate(cfg, model="e4b", seq_len=131072, mesh=smaller).fits(memory)
 
 
+def _fake_compiler(monkeypatch, totals: dict) -> list:
+  """Replace the compile of a target by a table of totals per slice; return
+  the list its calls are recorded in."""
+  calls = []
+
+  def compiled_plan(cfg, *, target, model, seq_len, mesh, dtype, **kw):
+    calls.append((target.name, mesh, kw))
+    total = totals[target.name]
+    return plan.Plan(model, seq_len, mesh, "full", dtype, 0, 0, total, total, 0.0, target.name)
+
+  monkeypatch.setattr(plan, "compiled_plan", compiled_plan)
+  return calls
+
+
+@pytest.mark.parametrize(
+  "chip, totals, tried, found",
+  [
+    # The closed form's smallest v5e slice is v5e-4 (a chip's estimate is
+    # past 1.7 x 16 GiB, so v5e-1 is not compiled); the compiler fits it.
+    ("v5e", {"v5e-4": 9}, ["v5e-4"], "v5e-4"),
+    # It does not: up until one fits.
+    ("v5e", {"v5e-4": 17, "v5e-8": 16.5, "v5e-16": 9}, ["v5e-4", "v5e-8", "v5e-16"], "v5e-16"),
+    # None up to the largest slice.
+    ("v5e", {"v5e-4": 17, "v5e-8": 17, "v5e-16": 17}, ["v5e-4", "v5e-8", "v5e-16"], None),
+    # On a v6e the closed form's v6e-4 fits, and one chip's estimate is
+    # within 1.7 x 32 GiB: compiled, and it fits too ...
+    ("v6e", {"v6e-4": 20, "v6e-1": 31}, ["v6e-4", "v6e-1"], "v6e-1"),
+    # ... or does not.
+    ("v6e", {"v6e-4": 20, "v6e-1": 33}, ["v6e-4", "v6e-1"], "v6e-4"),
+  ],
+)
+def test_the_target_search_compiles_down_while_it_fits_and_up_until_one_fits(
+  chip, totals, tried, found, monkeypatch
+):
+  """The target search starts at the closed form's smallest slice and walks
+  the slices by what the compiler says (here a table, in GiB)."""
+  from cpjax.training import cp_strategy, targets
+
+  calls = _fake_compiler(monkeypatch, {k: v * plan.GiB for k, v in totals.items()})
+  cfg = gemma4.Gemma4Config.preset("e2b")
+  lora = dict(lora_rank=16, base_dtype="bfloat16")
+  memory = targets.CHIPS[chip].memory
+  auto = dict(seq_len=131072, strategy="auto", device_memory=memory, **lora)
+  for n, want in ((1, False), (4, True)):  # where the walk starts, by the closed form
+    est = plan.best_mesh(cfg, model="e2b", devices=n, **auto)
+    assert est.fits(memory) == want
+    assert n == 4 or (est.total <= plan.CLOSED_FORM_OVER * memory) == (chip == "v6e")
+  best, plans = plan.smallest_slice(
+    cfg, chip=targets.CHIPS[chip], model="e2b", seq_len=131072, max_devices=16, **lora
+  )
+  assert [p.source for p in plans] == [name for name, _, _ in calls] == tried
+  assert (best and best.source) == found
+  for name, mesh, kw in calls:  # each slice's best mesh, with the rule's strategies
+    devices = targets.parse_target(name).num_devices
+    assert mesh == plan.best_mesh(cfg, model="e2b", devices=devices, **auto).mesh
+    rule = cp_strategy.for_step(cfg.text, seq_len=131072, mesh=mesh, device_memory=memory)
+    assert (kw["strategy"], kw["loss_strategy"]) == (rule["strategy"], "auto")
+    assert kw["lora_rank"] == 16 and kw["base_dtype"] == "bfloat16"
+
+
 def test_the_closed_form_uses_the_training_loss_chunk_and_mlp_tile():
   from cpjax import training
   from cpjax.models.gemma4 import text
@@ -264,6 +324,26 @@ def test_cli_plan_writes_the_run_config_its_targets_compiler_accepted(tmp_path):
   assert (run.model, run.parallel.mesh, run.dtype) == ("tiny", "cp=8", "bfloat16")
   compiled = re.search(r"v5e-8 +params .* total +([0-9.]+ [KMG]iB)", out.stdout).group(1)
   assert f"# compiled by v5e-8's compiler: {compiled} per device, fits" in path.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs cpjax[tpu]")
+def test_cli_plan_searches_a_chips_slices_with_its_compiler(tmp_path):
+  """``--target v5e`` with XLA:TPU itself: the tiny model at S = 4096 fits
+  one v5e chip by the closed form and by the compiler, and there is no
+  smaller slice, so one compile; the written run is that slice's."""
+  from cpjax.training.run_file import read_run_config
+
+  path = tmp_path / "plan.yaml"
+  out = _cpjax_plan(
+    "--model", "tiny", "--seq-len", "4096", "--target", "v5e", "--write-config", str(path)
+  )
+  assert out.returncode == 0, out.stderr
+  rows = [line for line in out.stdout.splitlines() if " v5e-" in line and "params" in line]
+  assert len(rows) == 1 and " v5e-1 " in rows[0] and "  fits 16 GiB" in rows[0], out.stdout
+  assert "smallest: v5e-1 (1 compiled in" in out.stdout, out.stdout
+  assert read_run_config(path).parallel.mesh == "cp=1"
+  assert "# compiled by v5e-1's compiler: " in path.read_text()
 
 
 def test_lora_compiled_plan_state_equals_the_closed_form():

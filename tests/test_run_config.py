@@ -47,9 +47,11 @@ def test_every_recipe_round_trips_through_yaml(tmp_path):
 
 @pytest.mark.parametrize("name", [n for n, r in recipes.RECIPES.items() if r.devices])
 def test_each_published_size_recipe_fits_its_device(name):
-  """The closed form (cpjax plan's) of each recipe, as written, fits the
-  device it names, on the number of devices it names."""
+  """The closed form (cpjax plan's for the chip's compiler, with the run's
+  CP strategies) of each recipe, as written, fits the device it names, on
+  the number of devices it names."""
   from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.training import cp_strategy
 
   run, target = read_run_config(recipes.path(name)), recipes.RECIPES[name]
   assert devices_needed(run) == target.devices
@@ -57,7 +59,14 @@ def test_each_published_size_recipe_fits_its_device(name):
   chips = targets.parse_target(target.target)
   assert chips.num_devices == target.devices
   assert abs(chips.chip.memory - plan.parse_bytes(target.device_memory)) < 2**30
-  est = plan.estimate(Gemma4Config.preset(run.model), model=run.model, **plan.run_shape(run))
+  cfg = Gemma4Config.preset(run.model)
+  est = plan.estimate(
+    cfg,
+    model=run.model,
+    platform=chips.chip.platform,
+    **plan.run_shape(run),
+    **cp_strategy.for_run(run, cfg.text, device_memory=chips.chip.memory),
+  )
   memory = plan.parse_bytes(target.device_memory)
   assert est.fits(memory), est.row()
   assert run.dataset.seq_len >= 131072 and not run.parity_check

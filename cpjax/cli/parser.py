@@ -181,7 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     help="compile for these chips with their own compiler (no chip needed): "
     "Cloud TPU's v4-8, v5litepod-8 or v5e-8, v5p-16, v6e-8, ..., a topology "
     "such as v5e:2x4, or GPUs h100-8, h200-8, h200-2x8 (hosts x GPUs); "
-    "needs pip install 'cpjax[tpu]' or 'cpjax[cuda]'. Exits 1 when the "
+    "a chip alone (v5e, v5p, v6e, h200, ...) searches its slices: the closed "
+    "form's smallest is compiled, then smaller ones while they fit or larger "
+    "ones until one does (minutes a compile at a published size). "
+    "Needs pip install 'cpjax[tpu]' or 'cpjax[cuda]'. Exits 1 when the "
     "step does not fit the chip's memory",
   )
   plan.add_argument(

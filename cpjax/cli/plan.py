@@ -70,6 +70,7 @@ def _from_run(parser, args) -> None:
   """Fill the flags not given from the run config (``--recipe`` / ``--config``
   and dotted keys), as cpjax train would run it; the defaults for the rest."""
   args.run_keys = list(getattr(args, "run_keys", []))  # set by cpjax.cli.main
+  args.mesh_flag = args.mesh  # --mesh itself, before the run's fills it in
   run = args.run = _run_of(parser, args)
   # Without a file, only the settings the dotted keys name come from the run.
   typed = {k.split("=", 1)[0][2:] for k in args.run_keys if k.startswith("--")}
@@ -119,11 +120,24 @@ def _from_run(parser, args) -> None:
 
 
 def _target(parser, args):
-  """The ``--target`` chips (None without), its mesh and memory filled in."""
+  """The ``--target`` chips (None without), its mesh and memory filled in; a
+  bare chip (``--target v5e``) is that :class:`Chip`, whose slices
+  :func:`_search` compiles."""
   if args.target is None:
     return None
   from cpjax.training import targets
 
+  chip = targets.CHIPS.get(targets.ALIASES.get(args.target.lower(), args.target.lower()))
+  if chip is not None:
+    if args.mesh_flag is not None:
+      parser.exit(
+        2,
+        f"cpjax plan: error: --target {args.target} searches its slices and their meshes; "
+        f"with --mesh name the slice ({chip.name}-N)\n",
+      )
+    if args.device_memory is None:
+      args.device_memory = chip.memory
+    return chip
   try:
     target = targets.parse_target(args.target)
   except ValueError as e:
@@ -159,10 +173,12 @@ def plan(parser, args) -> int:
   """
   import time
 
-  from cpjax.training import cp_strategy, plan
+  from cpjax.training import cp_strategy, plan, targets
 
   _from_run(parser, args)
   target = _target(parser, args)
+  if isinstance(target, targets.Chip):
+    return _search(parser, args, target)
   if args.mesh is None and args.device_memory is None:
     parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
   if args.base_dtype is not None and args.lora_rank is None:
@@ -239,10 +255,7 @@ def plan(parser, args) -> int:
       tp=mesh.get("tp", 1),
       device_memory=args.device_memory,
     )
-    if args.strategy == "auto":  # the rule's choice, the loss's auto, as cpjax train's
-      step.update(strategy=cp_strategy.as_strategy(choices), loss_strategy="auto")
-    else:
-      step.update(strategy=args.strategy, loss_strategy="ring")
+    step.update(_strategies(cfg, args, mesh))
     rows = [
       plan.estimate(cfg, dtype=dtype, platform=platform, **step)
       for dtype in ("bfloat16", "float32")
@@ -292,6 +305,106 @@ def plan(parser, args) -> int:
   if compiled is not None and not compiled.fits(args.device_memory):
     return 1
   return 0
+
+
+def _search(parser, args, chip) -> int:
+  """``cpjax plan --target CHIP``: compile the step for the chip's slices (the
+  target search, :func:`cpjax.training.plan.smallest_slice`) and print each;
+  the smallest that fits is the plan (``--write-config`` writes it)."""
+  import time
+
+  from cpjax.training import plan, targets
+
+  if args.estimate_only:
+    parser.exit(2, "cpjax plan: error: --target compiles; it does not go with --estimate-only\n")
+  if args.base_dtype is not None and args.lora_rank is None:
+    parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
+  cfg, name = plan_config(parser, args)
+  # A run's ep stays: each searched mesh folds it onto its token axes.
+  expert_parallel = args.expert_parallel or "ep" in (args.mesh or {})
+  largest = 4096
+  machine.use_cpu_devices(largest)  # (they lay out the abstract batch only)
+  settings = dict(
+    remat=args.remat,
+    batch_size=args.batch_size,
+    capacity_factor=args.capacity_factor,
+    lora_rank=args.lora_rank,
+    base_dtype=args.base_dtype or "float32",
+    shard_state=args.shard_state,
+  )
+  print(
+    f"cpjax plan: Gemma 4 {name}, S={args.seq_len}, remat {args.remat}, searching the "
+    f"slices of {chip.name} ({plan.format_bytes(args.device_memory)} a device) from the "
+    f"closed form's smallest; each compiled by its compiler:"
+  )
+  start = time.perf_counter()
+
+  def report(row):
+    fits = "fits" if row.fits(args.device_memory) else "does NOT fit"
+    seconds = time.perf_counter() - start
+    print(
+      f"  {row.row()} [{row.dtype} activations]  {fits} "
+      f"{plan.format_bytes(args.device_memory)} ({seconds:.0f} s in)",
+      flush=True,
+    )
+
+  try:
+    found, tried = plan.smallest_slice(
+      cfg,
+      chip=chip,
+      model=name,
+      seq_len=args.seq_len,
+      max_devices=largest,
+      expert_parallel=expert_parallel,
+      strategy=args.strategy,
+      device_memory=args.device_memory,
+      dtype=args.dtype,
+      report=report,
+      **settings,
+    )
+  except ImportError as e:  # the chip's compiler is not installed
+    parser.exit(2, f"cpjax plan: error: --target: {e}\n")
+  except ValueError as e:
+    parser.exit(2, f"cpjax plan: error: {e}\n")
+  seconds = time.perf_counter() - start
+  if found is None:
+    print(
+      f"no slice of {chip.name} up to {largest} devices fits {name} at S={args.seq_len} "
+      f"({len(tried)} compiled, {seconds:.0f} s)"
+    )
+    return 1
+  print(
+    f"  smallest: {found.source} ({len(tried)} compiled in {seconds:.0f} s); "
+    f"cpjax plan --target {found.source} plans it alone"
+  )
+  if args.write_config is not None:
+    target = targets.parse_target(found.source)
+    step = dict(
+      model=name,
+      seq_len=args.seq_len,
+      mesh=found.mesh,
+      platform=chip.platform,
+      **settings,
+      **_strategies(cfg, args, found.mesh),
+    )
+    rows = [plan.estimate(cfg, **{**step, "dtype": d}) for d in ("bfloat16", "float32")]
+    args.target = target.name
+    _write_config(args, cfg, name, rows, found.mesh, found, chip.platform)
+  return 0
+
+
+def _strategies(cfg, args, mesh: dict) -> dict:
+  """The step's CP strategies on ``mesh``: the rule's choice and the loss's
+  auto (as cpjax train takes them), or the run's named strategy."""
+  from cpjax.training import cp_strategy
+
+  return cp_strategy.for_step(
+    cfg.text,
+    seq_len=args.seq_len,
+    mesh=mesh,
+    strategy=args.strategy,
+    device_memory=args.device_memory,
+  )
 
 
 def _write_config(

@@ -192,7 +192,8 @@ def _check_memory(parser, run) -> None:
   # The closed form as the compiler that will run it (XLA:TPU's off a GPU).
   platform = "cuda" if jax.devices()[0].platform == "gpu" else "tpu"
   try:
-    strategies = cp_strategy.for_run(run, cfg.text)
+    rule = None if jax.devices()[0].platform == "cpu" else limit  # as the trainer's
+    strategies = cp_strategy.for_run(run, cfg.text, device_memory=rule)
     est = plan.estimate(cfg, model=name, platform=platform, **shape, **strategies)
   except ValueError as e:  # a mesh the model cannot use (ep), before any compute
     parser.exit(2, f"cpjax train: error: --mesh: {e}\n")

@@ -38,7 +38,7 @@ RECIPES = {
   "e2b-lora-128k": Recipe("16GiB", 8, "v5e-8"),
   "e2b-full-128k": Recipe("141GiB", 8, "h200-8"),
   "a4b-ep-128k": Recipe("141GiB", 8, "h200-8"),
-  "31b-lora-128k": Recipe("141GiB", 2, "h200-2"),
+  "31b-lora-128k": Recipe("141GiB", 8, "h200-8"),
 }
 
 

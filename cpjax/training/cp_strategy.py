@@ -58,6 +58,7 @@ __all__ = [
   "choose",
   "describe",
   "for_run",
+  "for_step",
   "row_buffer",
   "row_fits",
   "run_choices",
@@ -277,7 +278,7 @@ def row_buffer(
   return tokens * per_token * hkv
 
 
-def for_run(run, text) -> dict:
+def for_run(run, text, device_memory: int | None = None) -> dict:
   """Return the CP strategies a run config's step takes, as keywords of
   :func:`cpjax.training.make_train_step` and :func:`cpjax.training.plan.estimate`.
 
@@ -287,17 +288,69 @@ def for_run(run, text) -> dict:
   Args:
     run: a :class:`cpjax.training.run_config.RunConfig`.
     text: its model's Gemma 4 text config.
+    device_memory: the bytes of the device it runs on (an accelerator's;
+      default :data:`DEFAULT_DEVICE_MEMORY`).
 
   Returns:
     ``{"strategy": ..., "loss_strategy": ...}``.
   """
-  if run.parallel.strategy != "auto":
-    return {"strategy": run.parallel.strategy, "loss_strategy": "ring"}
-  return {"strategy": as_strategy(run_choices(run, text)), "loss_strategy": "auto"}
+  return for_step(
+    text,
+    seq_len=run.dataset.seq_len,
+    mesh=run.parallel.mesh_sizes(),
+    strategy=run.parallel.strategy,
+    layout=run.parallel.layout,
+    device_memory=device_memory,
+  )
 
 
-def run_choices(run, text) -> dict[str, Choice]:
-  """Return :func:`choose`'s choices for a run config's row length, mesh and layout."""
+def for_step(
+  text,
+  *,
+  seq_len: int,
+  mesh: dict,
+  strategy="auto",
+  layout: str = "load_balanced",
+  device_memory: int | None = None,
+) -> dict:
+  """Return the CP strategies of a step, as :func:`for_run` does for a run.
+
+  Args:
+    text: the model's Gemma 4 text config.
+    seq_len: the row length.
+    mesh: ``{axis: size}``.
+    strategy: ``"auto"`` (the rule's choice per layer kind and the loss's
+      ``auto``) or a strategy to take as it is (with the loss's ring).
+    layout: the batch's layout.
+    device_memory: the device's bytes the rule budgets for (default:
+      :data:`DEFAULT_DEVICE_MEMORY`).
+
+  Returns:
+    ``{"strategy": ..., "loss_strategy": ...}``.
+
+  >>> from cpjax.models.gemma4 import Gemma4Config
+  >>> step = for_step(Gemma4Config.preset("e2b").text, seq_len=131072, mesh={"cp": 8})
+  >>> step["strategy"], step["loss_strategy"]
+  ((('full_attention', 'ulysses'), ('sliding_attention', 'all_gather')), 'auto')
+  >>> for_step(Gemma4Config.preset("e2b").text, seq_len=131072, mesh={"cp": 8}, strategy="ring")
+  {'strategy': 'ring', 'loss_strategy': 'ring'}
+  """
+  if strategy != "auto":
+    return {"strategy": strategy, "loss_strategy": "ring"}
+  choices = choose(
+    text,
+    seq_len=seq_len,
+    cp=mesh.get("cp", 1),
+    tp=mesh.get("tp", 1),
+    layout=layout,
+    device_memory=device_memory,
+  )
+  return {"strategy": as_strategy(choices), "loss_strategy": "auto"}
+
+
+def run_choices(run, text, device_memory: int | None = None) -> dict[str, Choice]:
+  """Return :func:`choose`'s choices for a run config's row length, mesh and
+  layout on devices of ``device_memory`` bytes (as :func:`for_run`'s)."""
   sizes = run.parallel.mesh_sizes()
   return choose(
     text,
@@ -305,6 +358,7 @@ def run_choices(run, text) -> dict[str, Choice]:
     cp=sizes.get("cp", 1),
     tp=sizes.get("tp", 1),
     layout=run.parallel.layout,
+    device_memory=device_memory,
   )
 
 

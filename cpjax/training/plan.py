@@ -111,7 +111,9 @@ __all__ = [
   "format_bytes",
   "lora_param_count",
   "parse_bytes",
+  "best_mesh",
   "smallest_mesh",
+  "smallest_slice",
 ]
 
 GiB = 2**30
@@ -789,21 +791,85 @@ def compiled_plan(
   )
 
 
+def _meshes(
+  cfg, devices: int, seq_len: int, expert_parallel: bool, batch_size: int | None
+) -> list[dict]:
+  """The fsdp x cp meshes of ``devices`` devices the rows split over (fsdp
+  dividing ``batch_size`` where one is given; with ``expert_parallel``, the
+  largest ep dividing the experts folded onto ``cp * fsdp``, ``cp`` or
+  ``fsdp``)."""
+  meshes = []
+  for cp_log in range(int(math.log2(devices)) + 1):
+    cp = 2**cp_log
+    fsdp = devices // cp
+    if seq_len % (2 * cp) or cfg.text.num_attention_heads == 0 or (batch_size or fsdp) % fsdp:
+      continue
+    mesh = {"fsdp": fsdp, "cp": cp} if fsdp > 1 else {"cp": cp}
+    if expert_parallel and cfg.text.enable_moe_block:
+      ep = max(
+        (n for n in (cp * fsdp, cp, fsdp) if n > 1 and cfg.text.num_experts % n == 0), default=1
+      )
+      mesh = {**mesh, "ep": ep} if ep > 1 else mesh
+    meshes.append(mesh)
+  return meshes
+
+
+def best_mesh(
+  cfg,
+  *,
+  devices: int,
+  seq_len: int,
+  expert_parallel: bool = False,
+  strategy="ring",
+  device_memory: int | None = None,
+  **settings,
+) -> Plan | None:
+  """Find the fsdp x cp mesh of ``devices`` devices with the smallest estimate.
+
+  Args:
+    cfg: the :class:`Gemma4Config`.
+    devices: the mesh's devices (a power of two).
+    seq_len: the row length.
+    expert_parallel: fold expert parallelism onto the mesh's token axes.
+    strategy: as :func:`estimate`'s, or ``"auto"``: the rule's choice on each
+      mesh (:func:`cpjax.training.cp_strategy.for_step`, budgeting for
+      ``device_memory``), as ``cpjax train`` takes it.
+    device_memory: the bytes of one device, for ``"auto"``'s rule.
+    **settings: :func:`estimate`'s other keywords (``model`` among them).
+
+  Returns:
+    The :class:`Plan` of that mesh (fitting or not); None when no mesh of
+    that many devices splits the rows.
+
+  >>> from cpjax.models.gemma4 import Gemma4Config
+  >>> best_mesh(Gemma4Config.preset("e2b"), model="e2b", devices=8, seq_len=131072).mesh
+  {'cp': 8}
+  """
+  plans = [
+    estimate(
+      cfg,
+      seq_len=seq_len,
+      mesh=mesh,
+      **settings,
+      **cp_strategy.for_step(
+        cfg.text, seq_len=seq_len, mesh=mesh, strategy=strategy, device_memory=device_memory
+      ),
+    )
+    for mesh in _meshes(cfg, devices, seq_len, expert_parallel, settings.get("batch_size"))
+  ]
+  return min(plans, key=lambda p: p.total, default=None)
+
+
 def smallest_mesh(
   cfg,
   *,
   model: str,
   seq_len: int,
   device_memory: int,
-  remat: str = "full",
-  dtype: str = "bfloat16",
   max_devices: int = 4096,
-  lora_rank: int | None = None,
-  base_dtype: str = "float32",
   expert_parallel: bool = False,
-  capacity_factor: float | None = None,
-  shard_state: str = "fsdp+cp",
-  platform: str = "tpu",
+  strategy="ring",
+  **settings,
 ) -> Plan | None:
   """Find the fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``.
 
@@ -812,43 +878,138 @@ def smallest_mesh(
   (``cp * fsdp``, ``cp`` or ``fsdp``).
 
   Args:
-    cfg, model, seq_len, remat, dtype, lora_rank, base_dtype, capacity_factor,
-      shard_state, platform: as :func:`estimate`.
+    cfg, model, seq_len: as :func:`estimate`.
     device_memory: the bytes one device holds.
     max_devices: the most devices to try.
     expert_parallel: fold expert parallelism onto each mesh's token axes.
+    strategy: as :func:`best_mesh`'s.
+    **settings: :func:`estimate`'s other keywords (``remat``, ``dtype``,
+      ``lora_rank``, ``base_dtype``, ``capacity_factor``, ``shard_state``,
+      ``platform``, ...).
 
   Returns:
     The :class:`Plan` of that mesh; None when none up to ``max_devices``.
   """
-  best = None
   devices = 1
-  while devices <= max_devices and best is None:
-    for cp_log in range(int(math.log2(devices)) + 1):
-      cp = 2**cp_log
-      fsdp = devices // cp
-      if seq_len % (2 * cp) or cfg.text.num_attention_heads == 0:
-        continue
-      mesh = {"fsdp": fsdp, "cp": cp} if fsdp > 1 else {"cp": cp}
-      if expert_parallel and cfg.text.enable_moe_block:
-        ep = max(
-          (n for n in (cp * fsdp, cp, fsdp) if n > 1 and cfg.text.num_experts % n == 0), default=1
-        )
-        mesh = {**mesh, "ep": ep} if ep > 1 else mesh
-      plan = estimate(
+  while devices <= max_devices:
+    best = best_mesh(
+      cfg,
+      model=model,
+      devices=devices,
+      seq_len=seq_len,
+      expert_parallel=expert_parallel,
+      strategy=strategy,
+      device_memory=device_memory,
+      **settings,
+    )
+    if best is not None and best.fits(device_memory):
+      return best
+    devices *= 2
+  return None
+
+
+# The closed form is at most this multiple of the TPU and GPU compilers'
+# memory on benchmarks/compile_targets.py's rows (1.69x its largest): a
+# slice whose estimate is past it is not worth a compile.
+CLOSED_FORM_OVER = 1.7
+
+
+def smallest_slice(
+  cfg,
+  *,
+  chip,
+  model: str,
+  seq_len: int,
+  max_devices: int = 4096,
+  expert_parallel: bool = False,
+  strategy="auto",
+  device_memory: int | None = None,
+  dtype: str = "bfloat16",
+  report=None,
+  **settings,
+) -> tuple[Plan | None, list[Plan]]:
+  """Find the smallest slice of ``chip`` whose compiler fits the training step.
+
+  The target search: the closed form's smallest slice
+  (:meth:`~cpjax.training.targets.Chip.slices`, each with :func:`best_mesh`'s
+  mesh) is compiled for its chips (:func:`compiled_plan`); when it fits, the
+  next smaller slice is compiled while that fits and its estimate is within
+  :data:`CLOSED_FORM_OVER` of the memory, else the next larger one until one
+  fits. Each compile takes seconds (tiny) to minutes (a published size).
+
+  Args:
+    cfg, model, seq_len, dtype: as :func:`estimate` (``dtype``: the
+      activations of the estimate and of the compiled step).
+    chip: a :class:`~cpjax.training.targets.Chip`.
+    max_devices: the largest slice to try.
+    expert_parallel: as :func:`smallest_mesh`'s.
+    strategy: as :func:`best_mesh`'s (default ``"auto"``, cpjax train's).
+    device_memory: the bytes to fit (default: the chip's memory).
+    report: called with each compiled :class:`Plan` as it comes (a compile
+      of a published size takes minutes).
+    **settings: :func:`estimate`'s other keywords.
+
+  Returns:
+    (the compiled :class:`Plan` of the smallest slice that fits, None when
+    none does; every compiled plan, in the order tried). A plan's ``source``
+    names its slice (``"v5e-8"``).
+  """
+  memory = chip.memory if device_memory is None else device_memory
+  slices = chip.slices(max_devices)
+  estimates = [
+    best_mesh(
+      cfg,
+      model=model,
+      devices=t.num_devices,
+      seq_len=seq_len,
+      expert_parallel=expert_parallel,
+      strategy=strategy,
+      device_memory=memory,
+      platform=chip.platform,
+      dtype=dtype,
+      **settings,
+    )
+    for t in slices
+  ]
+  start = next((i for i, e in enumerate(estimates) if e is not None and e.fits(memory)), None)
+  tried: list[Plan] = []
+
+  def compiled(i: int) -> Plan:
+    mesh = estimates[i].mesh
+    tried.append(
+      compiled_plan(
         cfg,
         model=model,
         seq_len=seq_len,
         mesh=mesh,
-        remat=remat,
+        target=slices[i],
         dtype=dtype,
-        lora_rank=lora_rank,
-        base_dtype=base_dtype,
-        capacity_factor=capacity_factor,
-        shard_state=shard_state,
-        platform=platform,
+        **settings,
+        **cp_strategy.for_step(
+          cfg.text, seq_len=seq_len, mesh=mesh, strategy=strategy, device_memory=memory
+        ),
       )
-      if plan.fits(device_memory) and (best is None or plan.total < best.total):
-        best = plan
-    devices *= 2
-  return best
+    )
+    if report is not None:
+      report(tried[-1])
+    return tried[-1]
+
+  if start is None:
+    return None, tried
+  i = start
+  if compiled(i).fits(memory):
+    while (
+      i > 0
+      and estimates[i - 1] is not None
+      and estimates[i - 1].total <= CLOSED_FORM_OVER * memory
+      and compiled(i - 1).fits(memory)
+    ):
+      i -= 1
+  else:
+    while i + 1 < len(slices) and not compiled(i + 1).fits(memory):
+      i += 1
+  fitting = [p for p in tried if p.fits(memory)]
+  best = min(
+    fitting, key=lambda p: math.prod(v for k, v in p.mesh.items() if k != "ep"), default=None
+  )
+  return best, tried

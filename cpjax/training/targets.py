@@ -27,7 +27,7 @@ import importlib.util
 import math
 import re
 
-__all__ = ["CHIPS", "Chip", "Target", "collective_bytes", "parse_target"]
+__all__ = ["ALIASES", "CHIPS", "Chip", "Target", "collective_bytes", "parse_target"]
 
 GiB = 2**30
 
@@ -48,6 +48,9 @@ class Chip:
     host: chips one host holds along each topology dimension.
     gpu: for GPUs, ``(SMs, compute capability major, minor, shared memory per
       block opt-in, per SM)``: what XLA:GPU and ptxas need of the chip.
+    first_slices: the devices of the smallest slices it is rented in; from
+      the last one on every power of two is (v4 and v5p slices start at 4
+      chips; v5e and v6e are rented as 1 chip or 4 and up, never 2).
   """
 
   name: str
@@ -59,6 +62,34 @@ class Chip:
   chip_config: str = "default"
   host: tuple[int, ...] = ()
   gpu: tuple[int, ...] = ()
+  first_slices: tuple[int, ...] = (1, 2)
+
+  def slices(self, max_devices: int = 4096) -> list[Target]:
+    """Return the slices of this chip one can rent, fewest devices first.
+
+    :attr:`first_slices`, then powers of two: a TPU's as Cloud TPU
+    names them (``v5p-8`` is 4 chips), a GPU's as one host of up to 8 and
+    then hosts of 8 (``h200-2x8``).
+
+    Args:
+      max_devices: the most devices a slice may have.
+
+    Returns:
+      The :class:`Target` of each slice.
+
+    >>> [t.name for t in CHIPS["v5e"].slices(16)]
+    ['v5e-1', 'v5e-4', 'v5e-8', 'v5e-16']
+    >>> [t.name for t in CHIPS["v5p"].slices(8)], [t.name for t in CHIPS["h200"].slices(16)]
+    (['v5p-8', 'v5p-16'], ['h200-1', 'h200-2', 'h200-4', 'h200-8', 'h200-2x8'])
+    """
+    counts = list(self.first_slices)
+    while counts[-1] * 2 <= max_devices:
+      counts.append(counts[-1] * 2)
+    if self.platform == "cuda":
+      names = [f"{self.name}-{n}" if n <= 8 else f"{self.name}-{n // 8}x8" for n in counts]
+    else:
+      names = [f"{self.name}-{n * self.cores_per_chip}" for n in counts]
+    return [parse_target(name) for n, name in zip(counts, names) if n <= max_devices]
 
   def target_config(self) -> str:
     """Return XLA's ``GpuTargetConfigProto`` of this GPU, in protobuf text format."""
@@ -113,10 +144,24 @@ CHIPS = {
     mesh_dims=3,
     chip_config="megacore",
     host=(2, 2, 1),
+    first_slices=(4,),
   ),
-  "v5e": Chip("v5e", "tpu", 16 * GiB, "TPU v5 lite", mesh_dims=2, host=(2, 4, 1)),
-  "v5p": Chip("v5p", "tpu", 95 * GiB, "TPU v5", cores_per_chip=2, mesh_dims=3, host=(2, 2, 1)),
-  "v6e": Chip("v6e", "tpu", 32 * GiB, "TPU v6 lite", mesh_dims=2, host=(2, 4, 1)),
+  "v5e": Chip(
+    "v5e", "tpu", 16 * GiB, "TPU v5 lite", mesh_dims=2, host=(2, 4, 1), first_slices=(1, 4)
+  ),
+  "v5p": Chip(
+    "v5p",
+    "tpu",
+    95 * GiB,
+    "TPU v5",
+    cores_per_chip=2,
+    mesh_dims=3,
+    host=(2, 2, 1),
+    first_slices=(4,),
+  ),
+  "v6e": Chip(
+    "v6e", "tpu", 32 * GiB, "TPU v6 lite", mesh_dims=2, host=(2, 4, 1), first_slices=(1, 4)
+  ),
   "h100": Chip(
     "h100", "cuda", 84942979072, "NVIDIA H100 80GB HBM3", gpu=(132, 9, 0, 232448, 233472)
   ),
@@ -124,7 +169,8 @@ CHIPS = {
     "h200", "cuda", 151397597184, "NVIDIA H200 141GB HBM3e", gpu=(132, 9, 0, 232448, 233472)
   ),
 }
-_ALIASES = {"v5litepod": "v5e"}
+#: Other names of chips (Cloud TPU calls the v5e "v5litepod").
+ALIASES = {"v5litepod": "v5e"}
 _EXTRAS = {"tpu": ("libtpu", "tpu"), "cuda": ("jax_cuda12_plugin", "cuda")}
 
 
@@ -215,7 +261,7 @@ def parse_target(text: str) -> Target:
     raise TypeError(f"target must be a str such as 'v5e-8', got {type(text).__name__}")
   name = text.strip().lower()
   match = re.fullmatch(r"([a-z0-9]+)(?::((?:\d+x)*\d+)|-(?:(\d+)x)?(\d+))", name)
-  chip = CHIPS.get(_ALIASES.get(match.group(1), match.group(1))) if match else None
+  chip = CHIPS.get(ALIASES.get(match.group(1), match.group(1))) if match else None
   if chip is None:
     raise ValueError(f"unknown target {text!r}: give {known_targets()}")
   topology, hosts, count = match.group(2), match.group(3), match.group(4)

@@ -524,24 +524,29 @@ def describe(job: RunConfig, trainer: TrainState, log) -> None:
   if job.parallel.strategy == "auto":
     from cpjax.training.cp_strategy import run_choices
 
-    for kind, choice in run_choices(job, trainer.cfg.text).items():
+    for kind, choice in run_choices(job, trainer.cfg.text, _device_memory()).items():
       log(f"  cp strategy for {kind}: {choice.strategy} ({choice.why})")
 
 
-def cp_strategy(job: RunConfig, trainer: TrainState):
-  """Return the run's CP strategy: ``parallel.strategy``, or with ``auto`` the rule's
-  choice per layer kind (:func:`cpjax.training.cp_strategy.choose`).
-
-  Args:
-    job: the :class:`RunConfig`.
-    trainer: the :class:`TrainState`.
-
-  Returns:
-    A strategy name or sorted ``(layer kind, strategy)`` pairs.
-  """
+def _strategies(job: RunConfig, trainer: TrainState) -> dict:
+  """The run's CP strategies (``parallel.strategy``, or with ``auto`` the
+  rule's choice per layer kind and the loss's auto), as keywords of
+  :func:`cpjax.training.make_train_step`; the rule budgets for the
+  accelerator's memory, as ``cpjax plan --target`` does."""
   from cpjax.training.cp_strategy import for_run
 
-  return for_run(job, trainer.cfg.text)["strategy"]
+  return for_run(job, trainer.cfg.text, device_memory=_device_memory())
+
+
+def _device_memory() -> int | None:
+  """One accelerator device's memory; None on the CPU (the rule's default:
+  emulated devices share the host's)."""
+  import jax
+
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return None
+  return (device.memory_stats() or {}).get("bytes_limit")
 
 
 def step_batches(job: RunConfig, trainer: TrainState, data: Data):
@@ -797,8 +802,7 @@ def eval_hook(job: RunConfig, trainer: TrainState, layout, summary: dict, log):
       layout=layout,
       expert_axes=trainer.expert_axes,
       capacity_factor=job.experts.capacity_factor,
-      strategy=cp_strategy(job, trainer),
-      loss_strategy="auto" if job.parallel.strategy == "auto" else "ring",
+      **_strategies(job, trainer),
     )
   )
   counted = sum(int(np.sum(b["labels"] != -100)) for b in host)
@@ -943,8 +947,7 @@ def run_train_job(job: RunConfig, *, log=print) -> dict:
     frozen=trainer.frozen,
     expert_axes=trainer.expert_axes,
     capacity_factor=job.experts.capacity_factor,
-    strategy=cp_strategy(job, trainer),
-    loss_strategy="auto" if job.parallel.strategy == "auto" else "ring",
+    **_strategies(job, trainer),
   )
   step = step.compile(trainer.params, trainer.opt_state, sharded)  # once; every step reuses it
 
