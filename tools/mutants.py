@@ -112,11 +112,31 @@ MUTANTS = (
   Mutant(
     "cp strategy rule: Ulysses' unrepeated K/V heads judged as a gathered row",
     "cpjax/training/cp_strategy.py",
-    "  return repeats == 1 or row_fits(row * kv_heads * repeats // cp, device_memory)",
-    "  return row_fits(row * kv_heads * repeats // cp, device_memory)",
+    "    return 0 if repeats == 1 else seq_len * per_token * hkv * repeats // cp",
+    "    return seq_len * per_token * hkv * repeats // cp",
     (
       "tests/test_cp_strategy.py::"
       "test_a_row_past_an_eighth_of_device_memory_takes_the_hybrid_or_the_ring",
+    ),
+  ),
+  Mutant(
+    "target search: compiles slices the closed form puts past any compiler's figure",
+    "cpjax/training/plan.py",
+    "      and estimates[i - 1].total <= CLOSED_FORM_OVER * memory",
+    "      and estimates[i - 1].total <= 100 * memory",
+    (
+      "tests/test_plan.py::"
+      "test_the_target_search_compiles_down_while_it_fits_and_up_until_one_fits",
+    ),
+  ),
+  Mutant(
+    "target search: stops at the first slice that fits, however large",
+    "cpjax/training/plan.py",
+    "  if compiled(i).fits(memory):\n    while (\n      i > 0",
+    "  if compiled(i).fits(memory):\n    while (\n      i < 0",
+    (
+      "tests/test_plan.py::"
+      "test_the_target_search_compiles_down_while_it_fits_and_up_until_one_fits",
     ),
   ),
   Mutant(

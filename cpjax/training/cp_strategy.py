@@ -43,6 +43,7 @@ sliding_attention all_gather
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -78,11 +79,14 @@ class Choice(NamedTuple):
 
 
 def _kind_shapes(text, kind: str, tp: int) -> tuple[int, int, int, int | None]:
-  """(query heads, K/V heads, head dim, window) of a layer kind, per tp rank."""
+  """(query heads, K/V heads, head dim, bounded window) of a layer kind, per tp rank."""
   layer = list(text.layer_types).index(kind)
   hq = max(text.num_attention_heads // tp, 1)
   hkv = max(text.kv_heads(layer) // tp, 1)
-  window = text.sliding_window if kind == "sliding_attention" else None
+  # Vision groups bidirectional on a kind make its reach unbounded in rows
+  # with images (26B-A4B's sliding layers): no window bounds it there.
+  vision = kind == "sliding_attention" and text.use_bidirectional_attention == "vision"
+  window = text.sliding_window if kind == "sliding_attention" and not vision else None
   return hq, hkv, text.layer_head_dim(layer), window
 
 
@@ -117,11 +121,7 @@ def choose(
       out[kind] = Choice("ring", "one cp rank: every strategy is the same single pass")
       continue
     lay = _padded_layout(seq_len, cp, layout)
-    # Vision groups bidirectional on a kind make its reach unbounded in rows
-    # with images (26B-A4B's sliding layers): no halo holds it there.
-    vision = kind == "sliding_attention" and text.use_bidirectional_attention == "vision"
-    bounded = window is not None and not vision
-    sides = halo(lay, MaskSpec(sliding_window=window).rule(), _key_block(lay)) if bounded else None
+    sides = window and halo(lay, MaskSpec(sliding_window=window).rule(), _key_block(lay))
     if sides:
       keys = sum(h.length for h in sides)
       out[kind] = Choice(
@@ -130,23 +130,22 @@ def choose(
         f"instead of whole {lay.local_seq_len}-token chunks a hop",
       )
       continue
-    # K, V (bfloat16) and their float32 gradients over the whole row, per K/V head.
-    row = 12 * seq_len * d
+    # The whole-row K/V (bfloat16) and their float32 gradients each holds.
+    held = functools.partial(row_buffer, text, kind, seq_len=seq_len, cp=cp, tp=tp, layout=layout)
     share = f"1/{_ROW_SHARE} of {_gib(budget * _ROW_SHARE)}"
     why_not = {}  # the strategies left out, and why
-    if not row_fits(row * hkv, device_memory):
-      why_not["all_gather"] = f"its row of {_gib(row * hkv)} is over {share}"
+    if not row_fits(held("all_gather"), device_memory):
+      why_not["all_gather"] = f"its row of {_gib(held('all_gather'))} is over {share}"
     if hq % cp:
       why_not["ulysses"] = f"{hq} query heads are not a multiple of cp"
-    elif not _ulysses_fits(hq, hkv, cp, row, device_memory):
-      heads = hkv * ulysses_kv_repeats(hq, hkv, cp) // cp
-      why_not["ulysses"] = f"its repeated K/V row of {_gib(row * heads)} is over {share}"
+    elif not row_fits(held("ulysses"), device_memory):
+      why_not["ulysses"] = f"its repeated K/V row of {_gib(held('ulysses'))} is over {share}"
     if math.gcd(hkv, cp) == 1:
       why_not["hybrid"] = f"{hkv} K/V head(s) share no factor with cp"
     elif hybrid_ulysses_size(hq, hkv, cp) == cp:
       why_not["hybrid"] = "one group is Ulysses"
     shape = dict(seq_len=seq_len, cp=cp, q_heads=hq, kv_heads=hkv, head_dim=d, layout=layout)
-    shape["window"] = window if bounded else None
+    shape["window"] = window
     sent = {s: bytes_sent(s, **shape)[0] for s in STRATEGIES if s not in why_not}
     best = min(sent, key=sent.get)  # (ties: the first in STRATEGIES' order)
     others = ", ".join(f"{s} {_mib(b)}" for s, b in sent.items() if s != best)
@@ -229,13 +228,6 @@ def _key_block(lay: ShardLayout) -> int:
   return next(b for b in (_KEY_BLOCK, 64, 32, 16, 8, 4, 2, 1) if lay.chunk_len % b == 0)
 
 
-def _ulysses_fits(q_heads: int, kv_heads: int, cp: int, row: int, device_memory) -> bool:
-  """Whether Ulysses' K/V fit: its ``Hkv / cp`` heads over the row are a
-  ring chunk's size (``O(S/cp)``); repeated ones, the share's test."""
-  repeats = ulysses_kv_repeats(q_heads, kv_heads, cp)
-  return repeats == 1 or row_fits(row * kv_heads * repeats // cp, device_memory)
-
-
 def row_buffer(
   text,
   kind: str,
@@ -271,9 +263,7 @@ def row_buffer(
   if strategy != "all_gather":
     raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
   lay = _padded_layout(seq_len, cp, layout)
-  vision = kind == "sliding_attention" and text.use_bidirectional_attention == "vision"
-  rule = MaskSpec(sliding_window=window).rule()
-  sides = halo(lay, rule, _key_block(lay)) if window is not None and not vision else None
+  sides = window and halo(lay, MaskSpec(sliding_window=window).rule(), _key_block(lay))
   tokens = sum(h.length for h in sides) if sides else lay.padded_seq_len
   return tokens * per_token * hkv
 
