@@ -346,6 +346,43 @@ def test_cli_plan_searches_a_chips_slices_with_its_compiler(tmp_path):
   assert "# compiled by v5e-1's compiler: " in path.read_text()
 
 
+def test_a_compile_refused_past_the_chips_memory_is_a_plan_that_does_not_fit(monkeypatch, capsys):
+  """XLA:TPU stops a program past the chip's HBM with RESOURCE_EXHAUSTED and
+  the temporaries' need: the plan (and cpjax plan's row) is then a lower
+  bound that does not fit, not a traceback; other compile errors still
+  raise. (The compiler's message is XLA:TPU's own, here raised in its place.)"""
+  import jax
+
+  from cpjax import cli, training
+
+  message = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    "temporaries (19.97G) exceeds available HBM (15.75G)."
+  )
+
+  class Refused:
+    def compile(self, *args):
+      raise jax.errors.JaxRuntimeError(message)
+
+  monkeypatch.setattr(training, "make_train_step", lambda *a, **k: Refused())
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  cfg = gemma4.Gemma4Config.preset("tiny")
+  shape = dict(model="tiny", seq_len=256, mesh={"cp": 2})
+  got = plan.compiled_plan(cfg, **shape)
+  est = plan.estimate(cfg, **shape, dtype="float32")
+  assert got.refused and not got.fits(10**15)
+  # At least the state (the closed form's, exactly) and the named temporaries.
+  assert got.params == est.params and got.optimizer == est.optimizer
+  assert got.total == est.params + est.optimizer + 19.97 * plan.GiB
+  assert "total > 20.0 GiB" in got.row(), got.row()
+  out = cli.main(["plan", "--model", "tiny", "--seq-len", "256", "--mesh", "cp=2"])
+  text = capsys.readouterr().out
+  assert out == 0 and "refused by XLA:CPU" in text, text  # (no memory given: no verdict)
+  message = "RESOURCE_EXHAUSTED: Shared memory size limit exceeded"  # not a fit
+  with pytest.raises(jax.errors.JaxRuntimeError, match="Shared memory"):
+    plan.compiled_plan(cfg, **shape)
+
+
 def test_lora_compiled_plan_state_equals_the_closed_form():
   """LoRA: the frozen bfloat16 base (2 bytes a parameter) and the adapters
   (4), Adam's moments for the adapters only: compiled = closed form, exactly."""

@@ -292,10 +292,16 @@ def plan(parser, args) -> int:
       f"{k} {plan.format_bytes(v)}" for k, v in sorted(compiled.collectives.items())
     )
     compiler = "XLA:CPU" if target is None else f"{target.name}'s compiler"
-    print(
-      f"  compiled by {compiler} in {seconds:.0f} s; collectives per step (outputs, a loop "
-      f"body once): {moved or 'none'}"
-    )
+    if compiled.refused:
+      print(
+        f"  refused by {compiler} in {seconds:.0f} s: past the chip's memory (the total is "
+        f"the state and the temporaries it named, at least)"
+      )
+    else:
+      print(
+        f"  compiled by {compiler} in {seconds:.0f} s; collectives per step (outputs, a loop "
+        f"body once): {moved or 'none'}"
+      )
   compiled = rows[-1] if target is not None else None
   if args.write_config is not None:
     if compiled is not None and not compiled.fits(args.device_memory):

@@ -104,6 +104,7 @@ from cpjax.training.targets import collective_bytes
 
 __all__ = [
   "Plan",
+  "TooLarge",
   "collective_bytes",
   "compile_step",
   "compiled_plan",
@@ -198,6 +199,9 @@ class Plan:
   lora_rank: int | None = None  # None: every weight trained
   base_dtype: str = "float32"  # the frozen base's storage under LoRA
   collectives: dict = dataclasses.field(default_factory=dict)  # compiled: {kind: bytes}
+  # The target's compiler refused the step past the chip's memory: ``total``
+  # is a lower bound (the state and the temporaries it named), the rest NaN.
+  refused: bool = False
 
   def fits(self, device_memory: int) -> bool:
     """Return whether the step's total bytes fit one device's memory.
@@ -206,9 +210,9 @@ class Plan:
       device_memory: the memory of one device, in bytes.
 
     Returns:
-      True when ``total <= device_memory``.
+      True when ``total <= device_memory`` and the compiler did not refuse it.
     """
-    return self.total <= device_memory
+    return not self.refused and self.total <= device_memory
 
   @property
   def training(self) -> str:
@@ -225,11 +229,12 @@ class Plan:
     """
     mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
     flops = "      n/a" if math.isnan(self.flops) else f"{self.flops / 1e12:9.3g}"
+    over = "> " if self.refused else ""  # a refusal's figures are lower bounds
     return (
       f"{self.model:>4} S={self.seq_len:<7d} {mesh:<18} {self.source:<8} "
       f"params {format_bytes(self.params):>9}  optimizer {format_bytes(self.optimizer):>9}"
-      f"  activations+temp {format_bytes(self.activations):>9}  total "
-      f"{format_bytes(self.total):>9}  {flops} TFLOP/device"
+      f"  activations+temp {over + format_bytes(self.activations):>9}  total "
+      f"{over + format_bytes(self.total):>9}  {flops} TFLOP/device"
     )
 
 
@@ -707,11 +712,36 @@ def compile_step(
     strategy=strategy,
     loss_strategy=loss_strategy,
   )
-  compiled = step.compile(params, opt_state, batch)
   base = None
   if lora_rank is not None:
     base = placed(nnx.split(abstract, nnx.LoRAParam, nnx.Param, ...)[2])
+  try:
+    compiled = step.compile(params, opt_state, batch)
+  except jax.errors.JaxRuntimeError as e:
+    needed = _HBM_REFUSAL.search(str(e))
+    if needed is None:
+      raise
+    raise TooLarge(str(e), float(needed.group(1)) * GiB, params, opt_state, base) from e
   return compiled, params, opt_state, base
+
+
+# XLA:TPU refuses a program past the chip's HBM, naming what its temporaries need.
+_HBM_REFUSAL = re.compile(r"required for HLO temporaries \(([0-9.]+)G\) exceeds available HBM")
+
+
+class TooLarge(RuntimeError):
+  """A target's compiler refused the step: it needs more than the chip's memory.
+
+  Attributes:
+    temporaries: the bytes its temporaries alone needed, by the compiler.
+    params, opt_state, base: the abstract state it was compiled for (as
+      :func:`compile_step` returns them).
+  """
+
+  def __init__(self, message: str, temporaries: float, params, opt_state, base):
+    super().__init__(message)
+    self.temporaries = temporaries
+    self.params, self.opt_state, self.base = params, opt_state, base
 
 
 def compiled_plan(
@@ -748,31 +778,39 @@ def compiled_plan(
   """
   from cpjax import parallel
 
-  compiled, params, opt_state, base = compile_step(
-    cfg,
-    seq_len=seq_len,
-    mesh=mesh,
-    remat=remat,
-    batch_size=batch_size,
-    dtype=dtype,
-    lora_rank=lora_rank,
-    base_dtype=base_dtype,
-    lora_targets=lora_targets,
-    capacity_factor=capacity_factor,
-    shard_state=shard_state,
-    devices=None if target is None else target.devices(),
-    strategy=strategy,
-    loss_strategy=loss_strategy,
-  )
-  cost = compiled.cost_analysis()  # None from XLA:GPU without a device
-  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  refused = None
+  try:
+    compiled, params, opt_state, base = compile_step(
+      cfg,
+      seq_len=seq_len,
+      mesh=mesh,
+      remat=remat,
+      batch_size=batch_size,
+      dtype=dtype,
+      lora_rank=lora_rank,
+      base_dtype=base_dtype,
+      lora_targets=lora_targets,
+      capacity_factor=capacity_factor,
+      shard_state=shard_state,
+      devices=None if target is None else target.devices(),
+      strategy=strategy,
+      loss_strategy=loss_strategy,
+    )
+  except TooLarge as e:  # XLA:TPU: past the chip's HBM
+    refused, params, opt_state, base = e, e.params, e.opt_state, e.base
   # The parameters: the trained ones, and under LoRA the frozen base (the
   # buffers, a few numbers, count with the rest as the closed form does).
   param_bytes = parallel.bytes_per_device(params)
   if base is not None:
     param_bytes += parallel.bytes_per_device(base)
   opt_bytes = parallel.bytes_per_device(opt_state)
-  total = compiled_bytes(compiled)
+  if refused is not None:  # at least the state and the temporaries it named
+    total = param_bytes + opt_bytes + refused.temporaries
+    cost, collectives = {}, {}
+  else:
+    cost = compiled.cost_analysis()  # None from XLA:GPU without a device
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    total, collectives = compiled_bytes(compiled), collective_bytes(compiled.as_text())
   return Plan(
     model,
     seq_len,
@@ -787,7 +825,8 @@ def compiled_plan(
     "compiled" if target is None else target.name,
     lora_rank,
     base_dtype if lora_rank is not None else "float32",
-    collective_bytes(compiled.as_text()),
+    collectives,
+    refused is not None,
   )
 
 
