@@ -140,6 +140,26 @@ MUTANTS = (
     ),
   ),
   Mutant(
+    "plan: a compile refused past the chip's memory is a traceback",
+    "cpjax/training/plan.py",
+    "    needed = _HBM_REFUSAL.search(str(e))",
+    "    needed = None",
+    (
+      "tests/test_plan.py::"
+      "test_a_compile_refused_past_the_chips_memory_is_a_plan_that_does_not_fit",
+    ),
+  ),
+  Mutant(
+    "plan: a refused compile's lower bound judged as a fit",
+    "cpjax/training/plan.py",
+    "    return not self.refused and self.total <= device_memory",
+    "    return self.total <= device_memory",
+    (
+      "tests/test_plan.py::"
+      "test_a_compile_refused_past_the_chips_memory_is_a_plan_that_does_not_fit",
+    ),
+  ),
+  Mutant(
     "plan: the closed form leaves out the strategies' whole-row K/V",
     "cpjax/training/plan.py",
     "  ring += rows * _row_buffers(t, strategy, seq_len=seq_len, cp=cp, tp=tp, itemsize=a)",
