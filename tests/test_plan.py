@@ -92,8 +92,12 @@ def _fake_compiler(monkeypatch, totals: dict) -> list:
 
   def compiled_plan(cfg, *, target, model, seq_len, mesh, dtype, **kw):
     calls.append((target.name, mesh, kw))
-    total = totals[target.name]
-    return plan.Plan(model, seq_len, mesh, "full", dtype, 0, 0, total, total, 0.0, target.name)
+    total = totals[target.name]  # None: refused past the chip's memory
+    refused = dict(collectives={}, refused=True) if total is None else {}
+    total = 99 * plan.GiB if total is None else total
+    return plan.Plan(
+      model, seq_len, mesh, "full", dtype, 0, 0, total, total, 0.0, target.name, **refused
+    )
 
   monkeypatch.setattr(plan, "compiled_plan", compiled_plan)
   return calls
@@ -108,6 +112,8 @@ def _fake_compiler(monkeypatch, totals: dict) -> list:
     ("v5e", {"v5e-4": 9}, ["v5e-4"], "v5e-4"),
     # It does not fit: up until one does.
     ("v5e", {"v5e-4": 17, "v5e-8": 16.5, "v5e-16": 9}, ["v5e-4", "v5e-8", "v5e-16"], "v5e-16"),
+    # Refused by the compiler (past the chip's memory): up too.
+    ("v5e", {"v5e-4": None, "v5e-8": 12}, ["v5e-4", "v5e-8"], "v5e-8"),
     # None up to the largest slice.
     ("v5e", {"v5e-4": 17, "v5e-8": 17, "v5e-16": 17}, ["v5e-4", "v5e-8", "v5e-16"], None),
     # On a v6e the same ratio puts one chip at 29.8 GiB, within 1.1 x 32:
@@ -126,7 +132,7 @@ def test_the_target_search_compiles_down_while_it_fits_and_up_until_one_fits(
   the slices by what the compiler says (here a table, in GiB)."""
   from cpjax.training import cp_strategy, targets
 
-  calls = _fake_compiler(monkeypatch, {k: v * plan.GiB for k, v in totals.items()})
+  calls = _fake_compiler(monkeypatch, {k: v and v * plan.GiB for k, v in totals.items()})
   cfg = gemma4.Gemma4Config.preset("e2b")
   lora = dict(lora_rank=16, base_dtype="bfloat16")
   memory = targets.CHIPS[chip].memory
@@ -378,6 +384,13 @@ def test_a_compile_refused_past_the_chips_memory_is_a_plan_that_does_not_fit(mon
   assert got.params == est.params and got.optimizer == est.optimizer
   assert got.total == est.params + est.optimizer + 19.97 * plan.GiB
   assert "total > 20.0 GiB" in got.row(), got.row()
+  # XLA:TPU's other word for it names the whole program's use.
+  message = (
+    "XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+    "Used 21.95G of 15.48G hbm."
+  )
+  got = plan.compiled_plan(cfg, **shape)
+  assert got.refused and got.total == 21.95 * plan.GiB and not got.fits(10**15)
   out = cli.main(["plan", "--model", "tiny", "--seq-len", "256", "--mesh", "cp=2"])
   text = capsys.readouterr().out
   assert out == 0 and "refused by XLA:CPU" in text, text  # (no memory given: no verdict)

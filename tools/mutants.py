@@ -142,8 +142,8 @@ MUTANTS = (
   Mutant(
     "plan: a compile refused past the chip's memory is a traceback",
     "cpjax/training/plan.py",
-    "    needed = _HBM_REFUSAL.search(str(e))",
-    "    needed = None",
+    "    refusal = _hbm_refusal(str(e))",
+    "    refusal = None",
     (
       "tests/test_plan.py::"
       "test_a_compile_refused_past_the_chips_memory_is_a_plan_that_does_not_fit",

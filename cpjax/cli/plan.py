@@ -70,10 +70,11 @@ def _from_run(parser, args) -> None:
   """Fill the flags not given from the run config (``--recipe`` / ``--config``
   and dotted keys), as cpjax train would run it; the defaults for the rest."""
   args.run_keys = list(getattr(args, "run_keys", []))  # set by cpjax.cli.main
-  args.mesh_flag = args.mesh  # --mesh itself, before the run's fills it in
   run = args.run = _run_of(parser, args)
   # Without a file, only the settings the dotted keys name come from the run.
   typed = {k.split("=", 1)[0][2:] for k in args.run_keys if k.startswith("--")}
+  # A mesh given here, before the run's fills it in (a bare --target refuses one).
+  args.mesh_flag = args.mesh or ({"parallel.mesh", "parallel.cp"} & typed or None)
   whole = args.recipe is not None or args.config is not None
 
   def named(*keys):
@@ -214,9 +215,11 @@ def plan(parser, args) -> int:
       seq_len=args.seq_len,
       device_memory=args.device_memory,
       remat=args.remat,
+      batch_size=args.batch_size,
       expert_parallel=args.expert_parallel,
       capacity_factor=args.capacity_factor,
       platform=platform,
+      strategy=args.strategy,  # the strategies it is then planned and compiled with
       **lora,
     )
     if found is None:
@@ -319,14 +322,15 @@ def _search(parser, args, chip) -> int:
   the smallest that fits is the plan (``--write-config`` writes it)."""
   import time
 
-  from cpjax.training import plan, targets
+  from cpjax.training import plan
 
   if args.estimate_only:
     parser.exit(2, "cpjax plan: error: --target compiles; it does not go with --estimate-only\n")
   if args.base_dtype is not None and args.lora_rank is None:
     parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
   cfg, name = plan_config(parser, args)
-  # A run's ep stays: each searched mesh folds it onto its token axes.
+  # A run with ep keeps expert parallelism: each searched mesh folds the
+  # largest ep dividing the experts onto its token axes.
   expert_parallel = args.expert_parallel or "ep" in (args.mesh or {})
   largest = 4096
   machine.use_cpu_devices(largest)  # (they lay out the abstract batch only)
@@ -374,9 +378,11 @@ def _search(parser, args, chip) -> int:
     parser.exit(2, f"cpjax plan: error: {e}\n")
   seconds = time.perf_counter() - start
   if found is None:
+    why = (
+      f"{len(tried)} compiled, {seconds:.0f} s" if tried else "by the closed form; none compiled"
+    )
     print(
-      f"no slice of {chip.name} up to {largest} devices fits {name} at S={args.seq_len} "
-      f"({len(tried)} compiled, {seconds:.0f} s)"
+      f"no slice of {chip.name} up to {largest} devices fits {name} at S={args.seq_len} ({why})"
     )
     return 1
   print(
@@ -384,7 +390,6 @@ def _search(parser, args, chip) -> int:
     f"cpjax plan --target {found.source} plans it alone"
   )
   if args.write_config is not None:
-    target = targets.parse_target(found.source)
     step = dict(
       model=name,
       seq_len=args.seq_len,
@@ -394,7 +399,6 @@ def _search(parser, args, chip) -> int:
       **_strategies(cfg, args, found.mesh),
     )
     rows = [plan.estimate(cfg, **{**step, "dtype": d}) for d in ("bfloat16", "float32")]
-    args.target = target.name
     _write_config(args, cfg, name, rows, found.mesh, found, chip.platform)
   return 0
 
@@ -409,6 +413,7 @@ def _strategies(cfg, args, mesh: dict) -> dict:
     seq_len=args.seq_len,
     mesh=mesh,
     strategy=args.strategy,
+    layout=args.run.parallel.layout if args.run is not None else "load_balanced",
     device_memory=args.device_memory,
   )
 

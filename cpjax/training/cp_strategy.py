@@ -268,7 +268,7 @@ def row_buffer(
   return tokens * per_token * hkv
 
 
-def for_run(run, text, device_memory: int | None = None) -> dict:
+def for_run(run, text, *, device_memory: int | None = None) -> dict:
   """Return the CP strategies a run config's step takes, as keywords of
   :func:`cpjax.training.make_train_step` and :func:`cpjax.training.plan.estimate`.
 
@@ -338,7 +338,7 @@ def for_step(
   return {"strategy": as_strategy(choices), "loss_strategy": "auto"}
 
 
-def run_choices(run, text, device_memory: int | None = None) -> dict[str, Choice]:
+def run_choices(run, text, *, device_memory: int | None = None) -> dict[str, Choice]:
   """Return :func:`choose`'s choices for a run config's row length, mesh and
   layout on devices of ``device_memory`` bytes (as :func:`for_run`'s)."""
   sizes = run.parallel.mesh_sizes()

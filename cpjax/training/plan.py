@@ -104,7 +104,9 @@ from cpjax.training.targets import collective_bytes
 
 __all__ = [
   "Plan",
+  "SMALLER_SLICE_SLACK",
   "TooLarge",
+  "best_mesh",
   "collective_bytes",
   "compile_step",
   "compiled_plan",
@@ -112,7 +114,6 @@ __all__ = [
   "format_bytes",
   "lora_param_count",
   "parse_bytes",
-  "best_mesh",
   "smallest_mesh",
   "smallest_slice",
 ]
@@ -200,7 +201,7 @@ class Plan:
   base_dtype: str = "float32"  # the frozen base's storage under LoRA
   collectives: dict = dataclasses.field(default_factory=dict)  # compiled: {kind: bytes}
   # The target's compiler refused the step past the chip's memory: ``total``
-  # is a lower bound (the state and the temporaries it named), the rest NaN.
+  # and ``activations`` are lower bounds (what it named), ``flops`` NaN.
   refused: bool = False
 
   def fits(self, device_memory: int) -> bool:
@@ -628,6 +629,9 @@ def compile_step(
   Returns:
     ``(compiled TrainStep, params, opt_state, frozen base or None)``, the
     state as sharded ``ShapeDtypeStruct`` s.
+
+  Raises:
+    TooLarge: the target's compiler (XLA:TPU) refused it past the chip's memory.
   """
   import jax
   import jax.numpy as jnp
@@ -718,29 +722,45 @@ def compile_step(
   try:
     compiled = step.compile(params, opt_state, batch)
   except jax.errors.JaxRuntimeError as e:
-    needed = _HBM_REFUSAL.search(str(e))
-    if needed is None:
+    refusal = _hbm_refusal(str(e))
+    if refusal is None:
       raise
-    raise TooLarge(str(e), float(needed.group(1)) * GiB, params, opt_state, base) from e
+    raise TooLarge(str(e), *refusal, params, opt_state, base) from e
   return compiled, params, opt_state, base
 
 
-# XLA:TPU refuses a program past the chip's HBM, naming what its temporaries need.
-_HBM_REFUSAL = re.compile(r"required for HLO temporaries \(([0-9.]+)G\) exceeds available HBM")
+# XLA:TPU refuses a program past the chip's HBM in one of two words: what
+# its temporaries alone need, or what the whole program used.
+_HBM_REFUSALS = (
+  ("temporaries", re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT])\) exceeds")),
+  ("total", re.compile(r"Ran out of memory in memory space hbm\. Used ([0-9.]+)([KMGT]) of")),
+)
+_SUFFIX = {"K": 2**10, "M": 2**20, "G": GiB, "T": 2**40}
+
+
+def _hbm_refusal(message: str) -> tuple[float, str] | None:
+  """(bytes, "temporaries" or "total") of an XLA:TPU refusal past HBM; None otherwise."""
+  for what, pattern in _HBM_REFUSALS:
+    found = pattern.search(message)
+    if found:
+      return float(found.group(1)) * _SUFFIX[found.group(2)], what
+  return None
 
 
 class TooLarge(RuntimeError):
   """A target's compiler refused the step: it needs more than the chip's memory.
 
   Attributes:
-    temporaries: the bytes its temporaries alone needed, by the compiler.
+    needed: the bytes the compiler named.
+    what: what they count: ``"temporaries"`` (the temporaries alone) or
+      ``"total"`` (the whole program).
     params, opt_state, base: the abstract state it was compiled for (as
       :func:`compile_step` returns them).
   """
 
-  def __init__(self, message: str, temporaries: float, params, opt_state, base):
+  def __init__(self, message: str, needed: float, what: str, params, opt_state, base):
     super().__init__(message)
-    self.temporaries = temporaries
+    self.needed, self.what = needed, what
     self.params, self.opt_state, self.base = params, opt_state, base
 
 
@@ -774,7 +794,8 @@ def compiled_plan(
   Returns:
     The :class:`Plan` of :func:`compile_step`'s program: its memory analysis,
     FLOPs and collective bytes, the parameters' and optimizer state's bytes
-    per device.
+    per device; where the target's compiler refused it past the chip's
+    memory (:class:`TooLarge`), a plan with ``refused`` set that does not fit.
   """
   from cpjax import parallel
 
@@ -804,8 +825,8 @@ def compiled_plan(
   if base is not None:
     param_bytes += parallel.bytes_per_device(base)
   opt_bytes = parallel.bytes_per_device(opt_state)
-  if refused is not None:  # at least the state and the temporaries it named
-    total = param_bytes + opt_bytes + refused.temporaries
+  if refused is not None:  # at least what it named (and the state, with temporaries)
+    total = refused.needed + (param_bytes + opt_bytes if refused.what == "temporaries" else 0)
     cost, collectives = {}, {}
   else:
     cost = compiled.cost_analysis()  # None from XLA:GPU without a device
@@ -833,10 +854,10 @@ def compiled_plan(
 def _meshes(
   cfg, devices: int, seq_len: int, expert_parallel: bool, batch_size: int | None
 ) -> list[dict]:
-  """The fsdp x cp meshes of ``devices`` devices the rows split over (fsdp
-  dividing ``batch_size`` where one is given; with ``expert_parallel``, the
-  largest ep dividing the experts folded onto ``cp * fsdp``, ``cp`` or
-  ``fsdp``)."""
+  """List the fsdp x cp meshes of ``devices`` devices the rows split over:
+  fsdp dividing ``batch_size`` where one is given; with ``expert_parallel``,
+  the largest ep dividing the experts folded onto ``cp * fsdp``, ``cp`` or
+  ``fsdp``."""
   meshes = []
   for cp_log in range(int(math.log2(devices)) + 1):
     cp = 2**cp_log
@@ -884,6 +905,8 @@ def best_mesh(
   >>> best_mesh(Gemma4Config.preset("e2b"), model="e2b", devices=8, seq_len=131072).mesh
   {'cp': 8}
   """
+  if not isinstance(devices, int) or devices < 1 or devices & (devices - 1):
+    raise ValueError(f"devices must be a power of two, got {devices!r}")
   plans = [
     estimate(
       cfg,
@@ -1048,8 +1071,9 @@ def smallest_slice(
     ):
       i -= 1
   else:
-    while i + 1 < len(slices) and not compiled(i + 1).fits(memory):
-      i += 1
+    for j in range(i + 1, len(slices)):
+      if estimates[j] is not None and compiled(j).fits(memory):
+        break
   fitting = [p for p in tried if p.fits(memory)]
   best = min(
     fitting, key=lambda p: math.prod(v for k, v in p.mesh.items() if k != "ep"), default=None

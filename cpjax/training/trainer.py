@@ -524,7 +524,7 @@ def describe(job: RunConfig, trainer: TrainState, log) -> None:
   if job.parallel.strategy == "auto":
     from cpjax.training.cp_strategy import run_choices
 
-    for kind, choice in run_choices(job, trainer.cfg.text, _device_memory()).items():
+    for kind, choice in run_choices(job, trainer.cfg.text, device_memory=_device_memory()).items():
       log(f"  cp strategy for {kind}: {choice.strategy} ({choice.why})")
 
 
@@ -532,7 +532,8 @@ def _strategies(job: RunConfig, trainer: TrainState) -> dict:
   """The run's CP strategies (``parallel.strategy``, or with ``auto`` the
   rule's choice per layer kind and the loss's auto), as keywords of
   :func:`cpjax.training.make_train_step`; the rule budgets for the
-  accelerator's memory, as ``cpjax plan --target`` does."""
+  accelerator's memory (what JAX may use of it, where ``cpjax plan --target``
+  takes the chip's whole memory: they differ only at the rule's edge)."""
   from cpjax.training.cp_strategy import for_run
 
   return for_run(job, trainer.cfg.text, device_memory=_device_memory())
