@@ -5,7 +5,9 @@
 * per-token streams (:func:`token_stream`): [B, S] id, mask and label arrays;
 * integer ids that must survive the int32 conversion (:func:`fits_int32`);
 * scalar arguments (:func:`integer`, :func:`mapping`), and the mesh axis a
-  function must run inside (:func:`cp_axis`).
+  function must run inside (:func:`cp_axis`);
+* the per-row token order a ``"document_balanced"`` layout needs
+  (:func:`source_index`).
 
 Each raises before any compute, at trace time, with ``TypeError`` for a
 wrong kind of value and ``ValueError`` for a wrong shape or range; messages
@@ -37,6 +39,7 @@ __all__ = [
   "fits_int32",
   "integer",
   "mapping",
+  "source_index",
   "token_stream",
 ]
 
@@ -193,6 +196,34 @@ def cp_axis(caller: str, axis_name: str, cp_size: int) -> None:
     raise ValueError(
       f"layout.cp_size ({cp_size}) must equal the size of mesh axis {axis_name!r} ({size})"
     )
+
+
+def source_index(index, x, axis: int, length: int, *, arg: str = "axis"):
+  """Check the ``source_index`` that a ``"document_balanced"`` move of ``x`` needs.
+
+  Args:
+    index: int[B, ``length``], the batch's ``_source_index`` (or the part of it
+      the caller holds); None is refused: the layout reorders each row.
+    x: the array moved along ``axis``; ``B`` is its dimension before ``axis``.
+    axis: the (non-negative) dimension of ``x`` that is moved.
+    length: the tokens per row ``index`` must give.
+    arg: the caller's name for ``axis``, for the error message.
+
+  Returns:
+    ``index`` as a jax array.
+  """
+  if index is None:
+    raise ValueError(
+      "a 'document_balanced' layout reorders each row: pass "
+      f"source_index=batch['_source_index'] ([B, {length}])"
+    )
+  index = jnp.asarray(index)
+  if axis == 0 or index.shape != (x.shape[axis - 1], length):
+    raise ValueError(
+      f"source_index must be [B, {length}] (B = dim {axis - 1} of x, the dimension before "
+      f"{arg}={axis}), got shape {tuple(index.shape)} for x of shape {tuple(x.shape)}"
+    )
+  return index
 
 
 def integer(name: str, value, *, minimum: int | None = None) -> int:

@@ -51,18 +51,7 @@ def _axis(x, axis: int) -> int:
 
 def _rows_index(x, layout: ShardLayout, axis: int, source_index, inverse: bool):
   """The per-row index of a ``"document_balanced"`` move (argsort: the inverse)."""
-  if source_index is None:
-    raise ValueError(
-      "a 'document_balanced' layout reorders each row: pass "
-      "source_index=batch['_source_index'] (as shard_batch returned it)"
-    )
-  index = jnp.asarray(source_index)
-  if axis == 0 or index.shape != (x.shape[axis - 1], layout.padded_seq_len):
-    raise ValueError(
-      f"source_index must be [B, {layout.padded_seq_len}] (B = dim {axis - 1} of "
-      f"x, the dimension before axis={axis}), got shape {tuple(index.shape)} for "
-      f"x of shape {tuple(x.shape)}"
-    )
+  index = checks.source_index(source_index, x, axis, layout.padded_seq_len)
   index = _gather_dim(index, 1)
   return jnp.argsort(index, axis=1).astype(jnp.int32) if inverse else index
 

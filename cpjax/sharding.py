@@ -511,18 +511,7 @@ def shard_sequence(
   widths[seq_axis] = (0, layout.padded_seq_len - length)
   x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
   if layout.kind == "document_balanced":
-    if source_index is None:
-      raise ValueError(
-        "a 'document_balanced' layout reorders each row: pass "
-        "source_index=batch['_source_index'] (this rank's part)"
-      )
-    index = jnp.asarray(source_index)
-    if seq_axis == 0 or index.shape != (x.shape[seq_axis - 1], layout.local_seq_len):
-      raise ValueError(
-        f"source_index must be [B, {layout.local_seq_len}] (B = dim {seq_axis - 1} of x, "
-        f"the dimension before seq_axis={seq_axis}), got shape {tuple(index.shape)} for x "
-        f"of shape {tuple(x.shape)}"
-      )
+    index = checks.source_index(source_index, x, seq_axis, layout.local_seq_len, arg="seq_axis")
     return take_rows(x, index, seq_dim=seq_axis, batch_dim=seq_axis - 1)
   if layout.cp_size == 1:
     return x

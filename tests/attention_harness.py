@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,6 +117,25 @@ def reference(q, k, v, w, *, meta=None, grads=True, **kw):
   out = f(q, k, v)
   g = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v) if grads else None
   return np.asarray(out), (None if g is None else tuple(np.asarray(x, np.float32) for x in g))
+
+
+def check_global_documents(heads: int, **options):
+  """Check ``context_parallel_attention(**options)`` on two packed documents.
+
+  Global, rank-ordered q = k = v f32[1, 32, ``heads``, 8] over cp = 4 on a
+  load-balanced layout, jitted, against the dense reference; returns the
+  mesh, the layout and the natural-order x it ran on.
+  """
+  mesh = cp_mesh(4)
+  lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
+  x = np.random.default_rng(5).standard_normal((1, 32, heads, 8), np.float32)
+  docs = np.repeat([[1, 2]], 16, axis=1)
+  xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
+  attend = functools.partial(cpjax.context_parallel_attention, mesh=mesh, layout=lay, **options)
+  out = jax.jit(lambda x, d: attend(x, x, x, segment_ids=d))(xr, dr)
+  want = cpjax.reference_attention(x, x, x, segment_ids=docs)
+  chex.assert_trees_all_close(cpjax.from_rank_order(out, lay), want, rtol=1e-5, atol=1e-5)
+  return mesh, lay, x
 
 
 def count_gathers(monkeypatch) -> list:

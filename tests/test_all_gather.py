@@ -5,8 +5,6 @@ reduce-scatters dK/dV home. Its values and gradients must equal the
 reference (and so the ring) for every layout and mask kind.
 """
 
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -199,17 +197,8 @@ def test_context_parallel_attention_and_flax_take_the_strategy(monkeypatch):
   """The global-array entry point all-gathers too; the flax attention_fn
   takes the strategy or the context's."""
   gathers = H.count_gathers(monkeypatch)
-  mesh = cp_mesh(4)
-  lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
-  x = np.random.default_rng(5).standard_normal((1, 32, 2, 8), np.float32)
-  docs = np.repeat([[1, 2]], 16, axis=1)
-  xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
-  attend = functools.partial(
-    cpjax.context_parallel_attention, mesh=mesh, layout=lay, strategy="all_gather"
-  )
-  out = jax.jit(lambda x, d: attend(x, x, x, segment_ids=d))(xr, dr)
-  want = cpjax.reference_attention(x, x, x, segment_ids=docs)
-  chex.assert_trees_all_close(cpjax.from_rank_order(out, lay), want, rtol=1e-5, atol=1e-5)
+  mesh, lay, x = H.check_global_documents(2, strategy="all_gather")
+  xr = cpjax.to_rank_order(x, lay)
   assert len(gathers) == 1
 
   def flax_attention(q, context_strategy, strategy):

@@ -399,6 +399,13 @@ def test_what_the_reorder_needs_is_checked():
     jax.shard_map(
       lambda x: cpjax.shard_sequence(x, lay), mesh=mesh, in_specs=P(), out_specs=P(None, "cp")
     )(np.zeros((1, 8)))
+  with pytest.raises(ValueError, match=r"source_index must be \[B, 4\] .* before seq_axis=1\)"):
+    jax.shard_map(
+      lambda x, i: cpjax.shard_sequence(x, lay, source_index=i),
+      mesh=mesh,
+      in_specs=(P(), P()),
+      out_specs=P(None, "cp"),
+    )(np.zeros((1, 8)), np.zeros((1, 8), np.int32))  # the whole row's, not this rank's 4
   with pytest.raises(TypeError, match="call shard_batch outside jit"):
     jax.jit(lambda b: cpjax.shard_batch(b, mesh, layout=KIND)[0])(batch)
   extra = {**batch, "shared": np.arange(8)[None].repeat(3, 0)}

@@ -343,31 +343,19 @@ def test_run_yaml_reruns_bit_for_bit_and_resume_reads_it(tmp_path, monkeypatch):
   assert not resumed.checkpointing.resume and not resumed.checkpointing.force_resume
 
 
+def _plan(argv: str, path=None):
+  """Run ``cpjax plan ARGV --estimate-only`` (``--write-config path``); return what it wrote."""
+  write = ["--write-config", str(path)] if path else []
+  assert cli.main(["plan", *argv.split(), "--estimate-only", *write]) == 0
+  return read_run_config(path) if path else None
+
+
 def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   path = tmp_path / "plan.yaml"
-  assert (
-    cli.main(
-      [
-        "plan",
-        "--model",
-        "e2b",
-        "--seq-len",
-        "131072",
-        "--lora-rank",
-        "16",
-        "--base-dtype",
-        "bfloat16",
-        "--device-memory",
-        "16GiB",
-        "--estimate-only",
-        "--write-config",
-        str(path),
-      ]
-    )
-    == 0
+  run = _plan(
+    "--model e2b --seq-len 131072 --lora-rank 16 --base-dtype bfloat16 --device-memory 16GiB", path
   )
-  run = read_run_config(path)
   # The plan's mesh and batch (the closed form's fewest devices: 10.7 GiB
   # on cp=4, 21.1 on cp=2), bfloat16 activations (float32 does not fit 16 GiB),
   # and no single-device parity step (one device cannot hold it).
@@ -376,53 +364,11 @@ def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   assert "fits (16 GiB per device)" in path.read_text()
   # Where float32 activations fit too, the plan keeps them; one 141 GiB
   # device holds this step too (with the MLP in tiles), so the parity check stays.
-  assert (
-    cli.main(
-      [
-        "plan",
-        "--model",
-        "e2b",
-        "--seq-len",
-        "131072",
-        "--mesh",
-        "cp=8",
-        "--device-memory",
-        "141GiB",
-        "--estimate-only",
-        "--write-config",
-        str(path),
-      ]
-    )
-    == 0
-  )
-  run = read_run_config(path)
-  assert (run.parallel.mesh, run.dtype, run.lora.rank, run.parity_check) == (
-    "cp=8",
-    "float32",
-    None,
-    True,
-  )
+  run = _plan("--model e2b --seq-len 131072 --mesh cp=8 --device-memory 141GiB", path)
+  assert (run.parallel.mesh, run.dtype, run.lora.rank) == ("cp=8", "float32", None)
+  assert run.parity_check
   # Where one device holds the step too, the first step's parity check stays on.
-  assert (
-    cli.main(
-      [
-        "plan",
-        "--model",
-        "tiny",
-        "--seq-len",
-        "1024",
-        "--mesh",
-        "fsdp=2,cp=4",
-        "--device-memory",
-        "16GiB",
-        "--estimate-only",
-        "--write-config",
-        str(path),
-      ]
-    )
-    == 0
-  )
-  run = read_run_config(path)
+  run = _plan("--model tiny --seq-len 1024 --mesh fsdp=2,cp=4 --device-memory 16GiB", path)
   assert (run.parity_check, run.dtype, run.dataset.batch_size) == (True, "float32", 2)
 
 
@@ -432,65 +378,20 @@ def test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings(tmp_path, c
   steps, a dotted key's learning rate), and a microbatched batch stays whole."""
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   path = tmp_path / "plan.yaml"
-  assert (
-    cli.main(
-      [
-        "plan",
-        "--recipe",
-        "tiny",
-        "--dataset.seq_len",
-        "512",
-        "--optimizer.lr",
-        "0.01",
-        "--dataset.batch_size=4",
-        "--dataset.microbatches=2",
-        "--mesh",
-        "fsdp=2,cp=4",
-        "--estimate-only",
-        "--write-config",
-        str(path),
-      ]
-    )
-    == 0
+  run = _plan(
+    "--recipe tiny --dataset.seq_len 512 --optimizer.lr 0.01 --mesh fsdp=2,cp=4"
+    " --dataset.batch_size=4 --dataset.microbatches=2",
+    path,
   )
   assert "cpjax plan: Gemma 4 tiny, S=512" in capsys.readouterr().out
-  run = read_run_config(path)
   assert (run.dataset.seq_len, run.optimizer.lr, run.optimizer.steps) == (512, 0.01, 20)
   assert (run.parallel.mesh, run.parallel.cp, run.remat) == ("fsdp=2,cp=4", None, "none")
   # A batch of 4 in 2 microbatches plans a step of 2 rows; written back whole.
   assert (run.dataset.batch_size, run.dataset.microbatches) == (4, 2)
   # Dotted keys alone name only what they set; the plan's own flags beat them.
-  assert (
-    cli.main(
-      [
-        "plan",
-        "--model",
-        "e2b",
-        "--dataset.seq_len",
-        "65536",
-        "--parallel.mesh",
-        "cp=8",
-        "--estimate-only",
-      ]
-    )
-    == 0
-  )
+  _plan("--model e2b --dataset.seq_len 65536 --parallel.mesh cp=8")
   assert "Gemma 4 e2b, S=65536, remat full, full training, 8 devices" in capsys.readouterr().out
-  assert (
-    cli.main(
-      [
-        "plan",
-        "--dataset.seq_len",
-        "65536",
-        "--seq-len",
-        "4096",
-        "--mesh",
-        "cp=2",
-        "--estimate-only",
-      ]
-    )
-    == 0
-  )
+  _plan("--dataset.seq_len 65536 --seq-len 4096 --mesh cp=2")
   assert "Gemma 4 tiny, S=4096" in capsys.readouterr().out
   for argv, message in (
     (["--dataset.seq_len", "long"], "dataset.seq_len"),

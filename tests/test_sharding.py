@@ -220,22 +220,16 @@ def _draw(p):
     extra=p["extra"],
   )
   extra = {"token_weights": 1} if p["extra"] else None
-  return batch, extra
+  kw = dict(layout=p["kind"], extra_seq_keys=extra, pad_multiple=p["pad_multiple"])
+  return batch, cp_mesh(p["cp"]), kw
 
 
 @given(p=batches)
 def test_shard_matches_numpy_and_round_trips(p):
-  batch, extra = _draw(p)
-  mesh = cp_mesh(p["cp"])
-  out, lay = cpjax.shard_batch(
-    batch,
-    mesh,
-    layout=p["kind"],
-    extra_seq_keys=extra,
-    extra_pad_values={"token_weights": -1.0} if extra else None,
-    pad_multiple=p["pad_multiple"],
-    padding_token_id=3,
-  )
+  batch, mesh, kw = _draw(p)
+  extra = kw["extra_seq_keys"]
+  pads = {"token_weights": -1.0} if extra else None
+  out, lay = cpjax.shard_batch(batch, mesh, **kw, extra_pad_values=pads, padding_token_id=3)
   padded, s, cp, kind = lay.padded_seq_len, p["s"], p["cp"], p["kind"]
   # The original pads to a multiple of cp * max(pad_multiple, 2); the
   # load-balanced layout also needs 2 * cp chunks (they differ for odd
@@ -274,9 +268,7 @@ def test_shard_matches_numpy_and_round_trips(p):
 
 @given(p=batches)
 def test_aux_only_plus_shard_sequence_equals_full_shard(p):
-  batch, extra = _draw(p)
-  mesh = cp_mesh(p["cp"])
-  kw = dict(layout=p["kind"], extra_seq_keys=extra, pad_multiple=p["pad_multiple"])
+  batch, mesh, kw = _draw(p)
   full, lay = cpjax.shard_batch(batch, mesh, **kw)
   aux, lay_aux = cpjax.shard_batch(batch, mesh, aux_only=True, **kw)
   assert lay == lay_aux
@@ -295,9 +287,8 @@ def test_aux_only_plus_shard_sequence_equals_full_shard(p):
 
 @given(p=batches)
 def test_jit_equals_eager(p):
-  batch, extra = _draw(p)
-  mesh = cp_mesh(p["cp"])
-  kw = dict(layout=p["kind"], extra_seq_keys=extra, pad_multiple=p["pad_multiple"])
+  batch, mesh, kw = _draw(p)
+  extra = kw["extra_seq_keys"]
   eager, lay = cpjax.shard_batch(batch, mesh, **kw)
   jitted, lay_j = jax.jit(lambda b: cpjax.shard_batch(b, mesh, **kw))(batch)
   assert lay == lay_j

@@ -8,14 +8,9 @@ values and gradients must equal the reference for every layout, mask kind and
 GQA grouping.
 """
 
-import functools
-
-import chex
-import jax
 import numpy as np
 import pytest
 
-import cpjax
 from cpjax.ring._attention import ulysses_kv_repeats
 from tests import attention_harness as H
 from tests.helpers import cp_mesh
@@ -88,13 +83,5 @@ def test_ulysses_takes_no_hops_and_moves_heads_with_all_to_alls():
 
 def test_context_parallel_attention_takes_ulysses(monkeypatch):
   calls = H.count_ulysses(monkeypatch)
-  mesh = cp_mesh(4)
-  lay = cpjax.ShardLayout(32, 32, 4, "load_balanced")
-  x = np.random.default_rng(5).standard_normal((1, 32, 4, 8), np.float32)
-  docs = np.repeat([[1, 2]], 16, axis=1)
-  xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
-  attend = functools.partial(cpjax.context_parallel_attention, mesh=mesh, layout=lay, **ULYSSES)
-  out = jax.jit(lambda x, d: attend(x, x, x, segment_ids=d))(xr, dr)
-  want = cpjax.reference_attention(x, x, x, segment_ids=docs)
-  chex.assert_trees_all_close(cpjax.from_rank_order(out, lay), want, rtol=1e-5, atol=1e-5)
+  H.check_global_documents(4, **ULYSSES)
   assert len(calls) == 1
