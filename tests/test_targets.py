@@ -1,7 +1,13 @@
 """Target names: Cloud TPU's accelerator types and GPU slices, as a user rents them."""
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import pytest
 
+from cpjax.training import targets
 from cpjax.training.targets import CHIPS, parse_target
 
 
@@ -67,3 +73,45 @@ def test_unknown_or_malformed_targets_are_value_errors(name, match):
 def test_a_target_must_be_a_string():
   with pytest.raises(TypeError, match="target must be a str such as 'v5e-8', got int"):
     parse_target(8)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+def test_two_processes_compile_for_tpus_at_once_without_libtpu_start_up_noise():
+  """Off a TPU VM, libtpu's lock on the chips (a second loader failed with
+  "Internal error when accessing libtpu multi-process lockfile") and its
+  warnings about the host it cannot find do not reach a target's devices."""
+  env = {k: v for k, v in os.environ.items() if k not in targets._NO_TPU_HOST}
+  env["JAX_PLATFORMS"] = "cpu"
+  holder = subprocess.Popen(
+    [sys.executable, "-c", _HOLD_LIBTPU], stdout=subprocess.PIPE, text=True, env=env
+  )
+  try:
+    assert holder.stdout.readline().strip() == "loaded"  # libtpu loaded the plain way
+    proc = subprocess.run(
+      [
+        sys.executable,
+        "-c",
+        "from cpjax.training import targets as t\nprint(len(t.parse_target('v5e-4').devices()))",
+      ],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=300,
+    )
+  finally:
+    holder.kill()
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.split()[-1] == "4"
+  for noise in ("lockfile", "accelerator type", "TPU_WORKER_HOSTNAMES", "E0000"):
+    assert noise not in proc.stderr, proc.stderr
+
+
+_HOLD_LIBTPU = """
+import time
+from jax.experimental import topologies
+topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1",
+                             chip_config_name="default", chips_per_host_bounds=(1, 1, 1),
+                             num_slices=1)
+print("loaded", flush=True)
+time.sleep(300)
+"""

@@ -140,6 +140,16 @@ MUTANTS = (
     ),
   ),
   Mutant(
+    "targets: libtpu takes the chips' lock on a host without TPUs",
+    "cpjax/training/targets.py",
+    "          os.environ.setdefault(key, value)",
+    "          pass",
+    (
+      "tests/test_targets.py::"
+      "test_two_processes_compile_for_tpus_at_once_without_libtpu_start_up_noise",
+    ),
+  ),
+  Mutant(
     "plan: a compile refused past the chip's memory is a traceback",
     "cpjax/training/plan.py",
     "    refusal = _hbm_refusal(str(e))",

@@ -23,13 +23,28 @@ device: ``v4-8`` is 4 chips) and chips on v5e and v6e (``v5e-8`` is 8).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.util
 import math
+import os
 import re
 
 __all__ = ["ALIASES", "CHIPS", "Chip", "Target", "collective_bytes", "parse_target"]
 
 GiB = 2**30
+
+# What libtpu reads of the host it is loaded on. Off a TPU VM it finds none of
+# it: it logs that it could not tell the accelerator type or the workers'
+# hostnames, and it takes /tmp/libtpu_lockfile, meant to keep two processes off
+# the same chips, so a second process compiling for a TPU at the same time fails
+# ("Internal error when accessing libtpu multi-process lockfile"). Compiling for
+# a topology touches no chip: a host without TPU device nodes says so.
+_TPU_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*")
+_NO_TPU_HOST = {
+  "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+  "TPU_HOST_BOUNDS": "1,1,1",
+  "TPU_WORKER_HOSTNAMES": "localhost",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +225,9 @@ class Target:
     from jax.experimental import topologies
 
     if self.chip.platform == "tpu":
+      if not any(glob.glob(p) for p in _TPU_NODES):
+        for key, value in _NO_TPU_HOST.items():
+          os.environ.setdefault(key, value)
       host = tuple(min(h, s) for h, s in zip(self.chip.host, self.shape + (1,)))
       topo = topologies.get_topology_desc(
         platform="tpu",
