@@ -83,6 +83,11 @@ def test_smallest_mesh_fits_and_the_next_smaller_does_not():
     if devices // 2 >= cp:
       smaller = {"fsdp": devices // 2 // cp, "cp": cp}
       assert not plan.estimate(cfg, model="e4b", seq_len=131072, mesh=smaller).fits(memory)
+  # A misspelled setting is an error even where no mesh splits the rows (a
+  # sequence of 7 tokens: no mesh splits it in two), not a quiet None.
+  with pytest.raises(TypeError, match=r"unknown keywords \['lora_rnk'\]; estimate\(\) takes"):
+    plan.smallest_mesh(cfg, model="e4b", seq_len=7, device_memory=memory, lora_rnk=16)
+  assert plan.smallest_mesh(cfg, model="e4b", seq_len=7, device_memory=memory, lora_rank=16) is None
 
 
 def _fake_compiler(monkeypatch, totals: dict) -> list:

@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import re
 import typing
@@ -907,6 +908,10 @@ def best_mesh(
   """
   if not isinstance(devices, int) or devices < 1 or devices & (devices - 1):
     raise ValueError(f"devices must be a power of two, got {devices!r}")
+  # Checked here: with no mesh to estimate, estimate() would never see them.
+  taken = set(inspect.signature(estimate).parameters) - {"cfg", "seq_len", "mesh", "loss_strategy"}
+  if unknown := sorted(set(settings) - taken):
+    raise TypeError(f"unknown keywords {unknown}; estimate() takes {sorted(taken)}")
   plans = [
     estimate(
       cfg,
