@@ -427,6 +427,19 @@ def test_plan_for_a_bare_chip_searches_its_slices_and_writes_the_smallest(
   assert "# compiled by v5e-8's compiler: 12 GiB per device, fits" in path.read_text()
 
 
+def test_plan_prints_the_strategies_of_the_runs_layout(capsys, monkeypatch):
+  """The rule's choice depends on the layout (E2B at S = 1024 on cp = 8, sliding
+  layers: Ulysses on load-balanced stripes, the window's halo on contiguous
+  chunks): cpjax plan prints the run's, as it plans with them (it printed
+  load_balanced's for any run)."""
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  for layout, sliding in (("load_balanced", "ulysses"), ("contiguous", "all_gather")):
+    argv = "plan --model e2b --seq-len 1024 --mesh cp=8 --estimate-only --parallel.layout"
+    assert cli.main([*argv.split(), layout]) == 0
+    out = capsys.readouterr().out
+    assert f"  cp strategy for sliding_attention: {sliding} (" in out, (layout, out)
+
+
 @pytest.mark.parametrize("target, platform", [("h200-8", "cuda"), ("v5e-8", "tpu")])
 def test_plan_target_follows_the_gpu_compiler(target, platform, capsys, monkeypatch):
   """With --target the printed closed form is that compiler's: XLA:GPU's on

@@ -256,6 +256,7 @@ def plan(parser, args) -> int:
       seq_len=args.seq_len,
       cp=mesh.get("cp", 1),
       tp=mesh.get("tp", 1),
+      layout=_layout(args),
       device_memory=args.device_memory,
     )
     step.update(_strategies(cfg, args, mesh))
@@ -413,9 +414,14 @@ def _strategies(cfg, args, mesh: dict) -> dict:
     seq_len=args.seq_len,
     mesh=mesh,
     strategy=args.strategy,
-    layout=args.run.parallel.layout if args.run is not None else "load_balanced",
+    layout=_layout(args),
     device_memory=args.device_memory,
   )
+
+
+def _layout(args) -> str:
+  """The run's layout (the rule's choices depend on it)."""
+  return args.run.parallel.layout if args.run is not None else "load_balanced"
 
 
 def _write_config(
