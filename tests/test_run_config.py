@@ -3,6 +3,7 @@ flags as aliases, run.yaml written with every run, and the shipped recipes."""
 
 import json
 import os
+import re
 
 import pytest
 
@@ -43,6 +44,11 @@ def test_every_recipe_round_trips_through_yaml(tmp_path):
   # Every file here is listed, and every listed recipe has its file.
   files = {f[:-5] for f in os.listdir(os.path.dirname(recipes.__file__)) if f.endswith(".yaml")}
   assert files == set(recipes.RECIPES)
+  # The README's table of recipes has a row for each, and none for another.
+  readme = os.path.join(os.path.dirname(os.path.dirname(recipes.__file__)), "..", "README.md")
+  with open(readme) as f:
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| .* \| .* \|$", f.read(), re.MULTILINE)
+  assert sorted(rows) == sorted(recipes.RECIPES)
 
 
 @pytest.mark.parametrize("name", [n for n, r in recipes.RECIPES.items() if r.devices])
