@@ -32,7 +32,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # Every property test with 200 examples each, the slow-marked cases and the
-# mutation check (not in CI: about 30 minutes on 2 cores).
+# mutation check (not in CI: hours on 2 cores, the recipes' full-size compiles
+# most of it).
 soak: $(STAMP) mutants
 	CPJAX_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -m hypothesis -p no:cacheprovider tests
 	$(BIN)/python -m pytest -m slow -p no:cacheprovider tests
