@@ -348,6 +348,7 @@ def test_the_cpu_is_chosen_only_where_no_accelerator_is(monkeypatch):
   cpjax's commands start JAX on the CPU (no plugin start-up errors); a TPU or
   GPU device node, or the user's own JAX_PLATFORMS, leaves the choice to JAX."""
   from cpjax.cli import machine
+  from cpjax.training import targets
 
   for nodes, given, want in (
     ([], None, "cpu"),
@@ -356,7 +357,7 @@ def test_the_cpu_is_chosen_only_where_no_accelerator_is(monkeypatch):
     ([], "tpu", "tpu"),
   ):
     monkeypatch.setattr(
-      machine.glob,
+      targets.glob,
       "glob",
       lambda pattern, nodes=nodes: [
         n for n in nodes if n.startswith(pattern.split("*")[0].split("[")[0])

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 
-# Device nodes of the accelerators JAX's plugins drive: TPU VMs (/dev/accel*,
-# or VFIO groups on v5e and later) and NVIDIA GPUs.
-_ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")
+from cpjax.training.targets import has_device_nodes
 
 
 def cpu_unless_accelerators() -> None:
@@ -19,7 +16,7 @@ def cpu_unless_accelerators() -> None:
   otherwise probe for chips at start-up and print errors about the ones not
   there. Must run before JAX initialises.
   """
-  if "JAX_PLATFORMS" not in os.environ and not any(glob.glob(p) for p in _ACCELERATOR_NODES):
+  if "JAX_PLATFORMS" not in os.environ and not has_device_nodes():
     os.environ["JAX_PLATFORMS"] = "cpu"
     # jax reads the variable when it is imported, and the command's modules
     # import it before this runs: set its flag too (read when the backends

@@ -29,7 +29,15 @@ import math
 import os
 import re
 
-__all__ = ["ALIASES", "CHIPS", "Chip", "Target", "collective_bytes", "parse_target"]
+__all__ = [
+  "ALIASES",
+  "CHIPS",
+  "Chip",
+  "Target",
+  "collective_bytes",
+  "has_device_nodes",
+  "parse_target",
+]
 
 GiB = 2**30
 
@@ -39,12 +47,29 @@ GiB = 2**30
 # the same chips, so a second process compiling for a TPU at the same time fails
 # ("Internal error when accessing libtpu multi-process lockfile"). Compiling for
 # a topology touches no chip: a host without TPU device nodes says so.
-_TPU_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*")
 _NO_TPU_HOST = {
   "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
   "TPU_HOST_BOUNDS": "1,1,1",
   "TPU_WORKER_HOSTNAMES": "localhost",
 }
+
+
+# The device nodes of the chips JAX's plugins drive: TPU VMs (/dev/accel*, or
+# VFIO groups on v5e and later) and NVIDIA GPUs.
+_DEVICE_NODES = {
+  "tpu": ("/dev/accel*", "/dev/vfio/[0-9]*"),
+  "cuda": ("/dev/nvidia[0-9]*",),
+}
+
+
+def has_device_nodes(platform: str | None = None) -> bool:
+  """Tell whether this host has device nodes of a ``platform``'s chips (any chip's when None).
+
+  >>> has_device_nodes("tpu") in (True, False)
+  True
+  """
+  platforms = _DEVICE_NODES if platform is None else (platform,)
+  return any(glob.glob(p) for name in platforms for p in _DEVICE_NODES[name])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +250,7 @@ class Target:
     from jax.experimental import topologies
 
     if self.chip.platform == "tpu":
-      if not any(glob.glob(p) for p in _TPU_NODES):
+      if not has_device_nodes("tpu"):
         for key, value in _NO_TPU_HOST.items():
           os.environ.setdefault(key, value)
       host = tuple(min(h, s) for h, s in zip(self.chip.host, self.shape + (1,)))
