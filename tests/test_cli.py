@@ -441,6 +441,31 @@ def test_plan_prints_the_strategies_of_the_runs_layout(capsys, monkeypatch):
     assert f"  cp strategy for sliding_attention: {sliding} (" in out, (layout, out)
 
 
+def test_plan_for_a_sized_slice_with_expert_parallel_folds_ep_onto_its_cp(capsys, monkeypatch):
+  """``--target v5e-4 --expert-parallel`` plans cp over the 4 chips with ep
+  folded onto it, as the slice search folds it (it was refused, asking for
+  the --mesh the user had not given); a cp that does not divide the experts
+  is refused naming both."""
+  from cpjax.training import plan
+
+  meshes = []
+
+  def compiled_plan(cfg, *, target, model, seq_len, mesh, dtype, **kw):
+    meshes.append(mesh)
+    return plan.Plan(model, seq_len, mesh, "full", dtype, 0, 0, 1, 1, 0.0, target.name)
+
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(plan, "compiled_plan", compiled_plan)
+  argv = "plan --model tiny-moe --seq-len 256 --expert-parallel --target".split()
+  assert cli.main([*argv, "v5e-4"]) in (0, None)
+  assert meshes == [{"cp": 4, "ep": 4}], meshes
+  assert "cp=4,ep=4" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    cli.main([*argv, "v5e-8"])
+  want = "--target v5e-8's cp=8, which does not divide the 4 experts; give --mesh with ep"
+  assert want in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("target, platform", [("h200-8", "cuda"), ("v5e-8", "tpu")])
 def test_plan_target_follows_the_gpu_compiler(target, platform, capsys, monkeypatch):
   """With --target the printed closed form is that compiler's: XLA:GPU's on

@@ -237,8 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument(
     "--expert-parallel",
     action="store_true",
-    help="MoE: with --device-memory, each searched mesh folds the largest ep "
-    "dividing the experts onto its token axes (give ep in --mesh otherwise)",
+    help="MoE: each searched mesh (--device-memory, or a bare chip's --target) "
+    "folds the largest ep dividing the experts onto its token axes, and a "
+    "sized slice's (--target v5p-8) onto its cp; give ep in --mesh otherwise",
   )
   plan.add_argument(
     "--capacity-factor",

@@ -124,6 +124,7 @@ def _target(parser, args):
   """The ``--target`` chips (None without), its mesh and memory filled in; a
   bare chip (``--target v5e``) is that :class:`Chip`, whose slices
   :func:`_search` compiles."""
+  args.mesh_of_target = False
   if args.target is None:
     return None
   from cpjax.training import targets
@@ -143,6 +144,9 @@ def _target(parser, args):
     target = targets.parse_target(args.target)
   except ValueError as e:
     parser.exit(2, f"cpjax plan: error: --target: {e}\n")
+  # The mesh defaults to cp over all the chips (ep folds onto it with
+  # --expert-parallel, once the model is known: plan()).
+  args.mesh_of_target = args.mesh is None
   if args.mesh is None:
     args.mesh = {"cp": target.num_devices}
   devices = math.prod(v for k, v in args.mesh.items() if k != "ep")
@@ -184,7 +188,7 @@ def plan(parser, args) -> int:
     parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
   if args.base_dtype is not None and args.lora_rank is None:
     parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
-  if args.expert_parallel and args.mesh is not None:
+  if args.expert_parallel and args.mesh is not None and not args.mesh_of_target:
     parser.exit(
       2,
       "cpjax plan: error: --expert-parallel searches meshes; with --mesh give "
@@ -208,6 +212,16 @@ def plan(parser, args) -> int:
   # The closed form follows the target's compiler (XLA:TPU's without one).
   platform = target.chip.platform if target is not None else "tpu"
   mesh = args.mesh
+  if args.mesh_of_target and args.expert_parallel and cfg.text.enable_moe_block:
+    # As the target search folds it: ep over the chips' cp, which must divide the experts.
+    if cfg.text.num_experts % mesh["cp"]:
+      parser.exit(
+        2,
+        f"cpjax plan: error: --expert-parallel folds ep onto --target {args.target}'s "
+        f"cp={mesh['cp']}, which does not divide the {cfg.text.num_experts} experts; "
+        "give --mesh with ep in it\n",
+      )
+    mesh = {**mesh, "ep": mesh["cp"]}
   if mesh is None:
     found = plan.smallest_mesh(
       cfg,
