@@ -44,11 +44,19 @@ def test_every_recipe_round_trips_through_yaml(tmp_path):
   # Every file here is listed, and every listed recipe has its file.
   files = {f[:-5] for f in os.listdir(os.path.dirname(recipes.__file__)) if f.endswith(".yaml")}
   assert files == set(recipes.RECIPES)
-  # The README's table of recipes has a row for each, and none for another.
+  # The README's table of recipes has a row for each, and none for another;
+  # its closed form and compiler columns are the recipe file's notes.
   readme = os.path.join(os.path.dirname(os.path.dirname(recipes.__file__)), "..", "README.md")
   with open(readme) as f:
-    rows = re.findall(r"^\| `([a-z0-9-]+)` \| .* \| .* \|$", f.read(), re.MULTILINE)
-  assert sorted(rows) == sorted(recipes.RECIPES)
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| .* \| .* \| (.*) \| (.*) \|$", f.read(), re.MULTILINE)
+  assert sorted(name for name, *_ in rows) == sorted(recipes.RECIPES)
+  for name, closed, compiled in rows:
+    with open(recipes.path(name)) as f:
+      notes = f.read()
+    planned = re.search(r"^# planned by .* total ([0-9.]+ [KMG]iB) ", notes, re.MULTILINE)
+    assert closed == (planned.group(1) if planned else "—"), (name, closed)
+    by = re.search(r"^# compiled by (XLA:\w+) .*?: ([0-9.]+ GiB) per device", notes, re.MULTILINE)
+    assert compiled == (f"{by.group(2)} ({by.group(1)})" if by else "—"), (name, compiled)
 
 
 @pytest.mark.parametrize("name", [n for n, r in recipes.RECIPES.items() if r.devices])
