@@ -45,6 +45,7 @@ RECIPES = {
   "e2b-full-256k-v5p": Recipe("95GiB", 4, "v5p-8"),
   "a4b-full-128k-v5p": Recipe("95GiB", 16, "v5p-32"),
   "e2b-lora-128k-v6e": Recipe("32GiB", 4, "v6e-4"),
+  "e2b-full-128k-v6e": Recipe("32GiB", 4, "v6e-4"),
   "a4b-lora-128k-v6e": Recipe("32GiB", 16, "v6e-16"),
   "e2b-full-128k": Recipe("141GiB", 8, "h200-8"),
   "e2b-full-128k-v5e": Recipe("16GiB", 16, "v5e-16"),
