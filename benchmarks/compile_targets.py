@@ -6,6 +6,7 @@ this CPU machine with compile-only devices (no chip needed).
     python benchmarks/compile_targets.py                              # the default rows
     python benchmarks/compile_targets.py --seq-lens 16384 --meshes cp=8 --judges tpu gpu
     python benchmarks/compile_targets.py --judges gpu --keep   # rerun one judge's cells
+    python benchmarks/compile_targets.py --judges tpu --keep --seq-lens 131072 --meshes cp=8
     python benchmarks/compile_targets.py --judges --keep       # the closed forms only
     python benchmarks/compile_targets.py --model a4b-slice --judges tpu gpu   # v5p-16, h200-8
     python benchmarks/compile_targets.py --strategy auto --judges tpu gpu  # train's default
@@ -71,16 +72,13 @@ def _refusal(error: Exception) -> str:
   return f"fails: {type(error).__name__}: {text.splitlines()[0][:80]}"
 
 
-def _kept_cells(judges, name: str) -> dict:
-  """{(S, mesh, training, dtype): cells of the judges not rerun} of the saved table."""
+def _saved_rows(name: str) -> dict:
+  """{(S, mesh, training, dtype): the judges' cells} of the saved table, in its order."""
   path = RESULTS / f"{name}.json"
   if not path.exists():
     return {}
-  rerun = {c for j in judges for c in (j, f"{j} s")}
   return {
-    (r["S"], r["mesh"], r["training"], r["dtype"]): {
-      c: v for c, v in r.items() if c in JUDGE_CELLS and c not in rerun
-    }
+    (r["S"], r["mesh"], r["training"], r["dtype"]): {c: v for c, v in r.items() if c in JUDGE_CELLS}
     for r in json.loads(path.read_text())["rows"]
   }
 
@@ -112,83 +110,91 @@ def main(argv=None) -> None:
   parser.add_argument(
     "--keep",
     action="store_true",
-    help="keep the other judges' cells of the rows in "
-    "results/compile_targets.json (rows of the same S, mesh, "
-    "training and activations)",
+    help="keep the saved table (results/NAME.json): its rows and cells stay, "
+    "the closed forms are recomputed, and only the judges given rerun, on the "
+    "rows the S, mesh, training and dtype flags select",
   )
   args = parser.parse_args(argv)
   tpu, name, seq_lens, meshes = MODELS[args.model]
   name += "_auto" if args.strategy == "auto" else ""
   args.seq_lens, args.meshes = args.seq_lens or seq_lens, args.meshes or meshes
   judges = {**JUDGES, "tpu": tpu}
-  kept = _kept_cells(args.judges, name) if args.keep else {}
+  saved = _saved_rows(name) if args.keep else {}
   setup_devices(8)
   from cpjax.parallel import parse_mesh
   from cpjax.training import cp_strategy, plan, targets
 
   cfg = e2b_slice() if args.model == "e2b-slice" else a4b_slice()
+  selected = [
+    (seq_len, mesh_text, training, dtype)
+    for seq_len in args.seq_lens
+    for mesh_text in args.meshes
+    for training in args.trainings
+    for dtype in args.dtypes
+  ]
+  # With --keep and no judge, the saved rows alone (their closed forms recomputed).
+  new = [k for k in selected if k not in saved] if args.judges or not args.keep else []
   rows = []
-  for seq_len in args.seq_lens:
-    for mesh_text in args.meshes:
-      mesh = parse_mesh(mesh_text)
-      strategies, chosen = {}, "ring"
-      if args.strategy == "auto":
-        choices = cp_strategy.choose(
-          cfg.text, seq_len=seq_len, cp=mesh.get("cp", 1), tp=mesh.get("tp", 1)
+  for key in [*saved, *new]:
+    seq_len, mesh_text, training, dtype = key
+    mesh = parse_mesh(mesh_text)
+    strategies, chosen = {}, "ring"
+    if args.strategy == "auto":
+      choices = cp_strategy.choose(
+        cfg.text, seq_len=seq_len, cp=mesh.get("cp", 1), tp=mesh.get("tp", 1)
+      )
+      strategies = {"strategy": cp_strategy.as_strategy(choices), "loss_strategy": "auto"}
+      chosen = cp_strategy.describe(choices)
+    lora = {"lora_rank": 16, "base_dtype": "bfloat16"} if training == "lora" else {}
+    closed = {
+      p: plan.estimate(
+        cfg,
+        model=args.model,
+        seq_len=seq_len,
+        mesh=mesh,
+        dtype=dtype,
+        platform=p,
+        **lora,
+        **strategies,
+      ).total
+      / plan.GiB
+      for p in plan.PLATFORMS
+    }
+    row = {
+      "S": seq_len,
+      "mesh": mesh_text,
+      "training": training,
+      "dtype": dtype,
+      # (the ring's table names none: tests/test_plan.py reads one as auto's)
+      **({"strategy": chosen} if args.strategy == "auto" else {}),
+      "closed form": closed["tpu"],
+      "closed form gpu": closed["cuda"],
+    }
+    row.update(saved.get(key, {}))
+    for judge in args.judges if key in selected else ():
+      chips = judges[judge]
+      if judge == "cpu" and dtype == "bfloat16" and "fsdp" in mesh:
+        row[judge], row[f"{judge} s"] = None, None
+        continue
+      start = time.perf_counter()
+      try:
+        got = plan.compiled_plan(
+          cfg,
+          model=args.model,
+          seq_len=seq_len,
+          mesh=mesh,
+          dtype=dtype,
+          **lora,
+          **strategies,
+          target=None if chips is None else targets.parse_target(chips),
         )
-        strategies = {"strategy": cp_strategy.as_strategy(choices), "loss_strategy": "auto"}
-        chosen = cp_strategy.describe(choices)
-      for training in args.trainings:
-        lora = {"lora_rank": 16, "base_dtype": "bfloat16"} if training == "lora" else {}
-        for dtype in args.dtypes:
-          closed = {
-            p: plan.estimate(
-              cfg,
-              model=args.model,
-              seq_len=seq_len,
-              mesh=mesh,
-              dtype=dtype,
-              platform=p,
-              **lora,
-              **strategies,
-            ).total
-            / plan.GiB
-            for p in plan.PLATFORMS
-          }
-          row = {
-            "S": seq_len,
-            "mesh": mesh_text,
-            "training": training,
-            "dtype": dtype,
-            "strategy": chosen,
-            "closed form": closed["tpu"],
-            "closed form gpu": closed["cuda"],
-          }
-          row.update(kept.get((seq_len, mesh_text, training, dtype), {}))
-          for judge in args.judges:
-            chips = judges[judge]
-            if judge == "cpu" and dtype == "bfloat16" and "fsdp" in mesh:
-              row[judge], row[f"{judge} s"] = None, None
-              continue
-            start = time.perf_counter()
-            try:
-              got = plan.compiled_plan(
-                cfg,
-                model=args.model,
-                seq_len=seq_len,
-                mesh=mesh,
-                dtype=dtype,
-                **lora,
-                **strategies,
-                target=None if chips is None else targets.parse_target(chips),
-              )
-              row[judge] = got.total / plan.GiB
-            except Exception as e:  # a compiler's refusal is a result too
-              row[judge] = _refusal(e)
-            row[f"{judge} s"] = round(time.perf_counter() - start)
-          rows.append(row)
-          print_table([row], list(row))
-          sys.stdout.flush()
+        row[judge] = got.total / plan.GiB
+      except Exception as e:  # a compiler's refusal is a result too
+        row[judge] = _refusal(e)
+      row[f"{judge} s"] = round(time.perf_counter() - start)
+    rows.append(row)
+    print_table([row], list(row))
+    sys.stdout.flush()
   print()
   print_table(rows, list(rows[0]))
   what = {
