@@ -111,8 +111,8 @@ def _fake_compiler(monkeypatch, totals: dict) -> list:
 @pytest.mark.parametrize(
   "chip, totals, tried, found",
   [
-    # The closed form's smallest v5e slice is v5e-4 (12.0 GiB); the compiler
-    # fits it at 9, and 9 / 12.0 of one chip's 39.7 is past 1.1 x 16 GiB:
+    # The closed form's smallest v5e slice is v5e-4 (12.4 GiB); the compiler
+    # fits it at 9, and 9 / 12.4 of one chip's 41.2 is past 1.1 x 16 GiB:
     # v5e-1 is not compiled.
     ("v5e", {"v5e-4": 9}, ["v5e-4"], "v5e-4"),
     # It does not fit: up until one does.
@@ -121,12 +121,12 @@ def _fake_compiler(monkeypatch, totals: dict) -> list:
     ("v5e", {"v5e-4": None, "v5e-8": 12}, ["v5e-4", "v5e-8"], "v5e-8"),
     # None up to the largest slice.
     ("v5e", {"v5e-4": 17, "v5e-8": 17, "v5e-16": 17}, ["v5e-4", "v5e-8", "v5e-16"], None),
-    # On a v6e the same ratio puts one chip at 29.8 GiB, within 1.1 x 32:
+    # On a v6e the same ratio puts one chip at 29.9 GiB, within 1.1 x 32:
     # compiled, and it fits ...
     ("v6e", {"v6e-4": 9, "v6e-1": 31}, ["v6e-4", "v6e-1"], "v6e-1"),
     # ... or does not;
     ("v6e", {"v6e-4": 9, "v6e-1": 33}, ["v6e-4", "v6e-1"], "v6e-4"),
-    # a compiler at 20 / 12.0 of the closed form puts it at 66: not compiled.
+    # a compiler at 20 / 12.4 of the closed form puts it at 66: not compiled.
     ("v6e", {"v6e-4": 20}, ["v6e-4"], "v6e-4"),
   ],
 )
@@ -144,7 +144,7 @@ def test_the_target_search_compiles_down_while_it_fits_and_up_until_one_fits(
   auto = dict(seq_len=131072, strategy="auto", device_memory=memory, **lora)
   # Where the walk starts, by the closed form (GiB, in the cases' comments).
   one, four = (plan.best_mesh(cfg, model="e2b", devices=n, **auto) for n in (1, 4))
-  assert (round(one.total / plan.GiB, 1), round(four.total / plan.GiB, 1)) == (39.7, 12.0)
+  assert (round(one.total / plan.GiB, 1), round(four.total / plan.GiB, 1)) == (41.2, 12.4)
   assert not one.fits(memory) and four.fits(memory)
   best, plans = plan.smallest_slice(
     cfg, chip=targets.CHIPS[chip], model="e2b", seq_len=131072, max_devices=16, **lora
@@ -185,7 +185,7 @@ def test_the_closed_form_is_at_most_a_tenth_below_the_accelerators(model, judge,
   (and on the GPU 1,048,576) on cp=8 and fsdp=2 x cp=4, and the 26B-A4B
   slice (128 experts, ep=8) at S=8192 and 32768 on fsdp=2 x cp=4; full and
   LoRA, bfloat16 and float32. The closed form for that compiler may be above
-  it (it plans the fit), not more than about a tenth below. ``-auto``: the
+  it (it plans the fit), not more than a tenth below. ``-auto``: the
   E2B slice with cpjax train's default strategies (its table's
   ``strategy`` column: Ulysses or the all-gather on the full layer, the
   halo on the sliding ones, and the loss's all-gather), bfloat16."""
@@ -221,7 +221,7 @@ def test_the_closed_form_is_at_most_a_tenth_below_the_accelerators(model, judge,
       ).total
       / plan.GiB
     )
-    assert got >= 0.895 * r[judge], (r, got)
+    assert got >= 0.9 * r[judge], (r, got)
 
 
 def test_parse_bytes_errors():

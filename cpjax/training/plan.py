@@ -72,11 +72,13 @@ ep=8, judged on a v5p-16 and 8 H200s: benchmarks/compile_targets.py
 --model a4b-slice).
 
 The cast copy, table gradient, widest Dh and ring buffers are from XLA:TPU's
-buffer report: 0.898x to 1.44x of it on the E2B slice (benchmarks/compile_targets.py).
+buffer report, and its live-range report at the backward's peak adds
+:data:`TPU_PEAK_VALUES` float32 ``B * L * D`` (the residual stream's gradient
+and its sum): 0.933x to 1.53x of it on the E2B slice (benchmarks/compile_targets.py).
 For a GPU (``platform="cuda"``) XLA:GPU's live-range report adds about
-:data:`GPU_LAYER_VALUES` float32 ``B * L * D`` a layer (norm outputs and the
-MLP loop's, which XLA:TPU fuses into their consumers): 0.908x to 1.32x of
-XLA:GPU for 8 H200s on the same rows.
+:data:`GPU_LAYER_VALUES` float32 ``B * L * D`` a layer instead (norm outputs
+and the MLP loop's, which XLA:TPU fuses into their consumers): 0.908x to
+1.32x of XLA:GPU for 8 H200s on the same rows.
 
 Where CPU compilation differs from TPU / GPU: XLA:CPU has no
 memory-space assignment or latency-hiding scheduler, so its temporaries are
@@ -124,6 +126,10 @@ SHARD_STATE = typing.get_args(ShardState)  # cpjax train --shard-state's choices
 LOSS_CHUNK_LOGITS = 1 << 26  # cpjax.training.loss.LOSS_CHUNK_LOGITS (plan imports no JAX)
 MLP_TILE_VALUES = 1 << 23  # cpjax.models.gemma4.text.MLP_TILE_VALUES
 PLATFORMS = ("tpu", "cuda")  # the compilers the closed form follows
+# XLA:TPU's float32 [B, L, D] values at the backward's peak: the residual
+# stream's gradient and the sum it is added into (the E2B slice's live-range
+# report at S=131072 on fsdp=2 x cp=4, full fine-tuning in bfloat16).
+TPU_PEAK_VALUES = 2
 # XLA:GPU's float32 [B, L, D] values a layer beyond XLA:TPU's, fitted to the
 # H200 column of benchmarks/compile_targets.py (within 10% of it, or above).
 GPU_LAYER_VALUES = 4.5
@@ -527,8 +533,11 @@ def estimate(
   # XLA:GPU keeps float32 [B, L, D] values of every layer into the backward
   # that XLA:TPU fuses away: its norms' multi-output fusions and the MLP
   # loop's output and copies (its live-range report at the peak).
-  gpu = GPU_LAYER_VALUES * 4 * layers * rows * local * d if platform == "cuda" else 0
-  activations = grads + gathered + ring + tables_grad + full_row + saved + working + logits + gpu
+  if platform == "cuda":
+    peak = GPU_LAYER_VALUES * 4 * layers * rows * local * d
+  else:
+    peak = TPU_PEAK_VALUES * 4 * rows * local * d
+  activations = grads + gathered + ring + tables_grad + full_row + saved + working + logits + peak
   tokens = rows * local
   passes = 6 if lora_rank is None else 4  # forward, input and (full) weight gradients
   matmul = (passes + (2 if remat != "none" else 0)) * active * tokens / tp
