@@ -320,12 +320,19 @@ MUTANTS = (
   Mutant(
     "plan: a GPU's closed form is the TPU's",
     "cpjax/training/plan.py",
-    '  gpu = GPU_LAYER_VALUES * 4 * layers * rows * local * d if platform == "cuda" else 0',
-    "  gpu = 0",
+    "    peak = GPU_LAYER_VALUES * 4 * layers * rows * local * d",
+    "    peak = TPU_PEAK_VALUES * 4 * rows * local * d",
     (
       "tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",
       "tests/test_cli.py::test_plan_target_follows_the_gpu_compiler",
     ),
+  ),
+  Mutant(
+    "plan: XLA:TPU's peak values left out",
+    "cpjax/training/plan.py",
+    "    peak = TPU_PEAK_VALUES * 4 * rows * local * d",
+    "    peak = 0",
+    ("tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",),
   ),
   Mutant(
     "plan: the expert dispatch's backward left out",
@@ -396,19 +403,16 @@ MUTANTS = (
   Mutant(
     "ring lookup: the ids do not travel",
     "cpjax/parallel.py",
-    (
-      "  for step in range(n):\n"
-      "    rel, hit = hits(visiting)\n"
-      "    total = total + jnp.where(hit[..., None], lookup(block, rel), jnp.zeros((),"
-      " block.dtype))"
-    ),
-    (
-      "  for step in range(n):\n"
-      "    rel, hit = hits(ids)\n"
-      "    total = total + jnp.where(hit[..., None], lookup(block, rel), jnp.zeros((),"
-      " block.dtype))"
-    ),
+    "  def add(visiting, total):\n    rel, hit = hits(visiting)\n",
+    "  def add(visiting, total):\n    rel, hit = hits(ids)\n",
     ("tests/test_parallel.py::test_ring_lookup_keeps_the_table_split_over_cp",),
+  ),
+  Mutant(
+    "ring lookup: the backward's hops unrolled (several partials in flight on the TPU)",
+    "cpjax/parallel.py",
+    "  visiting, g, d_block = jax.lax.fori_loop(0, n - 1, step, (ids, g, d_block))",
+    "  visiting, g, d_block = jax.lax.fori_loop(0, n - 1, step, (ids, g, d_block), unroll=True)",
+    ("tests/test_compile_targets.py::test_the_ring_lookup_keeps_one_partial_in_flight_on_the_tpu",),
   ),
   Mutant(
     "loss over cp: a chunk's statistics do not travel with it",
