@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -60,6 +61,12 @@ __all__ = [
 
 _TOKEN = np.dtype("<i4")
 _NPZ_MAGIC = b"PK\x03\x04"  # never the first id of a raw record: 67324752 > any vocabulary
+# np.load parses each array's header with ast.literal_eval, whose AST
+# construction is not thread-safe on CPython 3.11 (now and then a spurious
+# "SystemError: AST constructor recursion depth mismatch", python/cpython
+# gh-106905, seen in a 2-worker CI run): grain decodes records on several
+# threads, so they read their arrays in turn.
+_NPZ_LOCK = threading.Lock()
 
 
 _IMAGE_KEYS = ("image_patches", "image_positions", "image_sizes")
@@ -197,7 +204,7 @@ class _Decode:
 
   def __call__(self, record: bytes) -> dict:
     if record[:4] == _NPZ_MAGIC:
-      with np.load(io.BytesIO(record)) as arrays:
+      with _NPZ_LOCK, np.load(io.BytesIO(record)) as arrays:
         doc = {
           "input_ids": arrays["input_ids"].astype(np.int32),
           "loss_mask": arrays["loss_mask"].astype(np.int32),
