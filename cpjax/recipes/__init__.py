@@ -51,6 +51,7 @@ RECIPES = {
   "e2b-full-256k-v6e": Recipe("32GiB", 8, "v6e-8"),
   "e2b-full-128k": Recipe("141GiB", 8, "h200-8"),
   "e2b-full-128k-v5e": Recipe("16GiB", 16, "v5e-16"),
+  "e2b-full-256k-v5e": Recipe("16GiB", 16, "v5e-16"),
   "a4b-ep-128k": Recipe("141GiB", 16, "h200-2x8"),
   "31b-lora-128k": Recipe("141GiB", 8, "h200-8"),
 }
