@@ -74,7 +74,7 @@ ep=8, judged on a v5p-16 and 8 H200s: benchmarks/compile_targets.py
 The cast copy, table gradient, widest Dh and ring buffers are from XLA:TPU's
 buffer report, and its live-range report at the backward's peak adds
 :data:`TPU_PEAK_VALUES` float32 ``B * L * D`` (the residual stream's gradient
-and its sum): 0.933x to 1.53x of it on the E2B slice (benchmarks/compile_targets.py).
+and its sum): 0.924x to 1.53x of it on the E2B slice (benchmarks/compile_targets.py).
 For a GPU (``platform="cuda"``) XLA:GPU's live-range report adds about
 :data:`GPU_LAYER_VALUES` float32 ``B * L * D`` a layer instead (norm outputs
 and the MLP loop's, which XLA:TPU fuses into their consumers): 0.908x to
