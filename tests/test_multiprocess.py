@@ -3,9 +3,11 @@ a cp mesh, and an (fsdp 2, cp 4) mesh, both axes across the processes, with
 an orbax save and resume."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import chex
@@ -27,8 +29,30 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+# jaxlib's Gloo transport, not cpjax, once aborted a worker in a CI run on a
+# loaded 2-core machine (not reproduced alone): "terminate called after
+# throwing an instance of 'std::system_error'", then SIGABRT. Only that crash
+# runs the cluster again, once; a Python error, a hang or a wrong value fails
+# the first time.
+GLOO_ABORT = "terminate called after throwing an instance of 'std::system_error'"
+
+
 def _run_cluster(tmp_path, nproc=2):
-  """Start the workers; kill them all and fail if any fails or hangs."""
+  """Start the workers; fail if any fails or hangs (once more after GLOO_ABORT)."""
+  for attempt in range(2):
+    out = tmp_path / f"try{attempt}"
+    codes, logs = _start_cluster(out, nproc)
+    aborted = -signal.SIGABRT in codes and any(GLOO_ABORT in log for log in logs)
+    if not aborted:
+      break
+    warnings.warn(f"jaxlib's Gloo aborted a worker (exit codes {codes}); try {attempt + 1} of 2")
+  assert codes == [0] * nproc, f"exit codes {codes}:\n" + "\n----\n".join(l[-3000:] for l in logs)
+  return dict(np.load(out / "cluster.npz"))
+
+
+def _start_cluster(tmp_path, nproc):
+  """Start the workers; kill them all and fail if any hangs; their exit codes and logs."""
+  tmp_path.mkdir()
   port, out = _free_port(), tmp_path / "cluster.npz"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
   # The workers choose their own devices; they compile as this process does
@@ -68,9 +92,7 @@ def _run_cluster(tmp_path, nproc=2):
     for p in procs:
       if p.poll() is None:
         p.kill()
-  codes = [p.returncode for p in procs]
-  assert codes == [0] * nproc, f"exit codes {codes}:\n" + "\n----\n".join(l[-3000:] for l in logs)
-  return dict(np.load(out))
+  return [p.returncode for p in procs], logs
 
 
 def test_two_processes_equal_one(tmp_path):
