@@ -440,3 +440,61 @@ def test_the_ring_lookup_keeps_one_partial_in_flight_on_the_tpu():
   temp = grad.lower(table, ids).compile().memory_analysis().temp_size_in_bytes
   partial = 4 * tokens * d
   assert temp <= 4 * partial, temp / partial
+
+
+def _whole_row_reads(hlo: str, row: str) -> tuple[int, str]:
+  """The most values of shape ``row`` made by all-reduces (alone, or as an
+  element of a combined all-reduce's tuple) that one instruction reads, and
+  that instruction."""
+  name = r"%([\w.\-]+)"
+  made = set(re.findall(name + r" = .*? all-reduce\(", hlo))
+  value = re.compile(rf"\s*(?:ROOT )?{name} = (\S+) (all-reduce|get-tuple-element)\({name}")
+  reduced = set()
+  for line in hlo.splitlines():
+    m = value.match(line)
+    if m and row in m.group(2) and (m.group(3) == "all-reduce" or m.group(4) in made):
+      reduced.add(m.group(1))
+  most = (0, "")
+  for line in hlo.splitlines():
+    if " = " in line and "get-tuple-element(" not in line:
+      lhs, rhs = line.split(" = ", 1)
+      most = max(most, (len(set(re.findall(name, rhs)) & reduced), lhs.strip()))
+  return most
+
+
+@needs["v5e-8"]
+def test_kv_shared_layers_keep_no_whole_row_gradient_alive_on_the_tpu():
+  """Layers that reuse one K/V, on the all-gather strategy, compiled by
+  XLA:TPU: each layer's key and value gradients go home by a reduce-scatter,
+  which XLA:TPU compiles, at this size, as an all-reduce of the whole row and
+  a slice. Each row is sliced on its own (no op reads two). Without the
+  barrier, XLA:TPU fused the slices into the one add of the sharing layers'
+  gradients, so every layer's whole row stayed alive until the last: here an
+  op read four; in E2B's step at S = 262144 on a v5e-16, six bfloat16
+  [262144, 512] rows (1.5 GiB) at the peak. (XLA's all-reduce combiner may
+  still send small rows together, here seven 16 MiB ones; at S = 65536 each
+  64 MiB row went alone.)"""
+  import dataclasses
+
+  from cpjax.models.gemma4 import Gemma4Config
+
+  cfg = Gemma4Config.preset("tiny")
+  text = dataclasses.replace(
+    cfg.text,
+    num_hidden_layers=8,
+    layer_types=("sliding_attention", "full_attention") * 4,
+    num_kv_shared_layers=6,  # layers 2 to 7 reuse layers 0 and 1's K/V
+    global_head_dim=512,
+    num_global_key_value_heads=1,
+  )
+  seq_len = 16384
+  compiled, _, _, _ = plan.compile_step(
+    dataclasses.replace(cfg, text=text, vision=None),
+    seq_len=seq_len,
+    mesh={"cp": 8},
+    dtype="bfloat16",
+    devices=devices("v5e-8"),
+    strategy="all_gather",
+  )
+  reads, op = _whole_row_reads(compiled.as_text(), f"[1,1,{seq_len},512]")
+  assert reads == 1, f"{op} reads {reads} whole-row all-reduced gradients"

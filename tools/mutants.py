@@ -401,6 +401,16 @@ MUTANTS = (
     ("cpjax/parallel.py", "tests/test_parallel.py::test_tp_splits_heads_and_hidden_units"),
   ),
   Mutant(
+    "all-gather strategy: the scattered gradient not behind a barrier (KV-shared rows kept whole)",
+    "cpjax/ring/_passes.py",
+    "  return lax.optimization_barrier(shard)",
+    "  return shard",
+    (
+      "tests/test_compile_targets.py::"
+      "test_kv_shared_layers_keep_no_whole_row_gradient_alive_on_the_tpu",
+    ),
+  ),
+  Mutant(
     "ring lookup: the ids do not travel",
     "cpjax/parallel.py",
     "  def add(visiting, total):\n    rel, hit = hits(visiting)\n",

@@ -325,7 +325,14 @@ def _gathered(cfg: _Config, k, v, arrays):
 def _scatter_home(cfg: _Config, grad):
   """The gathered row's key gradient [B, Hkv, cp*L, D], summed over the ranks
   (each holds its queries' share) and cut to the keys this rank owns."""
-  return lax.psum_scatter(grad, cfg.axis_name, scatter_dimension=2, tiled=True)
+  shard = lax.psum_scatter(grad, cfg.axis_name, scatter_dimension=2, tiled=True)
+  # XLA:TPU compiles a large reduce-scatter as a whole-row all-reduce and a
+  # slice, and fuses the slice into the shard's next use. Layers that share
+  # one K/V (Gemma 4's KV-shared layers) meet in one add of their gradients,
+  # so every sharing layer's whole row stayed alive until the last one's
+  # (six bfloat16 [262144, 512] rows, 1.5 GiB, in E2B's step at S = 262144 on
+  # a v5e-16). Behind the barrier the slice is its own op: a row dies at once.
+  return lax.optimization_barrier(shard)
 
 
 def _halo_pieces(x, axis: int, halo: Halo):
