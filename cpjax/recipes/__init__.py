@@ -52,6 +52,7 @@ RECIPES = {
   "a4b-full-128k-v6e": Recipe("32GiB", 32, "v6e-32"),
   "a4b-lora-256k-v5e": Recipe("16GiB", 32, "v5e-32"),
   "a4b-full-256k-v5p": Recipe("95GiB", 32, "v5p-64"),
+  "a4b-full-256k-v6e": Recipe("32GiB", 64, "v6e-64"),
   "e2b-lora-256k-v6e": Recipe("32GiB", 4, "v6e-4"),
   "e2b-full-256k-v6e": Recipe("32GiB", 8, "v6e-8"),
   "e2b-full-128k": Recipe("141GiB", 8, "h200-8"),
