@@ -201,9 +201,9 @@ MUTANTS = (
   Mutant(
     "all_gather: each rank keeps its own share of the key gradients, unsummed",
     "cpjax/ring/_passes.py",
-    "  return lax.psum_scatter(grad, cfg.axis_name, scatter_dimension=2, tiled=True)",
+    "  shard = lax.psum_scatter(grad, cfg.axis_name, scatter_dimension=2, tiled=True)",
     "  size = grad.shape[2] // cfg.layout.cp_size\n"
-    "  return lax.dynamic_slice_in_dim(grad, _rank(cfg) * size, size, 2)",
+    "  shard = lax.dynamic_slice_in_dim(grad, _rank(cfg) * size, size, 2)",
     ("tests/test_all_gather.py::test_all_gather_equals_the_reference",),
   ),
   Mutant(
