@@ -344,13 +344,23 @@ MUTANTS = (
   Mutant(
     "experts: JAX's ragged_dot (a dense [G, M, K]) off TPU",
     "cpjax/experts.py",
-    "  return lax.platform_dependent(rows, weights, sizes, tpu=lax.ragged_dot, default=looped)",
-    "  return lax.platform_dependent(rows, weights, sizes, tpu=lax.ragged_dot,"
+    "  return lax.platform_dependent(rows, weights, sizes, tpu=_ragged_dot, default=looped)",
+    "  return lax.platform_dependent(rows, weights, sizes, tpu=_ragged_dot,"
     " default=lax.ragged_dot)",
     (
       "tests/test_compile_targets.py::test_the_experts_grouped_matmul_compiles_without_a_dense_ex"
       "pansio"
       "n",
+    ),
+  ),
+  Mutant(
+    "experts: on TPU the weights' gradient leaves the backward on its own (made at the step's end)",
+    "cpjax/experts.py",
+    "  d_rows, d_weights = lax.optimization_barrier(pullback(d_out))",
+    "  d_rows, d_weights = pullback(d_out)",
+    (
+      "tests/test_compile_targets.py::"
+      "test_the_experts_weight_gradients_are_made_in_their_layers_backward_on_the_tpu",
     ),
   ),
   Mutant(
