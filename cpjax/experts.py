@@ -399,9 +399,9 @@ def grouped_matmul(rows, weights, sizes, *, tile: int = GROUPED_TILE):
 # gradient norm, and keeps the rows and the output's gradient it is made from
 # alive till then: every layer's dispatch-sized pair at the backward's end
 # (26B-A4B full fine-tuning at S = 131072 on v5e-64: refused past 21.1 GiB a
-# device; 9.54 so, where the closed form says 8.97). Both gradients leave the
-# backward through one optimization barrier, so the weights' is made where
-# the rows' is.
+# device; 9.54 with the barrier, where the closed form says 8.97). Both
+# gradients leave the backward through one optimization barrier, so the
+# weights' is made where the rows' is.
 @jax.custom_vjp
 def _ragged_dot(rows, weights, sizes):
   return lax.ragged_dot(rows, weights, sizes)
