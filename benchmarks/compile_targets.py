@@ -22,7 +22,7 @@ Each cell is GiB per device (arguments + outputs - aliases + temporaries);
 the compile seconds are the column beside. XLA:TPU refuses a program past
 the chip's HBM (v5e: 16 GiB) and names what its temporaries alone need:
 "> N (temporaries)". Needs pip install 'cpjax[tpu]'
-and 'cpjax[cuda]' for the accelerator columns. Writes
+and 'cpjax[cuda-compiler]' for the accelerator columns. Writes
 results/compile_targets.json.
 """
 

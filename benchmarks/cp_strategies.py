@@ -9,7 +9,7 @@ sequence length and strategy (``ring``, ``all_gather`` with a window's halo,
 layers, ``--kinds``), the gradient of ``context_parallel_attention`` (causal, packed
 documents, bfloat16, the chip's kernels) is compiled for a v5e slice (XLA:TPU
 and Mosaic) and for 8 H200s (XLA:GPU, Triton and ptxas), on compile-only
-devices: no chip needed (``pip install 'cpjax[tpu]'`` and ``'cpjax[cuda]'``).
+devices: no chip needed (``pip install 'cpjax[tpu]'`` and ``'cpjax[cuda-compiler]'``).
 ``--cpu-seq-lens`` times the same gradients (float32, the XLA tile loop) on
 this machine's 8 emulated CPU devices, at lengths a CPU runs.
 

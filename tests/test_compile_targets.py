@@ -9,7 +9,7 @@ the three layouts and the window-shortened ring, forward and backward; and
 Gemma 4's training step on meshes whose fsdp and tp axes XLA partitions
 (the kernels must sit in a ``shard_map`` manual over them,
 :func:`cpjax.ring.kernels._common.manual_over_mesh`). Skipped without
-``pip install 'cpjax[tpu]'`` / ``'cpjax[cuda]'``.
+``pip install 'cpjax[tpu]'`` / ``'cpjax[cuda-compiler]'``.
 """
 
 import collections
@@ -35,7 +35,7 @@ needs = {
   ),
   "h200-8": pytest.mark.skipif(
     importlib.util.find_spec("jax_cuda12_plugin") is None,
-    reason="needs jax's CUDA plugin: pip install 'cpjax[cuda]'",
+    reason="needs jax's CUDA plugin: pip install 'cpjax[cuda-compiler]'",
   ),
 }
 KERNEL = {

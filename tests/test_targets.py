@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -73,6 +74,21 @@ def test_unknown_or_malformed_targets_are_value_errors(name, match):
 def test_a_target_must_be_a_string():
   with pytest.raises(TypeError, match="target must be a str such as 'v5e-8', got int"):
     parse_target(8)
+
+
+@pytest.mark.parametrize(
+  "name, module, extra",
+  [("v5e-8", "libtpu", "'cpjax[tpu]'"), ("h200-8", "jax_cuda12_plugin", "'cpjax[cuda-compiler]'")],
+)
+def test_a_target_without_its_compiler_names_the_extra_that_installs_it(
+  monkeypatch, name, module, extra
+):
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(
+    importlib.util, "find_spec", lambda m, *a: None if m == module else find_spec(m, *a)
+  )
+  with pytest.raises(ImportError, match=f"{name} needs {module}: pip install .*{re.escape(extra)}"):
+    parse_target(name).devices()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")

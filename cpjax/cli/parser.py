@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     "a chip alone (v5e, v5p, v6e, h200, ...) searches its slices: the closed "
     "form's smallest is compiled, then smaller ones while they fit or larger "
     "ones until one does (minutes a compile at a published size). "
-    "Needs pip install 'cpjax[tpu]' or 'cpjax[cuda]'. Exits 1 when the "
+    "Needs pip install 'cpjax[tpu]' or 'cpjax[cuda-compiler]'. Exits 1 when the "
     "step does not fit the chip's memory",
   )
   plan.add_argument(

@@ -211,7 +211,11 @@ CHIPS = {
 }
 #: Other names of chips (Cloud TPU calls the v5e "v5litepod").
 ALIASES = {"v5litepod": "v5e"}
-_EXTRAS = {"tpu": ("libtpu", "tpu"), "cuda": ("jax_cuda12_plugin", "cuda")}
+#: The module each platform's compiler comes in, and the extras that install it.
+_EXTRAS = {
+  "tpu": ("libtpu", "'cpjax[tpu]'"),
+  "cuda": ("jax_cuda12_plugin", "'cpjax[cuda]' (or 'cpjax[cuda-compiler]' to compile only)"),
+}
 
 
 def _torus(chips: int, dims: int) -> tuple[int, ...]:
@@ -244,8 +248,8 @@ class Target:
     module, extra = _EXTRAS[self.chip.platform]
     if importlib.util.find_spec(module) is None:
       raise ImportError(
-        f"compiling for {self.name} needs {module}: pip install "
-        f"'cpjax[{extra}]' (it installs it at jax's version)"
+        f"compiling for {self.name} needs {module}: pip install {extra}, which installs it "
+        "at jax's version"
       )
     from jax.experimental import topologies
 

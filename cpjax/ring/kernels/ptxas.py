@@ -3,7 +3,7 @@
 XLA:GPU turns the Triton kernels into PTX and ptxas into machine code, but
 reports neither. :func:`kernel_usage` compiles a lowered program again with
 XLA's PTX dumped, and runs ptxas (from ``nvidia-cuda-nvcc-cu12``, which
-``pip install 'cpjax[cuda]'`` brings) with ``-v`` on each module holding a
+``pip install 'cpjax[cuda-compiler]'`` brings) with ``-v`` on each module holding a
 kernel of cpjax's: a kernel whose tiles do not fit the registers spills to
 local memory, which on Hopper costs as much as the HBM reads the tile was
 meant to save. No GPU is needed.
@@ -51,7 +51,9 @@ def ptxas() -> str:
       return path
   found = shutil.which("ptxas")
   if found is None:
-    raise FileNotFoundError("no ptxas: pip install 'cpjax[cuda]' (nvidia-cuda-nvcc-cu12)")
+    raise FileNotFoundError(
+      "no ptxas: pip install 'cpjax[cuda]' or 'cpjax[cuda-compiler]' (nvidia-cuda-nvcc-cu12)"
+    )
   return found
 
 
