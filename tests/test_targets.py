@@ -122,6 +122,31 @@ def test_two_processes_compile_for_tpus_at_once_without_libtpu_start_up_noise():
     assert noise not in proc.stderr, proc.stderr
 
 
+_COMPILE_FOR_H200 = """
+import jax, jax.numpy as jnp
+from cpjax.training import targets
+mesh = jax.sharding.Mesh(targets.parse_target("h200-8").devices(), ("x",))
+x = jax.ShapeDtypeStruct((64, 128), jnp.float32,
+                         sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+print(jax.jit(lambda a: (a @ a.T).sum()).lower(x).compile().memory_analysis() is not None)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None, reason="needs cuda")
+def test_compiling_for_gpus_prints_no_cuda_start_up_noise():
+  """Without CUDA's runtime library the plugin's stub said "Could not find
+  cuda drivers on your machine" at each load: `cuda-compiler` brings the
+  runtime (10 MB) so that a GPU target's compile is quiet."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, "-c", _COMPILE_FOR_H200], capture_output=True, text=True, env=env, timeout=300
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.split()[-1] == "True"
+  for noise in ("cuda drivers", "cudart", "cuInit", "E0000"):
+    assert noise not in proc.stderr, proc.stderr
+
+
 _HOLD_LIBTPU = """
 import time
 from jax.experimental import topologies
