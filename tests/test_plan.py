@@ -311,6 +311,21 @@ def test_cli_plan_for_a_target_prints_its_compilers_memory_and_fit(tmp_path):
   ), out.stdout
   # The tiny recipe's cp=8 mesh, from its run config.
   assert "cp=8" in rows[0]
+  # The step time the compiled program implies on a v5e chip, its parts adding up.
+  line = re.search(
+    r"step time on v5e-8, from the compiled program: ([0-9.e+-]+) ms a step = max\(compute "
+    r"([0-9.e+-]+) ms .*HBM ([0-9.e+-]+) ms .*\) \+ exposed collectives ([0-9.e+-]+) ms "
+    r".*-bound, ([0-9,]+) tokens a step, ([0-9,]+) tokens/s, MFU ([0-9.]+)%",
+    out.stdout,
+  )
+  assert line, out.stdout
+  step, compute, hbm, exposed, tokens, rate, mfu = (
+    float(x.replace(",", "")) for x in line.groups()
+  )
+  assert step == pytest.approx(max(compute, hbm) + exposed, rel=0.01)
+  assert tokens == 2 * 2048  # the tiny recipe's two rows of S = 2048
+  assert rate == pytest.approx(tokens / (step / 1e3), rel=0.01)
+  assert mfu == pytest.approx(100 * compute / step, rel=0.05)
 
 
 @pytest.mark.slow

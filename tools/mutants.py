@@ -36,6 +36,49 @@ class Mutant:
 TILES = "tests/test_tile_schedule.py"
 
 MUTANTS = (
+  # --- cost estimates, the step-time plan and the ring's overlap (issue 61)
+  Mutant(
+    "kernel cost: the dk/dv kernel's recompute left out",
+    "cpjax/ring/kernels/_cost.py",
+    'FLOPS_PER_PAIR = {"forward": 4, "dq": 6, "dkdv": 8}',
+    'FLOPS_PER_PAIR = {"forward": 4, "dq": 6, "dkdv": 6}',
+    (
+      "tests/test_kernel_cost.py::test_one_calls_estimate_by_hand",
+      "tests/test_kernel_cost.py::test_the_compiled_rings_flops_are_the_kernels_blocks_on_the_tpu",
+    ),
+  ),
+  Mutant(
+    "kernel cost: the ring's own chunk not counted among a rank's calls",
+    "cpjax/ring/_passes.py",
+    "hops + 1 if back == 0 else 2 * hops + 2",
+    "hops if back == 0 else 2 * hops + 2",
+    ("tests/test_kernel_cost.py::test_the_compiled_rings_flops_are_the_kernels_blocks_on_the_tpu",),
+  ),
+  Mutant(
+    "program reader: a loop's body counted once",
+    "cpjax/training/hlo.py",
+    'visit(callee, times * (trips if role == "body" else 1))',
+    "visit(callee, times)",
+    (
+      "tests/test_step_time.py::test_the_program_reader_counts_each_loop_its_trips",
+      "tests/test_kernel_cost.py::test_the_compiled_rings_flops_are_the_kernels_blocks_on_the_tpu",
+    ),
+  ),
+  Mutant(
+    "step time: exposed collectives not added",
+    "cpjax/training/step_time.py",
+    "    max(compute, memory) + exposed,",
+    "    max(compute, memory),",
+    ("tests/test_step_time.py::test_the_step_time_by_hand",),
+  ),
+  Mutant(
+    "ring: a hop sends its K/V only after its kernel (no overlap)",
+    "cpjax/ring/_passes.py",
+    "      return attend(stats, *here, (rank - h) % cp), nxt",
+    "      stats = attend(stats, *here, (rank - h) % cp)\n"
+    "      return stats, _shift(lax.optimization_barrier((here, stats))[0], cfg, +1)",
+    ("tests/test_step_time.py::test_each_ring_hop_sends_while_its_kernel_runs",),
+  ),
   # --- the window's halo and Ulysses (issue 46)
   Mutant(
     "halo: one key block short of the window's reach",

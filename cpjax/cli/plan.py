@@ -320,6 +320,11 @@ def plan(parser, args) -> int:
         f"  compiled by {compiler} in {seconds:.0f} s; collectives per step (outputs, a loop "
         f"body once): {moved or 'none'}"
       )
+      if compiled.step is not None:
+        print(f"  step time on {target.name}, from the compiled program: {compiled.step.summary()}")
+      elif target is not None:
+        missing = ", ".join(target.chip.missing_figures())
+        print(f"  no step time: {target.chip.name} has no {missing} figure")
   compiled = rows[-1] if target is not None else None
   if args.write_config is not None:
     if compiled is not None and not compiled.fits(args.device_memory):

@@ -37,6 +37,7 @@ This module checks the inputs and runs the ring; the static schedule is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -49,7 +50,7 @@ from cpjax import checks
 from cpjax.layout import ShardLayout
 from cpjax.masks import AttentionMask, resolve_mask
 from cpjax.parallel import vary_like as _vary_like
-from cpjax.ring._passes import _Config, _ring
+from cpjax.ring._passes import _Config, _ring, kernel_density
 from cpjax.ring._schedule import _block_sizes, halo, ring_plan
 from cpjax.ring.kernels._common import KernelParams
 from cpjax.ring.kernels._targets import resolve_implementation
@@ -393,6 +394,8 @@ def ring_attention(
     halo=halo(layout, mask.rule, block_kv) if strategy == "all_gather" else None,
     ulysses_size=size if strategy == "hybrid" else 1,
   )
+  if kernel is not None:  # each kernel call's cost estimate: its share of the mask's blocks
+    cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(kernel, density=kernel_density(cfg)))
   arrays = mask.arrays
   if layout.cp_size > 1:
     # The mask's arrays ride the ring, so they must vary over the axis like K/V do.

@@ -53,6 +53,7 @@ from cpjax.parallel import varying_axes as _varying_axes
 from cpjax.ring._schedule import Halo, RingPlan
 from cpjax.ring.kernels import _common as kernel_common
 from cpjax.ring.kernels._common import KernelParams
+from cpjax.ring.kernels._cost import visited_pairs
 from cpjax.ring.kernels._targets import TARGETS, platform_guard
 
 
@@ -98,6 +99,27 @@ class _Config:
       local_len=self.query_len,
       key_len=key_len,
     )
+
+
+def kernel_density(cfg: _Config) -> float:
+  """The share of one kernel call's (row, key) pairs that its tiles visit, on
+  average over every call this ring-attention call makes on every rank: what
+  each call's cost estimate counts (:mod:`cpjax.ring.kernels._cost`)."""
+  lay = cfg.layout
+  row, local = lay.padded_seq_len, lay.local_seq_len
+  key_len = local
+  if cfg.strategy == "ulysses" or (cfg.strategy == "all_gather" and cfg.halo is None):
+    key_len = row
+  elif cfg.strategy == "all_gather":
+    key_len = local + sum(h.length for h in cfg.halo)
+  pairs = visited_pairs(lay, cfg.rule.reach(), *cfg.schedule_blocks(key_len))
+  if cfg.strategy == "ulysses":  # one call folds the whole row (for this rank's heads)
+    return pairs / (row * row)
+  hops, back = cfg.plan
+  # Calls a rank makes: the ring's hops and its own chunk (both ways: the
+  # loop's two a hop and the last two, one of them idle), or one.
+  calls = 1 if cfg.strategy == "all_gather" else hops + 1 if back == 0 else 2 * hops + 2
+  return pairs / (lay.cp_size * calls * local * key_len)
 
 
 # ------------------------------------------------------------------ helpers

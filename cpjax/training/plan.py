@@ -101,8 +101,9 @@ import typing
 import numpy as np
 
 from cpjax.cp_context import parse_strategy
-from cpjax.training import cp_strategy
+from cpjax.training import cp_strategy, hlo
 from cpjax.training.run_config import ShardState, state_axes
+from cpjax.training.step_time import StepTime, step_time
 from cpjax.training.targets import collective_bytes
 
 __all__ = [
@@ -210,6 +211,9 @@ class Plan:
   # The target's compiler refused the step past the chip's memory: ``total``
   # and ``activations`` are lower bounds (what it named), ``flops`` NaN.
   refused: bool = False
+  # The step time the compiled program implies on the target's chip
+  # (cpjax.training.step_time); None without a target, or where it was refused.
+  step: StepTime | None = None
 
   def fits(self, device_memory: int) -> bool:
     """Return whether the step's total bytes fit one device's memory.
@@ -809,7 +813,7 @@ def compiled_plan(
   """
   from cpjax import parallel
 
-  refused = None
+  refused, step = None, None
   try:
     compiled, params, opt_state, base = compile_step(
       cfg,
@@ -841,7 +845,17 @@ def compiled_plan(
   else:
     cost = compiled.cost_analysis()  # None from XLA:GPU without a device
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-    total, collectives = compiled_bytes(compiled), collective_bytes(compiled.as_text())
+    text = compiled.as_text()
+    total, collectives = compiled_bytes(compiled), collective_bytes(text)
+    if target is not None and not target.chip.missing_figures():
+      rows = batch_size or math.prod(v for k, v in mesh.items() if k in ("dp", "fsdp"))
+      step = step_time(
+        hlo.Program.parse(text),
+        target.chip,
+        tokens=rows * seq_len,
+        devices=target.num_devices,
+        cost=cost,
+      )
   return Plan(
     model,
     seq_len,
@@ -858,6 +872,7 @@ def compiled_plan(
     base_dtype if lora_rank is not None else "float32",
     collectives,
     refused is not None,
+    step,
   )
 
 

@@ -91,6 +91,11 @@ class Chip:
     first_slices: the devices of the smallest slices it is rented in; from
       the last one on every power of two is (v4 and v5p slices start at 4
       chips; v5e and v6e are rented as 1 chip or 4 and up, never 2).
+    peak_flops: bfloat16 dense FLOP/s of one device (None: not known).
+    hbm_bandwidth: its HBM's bytes/s.
+    link_bandwidth: its interconnect's bytes/s, both directions (TPUs' ICI,
+      GPUs' NVLink).
+    figures: where the three figures come from.
   """
 
   name: str
@@ -103,6 +108,22 @@ class Chip:
   host: tuple[int, ...] = ()
   gpu: tuple[int, ...] = ()
   first_slices: tuple[int, ...] = (1, 2)
+  peak_flops: float | None = None
+  hbm_bandwidth: float | None = None
+  link_bandwidth: float | None = None
+  figures: str = ""
+
+  def missing_figures(self) -> list[str]:
+    """Return the names of the speed figures this chip lacks.
+
+    >>> CHIPS["v5e"].missing_figures(), CHIPS["v4"].missing_figures()
+    ([], ['link_bandwidth'])
+    """
+    return [
+      name
+      for name in ("peak_flops", "hbm_bandwidth", "link_bandwidth")
+      if getattr(self, name) is None
+    ]
 
   def slices(self, max_devices: int = 4096) -> list[Target]:
     """Return the slices of this chip one can rent, fewest devices first.
@@ -173,7 +194,13 @@ device_description_str: "{self.kind}"
 
 
 # Memory per device: Cloud TPU's HBM per chip (v4 and v5p as one megacore
-# device), and the GPUs' device memory as their drivers report it.
+# device), and the GPUs' device memory as their drivers report it. Speed
+# figures (bfloat16 dense peak, HBM and interconnect bandwidth a chip) from
+# the vendors' pages: Cloud TPU's system architecture pages, NVIDIA's H100
+# and H200 data sheets (SXM; 989 TFLOP/s without sparsity, NVLink 900 GB/s).
+# v4's interconnect has no figure here: its step time is refused, naming it.
+_TPU_PAGES = "Cloud TPU system architecture pages"
+_NVIDIA = "NVIDIA's data sheet (SXM)"
 CHIPS = {
   "v4": Chip(
     "v4",
@@ -185,9 +212,22 @@ CHIPS = {
     chip_config="megacore",
     host=(2, 2, 1),
     first_slices=(4,),
+    peak_flops=275e12,
+    hbm_bandwidth=1200e9,
+    figures=_TPU_PAGES,
   ),
   "v5e": Chip(
-    "v5e", "tpu", 16 * GiB, "TPU v5 lite", mesh_dims=2, host=(2, 4, 1), first_slices=(1, 4)
+    "v5e",
+    "tpu",
+    16 * GiB,
+    "TPU v5 lite",
+    mesh_dims=2,
+    host=(2, 4, 1),
+    first_slices=(1, 4),
+    peak_flops=197e12,
+    hbm_bandwidth=819e9,
+    link_bandwidth=400e9,
+    figures=_TPU_PAGES,
   ),
   "v5p": Chip(
     "v5p",
@@ -198,15 +238,45 @@ CHIPS = {
     mesh_dims=3,
     host=(2, 2, 1),
     first_slices=(4,),
+    peak_flops=459e12,
+    hbm_bandwidth=2765e9,
+    link_bandwidth=1200e9,
+    figures=_TPU_PAGES,
   ),
   "v6e": Chip(
-    "v6e", "tpu", 32 * GiB, "TPU v6 lite", mesh_dims=2, host=(2, 4, 1), first_slices=(1, 4)
+    "v6e",
+    "tpu",
+    32 * GiB,
+    "TPU v6 lite",
+    mesh_dims=2,
+    host=(2, 4, 1),
+    first_slices=(1, 4),
+    peak_flops=918e12,
+    hbm_bandwidth=1638e9,
+    link_bandwidth=800e9,
+    figures=_TPU_PAGES,
   ),
   "h100": Chip(
-    "h100", "cuda", 84942979072, "NVIDIA H100 80GB HBM3", gpu=(132, 9, 0, 232448, 233472)
+    "h100",
+    "cuda",
+    84942979072,
+    "NVIDIA H100 80GB HBM3",
+    gpu=(132, 9, 0, 232448, 233472),
+    peak_flops=989e12,
+    hbm_bandwidth=3.35e12,
+    link_bandwidth=900e9,
+    figures=_NVIDIA,
   ),
   "h200": Chip(
-    "h200", "cuda", 151397597184, "NVIDIA H200 141GB HBM3e", gpu=(132, 9, 0, 232448, 233472)
+    "h200",
+    "cuda",
+    151397597184,
+    "NVIDIA H200 141GB HBM3e",
+    gpu=(132, 9, 0, 232448, 233472),
+    peak_flops=989e12,
+    hbm_bandwidth=4.8e12,
+    link_bandwidth=900e9,
+    figures=_NVIDIA,
   ),
 }
 #: Other names of chips (Cloud TPU calls the v5e "v5litepod").

@@ -24,17 +24,19 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from cpjax.masks import BlockMap, MaskRule, Tokens
 from cpjax.parallel import BATCH_AXES, HEAD_AXIS, vary_over, varying_axes
-from cpjax.ring.kernels import _interpret
+from cpjax.ring.kernels import _cost, _interpret
 
 __all__ = [
   "KernelParams",
   "Metadata",
   "Schedule",
+  "cost",
   "f32_like",
   "fold_tile",
   "grad_tile",
@@ -62,6 +64,10 @@ class KernelParams:
   block_kv: int  # keys per key tile
   groups: int  # G = Hq // Hkv
   interpret: Any  # bool, or a pltpu.InterpretParams (hashable) for Pallas' TPU interpreter
+  # The share of a call's (row, key) pairs its tiles visit, on average over
+  # the calls of one ring-attention call: what its cost estimate counts
+  # (cpjax.ring.kernels._cost).
+  density: float = 1.0
 
   @property
   def rows(self) -> int:
@@ -234,6 +240,20 @@ def manual_over_mesh(kernel):
     )
 
   return run
+
+
+def cost(params: KernelParams, kernel: str, q, keys) -> pl.CostEstimate:
+  """The cost estimate of one ``kernel`` call ("forward", "dq", "dkdv") of
+  queries ``q`` [B, Hkv, N, D] against ``keys`` [B, Hkv, Lk, D]."""
+  return _cost.estimate(
+    kernel,
+    q,
+    keys,
+    density=params.density,
+    soft_cap=params.soft_cap is not None,
+    rows=params.rows,
+    block_kv=params.block_kv,
+  )
 
 
 def launch(params: KernelParams, make_call, *args):

@@ -1,0 +1,132 @@
+"""The step-time plan and the program reader under it, on programs worked by hand
+and on the ring compiled for a v5e slice and 8 H200s, whose hops must stay
+overlapped: each hop's collective-permute an async pair around that hop's kernel."""
+
+import dataclasses
+import importlib.util
+import re
+
+import pytest
+
+from cpjax.training import step_time as st
+from cpjax.training.hlo import Program
+from cpjax.training.targets import CHIPS
+
+# A loop of 4 trips: each sends 1 MiB (f32[512, 512]) to its neighbour while a
+# [512, 512] x [512, 512] matmul runs; then one synchronous 4 MiB all-gather
+# with nothing beside it, while a second matmul that does not need it waits.
+TEXT = """
+%body (p: (s32[], f32[512,512])) -> (s32[], f32[512,512]) {
+  %p = (s32[], f32[512,512]) parameter(0)
+  %x = f32[512,512]{1,0} get-tuple-element(%p), index=1
+  %s = (f32[512,512]{1,0}, f32[512,512]{1,0}, u32[], u32[]) collective-permute-start(%x)
+  %d = f32[512,512]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %r = f32[512,512]{1,0} collective-permute-done(%s)
+  %y = f32[512,512]{1,0} add(%r, %d)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[512,512]) tuple(%i, %y)
+}
+%cond (p: (s32[], f32[512,512])) -> pred[] {
+  %p = (s32[], f32[512,512]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+ENTRY %main (a: (s32[], f32[512,512]), b: f32[256,512]) -> f32[512,512] {
+  %a = (s32[], f32[512,512]) parameter(0)
+  %b = f32[256,512]{1,0} parameter(1)
+  %w = (s32[], f32[512,512]) while(%a), condition=%cond, body=%body
+  %g = f32[2048,512]{1,0} all-gather(%b), dimensions={0}
+  %e = f32[256,256]{1,0} convolution(%b, %b), window={size=1}, dim_labels=bf_oi->bf
+  %z = f32[512,512]{1,0} get-tuple-element(%w), index=1
+  ROOT %o = f32[512,512]{1,0} add(%z, %z)
+}
+"""
+MATMUL = 2 * 512**3  # one dot of the loop
+CONV = 2 * 256 * 256 * 512  # [256, 512] against 256 outputs of 512 inputs
+
+
+def test_the_program_reader_counts_each_loop_its_trips():
+  program = Program.parse(TEXT)
+  assert program.executions() == {"main": 1, "body": 4, "cond": 1}
+  assert program.matmul_flops() == 4 * MATMUL + CONV
+  assert program.collective_bytes() == {"collective-permute": 4 * 2**20, "all-gather": 4 * 2**20}
+  permute, gather = program.async_collectives()
+  assert (permute.kind, permute.executions, [i.name for i in permute.between]) == (
+    "collective-permute",
+    4,
+    ["d"],
+  )
+  # The all-gather runs alone, though the convolution does not need it.
+  assert (gather.start, gather.between, gather.independent) == ("g", (), ("w", "e"))
+
+
+def test_the_step_time_by_hand():
+  """On a chip of 1 TFLOP/s, 1 GB/s of HBM and 1 MB/s of links: the
+  all-gather's 4 MiB are exposed, the hop's 4 x 1 MiB hidden."""
+  chip = dataclasses.replace(CHIPS["v5e"], peak_flops=1e12, hbm_bandwidth=1e9, link_bandwidth=1e6)
+  cost = {"bytes accessed": 5e6}
+  step = st.step_time(Program.parse(TEXT), chip, tokens=1000, devices=2, cost=cost)
+  flops = 4 * MATMUL + CONV
+  assert step.flops == flops and step.kernel_flops == 0
+  assert step.compute == pytest.approx(flops / 1e12)
+  assert step.memory == pytest.approx(5e-3)
+  assert step.exposed == pytest.approx(4 * 2**20 / 1e6)
+  assert step.hidden == pytest.approx(4 * 2**20 / 1e6)
+  assert step.seconds == pytest.approx(max(flops / 1e12, 5e-3) + 4 * 2**20 / 1e6)
+  assert step.tokens_per_second == pytest.approx(1000 / step.seconds)
+  assert step.mfu == pytest.approx(step.compute / step.seconds)
+  assert "HBM-bound" in step.summary() or "compute-bound" in step.summary()
+
+
+def test_a_chip_without_a_figure_is_refused_naming_it():
+  with pytest.raises(ValueError, match="v4 has no link_bandwidth figure"):
+    st.step_time(Program.parse(TEXT), CHIPS["v4"], tokens=1, devices=1, cost=None)
+
+
+def test_every_chip_but_v4_has_its_figures_and_their_source():
+  for name, chip in CHIPS.items():
+    assert chip.figures, name
+    assert chip.missing_figures() == (["link_bandwidth"] if name == "v4" else []), name
+  # The published peaks, bfloat16 dense (shared/reference/chip_speed.md's table).
+  assert {n: c.peak_flops / 1e12 for n, c in CHIPS.items() if n != "v4"} == {
+    "v5e": 197,
+    "v5p": 459,
+    "v6e": 918,
+    "h100": 989,
+    "h200": 989,
+  }
+
+
+needs = {
+  "v5e-8": pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="cpjax[tpu]"),
+  "h200-8": pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None, reason="cpjax[cuda-compiler]"
+  ),
+}
+# The kernels as each compiler names them: Mosaic calls keep the Pallas
+# call's name, Triton's are pallas_call fusions.
+KERNEL = {"v5e-8": r"cpjax_ring_(forward|dq|dkdv)", "h200-8": r"pallas_call"}
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, marks=m) for t, m in needs.items()])
+@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+def test_each_ring_hop_sends_while_its_kernel_runs(target, strategy):
+  """Forward and backward, S = 2048 on 8 ranks, head dim 256, bfloat16, two
+  K/V heads: every collective-permute of a hop (a ring loop's body runs once
+  a hop) that carries K, V or their gradients is an async pair, and a kernel
+  runs between its start and its done. (The documents' ids and padding ride
+  in permutes of their own, a few hundred bytes; XLA:TPU leaves the
+  padding's, 256 B, beside no kernel in the backward.)"""
+  from tests.test_compile_targets import RING_CASES, compiled_ring
+
+  case = "documents-padding-d256-g2-bf16-document_balanced"
+  program = Program.parse(compiled_ring(target, *RING_CASES[case], strategy=strategy).as_text())
+  chunk = 1 * 2 * (2048 // 8) * 256 * 2  # one rank's K (or V): [B, Hkv, L, D] in bfloat16
+  hops = [c for c in program.async_collectives() if c.kind == "collective-permute"]
+  in_loops = [c for c in hops if c.executions > 1 and c.bytes >= chunk]
+  assert len(in_loops) >= 2, hops  # the forward's hops and the backward's
+  for c in in_loops:
+    assert c.start != c.done, f"{c.start} is synchronous"
+    kernels = [i.name for i in c.between if re.search(KERNEL[target], i.name)]
+    assert kernels, f"{c.start} ({c.bytes} B, {c.computation}) holds no kernel: {c.between}"
