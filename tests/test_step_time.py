@@ -113,20 +113,70 @@ KERNEL = {"v5e-8": r"cpjax_ring_(forward|dq|dkdv)", "h200-8": r"pallas_call"}
 @pytest.mark.parametrize("strategy", ["ring", "hybrid"])
 def test_each_ring_hop_sends_while_its_kernel_runs(target, strategy):
   """Forward and backward, S = 2048 on 8 ranks, head dim 256, bfloat16, two
-  K/V heads: every collective-permute of a hop (a ring loop's body runs once
-  a hop) that carries K, V or their gradients is an async pair, and a kernel
-  runs between its start and its done. (The documents' ids and padding ride
-  in permutes of their own, a few hundred bytes; XLA:TPU leaves the
-  padding's, 256 B, beside no kernel in the backward.)"""
+  K/V heads, documents and padding: every collective-permute of a hop (a
+  ring loop's body runs once a hop: K, V, the mask's arrays, the gradients
+  riding with them) is an async pair, and a kernel runs between its start
+  and its done."""
   from tests.test_compile_targets import RING_CASES, compiled_ring
 
   case = "documents-padding-d256-g2-bf16-document_balanced"
   program = Program.parse(compiled_ring(target, *RING_CASES[case], strategy=strategy).as_text())
-  chunk = 1 * 2 * (2048 // 8) * 256 * 2  # one rank's K (or V): [B, Hkv, L, D] in bfloat16
   hops = [c for c in program.async_collectives() if c.kind == "collective-permute"]
-  in_loops = [c for c in hops if c.executions > 1 and c.bytes >= chunk]
+  in_loops = [c for c in hops if c.executions > 1]
   assert len(in_loops) >= 2, hops  # the forward's hops and the backward's
   for c in in_loops:
     assert c.start != c.done, f"{c.start} is synchronous"
     kernels = [i.name for i in c.between if re.search(KERNEL[target], i.name)]
     assert kernels, f"{c.start} ({c.bytes} B, {c.computation}) holds no kernel: {c.between}"
+
+
+STRATEGY_CASES = {
+  "ring": ("documents-padding-d256-g2-bf16-document_balanced", "ring"),
+  "hybrid": ("documents-padding-d256-g2-bf16-document_balanced", "hybrid"),
+  "all_gather": ("documents-padding-d256-g2-bf16-document_balanced", "all_gather"),
+  "halo": ("window-d512-g1-f32-contiguous", "all_gather"),
+  "ulysses": ("causal-d256-g8-bf16-load_balanced", "ulysses"),
+}
+# What the compiled schedules leave today (jax 0.10.2, libtpu 0.0.42): the
+# backward's dq and dk/dv kernels are independent of each other, yet the
+# collective that takes one kernel's result home runs beside neither. XLA:TPU
+# compiles all-to-all and reduce-scatter synchronously (libtpu's
+# xla_tpu_enable_async_all_to_all makes the all-to-alls async pairs, and one
+# of them then holds the dq kernel); XLA:GPU starts each pair just before its
+# done: Pallas' Triton lowering drops the kernels' cost estimates, so its
+# scheduler sees nothing worth hiding behind. Strict: a fix fails these.
+EXPOSED = {
+  ("v5e-8", "hybrid"): "the backward's all-to-alls are synchronous",
+  ("v5e-8", "all_gather"): "the dK/dV reduce-scatter is synchronous beside the dq kernel",
+  ("v5e-8", "ulysses"): "the backward's all-to-alls are synchronous",
+  ("h200-8", "hybrid"): "the backward's all-to-alls hold no kernel",
+  ("h200-8", "all_gather"): "the dK/dV reduce-scatter holds no kernel",
+  ("h200-8", "halo"): "the halo gradients' permutes hold no kernel",
+  ("h200-8", "ulysses"): "the backward's all-to-alls hold no kernel",
+}
+
+
+def _strategy_param(target, strategy):
+  marks = [needs[target]]
+  if (target, strategy) in EXPOSED:
+    marks.append(pytest.mark.xfail(strict=True, reason=EXPOSED[target, strategy]))
+  return pytest.param(target, strategy, marks=marks, id=f"{target}-{strategy}")
+
+
+@pytest.mark.parametrize(
+  "target, strategy", [_strategy_param(t, s) for t in needs for s in STRATEGY_CASES]
+)
+def test_no_collective_runs_alone_beside_work_it_could_hold(target, strategy):
+  """Each strategy, forward and backward (S = 2048, 8 ranks): a collective
+  that some kernel or matmul neither feeds nor waits for runs with work
+  between its start and its done."""
+  from tests.test_compile_targets import RING_CASES, compiled_ring
+
+  case, name = STRATEGY_CASES[strategy]
+  program = Program.parse(compiled_ring(target, *RING_CASES[case], strategy=name).as_text())
+  alone = [
+    f"{c.kind} {c.start} ({c.bytes} B) beside {c.independent}"
+    for c in program.async_collectives()
+    if c.independent and not c.between
+  ]
+  assert not alone, alone

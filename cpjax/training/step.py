@@ -557,8 +557,13 @@ class TrainStep:
 
   @property
   def input_shardings(self):
-    """The compiled program's shardings of ``(params, opt_state, batch)``."""
+    """The compiled program's shardings of ``(params, opt_state, batch, frozen)``."""
     return self._compiled().input_shardings[0]
+
+  @property
+  def args_info(self):
+    """The compiled program's ``(params, opt_state, batch, frozen)``: leaves' shapes, dtypes."""
+    return self._compiled().args_info[0]
 
   def _compiled(self):
     if self._executable is None:
