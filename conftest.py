@@ -76,6 +76,8 @@ HEAVY_FIRST = (
   "test_readme.py",
   "test_plan.py",
   "test_compile_targets.py",
+  "test_accelerator_suite.py",
+  "test_step_time.py",
   "test_lora_peft.py",
   "test_lora_job.py",
   "test_lora.py",

@@ -206,7 +206,7 @@ def time_fwd_bwd(attend, case, repeats: int) -> float:
 
 
 def sweep_cases(smoke: bool):
-  s = 256 if smoke else 32768
+  s = 128 if smoke else 32768
   dims = (128,) if smoke else (128, 256, 512)
   return [dict(name="causal", s=s, d=d, hkv=16, window=None, docs=1) for d in dims]
 
@@ -246,8 +246,8 @@ def part_sweep(run) -> list[dict]:
 def hop_cases(smoke: bool):
   if smoke:  # Gemma 4's full layers' head dim, and documents on its sliding ones'
     return [
-      dict(name="causal", s=256, d=512, hkv=16, window=None, docs=1),
-      dict(name="8 documents", s=256, d=256, hkv=16, window=None, docs=8),
+      dict(name="causal", s=128, d=512, hkv=16, window=None, docs=1),
+      dict(name="8 documents", s=128, d=256, hkv=16, window=None, docs=8),
     ]
   s = 32768
   cases = [dict(name="causal", s=s, d=d, hkv=16, window=None, docs=1) for d in (128, 256, 512)]
@@ -371,12 +371,21 @@ def part_hops(run) -> list[dict]:
 # ------------------------------------------------------------- the step
 def step_cases(smoke: bool, e2b_layers: int):
   """(name, config, S, LoRA rank) of the training steps, most wanted first."""
-  from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 
   tiny = Gemma4Config.preset("tiny")
-  if smoke:
-    return [("tiny", tiny, 256, 4)]
-  slice_ = Gemma4Config.preset("e2b", num_hidden_layers=e2b_layers, num_kv_shared_layers=0)
+  if smoke:  # one sliding layer and one full one
+    two = Gemma4Config.preset(
+      "tiny", num_hidden_layers=2, num_kv_shared_layers=0, layer_types=(SLIDING, FULL)
+    )
+    return [("tiny, 2 layers", two, 256, 4)]
+  e2b = Gemma4Config.preset("e2b").text
+  slice_ = Gemma4Config.preset(  # E2B's first layers (the last of them made full)
+    "e2b",
+    num_hidden_layers=e2b_layers,
+    num_kv_shared_layers=0,
+    layer_types=e2b.layer_types[:e2b_layers],
+  )
   name = f"e2b-width {e2b_layers} layers"
   return [
     ("tiny", tiny, 4096, None),
@@ -575,7 +584,9 @@ def main(argv=None) -> int:
   run = Run(args, platform, implementation)
   for part in parts:
     print(f"== {part}", flush=True)
+    start = time.perf_counter()
     rows = PARTS[part](run)
+    print(f"== {part}: {time.perf_counter() - start:.0f} s", flush=True)
     run.write(part, rows)
     if part == "check" and not all(r["ok"] is True for r in rows if r["ok"] != "skipped: time"):
       print("the kernels differ from the dense reference", file=sys.stderr)

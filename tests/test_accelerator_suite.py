@@ -32,7 +32,7 @@ def test_the_suite_runs_every_part_tiny(tmp_path):
   (step,) = parts["step"]
   assert "error" not in step, step
   assert (step["model"], step["S"], step["training"], step["figures of"]) == (
-    "tiny",
+    "tiny, 2 layers",
     256,
     "LoRA r=4",
     "h100",

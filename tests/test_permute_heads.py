@@ -50,6 +50,7 @@ def test_collective_permutes_carry_only_kv_heads(hkv, kind):
   kv = [sh for sh, _ in shapes if len(sh) == 4]
   assert kv, "no K/V collective permute found"
   assert all(sh == (b, hkv, local, d) for sh in kv), shapes  # head-major [B, Hkv, L, D]
-  assert all(sh == (b, local) for sh, _ in shapes if len(sh) != 4), shapes  # mask arrays
+  # The mask's arrays travel stacked, [n, B, L]: here the segment ids alone.
+  assert all(sh == (1, b, local) for sh, _ in shapes if len(sh) != 4), shapes
   # Forward K, V; backward K, V, dK, dV in the loop and dK, dV sent home: 8 (one direction).
   assert len(kv) >= 6, shapes

@@ -160,7 +160,8 @@ class AsyncCollective:
     between: the work scheduled between them (:meth:`Program.works`: kernels,
       matmuls and the fusions that hold them).
     independent: the names of the work of the same computation that neither
-      feeds the start nor depends on the done: what the pair could have held.
+      feeds the start nor depends on the done: what the pair could have held
+      (found only when asked: :meth:`Program.async_collectives`).
     bytes: the collective's output bytes, once.
   """
 
@@ -184,6 +185,7 @@ class Program:
   unknown_trips: list[str] = dataclasses.field(default_factory=list)
   _executions: dict[str, int] | None = dataclasses.field(default=None, repr=False)
   _work: dict[str, bool] = dataclasses.field(default_factory=dict, repr=False)
+  _types: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict, repr=False)
 
   @classmethod
   def parse(cls, text: str) -> Program:
@@ -213,9 +215,11 @@ class Program:
 
   def types(self, computation: str) -> dict[str, str]:
     """Return {value name: type} of one computation's parameters and instructions."""
-    out = dict(self.parameters[computation])
-    out.update((i.name, i.type) for i in self.computations[computation])
-    return out
+    if computation not in self._types:
+      out = dict(self.parameters[computation])
+      out.update((i.name, i.type) for i in self.computations[computation])
+      self._types[computation] = out
+    return self._types[computation]
 
   def trips(self, loop: Instruction) -> int | None:
     """Return a ``while``'s trip count: its known count, or ``counter < constant``."""
@@ -279,7 +283,8 @@ class Program:
 
   def _matmul(self, computation: str, i: Instruction) -> float:
     """FLOPs of one matmul-like instruction (0 for others)."""
-    out = _ARRAY.search(i.type)
+    is_gemm = i.opcode == "custom-call" and "cublas" in i.target
+    out = _ARRAY.search(i.type) if i.opcode in ("dot", "convolution") or is_gemm else None
     if out is None:
       return 0.0
     out_size = math.prod(_dims(out.group(2)))
@@ -299,7 +304,7 @@ class Program:
       shape = _dims(rhs.group(2))
       features_out = shape[labels.group(1).index("o")]
       return 2.0 * out_size * math.prod(shape) / features_out
-    if i.opcode == "custom-call" and "cublas" in i.target:
+    if is_gemm:
       lhs = _ARRAY.search(types.get(i.operands[0], ""))
       dims = re.search(r'lhs_contracting_dimensions\\?":\[([^\]]*)\]', i.attributes)
       if lhs is None or dims is None:
@@ -336,9 +341,14 @@ class Program:
         out[kind] = out.get(kind, 0) + times * size
     return out
 
-  def async_collectives(self) -> list[AsyncCollective]:
+  def async_collectives(self, *, independent: bool = False) -> list[AsyncCollective]:
     """List every collective, with what runs while it is in flight: between its
-    start and done, or nothing (a synchronous one: ``start == done``)."""
+    start and done, or nothing (a synchronous one: ``start == done``).
+
+    ``independent``: also find the work each could have held (a walk of the
+    computation's dataflow per collective: seconds on a whole model's step);
+    otherwise ``AsyncCollective.independent`` is left empty.
+    """
     times = self.executions()
     found = []
     for name, body in self.computations.items():
@@ -363,15 +373,15 @@ class Program:
         if done is None:
           continue
         between = tuple(i for i in body[n + 1 : position[done.name]] if self.works(i))
-        tied = _reach(start.name, by_name, lambda i: i.operands) | _reach(
-          done.name, by_name, lambda i: users.get(i.name, [])
-        )
-        independent = tuple(i.name for i in body if i.name not in tied and self.works(i))
+        free: tuple[str, ...] = ()
+        if independent:
+          tied = _reach(start.name, by_name, lambda i: i.operands) | _reach(
+            done.name, by_name, lambda i: users.get(i.name, [])
+          )
+          free = tuple(i.name for i in body if i.name not in tied and self.works(i))
         size = _async_output(start) if done is not start else shape_bytes(start.type)
         found.append(
-          AsyncCollective(
-            kind, name, times[name], start.name, done.name, between, independent, size
-          )
+          AsyncCollective(kind, name, times[name], start.name, done.name, between, free, size)
         )
     return found
 
