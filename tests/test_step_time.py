@@ -184,3 +184,22 @@ def test_no_collective_runs_alone_beside_work_it_could_hold(target, strategy):
     if c.independent and not c.between
   ]
   assert not alone, alone
+
+
+def test_a_kernels_bytes_count_every_trip_with_or_without_the_compilers_figure():
+  """A Pallas call in a loop of 3 trips, 1 MB a call by its estimate: 3 MB
+  alone (XLA:GPU gives no cost analysis); with XLA:TPU's figure, which holds
+  the call once among its 5 MB, 7 MB."""
+  estimate = r"cost_estimate\":{\"flops\":\"0\",\"bytes_accessed\":\"1000000\"}"
+  text = TEXT.replace(
+    "%d = f32[512,512]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+    '%d = f32[512,512]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", '
+    'backend_config={"custom_call_config": {' + estimate + "}}",
+  ).replace("constant(4)", "constant(3)")
+  program = Program.parse(text)
+  assert program.kernel_costs()["bytes_accessed"] == 3e6
+  chip = dataclasses.replace(CHIPS["v5e"], hbm_bandwidth=1e9)
+  alone = st.step_time(program, chip, tokens=1, devices=1, cost=None)
+  assert alone.hbm_bytes == 3e6
+  with_xla = st.step_time(program, chip, tokens=1, devices=1, cost={"bytes accessed": 5e6})
+  assert with_xla.hbm_bytes == 7e6

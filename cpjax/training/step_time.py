@@ -118,14 +118,15 @@ def step_time(program: Program, chip, *, tokens: int, devices: int, cost: dict |
     )
   kernels = program.kernel_costs()
   flops = program.matmul_flops() + kernels["flops"]
-  # cost_analysis() holds each kernel call site once: add the kernels' other trips.
-  once = sum(
-    i.cost_estimate().get("bytes_accessed", 0.0)
-    for body in program.computations.values()
-    for i in body
-    if i.opcode == "custom-call"
-  )
-  hbm = (cost or {}).get("bytes accessed", 0.0) + kernels["bytes_accessed"] - once
+  hbm = kernels["bytes_accessed"]
+  if cost:  # it holds each kernel call site once: add the rest, the kernels' other trips
+    once = sum(
+      i.cost_estimate().get("bytes_accessed", 0.0)
+      for body in program.computations.values()
+      for i in body
+      if i.opcode == "custom-call"
+    )
+    hbm += cost.get("bytes accessed", 0.0) - once
   hidden = exposed = 0.0
   moved: dict[str, float] = {}
   for c in program.async_collectives():
