@@ -417,19 +417,18 @@ def step_row(run, name, cfg, seq_len: int, lora: int | None) -> dict:
   from cpjax.training import hlo, plan, step_time
 
   row = {"model": name, "S": seq_len, "training": "full" if lora is None else f"LoRA r={lora}"}
-  dtype = "bfloat16"
-  base = dtype if lora is not None else "float32"
-  start = time.perf_counter()
-  compiled, *_ = plan.compile_step(
-    cfg,
+  # The run's shape, one for the compile and the closed form alike.
+  shape = dict(
     seq_len=seq_len,
     mesh={"cp": 1},
     remat="full",
     batch_size=1,
-    dtype=dtype,
+    dtype="bfloat16",
     lora_rank=lora,
-    base_dtype=base,
+    base_dtype="bfloat16" if lora is not None else "float32",
   )
+  start = time.perf_counter()
+  compiled, *_ = plan.compile_step(cfg, **shape)
   row["compile s"] = time.perf_counter() - start
   params, opt_state, batch, compiled.frozen = _filled(compiled.args_info, compiled.input_shardings)
 
@@ -449,18 +448,7 @@ def step_row(run, name, cfg, seq_len: int, lora: int | None) -> dict:
   chip = run.chip
   if chip is not None:
     row["figures of"] = chip.name
-    closed = plan.estimate(
-      cfg,
-      model=name,
-      seq_len=seq_len,
-      mesh={"cp": 1},
-      remat="full",
-      batch_size=1,
-      dtype=dtype,
-      lora_rank=lora,
-      base_dtype=base,
-      platform=chip.platform,
-    )
+    closed = plan.estimate(cfg, model=name, platform=chip.platform, **shape)
     row["MFU"] = closed.flops / seconds / chip.peak_flops
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
