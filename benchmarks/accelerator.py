@@ -59,7 +59,7 @@ import numpy as np  # noqa: E402
 
 import cpjax  # noqa: E402
 from benchmarks.common import RESULTS, machine, median_time, print_table  # noqa: E402
-from cpjax.ring.kernels import TARGETS, resolve_implementation  # noqa: E402
+from cpjax.attention.ring.kernels import TARGETS, resolve_implementation  # noqa: E402
 from cpjax.training.targets import CHIPS  # noqa: E402
 
 HEADS = 16  # query heads in the check and the hops
@@ -139,7 +139,7 @@ def cpjax_attention(implementation: str, interpret: bool, case, padding_mask=Non
 
 def check_one(implementation: str, interpret: bool, d: int, dtype, case) -> dict:
   """Values and gradients of the chip's kernels against the dense reference."""
-  from cpjax.reference import reference_attention
+  from cpjax.attention.reference import reference_attention
 
   s = case["s"]
   keys = jax.random.split(jax.random.key(d + case["hkv"] + s), 4)

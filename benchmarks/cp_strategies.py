@@ -67,7 +67,7 @@ def applies(kind: str, cp: int, strategy: str) -> bool:
     return True
   hq, hkv, _, _ = KINDS[kind]
   try:
-    return cpjax.ring.hybrid_ulysses_size(hq, hkv, cp) < cp
+    return cpjax.attention.ring.hybrid_ulysses_size(hq, hkv, cp) < cp
   except ValueError:
     return False
 
@@ -152,7 +152,7 @@ def main(argv=None):
     for seq_len in args.seq_lens:
       for cp in args.cp:
         for kind in args.kinds:
-          for strategy in filter(lambda x: applies(kind, cp, x), cpjax.ring.STRATEGIES):
+          for strategy in filter(lambda x: applies(kind, cp, x), cpjax.attention.ring.STRATEGIES):
             start = time.perf_counter()
             row = {"chip": chip, "S": seq_len, "cp": cp, "layer": kind, "strategy": strategy}
             try:
@@ -179,7 +179,7 @@ def main(argv=None):
       for kind in args.kinds:
         base = None
         # The ring first: the ratios' base.
-        for strategy in filter(lambda x: applies(kind, cp, x), cpjax.ring.STRATEGIES):
+        for strategy in filter(lambda x: applies(kind, cp, x), cpjax.attention.ring.STRATEGIES):
           seconds = cpu_seconds(kind, seq_len, cp, strategy)
           base = seconds if strategy == "ring" else base
           row = {"S": seq_len, "cp": cp, "layer": kind, "strategy": strategy}

@@ -62,7 +62,7 @@ def balance_table(s: int, cp: int, rows: int, mesh) -> list[dict]:
   import numpy as np
 
   import cpjax
-  from cpjax import balance
+  from cpjax.batch import balance
 
   out = []
   for name, (median, sigma, first) in DISTRIBUTIONS.items():
@@ -140,7 +140,7 @@ def ring_rows(s: int, cp: int, mesh, *, repeats: int) -> list[dict]:
   from jax.sharding import PartitionSpec as P
 
   import cpjax
-  from cpjax.ring import default_block_size
+  from cpjax.attention.ring import default_block_size
 
   rng = np.random.default_rng(1)
   cases = {

@@ -112,7 +112,7 @@ def main() -> None:
       if (r["model"], r["seq_len"], r["device"]) == (row["model"], row["seq_len"], row["device"])
     )
     row["adapter_values"] = plan.lora_param_count(Gemma4Config.preset(row["model"]), rank=LORA_RANK)
-  # 26B-A4B with its experts split over the token axes (cpjax.experts).
+  # 26B-A4B with its experts split over the token axes (cpjax.models.gemma4.experts).
   print(f"\n26B-A4B, expert parallelism (capacity factor {CAPACITY}):")
   ep_rows = search(
     plan, Gemma4Config, SEQ_LENS, models=("a4b",), expert_parallel=True, capacity_factor=CAPACITY

@@ -166,7 +166,7 @@ def token_stream(
     fits_int32(name, x)
 
 
-def axis_size(axis_name) -> int | None:
+def bound_axis_size(axis_name) -> int | None:
   """Return the size of mesh axis ``axis_name`` (or a tuple of axes) where it
   is bound (inside ``shard_map``), else None."""
   try:
@@ -186,7 +186,7 @@ def cp_axis(caller: str, axis_name: str, cp_size: int) -> None:
     axis_name: the CP mesh axis.
     cp_size: the layout's number of ranks.
   """
-  size = axis_size(axis_name)
+  size = bound_axis_size(axis_name)
   if size is None and cp_size != 1:
     raise ValueError(
       f"{caller} with layout.cp_size={cp_size} must run inside shard_map over "
@@ -277,3 +277,10 @@ def mapping(name: str, value) -> dict:
         )
       out[key] = array
   return out
+
+
+def __getattr__(name: str):
+  # Names that left this module in 0.2, for one release (cpjax/_deprecations.py).
+  from cpjax import _deprecations
+
+  return _deprecations.moved_attribute(__name__, name)

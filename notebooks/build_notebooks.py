@@ -42,7 +42,7 @@ print(f"context parallelism over {where}; mesh {dict(mesh.shape)}")
 
 # The ring's per-hop backend on the mesh's devices: fused Pallas kernels on
 # TPU or GPU chips, the XLA tile loop on CPU devices.
-from cpjax.ring.kernels import resolve_implementation
+from cpjax.parallel import resolve_implementation
 implementation = resolve_implementation(None, platform=cp_devices[0].platform)
 print(f"ring attention per hop: {implementation}")
 # Mosaic TPU tiles are 128 tokens: give each rank chunks of at least that.
@@ -84,7 +84,7 @@ print({k: v.shape for k, v in batch.items()})""",
   ),
   (
     "code",
-    r"""kinds = cpjax.layout.LAYOUT_KINDS
+    r"""kinds = cpjax.batch.LAYOUT_KINDS
 fig, axes = plt.subplots(len(kinds), 1, figsize=(10, 1.1 * len(kinds)), sharex=True)
 for ax, kind in zip(axes, kinds):
     sharded, layout = cpjax.shard_batch(batch, mesh, layout=kind)

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cpjax
-from cpjax import balance
+from cpjax.batch import balance
 from tests.helpers import cp_mesh
 
 META_KEYS = ("segment_ids", "padding_mask", "vision_group_ids")
@@ -141,14 +141,14 @@ def check_global_documents(heads: int, **options):
 def count_gathers(monkeypatch) -> list:
   """Record each all-gathered attention call as it is traced (one entry a
   call): where a strategy reaches the attention, not only its values."""
-  from cpjax.ring import _passes
+  from cpjax.attention.ring import _passes
 
   return spy(monkeypatch, _passes, "_gathered")
 
 
 def count_ulysses(monkeypatch) -> list:
   """Record each Ulysses attention call as it is traced (its output's all-to-all home)."""
-  from cpjax.ring import _attention
+  from cpjax.attention.ring import _attention
 
   return spy(monkeypatch, _attention, "_row_to_heads")
 

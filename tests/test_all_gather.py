@@ -13,9 +13,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import cpjax
+from cpjax.attention.ring import _passes
+from cpjax.attention.ring._schedule import Halo, halo
 from cpjax.masks import MaskSpec
-from cpjax.ring import _passes
-from cpjax.ring._schedule import Halo, halo
 from tests import attention_harness as H
 from tests.helpers import cp_mesh
 from tests.test_ring_attention import check, owner_ranks
@@ -231,7 +231,7 @@ def test_context_parallel_attention_and_flax_take_the_strategy(monkeypatch):
 
 
 def test_a_strategy_per_layer_kind_is_checked_and_kept_hashable():
-  from cpjax.cp_context import parse_strategy
+  from cpjax.attention.cp_context import parse_strategy
 
   cp = cpjax.CPContext(cpjax.ShardLayout(8, 8, 2), strategy="full_attention=all_gather")
   assert cp.strategy == (("full_attention", "all_gather"),) and hash(cp)

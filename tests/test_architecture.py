@@ -5,13 +5,24 @@ same layer or one below it, and no two modules import each other through any
 chain. (A module is as long as its concept needs: there is no line cap.)
 The layers, bottom up:
 
-* core: ``cpjax/*.py`` and ``cpjax/masks``, ``cpjax/ring``: batch
-  preparation, layouts, sharding, masks, the ring and its kernels, meshes;
-* data: ``cpjax/data``;
+* base: the shared input checks (``cpjax/checks.py``), the old paths'
+  aliases (``cpjax/_deprecations.py``) and meshes and placement
+  (``cpjax/parallel``);
+* masks: ``cpjax/masks``;
+* batch: the batch half, ``cpjax/batch`` (normalisation, layouts, balance,
+  sharding);
+* attention: the attention half, ``cpjax/attention`` (the ring, its
+  strategies and kernels, the global-array entry point, the Flax hook, the
+  CP context, the reference);
+* data: ``cpjax/data`` (with the examples it ships, ``cpjax/examples``);
 * models: ``cpjax/models``;
 * training: ``cpjax/training``;
-* top: the command line (``cpjax/cli``, ``cpjax/__main__``), the public API
-  (``cpjax/__init__``).
+* top: the command line (``cpjax/cli``, ``cpjax/__main__``), the recipes it
+  reads (``cpjax/recipes``), the public API (``cpjax/__init__``).
+
+The top level holds packages and at most four modules, and no module
+imports another module's ``_``-name: a ``_``-named module is its package's
+own, imported only from inside that package.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "cpjax"
-LAYERS = ("core", "data", "models", "training", "top")
+LAYERS = ("base", "masks", "batch", "attention", "data", "models", "training", "top")
 
 
 def module_files() -> dict[str, pathlib.Path]:
@@ -41,9 +52,20 @@ def layer(module: str) -> str:
   if module in ("cpjax", "cpjax.__main__"):
     return "top"
   second = module.split(".")[1]
-  return {"cli": "top", "data": "data", "models": "models", "training": "training"}.get(
-    second, "core"
-  )
+  return {
+    "checks": "base",
+    "_deprecations": "base",
+    "parallel": "base",
+    "masks": "masks",
+    "batch": "batch",
+    "attention": "attention",
+    "data": "data",
+    "examples": "data",
+    "models": "models",
+    "training": "training",
+    "cli": "top",
+    "recipes": "top",
+  }[second]
 
 
 def imports(module: str) -> set[str]:
@@ -75,15 +97,20 @@ GRAPH = {module: imports(module) for module in MODULES}
 
 
 def test_the_layers_are_what_the_docstring_says():
-  """Guards the test itself: every layer holds modules, and the core holds the ring."""
+  """Guards the test itself: every layer holds modules, each where it belongs."""
   by_layer = {name: [m for m in MODULES if layer(m) == name] for name in LAYERS}
   assert all(by_layer.values()), by_layer
+  assert {"cpjax.checks", "cpjax.parallel._mesh", "cpjax.parallel._platforms"} <= set(
+    by_layer["base"]
+  )
+  assert "cpjax.masks._rules" in by_layer["masks"]
+  assert {"cpjax.batch.sharding", "cpjax.batch._streams"} <= set(by_layer["batch"])
   assert {
-    "cpjax.ring._attention",
-    "cpjax.sharding",
-    "cpjax.ring.kernels._common",
-    "cpjax.masks._rules",
-  } <= set(by_layer["core"])
+    "cpjax.attention.ring._attention",
+    "cpjax.attention.ring.kernels._common",
+    "cpjax.attention.global_attention",
+  } <= set(by_layer["attention"])
+  assert "cpjax.models.gemma4.experts" in by_layer["models"]
   assert "cpjax.training.step" in by_layer["training"] and "cpjax.cli.train" in by_layer["top"]
 
 
@@ -154,6 +181,83 @@ def f():
   assert [d for d in sorted(got) if LAYERS.index(layer(d)) > LAYERS.index("data")] == [
     "cpjax.models.gemma4.model",
     "cpjax.training.step",
+  ]
+
+
+def test_the_top_level_holds_packages_and_four_modules():
+  modules = sorted(p.name for p in ROOT.glob("*.py"))
+  assert modules == ["__init__.py", "__main__.py", "_deprecations.py", "checks.py"], modules
+
+
+def private_imports(source: str, module: str, package: str) -> list[str]:
+  """What ``source`` (module ``module`` of ``package``) imports that is
+  another module's own: a ``_``-name from another module, or a ``_``-named
+  module from outside its package."""
+  found = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+      named = [(f"{base}.{a.name}", a.name) for a in node.names]
+    elif isinstance(node, ast.Import):
+      named = [(a.name, a.name.rpartition(".")[2]) for a in node.names]
+    else:
+      continue
+    for full, name in named:
+      parts = full.split(".")
+      if not full.startswith("cpjax") or full == module:
+        continue
+      private = [i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__")]
+      if not private:
+        continue
+      # A _-name inside a module: that module's own. A _-named module: its
+      # package's own, and the package's above it, whose part it is (the
+      # ring's kernels are the ring's).
+      last = private[-1]
+      if (
+        ".".join(parts[:last]) in MODULES and MODULES[".".join(parts[:last])].name != "__init__.py"
+      ):
+        found.append(f"{module} imports {full}")
+        continue
+      owner = ".".join(parts[: last - 1 if last > 2 else last])
+      if not (module + ".").startswith(owner + "."):
+        found.append(f"{module} imports {full}")
+  return found
+
+
+def test_no_module_imports_another_modules_private_name():
+  found = [
+    line
+    for module, path in MODULES.items()
+    for line in private_imports(
+      path.read_text(), module, module if path.name == "__init__.py" else module.rpartition(".")[0]
+    )
+  ]
+  assert not found, "\n".join(found)
+
+
+def test_a_private_import_would_be_seen():
+  """The rule above on hand-written imports: a package's own ``_``-module
+  from inside it passes; a ``_``-name from another module, or a ``_``-module
+  from another package, is caught."""
+  source = """
+from cpjax.batch import _streams
+from cpjax.batch._streams import pad_stream
+from cpjax.parallel._mesh import _AXIS_ORDER
+from cpjax.masks._rules import MaskRule
+import cpjax.attention.ring._passes
+"""
+  inside = """
+from cpjax.attention.ring.kernels import _common
+from cpjax.attention.ring._passes import ring_passes
+"""
+  assert private_imports(inside, "cpjax.attention.ring._attention", "cpjax.attention.ring") == []
+  assert private_imports(source, "cpjax.batch.sharding", "cpjax.batch") == [
+    "cpjax.batch.sharding imports cpjax.parallel._mesh._AXIS_ORDER",
+    "cpjax.batch.sharding imports cpjax.masks._rules.MaskRule",
+    "cpjax.batch.sharding imports cpjax.attention.ring._passes",
   ]
 
 
@@ -228,8 +332,11 @@ def test_no_object_is_exported_from_more_than_two_places():
   internal ``_module``) and, at most, one package above it (``cpjax`` for
   the core)."""
   places = export_places()
-  assert places[("cpjax.ring._attention", "ring_attention")] == {"cpjax", "cpjax.ring"}
-  assert places[("cpjax.parallel", "make_mesh")] == {"cpjax", "cpjax.parallel"}
+  assert places[("cpjax.attention.ring._attention", "ring_attention")] == {
+    "cpjax",
+    "cpjax.attention.ring",
+  }
+  assert places[("cpjax.parallel._mesh", "make_mesh")] == {"cpjax", "cpjax.parallel"}
   many = {key: sorted(where) for key, where in places.items() if len(where) > 2}
   assert many == {}
 

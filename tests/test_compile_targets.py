@@ -8,7 +8,7 @@ Gemma 4's head dims (256 and 512), GQA groups 1 to 8, bfloat16 and float32,
 the three layouts and the window-shortened ring, forward and backward; and
 Gemma 4's training step on meshes whose fsdp and tp axes XLA partitions
 (the kernels must sit in a ``shard_map`` manual over them,
-:func:`cpjax.ring.kernels._common.manual_over_mesh`). Skipped without
+:func:`cpjax.attention.ring.kernels._common.manual_over_mesh`). Skipped without
 ``pip install 'cpjax[tpu]'`` / ``'cpjax[cuda-compiler]'``.
 """
 
@@ -171,8 +171,8 @@ def test_the_tpu_kernels_compile_at_a_million_tokens_on_8_ranks():
   """131072 tokens a rank at head dim 512, 8 query heads on one KV head: each
   hop's tile table (4 MiB of int32 in one call) is more than a v5e core's
   1 MiB of SMEM, so the kernels run as pieces of it
-  (:data:`cpjax.ring.kernels._tpu.TABLE_WORDS`) and Mosaic compiles every one."""
-  from cpjax.ring.kernels import _tpu as tpu
+  (:data:`cpjax.attention.ring.kernels._tpu.TABLE_WORDS`) and Mosaic compiles every one."""
+  from cpjax.attention.ring.kernels import _tpu as tpu
 
   compiled = compiled_ring(
     "v5e-8", "causal", "load_balanced", 512, 8, 1, jnp.bfloat16, seq_len=1 << 20
@@ -281,12 +281,12 @@ F32_SPILLS = {
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
 def test_the_gpu_kernels_fit_the_registers(monkeypatch, d, dtype, grouped):
   """ptxas -v on the ring's Triton kernels for sm_90a (8 query heads on one
-  K/V head): the default tiles (cpjax.ring.kernels.TARGETS) spill no register,
+  K/V head): the default tiles (cpjax.attention.ring.kernels.TARGETS) spill no register,
   also where the schedule groups tiles into blocks (a loop more a kernel)."""
   import dataclasses
 
-  from cpjax.ring.kernels import _targets as kernel_targets
-  from cpjax.ring.kernels import ptxas
+  from cpjax.attention.ring.kernels import _targets as kernel_targets
+  from cpjax.attention.ring.kernels import ptxas
 
   if grouped:
     monkeypatch.setitem(
@@ -396,7 +396,7 @@ def test_the_experts_grouped_matmul_compiles_without_a_dense_expansion(target):
   ragged dot on TPU; on the GPU the loop over (tile, group) pairs, whose
   temporaries stay near the operands' size (JAX's own lowering of
   ``ragged_dot`` expands the rows to a dense [G, M, K]: 1 GiB here)."""
-  from cpjax.experts import grouped_matmul
+  from cpjax.models.gemma4.experts import grouped_matmul
 
   m, k, n, g = 16384, 1024, 512, 16
   mesh = jax.sharding.Mesh(devices(target)[:1], ("x",))
@@ -421,7 +421,7 @@ def _experts_backward_temp(layers: int, tokens: int, d: int, k: int) -> int:
   """XLA:TPU's temporaries for the experts' weight gradients through
   ``layers`` rematerialised expert layers over cp = 8 (ep on cp, capacity
   1.25; ``tokens`` a device, ``k`` experts a token, 8 experts of width ``d``)."""
-  from cpjax.experts import grouped_matmul, routed_experts
+  from cpjax.models.gemma4.experts import grouped_matmul, routed_experts
 
   mesh = jax.sharding.Mesh(devices("v5e-8"), ("cp",))
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import cpjax
-from cpjax import balance
+from cpjax.batch import balance
 from tests import attention_harness as H
 from tests.helpers import cp_mesh
 from tests.test_ring_attention import check
@@ -73,9 +73,12 @@ def test_two_stripes_are_the_head_tail_split():
 
 def test_default_stripes_and_padding():
   """Stripes of >= 1024 tokens, at most 16 per rank; padding never costs one."""
-  assert cpjax.layout.default_stripes(131072, 8) == 16
-  assert cpjax.layout.default_stripes(32768, 8) == 4
-  assert cpjax.layout.default_stripes(16383, 8) == 2 and cpjax.layout.default_stripes(64, 2) == 2
+  assert cpjax.batch.layout.default_stripes(131072, 8) == 16
+  assert cpjax.batch.layout.default_stripes(32768, 8) == 4
+  assert (
+    cpjax.batch.layout.default_stripes(16383, 8) == 2
+    and cpjax.batch.layout.default_stripes(64, 2) == 2
+  )
   assert cpjax.padded_length(131071, 8, kind=KIND) == 131152  # 14 stripes of 1171
   assert cpjax.ShardLayout(131071, 131152, 8, KIND).stripes == 14
   assert cpjax.padded_length(30, 4, kind=KIND) == 32  # 2 stripes: as load_balanced

@@ -1,4 +1,4 @@
-"""Expert parallelism (cpjax.experts): the dispatch against a dense float32
+"""Expert parallelism (cpjax.models.gemma4.experts): the dispatch against a dense float32
 reference, the capacity factor's drops against a numpy re-derivation, a
 training step on ep meshes against the single-device step, the compiled
 program (all-to-all, no all-gather of expert weights, 1/ep of the expert
@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cpjax import parallel, training
-from cpjax.experts import routed_experts
 from cpjax.models import gemma4
+from cpjax.models.gemma4.experts import routed_experts
 from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 from tests import test_parallel as tp
 from tests.test_gemma4 import F32_TOL, fixture, max_error
@@ -484,7 +484,7 @@ def test_grouped_matmul_off_tpu_equals_each_groups_product(m, sizes, tile):
   """The loop over (tile, group) pairs that runs off TPU against numpy's
   per-group products, and its gradients against JAX's own ``ragged_dot``
   (the dense expansion), in float32."""
-  from cpjax.experts import grouped_matmul
+  from cpjax.models.gemma4.experts import grouped_matmul
 
   rng = np.random.default_rng(m + tile)
   x = rng.normal(size=(m, 6)).astype(np.float32)
@@ -515,7 +515,7 @@ def test_grouped_matmul_on_tpu_has_ragged_dots_gradients(m, sizes):
   """The TPU branch (``ragged_dot`` whose two gradients leave its backward
   through one barrier, so XLA:TPU makes the weights' where the rows' is),
   run here on CPU: its values and gradients against ``ragged_dot``'s own."""
-  from cpjax.experts import _ragged_dot
+  from cpjax.models.gemma4.experts import _ragged_dot
 
   rng = np.random.default_rng(m)
   x = rng.normal(size=(m, 6)).astype(np.float32)
@@ -533,7 +533,7 @@ def test_grouped_matmul_takes_group_sizes_varying_over_a_mesh_axis():
   """Inside a shard_map manual over cp only (the model's place), each cp
   device routes its own rows: sizes vary over cp, the weights do not. Every
   device's product against numpy's."""
-  from cpjax.experts import grouped_matmul
+  from cpjax.models.gemma4.experts import grouped_matmul
 
   mesh = parallel.make_mesh(fsdp=2, cp=4)
   rng = np.random.default_rng(0)
@@ -557,7 +557,7 @@ def test_grouped_matmul_takes_group_sizes_varying_over_a_mesh_axis():
 
 
 def test_grouped_matmul_keeps_bfloat16_and_accumulates_in_float32():
-  from cpjax.experts import grouped_matmul
+  from cpjax.models.gemma4.experts import grouped_matmul
 
   x = jnp.full((16, 64), 1.0 + 2.0**-7, jnp.bfloat16)
   w = jnp.ones((2, 64, 3), jnp.bfloat16)

@@ -25,7 +25,7 @@ from tests.helpers import cp_mesh
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4")
 MODELS = ("ple_kv_sharing", "moe_k_eq_v_vision", "bidirectional_all")
-KINDS = cpjax.layout.LAYOUT_KINDS
+KINDS = cpjax.batch.layout.LAYOUT_KINDS
 # float32: max |logit difference| on real tokens, logits ~8.5 std (the bound).
 F32_TOL = 1e-4
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import cpjax
-from cpjax.ring import RingPlan, hybrid_ulysses_size
+from cpjax.attention.ring import RingPlan, hybrid_ulysses_size
 from tests import attention_harness as H
 from tests.helpers import cp_mesh
 from tests.test_ring_attention import check
@@ -51,7 +51,7 @@ def test_hybrid_takes_the_largest_ulysses_group_the_kv_heads_allow(hq, hkv, cp, 
 
 def _configs(monkeypatch) -> list:
   """Record the static configuration of each ring the attention runs."""
-  from cpjax.ring import _attention
+  from cpjax.attention.ring import _attention
 
   seen, real = [], _attention._head_major
 

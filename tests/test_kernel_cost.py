@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import cpjax
-from cpjax.layout import rank_order
+from cpjax.attention.ring.kernels import TARGETS
+from cpjax.attention.ring.kernels._cost import estimate, visited_pairs
+from cpjax.batch.layout import rank_order
 from cpjax.masks import Reach
-from cpjax.ring.kernels import TARGETS
-from cpjax.ring.kernels._cost import estimate, visited_pairs
 from cpjax.training.hlo import Program
 
 

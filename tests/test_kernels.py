@@ -19,9 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cpjax
+from cpjax.attention.ring.kernels import _common as common
+from cpjax.attention.ring.kernels import resolve_implementation
 from cpjax.masks import BlockMap
-from cpjax.ring.kernels import _common as common
-from cpjax.ring.kernels import resolve_implementation
 from tests import attention_harness as H
 from tests.helpers import cp_mesh
 
@@ -99,7 +99,7 @@ def test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block(monkeypatch, ca
   room for 4 blocks, 8 x 8 tiles of 16 tokens go as 2 x 2 blocks of 4 x 4
   tiles): values and gradients are still the dense reference's, padded rows
   and windows cutting through a block included."""
-  from cpjax.ring.kernels import _targets as targets
+  from cpjax.attention.ring.kernels import _targets as targets
 
   monkeypatch.setitem(
     targets.TARGETS,
@@ -191,7 +191,7 @@ def test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces(monkeypatch):
   pieces of the row blocks (forward, dq) and key blocks (dk/dv), each with its
   piece of the table: with room for 4 words, every call here walks a single
   tile list, and values and gradients are still the dense reference's."""
-  from cpjax.ring.kernels import _tpu as tpu
+  from cpjax.attention.ring.kernels import _tpu as tpu
 
   monkeypatch.setattr(tpu, "TABLE_WORDS", 4)
   assert tpu._pieces(1, 4, 4) == [slice(i, i + 1) for i in range(4)]
@@ -500,15 +500,15 @@ def test_default_implementation_follows_the_backend(monkeypatch):
 
 def test_default_tiles_come_from_the_target_record():
   """Gemma 4's head dims: the record's tile, cut to divide the chunk."""
-  from cpjax.ring._schedule import _block_sizes
+  from cpjax.attention.ring._schedule import block_sizes
 
   lay = cpjax.ShardLayout(32768, 32768, 8, "load_balanced")  # chunks of 2048 tokens
-  assert _block_sizes(lay, "pallas_tpu", 256, 2, None, None) == (256, 512)
-  assert _block_sizes(lay, "pallas_gpu", 512, 1, None, None) == (16, 16)
-  assert _block_sizes(lay, "pallas_gpu", 128, 4, None, None) == (32, 64)
-  assert _block_sizes(lay, "pallas_gpu", 128, 4, None, None, jnp.float32) == (8, 32)
-  assert _block_sizes(lay, "pallas_gpu", 256, 8, None, None, jnp.bfloat16) == (4, 32)
-  assert _block_sizes(lay, "xla", 128, 4, None, None) == (128, 128)
+  assert block_sizes(lay, "pallas_tpu", 256, 2, None, None) == (256, 512)
+  assert block_sizes(lay, "pallas_gpu", 512, 1, None, None) == (16, 16)
+  assert block_sizes(lay, "pallas_gpu", 128, 4, None, None) == (32, 64)
+  assert block_sizes(lay, "pallas_gpu", 128, 4, None, None, jnp.float32) == (8, 32)
+  assert block_sizes(lay, "pallas_gpu", 256, 8, None, None, jnp.bfloat16) == (4, 32)
+  assert block_sizes(lay, "xla", 128, 4, None, None) == (128, 128)
 
 
 @pytest.mark.slow

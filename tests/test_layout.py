@@ -41,7 +41,7 @@ def test_hand_worked_maps():
 
 @given(
   cp=st.sampled_from([1, 2, 3, 4, 8]),
-  kind=st.sampled_from(cpjax.layout.LAYOUT_KINDS),
+  kind=st.sampled_from(cpjax.batch.layout.LAYOUT_KINDS),
   n_chunks=st.integers(1, 5),
 )
 def test_indices_are_a_permutation_of_the_padded_range(cp, kind, n_chunks):

@@ -194,7 +194,7 @@ def test_the_closed_form_is_at_most_a_tenth_below_the_accelerators(model, judge,
 
   from benchmarks.compile_targets import MODELS, a4b_slice
   from benchmarks.memory_scaling import e2b_slice
-  from cpjax.cp_context import parse_strategy
+  from cpjax.attention.cp_context import parse_strategy
   from cpjax.parallel import parse_mesh
 
   name = MODELS[model][1] + ("_auto" if judge.endswith("-auto") else "")

@@ -12,7 +12,9 @@ import pytest
 from jax import lax
 
 import cpjax
-from cpjax.ring import _passes as RA  # the ring's passes: where each hop's tiles are scheduled
+from cpjax.attention.ring import (
+  _passes as RA,
+)  # the ring's passes: where each hop's tiles are scheduled
 from tests import attention_harness as H
 from tests.test_tile_schedule import CASES, B, S, np_allowed, np_tiles
 

@@ -13,8 +13,8 @@ from jax.extend.core import Jaxpr
 from jax.sharding import PartitionSpec as P
 
 from cpjax import parallel
+from cpjax.attention.ring import _passes as ring_passes
 from cpjax.models.gemma4 import remat, text
-from cpjax.ring import _passes as ring_passes
 from cpjax.training import loss
 from tests import test_parallel as tp
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import cpjax
-from cpjax.ring._passes import _Config, _kernel_chunk, _tile_schedule, _tokens
-from cpjax.ring.kernels import _common as common
+from cpjax.attention.ring._passes import PassConfig, _kernel_chunk, _tile_schedule, _tokens
+from cpjax.attention.ring.kernels import _common as common
 
 KINDS = ("contiguous", "load_balanced")
 S, B = 128, 2
@@ -82,7 +82,7 @@ def _schedules(layout, mask, bq, bk):
   kernel = common.KernelParams(
     rule=mask.rule, soft_cap=None, block_q=bq, block_kv=bk, groups=1, interpret=True
   )
-  cfg = _Config(
+  cfg = PassConfig(
     layout=layout,
     axis_name="cp",
     rule=mask.rule,

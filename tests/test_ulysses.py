@@ -11,7 +11,7 @@ GQA grouping.
 import numpy as np
 import pytest
 
-from cpjax.ring._attention import ulysses_kv_repeats
+from cpjax.attention.ring._attention import ulysses_kv_repeats
 from tests import attention_harness as H
 from tests.helpers import cp_mesh
 from tests.test_ring_attention import check

@@ -39,7 +39,7 @@ MUTANTS = (
   # --- cost estimates, the step-time plan and the ring's overlap (issue 61)
   Mutant(
     "kernel cost: the dk/dv kernel's recompute left out",
-    "cpjax/ring/kernels/_cost.py",
+    "cpjax/attention/ring/kernels/_cost.py",
     'FLOPS_PER_PAIR = {"forward": 4, "dq": 6, "dkdv": 8}',
     'FLOPS_PER_PAIR = {"forward": 4, "dq": 6, "dkdv": 6}',
     (
@@ -49,7 +49,7 @@ MUTANTS = (
   ),
   Mutant(
     "kernel cost: the ring's own chunk not counted among a rank's calls",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "hops + 1 if back == 0 else 2 * hops + 2",
     "hops if back == 0 else 2 * hops + 2",
     ("tests/test_kernel_cost.py::test_the_compiled_rings_flops_are_the_kernels_blocks_on_the_tpu",),
@@ -73,7 +73,7 @@ MUTANTS = (
   ),
   Mutant(
     "ring: a hop sends its K/V only after its kernel (no overlap)",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "      return attend(stats, *here, (rank - h) % cp), nxt",
     "      stats = attend(stats, *here, (rank - h) % cp)\n"
     "      return stats, _shift(lax.optimization_barrier((here, stats))[0], cfg, +1)",
@@ -82,28 +82,28 @@ MUTANTS = (
   # --- the window's halo and Ulysses (issue 46)
   Mutant(
     "halo: one key block short of the window's reach",
-    "cpjax/ring/_schedule.py",
+    "cpjax/attention/ring/_schedule.py",
     '      hi = np.searchsorted(queries, keys + behind, side="right")',
     '      hi = np.searchsorted(queries, keys + behind - block_kv, side="right")',
     ("tests/test_all_gather.py::test_a_window_gathers_only_its_halo",),
   ),
   Mutant(
     "halo: its gradient stays with the receiver",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "    back = _shift(grad[:, :, start : start + h.length], cfg, -h.offset)",
     "    back = grad[:, :, start : start + h.length]",
     ("tests/test_all_gather.py::test_a_window_gathers_only_its_halo",),
   ),
   Mutant(
     "ulysses: K/V heads tiled, not repeated (query heads on the wrong K/V head)",
-    "cpjax/ring/_attention.py",
+    "cpjax/attention/ring/_attention.py",
     "    k = jnp.repeat(k, repeats, axis=2)",
     "    k = jnp.tile(k, (1, 1, repeats, 1))",
     ("tests/test_ulysses.py::test_ulysses_keeps_each_query_head_on_its_kv_head",),
   ),
   Mutant(
     "ulysses: the output comes home in the wrong head order",
-    "cpjax/ring/_attention.py",
+    "cpjax/attention/ring/_attention.py",
     "  return lax.all_to_all(\n    x, axis_name, split_axis=1, concat_axis=2, tiled=True, "
     "axis_index_groups=groups\n  )",
     "  return jnp.flip(lax.all_to_all(\n    x, axis_name, split_axis=1, concat_axis=2, tiled=True, "
@@ -112,28 +112,28 @@ MUTANTS = (
   ),
   Mutant(
     "hybrid: the serpentine's odd passes keep the ranks' order (tokens at the wrong places)",
-    "cpjax/ring/_attention.py",
+    "cpjax/attention/ring/_attention.py",
     "  y = jnp.concatenate([y[:, :, :1], jnp.flip(y[:, :, 1:], axis=3)], axis=2)",
     "  y = jnp.concatenate([y[:, :, :1], y[:, :, 1:]], axis=2)",
     ("tests/test_ulysses.py::test_the_head_split_strategies_equal_the_reference",),
   ),
   Mutant(
     "hybrid: a hop goes to the next rank, not to the peer in the next group",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "  perm = [(i, (i + offset * size) % (cp * size)) for i in range(cp * size)]",
     "  perm = [(i, (i + offset) % (cp * size)) for i in range(cp * size)]",
     ("tests/test_ulysses.py::test_the_head_split_strategies_equal_the_reference",),
   ),
   Mutant(
     "hybrid: the ring position is the rank's, not its group's",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "  return lax.axis_index(cfg.axis_name) // cfg.ulysses_size",
     "  return lax.axis_index(cfg.axis_name) % cfg.layout.cp_size",
     ("tests/test_ulysses.py::test_the_head_split_strategies_equal_the_reference",),
   ),
   Mutant(
     "hybrid: Ulysses groups take K/V heads they must repeat",
-    "cpjax/ring/_attention.py",
+    "cpjax/attention/ring/_attention.py",
     "  size = max(u for u in range(1, cp_size + 1) if cp_size % u == 0 and kv_heads % u == 0)",
     "  size = max(u for u in range(1, cp_size + 1) if cp_size % u == 0 and q_heads % u == 0)",
     ("tests/test_hybrid.py::test_hybrid_takes_the_largest_ulysses_group_the_kv_heads_allow",),
@@ -243,7 +243,7 @@ MUTANTS = (
   # --- the all-gather strategy (issue 46)
   Mutant(
     "all_gather: each rank keeps its own share of the key gradients, unsummed",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "  shard = lax.psum_scatter(grad, cfg.axis_name, scatter_dimension=2, tiled=True)",
     "  size = grad.shape[2] // cfg.layout.cp_size\n"
     "  shard = lax.dynamic_slice_in_dim(grad, _rank(cfg) * size, size, 2)",
@@ -251,14 +251,14 @@ MUTANTS = (
   ),
   Mutant(
     "all_gather: K = V scatters dK alone",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "      dk, dv = _scatter_home(cfg, dk + dv), zero_kv",
     "      dk, dv = _scatter_home(cfg, dk), zero_kv",
     ("tests/test_all_gather.py::test_one_tensor_for_k_and_v_gets_the_sum_of_both_gradients",),
   ),
   Mutant(
     "all_gather: K = V scatters dK and dV apart",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "    if cfg.shared_kv:  # one tensor: its gradient is dk + dv, scattered once",
     "    if False:",
     (
@@ -292,7 +292,7 @@ MUTANTS = (
   ),
   Mutant(
     "all_gather: key tiles checked against one rank's row",
-    "cpjax/ring/_attention.py",
+    "cpjax/attention/ring/_attention.py",
     '    key_len=row if strategy in ("all_gather", "ulysses") else None,',
     "    key_len=None,",
     ("tests/test_all_gather.py::test_all_gather_checks_its_key_tiles_against_the_whole_row",),
@@ -300,7 +300,7 @@ MUTANTS = (
   # --- tile tables within SMEM, and the closed form against XLA:TPU (issue 44)
   Mutant(
     "TPU kernels: one call however long its tile table",
-    "cpjax/ring/kernels/_tpu.py",
+    "cpjax/attention/ring/kernels/_tpu.py",
     (
       "  count = next(\n"
       "    (\n"
@@ -316,28 +316,28 @@ MUTANTS = (
   ),
   Mutant(
     "TPU kernels: every piece computes the first piece's tokens",
-    "cpjax/ring/kernels/_tpu.py",
+    "cpjax/attention/ring/kernels/_tpu.py",
     "  return slice(blocks.start * block, blocks.stop * block)",
     "  return slice(0, (blocks.stop - blocks.start) * block)",
     ("tests/test_kernels.py::test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces",),
   ),
   Mutant(
     "GPU kernels: a grouped block's first key tile only",
-    "cpjax/ring/kernels/_gpu.py",
+    "cpjax/attention/ring/kernels/_gpu.py",
     "    j = jb * per_key + within",
     "    j = jb * per_key",
     ("tests/test_kernels.py::test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block",),
   ),
   Mutant(
     "GPU kernels: dk/dv sees a grouped block's first row tile only",
-    "cpjax/ring/kernels/_gpu.py",
+    "cpjax/attention/ring/kernels/_gpu.py",
     "    start = (ib * per_row + within) * r",
     "    start = ib * per_row * r",
     ("tests/test_kernels.py::test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block",),
   ),
   Mutant(
     "GPU schedule: never grouped however many tiles",
-    "cpjax/ring/kernels/_targets.py",
+    "cpjax/attention/ring/kernels/_targets.py",
     "    schedule_tiles=1 << 20,\n",
     "",
     (
@@ -386,7 +386,7 @@ MUTANTS = (
   ),
   Mutant(
     "experts: JAX's ragged_dot (a dense [G, M, K]) off TPU",
-    "cpjax/experts.py",
+    "cpjax/models/gemma4/experts.py",
     "  return lax.platform_dependent(rows, weights, sizes, tpu=_ragged_dot, default=looped)",
     "  return lax.platform_dependent(rows, weights, sizes, tpu=_ragged_dot,"
     " default=lax.ragged_dot)",
@@ -398,7 +398,7 @@ MUTANTS = (
   ),
   Mutant(
     "experts: on TPU the weights' gradient leaves the backward on its own (made at the step's end)",
-    "cpjax/experts.py",
+    "cpjax/models/gemma4/experts.py",
     "  d_rows, d_weights = lax.optimization_barrier(pullback(d_out))",
     "  d_rows, d_weights = pullback(d_out)",
     (
@@ -408,7 +408,7 @@ MUTANTS = (
   ),
   Mutant(
     "experts: a tile meets only its first row's group",
-    "cpjax/experts.py",
+    "cpjax/models/gemma4/experts.py",
     "  count = jnp.where(first < g, last - first + 1, 0)",
     "  count = jnp.where(first < g, 1, 0)",
     ("tests/test_experts.py::test_grouped_matmul_off_tpu_equals_each_groups_product",),
@@ -416,14 +416,14 @@ MUTANTS = (
   # --- the kernels wherever a mesh puts them (issue 44)
   Mutant(
     "kernels: left to XLA's partitioner over fsdp and tp",
-    "cpjax/ring/kernels/_common.py",
+    "cpjax/attention/ring/kernels/_common.py",
     "    if not free:",
     "    if True:",
     ("tests/test_compile_targets.py::test_the_training_step_compiles_for_the_chip",),
   ),
   Mutant(
     "kernels: per-row tables whole over the batch axes",
-    "cpjax/ring/kernels/_common.py",
+    "cpjax/attention/ring/kernels/_common.py",
     "      return P(over_b) if x.shape[0] == batch else P()",
     "      return P(over_b) if x.ndim == 3 else P()",
     ("tests/test_parallel.py::test_kernels_split_over_the_axes_the_partitioner_shards",),
@@ -438,7 +438,7 @@ MUTANTS = (
   # --- training state over fsdp x cp (issue 34)
   Mutant(
     "state: whole over cp by default",
-    "cpjax/parallel.py",
+    "cpjax/parallel/_placement.py",
     'STATE_AXES = ("fsdp", "cp")',
     'STATE_AXES = ("fsdp",)',
     (
@@ -448,14 +448,14 @@ MUTANTS = (
   ),
   Mutant(
     "state: cp minor on its dimension",
-    "cpjax/parallel.py",
+    "cpjax/parallel/_placement.py",
     '        axes[d] = group + axes[d] if "cp" in group else axes[d] + group',
     "        axes[d] = axes[d] + group",
-    ("cpjax/parallel.py", "tests/test_parallel.py::test_tp_splits_heads_and_hidden_units"),
+    ("cpjax/parallel/__init__.py", "tests/test_parallel.py::test_tp_splits_heads_and_hidden_units"),
   ),
   Mutant(
     "all-gather strategy: the scattered gradient not behind a barrier (KV-shared rows kept whole)",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "  return lax.optimization_barrier(shard)",
     "  return shard",
     (
@@ -465,14 +465,14 @@ MUTANTS = (
   ),
   Mutant(
     "ring lookup: the ids do not travel",
-    "cpjax/parallel.py",
+    "cpjax/parallel/_lookup.py",
     "  def add(visiting, total):\n    rel, hit = hits(visiting)\n",
     "  def add(visiting, total):\n    rel, hit = hits(ids)\n",
     ("tests/test_parallel.py::test_ring_lookup_keeps_the_table_split_over_cp",),
   ),
   Mutant(
     "ring lookup: the backward's hops unrolled (several partials in flight on the TPU)",
-    "cpjax/parallel.py",
+    "cpjax/parallel/_lookup.py",
     "  visiting, g, d_block = jax.lax.fori_loop(0, n - 1, step, (ids, g, d_block))",
     "  visiting, g, d_block = jax.lax.fori_loop(0, n - 1, step, (ids, g, d_block), unroll=True)",
     ("tests/test_compile_targets.py::test_the_ring_lookup_keeps_one_partial_in_flight_on_the_tpu",),
@@ -501,14 +501,14 @@ MUTANTS = (
   # --- what a long row's step keeps alive (issue 34)
   Mutant(
     "experts: grouped_matmul's row search by jnp.searchsorted",
-    "cpjax/experts.py",
+    "cpjax/models/gemma4/experts.py",
     "  group = _at_most(jnp.cumsum(sizes), m)",
     '  group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(m, dtype=sizes.dtype), side="right")',
     ("tests/test_experts.py::test_grouped_matmul_takes_group_sizes_varying_over_a_mesh_axis",),
   ),
   Mutant(
     "fills: a constant, built when the step starts",
-    "cpjax/parallel.py",
+    "cpjax/parallel/_vary.py",
     "    out = out + zero  # 0 or 0 * 1: never NaN",
     "    out = out",
     ("tests/test_step_memory.py::test_accumulators_are_made_where_their_loops_run",),
@@ -626,9 +626,9 @@ MUTANTS = (
   Mutant(
     "layers: the data layer imports the training layer",
     "cpjax/data/synthetic.py",
-    "from cpjax.batch import next_token_labels",
+    "from cpjax.batch.normalize import next_token_labels",
     (
-      "from cpjax.batch import next_token_labels\n"
+      "from cpjax.batch.normalize import next_token_labels\n"
       "\n"
       "\n"
       "def _upward():\n"
@@ -637,15 +637,15 @@ MUTANTS = (
     ("tests/test_architecture.py::test_no_import_from_a_higher_layer",),
   ),
   Mutant(
-    "layers: two core modules import each other",
-    "cpjax/streams.py",
-    "from cpjax import batch as batch_lib",
+    "layers: two batch modules import each other",
+    "cpjax/batch/_streams.py",
+    "from cpjax.batch import normalize as batch_lib",
     (
-      "from cpjax import batch as batch_lib\n"
+      "from cpjax.batch import normalize as batch_lib\n"
       "\n"
       "\n"
       "def _back():\n"
-      "  from cpjax import sharding  # noqa: F401\n"
+      "  from cpjax.batch import sharding  # noqa: F401\n"
     ),
     ("tests/test_architecture.py::test_no_import_cycle",),
   ),
@@ -719,61 +719,61 @@ MUTANTS = (
   # --- expert parallelism (issue 23)
   Mutant(
     "experts: a kept pair's slot ignores the pairs kept before it in its group",
-    "cpjax/experts.py",
+    "cpjax/models/gemma4/experts.py",
     "  slot = jnp.where(keep, group * rows + kept_before - first[group], groups * rows)",
     "  slot = jnp.where(keep, group * rows, groups * rows)",
     ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",),
   ),
   Mutant(
     "experts: the received rows are not regrouped by local expert",
-    "cpjax/experts.py",
+    "cpjax/models/gemma4/experts.py",
     "  out = expert_fn(received[regroup], counts, params)",
     "  out = expert_fn(received, counts, params)",
     ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",),
   ),
   Mutant(
     "experts: the capacity keeps one pair too many per expert",
-    "cpjax/experts.py",
+    "cpjax/models/gemma4/experts.py",
     "  keep = rank < _expert_capacity(flat.shape[0], e, capacity_factor)",
     "  keep = rank <= _expert_capacity(flat.shape[0], e, capacity_factor)",
     ("tests/test_experts.py::test_capacity_drops_exactly_the_counted_pairs",),
   ),
   Mutant(
     "experts: a dropped pair reads a returned row",
-    "cpjax/experts.py",
+    "cpjax/models/gemma4/experts.py",
     '  y = back.at[slot].get(mode="fill", fill_value=0).astype(jnp.float32)',
     '  y = back.at[slot].get(mode="clip").astype(jnp.float32)',
     ("tests/test_experts.py::test_capacity_drops_exactly_the_counted_pairs",),
   ),
   Mutant(
     "experts: the stats are not summed over the batch axis",
-    "cpjax/experts.py",
+    "cpjax/models/gemma4/experts.py",
     "    if batch is not None:  # the stats of every row this cp rank holds",
     "    if False:",
     ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",),
   ),
   Mutant(
     "experts: the nested backward drops the weights' cotangent",
-    "cpjax/experts.py",
+    "cpjax/models/gemma4/experts.py",
     "  return d_x, d_w, None, d_params",
     "  return d_x, jnp.zeros_like(d_w), None, d_params",
     ("tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",),
   ),
   Mutant(
     "train: expert parameters enter the cp shard_map whole",
-    "cpjax/cp_context.py",
+    "cpjax/attention/cp_context.py",
     "      kept = tuple(n for n in names if n in axes)",
     "      kept = ()",
     ("tests/test_experts.py::test_ep_step_equals_the_single_device_step",),
   ),
   Mutant(
     "parallel: ep folds onto the batch axis before cp",
-    "cpjax/parallel.py",
+    "cpjax/parallel/_mesh.py",
     '  options = [("cp",), (batch,), ("cp", batch)] if batch else [("cp",)]',
     '  options = [(batch,), ("cp",), ("cp", batch)] if batch else [("cp",)]',
     (
       "tests/test_experts.py::test_dispatch_and_gradients_equal_the_dense_reference",
-      "cpjax/parallel.py",
+      "cpjax/parallel/__init__.py",
     ),
   ),
   # --- your own data (issue 21)
@@ -882,21 +882,21 @@ MUTANTS = (
   # --- document_balanced (issue 20)
   Mutant(
     "layout: document_balanced stripes dealt cyclically, not in a serpentine",
-    "cpjax/layout.py",
+    "cpjax/batch/layout.py",
     "  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 1 - rank)",
     "  chunks = passes * cp + rank",
     ("tests/test_document_balance.py::test_stripes_are_dealt_in_a_serpentine",),
   ),
   Mutant(
     "sharding: unshard_batch applies the row order instead of its inverse",
-    "cpjax/sharding.py",
+    "cpjax/batch/sharding.py",
     "    inverse = jnp.argsort(source, axis=1).astype(jnp.int32)  # a permutation: exact",
     "    inverse = source.astype(jnp.int32)",
     ("tests/test_document_balance.py::test_shard_then_unshard_is_bit_exact",),
   ),
   Mutant(
     "balance: the document a stripe boundary cuts counts one token short",
-    "cpjax/balance.py",
+    "cpjax/batch/balance.py",
     "  cut = np.where(np.take_along_axis(real[orders], doc, 1), _prefix_work(into, windows), 0.0)",
     "  cut = np.where(np.take_along_axis(real[orders], doc, 1), _prefix_work(into - 1,"
     " windows), 0.0)",
@@ -904,14 +904,14 @@ MUTANTS = (
   ),
   Mutant(
     "balance: a windowed layer's prefix work forgets the tokens past the window",
-    "cpjax/balance.py",
+    "cpjax/batch/balance.py",
     "    out += c * (m * (m + 1) / 2 + (0 if w is None else (n - m) * w))",
     "    out += c * (m * (m + 1) / 2)",
     ("tests/test_document_balance.py::test_search_scores_equal_the_work_of_the_reordered_row",),
   ),
   Mutant(
     "sharding: document_balanced leaves the reordered ids unrenumbered",
-    "cpjax/sharding.py",
+    "cpjax/batch/sharding.py",
     (
       "      norm,\n"
       "      shard_layout,\n"
@@ -924,7 +924,7 @@ MUTANTS = (
   ),
   Mutant(
     "balance: renumbering follows the ids' values, not their first places",
-    "cpjax/balance.py",
+    "cpjax/batch/balance.py",
     "    rename[np.flatnonzero(real)[np.argsort(first[real])]] = np.arange(1, real.sum() + 1)",
     "    rename[np.flatnonzero(real)] = np.arange(1, real.sum() + 1)",
     ("tests/test_document_balance.py::test_shard_then_unshard_is_bit_exact",),
@@ -953,7 +953,7 @@ MUTANTS = (
   ),
   Mutant(
     "ring: the tile loop never skips",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "  visit = (jnp.any(blocks.any, axis=0) & active).ravel()",
     "  visit = jnp.broadcast_to(active, blocks.any.shape[1:]).ravel()",
     (TILES,),
@@ -968,7 +968,7 @@ MUTANTS = (
   ),
   Mutant(
     "sharding: unshard_batch ignores layout.replicated_keys",
-    "cpjax/sharding.py",
+    "cpjax/batch/sharding.py",
     "  streams = {k: d for k, d in streams.items() if k not in layout.replicated_keys}\n",
     "",
     ("tests/test_sharding.py::test_unshard_an_aux_only_batch",),
@@ -990,21 +990,21 @@ MUTANTS = (
   # --- one or more per core module
   Mutant(
     "kernels common: the per-row schedule never skips",
-    "cpjax/ring/kernels/_common.py",
+    "cpjax/attention/ring/kernels/_common.py",
     "  visit = jnp.broadcast_to(blocks.any, shape) & active",
     "  visit = jnp.broadcast_to(active, shape)",
     (TILES,),
   ),
   Mutant(
     "layout: the load-balanced tail chunk",
-    "cpjax/layout.py",
+    "cpjax/batch/layout.py",
     "  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 1 - rank)",
     "  chunks = passes * cp + jnp.where(passes % 2 == 0, rank, cp - 2 - rank)",
     ("tests/test_layout.py",),
   ),
   Mutant(
     "sharding: labels padded with 0",
-    "cpjax/streams.py",
+    "cpjax/batch/_streams.py",
     '  "labels": batch_lib.IGNORE_INDEX,',
     '  "labels": 0,',
     ("tests/test_sharding.py",),
@@ -1018,7 +1018,7 @@ MUTANTS = (
   ),
   Mutant(
     "ring: a tile forgets to rescale the running sum",
-    "cpjax/ring/_passes.py",
+    "cpjax/attention/ring/_passes.py",
     "    l = alpha * l + jnp.sum(p, axis=-1)",
     "    l = l + jnp.sum(p, axis=-1)",
     ("tests/test_ring_attention.py",),
@@ -1059,7 +1059,7 @@ MUTANTS = (
   ),
   Mutant(
     "batch: a 4-D mask read from its last head",
-    "cpjax/batch.py",
+    "cpjax/batch/normalize.py",
     "    diag = jnp.diagonal(mask[:, 0], axis1=-2, axis2=-1)",
     "    diag = jnp.diagonal(mask[:, -1], axis1=-2, axis2=-1)",
     ("tests/test_batch.py",),
@@ -1073,7 +1073,7 @@ MUTANTS = (
   ),
   Mutant(
     "parallel: lookup reads every id from the first block of rows",
-    "cpjax/parallel.py",
+    "cpjax/parallel/_lookup.py",
     "  rel = ids - jax.lax.axis_index(table_axes) * size",
     "  rel = ids - 0 * size",
     ("tests/test_parallel.py::test_lookup_keeps_the_table_sharded",),

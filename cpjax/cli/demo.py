@@ -55,7 +55,7 @@ def run_demo(cp_size: int = 8, seq_len: int = 22) -> str:
   ]
   lines.append("  document ids : " + " ".join(f"{d:2d}" for d in batch["_packed_seq_ids"][0]))
   lines.append("  token types  : " + " ".join(f"{t:2d}" for t in batch["mm_token_type_ids"][0]))
-  for kind in cpjax.layout.LAYOUT_KINDS:
+  for kind in cpjax.batch.layout.LAYOUT_KINDS:
     out, layout = cpjax.shard_batch(batch, mesh, layout=kind)
     host = {k: np.asarray(out[k]) for k in ("_packed_seq_ids", "labels")}
     lines.append(

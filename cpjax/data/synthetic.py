@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpjax.batch import next_token_labels
+from cpjax.batch.normalize import next_token_labels
 
 __all__ = ["synthetic_batch"]
 

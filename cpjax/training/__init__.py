@@ -20,10 +20,10 @@ command line (:mod:`cpjax.cli`) imports it.
 True
 """
 
-from cpjax.cp_context import HiddenStates as HiddenStates
-from cpjax.cp_context import batch_specs as batch_specs
-from cpjax.cp_context import manual_axes as manual_axes
-from cpjax.cp_context import state_specs as state_specs
+from cpjax.attention.cp_context import HiddenStates as HiddenStates
+from cpjax.attention.cp_context import batch_specs as batch_specs
+from cpjax.attention.cp_context import manual_axes as manual_axes
+from cpjax.attention.cp_context import state_specs as state_specs
 from cpjax.training import loss as loss
 from cpjax.training import step as step
 from cpjax.training.loss import LOSS_CHUNK_LOGITS as LOSS_CHUNK_LOGITS

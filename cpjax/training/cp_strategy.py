@@ -47,9 +47,15 @@ import functools
 import math
 from typing import NamedTuple
 
-from cpjax.layout import ShardLayout
+from cpjax.attention.ring import (
+  STRATEGIES,
+  halo,
+  hybrid_ulysses_size,
+  ring_plan,
+  ulysses_kv_repeats,
+)
+from cpjax.batch.layout import ShardLayout
 from cpjax.masks import MaskSpec
-from cpjax.ring import STRATEGIES, halo, hybrid_ulysses_size, ring_plan, ulysses_kv_repeats
 
 __all__ = [
   "DEFAULT_DEVICE_MEMORY",
@@ -179,7 +185,7 @@ def bytes_sent(
   unless the ring came full circle). The all-gather sends its share to each
   other rank in the forward and again in the backward (it recomputes rather
   than keeps the row), and reduce-scatters the row's float32 dK/dV; under a
-  window it sends only its halo (:func:`cpjax.ring.halo`, 128-key tiles)
+  window it sends only its halo (:func:`cpjax.attention.ring.halo`, 128-key tiles)
   the same way, and its gradient back. Ulysses all-to-alls (``(cp - 1) /
   cp`` of each tensor leaves the rank) q, the repeated K and V and the
   output, then the output's gradient and dq, dK, dV, and all-gathers the

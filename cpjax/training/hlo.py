@@ -8,7 +8,7 @@ program's text instead: every computation, how many times it runs in one
 execution of the program (:meth:`Program.executions`, a ``while`` body times
 its trip count), and from those the matmul FLOPs (``dot``, ``convolution``,
 cuBLAS calls), the Pallas kernels' own cost estimates (what
-:mod:`cpjax.ring.kernels` passes XLA), the collectives' bytes, and each
+:mod:`cpjax.attention.ring.kernels` passes XLA), the collectives' bytes, and each
 asynchronous collective's start/done pair with what the schedule runs between
 them (:meth:`Program.async_collectives`).
 

@@ -8,7 +8,7 @@ The loss is ``sum(CE over labels != -100) / count(labels != -100)`` with both
 sums reduced exactly (``psum``) across the ``cp`` axis and a data-parallel
 axis when the mesh has one (:func:`cross_entropy_sums`), so it equals the
 single-device loss of the same batch, and so do its gradients. A forward
-returns logits, or :class:`cpjax.cp_context.HiddenStates` (the final hidden
+returns logits, or :class:`cpjax.attention.cp_context.HiddenStates` (the final hidden
 states and the head), whose loss :func:`linear_cross_entropy` computes chunk
 by chunk.
 
@@ -57,8 +57,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from cpjax.attention.cp_context import HiddenStates
 from cpjax.batch import IGNORE_INDEX
-from cpjax.cp_context import HiddenStates
 from cpjax.parallel import (
   RowPlacement,
   filled_after,

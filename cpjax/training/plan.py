@@ -57,7 +57,7 @@ gradients ``4 N_a / s`` (twice with ``cp > 1``); a gathered layer takes
 no weight gradient, ``4 N_active`` per token (plus the remat's ``2``), and
 the adapters ``6 N_a``.
 
-Expert parallelism (``mesh["ep"]``, :mod:`cpjax.experts`): the ``N_e``
+Expert parallelism (``mesh["ep"]``, :mod:`cpjax.models.gemma4.experts`): the ``N_e``
 expert values are split ``ep`` ways, and the gathered layer leaves its
 experts out; the token axes ``ep`` does not fold onto split each group's
 experts further (``N_e / (fsdp * cp)`` stored; whole over cp, ``N_e / ep``,
@@ -100,7 +100,7 @@ import typing
 
 import numpy as np
 
-from cpjax.cp_context import parse_strategy
+from cpjax.attention.cp_context import parse_strategy
 from cpjax.training import cp_strategy, hlo
 from cpjax.training.run_config import ShardState, state_axes
 from cpjax.training.step_time import StepTime, step_time
@@ -421,7 +421,7 @@ def estimate(
     lora_rank: LoRA with ``lora_rank``; None: full fine-tuning.
     base_dtype: the frozen base's storage under LoRA.
     lora_targets: the projections LoRA adapts.
-    capacity_factor: as :mod:`cpjax.experts`.
+    capacity_factor: as :mod:`cpjax.models.gemma4.experts`.
     shard_state: as ``cpjax train --shard-state``: the state over ``fsdp x cp``
       or whole over ``cp``.
     platform: the compiler it follows, ``"tpu"`` or ``"cuda"``, a
@@ -451,7 +451,7 @@ def estimate(
   rows = (batch_size or fsdp) // fsdp
   a = 2 if dtype == "bfloat16" else 4
   n, active, largest, all_experts = _count(cfg)
-  # Expert parallelism (cpjax.experts): the experts split ep ways (and over
+  # Expert parallelism (cpjax.models.gemma4.experts): the experts split ep ways (and over
   # fsdp too when ep folds onto cp alone, then gathered per group).
   if ep > 1:
     _check_ep(cfg, mesh)
@@ -631,7 +631,7 @@ def compile_step(
     seq_len, remat, batch_size, dtype, lora_rank, base_dtype, lora_targets,
       shard_state: as :func:`estimate`.
     mesh: ``{axis: size}``; it may carry ``ep`` (:func:`cpjax.parallel.expert_axes`).
-    capacity_factor: as :mod:`cpjax.experts`.
+    capacity_factor: as :mod:`cpjax.models.gemma4.experts`.
     devices: the devices to compile for, by default the process's own
       (``cpjax plan`` sets ``jax_num_cpu_devices`` before JAX starts); or a
       target's compile-only ones (:meth:`cpjax.training.targets.Target.devices`),
@@ -654,9 +654,9 @@ def compile_step(
   from jax.sharding import NamedSharding
 
   from cpjax import parallel, training
+  from cpjax.attention.ring.kernels import mesh_platform, resolve_implementation
   from cpjax.models.gemma4 import Gemma4
   from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
-  from cpjax.ring.kernels import mesh_platform, resolve_implementation
 
   count = math.prod(v for k, v in mesh.items() if k != "ep")
   if devices is not None and len(devices) != count:

@@ -30,7 +30,7 @@ import os
 import typing
 from typing import Callable, Literal, Optional
 
-from cpjax.cp_context import parse_strategy, unknown_layer_kinds
+from cpjax.attention.cp_context import parse_strategy, unknown_layer_kinds
 from cpjax.training.lora.adapters import LoraConfig, check_lora_config
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The jit-compiled training step: the loss of a sharded batch and its gradients, and the update.
 
 Model-agnostic: the step needs only an NNX model (split into graphdef and
-params) whose forward returns logits, or :class:`cpjax.cp_context.HiddenStates`
+params) whose forward returns logits, or :class:`cpjax.attention.cp_context.HiddenStates`
 (the final hidden states and the output head, so that the loss is computed
 chunk by chunk by :func:`cpjax.training.loss.linear_cross_entropy` and never
 holds the logits), and a batch already sharded by the model's sharder. Where
@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cpjax.cp_context import (
+from cpjax.attention.cp_context import (
   CPContext,
   HiddenStates,
   batch_specs,
@@ -35,9 +35,9 @@ from cpjax.cp_context import (
   split_over,
   state_specs,
 )
-from cpjax.layout import ShardLayout
+from cpjax.attention.ring.kernels import mesh_platform, resolve_implementation
+from cpjax.batch.layout import ShardLayout
 from cpjax.parallel import varying_axes
-from cpjax.ring.kernels import mesh_platform, resolve_implementation
 from cpjax.training.loss import LOSS_STRATEGIES, cross_entropy, cross_entropy_sums
 
 __all__ = ["TrainStep", "default_forward", "make_loss_fn", "make_train_step", "stack_microbatches"]
@@ -100,7 +100,7 @@ def make_loss_fn(
       (``cp`` is a :class:`cpjax.CPContext` or
       None). ``batch["labels"]`` holds the labels.
     batch_specs: in_specs of the batch (a dict, or a function of the batch);
-      default: :func:`cpjax.cp_context.batch_specs`, the arrays' own shardings.
+      default: :func:`cpjax.attention.cp_context.batch_specs`, the arrays' own shardings.
     frozen: state merged with ``params`` but not trained (e.g. the buffers
       of ``graphdef, params, frozen = nnx.split(model, nnx.Param, ...)``, or
       a frozen base under LoRA adapters, :func:`cpjax.training.lora.split_lora`); the
@@ -109,13 +109,13 @@ def make_loss_fn(
     implementation, interpret: the ring's per-hop backend, handed to the
       model in its :class:`cpjax.CPContext` (see :func:`cpjax.ring_attention`).
     expert_axes, capacity_factor: expert parallelism, handed to the model in
-      its :class:`cpjax.CPContext` (see :mod:`cpjax.experts`). Parameters
+      its :class:`cpjax.CPContext` (see :mod:`cpjax.models.gemma4.experts`). Parameters
       split over a manual axis (experts over ``cp``) enter the ``shard_map``
       split, as they are stored.
     strategy: how attention's K/V reach the queries, one for every layer or
       one per layer kind (``{"full_attention": "all_gather"}``), handed to
       the model in its :class:`cpjax.CPContext` (see
-      :func:`cpjax.ring_attention` and :func:`cpjax.cp_context.parse_strategy`).
+      :func:`cpjax.ring_attention` and :func:`cpjax.attention.cp_context.parse_strategy`).
     loss_strategy: how the loss's tokens meet a head split over cp: ``"ring"``,
       ``"all_gather"`` or ``"auto"`` (:func:`cpjax.training.loss.cross_entropy`;
       ``cpjax train`` takes ``"auto"`` with ``parallel.strategy: auto``).

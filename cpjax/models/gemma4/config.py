@@ -27,11 +27,11 @@ from typing import Any
 
 from cpjax.models.gemma4.hf_config import (
   IGNORED_CONFIG_KEYS,
-  _check_keys,
-  _text_from_hf,
-  _vision_from_hf,
+  check_keys,
+  text_from_hf,
+  vision_from_hf,
 )
-from cpjax.models.gemma4.text_config import _ACTIVATION, FULL, SLIDING, Gemma4TextConfig
+from cpjax.models.gemma4.text_config import ACTIVATION, FULL, SLIDING, Gemma4TextConfig
 from cpjax.models.gemma4.vision_config import Gemma4VisionConfig
 
 __all__ = ["FULL", "Gemma4Config", "IGNORED_CONFIG_KEYS", "PRESETS", "SLIDING"]
@@ -147,7 +147,7 @@ class Gemma4Config:
       )
     if "text_config" not in raw:
       raise KeyError("config.json has no 'text_config'")
-    _check_keys(
+    check_keys(
       raw,
       "config.json",
       {
@@ -169,14 +169,14 @@ class Gemma4Config:
       )
     if "eoa_token_index" not in raw and "eoa_token_id" in raw:
       raw["eoa_token_index"] = raw["eoa_token_id"]
-    text = _text_from_hf(dict(raw["text_config"]))
+    text = text_from_hf(dict(raw["text_config"]))
     if raw.get("tie_word_embeddings", text.tie_word_embeddings) != text.tie_word_embeddings:
       raise ValueError(
         f"config.json tie_word_embeddings ({raw['tie_word_embeddings']}) and "
         f"text_config.tie_word_embeddings ({text.tie_word_embeddings}) disagree"
       )
     vision = (
-      None if raw.get("vision_config") is None else _vision_from_hf(dict(raw["vision_config"]))
+      None if raw.get("vision_config") is None else vision_from_hf(dict(raw["vision_config"]))
     )
     ids = {k: int(raw.get(k, v)) for k, v in _TOKEN_IDS.items()}
     return cls(text=text, vision=vision, has_audio=raw.get("audio_config") is not None, **ids)
@@ -228,7 +228,7 @@ class Gemma4Config:
       "bos_token_id": t.bos_token_id,
       "max_position_embeddings": t.max_position_embeddings,
       "tie_word_embeddings": t.tie_word_embeddings,
-      "hidden_activation": _ACTIVATION,
+      "hidden_activation": ACTIVATION,
       "attention_bias": False,
     }
     out = {
@@ -258,7 +258,7 @@ class Gemma4Config:
         "use_clipped_linears": v.use_clipped_linears,
         "standardize": v.standardize,
         "rms_norm_eps": v.rms_norm_eps,
-        "hidden_activation": _ACTIVATION,
+        "hidden_activation": ACTIVATION,
         "attention_bias": False,
       }
     )

@@ -20,11 +20,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cpjax import batch as batch_lib
 from cpjax import checks
-from cpjax.layout import MIN_STRIPE_LEN, ShardLayout
+from cpjax.batch import normalize as batch_lib
+from cpjax.batch.layout import MIN_STRIPE_LEN, ShardLayout
+from cpjax.batch.sharding import shard_batch
 from cpjax.models.gemma4.config import Gemma4Config
-from cpjax.sharding import shard_batch
 
 __all__ = [
   "IMAGE_OFFSET_KEY",

@@ -11,9 +11,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cpjax.attention.cp_context import CPContext, batch_specs, state_specs
 from cpjax.batch import SOURCE_INDEX_KEY
-from cpjax.cp_context import CPContext, batch_specs, state_specs
-from cpjax.global_attention import from_rank_order
+from cpjax.batch.layout import from_rank_order
 from cpjax.models.gemma4.model import Gemma4
 from cpjax.models.gemma4.partitioning import check_expert_axes, partition_rule
 from cpjax.parallel import key_names
@@ -44,7 +44,7 @@ def cp_logits(
   ``implementation`` and ``interpret`` pick the ring's per-hop backend (see
   :func:`cpjax.ring_attention`). With ``expert_axes``
   (:func:`cpjax.parallel.expert_axes`) the experts are split over those
-  axes and tokens travel to them (:mod:`cpjax.experts`).
+  axes and tokens travel to them (:mod:`cpjax.models.gemma4.experts`).
 
   Args:
     model: the :class:`Gemma4`.

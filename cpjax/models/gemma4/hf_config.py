@@ -7,7 +7,7 @@ changes the model's mathematics), or refused: an unknown key is a
 read: the Hub's ``global_head_dim`` / ``num_global_key_value_heads``, or a
 ``per_layer_config`` saved by transformers 5.24.
 
->>> _text_from_hf({"hidden_size": 64, "mystery": 1})
+>>> text_from_hf({"hidden_size": 64, "mystery": 1})
 Traceback (most recent call last):
 ...
 ValueError: text_config has keys cpjax does not know: ['mystery']; ...
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cpjax.models.gemma4.text_config import _ACTIVATION, FULL, SLIDING, Gemma4TextConfig
+from cpjax.models.gemma4.text_config import ACTIVATION, FULL, SLIDING, Gemma4TextConfig
 from cpjax.models.gemma4.vision_config import Gemma4VisionConfig
 
 __all__ = ["IGNORED_CONFIG_KEYS"]
@@ -62,14 +62,14 @@ IGNORED_CONFIG_KEYS: dict[str, frozenset[str]] = {
 }
 # Keys that must hold the one value cpjax implements (transformers' defaults).
 _REQUIRED_VALUES = {
-  "hidden_activation": _ACTIVATION,
+  "hidden_activation": ACTIVATION,
   "attention_bias": False,
   "attention_dropout": 0.0,
 }
 
 
-def _check_keys(raw: dict, where: str, read: set[str]) -> None:
-  """``ValueError`` for keys that are neither read, checked nor ignored."""
+def check_keys(raw: dict, where: str, read: set[str]) -> None:
+  """Raise a ``ValueError`` for keys that are neither read, checked nor ignored."""
   for key, want in _REQUIRED_VALUES.items():
     value = raw.get(key, want)
     if value != want and not (value is None and key != "hidden_activation"):
@@ -97,8 +97,9 @@ _VISION_READ = {f.name for f in dataclasses.fields(Gemma4VisionConfig)} | {
 }
 
 
-def _text_from_hf(raw: dict) -> Gemma4TextConfig:
-  _check_keys(raw, "text_config", _TEXT_READ)
+def text_from_hf(raw: dict) -> Gemma4TextConfig:
+  """Read transformers' ``text_config`` dict as a :class:`Gemma4TextConfig`."""
+  check_keys(raw, "text_config", _TEXT_READ)
   fields = {f.name for f in dataclasses.fields(Gemma4TextConfig)}
   # The full-layer overrides are decided below, as transformers decides them.
   kw = {
@@ -182,8 +183,9 @@ def _check_rope(rope: dict, where: str, types: tuple[str, ...]) -> None:
     raise ValueError(f"{where} has keys cpjax does not implement: {unknown}")
 
 
-def _vision_from_hf(raw: dict) -> Gemma4VisionConfig:
-  _check_keys(raw, "vision_config", _VISION_READ)
+def vision_from_hf(raw: dict) -> Gemma4VisionConfig:
+  """Read transformers' ``vision_config`` dict as a :class:`Gemma4VisionConfig`."""
+  check_keys(raw, "vision_config", _VISION_READ)
   fields = {f.name for f in dataclasses.fields(Gemma4VisionConfig)}
   kw = {k: v for k, v in raw.items() if k in fields}
   # The tower has no full-attention layers: the converter writes its head_dim here too.

@@ -33,9 +33,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from cpjax import checks
-from cpjax.batch import DOCUMENT_IDS_KEY, SOURCE_INDEX_KEY, vision_group_ids
-from cpjax.cp_context import ContextParallelSharder, CPContext, HiddenStates
-from cpjax.layout import LAYOUT_KINDS
+from cpjax.attention.cp_context import ContextParallelSharder, CPContext, HiddenStates
+from cpjax.attention.reference import reference_attention
+from cpjax.attention.ring import ring_attention
+from cpjax.batch.layout import LAYOUT_KINDS
+from cpjax.batch.normalize import DOCUMENT_IDS_KEY, SOURCE_INDEX_KEY, vision_group_ids
+from cpjax.batch.sharding import shard_sequence
 from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameSegment, SameVisionGroup
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from cpjax.models.gemma4.cp_batch import (
@@ -44,13 +47,10 @@ from cpjax.models.gemma4.cp_batch import (
   shard_aux_only_cp_batch,
 )
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles
-from cpjax.models.gemma4.remat import _remat_policy, remat_after_cotangent
+from cpjax.models.gemma4.remat import remat_after_cotangent, remat_policy
 from cpjax.models.gemma4.text import DecoderLayer, embed_scale
 from cpjax.models.gemma4.vision import MultimodalEmbedder, VisionTower
 from cpjax.parallel import gathered, lookup
-from cpjax.reference import reference_attention
-from cpjax.ring import ring_attention
-from cpjax.sharding import shard_sequence
 
 __all__ = ["Gemma4", "gemma4_masks"]
 
@@ -205,7 +205,7 @@ class Gemma4(nnx.Module):
       raise TypeError(f"cfg must be a Gemma4Config, got {type(cfg).__name__}")
     self.cfg = cfg
     self.dtype = dtype
-    self.remat = _remat_policy(remat)
+    self.remat = remat_policy(remat)
     self.model = Gemma4Model(cfg, rngs=rngs)
     if not cfg.text.tie_word_embeddings:
       self.lm_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, rngs=rngs)

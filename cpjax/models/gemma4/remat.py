@@ -2,7 +2,7 @@
 whose recomputation waits for the backward pass, and a loop over tiles of
 tokens whose backward recomputes one tile at a time.
 
->>> _remat_policy(True), _remat_policy("save_attention_out")
+>>> remat_policy(True), remat_policy("save_attention_out")
 ('full', 'save_attention_out')
 """
 
@@ -26,7 +26,8 @@ __all__ = ["REMAT_POLICIES", "remat_after_cotangent", "remat_tiles"]
 REMAT_POLICIES = ("none", "full", "save_attention_out")
 
 
-def _remat_policy(remat: bool | str) -> str:
+def remat_policy(remat: bool | str) -> str:
+  """Return the policy name ``remat`` stands for (``True`` is "full", ``False`` "none")."""
   if remat is True or remat is False:
     return "full" if remat else "none"
   if remat not in REMAT_POLICIES:

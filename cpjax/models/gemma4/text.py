@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cpjax.experts import ExpertStats, grouped_matmul, routed_experts
+from cpjax.models.gemma4.experts import ExpertStats, grouped_matmul, routed_experts
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, apply_rope, gelu, rms_normalize
 from cpjax.models.gemma4.remat import remat_tiles
 from cpjax.models.gemma4.text_config import Gemma4TextConfig
@@ -144,7 +144,7 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
   """E gated experts as raw [E, out, in] tensors (``gate_up_proj`` stacks
   gate then up). Tokens are grouped by expert and run through
-  :func:`cpjax.experts.grouped_matmul`: each token costs its k experts, not
+  :func:`cpjax.models.gemma4.experts.grouped_matmul`: each token costs its k experts, not
   all E (on TPU; elsewhere each of the G experts here computes every row,
   masked, as JAX's own lowering of ``ragged_dot`` does)."""
 
@@ -171,7 +171,7 @@ class Experts(nnx.Module):
     """x: [T, D]; weights float32[T, k]; idx int32[T, k] -> ([T, D], stats).
 
     With ``expert_axes`` the experts are split over those mesh axes and
-    tokens travel to them (:func:`cpjax.experts.routed_experts`)."""
+    tokens travel to them (:func:`cpjax.models.gemma4.experts.routed_experts`)."""
     hidden = self.hidden
 
     def run(rows, sizes, params):
@@ -232,8 +232,8 @@ class DecoderLayer(nnx.Module):
     capacity_factor: float | None = None,
   ):
     """x: [B, S, D]; per_layer_input: [B, S, P] or None. Returns (x, (k, v),
-    :class:`~cpjax.experts.ExpertStats` or None); ``expert_axes`` and
-    ``capacity_factor`` as :func:`cpjax.experts.routed_experts`."""
+    :class:`~cpjax.models.gemma4.experts.ExpertStats` or None); ``expert_axes`` and
+    ``capacity_factor`` as :func:`cpjax.models.gemma4.experts.routed_experts`."""
     attn, kv = self.self_attn(self.input_layernorm(x), rope, attend, shared_kv)
     x = x + self.post_attention_layernorm(attn)
     residual = x

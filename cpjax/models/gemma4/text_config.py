@@ -13,10 +13,11 @@ __all__ = ["FULL", "Gemma4TextConfig", "SLIDING"]
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 _BIDIRECTIONAL = (None, "vision", "all")
-_ACTIVATION = "gelu_pytorch_tanh"
+ACTIVATION = "gelu_pytorch_tanh"
 
 
-def _require_positive(obj, names):
+def require_positive(obj, names):
+  """Raise a ``ValueError`` naming the first of ``obj``'s fields ``names`` that is not positive."""
   for name in names:
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -75,7 +76,7 @@ class Gemma4TextConfig:
   tie_word_embeddings: bool = True
 
   def __post_init__(self):
-    _require_positive(
+    require_positive(
       self,
       (
         "vocab_size",
@@ -136,9 +137,9 @@ class Gemma4TextConfig:
         f"hidden_size_per_layer_input must be >= 0, got {self.hidden_size_per_layer_input}"
       )
     if self.hidden_size_per_layer_input:
-      _require_positive(self, ("vocab_size_per_layer_input",))
+      require_positive(self, ("vocab_size_per_layer_input",))
     if self.enable_moe_block:
-      _require_positive(self, ("num_experts", "top_k_experts", "moe_intermediate_size"))
+      require_positive(self, ("num_experts", "top_k_experts", "moe_intermediate_size"))
       if self.top_k_experts > self.num_experts:
         raise ValueError(
           f"top_k_experts ({self.top_k_experts}) must be <= num_experts ({self.num_experts})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cpjax.models.gemma4.text_config import _require_positive
+from cpjax.models.gemma4.text_config import require_positive
 
 __all__ = ["Gemma4VisionConfig"]
 
@@ -32,7 +32,7 @@ class Gemma4VisionConfig:
   rms_norm_eps: float = 1e-6
 
   def __post_init__(self):
-    _require_positive(
+    require_positive(
       self,
       (
         "hidden_size",

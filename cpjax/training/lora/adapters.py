@@ -186,8 +186,8 @@ def _provider(module_path: str, settings: LoraConfig):
   )
 
 
-def _module_paths(model) -> dict[str, Any]:
-  """{dotted path: module} of every submodule of ``model`` (not the root)."""
+def module_paths(model) -> dict[str, Any]:
+  """Return {dotted path: module} of every submodule of ``model`` (not the root)."""
   return {".".join(str(p) for p in path): m for path, m in nnx.iter_modules(model) if path}
 
 
@@ -202,13 +202,13 @@ def adapted_modules(model) -> dict[str, nnx.Module]:
   """
   return {
     path: m
-    for path, m in _module_paths(model).items()
+    for path, m in module_paths(model).items()
     if any(isinstance(v, nnx.LoRAParam) for v in vars(m).values())
   }
 
 
-def _adapter_pairs(module) -> dict[str, tuple[nnx.LoRAParam, nnx.LoRAParam]]:
-  """{base parameter name: (A, B)} of one adapted module."""
+def adapter_pairs(module) -> dict[str, tuple[nnx.LoRAParam, nnx.LoRAParam]]:
+  """Return {base parameter name: (A, B)} of one adapted module."""
   pairs = {}
   for name, value in vars(module).items():
     if isinstance(value, nnx.LoRAParam) and name.endswith("_lora_a"):
@@ -295,7 +295,7 @@ def apply_lora(
     raise ValueError(
       "the model already has LoRA adapters: merge them (merge_lora) or start from the base model"
     )
-  paths = _module_paths(model)
+  paths = module_paths(model)
   matched = sorted(p for p in paths if settings.matches(p))
   if not matched:
     raise ValueError(
@@ -418,7 +418,8 @@ def lora_param_count(model: nnx.Module) -> int:
   )
 
 
-def _settings(model) -> LoraConfig:
+def adapter_settings(model) -> LoraConfig:
+  """Return the :class:`LoraConfig` an adapted ``model`` carries (a ``ValueError`` if none)."""
   settings = getattr(model, "lora_config", None)
   if not isinstance(settings, LoraConfig):
     raise ValueError("the model has no LoRA settings: build it with apply_lora or load_adapter")
@@ -473,10 +474,10 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
   >>> bool(jnp.allclose(merged(x), model(x), atol=1e-5))
   True
   """
-  settings = _settings(model)
+  settings = adapter_settings(model)
   model = nnx.clone(model)
   for path, module in adapted_modules(model).items():
-    for name, (a, b) in _adapter_pairs(module).items():
+    for name, (a, b) in adapter_pairs(module).items():
       base = getattr(module, name)
       merged = base[...].astype(jnp.float32) + _delta(
         name, base[...], a[...], b[...], settings.scale

@@ -25,11 +25,11 @@ from flax import nnx
 
 from cpjax.training.lora.adapters import (
   LoraConfig,
-  _adapter_pairs,
-  _module_paths,
-  _settings,
   adapted_modules,
+  adapter_pairs,
+  adapter_settings,
   apply_lora,
+  module_paths,
 )
 
 __all__ = [
@@ -54,10 +54,10 @@ def save_adapter(
   the Hugging Face model whose module names are this model's paths."""
   from safetensors.numpy import save_file
 
-  settings = _settings(model)
+  settings = adapter_settings(model)
   tensors = {}
   for module_path, module in adapted_modules(model).items():
-    pairs = _adapter_pairs(module)
+    pairs = adapter_pairs(module)
     if len(pairs) != 1:
       raise ValueError(
         f"PEFT stores one adapter pair per module; {module_path} has {sorted(pairs)}"
@@ -187,7 +187,7 @@ def load_adapter(model: nnx.Module, path, *example_inputs, **example_kwargs) -> 
   for module_path, pair in found.items():
     if set(pair) != {"A", "B"}:
       raise KeyError(f"{weights_file}: {module_path} has lora_{''.join(pair)} only")
-  unknown = sorted(set(found) - set(_module_paths(model)))
+  unknown = sorted(set(found) - set(module_paths(model)))
   if unknown:
     raise KeyError(f"{weights_file}: adapters for modules the model does not have: {unknown[:6]}")
   # The file says which modules carry adapters (PEFT skips target matches it
@@ -203,7 +203,7 @@ def load_adapter(model: nnx.Module, path, *example_inputs, **example_kwargs) -> 
   adapted = apply_lora(model, exact_config, *example_inputs, **example_kwargs)
   adapted.lora_config = settings
   for module_path, module in adapted_modules(adapted).items():
-    ((a, b),) = _adapter_pairs(module).values()
+    ((a, b),) = adapter_pairs(module).values()
     want_a, want_b = found[module_path]["A"].T, found[module_path]["B"].T
     if want_a.shape != a.shape or want_b.shape != b.shape:
       raise ValueError(

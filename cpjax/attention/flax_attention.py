@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterator
 
 import jax.numpy as jnp
 
-from cpjax.cp_context import CPContext
-from cpjax.layout import ShardLayout
+from cpjax.attention.cp_context import CPContext
+from cpjax.attention.ring import STRATEGIES, ring_attention
+from cpjax.attention.ring.kernels import resolve_implementation
+from cpjax.batch.layout import ShardLayout
 from cpjax.masks import AttentionMask
-from cpjax.ring import STRATEGIES, ring_attention
-from cpjax.ring.kernels import resolve_implementation
 
 __all__ = ["use_cp", "current_context", "ring_attention_fn"]
 
@@ -50,7 +50,7 @@ def use_cp(cp: CPContext | None) -> Iterator[CPContext | None]:
 
   >>> import cpjax
   >>> with cpjax.use_cp(cpjax.CPContext(cpjax.ShardLayout(8, 8, 2))) as cp:
-  ...   cpjax.flax_attention.current_context() is cp
+  ...   cpjax.attention.flax_attention.current_context() is cp
   True
   """
   if cp is not None and not isinstance(cp, CPContext):

@@ -13,7 +13,7 @@ A sequence of ``original_seq_len`` tokens is padded on the right to
   is cut into ``R * cp`` stripes dealt to the ranks in a serpentine,
   ``0 .. cp-1, cp-1 .. 0, 0 .. cp-1, ...`` (``R = stripes``, even; ``R = 2``
   is the head-tail split), and the sharder reorders each row's whole
-  documents (:mod:`cpjax.balance`) so that every rank gets the same
+  documents (:mod:`cpjax.batch.balance`) so that every rank gets the same
   attention work. Neighbouring stripes sit on the same or neighbouring
   ranks, so a window no longer than a stripe still needs one hop each way.
 
@@ -36,14 +36,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpjax import checks
+from cpjax.parallel import gather_dim
 
 __all__ = [
   "LAYOUT_KINDS",
   "ShardLayout",
   "local_token_indices",
   "default_stripes",
+  "from_rank_order",
   "padded_length",
   "rank_order",
+  "take_rows",
+  "to_rank_order",
 ]
 
 LAYOUT_KINDS = ("contiguous", "load_balanced", "document_balanced")
@@ -302,3 +306,142 @@ def rank_order(layout: ShardLayout) -> np.ndarray:
   c = layout.chunk_len
   chunks = [ch for r in range(layout.cp_size) for ch in layout.rank_chunks(r)]
   return np.concatenate([np.arange(ch * c, (ch + 1) * c) for ch in chunks])
+
+
+# -- Moving arrays between natural and rank order ------------------------------
+
+
+def take_rows(x, index, *, seq_dim: int, batch_dim: int | None):
+  """Gather ``x`` along ``seq_dim`` with a per-row index int[B, T].
+
+  Row b of the result takes positions ``index[b]`` (``batch_dim`` None: x has
+  no batch dimension and every row of ``index`` must be the same; row 0 is used).
+
+  Args:
+    x: the array.
+    index: int[B, T], the positions each row takes.
+    seq_dim: ``x``'s sequence dimension.
+    batch_dim: ``x``'s batch dimension, or None.
+
+  Returns:
+    ``x`` gathered along ``seq_dim``.
+  """
+  if batch_dim is None:
+    return jnp.take(x, index[0], axis=seq_dim)
+  shape = [1] * x.ndim
+  shape[batch_dim], shape[seq_dim] = index.shape
+  full = list(x.shape)
+  full[seq_dim] = index.shape[1]
+  return jnp.take_along_axis(x, jnp.broadcast_to(index.reshape(shape), full), axis=seq_dim)
+
+
+def _check_layout(layout) -> None:
+  if not isinstance(layout, ShardLayout):
+    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
+
+
+def _axis(x, axis: int) -> int:
+  ndim = jnp.ndim(x)
+  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+    raise ValueError(
+      f"axis must be an int in [{-ndim}, {ndim}) for an array of shape "
+      f"{tuple(jnp.shape(x))}, got {axis!r}"
+    )
+  return int(axis) % ndim
+
+
+def _rows_index(x, layout: ShardLayout, axis: int, source_index, inverse: bool):
+  """The per-row index of a ``"document_balanced"`` move (argsort: the inverse)."""
+  index = checks.source_index(source_index, x, axis, layout.padded_seq_len)
+  index = gather_dim(index, 1)
+  return jnp.argsort(index, axis=1).astype(jnp.int32) if inverse else index
+
+
+def to_rank_order(
+  x, layout: ShardLayout, *, axis: int = 1, pad_value=0, source_index=None
+) -> jax.Array:
+  """Reorder tokens from natural order to rank order, along ``axis``.
+
+  ``x`` has ``layout.original_seq_len`` tokens on ``axis`` (it is then
+  right-padded with ``pad_value``) or already ``layout.padded_seq_len``.
+  Differentiable; works under ``jit``. On a mesh, a sharded ``axis`` is
+  gathered first: the result is ready for :func:`jax.device_put` or
+  ``jax.reshard`` onto the ``cp`` axis.
+
+  Args:
+    x: [..., S or original length, ...].
+    layout: the :class:`cpjax.ShardLayout`.
+    axis: the token axis.
+    pad_value: value of padded tokens.
+    source_index: int[B, S], the batch's ``_source_index`` (rank order,
+      as :func:`cpjax.shard_batch` returns it); required by a
+      ``"document_balanced"`` layout, whose order differs per row. B is the
+      dimension before ``axis``.
+
+  Returns:
+    [..., S, ...], same dtype.
+
+  Example:
+    >>> import numpy as np, cpjax
+    >>> lay = cpjax.ShardLayout(6, 8, 2, "load_balanced")
+    >>> cpjax.to_rank_order(np.arange(1, 7)[None], lay).tolist()
+    [[1, 2, 0, 0, 3, 4, 5, 6]]
+  """
+  _check_layout(layout)
+  x = jnp.asarray(x)
+  axis = _axis(x, axis)
+  length = x.shape[axis]
+  if length not in (layout.original_seq_len, layout.padded_seq_len):
+    raise ValueError(
+      f"x must have layout.original_seq_len = {layout.original_seq_len} (or "
+      f"layout.padded_seq_len = {layout.padded_seq_len}) tokens on axis {axis}, "
+      f"got shape {tuple(x.shape)}"
+    )
+  if length != layout.padded_seq_len:
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, layout.padded_seq_len - length)
+    x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
+  if layout.kind == "document_balanced":
+    index = _rows_index(x, layout, axis, source_index, inverse=False)
+    return take_rows(gather_dim(x, axis), index, seq_dim=axis, batch_dim=axis - 1)
+  if layout.kind == "contiguous":
+    return x
+  return jnp.take(gather_dim(x, axis), jnp.asarray(rank_order(layout), jnp.int32), axis=axis)
+
+
+def from_rank_order(x, layout: ShardLayout, *, axis: int = 1, source_index=None) -> jax.Array:
+  """Reorder tokens from rank order to natural order, along ``axis``; padding is kept.
+
+  The inverse of :func:`to_rank_order`: slice ``[:layout.original_seq_len]``
+  on ``axis`` to drop the padded tail.
+
+  Args:
+    x: [..., S, ...] in rank order (``layout.padded_seq_len`` on ``axis``).
+    layout: the :class:`cpjax.ShardLayout`.
+    axis: the token axis.
+    source_index: as :func:`to_rank_order`.
+
+  Returns:
+    [..., S, ...] in natural order, same dtype.
+
+  Example:
+    >>> import numpy as np, cpjax
+    >>> lay = cpjax.ShardLayout(6, 8, 2, "load_balanced")
+    >>> cpjax.from_rank_order(np.array([[1, 2, 0, 0, 3, 4, 5, 6]]), lay).tolist()
+    [[1, 2, 3, 4, 5, 6, 0, 0]]
+  """
+  _check_layout(layout)
+  x = jnp.asarray(x)
+  axis = _axis(x, axis)
+  if x.shape[axis] != layout.padded_seq_len:
+    raise ValueError(
+      f"x must have layout.padded_seq_len = {layout.padded_seq_len} tokens on "
+      f"axis {axis}, got shape {tuple(x.shape)}"
+    )
+  if layout.kind == "document_balanced":
+    inverse = _rows_index(x, layout, axis, source_index, inverse=True)
+    return take_rows(gather_dim(x, axis), inverse, seq_dim=axis, batch_dim=axis - 1)
+  if layout.kind == "contiguous":
+    return x
+  inverse = jnp.asarray(np.argsort(rank_order(layout)), jnp.int32)
+  return jnp.take(gather_dim(x, axis), inverse, axis=axis)

@@ -26,10 +26,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cpjax.layout import ShardLayout, local_token_indices
+from cpjax.attention.ring import STRATEGIES
+from cpjax.attention.ring.kernels import resolve_implementation
+from cpjax.batch.layout import ShardLayout, local_token_indices
 from cpjax.parallel import key_names, lookup, ring_lookup
-from cpjax.ring import STRATEGIES
-from cpjax.ring.kernels import resolve_implementation
 
 __all__ = [
   "CPContext",
@@ -82,13 +82,13 @@ class CPContext:
     expert_axes: mesh axes a mixture of experts is split over (expert
       parallelism, :func:`cpjax.parallel.expert_axes`); empty for none.
     capacity_factor: None (an expert never drops a token) or the factor
-      bounding each expert's tokens (:mod:`cpjax.experts`).
+      bounding each expert's tokens (:mod:`cpjax.models.gemma4.experts`).
     gathered: ``((path, dim), ...)``, the state stored split over
       ``axis_name`` along ``dim`` (the training step fills it from the
       shardings; empty when the state is whole over cp): what :meth:`gather`,
       :meth:`lookup` and :meth:`head` read.
     strategy: how attention's K/V reach the queries (``ring_attention``'s
-      ``strategy``): one of :data:`cpjax.ring.STRATEGIES` for every layer, or
+      ``strategy``): one of :data:`cpjax.attention.ring.STRATEGIES` for every layer, or
       one per layer kind, as a mapping or as text
       (``"full_attention=all_gather,sliding_attention=ring"``); a kind it
       does not name takes ``"ring"``. Stored as sorted ``(kind, strategy)``
@@ -284,7 +284,7 @@ def parse_strategy(strategy) -> str | tuple[tuple[str, str], ...]:
   """Check a CP attention strategy: one name, or one per layer kind.
 
   Args:
-    strategy: a name of :data:`cpjax.ring.STRATEGIES`; or a mapping of layer
+    strategy: a name of :data:`cpjax.attention.ring.STRATEGIES`; or a mapping of layer
       kinds to names, or its text ``"kind=name,kind=name"``, or its pairs.
 
   Returns:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from cpjax import checks
-from cpjax.layout import ShardLayout, rank_order
+from cpjax.batch.layout import ShardLayout, rank_order
 
 __all__ = ["balance_documents", "rank_work", "renumber_documents", "token_work"]
 

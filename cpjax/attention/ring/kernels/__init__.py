@@ -2,9 +2,9 @@
 
 A ring hop folds one visiting K/V chunk into this rank's queries. Its compute
 runs on one of three backends (``implementation``): the portable XLA tile
-loop of :mod:`cpjax.ring`, Mosaic kernels for TPU or Triton kernels for GPU.
+loop of :mod:`cpjax.attention.ring`, Mosaic kernels for TPU or Triton kernels for GPU.
 This package chooses between them (:func:`resolve_implementation`) and holds
-each target's tiling rules (:data:`TARGETS`); :mod:`~cpjax.ring.kernels.ptxas`
+each target's tiling rules (:data:`TARGETS`); :mod:`~cpjax.attention.ring.kernels.ptxas`
 reads ptxas's register and spill report of the GPU kernels.
 
 Internal modules: ``_common`` (the tile math and the per-hop tile schedule
@@ -16,10 +16,10 @@ a mesh, how the CPU tests run the kernels).
 ('xla', 128)
 """
 
-from cpjax.ring.kernels._targets import IMPLEMENTATIONS as IMPLEMENTATIONS
-from cpjax.ring.kernels._targets import TARGETS as TARGETS
-from cpjax.ring.kernels._targets import KernelTarget as KernelTarget
-from cpjax.ring.kernels._targets import mesh_platform as mesh_platform
-from cpjax.ring.kernels._targets import resolve_implementation as resolve_implementation
+from cpjax.attention.ring.kernels._targets import IMPLEMENTATIONS as IMPLEMENTATIONS
+from cpjax.attention.ring.kernels._targets import TARGETS as TARGETS
+from cpjax.attention.ring.kernels._targets import KernelTarget as KernelTarget
+from cpjax.attention.ring.kernels._targets import mesh_platform as mesh_platform
+from cpjax.attention.ring.kernels._targets import resolve_implementation as resolve_implementation
 
 __all__ = ["IMPLEMENTATIONS", "KernelTarget", "TARGETS", "mesh_platform", "resolve_implementation"]

@@ -15,7 +15,7 @@ inside groups of neighbouring ranks and the ring over the groups
 Internal modules: ``_schedule`` (the static plan and the tile sizes),
 ``_passes`` (the forward and backward passes and their custom VJP),
 ``_attention`` (the entry point: checks, then the ring);
-:mod:`cpjax.ring.kernels` holds the fused Pallas kernels of one hop.
+:mod:`cpjax.attention.ring.kernels` holds the fused Pallas kernels of one hop.
 
 >>> import cpjax
 >>> ring_plan(cpjax.ShardLayout(8192, 8192, 8, "contiguous"), sliding_window=512)
@@ -24,15 +24,15 @@ RingPlan(forward_hops=1, backward_hops=0)
 128
 """
 
-from cpjax.ring._attention import STRATEGIES as STRATEGIES
-from cpjax.ring._attention import hybrid_ulysses_size as hybrid_ulysses_size
-from cpjax.ring._attention import ring_attention as ring_attention
-from cpjax.ring._attention import ulysses_kv_repeats as ulysses_kv_repeats
-from cpjax.ring._schedule import Halo as Halo
-from cpjax.ring._schedule import RingPlan as RingPlan
-from cpjax.ring._schedule import default_block_size as default_block_size
-from cpjax.ring._schedule import halo as halo
-from cpjax.ring._schedule import ring_plan as ring_plan
+from cpjax.attention.ring._attention import STRATEGIES as STRATEGIES
+from cpjax.attention.ring._attention import hybrid_ulysses_size as hybrid_ulysses_size
+from cpjax.attention.ring._attention import ring_attention as ring_attention
+from cpjax.attention.ring._attention import ulysses_kv_repeats as ulysses_kv_repeats
+from cpjax.attention.ring._schedule import Halo as Halo
+from cpjax.attention.ring._schedule import RingPlan as RingPlan
+from cpjax.attention.ring._schedule import default_block_size as default_block_size
+from cpjax.attention.ring._schedule import halo as halo
+from cpjax.attention.ring._schedule import ring_plan as ring_plan
 
 __all__ = [
   "STRATEGIES",

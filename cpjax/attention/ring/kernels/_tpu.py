@@ -1,7 +1,7 @@
 """Per-hop attention kernels for TPU (Mosaic, ``jax.experimental.pallas.tpu``).
 
 Each kernel is a grid whose last dimension walks one tile list of the hop's
-:class:`cpjax.ring.kernels._common.Schedule`, which is scalar-prefetched into SMEM:
+:class:`cpjax.attention.ring.kernels._common.Schedule`, which is scalar-prefetched into SMEM:
 the block index maps read it, so a K/V (or Q) block is only fetched for a
 non-empty tile, and the tail of a list repeats its last entry so the
 pipeline fetches nothing there. Statistics live in VMEM scratch across the
@@ -22,7 +22,7 @@ of the table: the tiles visited are the same.
 * dq: the same grid, accumulates dq over the row block's key blocks;
 * dk/dv: grid (B, Hkv, nk, nq), accumulates over the key block's row blocks.
 
-Shape letters as in :mod:`cpjax.ring.kernels._common`.
+Shape letters as in :mod:`cpjax.attention.ring.kernels._common`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from cpjax.ring.kernels import _common as common
-from cpjax.ring.kernels._common import KernelParams, Metadata, Schedule
+from cpjax.attention.ring.kernels import _common as common
+from cpjax.attention.ring.kernels._common import KernelParams, Metadata, Schedule
 
 _SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 # One call's tile table stays within this many words: 256 KiB of a v5e

@@ -7,8 +7,9 @@ the ``cp`` axis (and, optionally, a batch and a head axis) and returns the
 global output in the same order. It composes with ``jax.jit`` and
 ``jax.grad`` like any other function of global arrays.
 
-:func:`to_rank_order` and :func:`from_rank_order` move any array between
-natural token order and rank order along any axis.
+:func:`cpjax.to_rank_order` and :func:`cpjax.from_rank_order` (in
+:mod:`cpjax.batch.layout`) move any array between natural token order and rank
+order along any axis.
 
 Shape letters: ``B`` batch, ``S`` padded global length, ``H``/``Hkv`` query
 and key/value heads, ``D`` head dim.
@@ -20,130 +21,16 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from cpjax import checks
-from cpjax.layout import ShardLayout, rank_order
+from cpjax.attention.ring import ring_attention
+from cpjax.batch.layout import ShardLayout
 from cpjax.masks import AttentionMask, resolve_mask
-from cpjax.ring import ring_attention
-from cpjax.ring.kernels import mesh_platform, resolve_implementation
-from cpjax.streams import _gather_dim, _mesh_axis_size, _place, take_rows
+from cpjax.parallel import mesh_platform, place, required_axis_size, resolve_implementation
 
-__all__ = ["context_parallel_attention", "from_rank_order", "to_rank_order"]
-
-
-def _check_layout(layout) -> None:
-  if not isinstance(layout, ShardLayout):
-    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
-
-
-def _axis(x, axis: int) -> int:
-  ndim = jnp.ndim(x)
-  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
-    raise ValueError(
-      f"axis must be an int in [{-ndim}, {ndim}) for an array of shape "
-      f"{tuple(jnp.shape(x))}, got {axis!r}"
-    )
-  return int(axis) % ndim
-
-
-def _rows_index(x, layout: ShardLayout, axis: int, source_index, inverse: bool):
-  """The per-row index of a ``"document_balanced"`` move (argsort: the inverse)."""
-  index = checks.source_index(source_index, x, axis, layout.padded_seq_len)
-  index = _gather_dim(index, 1)
-  return jnp.argsort(index, axis=1).astype(jnp.int32) if inverse else index
-
-
-def to_rank_order(
-  x, layout: ShardLayout, *, axis: int = 1, pad_value=0, source_index=None
-) -> jax.Array:
-  """Reorder tokens from natural order to rank order, along ``axis``.
-
-  ``x`` has ``layout.original_seq_len`` tokens on ``axis`` (it is then
-  right-padded with ``pad_value``) or already ``layout.padded_seq_len``.
-  Differentiable; works under ``jit``. On a mesh, a sharded ``axis`` is
-  gathered first: the result is ready for :func:`jax.device_put` or
-  ``jax.reshard`` onto the ``cp`` axis.
-
-  Args:
-    x: [..., S or original length, ...].
-    layout: the :class:`cpjax.ShardLayout`.
-    axis: the token axis.
-    pad_value: value of padded tokens.
-    source_index: int[B, S], the batch's ``_source_index`` (rank order,
-      as :func:`cpjax.shard_batch` returns it); required by a
-      ``"document_balanced"`` layout, whose order differs per row. B is the
-      dimension before ``axis``.
-
-  Returns:
-    [..., S, ...], same dtype.
-
-  Example:
-    >>> import numpy as np, cpjax
-    >>> lay = cpjax.ShardLayout(6, 8, 2, "load_balanced")
-    >>> cpjax.to_rank_order(np.arange(1, 7)[None], lay).tolist()
-    [[1, 2, 0, 0, 3, 4, 5, 6]]
-  """
-  _check_layout(layout)
-  x = jnp.asarray(x)
-  axis = _axis(x, axis)
-  length = x.shape[axis]
-  if length not in (layout.original_seq_len, layout.padded_seq_len):
-    raise ValueError(
-      f"x must have layout.original_seq_len = {layout.original_seq_len} (or "
-      f"layout.padded_seq_len = {layout.padded_seq_len}) tokens on axis {axis}, "
-      f"got shape {tuple(x.shape)}"
-    )
-  if length != layout.padded_seq_len:
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, layout.padded_seq_len - length)
-    x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
-  if layout.kind == "document_balanced":
-    index = _rows_index(x, layout, axis, source_index, inverse=False)
-    return take_rows(_gather_dim(x, axis), index, seq_dim=axis, batch_dim=axis - 1)
-  if layout.kind == "contiguous":
-    return x
-  return jnp.take(_gather_dim(x, axis), jnp.asarray(rank_order(layout), jnp.int32), axis=axis)
-
-
-def from_rank_order(x, layout: ShardLayout, *, axis: int = 1, source_index=None) -> jax.Array:
-  """Reorder tokens from rank order to natural order, along ``axis``; padding is kept.
-
-  The inverse of :func:`to_rank_order`: slice ``[:layout.original_seq_len]``
-  on ``axis`` to drop the padded tail.
-
-  Args:
-    x: [..., S, ...] in rank order (``layout.padded_seq_len`` on ``axis``).
-    layout: the :class:`cpjax.ShardLayout`.
-    axis: the token axis.
-    source_index: as :func:`to_rank_order`.
-
-  Returns:
-    [..., S, ...] in natural order, same dtype.
-
-  Example:
-    >>> import numpy as np, cpjax
-    >>> lay = cpjax.ShardLayout(6, 8, 2, "load_balanced")
-    >>> cpjax.from_rank_order(np.array([[1, 2, 0, 0, 3, 4, 5, 6]]), lay).tolist()
-    [[1, 2, 3, 4, 5, 6, 0, 0]]
-  """
-  _check_layout(layout)
-  x = jnp.asarray(x)
-  axis = _axis(x, axis)
-  if x.shape[axis] != layout.padded_seq_len:
-    raise ValueError(
-      f"x must have layout.padded_seq_len = {layout.padded_seq_len} tokens on "
-      f"axis {axis}, got shape {tuple(x.shape)}"
-    )
-  if layout.kind == "document_balanced":
-    inverse = _rows_index(x, layout, axis, source_index, inverse=True)
-    return take_rows(_gather_dim(x, axis), inverse, seq_dim=axis, batch_dim=axis - 1)
-  if layout.kind == "contiguous":
-    return x
-  inverse = jnp.asarray(np.argsort(rank_order(layout)), jnp.int32)
-  return jnp.take(_gather_dim(x, axis), inverse, axis=axis)
+__all__ = ["context_parallel_attention"]
 
 
 def context_parallel_attention(
@@ -208,10 +95,11 @@ def context_parallel_attention(
     >>> bool(np.allclose(cpjax.from_rank_order(out, lay), ref, atol=1e-5))
     True
   """
-  _check_layout(layout)
+  if not isinstance(layout, ShardLayout):
+    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
   # (A pair of axes is the hybrid's: ring_attention checks the strategy.)
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  cp_size = math.prod(_mesh_axis_size(mesh, a, "axis_name") for a in names)
+  cp_size = math.prod(required_axis_size(mesh, a, "axis_name") for a in names)
   if cp_size != layout.cp_size:
     raise ValueError(
       f"layout.cp_size ({layout.cp_size}) must equal the size of mesh axis "
@@ -221,7 +109,7 @@ def context_parallel_attention(
   for name, axis in (("batch_axis", batch_axis), ("head_axis", head_axis)):
     if axis is None:
       continue
-    _mesh_axis_size(mesh, axis, name)
+    required_axis_size(mesh, axis, name)
     if axis in names or axis in axes.values():
       raise ValueError(f"{name}={axis!r} must differ from the other axes {axes}")
     axes[name] = axis
@@ -272,6 +160,13 @@ def context_parallel_attention(
   ring = jax.shard_map(
     local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, mask_spec), out_specs=x_spec
   )
-  q, k, v = (_place(jnp.asarray(x), mesh, x_spec) for x in (q, k, v))
-  mask = jax.tree.map(lambda x: _place(x, mesh, P(batch_axis, axis_name)), mask)
+  q, k, v = (place(jnp.asarray(x), mesh, x_spec) for x in (q, k, v))
+  mask = jax.tree.map(lambda x: place(x, mesh, P(batch_axis, axis_name)), mask)
   return ring(q, k, v, mask)
+
+
+def __getattr__(name: str):
+  # Names that left this module in 0.2, for one release (cpjax/_deprecations.py).
+  from cpjax import _deprecations
+
+  return _deprecations.moved_attribute(__name__, name)

@@ -1,6 +1,6 @@
 """Per-hop attention kernels for NVIDIA GPUs (Pallas on Triton).
 
-Why Triton and not Mosaic GPU: the same tile math (:mod:`cpjax.ring.kernels._common`)
+Why Triton and not Mosaic GPU: the same tile math (:mod:`cpjax.attention.ring.kernels._common`)
 lowers to both Mosaic TPU and Triton as plain block-level ``jnp`` code, it
 runs on Hopper (H100/H200) and Ampere alike, and it lowers for ``cuda`` from a
 CPU-only machine, which is how CI checks it. Mosaic GPU reaches Hopper's
@@ -11,14 +11,14 @@ the one place to swap when it goes.
 
 Triton has no sequential grid dimension with scratch memory, so each program
 owns one row block (forward, dq) or one key block (dk/dv) and loops over the
-hop's :class:`cpjax.ring.kernels._common.Schedule` list in the kernel with a
+hop's :class:`cpjax.attention.ring.kernels._common.Schedule` list in the kernel with a
 dynamic trip count: empty blocks cost nothing. Full blocks skip the mask.
 Triton's tiles are small (16 x 16 at head dim 512), so past a million tiles a
 hop the schedule lists blocks of several tiles
 (``KernelTarget.schedule_blocks``), and a program walks each listed block's
 tiles in turn.
 
-Shape letters as in :mod:`cpjax.ring.kernels._common`.
+Shape letters as in :mod:`cpjax.attention.ring.kernels._common`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from cpjax.ring.kernels import _common as common
-from cpjax.ring.kernels._common import KernelParams, Metadata, Schedule
+from cpjax.attention.ring.kernels import _common as common
+from cpjax.attention.ring.kernels._common import KernelParams, Metadata, Schedule
 
 
 def _compiler_params(params: KernelParams):

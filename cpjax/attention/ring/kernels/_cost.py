@@ -22,7 +22,7 @@ dK (8 D) and one exponential. A soft cap adds a tanh per pair to each.
 Bytes: the tile's own side once, the other side once per visited tile, the
 float32 outputs once.
 
-Shape letters as in :mod:`cpjax.ring.kernels._common`.
+Shape letters as in :mod:`cpjax.attention.ring.kernels._common`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import functools
 import numpy as np
 from jax.experimental import pallas as pl
 
-from cpjax.layout import ShardLayout, rank_order
+from cpjax.batch.layout import ShardLayout, rank_order
 from cpjax.masks import Reach
 
 __all__ = ["FLOPS_PER_PAIR", "estimate", "visited_pairs"]

@@ -2,10 +2,10 @@
 
 ``implementation`` names the backend of every ring hop:
 
-* ``"xla"``: the portable tile loop of :mod:`cpjax.ring` (CPU, or
+* ``"xla"``: the portable tile loop of :mod:`cpjax.attention.ring` (CPU, or
   any backend);
-* ``"pallas_tpu"``: Mosaic kernels (:mod:`cpjax.ring.kernels._tpu`);
-* ``"pallas_gpu"``: Triton kernels (:mod:`cpjax.ring.kernels._gpu`);
+* ``"pallas_tpu"``: Mosaic kernels (:mod:`cpjax.attention.ring.kernels._tpu`);
+* ``"pallas_gpu"``: Triton kernels (:mod:`cpjax.attention.ring.kernels._gpu`);
 * ``None``: the Pallas target of the default backend, XLA on CPU.
 
 A Pallas target compiled for another platform fails when the program is
@@ -21,15 +21,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import numpy as np
 from jax._src import core as jax_core
 from jax._src import dispatch
 from jax._src.interpreters import mlir
 
-__all__ = ["IMPLEMENTATIONS", "KernelTarget", "TARGETS", "mesh_platform", "resolve_implementation"]
+from cpjax.parallel import (
+  IMPLEMENTATIONS,
+  chunk_multiple,
+  mesh_platform,
+  resolve_implementation,
+)
 
-IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
+__all__ = ["IMPLEMENTATIONS", "KernelTarget", "TARGETS", "mesh_platform", "resolve_implementation"]
 
 
 def _pow2(n: int) -> bool:
@@ -65,7 +69,7 @@ class KernelTarget:
     """Tokens a layout chunk must be a multiple of for this target's tiles to
     divide it (``shard_batch`` pads rows to it): Mosaic's 128 lanes, Triton's
     smallest power-of-two tile."""
-    return 128 if self.name == "pallas_tpu" else 16
+    return chunk_multiple(self.name)
 
   def default_tile(self, head_dim: int, dtype=None) -> tuple[int, int]:
     """(rows, keys) of the tile record for ``head_dim`` and the inputs' ``dtype``."""
@@ -141,11 +145,11 @@ class KernelTarget:
 # VMEM for each head dim; Mosaic accepts them for v5e at head dims 256 and
 # 512, bfloat16 and float32 (tests/test_compile_targets.py). GPU: the largest
 # tiles that ptxas compiles for sm_90a (8 warps) without spilling registers,
-# read from ptxas -v (cpjax.ring.kernels.ptxas) on the ring's three kernels; with
+# read from ptxas -v (cpjax.attention.ring.kernels.ptxas) on the ring's three kernels; with
 # float32 inputs at head dims 256 and 512 even 16 x 16 tiles spill in dK/dV
 # (tests/test_compile_targets.py records how much). Those small tiles are why
 # only the GPU groups its schedule's tiles (schedule_tiles); the TPU's are 256
-# to 1024 rows, and their tables go to SMEM in pieces (cpjax.ring.kernels._tpu).
+# to 1024 rows, and their tables go to SMEM in pieces (cpjax.attention.ring.kernels._tpu).
 # Neither is tuned for speed on hardware yet: see benchmarks/accelerator.py.
 TARGETS = {
   "pallas_tpu": KernelTarget(
@@ -163,38 +167,6 @@ TARGETS = {
     chosen_on="ptxas for sm_90a (H200, compile-only, CUDA 12)",
   ),
 }
-
-
-def mesh_platform(mesh) -> str | None:
-  """The platform of a concrete mesh's devices ("tpu" for compile-only TPU
-  devices too); None for an abstract mesh (then the default backend's)."""
-  devices = getattr(mesh, "devices", None)
-  return None if devices is None else np.asarray(devices).flat[0].platform
-
-
-def resolve_implementation(implementation: str | None, *, platform: str | None = None) -> str:
-  """The backend name ``implementation`` stands for.
-
-  None means the Pallas target of ``platform`` ("tpu", "gpu" or "cuda"; "xla"
-  for anything else), by default the platform of ``jax.default_backend()``.
-  A program whose mesh is on other devices than the default backend's (CPU
-  devices on a TPU host) passes that platform, or names the implementation.
-
-  >>> resolve_implementation("xla"), resolve_implementation(None, platform="tpu")
-  ('xla', 'pallas_tpu')
-  >>> resolve_implementation("cuda")
-  Traceback (most recent call last):
-  ...
-  ValueError: implementation must be None or one of ('xla', 'pallas_tpu', 'pallas_gpu'), got 'cuda'
-  """
-  if implementation is None:
-    platform = jax.default_backend() if platform is None else platform
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-      f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
-    )
-  return implementation
 
 
 # --------------------------------------------------- the platform guard

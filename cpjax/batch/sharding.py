@@ -6,7 +6,7 @@
   ``out[k][:, r*L:(r+1)*L]`` is what rank r holds.
 * :func:`unshard_batch` is its exact inverse.
 * Under a ``"document_balanced"`` layout, :func:`shard_batch` first reorders
-  each row's whole documents (:func:`cpjax.balance.balance_documents`, on the
+  each row's whole documents (:func:`cpjax.batch.balance.balance_documents`, on the
   host) and records the order as the ``_source_index`` stream; everything
   that cuts or restores a row (:func:`shard_sequence`,
   :func:`unshard_batch`, :func:`cpjax.to_rank_order`) reads it. It also
@@ -33,9 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from cpjax import balance, checks
-from cpjax import batch as batch_lib
-from cpjax.layout import (
+from cpjax import checks
+from cpjax.batch import _streams, balance
+from cpjax.batch import normalize as batch_lib
+from cpjax.batch.layout import (
   LAYOUT_KINDS,
   MIN_STRIPE_LEN,
   ShardLayout,
@@ -43,21 +44,15 @@ from cpjax.layout import (
   local_token_indices,
   padded_length,
   rank_order,
-)
-from cpjax.ring.kernels import TARGETS, mesh_platform, resolve_implementation
-from cpjax.streams import (
-  _AUX_PAD_VALUES,
-  _PRIMARY_STREAMS,
-  _REPLICATED_ALWAYS,
-  _batch_dims,
-  _check_extra_keys,
-  _gather_dim,
-  _mesh_axis_size,
-  _pad_stream,
-  _place,
-  _sequence_streams,
-  _spec,
   take_rows,
+)
+from cpjax.parallel import chunk_multiple as backend_chunk
+from cpjax.parallel import (
+  gather_dim,
+  mesh_platform,
+  place,
+  required_axis_size,
+  resolve_implementation,
 )
 
 __all__ = [
@@ -83,20 +78,24 @@ def _pad_and_shard(
   own ids come back as ``_source_packed_seq_ids``."""
   dims, batch_dims, pad_values = dict(dims), dict(batch_dims), dict(pad_values)
   padded = {
-    k: _pad_stream(k, x, dims[k], layout.pad_len, pad_values[k]) for k, x in streams.items()
+    k: _streams.pad_stream(k, x, dims[k], layout.pad_len, pad_values[k]) for k, x in streams.items()
   }
   in_specs = {
-    k: _spec(x.ndim, seq_dim=None, axis_name=None, batch_dim=batch_dims[k], batch_axis=batch_axis)
+    k: _streams.stream_spec(
+      x.ndim, seq_dim=None, axis_name=None, batch_dim=batch_dims[k], batch_axis=batch_axis
+    )
     for k, x in padded.items()
   }
   out_specs = {
-    k: _spec(
+    k: _streams.stream_spec(
       x.ndim, seq_dim=dims[k], axis_name=axis_name, batch_dim=batch_dims[k], batch_axis=batch_axis
     )
     for k, x in padded.items()
   }
-  row_in = _spec(2, seq_dim=None, axis_name=None, batch_dim=0, batch_axis=batch_axis)
-  row_out = _spec(2, seq_dim=1, axis_name=axis_name, batch_dim=0, batch_axis=batch_axis)
+  row_in = _streams.stream_spec(2, seq_dim=None, axis_name=None, batch_dim=0, batch_axis=batch_axis)
+  row_out = _streams.stream_spec(
+    2, seq_dim=1, axis_name=axis_name, batch_dim=0, batch_axis=batch_axis
+  )
   if order is not None:
     out_specs.update({k: row_out for k in order})
     if batch_lib.DOCUMENT_IDS_KEY in order:
@@ -115,9 +114,9 @@ def _pad_and_shard(
       local[batch_lib.SOURCE_DOCUMENT_IDS_KEY] = local[batch_lib.DOCUMENT_IDS_KEY]
     return {**local, **order}
 
-  placed = {k: _place(x, mesh, in_specs[k]) for k, x in padded.items()}
+  placed = {k: place(x, mesh, in_specs[k]) for k, x in padded.items()}
   if order is not None:
-    order = {k: _place(x, mesh, row_in) for k, x in order.items()}
+    order = {k: place(x, mesh, row_in) for k, x in order.items()}
   order_spec = None if order is None else {k: row_in for k in order}
   return jax.shard_map(take_local, mesh=mesh, in_specs=(in_specs, order_spec), out_specs=out_specs)(
     placed, order
@@ -191,7 +190,7 @@ def shard_batch(
       balance packed rows better. The default, 1024, is Gemma 4's longest.
     layer_windows: the window of each of the model's attention layers (None:
       a full causal layer), so that a ``"document_balanced"`` layout evens
-      out the model's own work (:func:`cpjax.balance.token_work`); default:
+      out the model's own work (:func:`cpjax.batch.balance.token_work`); default:
       one full causal layer.
 
   Returns:
@@ -206,11 +205,11 @@ def shard_batch(
     >>> lay.padded_seq_len, np.asarray(out["labels"]).tolist()
     (8, [[0, 1, 2, 3, 4, 5, -100, -100]])
   """
-  cp_size = _mesh_axis_size(mesh, axis_name, "axis_name")
+  cp_size = required_axis_size(mesh, axis_name, "axis_name")
   if batch_axis is not None:
     if batch_axis == axis_name:
       raise ValueError(f"batch_axis must differ from axis_name, both are {axis_name!r}")
-    dp_size = _mesh_axis_size(mesh, batch_axis, "batch_axis")
+    dp_size = required_axis_size(mesh, batch_axis, "batch_axis")
   if layout not in LAYOUT_KINDS:
     raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
   if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
@@ -221,7 +220,7 @@ def shard_batch(
   checks.fits_int32("padding_token_id", np.asarray(padding_token_id))
 
   norm = batch_lib.normalize_batch(batch, loss_mask=loss_mask)
-  extra = _check_extra_keys(norm, extra_seq_keys, extra_pad_values)
+  extra = _streams.check_extra_keys(norm, extra_seq_keys, extra_pad_values)
   primary = batch_lib.primary_key(norm)
   batch_size, seq_len = jnp.shape(norm[primary])[:2]
   for key, dim in extra.items():
@@ -238,8 +237,9 @@ def shard_batch(
 
   chunk_multiple = 1
   if pad_multiple == 1:  # the caller's own pad_multiple wins
-    target = resolve_implementation(implementation, platform=mesh_platform(mesh))
-    chunk_multiple = TARGETS[target].chunk_multiple if target in TARGETS else 1
+    chunk_multiple = backend_chunk(
+      resolve_implementation(implementation, platform=mesh_platform(mesh))
+    )
   checks.integer("min_stripe_len", min_stripe_len, minimum=1)
   stripes = None
   if layout == "document_balanced":
@@ -252,23 +252,25 @@ def shard_batch(
     chunk_multiple=chunk_multiple,
     stripes=stripes,
   )
-  streams = _sequence_streams(norm, aux_only=aux_only, extra=extra)
+  streams = _streams.sequence_streams(norm, aux_only=aux_only, extra=extra)
   replicated = tuple(
-    k for k in (*_PRIMARY_STREAMS, *_REPLICATED_ALWAYS) if k in norm and k not in streams
+    k
+    for k in (*_streams.PRIMARY_STREAMS, *_streams.REPLICATED_ALWAYS)
+    if k in norm and k not in streams
   )
   shard_layout = ShardLayout(
     seq_len, padded, cp_size, layout, replicated_keys=replicated, stripes=stripes
   )
 
   pad_values = {
-    **_AUX_PAD_VALUES,
+    **_streams.AUX_PAD_VALUES,
     "input_ids": padding_token_id,
     "inputs_embeds": 0,
     "mm_token_type_ids": 0,
     "position_ids": None,
   }
   pad_values.update({k: (extra_pad_values or {}).get(k, 0) for k in extra})
-  batch_dims = _batch_dims(norm, streams, extra, batch_size)
+  batch_dims = _streams.batch_dims(norm, streams, extra, batch_size)
   order = None
   if layout == "document_balanced":
     order = _document_order(
@@ -294,9 +296,13 @@ def shard_batch(
   out.update(sharded)
   for key in replicated:
     x = jnp.asarray(norm[key])
-    bdim = 0 if key in _PRIMARY_STREAMS else None
-    out[key] = _place(
-      x, mesh, _spec(x.ndim, seq_dim=None, axis_name=None, batch_dim=bdim, batch_axis=batch_axis)
+    bdim = 0 if key in _streams.PRIMARY_STREAMS else None
+    out[key] = place(
+      x,
+      mesh,
+      _streams.stream_spec(
+        x.ndim, seq_dim=None, axis_name=None, batch_dim=bdim, batch_axis=batch_axis
+      ),
     )
   return out, shard_layout
 
@@ -366,8 +372,8 @@ def unshard_batch(
   batch = checks.mapping("batch", batch)
   if not isinstance(layout, ShardLayout):
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
-  extra = _check_extra_keys(batch, extra_seq_keys, None)
-  streams = _sequence_streams(batch, aux_only=False, extra=extra)
+  extra = _streams.check_extra_keys(batch, extra_seq_keys, None)
+  streams = _streams.sequence_streams(batch, aux_only=False, extra=extra)
   streams = {k: d for k, d in streams.items() if k not in layout.replicated_keys}
   for key, dim in streams.items():
     if jnp.shape(batch[key])[dim] != layout.padded_seq_len:
@@ -397,7 +403,9 @@ def unshard_batch(
       layout=layout,
       dims=tuple(streams.items()),
       batch_dims=tuple(
-        _batch_dims(batch, streams, extra, 0 if source is None else jnp.shape(source)[0]).items()
+        _streams.batch_dims(
+          batch, streams, extra, 0 if source is None else jnp.shape(source)[0]
+        ).items()
       ),
     )
   )
@@ -437,12 +445,12 @@ def _restore_order(streams, source, *, layout, dims, batch_dims):
   dims, batch_dims = dict(dims), dict(batch_dims)
   out = {}
   if source is not None:
-    source = _gather_dim(source, 1)
+    source = gather_dim(source, 1)
     inverse = jnp.argsort(source, axis=1).astype(jnp.int32)  # a permutation: exact
   else:
     inverse = jnp.asarray(np.argsort(rank_order(layout)), jnp.int32)[None]
   for key, x in streams.items():
-    x = _gather_dim(x, dims[key])
+    x = gather_dim(x, dims[key])
     if layout.kind != "contiguous":
       x = take_rows(
         x, inverse, seq_dim=dims[key], batch_dim=None if source is None else batch_dims[key]

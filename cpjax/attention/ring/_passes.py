@@ -1,7 +1,7 @@
 """Ring attention's passes: ppermute K/V around the ring, flash-style online softmax.
 
 Called inside ``jax.shard_map`` by :func:`cpjax.ring_attention`, which
-checks the inputs and builds the static ``_Config``. K/V chunks (only the
+checks the inputs and builds the static ``PassConfig``. K/V chunks (only the
 ``Hkv`` heads, with the per-token mask metadata) travel around a
 ``lax.ppermute`` ring; each rank folds every visiting chunk into float32
 online-softmax statistics, one ``block_q x block_kv`` tile at a time, and
@@ -12,7 +12,7 @@ accumulators so every gradient arrives home: per-device memory is O(L).
 
 Each hop's compute has two backends: the portable XLA tile loop (a
 ``fori_loop`` over the hop's non-empty tiles), or the fused Pallas kernels of
-:mod:`cpjax.ring.kernels`, which fold a visiting chunk into (out, lse) that the
+:mod:`cpjax.attention.ring.kernels`, which fold a visiting chunk into (out, lse) that the
 ring merges.
 
 The all-gather strategy (``strategy="all_gather"``) takes no hops: each rank
@@ -20,13 +20,13 @@ all-gathers K/V (once, when one array is passed as both) and the mask's
 arrays over the axis, in rank order, and folds that whole row as one chunk
 with the same tile schedule and kernels; its backward reduce-scatters dK/dV
 to their owners. Per-device memory is then O(S) in K/V, not O(L). Under a
-bounded reach it receives only its halo (``_Config.halo``: the neighbours'
+bounded reach it receives only its halo (``PassConfig.halo``: the neighbours'
 key blocks the window reaches) and sends the halo's gradient back.
 Ulysses (``strategy="ulysses"``) arrives here with the whole row of queries
 and keys for a rank's heads (its all-to-alls are the caller's) and folds it
 as one chunk, with no collective at all. The hybrid (``strategy="hybrid"``)
 arrives with a Ulysses group's tokens for a rank's heads and runs the ring
-over the groups (``_Config.ulysses_size`` ranks each): every rank of a
+over the groups (``PassConfig.ulysses_size`` ranks each): every rank of a
 group rotates with its peers in the other groups.
 
 Shape letters: ``B`` batch, ``L`` local tokens, ``Hkv`` key/value heads,
@@ -45,20 +45,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cpjax.layout import ShardLayout, local_token_indices
+from cpjax.attention.ring._schedule import Halo, RingPlan
+from cpjax.attention.ring.kernels import _common as kernel_common
+from cpjax.attention.ring.kernels._common import KernelParams
+from cpjax.attention.ring.kernels._cost import visited_pairs
+from cpjax.attention.ring.kernels._targets import TARGETS, platform_guard
+from cpjax.batch.layout import ShardLayout, local_token_indices
 from cpjax.masks import MaskRule, Tokens
 from cpjax.parallel import filled_after
 from cpjax.parallel import vary_like as _vary_like
 from cpjax.parallel import varying_axes as _varying_axes
-from cpjax.ring._schedule import Halo, RingPlan
-from cpjax.ring.kernels import _common as kernel_common
-from cpjax.ring.kernels._common import KernelParams
-from cpjax.ring.kernels._cost import visited_pairs
-from cpjax.ring.kernels._targets import TARGETS, platform_guard
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class PassConfig:
   """Everything static about one ring-attention call (hashable)."""
 
   layout: ShardLayout
@@ -91,7 +91,7 @@ class _Config:
 
   def schedule_blocks(self, key_len: int) -> tuple[int, int]:
     """(query tokens, keys) per block of a kernel hop's schedule over
-    ``key_len`` keys (see :meth:`cpjax.ring.kernels.KernelTarget.schedule_blocks`)."""
+    ``key_len`` keys (see :meth:`cpjax.attention.ring.kernels.KernelTarget.schedule_blocks`)."""
     return TARGETS[self.implementation].schedule_blocks(
       self.block_q,
       self.block_kv,
@@ -101,10 +101,10 @@ class _Config:
     )
 
 
-def kernel_density(cfg: _Config) -> float:
+def kernel_density(cfg: PassConfig) -> float:
   """The share of one kernel call's (row, key) pairs that its tiles visit, on
   average over every call this ring-attention call makes on every rank: what
-  each call's cost estimate counts (:mod:`cpjax.ring.kernels._cost`)."""
+  each call's cost estimate counts (:mod:`cpjax.attention.ring.kernels._cost`)."""
   lay = cfg.layout
   row, local = lay.padded_seq_len, lay.local_seq_len
   key_len = local
@@ -123,7 +123,7 @@ def kernel_density(cfg: _Config) -> float:
 
 
 # ------------------------------------------------------------------ helpers
-def _shift(tree, cfg: _Config, offset: int):
+def _shift(tree, cfg: PassConfig, offset: int):
   """Send every leaf from rank i to rank i + offset on the ring (from each
   rank of group i to its peer in group i + offset under the hybrid)."""
   cp, size = cfg.layout.cp_size, cfg.ulysses_size
@@ -133,7 +133,7 @@ def _shift(tree, cfg: _Config, offset: int):
   return jax.tree.map(lambda x: lax.ppermute(x, cfg.axis_name, perm), tree)
 
 
-def _tokens(cfg: _Config, rank, arrays) -> Tokens:
+def _tokens(cfg: PassConfig, rank, arrays) -> Tokens:
   """The tokens rank ``rank`` holds: global positions and the mask's arrays.
 
   ``rank`` None stands for the all-gathered row: every rank's tokens, in rank
@@ -177,19 +177,19 @@ def _unstacking(fn, unstack, at: int):
   return run
 
 
-def _scaled(cfg: _Config, q):
+def _scaled(cfg: PassConfig, q):
   """q * scale, once per call, so no tile multiplies its scores (or, in the
   backward, its score gradients) by the scale; exact for power-of-two scales."""
   return q if cfg.scale == 1.0 else (q * cfg.scale).astype(q.dtype)
 
 
-def _soft_cap(cfg: _Config, s):
+def _soft_cap(cfg: PassConfig, s):
   if cfg.soft_cap is not None:
     s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
   return s
 
 
-def _tile_mask(cfg: _Config, q_info: Tokens, k_info: Tokens, i, j, *, keys_first=False):
+def _tile_mask(cfg: PassConfig, q_info: Tokens, k_info: Tokens, i, j, *, keys_first=False):
   """bool[B or 1, 1, bq*G, bk] mask of tile (i, j) ([.., bk, bq*G] if keys_first)."""
   qi = q_info.slice(i * cfg.block_q, cfg.block_q)
   kj = k_info.slice(j * cfg.block_kv, cfg.block_kv)
@@ -225,7 +225,7 @@ class _Schedule(NamedTuple):
     return self.tiles[t] // nk, self.tiles[t] % nk
 
 
-def _tile_schedule(cfg: _Config, q_info: Tokens, src_rank, k_arrays, active) -> _Schedule:
+def _tile_schedule(cfg: PassConfig, q_info: Tokens, src_rank, k_arrays, active) -> _Schedule:
   """Schedule the tiles of the local queries against the chunk of ``src_rank``."""
   k_info = _tokens(cfg, src_rank, k_arrays)
   blocks = cfg.rule.classify(q_info, k_info, cfg.block_q, cfg.block_kv)
@@ -250,7 +250,7 @@ class _Stats(NamedTuple):
 
 
 def _attend_chunk(
-  cfg: _Config, q, q_info: Tokens, stats: _Stats, kv, k_arrays, src_rank, active=True
+  cfg: PassConfig, q, q_info: Tokens, stats: _Stats, kv, k_arrays, src_rank, active=True
 ) -> _Stats:
   """Fold one K/V chunk (owned by ``src_rank``) into the statistics."""
   k, v = kv
@@ -293,14 +293,14 @@ def _attend_chunk(
   return lax.fori_loop(0, plan.count, step, stats)
 
 
-def _rank(cfg: _Config):
+def _rank(cfg: PassConfig):
   """This rank's place on the ring (its group's, under the hybrid)."""
   if cfg.layout.cp_size == 1:
     return jnp.int32(0)
   return lax.axis_index(cfg.axis_name) // cfg.ulysses_size
 
 
-def _xla_fold(cfg: _Config, q, q_info: Tokens):
+def _xla_fold(cfg: PassConfig, q, q_info: Tokens):
   """(initial state, attend, finish) of the XLA tile loop."""
   init = _Stats(
     filled_after(q, q.shape[:-1], -jnp.inf), filled_after(q, q.shape[:-1]), filled_after(q, q.shape)
@@ -315,21 +315,21 @@ def _xla_fold(cfg: _Config, q, q_info: Tokens):
   return init, functools.partial(_attend_chunk, cfg, _scaled(cfg, q), q_info), finish
 
 
-def _kernels(cfg: _Config):
+def _kernels(cfg: PassConfig):
   """The module holding ``cfg.implementation``'s kernels (imported on first use)."""
   if cfg.implementation == "pallas_tpu":
-    from cpjax.ring.kernels import _tpu as module
+    from cpjax.attention.ring.kernels import _tpu as module
   else:
-    from cpjax.ring.kernels import _gpu as module
+    from cpjax.attention.ring.kernels import _gpu as module
   return module
 
 
-def _guarded(cfg: _Config, x):
+def _guarded(cfg: PassConfig, x):
   """``x``, tied to a lowering-time check that the platform suits the kernels."""
   return x if cfg.kernel.interpret else platform_guard(x, cfg.implementation)
 
 
-def _kernel_chunk(cfg: _Config, q_info: Tokens, kv, k_arrays, src_rank, active):
+def _kernel_chunk(cfg: PassConfig, q_info: Tokens, kv, k_arrays, src_rank, active):
   """(k, v, key metadata, schedule) of one visiting chunk for the kernels."""
   k_info = _tokens(cfg, src_rank, k_arrays)
   blocks = cfg.rule.classify(q_info, k_info, *cfg.schedule_blocks(kv[0].shape[2]))
@@ -340,13 +340,13 @@ def _kernel_chunk(cfg: _Config, q_info: Tokens, kv, k_arrays, src_rank, active):
   return kv[0], kv[1], k_meta, sched
 
 
-def _query_metadata(cfg: _Config, q_info: Tokens, q):
+def _query_metadata(cfg: PassConfig, q_info: Tokens, q):
   """Kernel metadata of the local query rows (each token repeated G times)."""
   meta = kernel_common.metadata(cfg.kernel, q_info.positions, q_info.arrays, repeat=cfg.groups)
   return jax.tree.map(lambda x: _vary_like(x, q), meta)
 
 
-def _pallas_fold(cfg: _Config, q, q_info: Tokens):
+def _pallas_fold(cfg: PassConfig, q, q_info: Tokens):
   """(initial state, attend, finish) of the Pallas kernels: each chunk's
   (out, lse) merge into the running pair, both float32."""
   kernels = _kernels(cfg)
@@ -366,14 +366,14 @@ def _pallas_fold(cfg: _Config, q, q_info: Tokens):
   return init, attend, lambda state: (state[0], state[1][..., 0])
 
 
-def _gathered(cfg: _Config, k, v, arrays):
+def _gathered(cfg: PassConfig, k, v, arrays):
   """((k, v), arrays) of the whole row: every rank's, gathered in rank order."""
   gather = lambda x, axis: lax.all_gather(x, cfg.axis_name, axis=axis, tiled=True)  # noqa: E731
   # (K = V: XLA merges the two gathers of one tensor into one.)
   return (gather(k, 2), gather(v, 2)), {n: gather(x, 1) for n, x in arrays.items()}
 
 
-def _scatter_home(cfg: _Config, grad):
+def _scatter_home(cfg: PassConfig, grad):
   """The gathered row's key gradient [B, Hkv, cp*L, D], summed over the ranks
   (each holds its queries' share) and cut to the keys this rank owns."""
   shard = lax.psum_scatter(grad, cfg.axis_name, scatter_dimension=2, tiled=True)
@@ -392,7 +392,7 @@ def _halo_pieces(x, axis: int, halo: Halo):
   return cut[0] if len(cut) == 1 else jnp.concatenate(cut, axis=axis)
 
 
-def _with_halo(cfg: _Config, k, v, arrays, rank):
+def _with_halo(cfg: PassConfig, k, v, arrays, rank):
   """((k, v), Tokens) of this rank's chunk followed by its halo: from each
   neighbour the halo names, the keys this rank's queries can reach."""
   own = _tokens(cfg, rank, arrays)
@@ -409,7 +409,7 @@ def _with_halo(cfg: _Config, k, v, arrays, rank):
   return (join(ks, 2), join(vs, 2)), Tokens(join(positions, 0), arrays)
 
 
-def _halo_home(cfg: _Config, grad, local_len: int):
+def _halo_home(cfg: PassConfig, grad, local_len: int):
   """A key gradient over the chunk and its halo, [B, Hkv, L + halo, D]: the
   halo's parts sent back to their owners and added to the chunk's."""
   own, start = grad[:, :, :local_len], local_len
@@ -422,13 +422,13 @@ def _halo_home(cfg: _Config, grad, local_len: int):
   return own
 
 
-def _query_rank(cfg: _Config):
+def _query_rank(cfg: PassConfig):
   """The rank whose tokens the queries are; None for the whole row (Ulysses,
   whose caller turned a sequence split into a head split)."""
   return None if cfg.strategy == "ulysses" else _rank(cfg)
 
 
-def _forward(cfg: _Config, q, k, v, arrays):
+def _forward(cfg: PassConfig, q, k, v, arrays):
   """Returns out [B, Hkv, N, D] (q's dtype) and lse f32[B, Hkv, N]."""
   cp = cfg.layout.cp_size
   rank = _query_rank(cfg)
@@ -477,7 +477,7 @@ def _forward(cfg: _Config, q, k, v, arrays):
 
 # ----------------------------------------------------------------- backward
 def _grad_chunk(
-  cfg: _Config, q, do, lse, delta, q_info: Tokens, dq, kv, dkv, k_arrays, src_rank, active=True
+  cfg: PassConfig, q, do, lse, delta, q_info: Tokens, dq, kv, dkv, k_arrays, src_rank, active=True
 ):
   """Add one K/V chunk's contributions to dq (local) and dk/dv (travelling)."""
   k, v = kv
@@ -531,7 +531,7 @@ def _grad_chunk(
 
 
 def _pallas_grad_chunk(
-  cfg: _Config,
+  cfg: PassConfig,
   q,
   do,
   lse,
@@ -553,7 +553,7 @@ def _pallas_grad_chunk(
   return dq + dq_c, (dkv[0] + dk_c, dkv[1] + dv_c)
 
 
-def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
+def _backward(cfg: PassConfig, q, k, v, arrays, out, lse, do):
   cp = cfg.layout.cp_size
   rank = _query_rank(cfg)
   q_info = _tokens(cfg, rank, arrays)
@@ -630,11 +630,11 @@ def _backward(cfg: _Config, q, k, v, arrays, out, lse, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: _Config, q, k, v, arrays):
+def ring_passes(cfg: PassConfig, q, k, v, arrays):
   return _forward(cfg, q, k, v, arrays)[0]
 
 
-def _ring_fwd(cfg: _Config, q, k, v, arrays):
+def _ring_fwd(cfg: PassConfig, q, k, v, arrays):
   out, lse = _forward(cfg, q, k, v, arrays)
   return out, (q, k, v, arrays, out, lse)
 
@@ -650,11 +650,11 @@ def _sum_over_replicas(grad, primal):
   return lax.psum(grad, extra) if extra else grad
 
 
-def _ring_bwd(cfg: _Config, residuals, do):
+def _ring_bwd(cfg: PassConfig, residuals, do):
   q, k, v, arrays, out, lse = residuals
   grads = _backward(cfg, q, k, v, arrays, out, lse, do)
   dq, dk, dv = (_sum_over_replicas(g, x) for g, x in zip(grads, (q, k, v)))
   return dq, dk, dv, jax.tree.map(lambda _: None, arrays)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+ring_passes.defvjp(_ring_fwd, _ring_bwd)

@@ -1,12 +1,11 @@
 """A batch's sequence streams: which keys are cut along the sequence, on which
-dimension, how they are padded, and how an array is given a mesh sharding.
-
-The helpers :mod:`cpjax.sharding` and :mod:`cpjax.global_attention` share.
+dimension and how they are padded: the batch package's own helpers for
+:mod:`cpjax.batch.sharding` (package-private).
 Shape letters: ``B`` batch, ``S`` original length, ``Sp`` padded length,
 ``T`` positions taken per row.
 
 >>> import numpy as np
->>> sorted(_sequence_streams({"input_ids": np.zeros((1, 4)), "labels": np.zeros((1, 4)),
+>>> sorted(sequence_streams({"input_ids": np.zeros((1, 4)), "labels": np.zeros((1, 4)),
 ...                           "pixel_values": np.zeros((1, 3))}, aux_only=False, extra={}).items())
 [('input_ids', 1), ('labels', 1)]
 """
@@ -17,46 +16,23 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cpjax import batch as batch_lib
+from cpjax.batch import normalize as batch_lib
 
 # Auxiliary (no-grad) streams and their right-pad values; the primary
 # streams follow. ``position_ids`` is special: it keeps counting.
-_AUX_PAD_VALUES = {
+AUX_PAD_VALUES = {
   "labels": batch_lib.IGNORE_INDEX,
   "loss_mask": 0,
   "padding_mask": True,
   batch_lib.DOCUMENT_IDS_KEY: 0,
 }
-_PRIMARY_STREAMS = ("input_ids", "inputs_embeds", "mm_token_type_ids")
-_REPLICATED_ALWAYS = ("pixel_values", "image_position_ids")
+PRIMARY_STREAMS = ("input_ids", "inputs_embeds", "mm_token_type_ids")
+REPLICATED_ALWAYS = ("pixel_values", "image_position_ids")
 
 
-def _mesh_axis_size(mesh: Mesh, name: str, argument: str) -> int:
-  if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  if name not in mesh.axis_names:
-    raise ValueError(
-      f"{argument}={name!r} is not an axis of the mesh; mesh axes are {tuple(mesh.axis_names)}"
-    )
-  return dict(mesh.shape)[name]
-
-
-def _place(x, mesh: Mesh, spec: P):
-  """Give ``x`` the sharding ``spec`` names, on Explicit and Auto meshes alike."""
-  sharding = NamedSharding(mesh, spec)
-  named = {
-    a for part in spec if part is not None for a in (part if isinstance(part, tuple) else (part,))
-  }
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  if named and all(types[a] == jax.sharding.AxisType.Auto for a in named):
-    return jax.lax.with_sharding_constraint(x, sharding)
-  return jax.reshard(x, sharding)
-
-
-def _spec(
+def stream_spec(
   ndim: int,
   *,
   seq_dim: int | None,
@@ -72,7 +48,7 @@ def _spec(
   return P(*parts)
 
 
-def _pad_stream(key: str, x, seq_dim: int, pad_len: int, pad_value):
+def pad_stream(key: str, x, seq_dim: int, pad_len: int, pad_value):
   if pad_len == 0:
     return x
   if key == "position_ids":
@@ -87,31 +63,7 @@ def _pad_stream(key: str, x, seq_dim: int, pad_len: int, pad_value):
   return jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
 
 
-def take_rows(x, index, *, seq_dim: int, batch_dim: int | None):
-  """Gather ``x`` along ``seq_dim`` with a per-row index int[B, T].
-
-  Row b of the result takes positions ``index[b]`` (``batch_dim`` None: x has
-  no batch dimension and every row of ``index`` must be the same; row 0 is used).
-
-  Args:
-    x: the array.
-    index: int[B, T], the positions each row takes.
-    seq_dim: ``x``'s sequence dimension.
-    batch_dim: ``x``'s batch dimension, or None.
-
-  Returns:
-    ``x`` gathered along ``seq_dim``.
-  """
-  if batch_dim is None:
-    return jnp.take(x, index[0], axis=seq_dim)
-  shape = [1] * x.ndim
-  shape[batch_dim], shape[seq_dim] = index.shape
-  full = list(x.shape)
-  full[seq_dim] = index.shape[1]
-  return jnp.take_along_axis(x, jnp.broadcast_to(index.reshape(shape), full), axis=seq_dim)
-
-
-def _check_extra_keys(batch: Mapping, extra_seq_keys, extra_pad_values):
+def check_extra_keys(batch: Mapping, extra_seq_keys, extra_pad_values):
   extra = dict(extra_seq_keys or {})
   for key, dim in extra.items():
     if key not in batch:
@@ -135,7 +87,7 @@ def _check_extra_keys(batch: Mapping, extra_seq_keys, extra_pad_values):
   return extra
 
 
-def _batch_dims(
+def batch_dims(
   batch: Mapping, streams: Mapping[str, int], extra: Mapping[str, int], batch_size: int
 ) -> dict:
   """{key: batch dim or None} of the sharded streams.
@@ -153,30 +105,15 @@ def _batch_dims(
   return dims
 
 
-def _sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int]):
+def sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int]):
   """{key: seq_dim} of every stream that is padded and sharded."""
   streams = {}
-  for key in (*_AUX_PAD_VALUES, "position_ids"):
+  for key in (*AUX_PAD_VALUES, "position_ids"):
     if key in batch:
       streams[key] = 2 if key == "position_ids" and jnp.ndim(batch[key]) == 3 else 1
   if not aux_only:
-    for key in _PRIMARY_STREAMS:
+    for key in PRIMARY_STREAMS:
       if key in batch:
         streams[key] = 1
   streams.update(extra)
   return streams
-
-
-def _gather_dim(x, dim: int):
-  """Un-shard dimension ``dim`` of ``x`` (other dimensions keep their sharding).
-
-  On an Explicit mesh a permuting gather along a sharded dimension has no
-  unambiguous output sharding, so the dimension is made whole first.
-  """
-  sharding = jax.typeof(x).sharding
-  spec = getattr(sharding, "spec", None)
-  if spec is None or dim >= len(spec) or spec[dim] is None:
-    return x
-  parts = list(spec)
-  parts[dim] = None
-  return jax.reshard(x, NamedSharding(sharding.mesh, P(*parts)))

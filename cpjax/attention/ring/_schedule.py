@@ -6,10 +6,10 @@ Everything here is decided before tracing, from the layout and the mask:
   one direction by default; with a bounded reach, only the hops that can
   reach it, in one direction for a causal contiguous layout and in both
   directions otherwise).
-* :func:`default_block_size` and ``_block_sizes``: the ``block_q x
+* :func:`default_block_size` and ``block_sizes``: the ``block_q x
   block_kv`` tiles of one hop, checked against a Pallas target's tiling rules.
 
-The passes that run the schedule are :mod:`cpjax.ring._passes`; the public
+The passes that run the schedule are :mod:`cpjax.attention.ring._passes`; the public
 entry point is :func:`cpjax.ring_attention`.
 """
 
@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cpjax.layout import ShardLayout, rank_order
+from cpjax.attention.ring.kernels._targets import TARGETS
+from cpjax.batch.layout import ShardLayout, rank_order
 from cpjax.masks import AttentionMask, MaskRule, MaskSpec, Reach
-from cpjax.ring.kernels._targets import TARGETS
 
 __all__ = ["DEFAULT_BLOCK", "Halo", "RingPlan", "default_block_size", "halo", "ring_plan"]
 
@@ -177,7 +177,7 @@ def _divisors(n: int, top: int):
   return [x for x in range(min(n, top), 0, -1) if n % x == 0]
 
 
-def _block_sizes(
+def block_sizes(
   layout: ShardLayout,
   implementation: str,
   head_dim: int,

@@ -11,7 +11,7 @@ dK/dV accumulators so every gradient arrives home: per-device memory is O(L).
 
 Each hop's compute has two backends (``implementation``): the portable XLA
 tile loop below (a ``fori_loop`` over the hop's non-empty tiles), or fused
-Pallas kernels for TPU (Mosaic) and GPU (Triton) from :mod:`cpjax.ring.kernels`,
+Pallas kernels for TPU (Mosaic) and GPU (Triton) from :mod:`cpjax.attention.ring.kernels`,
 which fold a visiting chunk into (out, lse) that the ring merges, and take the
 saved global lse for their dq and dk/dv kernels. Both read the same per-hop
 tile schedule from the mask's block map and keep the same ring around them.
@@ -32,7 +32,7 @@ g), k/v [B, Hkv, L, D]. A query tile is then ``bq*G`` consecutive rows and
 every tile product is a plain 4-D matmul, with no layout copies on CPU.
 
 This module checks the inputs and runs the ring; the static schedule is
-:mod:`cpjax.ring._schedule` and the passes are :mod:`cpjax.ring._passes`.
+:mod:`cpjax.attention.ring._schedule` and the passes are :mod:`cpjax.attention.ring._passes`.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from cpjax import checks
-from cpjax.layout import ShardLayout
+from cpjax.attention.ring._passes import PassConfig, kernel_density, ring_passes
+from cpjax.attention.ring._schedule import block_sizes, halo, ring_plan
+from cpjax.attention.ring.kernels._common import KernelParams
+from cpjax.attention.ring.kernels._targets import resolve_implementation
+from cpjax.batch.layout import ShardLayout
 from cpjax.masks import AttentionMask, resolve_mask
 from cpjax.parallel import vary_like as _vary_like
-from cpjax.ring._passes import _Config, _ring, kernel_density
-from cpjax.ring._schedule import _block_sizes, halo, ring_plan
-from cpjax.ring.kernels._common import KernelParams
-from cpjax.ring.kernels._targets import resolve_implementation
 
 __all__ = ["STRATEGIES", "hybrid_ulysses_size", "ring_attention", "ulysses_kv_repeats"]
 
@@ -120,7 +120,7 @@ def _is_pair(axis_name) -> bool:
 
 def _ulysses_axis_size(name: str, q_heads: int) -> int:
   """The size of the hybrid's Ulysses mesh axis ``name``, which must split the query heads."""
-  size = checks.axis_size(name)
+  size = checks.bound_axis_size(name)
   if size is None:
     raise ValueError(
       f"strategy='hybrid' with a pair of axes runs Ulysses over mesh axis {name!r} "
@@ -245,7 +245,7 @@ def ring_attention(
     logits_soft_cap: ``c`` for ``c * tanh(logits / c)``.
     block_q, block_kv: tile sizes in tokens; must divide ``layout.chunk_len``
       (default: :func:`default_block_size` for XLA, the target's tile record
-      for Pallas; see :mod:`cpjax.ring.kernels`).
+      for Pallas; see :mod:`cpjax.attention.ring.kernels`).
     implementation: the per-hop backend: ``"xla"`` (a tile loop, any
       backend), ``"pallas_tpu"`` or ``"pallas_gpu"`` (fused kernels), or
       None for the default backend's Pallas target (XLA on CPU).
@@ -356,7 +356,7 @@ def ring_attention(
   g = hq // hkv // repeats
   ring_layout = _group_layout(layout, size) if strategy == "hybrid" else layout
   row = layout.padded_seq_len
-  block_q, block_kv = _block_sizes(
+  block_q, block_kv = block_sizes(
     ring_layout,
     implementation,
     d,
@@ -377,7 +377,7 @@ def ring_attention(
       groups=g,
       interpret=interpret,
     )
-  cfg = _Config(
+  cfg = PassConfig(
     layout=ring_layout,
     axis_name=axis_name,
     rule=mask.rule,
@@ -425,12 +425,12 @@ def ring_attention(
   return _row_to_heads(order(out, inverse=True), ulysses_axis, groups)
 
 
-def _head_major(cfg: _Config, q, k, v, arrays):
+def _head_major(cfg: PassConfig, q, k, v, arrays):
   """Run the passes on [B, T, Hq, D] queries (T: this rank's tokens or the
   row) in the passes' head-major layout, and return [B, T, Hq, D]."""
   b, t, hq, d = q.shape
   hkv, g = k.shape[2], cfg.groups
   qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  out = _ring(cfg, qh, kh, vh, arrays)
+  out = ring_passes(cfg, qh, kh, vh, arrays)
   return out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)

@@ -51,7 +51,7 @@ __all__ = [
 
 DOCUMENT_IDS_KEY = "_packed_seq_ids"
 # Under a "document_balanced" layout: for each token in rank order, its index
-# in the padded original row (cpjax.balance reorders whole documents).
+# in the padded original row (cpjax.batch.balance reorders whole documents).
 SOURCE_INDEX_KEY = "_source_index"
 # ... and the batch's own _packed_seq_ids, which that layout renumbers 1..n in
 # the reordered row's order (so the ring's blocks see narrow id ranges).

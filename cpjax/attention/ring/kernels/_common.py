@@ -28,9 +28,9 @@ from jax.experimental import pallas as pl
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from cpjax.attention.ring.kernels import _cost, _interpret
 from cpjax.masks import BlockMap, MaskRule, Tokens
 from cpjax.parallel import BATCH_AXES, HEAD_AXIS, vary_over, varying_axes
-from cpjax.ring.kernels import _cost, _interpret
 
 __all__ = [
   "KernelParams",
@@ -66,7 +66,7 @@ class KernelParams:
   interpret: Any  # bool, or a pltpu.InterpretParams (hashable) for Pallas' TPU interpreter
   # The share of a call's (row, key) pairs its tiles visit, on average over
   # the calls of one ring-attention call: what its cost estimate counts
-  # (cpjax.ring.kernels._cost).
+  # (cpjax.attention.ring.kernels._cost).
   density: float = 1.0
 
   @property
@@ -259,7 +259,7 @@ def cost(params: KernelParams, kernel: str, q, keys) -> pl.CostEstimate:
 def launch(params: KernelParams, make_call, *args):
   """Run ``make_call(interpret=...)`` (a partial ``pl.pallas_call``) on ``args``:
   compiled for its target, or in Pallas' HLO interpreter when
-  ``params.interpret`` (see :mod:`cpjax.ring.kernels._interpret`)."""
+  ``params.interpret`` (see :mod:`cpjax.attention.ring.kernels._interpret`)."""
   if not params.interpret:
     return make_call(interpret=False)(*args)
   if not isinstance(params.interpret, bool):
