@@ -422,6 +422,7 @@ def step_row(run, name, cfg, seq_len: int, lora: int | None) -> dict:
     seq_len=seq_len,
     mesh={"cp": 1},
     remat="full",
+    strategy="ring",
     batch_size=1,
     dtype="bfloat16",
     lora_rank=lora,

@@ -100,7 +100,13 @@ def main() -> None:
     ):
       start = time.perf_counter()
       step, params, opt_state, _ = plan.compile_step(
-        cfg, seq_len=args.seq_len, mesh=mesh, dtype="float32", capacity_factor=capacity
+        cfg,
+        seq_len=args.seq_len,
+        mesh=mesh,
+        dtype="float32",
+        remat="full",
+        strategy="ring",
+        capacity_factor=capacity,
       )
       seconds = time.perf_counter() - start
       found = collective_bytes(step._compiled().as_text(), tails)

@@ -55,7 +55,7 @@ def measure(cfg, *, seq_len: int, mesh: dict, shard_state: str) -> dict:
   from cpjax.training import plan
 
   compiled, params, opt_state, _ = plan.compile_step(
-    cfg, seq_len=seq_len, mesh=mesh, shard_state=shard_state
+    cfg, seq_len=seq_len, mesh=mesh, shard_state=shard_state, remat="full", strategy="ring"
   )
   state = parallel.bytes_per_device(params) + parallel.bytes_per_device(opt_state)
   total = plan.compiled_bytes(compiled)
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
   from cpjax.training import plan
 
   cfg = e2b_slice()
-  n = plan._count(cfg)[0]
+  n = plan.closed_form._count(cfg)[0]
   # The reference: fsdp = 8 splits the same state over 8 devices (its batch
   # rows are 8, the state does not depend on S).
   fsdp8 = measure(cfg, seq_len=1024, mesh={"fsdp": 8}, shard_state="fsdp")["state"]
@@ -98,6 +98,8 @@ def main(argv=None) -> None:
           seq_len=seq_len,
           mesh={"cp": cp},
           dtype="float32",
+          remat="full",
+          strategy="ring",
           shard_state=shard_state,
         )
         row = {

@@ -37,7 +37,14 @@ def search(plan, Gemma4Config, seq_lens, models=MODELS, **lora) -> list[dict]:
     for seq_len in seq_lens:
       for device, memory in DEVICES.items():
         best = plan.smallest_mesh(
-          cfg, model=model, seq_len=seq_len, device_memory=plan.parse_bytes(memory), **lora
+          cfg,
+          model=model,
+          seq_len=seq_len,
+          device_memory=plan.parse_bytes(memory),
+          remat="full",
+          dtype="bfloat16",
+          strategy="ring",
+          **lora,
         )
         if best is None:
           print(f"{model:>5} {seq_len:>7} {device:>6}  no mesh up to 4096 devices")
@@ -134,8 +141,9 @@ def main() -> None:
 
     cfg = Gemma4Config.preset(model)
     mesh = parse_mesh(mesh_text)
-    got = plan.compiled_plan(cfg, model=model, seq_len=seq_len, mesh=mesh)
-    want = plan.estimate(cfg, model=model, seq_len=seq_len, mesh=mesh, dtype="float32")
+    shape = plan.StepShape(seq_len, mesh, remat="full", strategy="ring")
+    got = plan.compiled_plan(cfg, shape, model=model)
+    want = plan.estimate(cfg, shape, model=model)
     print("compiled:", got.row())
     print("estimate:", want.row())
     checks.append(

@@ -228,6 +228,8 @@ def test_plan_from_a_checkpoint_directory_reads_no_weight(capsys, monkeypatch, t
           "32768",
           "--mesh",
           "fsdp=2,cp=2",
+          "--remat",
+          "full",
           "--estimate-only",
           "--device-memory",
           "95GB",

@@ -327,7 +327,6 @@ def test_each_published_recipe_fits_its_chips_by_their_compiler(name):
   whole model at full size, compiled by that chip's compiler, fits its memory
   (minutes to a quarter of an hour each on 2 cores: `make soak`)."""
   from cpjax.models.gemma4 import Gemma4Config
-  from cpjax.training import cp_strategy
   from cpjax.training.run_file import read_run_config
 
   run, record = read_run_config(recipes.path(name)), recipes.RECIPES[name]
@@ -339,11 +338,7 @@ def test_each_published_recipe_fits_its_chips_by_their_compiler(name):
     pytest.skip(f"needs the {target.chip.platform} compiler")
   cfg = Gemma4Config.preset(run.model)
   got = plan.compiled_plan(
-    cfg,
-    model=run.model,
-    target=target,
-    **plan.run_shape(run),
-    **cp_strategy.for_run(run, cfg.text, device_memory=target.chip.memory),
+    cfg, run, model=run.model, target=target, device_memory=target.chip.memory
   )
   assert got.fits(target.chip.memory), got.row()
 

@@ -17,8 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_compiled_plan_state_equals_the_closed_form():
   cfg = gemma4.Gemma4Config.preset("tiny")
   mesh = {"fsdp": 2, "cp": 4}
-  compiled = plan.compiled_plan(cfg, model="tiny", seq_len=512, mesh=mesh)
-  closed = plan.estimate(cfg, model="tiny", seq_len=512, mesh=mesh, dtype="float32")
+  shape = plan.StepShape(512, mesh, remat="full", strategy="ring")
+  compiled = plan.compiled_plan(cfg, shape, model="tiny")
+  closed = plan.estimate(cfg, shape, model="tiny")
   # Parameters and Adam's moments: exact, 4 and 8 bytes per parameter / (fsdp x tp).
   assert compiled.params == closed.params
   assert compiled.optimizer == closed.optimizer
@@ -464,5 +465,88 @@ def test_expert_parallel_compiled_plan_state_equals_the_closed_form(mesh):
   with_ep, without = plan.estimate(cfg, mesh=mesh, **whole), plan.estimate(cfg, mesh=no_ep, **whole)
   fsdp, ep = mesh.get("fsdp", 1), mesh["ep"]
   shards = ep * fsdp if ep == mesh["cp"] else ep
-  n_e = plan._count(cfg)[3]
+  n_e = plan.closed_form._count(cfg)[3]
   assert without.params - with_ep.params == pytest.approx(4 * n_e / fsdp - 4 * n_e / shards)
+
+
+# -- The plan of a run is the plan of the run cpjax train starts (issue 62) ---
+
+
+def test_a_step_shapes_defaults_are_the_run_configs():
+  """StepShape's defaults are RunConfig's, field by field (batch_size: one
+  row per batch shard, where a run has its own rows)."""
+  from cpjax.training.run_config import RunConfig
+
+  run = plan.StepShape.of(RunConfig())
+  bare = plan.StepShape(run.seq_len, run.mesh)
+  differ = {
+    f: (getattr(run, f), getattr(bare, f))
+    for f in plan.StepShape.__dataclass_fields__
+    if getattr(run, f) != getattr(bare, f)
+  }
+  assert differ == {"batch_size": (2, None)}
+
+
+def test_estimate_takes_a_run_config_a_shape_or_keywords_alike():
+  from cpjax.training.run_config import RunConfig, with_values
+
+  cfg = gemma4.Gemma4Config.preset("tiny")
+  run = with_values(
+    RunConfig(),
+    {"dataset.seq_len": 4096, "parallel.mesh": "fsdp=2,cp=2", "remat": "full", "lora.rank": 4},
+  )
+  by_run = plan.estimate(cfg, run, model="tiny")
+  shape = plan.StepShape.of(run)
+  by_shape = plan.estimate(cfg, shape, model="tiny")
+  by_keywords = plan.estimate(cfg, model="tiny", **vars(shape))
+  assert by_run == by_shape == by_keywords
+  assert (by_run.remat, by_run.dtype, by_run.lora_rank) == ("full", "float32", 4)
+  # A keyword over a run's shape changes that setting only: without remat
+  # every layer keeps its activations.
+  kept = plan.estimate(cfg, run, model="tiny", remat="none")
+  assert (kept.remat, kept.params, kept.optimizer) == ("none", by_run.params, by_run.optimizer)
+  assert kept.activations > by_run.activations
+  with pytest.raises(TypeError, match=r"unknown step settings \['rank'\]"):
+    plan.estimate(cfg, run, model="tiny", rank=4)
+  with pytest.raises(TypeError, match="shape must be a StepShape or a RunConfig, got dict"):
+    plan.estimate(cfg, {"seq_len": 8}, model="tiny")
+
+
+def plan_and_train_shapes(argv: list[str]):
+  """The StepShape `cpjax plan ARGV --estimate-only` plans and the one
+  `cpjax train ARGV` runs, each read by its own command's code."""
+  import argparse
+
+  from cpjax.cli import build_parser, train_parser
+  from cpjax.cli import plan as plan_cli
+  from cpjax.cli.train import read_run
+
+  parser = build_parser()
+  args, extra = parser.parse_known_args(["plan", *argv, "--estimate-only"])
+  args.run_keys = extra
+  plan_cli._from_run(parser, args)
+  planned = plan_cli.step_shape(args, args.mesh)
+  run, _ = read_run(train_parser(), argv)
+  assert isinstance(args, argparse.Namespace)
+  return planned, plan.StepShape.of(run)
+
+
+@pytest.mark.parametrize("recipe", sorted(__import__("cpjax.recipes").recipes.RECIPES))
+def test_cli_plan_and_train_agree_on_every_setting_of_a_recipe(recipe):
+  planned, trained = plan_and_train_shapes(["--recipe", recipe])
+  assert planned == trained
+
+
+def test_cli_plan_and_train_agree_without_a_recipe():
+  """With no run file, both take the run config's defaults (remat none,
+  float32, the rule's strategy), and the keys given."""
+  planned, trained = plan_and_train_shapes(
+    ["--model", "tiny", "--dataset.seq_len", "512", "--parallel.cp", "2", "--lora.rank", "4"]
+  )
+  assert planned == trained
+  assert (planned.remat, planned.dtype, planned.strategy, planned.lora_rank) == (
+    "none",
+    "float32",
+    "auto",
+    4,
+  )

@@ -141,3 +141,18 @@ def _eval_loss_is_the_saved_models(tmp_path, base, eval_loss):
   sums = [single(params, gemma4.prepare_batch(b, saved.cfg)) for b in rows]
   reference = sum(float(s) for s, _ in sums) / sum(float(n) for _, n in sums)
   np.testing.assert_allclose(eval_loss, reference, rtol=2e-6)
+
+
+def test_planning_a_run_from_python_is_the_plan_of_the_run(capsys):
+  """The Planning section's snippet prints the closed form's row of the run
+  it builds: the same as the shape derived from that run, with its remat."""
+  from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.training import plan
+  from cpjax.training.run_config import RunConfig, with_values
+
+  exec(compile(section_code("Planning a run"), str(README), "exec"), {})  # noqa: S102
+  printed = capsys.readouterr().out.strip()
+  run = with_values(RunConfig(), {"dataset.seq_len": 4096, "parallel.cp": 2, "remat": "full"})
+  want = plan.estimate(Gemma4Config.preset("tiny"), plan.StepShape.of(run), model="tiny")
+  assert printed == want.row()
+  assert want.remat == "full" and want.mesh == {"cp": 2}

@@ -65,7 +65,6 @@ def test_each_published_size_recipe_fits_its_device(name):
   CP strategies) of each recipe, as written, fits the device it names, on
   the number of devices it names."""
   from cpjax.models.gemma4 import Gemma4Config
-  from cpjax.training import cp_strategy
 
   run, target = read_run_config(recipes.path(name)), recipes.RECIPES[name]
   assert devices_needed(run) == target.devices
@@ -75,11 +74,7 @@ def test_each_published_size_recipe_fits_its_device(name):
   assert abs(chips.chip.memory - plan.parse_bytes(target.device_memory)) < 2**30
   cfg = Gemma4Config.preset(run.model)
   est = plan.estimate(
-    cfg,
-    model=run.model,
-    platform=chips.chip.platform,
-    **plan.run_shape(run),
-    **cp_strategy.for_run(run, cfg.text, device_memory=chips.chip.memory),
+    cfg, run, model=run.model, platform=chips.chip.platform, device_memory=chips.chip.memory
   )
   memory = plan.parse_bytes(target.device_memory)
   assert est.fits(memory), est.row()

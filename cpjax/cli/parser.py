@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     "--remat",
     default=None,
     choices=("none", "full", "save_attention_out"),
-    help="per-layer rematerialisation (default full)",
+    help="per-layer rematerialisation (default: the run config's, else none, as cpjax train)",
   )
   plan.add_argument(
     "--batch-size",

@@ -101,7 +101,10 @@ def _from_run(parser, args) -> None:
       ),
     }
     for key, (value, keys) in given.items():
-      if getattr(args, key) is None and named(*keys):
+      # A run's rows are its own even when no key names them: cpjax train
+      # runs dataset.batch_size's default (a plan without a run: one row a
+      # batch shard).
+      if getattr(args, key) is None and (named(*keys) or key == "batch_size"):
         setattr(args, key, value)
   if args.seq_len is None:
     parser.exit(
@@ -109,15 +112,50 @@ def _from_run(parser, args) -> None:
       "cpjax plan: error: give --seq-len (or a run config: --recipe, --config, "
       "--dataset.seq_len)\n",
     )
-  # The run's CP strategy where it names one, else what cpjax train's auto picks.
-  args.strategy = run.parallel.strategy if named("parallel.strategy") else "auto"
-  args.remat = args.remat or "full"
-  args.shard_state = args.shard_state or "fsdp+cp"
-  # The compiled step's activations: the run's dtype; float32 without a run
+  # Every setting left unset is the run config's default (StepShape's), so
+  # the plan is of the run cpjax train would start.
+  from cpjax.training.plan import StepShape
+
+  default = StepShape(args.seq_len, None)
+  ran = StepShape.of(run) if run is not None else default
+  args.strategy = ran.strategy if named("parallel.strategy") else default.strategy
+  args.remat = args.remat or default.remat
+  args.shard_state = args.shard_state or default.shard_state
+  args.lora_targets = ran.lora_targets if named("lora.targets") else default.lora_targets
+  args.layout = ran.layout if named("parallel.layout") else default.layout
+  # The compiled step's activations: the run's dtype, float32 by default
   # (XLA:CPU's partitioner aborts on bfloat16 weight gradients over fsdp/tp).
   args.dtype_flag = args.dtype
   if args.dtype is None:
-    args.dtype = run.dtype if named("dtype") else "float32"
+    args.dtype = run.dtype if named("dtype") else default.dtype
+
+
+def step_shape(args, mesh: dict | None):
+  """Return the :class:`~cpjax.training.plan.StepShape` this plan is of, on ``mesh``.
+
+  The one place ``cpjax plan`` turns its flags (filled from the run config
+  by :func:`_from_run`) into the step it estimates, compiles or searches.
+
+  Args:
+    args: the parsed command line, after :func:`_from_run`.
+    mesh: ``{axis: size}``, or None where a search picks it.
+  """
+  from cpjax.training.plan import StepShape
+
+  return StepShape(
+    seq_len=args.seq_len,
+    mesh=None if mesh is None else dict(mesh),
+    batch_size=args.batch_size,
+    dtype=args.dtype,
+    remat=args.remat,
+    lora_rank=args.lora_rank,
+    base_dtype=args.base_dtype or "float32",
+    lora_targets=args.lora_targets,
+    capacity_factor=args.capacity_factor,
+    shard_state=args.shard_state,
+    layout=args.layout,
+    strategy=args.strategy,
+  )
 
 
 def _target(parser, args):
@@ -203,11 +241,6 @@ def plan(parser, args) -> int:
     )
   if target is not None and args.estimate_only:
     parser.exit(2, "cpjax plan: error: --target compiles; it does not go with --estimate-only\n")
-  lora = {
-    "lora_rank": args.lora_rank,
-    "base_dtype": args.base_dtype or "float32",
-    "shard_state": args.shard_state,
-  }
   cfg, name = plan_config(parser, args)
   # The closed form follows the target's compiler (XLA:TPU's without one).
   platform = target.chip.platform if target is not None else "tpu"
@@ -225,16 +258,11 @@ def plan(parser, args) -> int:
   if mesh is None:
     found = plan.smallest_mesh(
       cfg,
+      step_shape(args, None),
       model=name,
-      seq_len=args.seq_len,
       device_memory=args.device_memory,
-      remat=args.remat,
-      batch_size=args.batch_size,
       expert_parallel=args.expert_parallel,
-      capacity_factor=args.capacity_factor,
       platform=platform,
-      strategy=args.strategy,  # the strategies it is then planned and compiled with
-      **lora,
     )
     if found is None:
       print(
@@ -256,32 +284,26 @@ def plan(parser, args) -> int:
   machine.use_cpu_devices(devices)
   seconds = None
   try:
-    step = dict(
-      model=name,
-      seq_len=args.seq_len,
-      mesh=mesh,
-      remat=args.remat,
-      batch_size=args.batch_size,
-      capacity_factor=args.capacity_factor,
-      **lora,
-    )
+    shape = step_shape(args, mesh)
     choices = cp_strategy.choose(
       cfg.text,
       seq_len=args.seq_len,
       cp=mesh.get("cp", 1),
       tp=mesh.get("tp", 1),
-      layout=_layout(args),
+      layout=shape.layout,
       device_memory=args.device_memory,
     )
-    step.update(_strategies(cfg, args, mesh))
+    memory = args.device_memory
     rows = [
-      plan.estimate(cfg, dtype=dtype, platform=platform, **step)
-      for dtype in ("bfloat16", "float32")
+      plan.estimate(cfg, shape, model=name, dtype=d, platform=platform, device_memory=memory)
+      for d in ("bfloat16", "float32")
     ]
     if not args.estimate_only:
       start = time.perf_counter()
       dtype = args.dtype if target is not None else "float32"
-      rows.append(plan.compiled_plan(cfg, target=target, dtype=dtype, **step))
+      rows.append(
+        plan.compiled_plan(cfg, shape, model=name, target=target, dtype=dtype, device_memory=memory)
+      )
       seconds = time.perf_counter() - start
   except ImportError as e:  # a target's compiler is not installed
     parser.exit(2, f"cpjax plan: error: --target: {e}\n")
@@ -354,14 +376,7 @@ def _search(parser, args, chip) -> int:
   expert_parallel = args.expert_parallel or "ep" in (args.mesh or {})
   largest = 4096
   machine.use_cpu_devices(largest)  # (they lay out the abstract batch only)
-  settings = dict(
-    remat=args.remat,
-    batch_size=args.batch_size,
-    capacity_factor=args.capacity_factor,
-    lora_rank=args.lora_rank,
-    base_dtype=args.base_dtype or "float32",
-    shard_state=args.shard_state,
-  )
+  shape = step_shape(args, None)
   print(
     f"cpjax plan: Gemma 4 {name}, S={args.seq_len}, remat {args.remat}, searching the "
     f"slices of {chip.name} ({plan.format_bytes(args.device_memory)} a device) from the "
@@ -381,16 +396,13 @@ def _search(parser, args, chip) -> int:
   try:
     found, tried = plan.smallest_slice(
       cfg,
+      shape,
       chip=chip,
       model=name,
-      seq_len=args.seq_len,
       max_devices=largest,
       expert_parallel=expert_parallel,
-      strategy=args.strategy,
       device_memory=args.device_memory,
-      dtype=args.dtype,
       report=report,
-      **settings,
     )
   except ImportError as e:  # the chip's compiler is not installed
     parser.exit(2, f"cpjax plan: error: --target: {e}\n")
@@ -410,37 +422,20 @@ def _search(parser, args, chip) -> int:
     f"cpjax plan --target {found.source} plans it alone"
   )
   if args.write_config is not None:
-    step = dict(
-      model=name,
-      seq_len=args.seq_len,
-      mesh=found.mesh,
-      platform=chip.platform,
-      **settings,
-      **_strategies(cfg, args, found.mesh),
-    )
-    rows = [plan.estimate(cfg, **{**step, "dtype": d}) for d in ("bfloat16", "float32")]
+    rows = [
+      plan.estimate(
+        cfg,
+        shape,
+        model=name,
+        mesh=found.mesh,
+        dtype=d,
+        platform=chip.platform,
+        device_memory=args.device_memory,
+      )
+      for d in ("bfloat16", "float32")
+    ]
     _write_config(args, cfg, name, rows, found.mesh, found, chip.platform)
   return 0
-
-
-def _strategies(cfg, args, mesh: dict) -> dict:
-  """The step's CP strategies on ``mesh``: the rule's choice and the loss's
-  auto (as cpjax train takes them), or the run's named strategy."""
-  from cpjax.training import cp_strategy
-
-  return cp_strategy.for_step(
-    cfg.text,
-    seq_len=args.seq_len,
-    mesh=mesh,
-    strategy=args.strategy,
-    layout=_layout(args),
-    device_memory=args.device_memory,
-  )
-
-
-def _layout(args) -> str:
-  """The run's layout (the rule's choices depend on it)."""
-  return args.run.parallel.layout if args.run is not None else "load_balanced"
 
 
 def _write_config(
@@ -469,15 +464,11 @@ def _write_config(
   batch = args.batch_size or fsdp
   parity = args.device_memory is None or plan.estimate(
     cfg,
+    step_shape(args, {}),
     model=name,
-    seq_len=args.seq_len,
-    mesh={},
-    remat=args.remat,
     dtype=dtype,
     batch_size=batch,
-    lora_rank=args.lora_rank,
     platform=platform,
-    base_dtype=args.base_dtype or "float32",
   ).fits(args.device_memory)
   # The run read (a recipe, a file, dotted keys) keeps every setting the plan
   # does not choose: its data, optimizer, checkpointing, ...

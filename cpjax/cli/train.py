@@ -18,9 +18,8 @@ _ONE_OF = (("model", "checkpoint"), ("parallel.mesh", "parallel.cp"))
 def train(parser, argv: list[str]) -> int:
   """Run ``cpjax train``.
 
-  Read the run config (a recipe, files, dotted keys and their short flags, a
-  resumed run's run.yaml), check it, start JAX on the devices it names, run
-  the job.
+  Read the run config (:func:`read_run`), start JAX on the devices it names,
+  run the job.
 
   Args:
     parser: ``cpjax train``'s parser.
@@ -29,7 +28,26 @@ def train(parser, argv: list[str]) -> int:
   Returns:
     The exit status.
   """
-  from cpjax.training.run_config import JobError, check, devices_needed, get, settings, with_values
+  from cpjax.training.run_config import devices_needed
+
+  run, args = read_run(parser, argv)
+  return _run_job(parser, args, run, devices_needed(run))
+
+
+def read_run(parser, argv: list[str]):
+  """Read ``cpjax train``'s run config and check it, before JAX starts.
+
+  A recipe, files, dotted keys and their short flags, a resumed run's
+  run.yaml; a usage error exits with status 2.
+
+  Args:
+    parser: ``cpjax train``'s parser.
+    argv: the command line's arguments.
+
+  Returns:
+    ``(the RunConfig, the parsed namespace)``.
+  """
+  from cpjax.training.run_config import JobError, check, get, settings, with_values
   from cpjax.training.run_file import RUN_FILE, alias_flag, given_keys, run_from_namespace
 
   def fail(message):
@@ -75,7 +93,16 @@ def train(parser, argv: list[str]) -> int:
     check(run, name=name)
   except JobError as e:
     fail(e)
-  devices = devices_needed(run)
+  return run, args
+
+
+def _run_job(parser, args, run, devices: int) -> int:
+  """Start JAX on the run's devices, check its memory, run the job."""
+  from cpjax.training.run_config import JobError
+
+  def fail(message):
+    parser.exit(2, f"cpjax train: error: {message}\n")
+
   _start_jax(parser, args, devices)
   import jax
 
@@ -179,7 +206,7 @@ def _check_memory(parser, run) -> None:
 
   import jax
 
-  from cpjax.training import cp_strategy, plan
+  from cpjax.training import plan
 
   limit, what = machine.available_memory()
   if limit is None:
@@ -187,14 +214,12 @@ def _check_memory(parser, run) -> None:
   cfg, name = plan_config(
     parser, argparse.Namespace(command="train", model=run.model, checkpoint=run.checkpoint)
   )
-  shape = plan.run_shape(run)
-  sizes = shape["mesh"]
+  sizes = run.parallel.mesh_sizes()
   # The closed form as the compiler that will run it (XLA:TPU's off a GPU).
   platform = "cuda" if jax.devices()[0].platform == "gpu" else "tpu"
   try:
     rule = None if jax.devices()[0].platform == "cpu" else limit  # as the trainer's
-    strategies = cp_strategy.for_run(run, cfg.text, device_memory=rule)
-    est = plan.estimate(cfg, model=name, platform=platform, **shape, **strategies)
+    est = plan.estimate(cfg, run, model=name, platform=platform, device_memory=rule)
   except ValueError as e:  # a mesh the model cannot use (ep), before any compute
     parser.exit(2, f"cpjax train: error: --mesh: {e}\n")
   devices = math.prod(v for k, v in sizes.items() if k != "ep")
@@ -202,7 +227,7 @@ def _check_memory(parser, run) -> None:
     # Emulated devices share the host: each holds its own copy or shard.
     need = est.total * devices // jax.process_count()
     if run.parity_check:
-      need += plan.estimate(cfg, model=name, **{**shape, "mesh": {}}).total
+      need += plan.estimate(cfg, run, model=name, mesh={}).total
     where = f"{devices // jax.process_count()} emulated CPU devices need"
   else:
     need, where = est.total, "one device needs"

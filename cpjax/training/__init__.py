@@ -1,8 +1,9 @@
 """The training layer: the step and its loss, LoRA, checkpoints, the plan and the job.
 
-It may import the core (``cpjax/*.py``, ``cpjax/masks``, ``cpjax/ring``), the data
-pipeline (:mod:`cpjax.data`) and the models (:mod:`cpjax.models`); only the
-command line (:mod:`cpjax.cli`) imports it.
+It may import the core (:mod:`cpjax.parallel`, :mod:`cpjax.masks`,
+:mod:`cpjax.batch`, :mod:`cpjax.attention`), the data pipeline
+(:mod:`cpjax.data`) and the models (:mod:`cpjax.models`); only the command
+line (:mod:`cpjax.cli`) imports it.
 
 * :mod:`~cpjax.training.step`: ``make_train_step`` / ``make_loss_fn`` for
   any NNX model; :mod:`~cpjax.training.loss`: the cross entropy and its
@@ -10,7 +11,8 @@ command line (:mod:`cpjax.cli`) imports it.
 * :mod:`~cpjax.training.lora` (with :mod:`~cpjax.training.lora.peft_format`): LoRA
   adapters and PEFT's file format.
 * :mod:`~cpjax.training.checkpointing`: orbax train state, resume.
-* :mod:`~cpjax.training.plan`: memory per device, closed form and compiled.
+* :mod:`~cpjax.training.plan`: memory per device, closed form and compiled,
+  of a run's :class:`~cpjax.training.plan.StepShape`.
 * :mod:`~cpjax.training.run_config` (with its YAML file and command line,
   :mod:`~cpjax.training.run_file`): a run's one config;
   :mod:`~cpjax.training.trainer`: the ``cpjax train`` job that runs it.
