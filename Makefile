@@ -26,10 +26,11 @@ test: $(STAMP)
 
 # ruff: the formatter (2-space indent, 100 columns) and pyflakes, pycodestyle
 # and import order ([tool.ruff] in pyproject.toml). `ruff format .` fixes
-# what `--check` reports.
+# what `--check` reports. pyrefly checks the types on cpjax/ ([tool.pyrefly]).
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/pyrefly check
 
 # Every property test with 200 examples each, the slow-marked cases and the
 # mutation check (not in CI: hours on 2 cores, the recipes' full-size compiles

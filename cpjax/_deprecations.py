@@ -9,7 +9,8 @@ The aliases are served by a finder on :data:`sys.meta_path`, so ``import``,
 an old and a new path give the very same module object (a patch made
 through either is seen through both).
 
->>> import warnings
+>>> import sys, warnings
+>>> _ = sys.modules.pop("cpjax.sharding", None)  # (an earlier import warned already)
 >>> with warnings.catch_warnings(record=True) as caught:
 ...   warnings.simplefilter("always")
 ...   import cpjax.sharding
@@ -84,6 +85,7 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
   def create_module(self, spec):
     new = new_name(spec.name)
+    assert new is not None  # find_spec made specs for moved names only
     warn(spec.name, new, stacklevel=8)
     module = importlib.import_module(new)
     # The import system sets __spec__ on what create_module returns; keep the

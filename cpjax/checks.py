@@ -175,7 +175,7 @@ def bound_axis_size(axis_name) -> int | None:
     return None
 
 
-def cp_axis(caller: str, axis_name: str, cp_size: int) -> None:
+def cp_axis(caller: str, axis_name: str | tuple[str, ...], cp_size: int) -> None:
   """Check that ``caller`` runs where a layout of ``cp_size`` ranks can.
 
   ``caller`` runs with a layout of ``cp_size`` ranks: inside ``shard_map``
@@ -183,7 +183,7 @@ def cp_axis(caller: str, axis_name: str, cp_size: int) -> None:
 
   Args:
     caller: the calling function's name, for the error message.
-    axis_name: the CP mesh axis.
+    axis_name: the CP mesh axis (or a tuple of axes, split over together).
     cp_size: the layout's number of ranks.
   """
   size = bound_axis_size(axis_name)

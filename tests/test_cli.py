@@ -409,12 +409,25 @@ def test_plan_for_a_bare_chip_searches_its_slices_and_writes_the_smallest(
 
   totals = {"v5e-4": 17 * plan.GiB, "v5e-8": 12 * plan.GiB}
 
-  def compiled_plan(cfg, *, target, model, seq_len, mesh, dtype, **kw):
+  def compiled_plan(cfg, shape, *, target, model, device_memory=None, **settings):
+    shape = plan.StepShape.take(shape, settings)
     total = totals[target.name]
-    return plan.Plan(model, seq_len, mesh, "full", dtype, 0, 0, total, total, 0.0, target.name)
+    return plan.Plan(
+      model,
+      shape.seq_len,
+      shape.mesh,
+      shape.remat,
+      shape.dtype,
+      0,
+      0,
+      total,
+      total,
+      0.0,
+      target.name,
+    )
 
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  monkeypatch.setattr(plan, "compiled_plan", compiled_plan)
+  monkeypatch.setattr(plan.search, "compiled_plan", compiled_plan)
   path = tmp_path / "plan.yaml"
   argv = ["plan", "--recipe", "e2b-lora-128k", "--target", "v5e", "--write-config", str(path)]
   assert cli.main(argv) in (0, None)
@@ -452,9 +465,12 @@ def test_plan_for_a_sized_slice_with_expert_parallel_folds_ep_onto_its_cp(capsys
 
   meshes = []
 
-  def compiled_plan(cfg, *, target, model, seq_len, mesh, dtype, **kw):
-    meshes.append(mesh)
-    return plan.Plan(model, seq_len, mesh, "full", dtype, 0, 0, 1, 1, 0.0, target.name)
+  def compiled_plan(cfg, shape, *, target, model, device_memory=None, **settings):
+    shape = plan.StepShape.take(shape, settings)
+    meshes.append(shape.mesh)
+    return plan.Plan(
+      model, shape.seq_len, shape.mesh, shape.remat, shape.dtype, 0, 0, 1, 1, 0.0, target.name
+    )
 
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   monkeypatch.setattr(plan, "compiled_plan", compiled_plan)
@@ -480,7 +496,7 @@ def test_plan_target_follows_the_gpu_compiler(target, platform, capsys, monkeypa
   monkeypatch.setattr(
     plan,
     "compiled_plan",
-    lambda cfg, **kw: plan.estimate(cfg, **{k: v for k, v in kw.items() if k != "target"}),
+    lambda cfg, shape, *, target, **kw: plan.estimate(cfg, shape, **kw),
   )
   cli.main(["plan", "--model", "e2b", "--seq-len", "131072", "--target", target])
   out = capsys.readouterr().out

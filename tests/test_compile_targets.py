@@ -251,8 +251,14 @@ def test_the_training_step_compiles_for_the_chip(target, preset, mesh, record):
   ``cpjax plan --target`` compiles it, and its memory against the record."""
   from cpjax.models.gemma4 import Gemma4Config
 
+  # The records' settings: full remat, the ring (a run's defaults are none and auto).
   compiled, _, _, _ = plan.compile_step(
-    Gemma4Config.preset(preset), seq_len=4096, mesh=mesh, devices=devices(target)
+    Gemma4Config.preset(preset),
+    seq_len=4096,
+    mesh=mesh,
+    remat="full",
+    strategy="ring",
+    devices=devices(target),
   )
   text = compiled.as_text()
   call, _ = KERNEL[target]
@@ -543,6 +549,7 @@ def test_kv_shared_layers_keep_no_whole_row_gradient_alive_on_the_tpu():
     seq_len=seq_len,
     mesh={"cp": 8},
     dtype="bfloat16",
+    remat="full",
     devices=devices("v5e-8"),
     strategy="all_gather",
   )

@@ -59,8 +59,8 @@ def test_the_closed_form_adds_the_strategies_whole_row_buffers():
   (d = 1536) and their float32 gradient with labels and lse, where the ring
   holds two ranks' worth."""
   cfg = gemma4.Gemma4Config.preset("e2b")
-  shape = dict(model="e2b", seq_len=131072, mesh={"cp": 8}, dtype="bfloat16")
-  ring = plan.estimate(cfg, **shape).activations
+  shape = dict(model="e2b", seq_len=131072, mesh={"cp": 8}, dtype="bfloat16", remat="full")
+  ring = plan.estimate(cfg, **shape, strategy="ring").activations
   for strategy in ({"full_attention": "all_gather"}, "ulysses", "full_attention=ulysses"):
     got = plan.estimate(cfg, **shape, strategy=strategy).activations - ring
     assert got == 131072 * 512 * 12, strategy
@@ -68,25 +68,29 @@ def test_the_closed_form_adds_the_strategies_whole_row_buffers():
   assert halo.activations - ring == 1024 * 256 * 12
   hybrid = plan.estimate(cfg, **shape, strategy="hybrid").activations
   assert hybrid == ring  # (E2B's one K/V head makes no group; the closed form holds the ring's)
-  loss = plan.estimate(cfg, **shape, loss_strategy="all_gather").activations - ring
+  loss = plan.estimate(cfg, **shape, strategy="ring", loss_strategy="all_gather").activations
+  loss -= ring
   per_token = 1536 * 2 + 4 * 1536 + 8
   assert loss == 131072 * per_token - 2 * 16384 * per_token
-  assert plan.estimate(cfg, **shape, loss_strategy="auto").activations - ring == loss
+  auto_loss = plan.estimate(cfg, **shape, strategy="ring", loss_strategy="auto")
+  assert auto_loss.activations - ring == loss
 
 
 def test_smallest_mesh_fits_and_the_next_smaller_does_not():
   cfg = gemma4.Gemma4Config.preset("e4b")
   memory = plan.parse_bytes("95GiB")
-  found = plan.smallest_mesh(cfg, model="e4b", seq_len=131072, device_memory=memory)
+  old = dict(remat="full", dtype="bfloat16", strategy="ring")  # the settings it was written for
+  found = plan.smallest_mesh(cfg, model="e4b", seq_len=131072, device_memory=memory, **old)
   assert found is not None and found.fits(memory)
   devices = found.mesh.get("fsdp", 1) * found.mesh["cp"]
   for cp in (1, 2, 4, 8, 16, 32, 64):
     if devices // 2 >= cp:
       smaller = {"fsdp": devices // 2 // cp, "cp": cp}
-      assert not plan.estimate(cfg, model="e4b", seq_len=131072, mesh=smaller).fits(memory)
+      smaller_plan = plan.estimate(cfg, model="e4b", seq_len=131072, mesh=smaller, **old)
+      assert not smaller_plan.fits(memory)
   # A misspelled setting is an error even where no mesh splits the rows (a
   # sequence of 7 tokens: no mesh splits it in two), not a quiet None.
-  with pytest.raises(TypeError, match=r"unknown keywords \['lora_rnk'\]; estimate\(\) takes"):
+  with pytest.raises(TypeError, match=r"unknown step settings \['lora_rnk'\]; a StepShape has"):
     plan.smallest_mesh(cfg, model="e4b", seq_len=7, device_memory=memory, lora_rnk=16)
   assert plan.smallest_mesh(cfg, model="e4b", seq_len=7, device_memory=memory, lora_rank=16) is None
 
@@ -96,16 +100,30 @@ def _fake_compiler(monkeypatch, totals: dict) -> list:
   the list its calls are recorded in."""
   calls = []
 
-  def compiled_plan(cfg, *, target, model, seq_len, mesh, dtype, **kw):
-    calls.append((target.name, mesh, kw))
+  def compiled_plan(cfg, shape, *, target, model, mesh, device_memory):
+    shape = plan.StepShape.take(shape, {"mesh": mesh})
+    calls.append(
+      (target.name, mesh, shape, shape.strategies(cfg.text, device_memory=device_memory))
+    )
     total = totals[target.name]  # None: refused past the chip's memory
     refused = dict(collectives={}, refused=True) if total is None else {}
     total = 99 * plan.GiB if total is None else total
     return plan.Plan(
-      model, seq_len, mesh, "full", dtype, 0, 0, total, total, 0.0, target.name, **refused
+      model,
+      shape.seq_len,
+      mesh,
+      shape.remat,
+      shape.dtype,
+      0,
+      0,
+      total,
+      total,
+      0.0,
+      target.name,
+      **refused,
     )
 
-  monkeypatch.setattr(plan, "compiled_plan", compiled_plan)
+  monkeypatch.setattr(plan.search, "compiled_plan", compiled_plan)
   return calls
 
 
@@ -140,7 +158,7 @@ def test_the_target_search_compiles_down_while_it_fits_and_up_until_one_fits(
 
   calls = _fake_compiler(monkeypatch, {k: v and v * plan.GiB for k, v in totals.items()})
   cfg = gemma4.Gemma4Config.preset("e2b")
-  lora = dict(lora_rank=16, base_dtype="bfloat16")
+  lora = dict(lora_rank=16, base_dtype="bfloat16", remat="full", dtype="bfloat16")
   memory = targets.CHIPS[chip].memory
   auto = dict(seq_len=131072, strategy="auto", device_memory=memory, **lora)
   # Where the walk starts, by the closed form (GiB, in the cases' comments).
@@ -150,14 +168,14 @@ def test_the_target_search_compiles_down_while_it_fits_and_up_until_one_fits(
   best, plans = plan.smallest_slice(
     cfg, chip=targets.CHIPS[chip], model="e2b", seq_len=131072, max_devices=16, **lora
   )
-  assert [p.source for p in plans] == [name for name, _, _ in calls] == tried
+  assert [p.source for p in plans] == [call[0] for call in calls] == tried
   assert (best and best.source) == found
-  for name, mesh, kw in calls:  # each slice's best mesh, with the rule's strategies
+  for name, mesh, shape, chosen in calls:  # each slice's best mesh, with the rule's strategies
     devices = targets.parse_target(name).num_devices
     assert mesh == plan.best_mesh(cfg, model="e2b", devices=devices, **auto).mesh
     rule = cp_strategy.for_step(cfg.text, seq_len=131072, mesh=mesh, device_memory=memory)
-    assert (kw["strategy"], kw["loss_strategy"]) == (rule["strategy"], "auto")
-    assert kw["lora_rank"] == 16 and kw["base_dtype"] == "bfloat16"
+    assert (chosen["strategy"], chosen["loss_strategy"]) == (rule["strategy"], "auto")
+    assert (shape.lora_rank, shape.base_dtype, shape.remat) == (16, "bfloat16", "full")
 
 
 def test_the_closed_form_uses_the_training_loss_chunk_and_mlp_tile():
@@ -259,12 +277,15 @@ def test_cli_plan_follows_the_runs_strategy_or_the_rule():
   cfg = gemma4.Gemma4Config.preset("e2b")
   shape = dict(model="e2b", seq_len=131072, mesh={"cp": 8}, dtype="bfloat16")
   base = ("--model", "e2b", "--seq-len", "131072", "--mesh", "cp=8", "--estimate-only")
+  # (cpjax plan's remat is the run config's default, none, as the estimates' here.)
   choices = cp_strategy.choose(cfg.text, seq_len=131072, cp=8)
   auto = plan.estimate(
     cfg, **shape, strategy=cp_strategy.as_strategy(choices), loss_strategy="auto"
   )
-  ring = plan.estimate(cfg, **shape, strategy="ring")
-  assert auto.total > ring.total
+  assert auto.total > plan.estimate(cfg, **shape, strategy="ring").total
+  # A dotted key makes a run config: its rows too (dataset.batch_size 2), as
+  # cpjax train would run it.
+  ring = plan.estimate(cfg, **shape, strategy="ring", batch_size=2)
   for flags, want, said in (
     ((), auto, "cp strategy for full_attention: ulysses (8 query"),
     (("--parallel.strategy", "ring"), ring, "cp strategy: ring (the run's parallel.strategy)"),

@@ -363,7 +363,9 @@ def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   path = tmp_path / "plan.yaml"
   run = _plan(
-    "--model e2b --seq-len 131072 --lora-rank 16 --base-dtype bfloat16 --device-memory 16GiB", path
+    "--model e2b --seq-len 131072 --lora-rank 16 --base-dtype bfloat16 --remat full"
+    " --device-memory 16GiB",
+    path,
   )
   # The plan's mesh and batch (the closed form's fewest devices: 10.7 GiB
   # on cp=4, 21.1 on cp=2), bfloat16 activations (float32 does not fit 16 GiB),
@@ -373,7 +375,7 @@ def test_plan_writes_a_config_that_fits(tmp_path, capsys, monkeypatch):
   assert "fits (16 GiB per device)" in path.read_text()
   # Where float32 activations fit too, the plan keeps them; one 141 GiB
   # device holds this step too (with the MLP in tiles), so the parity check stays.
-  run = _plan("--model e2b --seq-len 131072 --mesh cp=8 --device-memory 141GiB", path)
+  run = _plan("--model e2b --seq-len 131072 --mesh cp=8 --remat full --device-memory 141GiB", path)
   assert (run.parallel.mesh, run.dtype, run.lora.rank) == ("cp=8", "float32", None)
   assert run.parity_check
   # Where one device holds the step too, the first step's parity check stays on.
@@ -397,9 +399,10 @@ def test_plan_takes_a_runs_dotted_keys_and_writes_its_other_settings(tmp_path, c
   assert (run.parallel.mesh, run.parallel.cp, run.remat) == ("fsdp=2,cp=4", None, "none")
   # A batch of 4 in 2 microbatches plans a step of 2 rows; written back whole.
   assert (run.dataset.batch_size, run.dataset.microbatches) == (4, 2)
-  # Dotted keys alone name only what they set; the plan's own flags beat them.
+  # Dotted keys alone name only what they set, the rest at the run config's
+  # defaults (remat none, as cpjax train); the plan's own flags beat them.
   _plan("--model e2b --dataset.seq_len 65536 --parallel.mesh cp=8")
-  assert "Gemma 4 e2b, S=65536, remat full, full training, 8 devices" in capsys.readouterr().out
+  assert "Gemma 4 e2b, S=65536, remat none, full training, 8 devices" in capsys.readouterr().out
   _plan("--dataset.seq_len 65536 --seq-len 4096 --mesh cp=2")
   assert "Gemma 4 tiny, S=4096" in capsys.readouterr().out
   for argv, message in (
@@ -445,7 +448,7 @@ def test_plan_takes_dotted_keys_with_a_transformers_checkpoint(
     loss_strategy="auto",
   )
   assert f"  {want.row()} [bfloat16 activations]" in out, out
-  assert "S=512, remat full, full training, 8 devices" in out, out
+  assert "S=512, remat none, full training, 8 devices" in out, out
 
 
 def test_python_users_get_dotted_keys():

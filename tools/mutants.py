@@ -164,7 +164,7 @@ MUTANTS = (
   ),
   Mutant(
     "target search: compiles smaller slices the measured ratio puts past the memory",
-    "cpjax/training/plan.py",
+    "cpjax/training/plan/search.py",
     "      <= SMALLER_SLICE_SLACK * memory",
     "      <= 100 * memory",
     (
@@ -174,7 +174,7 @@ MUTANTS = (
   ),
   Mutant(
     "target search: stops at the first slice that fits, however large",
-    "cpjax/training/plan.py",
+    "cpjax/training/plan/search.py",
     "  if compiled(i).fits(memory):\n    while (\n      i > 0",
     "  if compiled(i).fits(memory):\n    while (\n      i < 0",
     (
@@ -194,7 +194,7 @@ MUTANTS = (
   ),
   Mutant(
     "plan: a compile refused past the chip's memory is a traceback",
-    "cpjax/training/plan.py",
+    "cpjax/training/plan/compiled.py",
     "    refusal = _hbm_refusal(str(e))",
     "    refusal = None",
     (
@@ -204,7 +204,7 @@ MUTANTS = (
   ),
   Mutant(
     "plan: a refused compile's lower bound judged as a fit",
-    "cpjax/training/plan.py",
+    "cpjax/training/plan/shape.py",
     "    return not self.refused and self.total <= device_memory",
     "    return self.total <= device_memory",
     (
@@ -214,14 +214,14 @@ MUTANTS = (
   ),
   Mutant(
     "plan: the closed form leaves out the strategies' whole-row K/V",
-    "cpjax/training/plan.py",
+    "cpjax/training/plan/closed_form.py",
     "  ring += rows * _row_buffers(t, strategy, seq_len=seq_len, cp=cp, tp=tp, itemsize=a)",
     "  ring += 0",
     ("tests/test_plan.py::test_the_closed_form_adds_the_strategies_whole_row_buffers",),
   ),
   Mutant(
     "plan: the closed form's loss keeps the ring's tokens under the loss's all-gather",
-    "cpjax/training/plan.py",
+    "cpjax/training/plan/closed_form.py",
     '    if loss_strategy == "all_gather" or (',
     '    if loss_strategy == "never" or (',
     ("tests/test_plan.py::test_the_closed_form_adds_the_strategies_whole_row_buffers",),
@@ -355,14 +355,14 @@ MUTANTS = (
   ),
   Mutant(
     "plan: the ring's float32 buffers left out",
-    "cpjax/training/plan.py",
+    "cpjax/training/plan/closed_form.py",
     "  ring = 4 * rows * local * widest * 4 * (heads + kv)",
     "  ring = 0",
     ("tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",),
   ),
   Mutant(
     "plan: a GPU's closed form is the TPU's",
-    "cpjax/training/plan.py",
+    "cpjax/training/plan/closed_form.py",
     "    peak = GPU_LAYER_VALUES * 4 * layers * rows * local * d",
     "    peak = TPU_PEAK_VALUES * 4 * rows * local * d",
     (
@@ -372,14 +372,14 @@ MUTANTS = (
   ),
   Mutant(
     "plan: XLA:TPU's peak values left out",
-    "cpjax/training/plan.py",
+    "cpjax/training/plan/closed_form.py",
     "    peak = TPU_PEAK_VALUES * 4 * rows * local * d",
     "    peak = 0",
     ("tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",),
   ),
   Mutant(
     "plan: the expert dispatch's backward left out",
-    "cpjax/training/plan.py",
+    "cpjax/training/plan/closed_form.py",
     '    gathered += (4 * a + (DISPATCH_GPU * a if platform == "cuda" else 4 * 4)) * dispatch',
     "    gathered += 4 * a * dispatch",
     ("tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",),

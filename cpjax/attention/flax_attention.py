@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 
 import jax.numpy as jnp
 
@@ -41,7 +41,7 @@ _CONTEXT: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def use_cp(cp: CPContext | None) -> Iterator[CPContext | None]:
+def use_cp(cp: CPContext | None) -> Generator[CPContext | None, None, None]:
   """Run the :func:`ring_attention_fn` calls traced inside as a ring described by ``cp``.
 
   ``cp=None`` leaves them single-device, so one ``forward`` serves both runs.
@@ -128,7 +128,7 @@ def ring_attention_fn(
     dtype=None,
     precision=None,
     module=None,
-    is_causal: bool = False,
+    is_causal: object = False,  # read for its truth value, as flax reads it
     **unused,
   ):
     if unused:

@@ -40,7 +40,7 @@ def stream_spec(
   batch_dim: int | None,
   batch_axis: str | None,
 ) -> P:
-  parts = [None] * ndim
+  parts: list[str | None] = [None] * ndim
   if batch_axis is not None and batch_dim is not None:
     parts[batch_dim] = batch_axis
   if seq_dim is not None and axis_name is not None:

@@ -247,7 +247,8 @@ def _scores(orders, lengths, real, stripe_rank, layout: ShardLayout, windows) ->
   total = np.take_along_axis(before, doc, 1) + cut
   stripes = np.diff(total, axis=1)  # [K, stripes]
   per_rank = np.zeros((len(orders), layout.cp_size))
-  np.add.at(per_rank, (slice(None), stripe_rank), stripes)
+  # numpy's stubs take only integer arrays as ufunc.at's indices, not a tuple with a slice.
+  np.add.at(per_rank, (slice(None), stripe_rank), stripes)  # pyrefly: ignore[bad-argument-type]
   return per_rank.max(1)
 
 

@@ -133,6 +133,7 @@ class ShardLayout:
   @property
   def num_chunks(self) -> int:
     """Number of equal contiguous chunks the padded sequence is cut into."""
+    assert self.stripes is not None  # __post_init__ fills it
     return self.cp_size * self.stripes
 
   @property
@@ -156,6 +157,7 @@ class ShardLayout:
       The rank's global chunk indices, in local order.
     """
     cp = self.cp_size
+    assert self.stripes is not None  # __post_init__ fills it
     return tuple(k * cp + (rank if k % 2 == 0 else cp - 1 - rank) for k in range(self.stripes))
 
 
@@ -340,7 +342,7 @@ def _check_layout(layout) -> None:
     raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
 
 
-def _axis(x, axis: int) -> int:
+def _axis(x, axis: int | np.integer) -> int:
   ndim = jnp.ndim(x)
   if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
     raise ValueError(

@@ -206,6 +206,7 @@ def shard_batch(
     (8, [[0, 1, 2, 3, 4, 5, -100, -100]])
   """
   cp_size = required_axis_size(mesh, axis_name, "axis_name")
+  dp_size = 1  # without a batch axis the batch stays whole
   if batch_axis is not None:
     if batch_axis == axis_name:
       raise ValueError(f"batch_axis must differ from axis_name, both are {axis_name!r}")
@@ -514,6 +515,7 @@ def shard_sequence(
       f"x must have length {layout.original_seq_len} (or the padded "
       f"{layout.padded_seq_len}) on seq_axis={seq_axis}, got shape {tuple(x.shape)}"
     )
+  assert length is not None  # a 0-d x has none, refused above
   checks.cp_axis("shard_sequence", axis_name, layout.cp_size)
   widths = [(0, 0)] * x.ndim
   widths[seq_axis] = (0, layout.padded_seq_len - length)

@@ -3,13 +3,14 @@ this machine or for a target's chips), or the smallest mesh that fits."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 
 from cpjax.cli import machine
 
 
-def plan_config(parser, args):
+def plan_config(parser: argparse.ArgumentParser, args: argparse.Namespace):
   """Return the (config, display name) of --model or --checkpoint.
 
   A bad config.json is a usage error.
@@ -36,7 +37,7 @@ def plan_config(parser, args):
   return cfg, os.path.basename(os.path.normpath(args.checkpoint))
 
 
-def _run_of(parser, args):
+def _run_of(parser: argparse.ArgumentParser, args: argparse.Namespace):
   """The :class:`RunConfig` of ``--recipe`` / ``--config`` and the dotted keys
   after them (``--dataset.seq_len 262144``), read as cpjax train reads them;
   None when none was given."""
@@ -66,7 +67,7 @@ def _run_of(parser, args):
     parser.exit(2, f"cpjax plan: error: {what}: {e}\n")
 
 
-def _from_run(parser, args) -> None:
+def _from_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
   """Fill the flags not given from the run config (``--recipe`` / ``--config``
   and dotted keys), as cpjax train would run it; the defaults for the rest."""
   args.run_keys = list(getattr(args, "run_keys", []))  # set by cpjax.cli.main
@@ -81,6 +82,7 @@ def _from_run(parser, args) -> None:
     return run is not None and (whole or any(k in typed for k in keys))
 
   if named("model", "checkpoint") and args.model is None and args.checkpoint is None:
+    assert run is not None  # named() says False without a run
     args.model, args.checkpoint = run.model, run.checkpoint
   if args.model is None and args.checkpoint is None:
     args.model = "tiny"
@@ -126,11 +128,12 @@ def _from_run(parser, args) -> None:
   # The compiled step's activations: the run's dtype, float32 by default
   # (XLA:CPU's partitioner aborts on bfloat16 weight gradients over fsdp/tp).
   args.dtype_flag = args.dtype
+  args.dtype_given = args.dtype is not None or (run is not None and named("dtype"))
   if args.dtype is None:
-    args.dtype = run.dtype if named("dtype") else default.dtype
+    args.dtype = run.dtype if run is not None and named("dtype") else default.dtype
 
 
-def step_shape(args, mesh: dict | None):
+def step_shape(args: argparse.Namespace, mesh: dict | None):
   """Return the :class:`~cpjax.training.plan.StepShape` this plan is of, on ``mesh``.
 
   The one place ``cpjax plan`` turns its flags (filled from the run config
@@ -158,7 +161,7 @@ def step_shape(args, mesh: dict | None):
   )
 
 
-def _target(parser, args):
+def _target(parser: argparse.ArgumentParser, args: argparse.Namespace):
   """The ``--target`` chips (None without), its mesh and memory filled in; a
   bare chip (``--target v5e``) is that :class:`Chip`, whose slices
   :func:`_search` compiles."""
@@ -200,7 +203,7 @@ def _target(parser, args):
   return target
 
 
-def plan(parser, args) -> int:
+def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   """Run ``cpjax plan``: print the step's per-device memory and FLOPs.
 
   The closed-form estimate in bfloat16 and float32, and the compiled step unless
@@ -256,9 +259,13 @@ def plan(parser, args) -> int:
       )
     mesh = {**mesh, "ep": mesh["cp"]}
   if mesh is None:
+    # The fewest devices that hold the step in the activations the run
+    # names, else in bfloat16, the lighter of the two the estimate prints
+    # (--write-config then keeps float32 where that fits too).
     found = plan.smallest_mesh(
       cfg,
       step_shape(args, None),
+      dtype=args.dtype if args.dtype_given else "bfloat16",
       model=name,
       device_memory=args.device_memory,
       expert_parallel=args.expert_parallel,
@@ -343,6 +350,7 @@ def plan(parser, args) -> int:
         f"body once): {moved or 'none'}"
       )
       if compiled.step is not None:
+        assert target is not None  # only a target's chip gives a step time
         print(f"  step time on {target.name}, from the compiled program: {compiled.step.summary()}")
       elif target is not None:
         missing = ", ".join(target.chip.missing_figures())
@@ -350,6 +358,7 @@ def plan(parser, args) -> int:
   compiled = rows[-1] if target is not None else None
   if args.write_config is not None:
     if compiled is not None and not compiled.fits(args.device_memory):
+      assert target is not None  # compiled is a target's
       print(f"not written: {args.write_config} (the step does not fit by {target.name}'s compiler)")
     else:
       _write_config(args, cfg, name, rows, mesh, compiled, platform)
@@ -358,7 +367,7 @@ def plan(parser, args) -> int:
   return 0
 
 
-def _search(parser, args, chip) -> int:
+def _search(parser: argparse.ArgumentParser, args: argparse.Namespace, chip) -> int:
   """``cpjax plan --target CHIP``: compile the step for the chip's slices (the
   target search, :func:`cpjax.training.plan.smallest_slice`) and print each;
   the smallest that fits is the plan (``--write-config`` writes it)."""

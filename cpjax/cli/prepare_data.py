@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 
-def prepare_data(parser, args) -> int:
+def prepare_data(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   """Run ``cpjax prepare-data``: write the corpus and print its summary.
 
   Args:

@@ -3,6 +3,7 @@ memory check, then the job."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 
@@ -15,7 +16,7 @@ from cpjax.cli.plan import plan_config
 _ONE_OF = (("model", "checkpoint"), ("parallel.mesh", "parallel.cp"))
 
 
-def train(parser, argv: list[str]) -> int:
+def train(parser: argparse.ArgumentParser, argv: list[str]) -> int:
   """Run ``cpjax train``.
 
   Read the run config (:func:`read_run`), start JAX on the devices it names,
@@ -34,7 +35,7 @@ def train(parser, argv: list[str]) -> int:
   return _run_job(parser, args, run, devices_needed(run))
 
 
-def read_run(parser, argv: list[str]):
+def read_run(parser: argparse.ArgumentParser, argv: list[str]):
   """Read ``cpjax train``'s run config and check it, before JAX starts.
 
   A recipe, files, dotted keys and their short flags, a resumed run's
@@ -96,7 +97,7 @@ def read_run(parser, argv: list[str]):
   return run, args
 
 
-def _run_job(parser, args, run, devices: int) -> int:
+def _run_job(parser: argparse.ArgumentParser, args: argparse.Namespace, run, devices: int) -> int:
   """Start JAX on the run's devices, check its memory, run the job."""
   from cpjax.training.run_config import JobError
 
@@ -125,7 +126,7 @@ def _run_job(parser, args, run, devices: int) -> int:
   return 0
 
 
-def _files_first(parser, argv: list[str]) -> list[str]:
+def _files_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
   """``argv`` with its files first: each ``--recipe NAME`` (as ``--config``
   of the shipped file) and ``--config FILE`` in the order given, then every
   other argument, so that a key on the command line beats every file
@@ -151,7 +152,9 @@ def _files_first(parser, argv: list[str]) -> list[str]:
   return files + rest
 
 
-def _start_jax(parser, args, devices_needed: int) -> None:
+def _start_jax(
+  parser: argparse.ArgumentParser, args: argparse.Namespace, devices_needed: int
+) -> None:
   """Join the cluster the flags name, or emulate enough CPU devices."""
   explicit = [
     flag
@@ -199,11 +202,9 @@ def _start_jax(parser, args, devices_needed: int) -> None:
     machine.use_cpu_devices(max(devices_needed, 8))
 
 
-def _check_memory(parser, run) -> None:
+def _check_memory(parser: argparse.ArgumentParser, run) -> None:
   """Refuse up front, with the plan's closed-form estimate, a run this machine
   cannot hold (instead of being killed by the kernel minutes later)."""
-  import argparse
-
   import jax
 
   from cpjax.training import plan

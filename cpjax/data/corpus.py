@@ -175,7 +175,7 @@ def write_documents(path: str | os.PathLike, documents: Iterable) -> int:
   return count
 
 
-def _files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+def _files(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
   """The ArrayRecord files of a file, a directory, or a list of files."""
   if isinstance(path, (str, os.PathLike)):
     path = os.fspath(path)
@@ -203,6 +203,7 @@ class _Decode:
     self.features = features
 
   def __call__(self, record: bytes) -> dict:
+    doc: dict[str, np.ndarray]
     if record[:4] == _NPZ_MAGIC:
       with _NPZ_LOCK, np.load(io.BytesIO(record)) as arrays:
         doc = {
@@ -241,17 +242,18 @@ def _pieces(seq_len: int, max_pieces: int):
 
     max_fan_out = max_pieces
 
-    def flat_map(self, doc):
-      n = len(doc["input_ids"])
+    def flat_map(self, element):  # a document (grain's parameter name)
+      n = len(element["input_ids"])
       if n <= seq_len:
-        return [doc]
-      if len(doc.get("image_sizes", ())):
+        return [element]
+      if len(element.get("image_sizes", ())):
         raise ValueError(
           f"a document with images has {n} tokens, more than a row's "
           f"{seq_len}: it cannot be cut (prepare_data with seq_len drops it)"
         )
       return [
-        {key: value[i : i + seq_len] for key, value in doc.items()} for i in range(0, n, seq_len)
+        {key: value[i : i + seq_len] for key, value in element.items()}
+        for i in range(0, n, seq_len)
       ]
 
   return Pieces()
@@ -287,6 +289,7 @@ class _ToBatchKeys:
   def _image_slots(self, row: dict, ids) -> dict:
     from cpjax.data.images import pixel_values
 
+    assert self.images is not None  # __call__ asks only for a corpus with images
     k = self.images["pooling_kernel_size"]
     slots, max_patches = self.images_per_row, self.images["max_soft_tokens"] * k * k
     features = row["image_patches"].shape[-1]

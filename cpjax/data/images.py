@@ -150,16 +150,16 @@ class ImageProcessor:
     target_px = self.max_patches * p * p
     factor = math.sqrt(target_px / (height * width))
     side = k * p
-    h = int(math.floor(factor * height / side)) * side
-    w = int(math.floor(factor * width / side)) * side
+    h = math.floor(factor * height / side) * side
+    w = math.floor(factor * width / side) * side
     if h == 0 and w == 0:
       raise ValueError(f"a {height}x{width} image resizes to 0x0 patches")
     longest = (self.max_patches // k**2) * side
     # A very thin image: one block of patches across, its length capped.
     if h == 0:
-      h, w = side, min(int(math.floor(width / height)) * side, longest)
+      h, w = side, min(math.floor(width / height) * side, longest)
     elif w == 0:
-      h, w = min(int(math.floor(height / width)) * side, longest), side
+      h, w = min(math.floor(height / width) * side, longest), side
     if h * w > target_px:
       raise ValueError(
         f"a {height}x{width} image resizes to {h}x{w}, more than {self.max_patches} patches of {p}"

@@ -215,7 +215,7 @@ def encode_record(
   paths = [p for i, message in enumerate(messages) for p in _image_paths(message, i, base_dir)]
   if not any(m["role"] == ANSWER_ROLE for m in messages):
     raise BadRecord(f"no {ANSWER_ROLE!r} message: nothing of it would count in the loss")
-  pixels = {}
+  pixels, soft_tokens = {}, []
   if paths:
     if images is None:
       raise BadRecord(
@@ -223,11 +223,9 @@ def encode_record(
         f"(processor_config.json or preprocessor_config.json)"
       )
     pixels = _load_images(paths, images)
+    soft_tokens = [n // images.pooling_kernel_size**2 for n in pixels.get("image_sizes", [])]
   try:
-    ids, answer = tokenizer.encode_chat(
-      messages,
-      soft_tokens=[n // images.pooling_kernel_size**2 for n in pixels.get("image_sizes", [])],
-    )
+    ids, answer = tokenizer.encode_chat(messages, soft_tokens=soft_tokens)
   except ValueError as e:
     raise BadRecord(str(e)) from None
   except Exception as e:  # the template's own raise_exception / undefined values
@@ -243,7 +241,7 @@ def encode_record(
 
 
 def read_jsonl(
-  path: str | os.PathLike,
+  path: str | os.PathLike[str],
   tokenizer: CheckpointTokenizer,
   *,
   images: ImageProcessor | None = None,
@@ -377,6 +375,7 @@ def prepare_data(
     "truncate": truncate,
   }
   if summary.images:
+    assert images is not None  # read_jsonl refuses images without a processor
     # What packing needs to lay the images out (cpjax.data.corpus.corpus_images).
     info["image_processor"] = {
       **dataclasses.asdict(images),

@@ -40,6 +40,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from typing import Any, cast
 
 import numpy as np
 
@@ -148,7 +149,8 @@ def _compile(template: str):
     extensions=[_generation_extension(), jinja2.ext.loopcontrols],
   )
   env.filters["tojson"] = tojson
-  env.globals.update(
+  # jinja2 leaves Environment.globals unannotated: its type is inferred from its defaults.
+  cast(dict[str, Any], env.globals).update(
     raise_exception=raise_exception,
     strftime_now=lambda fmt: datetime.now().strftime(fmt),
     dict=TemplateDict(),
@@ -220,9 +222,9 @@ class CheckpointTokenizer:
     self.backend = Tokenizer.from_file(files["tokenizer.json"])
     # Every named special token, as apply_chat_template passes them to the template.
     self.special_tokens = {
-      key: _token_text(value)
+      key: text
       for key, value in config.items()
-      if key.endswith("_token") and _token_text(value) is not None
+      if key.endswith("_token") and (text := _token_text(value)) is not None
     }
     # As transformers: the named special tokens are added tokens (matched whole
     # in text, never normalized); add_bos_token / add_eos_token are ignored
@@ -397,6 +399,7 @@ class CheckpointTokenizer:
       )
     if not soft_tokens:
       return text, spans
+    assert image is not None  # it was found, once per image
     for key in ("boi_token", "eoi_token"):
       if key not in self.special_tokens:
         raise ValueError(f"{self.path}'s tokenizer_config.json names no {key}: images need it")

@@ -48,8 +48,8 @@ class MaskSpec:
   ValueError: sliding_window must be an int >= 1 or None, got 0
   """
 
-  causal: bool = True
-  sliding_window: int | None = None
+  causal: bool | np.bool_ = True
+  sliding_window: int | np.integer | None = None
 
   def __post_init__(self):
     w = self.sliding_window

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
-from typing import ClassVar, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -297,6 +297,9 @@ def _flatten(cls, rules):
 
 class _Combination(MaskRule):
   rules: tuple[MaskRule, ...]
+  # Each subclass's connective: of two masks, and of two reaches.
+  _join: ClassVar[Callable[[Any, Any], Any]]
+  _reach: ClassVar[Callable[[Any, Any], Any]]
 
   def __init__(self, *rules: MaskRule):
     if not rules:
@@ -350,7 +353,7 @@ class AllOf(_Combination):
   smallest.
   """
 
-  _join = staticmethod(jnp.logical_and)
+  _join: ClassVar[Callable[[Any, Any], Any]] = staticmethod(jnp.logical_and)
   _reach = staticmethod(_min_reach)
 
 
@@ -361,5 +364,5 @@ class AnyOf(_Combination):
   largest.
   """
 
-  _join = staticmethod(jnp.logical_or)
+  _join: ClassVar[Callable[[Any, Any], Any]] = staticmethod(jnp.logical_or)
   _reach = staticmethod(_max_reach)

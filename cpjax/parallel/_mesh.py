@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 # Mesh axes that split the rows of the batch (one of them per mesh).
 BATCH_AXES = ("dp", "fsdp")
@@ -186,11 +186,11 @@ def required_axis_size(mesh: Mesh, name: str, argument: str) -> int:
   return dict(mesh.shape)[name]
 
 
-def axis_size(mesh: Mesh, name: str) -> int:
+def axis_size(mesh: Mesh | AbstractMesh, name: str) -> int:
   """Return the size of ``mesh``'s axis ``name``, 1 when the mesh has no such axis.
 
   Args:
-    mesh: the mesh.
+    mesh: the mesh (or an abstract one).
     name: the axis's name.
 
   Returns:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cpjax.parallel._mesh import axis_size
@@ -35,7 +36,11 @@ def key_names(path) -> tuple[str, ...]:
 
 
 def param_specs(
-  params, mesh: Mesh, *, rule: PartitionRule | None = None, state_axes: Sequence[str] = STATE_AXES
+  params,
+  mesh: Mesh | AbstractMesh,
+  *,
+  rule: PartitionRule | None = None,
+  state_axes: Sequence[str] = STATE_AXES,
 ):
   """Return a ``PartitionSpec`` per parameter leaf (same tree as ``params``).
 
@@ -173,7 +178,7 @@ def shard_like_params(tree, params):
       "params must be a non-empty tree of arrays placed on a mesh (from "
       "shard_params), got leaves without a NamedSharding"
     )
-  mesh = shardings[0].mesh
+  mesh = cast(NamedSharding, shardings[0]).mesh  # every leaf's is one, checked above
 
   def place(path, leaf):
     path = tuple(path)

@@ -132,7 +132,7 @@ class TrainCheckpointer:
       data_state=ocp.args.JsonSave(dict(data_state)),
       run=ocp.args.JsonSave(dict(run)),
     )
-    return bool(self._manager.save(step, args=args, force=True))
+    return self._manager.save(step, args=args, force=True)
 
   def saved_run(self, step: int | None = None) -> dict:
     """Read the run description saved with ``step``, without restoring any array.
@@ -149,9 +149,9 @@ class TrainCheckpointer:
     if step is None:
       raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
     ocp = self._ocp
-    return dict(
-      self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore())).run
-    )
+    # orbax types restore's result `Any | Mapping`; Composite args give a Composite.
+    out: Any = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))
+    return dict(out.run)
 
   def restore(self, step: int | None = None, *, params_like, opt_state_like) -> tuple[int, dict]:
     """Restore the checkpoint of ``step`` (default: the latest complete one).
@@ -174,7 +174,8 @@ class TrainCheckpointer:
     abstract = jax.tree.map(
       ocp.utils.to_shape_dtype_struct, {"params": params_like, "opt_state": opt_state_like}
     )
-    out = self._manager.restore(
+    # orbax types restore's result `Any | Mapping`; Composite args give a Composite.
+    out: Any = self._manager.restore(
       step,
       args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract),

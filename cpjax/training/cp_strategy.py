@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from cpjax.attention.ring import (
   STRATEGIES,
@@ -150,9 +150,13 @@ def choose(
       why_not["hybrid"] = f"{hkv} K/V head(s) share no factor with cp"
     elif hybrid_ulysses_size(hq, hkv, cp) == cp:
       why_not["hybrid"] = "one group is Ulysses"
-    shape = dict(seq_len=seq_len, cp=cp, q_heads=hq, kv_heads=hkv, head_dim=d, layout=layout)
+    shape: dict[str, Any] = dict(
+      seq_len=seq_len, cp=cp, q_heads=hq, kv_heads=hkv, head_dim=d, layout=layout
+    )
     shape["window"] = window
     sent = {s: bytes_sent(s, **shape)[0] for s in STRATEGIES if s not in why_not}
+    # sent.get of sent's own keys never gives None, which pyrefly cannot tell.
+    # pyrefly: ignore[no-matching-overload]
     best = min(sent, key=sent.get)  # (ties: the first in STRATEGIES' order)
     others = ", ".join(f"{s} {_mib(b)}" for s, b in sent.items() if s != best)
     left = "".join(f"; {s}: {why}" for s, why in why_not.items())

@@ -227,7 +227,7 @@ class Program:
     if known:
       return int(known.group(1))
     condition = dict(loop.called()).get("condition")
-    body = self.computations.get(condition, [])
+    body = self.computations.get(condition, []) if condition is not None else []
     constants = {
       i.name: int(i.operands[0]) for i in body if i.opcode == "constant" and i.operands[0].isdigit()
     }

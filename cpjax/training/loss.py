@@ -317,6 +317,7 @@ def _auto_axes(s: _Setup) -> tuple[str, ...]:
 def _gather_rows(hidden, labels, s: _Setup):
   """Every row's tokens when the batch axis also splits the vocabulary, else these rows'."""
   if _gathers_rows(s):
+    assert s.where is not None  # _gathers_rows says so
     hidden = jax.lax.all_gather(hidden, s.where.batch, axis=0, tiled=True)
     labels = jax.lax.all_gather(labels, s.where.batch, axis=0, tiled=True)
   return hidden, labels
@@ -548,8 +549,11 @@ def _local_backward(hidden, head, labels, lse, g, s: _Setup):
   # Each block's dh is a partial sum over its part of the vocabulary. (Every
   # rank's g is the same: the step sums the ranks' CE sums.)
   if _gathers_rows(s):
+    assert s.where is not None  # _gathers_rows says so
     dh = jax.lax.psum_scatter(dh, s.where.batch, scatter_dimension=0, tiled=True)
-  rest = tuple(a for a in _auto_axes(s) if not (_gathers_rows(s) and a == s.where.batch))
+    rest = tuple(a for a in _auto_axes(s) if a != s.where.batch)
+  else:
+    rest = _auto_axes(s)
   dh = jax.lax.psum(dh, rest) if rest else dh
   if s.where is not None and s.where.batch is not None and not _gathers_rows(s):
     d_head = jax.lax.psum(d_head, s.where.batch)  # every dp shard's rows use the same head
@@ -574,6 +578,7 @@ def _specs(s: _Setup):
   computes the sum and log-sum-exps of ALL rows (from all-gathered hidden
   states, which check_vma types as varying): each keeps its own copy,
   stacked over the batch axis, and the first is the answer."""
+  assert s.where is not None  # only a head split over its vocabulary has specs
   batch = s.where.batch
   return P(batch), P(s.where.table_axes), P(batch) if _gathers_rows(s) else P(), P(batch)
 

@@ -28,7 +28,7 @@ import dataclasses
 import math
 import os
 import typing
-from typing import Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 from cpjax.attention.cp_context import parse_strategy, unknown_layer_kinds
 from cpjax.training.lora.adapters import LoraConfig, check_lora_config
@@ -78,8 +78,12 @@ MODEL_FLAGS = ("tiny", "tiny-moe", "e2b", "e4b", "a4b", "31b")  # what --model o
 LR_SCHEDULES = typing.get_args(Schedule)
 
 
-def _setting(default=None, *, factory=None, positive: bool = False):
-  """A field of a section; ``positive``: :func:`check` requires a value > 0 (or None)."""
+def _setting(
+  default: Any = None, *, factory: Optional[Callable[[], Any]] = None, positive: bool = False
+) -> Any:
+  """A field of a section; ``positive``: :func:`check` requires a value > 0 (or None).
+
+  Typed ``Any`` as :func:`dataclasses.field` is: the field's annotation gives its type."""
   if factory is not None:
     return dataclasses.field(default_factory=factory)
   return dataclasses.field(default=default, metadata={"positive": positive})
@@ -326,7 +330,7 @@ def _replace(run, key: str, value):
   return dataclasses.replace(run, **{head: _replace(getattr(run, head), rest, value)})
 
 
-def get(run: RunConfig, key: str):
+def get(run: RunConfig, key: str) -> Any:
   """Read a dotted key: ``get(run, "optimizer.lr")``."""
   for part in key.split("."):
     run = getattr(run, part)
@@ -407,6 +411,7 @@ def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool =
       fail(f"{name('parallel.strategy')}: {e}")
   if run.model is not None:
     text = PRESETS[run.model].text
+    assert text.layer_types is not None  # Gemma4TextConfig.__post_init__ fills it
     kinds = set(text.layer_types)
     for kind, _ in unknown_layer_kinds(strategy, kinds):
       fail(

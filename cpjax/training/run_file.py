@@ -165,7 +165,7 @@ def alias_flag(s: Setting) -> str | None:
 def _alias_kwargs(s: Setting) -> dict:
   """argparse keywords of the short flag."""
   kwargs = dict(FLAGS[s.key][1])
-  base = s.type  # int for Optional[int]
+  base: typing.Any = s.type  # int for Optional[int]
   if typing.get_origin(base) is typing.Union:
     base = next(t for t in typing.get_args(base) if t is not type(None))
   if typing.get_origin(base) is not typing.Literal and base is not bool and "choices" not in kwargs:
@@ -183,9 +183,9 @@ def _alias_kwargs(s: Setting) -> dict:
   return kwargs
 
 
-class _RunParser:
-  """Mixed into jsonargparse's parser: a usage error is one line, exit 2 (or,
-  reading a file from Python, a :class:`JobError`)."""
+class _RunParser(argparse.ArgumentParser):
+  """Mixed into jsonargparse's parser (an ``argparse.ArgumentParser``): a usage
+  error is one line, exit 2 (or, reading a file from Python, a :class:`JobError`)."""
 
   def error(self, message, ex=None):  # noqa: D401 -- argparse's hook
     if not self.exit_on_error:
@@ -257,6 +257,7 @@ def run_parser(
     for f in dataclasses.fields(RunConfig)
     if dataclasses.is_dataclass(hints[f.name])
   }
+  assert RunConfig.__doc__ is not None  # @dataclass always sets one
   top = parser.add_argument_group(RunConfig.__doc__.rstrip("."))
   for s in settings():
     flag = alias_flag(s)
@@ -303,10 +304,12 @@ def given_keys(namespace) -> dict[str, str]:
   Returns:
     ``{dotted key: flag}`` for each alias the command line gave.
   """
-  out = {}
+  out: dict[str, str] = {}
   for s in settings():
     if namespace.get(_ALIAS + s.key.replace(".", "__"), argparse.SUPPRESS) is not argparse.SUPPRESS:
-      out[s.key] = alias_flag(s)
+      flag = alias_flag(s)
+      assert flag is not None  # only a short flag sets its key
+      out[s.key] = flag
   return out
 
 

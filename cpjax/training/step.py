@@ -474,9 +474,9 @@ class TrainStep:
     return jax.tree.map(place, (params, opt_state, frozen))
 
   def _jit(self, params, opt_state):
+    kwargs: dict[str, Any] = {}  # jax.jit's keywords
     if self.mesh is None:
       key = None
-      kwargs = {}
     else:
       state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
       key = tuple(jax.tree.leaves(state_shardings)), jax.tree.structure(state_shardings)

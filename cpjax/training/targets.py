@@ -379,7 +379,7 @@ def parse_target(text: str) -> Target:
   name = text.strip().lower()
   match = re.fullmatch(r"([a-z0-9]+)(?::((?:\d+x)*\d+)|-(?:(\d+)x)?(\d+))", name)
   chip = CHIPS.get(ALIASES.get(match.group(1), match.group(1))) if match else None
-  if chip is None:
+  if match is None or chip is None:
     raise ValueError(f"unknown target {text!r}: give {known_targets()}")
   topology, hosts, count = match.group(2), match.group(3), match.group(4)
   if chip.platform == "cuda":

@@ -723,7 +723,8 @@ def save_hook(job: RunConfig, trainer: TrainState, data: Data, checkpointer, log
     )
     checkpointer.close()
 
-  hook.close = close
+  # A function object's attribute, which _close calls: pyrefly knows no such attribute.
+  hook.close = close  # pyrefly: ignore[missing-attribute]
   return hook
 
 
@@ -744,6 +745,7 @@ def eval_rows(job: RunConfig, trainer: TrainState, log) -> list[dict]:
   """
   from cpjax.data.corpus import flatten_image_slots, packed_rows
 
+  assert job.eval.data is not None  # validation runs only with eval.data
   path = corpus_path(job, job.eval.data, "--eval-data", log)
   rows = []
   for row in packed_rows(
@@ -889,7 +891,9 @@ def tensorboard_hook(logdir: str, schedule):
     for tag, value in scalars.items():
       writer.add_scalar(tag, value, record["step"])
 
-  hook.close = writer.close  # writes what its thread still holds (flush() does not)
+  # Writes what its thread still holds (flush() does not); a function object's
+  # attribute, which _close calls: pyrefly knows no such attribute.
+  hook.close = writer.close  # pyrefly: ignore[missing-attribute]
   return hook
 
 

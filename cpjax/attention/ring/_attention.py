@@ -212,7 +212,7 @@ def ring_attention(
   block_q: int | None = None,
   block_kv: int | None = None,
   implementation: str | None = None,
-  interpret: bool = False,
+  interpret: bool | np.bool_ | pltpu.InterpretParams = False,
   strategy: str = "ring",
 ):
   """Exact attention over a sequence sharded on ``axis_name``, inside ``shard_map``.
@@ -344,11 +344,12 @@ def ring_attention(
   # Ulysses runs over groups of `size` neighbouring ranks (the whole axis for
   # "ulysses", a factor of it for "hybrid": the second of a pair of axes, or
   # as many as split the K/V heads), the passes over the groups.
-  size = {"ulysses": layout.cp_size, "hybrid": None}.get(strategy, 1)
   if strategy == "hybrid" and pair:
     size = _ulysses_axis_size(axis_name[1], hq)
   elif strategy == "hybrid":
     size = hybrid_ulysses_size(hq, hkv, layout.cp_size)
+  else:
+    size = layout.cp_size if strategy == "ulysses" else 1
   if strategy == "hybrid" and size == layout.cp_size:
     strategy = "ulysses"  # one group: Ulysses itself
   ulysses_axis = axis_name[1] if pair else axis_name
@@ -409,6 +410,7 @@ def ring_attention(
   # query head with its K/V head.
   groups = None if pair else _groups(layout.cp_size, size)
   if strategy == "hybrid":
+    assert layout.stripes is not None  # ShardLayout.__post_init__ fills it
     order = functools.partial(_group_order, size=size, stripes=layout.stripes)
   else:  # the passes read the row in rank order
     order = lambda x, inverse=False: x  # noqa: E731

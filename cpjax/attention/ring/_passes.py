@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ class PassConfig:
   """Everything static about one ring-attention call (hashable)."""
 
   layout: ShardLayout
-  axis_name: str
+  axis_name: str | tuple[str, str]  # the hybrid's pair: (ring axis, Ulysses axis)
   rule: MaskRule
   plan: RingPlan
   scale: float
@@ -110,7 +110,7 @@ def kernel_density(cfg: PassConfig) -> float:
   key_len = local
   if cfg.strategy == "ulysses" or (cfg.strategy == "all_gather" and cfg.halo is None):
     key_len = row
-  elif cfg.strategy == "all_gather":
+  elif cfg.strategy == "all_gather" and cfg.halo is not None:
     key_len = local + sum(h.length for h in cfg.halo)
   pairs = visited_pairs(lay, cfg.rule.reach(), *cfg.schedule_blocks(key_len))
   if cfg.strategy == "ulysses":  # one call folds the whole row (for this rank's heads)
@@ -293,14 +293,19 @@ def _attend_chunk(
   return lax.fori_loop(0, plan.count, step, stats)
 
 
-def _rank(cfg: PassConfig):
+def _rank(cfg: PassConfig) -> jax.Array:
   """This rank's place on the ring (its group's, under the hybrid)."""
   if cfg.layout.cp_size == 1:
     return jnp.int32(0)
   return lax.axis_index(cfg.axis_name) // cfg.ulysses_size
 
 
-def _xla_fold(cfg: PassConfig, q, q_info: Tokens):
+# A backend's (initial state, attend(state, kv, k_arrays, src_rank, active=True)
+# -> state, finish(state) -> (out, lse)); each backend's state is its own pytree.
+_Fold = tuple[Any, Callable[..., Any], Callable[[Any], tuple[jax.Array, jax.Array]]]
+
+
+def _xla_fold(cfg: PassConfig, q, q_info: Tokens) -> _Fold:
   """(initial state, attend, finish) of the XLA tile loop."""
   init = _Stats(
     filled_after(q, q.shape[:-1], -jnp.inf), filled_after(q, q.shape[:-1]), filled_after(q, q.shape)
@@ -326,11 +331,13 @@ def _kernels(cfg: PassConfig):
 
 def _guarded(cfg: PassConfig, x):
   """``x``, tied to a lowering-time check that the platform suits the kernels."""
+  assert cfg.kernel is not None  # the Pallas implementations set it
   return x if cfg.kernel.interpret else platform_guard(x, cfg.implementation)
 
 
 def _kernel_chunk(cfg: PassConfig, q_info: Tokens, kv, k_arrays, src_rank, active):
   """(k, v, key metadata, schedule) of one visiting chunk for the kernels."""
+  assert cfg.kernel is not None  # the Pallas implementations set it
   k_info = _tokens(cfg, src_rank, k_arrays)
   blocks = cfg.rule.classify(q_info, k_info, *cfg.schedule_blocks(kv[0].shape[2]))
   sched = kernel_common.schedule(blocks, kv[0].shape[0], active)
@@ -342,13 +349,15 @@ def _kernel_chunk(cfg: PassConfig, q_info: Tokens, kv, k_arrays, src_rank, activ
 
 def _query_metadata(cfg: PassConfig, q_info: Tokens, q):
   """Kernel metadata of the local query rows (each token repeated G times)."""
+  assert cfg.kernel is not None  # the Pallas implementations set it
   meta = kernel_common.metadata(cfg.kernel, q_info.positions, q_info.arrays, repeat=cfg.groups)
   return jax.tree.map(lambda x: _vary_like(x, q), meta)
 
 
-def _pallas_fold(cfg: PassConfig, q, q_info: Tokens):
+def _pallas_fold(cfg: PassConfig, q, q_info: Tokens) -> _Fold:
   """(initial state, attend, finish) of the Pallas kernels: each chunk's
   (out, lse) merge into the running pair, both float32."""
+  assert cfg.kernel is not None  # the Pallas implementations set it
   kernels = _kernels(cfg)
   qs = _scaled(cfg, _guarded(cfg, q))
   q_meta = _query_metadata(cfg, q_info, q)
@@ -395,6 +404,7 @@ def _halo_pieces(x, axis: int, halo: Halo):
 def _with_halo(cfg: PassConfig, k, v, arrays, rank):
   """((k, v), Tokens) of this rank's chunk followed by its halo: from each
   neighbour the halo names, the keys this rank's queries can reach."""
+  assert cfg.halo is not None  # only called for an all-gather with a halo
   own = _tokens(cfg, rank, arrays)
   ks, vs, positions, parts = [k], [v], [own.positions], [arrays]
   for h in cfg.halo:
@@ -412,6 +422,7 @@ def _with_halo(cfg: PassConfig, k, v, arrays, rank):
 def _halo_home(cfg: PassConfig, grad, local_len: int):
   """A key gradient over the chunk and its halo, [B, Hkv, L + halo, D]: the
   halo's parts sent back to their owners and added to the chunk's."""
+  assert cfg.halo is not None  # only called for an all-gather with a halo
   own, start = grad[:, :, :local_len], local_len
   for h in cfg.halo:
     back = _shift(grad[:, :, start : start + h.length], cfg, -h.offset)
@@ -422,7 +433,7 @@ def _halo_home(cfg: PassConfig, grad, local_len: int):
   return own
 
 
-def _query_rank(cfg: PassConfig):
+def _query_rank(cfg: PassConfig) -> jax.Array | None:
   """The rank whose tokens the queries are; None for the whole row (Ulysses,
   whose caller turned a sequence split into a head split)."""
   return None if cfg.strategy == "ulysses" else _rank(cfg)
@@ -449,6 +460,7 @@ def _forward(cfg: PassConfig, q, k, v, arrays):
   elif cfg.strategy == "all_gather":
     stats = attend(stats, *_gathered(cfg, k, v, arrays), None)
   elif back == 0:
+    assert rank is not None  # the ring: a rank's own queries
 
     def step(h, carry):
       stats, here = carry
@@ -458,6 +470,7 @@ def _forward(cfg: PassConfig, q, k, v, arrays):
     stats, here = lax.fori_loop(0, hops, step, (stats, travel))
     stats = attend(stats, *here, (rank - hops) % cp)
   else:
+    assert rank is not None  # the ring: a rank's own queries
 
     def step(h, carry):
       stats, fwd, bwd = carry
@@ -546,6 +559,7 @@ def _pallas_grad_chunk(
   active=True,
 ):
   """:func:`_grad_chunk` with the Pallas kernels; ``lse``/``delta`` f32[B, Hkv, N, 1]."""
+  assert cfg.kernel is not None  # the Pallas implementations set it
   k, v, k_meta, sched = _kernel_chunk(cfg, q_info, kv, k_arrays, src_rank, active)
   dq_c, dk_c, dv_c = _kernels(cfg).backward(
     cfg.kernel, q, k, v, do, lse, delta, q_meta, k_meta, sched
@@ -599,10 +613,11 @@ def _backward(cfg: PassConfig, q, k, v, arrays, out, lse, do):
     else:
       dk, dv = _scatter_home(cfg, dk), _scatter_home(cfg, dv)
   elif back == 0:
+    assert rank is not None  # the ring: a rank's own queries
 
     def step(h, carry):
       dq, here, dkv = carry
-      dq, dkv = grad(dq, *here[:1], dkv, here[1], (rank - h) % cp)
+      dq, dkv = grad(dq, here[0], dkv, here[1], (rank - h) % cp)
       # The accumulators ride with their chunk towards its next visitor.
       here, dkv = _shift((here, dkv), cfg, +1)
       return dq, here, dkv
@@ -611,6 +626,7 @@ def _backward(cfg: PassConfig, q, k, v, arrays, out, lse, do):
     dq, dkv = grad(dq, here[0], dkv, here[1], (rank - hops) % cp)
     dk, dv = _shift(dkv, cfg, -hops)  # home: the chunk here is owned by rank - hops
   else:
+    assert rank is not None  # the ring: a rank's own queries
 
     def step(h, carry):
       dq, fwd, dkv_f, bwd, dkv_b = carry

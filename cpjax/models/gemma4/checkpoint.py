@@ -61,7 +61,7 @@ def checkpoint_keys(model) -> dict[str, nnx.Variable]:
   Returns:
     {checkpoint key: variable} of every parameter and buffer of ``model``.
   """
-  out = {}
+  out: dict[str, nnx.Variable] = {}
   for path, var in nnx.iter_graph(model):
     if isinstance(var, (nnx.Param, Buffer)):
       out[".".join(str(p) for p in path)] = var
@@ -141,6 +141,9 @@ def _host_view(buffer: jax.Array) -> np.ndarray:
   buffer.block_until_ready()
   size = buffer.size * buffer.dtype.itemsize
   raw = (ctypes.c_char * size).from_address(buffer.unsafe_buffer_pointer())
+  # numpy's stubs spell the buffer protocol (on Python 3.11) as a list of types
+  # without ctypes arrays, which have it.
+  # pyrefly: ignore[no-matching-overload]
   return np.frombuffer(raw, dtype=buffer.dtype).reshape(buffer.shape)
 
 

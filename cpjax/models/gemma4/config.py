@@ -137,7 +137,7 @@ class Gemma4Config:
         path = os.path.join(path, "config.json")
       with open(path) as f:
         source = json.load(f)
-    raw = dict(source)
+    raw: dict[str, Any] = dict(source)
     model_type = raw.get("model_type", "gemma4")
     if model_type == "gemma4_text":
       raw = {"text_config": raw, "vision_config": None}
@@ -190,6 +190,7 @@ class Gemma4Config:
       The ``config.json`` dict.
     """
     t = self.text
+    assert t.layer_types is not None  # Gemma4TextConfig.__post_init__ fills it
     full = {}
     for i in range(t.num_hidden_layers):
       if t.is_full(i):

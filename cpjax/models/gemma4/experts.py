@@ -115,7 +115,7 @@ def routed_experts(
   Returns:
     ``y`` [T..., D] in ``x``'s dtype, and :class:`ExpertStats`.
   """
-  e = int(num_experts)
+  e = num_experts
   shape = x.shape
   if expert_ids.shape[:-1] != shape[:-1] or weights.shape != expert_ids.shape:
     raise ValueError(

@@ -16,6 +16,7 @@ ValueError: text_config has keys cpjax does not know: ['mystery']; ...
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from cpjax.models.gemma4.text_config import ACTIVATION, FULL, SLIDING, Gemma4TextConfig
 from cpjax.models.gemma4.vision_config import Gemma4VisionConfig
@@ -102,7 +103,7 @@ def text_from_hf(raw: dict) -> Gemma4TextConfig:
   check_keys(raw, "text_config", _TEXT_READ)
   fields = {f.name for f in dataclasses.fields(Gemma4TextConfig)}
   # The full-layer overrides are decided below, as transformers decides them.
-  kw = {
+  kw: dict[str, Any] = {
     k: v
     for k, v in raw.items()
     if k in fields and k not in ("global_head_dim", "num_global_key_value_heads")
@@ -147,7 +148,7 @@ def text_from_hf(raw: dict) -> Gemma4TextConfig:
     if kw.get(key) is not None and not kw.get("enable_moe_block", False):
       kw[key] = None
   per_layer = raw.get("per_layer_config")
-  base = Gemma4TextConfig(**{**kw, "num_global_key_value_heads": None})
+  base = Gemma4TextConfig(**kw, num_global_key_value_heads=None)  # kw leaves it out
   if per_layer is not None:
     full = {int(i): o for i, o in per_layer.items()}
     dims = {o.get("head_dim", base.head_dim) for o in full.values()}

@@ -145,8 +145,10 @@ def gemma4_masks(
     rules = {FULL: LocalWindow(None, 0), SLIDING: LocalWindow(w - 1, 0)}
   out = {}
   for kind, rule in rules.items():
-    uses_groups = "vision_group_ids" in rule.array_kinds()
-    extra = {"vision_group_ids": vision_group_ids} if uses_groups else {}
+    extra = {}
+    if "vision_group_ids" in rule.array_kinds():
+      assert vision_group_ids is not None  # only the rules built with them read them
+      extra = {"vision_group_ids": vision_group_ids}
     out[kind] = AttentionMask(rule & common, {**arrays, **extra})
   return out
 
@@ -373,9 +375,9 @@ class Gemma4(nnx.Module):
     The tower's work and activations per rank fall by ``cp``; its gradient
     returns to the rank that computed each image."""
     pixel_values, positions = jnp.asarray(pixel_values), jnp.asarray(image_position_ids)
-    size = 1 if cp is None else cp.layout.cp_size
-    if size == 1:
+    if cp is None or cp.layout.cp_size == 1:
       return self.image_features(pixel_values, positions)
+    size = cp.layout.cp_size
     n = pixel_values.shape[0]
     per = -(-n // size)
     mine = (jax.lax.axis_index(cp.axis_name) * per + jnp.arange(per)) % n
@@ -460,6 +462,7 @@ class Gemma4(nnx.Module):
       The :class:`HiddenStates`.
     """
     t = self.cfg.text
+    assert t.layer_types is not None  # Gemma4TextConfig.__post_init__ fills it
     if cp is not None:
       cp.check_layer_kinds(t.layer_types)
     positions = jnp.asarray(batch["position_ids"])
@@ -568,6 +571,7 @@ class Gemma4(nnx.Module):
     if layout not in LAYOUT_KINDS:
       raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
     t = self.cfg.text
+    assert t.layer_types is not None  # Gemma4TextConfig.__post_init__ fills it
     return {
       "cp_sharder": ContextParallelSharder(
         shard_batch=functools.partial(

@@ -123,6 +123,7 @@ def check_expert_axes(cfg: Gemma4Config, mesh: Mesh, expert_axes) -> None:
       f"ep={ep} needs a mixture of experts; this Gemma 4 has none "
       f"(enable_moe_block is false; expert_axes {expert_axes})"
     )
+  assert cfg.text.num_experts is not None  # enable_moe_block requires it
   if cfg.text.num_experts % ep:
     raise ValueError(
       f"ep={ep} does not divide the {cfg.text.num_experts} experts (expert_axes {expert_axes})"
@@ -174,8 +175,10 @@ def check_mesh(
       raise ValueError(
         f"mesh axis 'tp' of size {tp} does not divide layer {i}'s MLP width {t.mlp_size(i)}"
       )
-  if t.enable_moe_block and t.num_experts % tp:
-    raise ValueError(f"mesh axis 'tp' of size {tp} does not divide the {t.num_experts} experts")
+  if t.enable_moe_block:
+    assert t.num_experts is not None  # enable_moe_block requires it
+    if t.num_experts % tp:
+      raise ValueError(f"mesh axis 'tp' of size {tp} does not divide the {t.num_experts} experts")
   check_expert_axes(cfg, mesh, expert_axes(mesh, ep))
   batch_axis = batch_axis_of(mesh)
   if batch_size is not None and batch_axis is not None and batch_size % mesh.shape[batch_axis]:

@@ -38,6 +38,7 @@ class TextAttention(nnx.Module):
 
   def __init__(self, cfg: Gemma4TextConfig, layer: int, *, rngs):
     self.layer = layer
+    assert cfg.layer_types is not None  # __post_init__ fills it
     self.kind = cfg.layer_types[layer]
     self.mode = cfg.kv_sharing_modes[layer]
     self.heads, self.kv_heads = cfg.num_attention_heads, cfg.kv_heads(layer)
@@ -125,6 +126,8 @@ class Router(nnx.Module):
   W.T)`` in float32, top-k, renormalised, times ``per_expert_scale``."""
 
   def __init__(self, cfg: Gemma4TextConfig, *, rngs):
+    # Built only with enable_moe_block, which requires both (Gemma4TextConfig).
+    assert cfg.num_experts is not None and cfg.top_k_experts is not None
     self.proj = Linear(cfg.hidden_size, cfg.num_experts, rngs=rngs)
     self.scale = nnx.Param(jnp.ones((cfg.hidden_size,), jnp.float32))
     self.per_expert_scale = nnx.Param(jnp.ones((cfg.num_experts,), jnp.float32))
@@ -150,6 +153,8 @@ class Experts(nnx.Module):
 
   def __init__(self, cfg: Gemma4TextConfig, *, rngs):
     e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    # Built only with enable_moe_block, which requires both (Gemma4TextConfig).
+    assert e is not None and i is not None
     normal = lambda shape, fan_in: (
       jax.random.normal(rngs.params(), shape) * fan_in**-0.5
       if rngs is not None

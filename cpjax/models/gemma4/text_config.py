@@ -140,6 +140,7 @@ class Gemma4TextConfig:
       require_positive(self, ("vocab_size_per_layer_input",))
     if self.enable_moe_block:
       require_positive(self, ("num_experts", "top_k_experts", "moe_intermediate_size"))
+      assert self.top_k_experts is not None and self.num_experts is not None  # ints >= 1 now
       if self.top_k_experts > self.num_experts:
         raise ValueError(
           f"top_k_experts ({self.top_k_experts}) must be <= num_experts ({self.num_experts})"
@@ -156,6 +157,7 @@ class Gemma4TextConfig:
     Returns:
       True when its type is :data:`FULL`.
     """
+    assert self.layer_types is not None  # __post_init__ fills it
     return self.layer_types[layer] == FULL
 
   def layer_head_dim(self, layer: int) -> int:
@@ -211,6 +213,7 @@ class Gemma4TextConfig:
       )
     first = layers - shared
     modes: list[str | None] = [None if i < first else "reuse" for i in range(layers)]
+    assert self.layer_types is not None  # __post_init__ fills it
     if shared:
       for kind in set(self.layer_types[first:]):
         owners = [i for i in range(first) if self.layer_types[i] == kind]
@@ -234,6 +237,7 @@ class Gemma4TextConfig:
     Returns:
       The store layer's index.
     """
+    assert self.layer_types is not None  # __post_init__ fills it
     kind = self.layer_types[layer]
     return max(
       i for i, m in enumerate(self.kv_sharing_modes) if m == "store" and self.layer_types[i] == kind

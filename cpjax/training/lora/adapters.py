@@ -77,6 +77,8 @@ class LoraConfig:
   @property
   def scale(self) -> float:
     """The adapters' factor: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
+    if self.rank is None:
+      raise TypeError("LoraConfig.scale needs a rank (rank=None: no adapters)")
     return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
   def matches(self, path: str) -> bool:
@@ -176,6 +178,7 @@ def _provider(module_path: str, settings: LoraConfig):
       )
 
   # qwix divides alpha by the rank; rsLoRA divides by its square root.
+  assert settings.rank is not None  # check_lora_config passed it
   alpha = settings.alpha * (math.sqrt(settings.rank) if settings.use_rslora else 1.0)
   return PeftNumerics(
     module_path=module_path,
@@ -311,7 +314,7 @@ def apply_lora(
   # runs on a copy of its state, and the adapters made there would be lost.
   remat = getattr(model, "remat", None)
   if remat not in (None, "none"):
-    model.remat = "none"
+    setattr(model, "remat", "none")  # the model's own setting, when it has one
   try:
     with _auto_typed(model) as restore:
       adapted = qwix.apply_lora_to_model(
@@ -325,9 +328,10 @@ def apply_lora(
       restore(adapted)
   finally:
     if remat not in (None, "none"):
-      model.remat = remat
+      setattr(model, "remat", remat)
+  assert isinstance(adapted, nnx.Module)  # qwix returns the kind of model it was given
   if remat not in (None, "none"):
-    adapted.remat = remat
+    setattr(adapted, "remat", remat)
   missing = sorted(set(matched) - set(adapted_modules(adapted)))
   if missing:
     raise ValueError(
@@ -336,7 +340,7 @@ def apply_lora(
       f"their own while {method} runs): {missing[:6]}"
       f"{' ...' if len(missing) > 6 else ''}"
     )
-  adapted.lora_config = settings
+  setattr(adapted, "lora_config", settings)  # read back by adapter_settings
   return adapted
 
 
@@ -491,5 +495,6 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
       if attr in vars(module):
         delattr(module, attr)
   del model.lora_config
-  model.__class__ = model.__class__._unquantized_type  # qwix's subclass of the model's class
+  # qwix's subclass of the model's class names that class; pyrefly sees only nnx.Module.
+  model.__class__ = model.__class__._unquantized_type  # pyrefly: ignore[missing-attribute]
   return model

@@ -201,7 +201,7 @@ def load_adapter(model: nnx.Module, path, *example_inputs, **example_kwargs) -> 
   exact = "|".join(re.escape(p) for p in sorted(found))
   exact_config = dataclasses.replace(settings, targets=exact)
   adapted = apply_lora(model, exact_config, *example_inputs, **example_kwargs)
-  adapted.lora_config = settings
+  setattr(adapted, "lora_config", settings)  # read back by adapter_settings
   for module_path, module in adapted_modules(adapted).items():
     ((a, b),) = adapter_pairs(module).values()
     want_a, want_b = found[module_path]["A"].T, found[module_path]["B"].T

@@ -178,7 +178,7 @@ def _projections(cfg) -> tuple[tuple[str, int, int], ...]:
   from cpjax.models.gemma4.layers import Linear
 
   return tuple(
-    (".".join(map(str, path)), *m.weight.shape)
+    (".".join(map(str, path)), m.weight.shape[0], m.weight.shape[1])  # [out, in]
     for path, m in nnx.iter_modules(_abstract_model(cfg))
     if isinstance(m, Linear)
   )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import cast
 
 import numpy as np
 
@@ -120,7 +121,7 @@ def compile_step(
   grid = parallel.make_mesh(**sizes, devices=devices)
   # A compile-only device holds no array: the batch is laid out on a CPU mesh
   # of the same axes, and only its shapes and shardings cross over.
-  host = grid if devices is None else parallel.make_mesh(**sizes)
+  host = grid if devices is None else parallel.make_mesh(**sizes, devices=None)
   ep = mesh.get("ep", 1)
   expert_axes = parallel.expert_axes(grid, ep)
   batch_axis = parallel.batch_axis_of(grid)
@@ -159,7 +160,8 @@ def compile_step(
     "input_ids": np.ones((rows, seq_len), np.int32),
     "labels": np.ones((rows, seq_len), np.int32),
   }
-  sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout=step_shape.layout)["cp_sharder"]
+  gemma = cast(Gemma4, abstract)  # apply_lora returns the Gemma4 it adapted, typed nnx.Module
+  sharder = Gemma4.prepare_model_inputs_for_cp(gemma, layout=step_shape.layout)["cp_sharder"]
   kernels = resolve_implementation(None, platform=mesh_platform(grid))
   batch, layout = sharder.shard_batch(text, host, batch_axis=batch_axis, implementation=kernels)
   if host is not grid:
@@ -260,7 +262,7 @@ def compiled_plan(
     shape.batch_size,
     shape.lora_rank,
   )
-  refused, step = None, None
+  refused, step, compiled = None, None, None
   try:
     compiled, params, opt_state, base = compile_step(
       cfg,
@@ -280,6 +282,7 @@ def compiled_plan(
     total = refused.needed + (param_bytes + opt_bytes if refused.what == "temporaries" else 0)
     cost, collectives = {}, {}
   else:
+    assert compiled is not None  # not refused: compiled
     cost = compiled.cost_analysis()  # None from XLA:GPU without a device
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     text = compiled.as_text()

@@ -196,8 +196,14 @@ def smallest_slice(
   start = next((i for i, e in enumerate(estimates) if e is not None and e.fits(memory)), None)
   tried: list[Plan] = []
 
+  def estimate(i: int) -> Plan:
+    """Slice i's closed-form plan: only slices that have one are compiled."""
+    found = estimates[i]
+    assert found is not None
+    return found
+
   def compiled(i: int) -> Plan:
-    mesh = estimates[i].mesh
+    mesh = estimate(i).mesh
     tried.append(
       compiled_plan(cfg, step, model=model, mesh=mesh, target=slices[i], device_memory=memory)
     )
@@ -212,7 +218,7 @@ def smallest_slice(
     while (
       i > 0
       and estimates[i - 1] is not None
-      and estimates[i - 1].total * tried[-1].total / estimates[i].total
+      and estimate(i - 1).total * tried[-1].total / estimate(i).total
       <= SMALLER_SLICE_SLACK * memory
       and compiled(i - 1).fits(memory)
     ):
