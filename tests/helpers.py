@@ -61,3 +61,38 @@ def write_transformers_checkpoint(directory: str, kind: str, *, seed: int = 0) -
   model.save_pretrained(directory)
   tokenizer.save_pretrained(directory)
   return directory
+
+
+def fake_slice_compiler(monkeypatch, totals: dict) -> list:
+  """Replace the compile of a target by a table of totals per slice; return
+  the list its calls are recorded in: (slice, mesh, StepShape, strategies).
+  A total of None is a compile refused past the chip's memory."""
+  from cpjax.training import plan
+
+  calls = []
+
+  def compiled_plan(cfg, shape, *, target, model, mesh, device_memory):
+    shape = plan.StepShape.take(shape, {"mesh": mesh})
+    calls.append(
+      (target.name, mesh, shape, shape.strategies(cfg.text, device_memory=device_memory))
+    )
+    total = totals[target.name]  # None: refused past the chip's memory
+    refused = dict(collectives={}, refused=True) if total is None else {}
+    total = 99 * plan.GiB if total is None else total
+    return plan.Plan(
+      model,
+      shape.seq_len,
+      mesh,
+      shape.remat,
+      shape.dtype,
+      0,
+      0,
+      total,
+      total,
+      0.0,
+      target.name,
+      **refused,
+    )
+
+  monkeypatch.setattr(plan.search, "compiled_plan", compiled_plan)
+  return calls

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from cpjax import cli
+from tests.helpers import fake_slice_compiler
 
 CHAT_JSONL = os.path.join(
   os.path.dirname(__file__), "..", "cpjax", "examples", "chat", "train.jsonl"
@@ -409,25 +410,8 @@ def test_plan_for_a_bare_chip_searches_its_slices_and_writes_the_smallest(
 
   totals = {"v5e-4": 17 * plan.GiB, "v5e-8": 12 * plan.GiB}
 
-  def compiled_plan(cfg, shape, *, target, model, device_memory=None, **settings):
-    shape = plan.StepShape.take(shape, settings)
-    total = totals[target.name]
-    return plan.Plan(
-      model,
-      shape.seq_len,
-      shape.mesh,
-      shape.remat,
-      shape.dtype,
-      0,
-      0,
-      total,
-      total,
-      0.0,
-      target.name,
-    )
-
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  monkeypatch.setattr(plan.search, "compiled_plan", compiled_plan)
+  fake_slice_compiler(monkeypatch, totals)
   path = tmp_path / "plan.yaml"
   argv = ["plan", "--recipe", "e2b-lora-128k", "--target", "v5e", "--write-config", str(path)]
   assert cli.main(argv) in (0, None)

@@ -86,3 +86,15 @@ def test_the_changelog_lists_every_moved_path():
   for old, new in _deprecations.MOVED.items():
     assert f"`{old}` -> `{new}`" in text, old
   assert f"removed in {_deprecations.REMOVED_IN}" in text
+
+
+def test_plans_run_shape_warns_and_still_plans_the_run():
+  from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.training import plan
+  from cpjax.training.run_config import RunConfig, with_values
+
+  run = with_values(RunConfig(), {"dataset.seq_len": 512, "parallel.cp": 2, "remat": "full"})
+  with pytest.warns(DeprecationWarning, match="run_shape moved to cpjax.training.plan.StepShape"):
+    shape = plan.run_shape(run)
+  cfg = Gemma4Config.preset("tiny")
+  assert plan.estimate(cfg, model="tiny", **shape) == plan.estimate(cfg, run, model="tiny")

@@ -10,6 +10,7 @@ import pytest
 
 from cpjax.models import gemma4
 from cpjax.training import plan
+from tests.helpers import fake_slice_compiler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,38 +96,6 @@ def test_smallest_mesh_fits_and_the_next_smaller_does_not():
   assert plan.smallest_mesh(cfg, model="e4b", seq_len=7, device_memory=memory, lora_rank=16) is None
 
 
-def _fake_compiler(monkeypatch, totals: dict) -> list:
-  """Replace the compile of a target by a table of totals per slice; return
-  the list its calls are recorded in."""
-  calls = []
-
-  def compiled_plan(cfg, shape, *, target, model, mesh, device_memory):
-    shape = plan.StepShape.take(shape, {"mesh": mesh})
-    calls.append(
-      (target.name, mesh, shape, shape.strategies(cfg.text, device_memory=device_memory))
-    )
-    total = totals[target.name]  # None: refused past the chip's memory
-    refused = dict(collectives={}, refused=True) if total is None else {}
-    total = 99 * plan.GiB if total is None else total
-    return plan.Plan(
-      model,
-      shape.seq_len,
-      mesh,
-      shape.remat,
-      shape.dtype,
-      0,
-      0,
-      total,
-      total,
-      0.0,
-      target.name,
-      **refused,
-    )
-
-  monkeypatch.setattr(plan.search, "compiled_plan", compiled_plan)
-  return calls
-
-
 @pytest.mark.parametrize(
   "chip, totals, tried, found",
   [
@@ -156,7 +125,7 @@ def test_the_target_search_compiles_down_while_it_fits_and_up_until_one_fits(
   the slices by what the compiler says (here a table, in GiB)."""
   from cpjax.training import cp_strategy, targets
 
-  calls = _fake_compiler(monkeypatch, {k: v and v * plan.GiB for k, v in totals.items()})
+  calls = fake_slice_compiler(monkeypatch, {k: v and v * plan.GiB for k, v in totals.items()})
   cfg = gemma4.Gemma4Config.preset("e2b")
   lora = dict(lora_rank=16, base_dtype="bfloat16", remat="full", dtype="bfloat16")
   memory = targets.CHIPS[chip].memory

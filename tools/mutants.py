@@ -622,6 +622,31 @@ MUTANTS = (
     '    for d in ("bfloat16", "float32")',
     ("tests/test_run_config.py::test_plan_writes_a_config_that_fits",),
   ),
+  # --- the folders and the plan of a run (issue 62)
+  Mutant(
+    "folders: a module imports another package's private module",
+    "cpjax/batch/sharding.py",
+    "from cpjax.batch import _streams, balance\n",
+    (
+      "from cpjax.batch import _streams, balance\n"
+      "from cpjax.masks._rules import MaskRule  # noqa: F401\n"
+    ),
+    ("tests/test_architecture.py::test_no_module_imports_another_modules_private_name",),
+  ),
+  Mutant(
+    "deprecations: an old path's module takes the alias's spec",
+    "cpjax/_deprecations.py",
+    "    module.__spec__ = module.__spec__.loader_state\n",
+    "    pass\n",
+    ("tests/test_deprecations.py::test_an_old_module_path_is_the_new_module_with_a_warning",),
+  ),
+  Mutant(
+    "plan: a run from dotted keys plans one row a batch shard, not its rows",
+    "cpjax/cli/plan.py",
+    'if getattr(args, key) is None and (named(*keys) or key == "batch_size"):',
+    "if getattr(args, key) is None and named(*keys):",
+    ("tests/test_plan.py::test_cli_plan_and_train_agree_without_a_recipe",),
+  ),
   # --- the package's layers (issue 35)
   Mutant(
     "layers: the data layer imports the training layer",

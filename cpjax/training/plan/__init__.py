@@ -35,7 +35,15 @@ from cpjax.training.plan.closed_form import (
 )
 from cpjax.training.plan.compiled import TooLarge, compile_step, compiled_bytes, compiled_plan
 from cpjax.training.plan.search import SMALLER_SLICE_SLACK, best_mesh, smallest_mesh, smallest_slice
-from cpjax.training.plan.shape import SHARD_STATE, GiB, Plan, StepShape, format_bytes, parse_bytes
+from cpjax.training.plan.shape import (
+  SHARD_STATE,
+  GiB,
+  Plan,
+  StepShape,
+  format_bytes,
+  parse_bytes,
+  run_shape,
+)
 from cpjax.training.targets import collective_bytes
 
 __all__ = [
@@ -60,6 +68,7 @@ __all__ = [
   "format_bytes",
   "lora_param_count",
   "parse_bytes",
+  "run_shape",
   "smallest_mesh",
   "smallest_slice",
 ]

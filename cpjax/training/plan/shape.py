@@ -22,10 +22,10 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from cpjax.training.run_config import ShardState
+from cpjax.training.run_config import RunConfig, ShardState
 from cpjax.training.step_time import StepTime
 
-__all__ = ["GiB", "Plan", "SHARD_STATE", "StepShape", "format_bytes", "parse_bytes"]
+__all__ = ["GiB", "Plan", "SHARD_STATE", "StepShape", "format_bytes", "parse_bytes", "run_shape"]
 
 GiB = 2**30
 SHARD_STATE = typing.get_args(ShardState)  # cpjax train --shard-state's choices
@@ -237,10 +237,10 @@ class StepShape:
       if missing:
         raise TypeError(f"give a StepShape, a run config or {missing}")
       return cls(**settings)
-    if not isinstance(shape, cls):
-      if not hasattr(shape, "parallel"):
-        raise TypeError(f"shape must be a StepShape or a RunConfig, got {type(shape).__name__}")
+    if isinstance(shape, RunConfig):
       shape = cls.of(shape)
+    elif not isinstance(shape, cls):
+      raise TypeError(f"shape must be a StepShape or a RunConfig, got {type(shape).__name__}")
     return dataclasses.replace(shape, **settings)
 
   def strategies(self, text, *, device_memory: int | None = None) -> dict:
@@ -268,3 +268,19 @@ class StepShape:
     if self.loss_strategy is not None:
       chosen["loss_strategy"] = self.loss_strategy
     return chosen
+
+
+def run_shape(run) -> dict:
+  """Return :meth:`StepShape.of`'s fields as a dict (0.1's name; removed in 0.3).
+
+  >>> import warnings
+  >>> from cpjax.training.run_config import RunConfig
+  >>> with warnings.catch_warnings(record=True):
+  ...   warnings.simplefilter("always")
+  ...   run_shape(RunConfig())["remat"]
+  'none'
+  """
+  from cpjax import _deprecations
+
+  _deprecations.warn("cpjax.training.plan.run_shape", "cpjax.training.plan.StepShape.of")
+  return dataclasses.asdict(StepShape.of(run))
