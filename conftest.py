@@ -79,7 +79,7 @@ HEAVY_FIRST = (
   "test_accelerator_suite.py",
   "test_step_time.py",
   "test_lora_peft.py",
-  "test_lora_job.py",
+  "test_lora_training.py",
   "test_lora.py",
   "test_run_config.py",
   "test_experts.py",

@@ -8,7 +8,8 @@ call cut short keeps what it finished):
    bfloat16, every mask kind (causal, GQA, window, documents, padding), S = 2048.
    A miss ends the run (exit 1): nothing after it would mean anything.
 2. ``sweep`` (only with ``--sweep``, when the kernels changed): forward +
-   backward time of each (rows, keys) tile the target takes, per head dim.
+   backward time of each (rows, keys) tile the chip's Pallas implementation
+   takes, per head dim.
 3. ``hops``: one hop's forward + backward (cp = 1, B = 1, 16 query heads),
    bfloat16, S = 32768: causal at head dims 128, 256 and 512, and at 256 (Gemma
    4's sliding layers) a window of 1024 and 8 packed documents; cpjax's Pallas
@@ -59,7 +60,10 @@ import numpy as np  # noqa: E402
 
 import cpjax  # noqa: E402
 from benchmarks.common import RESULTS, machine, median_time, print_table  # noqa: E402
-from cpjax.attention.ring.kernels import TARGETS, resolve_implementation  # noqa: E402
+from cpjax.attention.ring.kernels import (  # noqa: E402
+  PALLAS_IMPLEMENTATIONS,
+  resolve_implementation,
+)
 from cpjax.training.targets import CHIPS  # noqa: E402
 
 HEADS = 16  # query heads in the check and the hops
@@ -118,7 +122,7 @@ def check_grid(smoke: bool):
 def cpjax_attention(implementation: str, interpret: bool, case, padding_mask=None, **tiles):
   s = case["s"]
   lay = cpjax.ShardLayout(s, s, 1)
-  seg = documents(s, case["docs"]) if case["docs"] > 1 else None
+  doc_ids = documents(s, case["docs"]) if case["docs"] > 1 else None
 
   def attend(q, k, v):
     return cpjax.ring_attention(
@@ -127,7 +131,7 @@ def cpjax_attention(implementation: str, interpret: bool, case, padding_mask=Non
       v,
       layout=lay,
       sliding_window=case["window"],
-      segment_ids=seg,
+      document_ids=doc_ids,
       padding_mask=padding_mask,
       implementation=implementation,
       interpret=interpret,
@@ -147,13 +151,13 @@ def check_one(implementation: str, interpret: bool, d: int, dtype, case) -> dict
   k = jax.random.normal(keys[1], (1, s, case["hkv"], d), dtype)
   v = jax.random.normal(keys[2], (1, s, case["hkv"], d), dtype)
   w = jax.random.normal(keys[3], (1, s, HEADS, d), jnp.float32)
-  seg = documents(s, case["docs"]) if case["docs"] > 1 else None
+  doc_ids = documents(s, case["docs"]) if case["docs"] > 1 else None
   pad = jnp.arange(s)[None] >= s - case["pad"] if case["pad"] else None
   ours = cpjax_attention(implementation, interpret, case, padding_mask=pad)
 
   def theirs(q, k, v):
     return reference_attention(
-      q, k, v, sliding_window=case["window"], segment_ids=seg, padding_mask=pad
+      q, k, v, sliding_window=case["window"], document_ids=doc_ids, padding_mask=pad
     )
 
   def value_and_grads(attend, *args):
@@ -215,7 +219,7 @@ def tile_options(implementation: str, d: int, smoke: bool):
   """(rows, keys) tiles to time at head dim ``d``: powers of two from 16
   (GPU) or 128 (TPU) to 256 rows and keys, plus the record's own."""
   lo = 16 if implementation == "pallas_gpu" else 128
-  record = TARGETS[implementation].default_tile(d, jnp.bfloat16)
+  record = PALLAS_IMPLEMENTATIONS[implementation].default_tile(d, jnp.bfloat16)
   if smoke:
     return [record, (lo, lo)]
   sizes = [n for n in (16, 32, 64, 128, 256) if n >= lo]
@@ -286,12 +290,13 @@ def vendor_attention(platform: str, case, *, interpret: bool = False):
   kernel = splash.make_splash_mqa_single_device(
     masks.MultiHeadMask([one] * (HEADS // hkv)), interpret=interpret
   )
-  seg = documents(s, case["docs"])[0] if case["docs"] > 1 else None
+  doc_ids = documents(s, case["docs"])[0] if case["docs"] > 1 else None
 
   def attend(q, k, v):  # [B, S, H, D] -> splash's [H, S, D] per row and KV head
     qh = (q * d**-0.5).transpose(0, 2, 1, 3).reshape(q.shape[0], hkv, HEADS // hkv, s, d)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    ids = None if seg is None else splash.SegmentIds(q=seg, kv=seg)
+    # (splash names document ids "segment ids".)
+    ids = None if doc_ids is None else splash.SegmentIds(q=doc_ids, kv=doc_ids)
     run = lambda qg, kg, vg: kernel(qg, kg, vg, segment_ids=ids)  # noqa: E731
     out = jax.vmap(jax.vmap(run))(qh, kh, vh)
     return out.reshape(q.shape[0], HEADS, s, d).transpose(0, 2, 1, 3)

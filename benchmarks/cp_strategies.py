@@ -98,7 +98,7 @@ def layer_gradient(kind: str, seq_len: int, cp: int, strategy: str, devices, dty
       mesh=mesh,
       layout=layout,
       sliding_window=window,
-      segment_ids=docs,
+      document_ids=docs,
       strategy=strategy,
     )
     return jnp.sum(out.astype(jnp.float32))

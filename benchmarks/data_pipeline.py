@@ -48,10 +48,10 @@ def main(argv=None):
 
   jax.config.update("jax_num_cpu_devices", 8)
   from cpjax.training.run_config import RunConfig, with_values
-  from cpjax.training.trainer import run_train_job
+  from cpjax.training.trainer import train
 
   loader, fill = loader_tokens_per_s(args.batches, 2, 1024)
-  summary = run_train_job(
+  summary = train(
     with_values(
       RunConfig(),
       {

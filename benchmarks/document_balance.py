@@ -98,12 +98,12 @@ def tile_counts(lay, ids_rank_order, block: int, window: int | None = None):
   from cpjax.masks import Tokens
 
   rule = cpjax.AttentionMask.create(
-    causal=True, sliding_window=window, segment_ids=ids_rank_order
+    causal=True, sliding_window=window, document_ids=ids_rank_order
   ).rule
   cp, n = lay.cp_size, lay.local_seq_len
   info = [
     Tokens(
-      cpjax.local_token_indices(lay, r), {"segment_ids": ids_rank_order[:, r * n : (r + 1) * n]}
+      cpjax.local_token_indices(lay, r), {"document_ids": ids_rank_order[:, r * n : (r + 1) * n]}
     )
     for r in range(cp)
   ]
@@ -157,12 +157,12 @@ def ring_rows(s: int, cp: int, mesh, *, repeats: int) -> list[dict]:
       sharded, lay = cpjax.shard_batch(batch, mesh, layout=kind, min_stripe_len=256)
       src = sharded.get("_source_index")
       to = lambda x: cpjax.to_rank_order(x, lay, source_index=src)  # noqa: E731
-      seg = sharded["_packed_seq_ids"]
+      doc_ids = sharded["_packed_seq_ids"]
       block = default_block_size(lay.chunk_len)  # the XLA tiles' default
-      path, total = critical_path(tile_counts(lay, np.asarray(seg), block))
+      path, total = critical_path(tile_counts(lay, np.asarray(doc_ids), block))
 
-      def loss(q, k, v, seg=seg, lay=lay):
-        o = cpjax.context_parallel_attention(q, k, v, mesh=mesh, layout=lay, segment_ids=seg)
+      def loss(q, k, v, doc_ids=doc_ids, lay=lay):
+        o = cpjax.context_parallel_attention(q, k, v, mesh=mesh, layout=lay, document_ids=doc_ids)
         return jnp.sum(o)
 
       grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -176,12 +176,12 @@ def ring_rows(s: int, cp: int, mesh, *, repeats: int) -> list[dict]:
       w_batch, windowed = cpjax.shard_batch(
         batch, mesh, layout=kind, min_stripe_len=1024, layer_windows=GEMMA_MIX
       )
-      w_seg, w_block = (
+      w_doc_ids, w_block = (
         np.asarray(w_batch["_packed_seq_ids"]),
         default_block_size(windowed.chunk_len),
       )
-      w_path = critical_path(tile_counts(windowed, w_seg, w_block, window=1024))[0]
-      f_path = critical_path(tile_counts(windowed, w_seg, w_block))[0]
+      w_path = critical_path(tile_counts(windowed, w_doc_ids, w_block, window=1024))[0]
+      f_path = critical_path(tile_counts(windowed, w_doc_ids, w_block))[0]
       out.append(
         {
           "rows": case,

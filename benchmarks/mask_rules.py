@@ -54,21 +54,21 @@ def main(argv=None):
   gemma_rule = (
     cpjax.LocalWindow(255, None)
     & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup())
-    & cpjax.SameSegment()
+    & cpjax.SameDocument()
   )
   cases = [
     ("causal", "load_balanced", {}, None),
     (
       "16 documents + padding",
       "load_balanced",
-      {"segment_ids": docs, "padding_mask": docs == 0},
+      {"document_ids": docs, "padding_mask": docs == 0},
       None,
     ),
-    ("window 256 + documents", "contiguous", {"segment_ids": docs, "sliding_window": 256}, None),
+    ("window 256 + documents", "contiguous", {"document_ids": docs, "sliding_window": 256}, None),
     (
       "Gemma 4 vision rule",
       "load_balanced",
-      {"segment_ids": docs, "vision_group_ids": groups},
+      {"document_ids": docs, "vision_group_ids": groups},
       gemma_rule,
     ),
   ]

@@ -89,8 +89,8 @@ def cpjax_fn(mesh, layout, **kw):
 
   import cpjax
 
-  def local(q, k, v, seg):
-    return cpjax.ring_attention(q, k, v, layout=layout, segment_ids=seg, **kw)
+  def local(q, k, v, doc_ids):
+    return cpjax.ring_attention(q, k, v, layout=layout, document_ids=doc_ids, **kw)
 
   return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
 
@@ -103,7 +103,7 @@ def allgather_fn(mesh, layout, *, causal=True, **_):
 
   import cpjax
 
-  def local(q, k, v, seg):
+  def local(q, k, v, doc_ids):
     rank = jax.lax.axis_index("cp")
     qpos = cpjax.local_token_indices(layout, rank)
     kpos = jax.lax.all_gather(cpjax.local_token_indices(layout, rank), "cp", tiled=True)
@@ -113,9 +113,9 @@ def allgather_fn(mesh, layout, *, causal=True, **_):
       (kpos[None, :] <= qpos[:, None]) if causal else jnp.ones((q.shape[1], k_all.shape[1]), bool)
     )
     mask = mask[None, None]
-    if seg is not None:
-      seg_all = jax.lax.all_gather(seg, "cp", axis=1, tiled=True)
-      mask = mask & (seg[:, None, :, None] == seg_all[:, None, None, :])
+    if doc_ids is not None:
+      doc_ids_all = jax.lax.all_gather(doc_ids, "cp", axis=1, tiled=True)
+      mask = mask & (doc_ids[:, None, :, None] == doc_ids_all[:, None, None, :])
     return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask)
 
   return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
@@ -145,10 +145,10 @@ def peer_fn(mesh, layout, *, causal=True, chunk=256, **_):
     prevent_cse=True,
   )
 
-  def local(q, k, v, seg):
+  def local(q, k, v, doc_ids):
     g = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)  # no GQA: all heads travel
-    return ringattention_jax(q, k, v, None, seg, None, "cp", True, kw)
+    return ringattention_jax(q, k, v, None, doc_ids, None, "cp", True, kw)
 
   return jax.shard_map(
     local, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"), check_vma=False
@@ -170,15 +170,15 @@ def measure(mesh, fn, args, *, repeats, fwd_only=False):
   import jax
   import jax.numpy as jnp
 
-  q, k, v, seg = args
+  q, k, v, doc_ids = args
   fwd = jax.jit(fn)
-  loss = lambda q, k, v: jnp.sum(fn(q, k, v, seg))
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v, doc_ids))
   both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   out = {}
   with jax.set_mesh(mesh):
-    compiled = fwd.lower(q, k, v, seg).compile()
+    compiled = fwd.lower(q, k, v, doc_ids).compile()
     out["fwd_s"] = common.median_time(
-      lambda: jax.block_until_ready(compiled(q, k, v, seg)), repeats=repeats, warmup=1
+      lambda: jax.block_until_ready(compiled(q, k, v, doc_ids)), repeats=repeats, warmup=1
     )
     if not fwd_only:
       compiled_b = both.lower(q, k, v).compile()
@@ -194,8 +194,8 @@ def scratch_mib(mesh, fn, args) -> float:
   import jax
   import jax.numpy as jnp
 
-  q, k, v, seg = args
-  both = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, seg)), argnums=(0, 1, 2)))
+  q, k, v, doc_ids = args
+  both = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, doc_ids)), argnums=(0, 1, 2)))
   with jax.set_mesh(mesh):
     return both.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes / 2**20
 
@@ -270,8 +270,8 @@ def main(argv=None):
     layout = cpjax.ShardLayout(s, s, n, kind)
     order = cpjax.rank_order(layout)
     q, k, v = make_qkv(s, hkv)
-    seg = None if docs is None else sharded(mesh, docs, order)
-    fargs = (sharded(mesh, q, order), sharded(mesh, k, order), sharded(mesh, v, order), seg)
+    doc_ids = None if docs is None else sharded(mesh, docs, order)
+    fargs = (sharded(mesh, q, order), sharded(mesh, k, order), sharded(mesh, v, order), doc_ids)
     build = {"cpjax": cpjax_fn, "all-gather KV": allgather_fn, "ringattention": peer_fn}[method]
     if method == "cpjax":
       fn = build(mesh, layout, sliding_window=window_, **kw)

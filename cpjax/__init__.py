@@ -44,7 +44,7 @@ from cpjax.masks import (
   LocalWindow,
   MaskRule,
   MaskSpec,
-  SameSegment,
+  SameDocument,
   SameVisionGroup,
 )
 from cpjax.parallel import make_mesh, param_specs, shard_like_params, shard_params
@@ -75,7 +75,7 @@ __all__ = [
   "LocalWindow",
   "MaskRule",
   "MaskSpec",
-  "SameSegment",
+  "SameDocument",
   "SameVisionGroup",
   "make_mesh",
   "param_specs",
@@ -96,5 +96,8 @@ _deprecations.install()
 
 
 def __getattr__(name: str):
-  # cpjax.sharding and the other module paths of 0.1, with their warning.
+  # Renamed names (cpjax.SameSegment), cpjax.sharding and the other module
+  # paths of 0.1, with their warning.
+  if (__name__, name) in _deprecations.MOVED_NAMES:
+    return _deprecations.moved_attribute(__name__, name)
   return _deprecations.module_attribute(name)

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 __all__ = [
   "attention_inputs",
@@ -54,7 +55,9 @@ def _dtype(x):
   return jnp.result_type(x)
 
 
-def attention_inputs(q, k, v, *, length: str = "L") -> tuple[int, int, int, int, int]:
+def attention_inputs(
+  q: ArrayLike, k: ArrayLike, v: ArrayLike, *, length: str = "L"
+) -> tuple[int, int, int, int, int]:
   """Check q [B, T, Hq, D] and k, v [B, T, Hkv, D]; return (B, T, Hq, Hkv, D).
 
   ``length`` names T in messages (``"L"`` local tokens, ``"S"`` a sequence).
@@ -93,7 +96,9 @@ def _real(name: str, value) -> float:
   return value
 
 
-def attention_options(*, scale=None, logits_soft_cap=None) -> tuple[float | None, float | None]:
+def attention_options(
+  *, scale: float | None = None, logits_soft_cap: float | None = None
+) -> tuple[float | None, float | None]:
   """Check the scalar options; return them as floats (None stays None).
 
   ``scale`` is any finite number (default ``1/sqrt(D)`` is applied by the
@@ -107,7 +112,7 @@ def attention_options(*, scale=None, logits_soft_cap=None) -> tuple[float | None
   return scale, logits_soft_cap
 
 
-def fits_int32(name: str, x) -> None:
+def fits_int32(name: str, x: ArrayLike) -> None:
   """Check that a concrete integer array's values fit int32.
 
   A concrete integer array whose values int32 cannot hold is a ValueError
@@ -135,7 +140,12 @@ def fits_int32(name: str, x) -> None:
 
 
 def token_stream(
-  name: str, x, *, kind: str, shape: tuple[int, ...] | None = None, where: str = "[B, S]"
+  name: str,
+  x: ArrayLike,
+  *,
+  kind: str,
+  shape: tuple[int, ...] | None = None,
+  where: str = "[B, S]",
 ) -> None:
   """Check a per-token stream: 2-D (``shape`` if given), of ``kind``.
 
@@ -166,7 +176,7 @@ def token_stream(
     fits_int32(name, x)
 
 
-def bound_axis_size(axis_name) -> int | None:
+def bound_axis_size(axis_name: str | tuple[str, ...]) -> int | None:
   """Return the size of mesh axis ``axis_name`` (or a tuple of axes) where it
   is bound (inside ``shard_map``), else None."""
   try:
@@ -198,7 +208,9 @@ def cp_axis(caller: str, axis_name: str | tuple[str, ...], cp_size: int) -> None
     )
 
 
-def source_index(index, x, axis: int, length: int, *, arg: str = "axis"):
+def source_index(
+  index: ArrayLike | None, x: jax.Array | np.ndarray, axis: int, length: int, *, arg: str = "axis"
+) -> jax.Array:
   """Check the ``source_index`` that a ``"document_balanced"`` move of ``x`` needs.
 
   Args:
@@ -226,7 +238,7 @@ def source_index(index, x, axis: int, length: int, *, arg: str = "axis"):
   return index
 
 
-def integer(name: str, value, *, minimum: int | None = None) -> int:
+def integer(name: str, value: object, *, minimum: int | None = None) -> int:
   """Check that ``value`` is a Python or numpy int (not bool) >= ``minimum``.
 
   Args:
@@ -244,7 +256,7 @@ def integer(name: str, value, *, minimum: int | None = None) -> int:
   return int(value)
 
 
-def mapping(name: str, value) -> dict:
+def mapping(name: str, value: object) -> dict:
   """Copy a mapping (e.g. a batch dict) into a new dict.
 
   List and tuple values become numpy arrays, as ``np.asarray`` takes them (a

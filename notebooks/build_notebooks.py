@@ -116,7 +116,7 @@ print("unshard_batch restores the batch in every layout")""",
 
 sharded, layout = cpjax.shard_batch(batch, mesh, layout="load_balanced")
 docs = np.asarray(sharded["_packed_seq_ids"])          # rank order: rank r at [r*L, (r+1)*L)
-rule = cpjax.AttentionMask.create(causal=True, segment_ids=docs).rule
+rule = cpjax.AttentionMask.create(causal=True, document_ids=docs).rule
 colours = matplotlib.colors.ListedColormap(["#dddddd", "#30307a", "#f5c400"])
 step = 1
 block = layout.chunk_len // 2 if layout.chunk_len % 2 == 0 else layout.chunk_len
@@ -124,9 +124,9 @@ fig, axes = plt.subplots(1, cp, figsize=(2 * cp, 2.4))
 for r, ax in enumerate(axes):
     src = (r - step) % cp
     L = layout.local_seq_len
-    q = Tokens(cpjax.local_token_indices(layout, r), {"segment_ids": docs[:, r * L:(r + 1) * L]})
+    q = Tokens(cpjax.local_token_indices(layout, r), {"document_ids": docs[:, r * L:(r + 1) * L]})
     k = Tokens(cpjax.local_token_indices(layout, src),
-               {"segment_ids": docs[:, src * L:(src + 1) * L]})
+               {"document_ids": docs[:, src * L:(src + 1) * L]})
     allowed = np.asarray(rule.allowed(q, k))[0]                   # the token predicate
     visit = np.asarray(rule.classify(q, k, block, block).any)[0]  # the block map: non-empty
     skipped = np.kron(~visit, np.ones((block, block), bool))
@@ -144,8 +144,8 @@ plt.show()""",
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 rng = np.random.default_rng(1)
-seg = np.asarray(cpjax.shard_batch(batch, mesh, layout="contiguous")[0]["_packed_seq_ids"])
-S = seg.shape[1]
+doc_ids = np.asarray(cpjax.shard_batch(batch, mesh, layout="contiguous")[0]["_packed_seq_ids"])
+S = doc_ids.shape[1]
 q = rng.standard_normal((1, S, 4, 16)).astype(np.float32)
 k, v = (rng.standard_normal((1, S, 2, 16)).astype(np.float32) for _ in range(2))
 for kind in ("contiguous", "load_balanced"):
@@ -153,12 +153,13 @@ for kind in ("contiguous", "load_balanced"):
     order = cpjax.rank_order(layout)
     put = lambda x: jax.device_put(x[:, order], NamedSharding(mesh, P(None, "cp")))
     ring = jax.jit(jax.shard_map(
-        lambda q, k, v, s: cpjax.ring_attention(q, k, v, layout=layout, segment_ids=s,
+        lambda q, k, v, d: cpjax.ring_attention(q, k, v, layout=layout, document_ids=d,
                                                 sliding_window=S // 3,
                                                 implementation=implementation),
         mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp")))
-    out = np.asarray(ring(put(q), put(k), put(v), put(seg)))[:, np.argsort(order)]
-    ref = np.asarray(cpjax.reference_attention(q, k, v, segment_ids=seg, sliding_window=S // 3))
+    out = np.asarray(ring(put(q), put(k), put(v), put(doc_ids)))[:, np.argsort(order)]
+    ref = np.asarray(cpjax.reference_attention(q, k, v, document_ids=doc_ids,
+                                               sliding_window=S // 3))
     print(f"{kind:>13}: max |ring - dense| = {np.abs(out - ref).max():.2e}")
     assert np.allclose(out, ref, atol=1e-4)""",
   ),
@@ -178,14 +179,14 @@ types = np.zeros((1, S), np.int32); types[:, S // 4:S // 2] = 1       # one imag
 groups = np.asarray(cpjax.vision_group_ids(types))
 rule = (cpjax.LocalWindow(S // 8, None)                                # window behind ...
         & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup())      # ... causal, or same image
-        & cpjax.SameSegment())
+        & cpjax.SameDocument())
 print(rule, "reach:", rule.reach(), "plan:", cpjax.ring_plan(layout, mask=rule))
-mask = cpjax.AttentionMask(rule, {"segment_ids": to(seg), "vision_group_ids": to(groups)})
+mask = cpjax.AttentionMask(rule, {"document_ids": to(doc_ids), "vision_group_ids": to(groups)})
 out = cpjax.context_parallel_attention(to(q), to(k), to(v), mesh=mesh, layout=layout, mask=mask,
                                        implementation=implementation)
 print(f"ran the {implementation} per-hop implementation")
 ref = cpjax.reference_attention(q, k, v, mask=cpjax.AttentionMask(
-    rule, {"segment_ids": seg, "vision_group_ids": groups}))
+    rule, {"document_ids": doc_ids, "vision_group_ids": groups}))
 print(f"max |ring - dense| = {np.abs(cpjax.from_rank_order(out, layout) - ref).max():.2e}")
 assert np.allclose(cpjax.from_rank_order(out, layout), ref, atol=1e-4)""",
   ),

@@ -15,7 +15,7 @@ import cpjax
 from cpjax.batch import balance
 from tests.helpers import cp_mesh
 
-META_KEYS = ("segment_ids", "padding_mask", "vision_group_ids")
+META_KEYS = ("document_ids", "padding_mask", "vision_group_ids")
 
 
 def make_inputs(rng, *, b=2, s=64, hq=4, hkv=2, d=8, dtype=np.float32):
@@ -31,19 +31,19 @@ def packed_metadata(rng, b, s, *, pad_from=None, vision=False, n_docs=3):
   and (optionally) vision groups made from random image spans."""
   meta = {}
   pad_from = s if pad_from is None else pad_from
-  seg = np.zeros((b, s), np.int32)
+  doc_ids = np.zeros((b, s), np.int32)
   for row in range(b):
     cuts = np.sort(rng.choice(np.arange(1, pad_from), n_docs - 1, replace=False))
-    seg[row, :pad_from] = 1 + np.searchsorted(cuts, np.arange(pad_from), side="right")
-  meta["segment_ids"] = seg
-  meta["padding_mask"] = seg == 0
+    doc_ids[row, :pad_from] = 1 + np.searchsorted(cuts, np.arange(pad_from), side="right")
+  meta["document_ids"] = doc_ids
+  meta["padding_mask"] = doc_ids == 0
   if vision:
     types = np.zeros((b, s), np.int32)
     for row in range(b):
       for _ in range(2):
         start = int(rng.integers(0, max(pad_from - 6, 1)))
         types[row, start : start + int(rng.integers(3, 12))] = 1
-    types[seg == 0] = 0
+    types[doc_ids == 0] = 0
     meta["vision_group_ids"] = np.asarray(cpjax.vision_group_ids(types))
   return meta
 
@@ -73,7 +73,7 @@ def ring(
   # Row b in rank order is x[b, order[b]]: per row under document_balanced,
   # whose documents the host reorders (its mask must separate documents).
   if kind == "document_balanced":
-    order = balance.balance_documents(meta["segment_ids"], layout)[:, cpjax.rank_order(layout)]
+    order = balance.balance_documents(meta["document_ids"], layout)[:, cpjax.rank_order(layout)]
   else:
     order = np.broadcast_to(cpjax.rank_order(layout), (b, s))
   inverse = np.argsort(order, axis=1)
@@ -132,8 +132,8 @@ def check_global_documents(heads: int, **options):
   docs = np.repeat([[1, 2]], 16, axis=1)
   xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
   attend = functools.partial(cpjax.context_parallel_attention, mesh=mesh, layout=lay, **options)
-  out = jax.jit(lambda x, d: attend(x, x, x, segment_ids=d))(xr, dr)
-  want = cpjax.reference_attention(x, x, x, segment_ids=docs)
+  out = jax.jit(lambda x, d: attend(x, x, x, document_ids=d))(xr, dr)
+  want = cpjax.reference_attention(x, x, x, document_ids=docs)
   chex.assert_trees_all_close(cpjax.from_rank_order(out, lay), want, rtol=1e-5, atol=1e-5)
   return mesh, lay, x
 

@@ -136,19 +136,21 @@ def run_all(mesh) -> dict:
   spec = P(None, "cp")
   q, k, v = (_global(mesh, x, spec) for x in (q, k, v))
 
-  def attend(q, k, v, seg, pad):
+  def attend(q, k, v, doc_ids, pad):
     return cpjax.ring_attention(
-      q, k, v, layout=layout, segment_ids=seg, padding_mask=pad, sliding_window=12
+      q, k, v, layout=layout, document_ids=doc_ids, padding_mask=pad, sliding_window=12
     )
 
   f = jax.shard_map(attend, mesh=mesh, in_specs=spec, out_specs=spec)
-  seg, pad = sharded["_packed_seq_ids"], sharded["padding_mask"]
+  doc_ids, pad = sharded["_packed_seq_ids"], sharded["padding_mask"]
   with jax.set_mesh(mesh):
-    out["ring/out"] = jax.jit(f)(q, k, v, seg, pad)
+    out["ring/out"] = jax.jit(f)(q, k, v, doc_ids, pad)
     # Global arrays of a multi-process mesh must be arguments, never closed over.
     grads = jax.jit(
-      jax.grad(lambda q, k, v, seg, pad: jnp.sum(f(q, k, v, seg, pad) ** 2), argnums=(0, 1, 2))
-    )(q, k, v, seg, pad)
+      jax.grad(
+        lambda q, k, v, doc_ids, pad: jnp.sum(f(q, k, v, doc_ids, pad) ** 2), argnums=(0, 1, 2)
+      )
+    )(q, k, v, doc_ids, pad)
   for name, g in zip("qkv", grads):
     out[f"ring/d{name}"] = g
 

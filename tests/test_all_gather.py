@@ -103,7 +103,7 @@ def test_the_halo_is_the_reach_before_each_chunk_in_whole_key_blocks():
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
 def test_the_row_strategies_run_the_kernels_over_the_whole_row(implementation, strategy, hkv, cp):
   """Pallas' interpreter: one kernel call folds the gathered row (128-key
-  tiles for the TPU target, whose lanes need them); under Ulysses the
+  tiles for the TPU implementation, whose lanes need them); under Ulysses the
   kernels see every query of the row too, and under the hybrid (groups of
   2 ranks) every query of the group, on a ring of 2 groups."""
   inputs = H.make_inputs(np.random.default_rng(3), s=512, hq=4, hkv=hkv, d=16)

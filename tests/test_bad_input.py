@@ -129,17 +129,17 @@ ATTENTION_CASES = {
   ),
   "scale nan": ((q8, k8, v8), {"scale": float("nan")}, ValueError, "scale must be finite, got nan"),
   "causal str": ((q8, k8, v8), {"causal": "yes"}, TypeError, "causal must be a bool, got str"),
-  "segment ids of another length": (
+  "document ids of another length": (
     (q8, k8, v8),
-    {"segment_ids": np.ones((1, 7), np.int32)},
+    {"document_ids": np.ones((1, 7), np.int32)},
     ValueError,
-    r"mask array segment_ids must have shape \[B, [LS]\].* = \[1, 8\], got \[1, 7\]",
+    r"mask array document_ids must have shape \[B, [LS]\].* = \[1, 8\], got \[1, 7\]",
   ),
-  "float segment ids": (
+  "float document ids": (
     (q8, k8, v8),
-    {"segment_ids": np.ones((1, 8), F)},
+    {"document_ids": np.ones((1, 8), F)},
     TypeError,
-    "mask array segment_ids must have an integer dtype, got float32",
+    "mask array document_ids must have an integer dtype, got float32",
   ),
   "3-D padding mask": (
     (q8, k8, v8),
@@ -155,9 +155,9 @@ ATTENTION_CASES = {
   ),
   "int64 ids beyond int32": (
     (q8, k8, v8),
-    {"segment_ids": np.full((1, 8), 2**40)},
+    {"document_ids": np.full((1, 8), 2**40)},
     ValueError,
-    "mask array segment_ids holds values outside int32",
+    "mask array document_ids holds values outside int32",
   ),
   "mask and keywords": (
     (q8, k8, v8),
@@ -549,21 +549,25 @@ def test_ring_attention_checks_the_layout_against_the_mesh():
   "call, err, match",
   [
     (
-      lambda: cpjax.AttentionMask.create(segment_ids=np.ones((1, 2, 3), np.int32)),
+      lambda: cpjax.AttentionMask.create(document_ids=np.ones((1, 2, 3), np.int32)),
       ValueError,
-      r"mask array segment_ids must be 2-D \[B, T\], got shape \[1, 2, 3\]",
+      r"mask array document_ids must be 2-D \[B, T\], got shape \[1, 2, 3\]",
     ),
     (
-      lambda: cpjax.AttentionMask.create(segment_ids=np.ones((1, 3), F)),
+      lambda: cpjax.AttentionMask.create(document_ids=np.ones((1, 3), F)),
       TypeError,
-      "mask array segment_ids must have an integer dtype, got float32",
+      "mask array document_ids must have an integer dtype, got float32",
     ),
     (
       lambda: cpjax.AttentionMask.create(vision_group_ids=np.ones((1, 3), bool)),
       TypeError,
       "mask array vision_group_ids must have an integer dtype, got bool",
     ),
-    (lambda: cpjax.AttentionMask(cpjax.SameSegment(), {}), KeyError, r"missing \['segment_ids'\]"),
+    (
+      lambda: cpjax.AttentionMask(cpjax.SameDocument(), {}),
+      KeyError,
+      r"missing \['document_ids'\]",
+    ),
     (
       lambda: cpjax.AttentionMask(cpjax.LocalWindow(), {"x": np.ones((1, 3))}),
       KeyError,
@@ -713,17 +717,17 @@ CFG = gemma4.Gemma4Config.preset("tiny")
     (lambda: gemma4.partition_rule(CFG, tp=2.0), TypeError, "tp must be an int, got float"),
     (
       lambda: gemma4.gemma4_masks(
-        CFG, segment_ids=np.ones(8, np.int32), padding_mask=np.zeros(8, bool)
+        CFG, document_ids=np.ones(8, np.int32), padding_mask=np.zeros(8, bool)
       ),
       ValueError,
-      r"mask array (segment_ids|padding_mask) must be 2-D \[B, T\]",
+      r"mask array (document_ids|padding_mask) must be 2-D \[B, T\]",
     ),
     (
       lambda: gemma4.gemma4_masks(
-        CFG, segment_ids=np.ones((1, 8), F), padding_mask=np.zeros((1, 8), bool)
+        CFG, document_ids=np.ones((1, 8), F), padding_mask=np.zeros((1, 8), bool)
       ),
       TypeError,
-      "mask array segment_ids must have an integer dtype, got float32",
+      "mask array document_ids must have an integer dtype, got float32",
     ),
   ],
 )

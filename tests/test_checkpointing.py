@@ -13,7 +13,7 @@ import pytest
 
 from cpjax.training.checkpointing import TrainCheckpointer, check_run_matches
 from cpjax.training.run_config import RunConfig, with_values
-from cpjax.training.trainer import run_train_job
+from cpjax.training.trainer import train
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "tiny_corpus.array_record")
 QUIET = {"log": lambda *_: None}
@@ -22,7 +22,7 @@ MODEL = "tiny-bidirectional"  # the smallest real-architecture preset: quick to 
 
 @pytest.mark.parametrize("data", [None, CORPUS], ids=["synthetic", "corpus"])
 def test_resume_continues_with_bit_identical_losses(tmp_path, data):
-  job = with_values(
+  run = with_values(
     RunConfig(),
     {
       "dataset.seq_len": 64,
@@ -34,19 +34,19 @@ def test_resume_continues_with_bit_identical_losses(tmp_path, data):
       "model": MODEL,
     },
   )
-  whole = run_train_job(
+  whole = train(
     with_values(
-      job, {"checkpointing.state_dir": str(tmp_path / "a"), "checkpointing.save_every": 3}
+      run, {"checkpointing.state_dir": str(tmp_path / "a"), "checkpointing.save_every": 3}
     ),
     **QUIET,
   )
-  first = run_train_job(
-    with_values(job, {"optimizer.steps": 3, "checkpointing.state_dir": str(tmp_path / "b")}),
+  first = train(
+    with_values(run, {"optimizer.steps": 3, "checkpointing.state_dir": str(tmp_path / "b")}),
     **QUIET,
   )
-  second = run_train_job(
+  second = train(
     with_values(
-      job, {"checkpointing.state_dir": str(tmp_path / "b"), "checkpointing.resume": True}
+      run, {"checkpointing.state_dir": str(tmp_path / "b"), "checkpointing.resume": True}
     ),
     **QUIET,
   )
@@ -61,7 +61,7 @@ def test_resume_onto_another_mesh_gives_the_same_next_loss(tmp_path):
   uninterrupted run's (to float32 reduction order: the meshes sum differently)."""
   import shutil
 
-  job = with_values(
+  run = with_values(
     RunConfig(),
     {
       "dataset.seq_len": 64,
@@ -74,17 +74,17 @@ def test_resume_onto_another_mesh_gives_the_same_next_loss(tmp_path):
       "checkpointing.save_every": 1,
     },
   )
-  whole = run_train_job(job, **QUIET)
+  whole = train(run, **QUIET)
   shutil.rmtree(tmp_path / "2")  # as if the run had died after step 1
-  resumed = run_train_job(
-    with_values(job, {"parallel.mesh": "fsdp=2,cp=4", "checkpointing.resume": True}), **QUIET
+  resumed = train(
+    with_values(run, {"parallel.mesh": "fsdp=2,cp=4", "checkpointing.resume": True}), **QUIET
   )
   assert resumed["first_step"] == 1
   np.testing.assert_allclose(resumed["losses"], whole["losses"][1:], rtol=1e-6)
 
 
 def test_resume_refuses_a_changed_run(tmp_path):
-  job = with_values(
+  run = with_values(
     RunConfig(),
     {
       "dataset.seq_len": 64,
@@ -96,25 +96,25 @@ def test_resume_refuses_a_changed_run(tmp_path):
       "model": MODEL,
     },
   )
-  run_train_job(job, **QUIET)
+  train(run, **QUIET)
   with pytest.raises(ValueError, match=r"saved with seq_len=64, this run has seq_len=96"):
-    run_train_job(
-      with_values(job, {"dataset.seq_len": 96, "optimizer.steps": 4, "checkpointing.resume": True}),
+    train(
+      with_values(run, {"dataset.seq_len": 96, "optimizer.steps": 4, "checkpointing.resume": True}),
       **QUIET,
     )
   with pytest.raises(ValueError, match=r"saved with batch_size=2, this run has batch_size=4"):
-    run_train_job(
+    train(
       with_values(
-        job, {"dataset.batch_size": 4, "optimizer.steps": 4, "checkpointing.resume": True}
+        run, {"dataset.batch_size": 4, "optimizer.steps": 4, "checkpointing.resume": True}
       ),
       **QUIET,
     )
   with pytest.raises(ValueError, match="already holds a checkpoint"):
-    run_train_job(job, **QUIET)
+    train(run, **QUIET)
   # --force-resume takes the changed length and goes on from step 2.
-  forced = run_train_job(
+  forced = train(
     with_values(
-      job,
+      run,
       {
         "dataset.seq_len": 96,
         "optimizer.steps": 3,
@@ -209,7 +209,7 @@ def test_every_setting_resume_compares_refuses_a_change(change, message, forced)
     {"dataset.seq_len": 64, "dataset.batch_size": 2, "lora.rank": 4, "lora.alpha": 16.0},
   )
   now = with_values(saved_job, change)
-  identity = lambda job: run_identity(job, gemma4.Gemma4Config.preset(job.model))
+  identity = lambda run: run_identity(run, gemma4.Gemma4Config.preset(run.model))
   check_run_matches(identity(saved_job), identity(saved_job))
   with pytest.raises(ValueError, match=message):
     check_run_matches(identity(saved_job), identity(now))

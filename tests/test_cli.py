@@ -1,4 +1,4 @@
-"""The command line: flags, errors, and the main job end to end."""
+"""The command line: flags, errors, and `cpjax train` end to end."""
 
 import importlib.util
 import os
@@ -115,7 +115,7 @@ def _run(*args, timeout=600):
       ["plan", "--model", "tiny", "--seq-len", "64", "--mesh", "cp=8", "--dtype", "bfloat16"],
       "--dtype sets the activations of a --target compile; XLA:CPU compiles float32",
     ),
-    # Found by the job before any training compute: still one line, exit 2.
+    # Found by the run before any training compute: still one line, exit 2.
     (
       ["train", "--mesh", "fsdp=2,cp=4", "--batch-size", "3", "--no-parity-check"],
       "mesh axis 'fsdp' of size 2 does not divide the batch size 3",
@@ -152,14 +152,14 @@ def test_bad_flags_one_line_exit_two(args, message, capsys, monkeypatch):
 
 
 def test_errors_during_training_are_crashes_not_usage_errors(monkeypatch):
-  """A ValueError raised by the job propagates (traceback, exit status 1)."""
+  """A ValueError raised while training propagates (traceback, exit status 1)."""
   import cpjax.training.trainer
 
-  def broken(job):
+  def broken(run):
     raise ValueError("something inside the step")
 
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  monkeypatch.setattr(cpjax.training.trainer, "run_train_job", broken)
+  monkeypatch.setattr(cpjax.training.trainer, "train", broken)
   with pytest.raises(ValueError, match="something inside the step"):
     cli.main(["train", "--cp", "2", "--seq-len", "64"])
 
@@ -171,15 +171,13 @@ def train_help(capsys) -> str:
   return " ".join(capsys.readouterr().out.split())
 
 
-def test_skip_memory_check_starts_the_job(monkeypatch):
-  """With --skip-memory-check the e2b run that is otherwise refused reaches the job."""
+def test_skip_memory_check_starts_training(monkeypatch):
+  """With --skip-memory-check the e2b run that is otherwise refused reaches training."""
   import cpjax.training.trainer
 
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
   started = []
-  monkeypatch.setattr(
-    cpjax.training.trainer, "run_train_job", lambda job, **kw: started.append(job)
-  )
+  monkeypatch.setattr(cpjax.training.trainer, "train", lambda run, **kw: started.append(run))
   assert cli.main(["train", "--model", "e2b", "--skip-memory-check"]) == 0
   assert started and started[0].model == "e2b"
 
@@ -297,7 +295,7 @@ def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
 
   from cpjax.models import gemma4
   from cpjax.training.run_config import RunConfig, with_values
-  from cpjax.training.trainer import run_train_job
+  from cpjax.training.trainer import train
 
   here = os.path.dirname(__file__)
   corpus = os.path.join(here, "data", "tiny_corpus.array_record")
@@ -308,7 +306,7 @@ def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
     match=r"holds token id 5\d\d, outside the model's vocabulary "
     r"of 256",
   ):
-    run_train_job(
+    train(
       with_values(
         RunConfig(),
         {

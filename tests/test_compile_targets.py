@@ -76,7 +76,7 @@ def _mask(kind):
   if kind == "window":  # 512 keys reach one rank back: a shortened ring
     return None, {"sliding_window": 512}
   if kind == "documents":
-    return None, {"segment_ids": ids, "padding_mask": jax.ShapeDtypeStruct((1, S), jnp.bool_)}
+    return None, {"document_ids": ids, "padding_mask": jax.ShapeDtypeStruct((1, S), jnp.bool_)}
   if kind == "vision":
     return None, {"vision_group_ids": ids, "sliding_window": 128}
   return cpjax.AttentionMask(cpjax.LocalWindow(None, 0) | PrefixLM(300)), {}
@@ -287,18 +287,18 @@ F32_SPILLS = {
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
 def test_the_gpu_kernels_fit_the_registers(monkeypatch, d, dtype, grouped):
   """ptxas -v on the ring's Triton kernels for sm_90a (8 query heads on one
-  K/V head): the default tiles (cpjax.attention.ring.kernels.TARGETS) spill no register,
-  also where the schedule groups tiles into blocks (a loop more a kernel)."""
+  K/V head): the default tiles (cpjax.attention.ring.kernels.PALLAS_IMPLEMENTATIONS)
+  spill no register, also where the schedule groups tiles into blocks (a
+  loop more a kernel)."""
   import dataclasses
 
-  from cpjax.attention.ring.kernels import _targets as kernel_targets
-  from cpjax.attention.ring.kernels import ptxas
+  from cpjax.attention.ring.kernels import _implementations, ptxas
 
   if grouped:
     monkeypatch.setitem(
-      kernel_targets.TARGETS,
+      _implementations.PALLAS_IMPLEMENTATIONS,
       "pallas_gpu",
-      dataclasses.replace(kernel_targets.TARGETS["pallas_gpu"], schedule_tiles=4),
+      dataclasses.replace(_implementations.PALLAS_IMPLEMENTATIONS["pallas_gpu"], schedule_tiles=4),
     )
 
   mesh = parallel.make_mesh(cp=CP, devices=devices("h200-8"))

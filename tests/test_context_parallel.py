@@ -70,9 +70,9 @@ def test_mask_object_with_a_custom_rule(kind):
   rule = (
     cpjax.LocalWindow(5, None)
     & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup())
-    & cpjax.SameSegment()
+    & cpjax.SameDocument()
   )
-  arrays = {n: meta[n] for n in ("segment_ids", "vision_group_ids")}
+  arrays = {n: meta[n] for n in ("document_ids", "vision_group_ids")}
   lay = cpjax.ShardLayout(64, 64, 4, kind)
   got = run(
     *inputs,
@@ -94,7 +94,7 @@ def test_batch_and_head_axes():
 
   def mask_fn(to):
     return {
-      "segment_ids": to(meta["segment_ids"]),
+      "document_ids": to(meta["document_ids"]),
       "padding_mask": cpjax.to_rank_order(meta["padding_mask"], lay, pad_value=True),
     }
 
@@ -183,9 +183,9 @@ X = jnp.zeros((2, 16, 4, 8))
       r"q must hold layout.padded_seq_len = 32 tokens on dim 1 .*got shape \(2, 16, 4, 8\)",
     ),
     (
-      {"segment_ids": np.zeros((2, 14), np.int32)},
+      {"document_ids": np.zeros((2, 14), np.int32)},
       ValueError,
-      r"mask array segment_ids must have shape \[B, S\] .* = \[2, 16\], got \[2, 14\]",
+      r"mask array document_ids must have shape \[B, S\] .* = \[2, 16\], got \[2, 14\]",
     ),
     (
       {"padding_mask": np.zeros((2, 16), np.int32)},

@@ -105,3 +105,19 @@ def test_the_halo_follows_the_layout(layout):
 def test_a_length_the_layout_pads_is_planned_as_padded():
   """1000 tokens on cp = 8 load-balanced rows are padded to 1008 (16 chunks)."""
   assert strategies("e2b", seq_len=1000, cp=8) == strategies("e2b", seq_len=1008, cp=8)
+
+
+def test_a_shard_layout_is_planned_as_its_kind():
+  """The rule reads a layout's kind alone, from a name or a whole ShardLayout;
+  so does the plan's StepShape."""
+  import cpjax
+  from cpjax.training.plan import StepShape
+
+  text = Gemma4Config.preset("e2b").text
+  lay = cpjax.ShardLayout(131072, 131072, 8, "contiguous")
+  assert choose(text, seq_len=131072, cp=8, layout=lay) == choose(
+    text, seq_len=131072, cp=8, layout="contiguous"
+  )
+  assert StepShape(131072, {"cp": 8}, layout=lay).layout == "contiguous"
+  with pytest.raises(ValueError, match="layout must be one of .* or a ShardLayout, got 'zz'"):
+    StepShape(131072, {"cp": 8}, layout="zz")

@@ -106,7 +106,7 @@ def test_min_stripe_len_sets_the_stripes_shard_batch_deals():
   mesh = cp_mesh(cp)
   for min_len, stripes in ((1024, 2), (32, 4), (16, 8), (1, 16)):
     assert cpjax.shard_batch(batch, mesh, layout=KIND, min_stripe_len=min_len)[1].stripes == stripes
-  # A Pallas target's tile is a floor: GPU chunks hold multiples of 16 tokens.
+  # A Pallas implementation's tile is a floor: GPU chunks hold multiples of 16 tokens.
   lay = cpjax.shard_batch(batch, mesh, layout=KIND, min_stripe_len=1, implementation="pallas_gpu")[
     1
   ]
@@ -360,10 +360,16 @@ def test_context_parallel_attention_through_rank_order_helpers():
   q, k, v = (rng.standard_normal((2, 128, 2, 8)).astype(np.float32) for _ in range(3))
   to = lambda x: cpjax.to_rank_order(x, lay, source_index=src)  # noqa: E731
   got = cpjax.context_parallel_attention(
-    to(q), to(k), to(v), mesh=mesh, layout=lay, segment_ids=out["_packed_seq_ids"], sliding_window=9
+    to(q),
+    to(k),
+    to(v),
+    mesh=mesh,
+    layout=lay,
+    document_ids=out["_packed_seq_ids"],
+    sliding_window=9,
   )
   got = cpjax.from_rank_order(got, lay, source_index=src)
-  want = cpjax.reference_attention(q, k, v, segment_ids=ids, sliding_window=9)
+  want = cpjax.reference_attention(q, k, v, document_ids=ids, sliding_window=9)
   chex.assert_trees_all_close(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

@@ -244,7 +244,7 @@ def test_fine_tune_a_checkpoint_on_chat_jsonl_with_images(tmp_path):
 
   from cpjax.data.tokenizer import CheckpointTokenizer
   from cpjax.training.run_config import RunConfig, with_values
-  from cpjax.training.trainer import run_train_job
+  from cpjax.training.trainer import train
   from tests.data.make_chat_example import MARKERS, SPECIAL_TOKENS, gemma_style_tokenizer
 
   gemma_style_tokenizer(
@@ -299,7 +299,7 @@ def test_fine_tune_a_checkpoint_on_chat_jsonl_with_images(tmp_path):
   batch = gemma4.synthetic_batch(np.random.default_rng(0), cfg, batch_size=4, seq_len=256)
   text = batch["input_ids"][(batch["mm_token_type_ids"] == 0) & (batch["attention_mask"] == 1)]
   assert not np.isin(text, cfg.special_token_ids).any()
-  job = with_values(
+  run = with_values(
     RunConfig(),
     {
       "checkpoint": str(tmp_path),
@@ -313,15 +313,14 @@ def test_fine_tune_a_checkpoint_on_chat_jsonl_with_images(tmp_path):
       "eval.rows": 3,
     },
   )
-  summary = run_train_job(with_values(job, {"eval.data": None}), log=lambda *a: None)
+  summary = train(with_values(run, {"eval.data": None}), log=lambda *a: None)
   assert len(summary["losses"]) == 2 and np.isfinite(summary["losses"]).all()
   # The validation rows: 3 rows and an empty one, whose image slots are all
   # padding; every row's placeholders are its slots' soft tokens.
   from cpjax.models.gemma4.vision import soft_token_counts
   from cpjax.training.trainer import eval_rows
 
-  trainer = type("T", (), {"rows": 2, "cfg": cfg})()
-  rows = eval_rows(job, trainer, lambda *a: None)
+  rows = eval_rows(run, cfg, 2, lambda *a: None)
   assert len(rows) == 2 and not rows[1]["attention_mask"][1].any()
   slots = rows[1]["pixel_values"].shape[0] // 2
   assert (rows[1]["image_position_ids"][slots:] == -1).all()

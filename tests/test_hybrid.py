@@ -128,7 +128,7 @@ def test_hybrid_over_two_mesh_axes_equals_the_reference(shape, hq, hkv):
   mesh = jax.make_mesh(shape, ("ring", "ulysses"), devices=jax.devices()[:8])
   lay = cpjax.ShardLayout(64, 64, 8, "load_balanced")
   q, k, v, _ = H.make_inputs(np.random.default_rng(6), b=1, hq=hq, hkv=hkv)
-  docs = H.packed_metadata(np.random.default_rng(6), 1, 64, pad_from=58)["segment_ids"]
+  docs = H.packed_metadata(np.random.default_rng(6), 1, 64, pad_from=58)["document_ids"]
   rank = functools.partial(cpjax.to_rank_order, layout=lay)
 
   def loss(q, k, v):
@@ -140,12 +140,12 @@ def test_hybrid_over_two_mesh_axes_equals_the_reference(shape, hq, hkv):
       layout=lay,
       axis_name=("ring", "ulysses"),
       strategy="hybrid",
-      segment_ids=rank(docs),
+      document_ids=rank(docs),
     )
     return jnp.sum(out * jnp.arange(out.size, dtype=out.dtype).reshape(out.shape) / out.size), out
 
   def want(q, k, v):
-    out = cpjax.to_rank_order(cpjax.reference_attention(q, k, v, segment_ids=docs), lay)
+    out = cpjax.to_rank_order(cpjax.reference_attention(q, k, v, document_ids=docs), lay)
     return jnp.sum(out * jnp.arange(out.size, dtype=out.dtype).reshape(out.shape) / out.size), out
 
   with jax.set_mesh(mesh):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cpjax
-from cpjax.attention.ring.kernels import TARGETS
+from cpjax.attention.ring.kernels import PALLAS_IMPLEMENTATIONS
 from cpjax.attention.ring.kernels._cost import estimate, visited_pairs
 from cpjax.batch.layout import rank_order
 from cpjax.masks import Reach
@@ -69,7 +69,7 @@ def test_the_compiled_rings_flops_are_the_kernels_blocks_on_the_tpu():
   compiled = compiled_ring("v5e-8", "causal", "load_balanced", d, hq, 1, jnp.bfloat16, seq_len=s)
   program = Program.parse(compiled.as_text())
   layout = cpjax.ShardLayout(s, s, cp, "load_balanced")
-  rows, keys = TARGETS["pallas_tpu"].default_tile(d, jnp.bfloat16)
+  rows, keys = PALLAS_IMPLEMENTATIONS["pallas_tpu"].default_tile(d, jnp.bfloat16)
   # Every rank's queries on every chunk's keys; one device's share.
   pairs = dense_tiles(layout, rows // hq, keys) * rows * keys / cp
   per_pair = (4 + 6 + 8) * d  # forward, dq, dk/dv

@@ -2,7 +2,7 @@
 lowering for TPU and GPU from this CPU machine, and their bad input.
 
 Interpret mode runs the very kernels the accelerators compile, block specs,
-scalar-prefetched schedules and all, so the shapes here follow each target's
+scalar-prefetched schedules and all, so the shapes here follow each implementation's
 tiling rules: 128-row tiles for Mosaic TPU, power-of-two tiles for Triton.
 """
 
@@ -30,7 +30,7 @@ BF16 = dict(rtol=2e-2, atol=2e-2)  # as the XLA path's bf16 tests (tests/test_ri
 
 
 def check(
-  target,
+  implementation,
   *,
   cp,
   kind,
@@ -50,11 +50,11 @@ def check(
   inputs = H.make_inputs(rng, b=2, s=s, hq=hq, hkv=hkv, d=d, dtype=dtype)
   meta = H.packed_metadata(rng, 2, s, pad_from=pad_from, vision=vision)
   if not docs:
-    meta.pop("segment_ids")
+    meta.pop("document_ids")
   if pad_from is None:
     meta.pop("padding_mask")
   out, grads = H.ring(
-    *inputs, cp=cp, kind=kind, meta=meta, implementation=target, interpret=True, **kw
+    *inputs, cp=cp, kind=kind, meta=meta, implementation=implementation, interpret=True, **kw
   )
   for ring_only in ("block_q", "block_kv", "stripes"):
     kw.pop(ring_only, None)
@@ -99,12 +99,12 @@ def test_gpu_kernels_walk_every_tile_of_a_grouped_schedule_block(monkeypatch, ca
   room for 4 blocks, 8 x 8 tiles of 16 tokens go as 2 x 2 blocks of 4 x 4
   tiles): values and gradients are still the dense reference's, padded rows
   and windows cutting through a block included."""
-  from cpjax.attention.ring.kernels import _targets as targets
+  from cpjax.attention.ring.kernels import _implementations
 
   monkeypatch.setitem(
-    targets.TARGETS,
+    _implementations.PALLAS_IMPLEMENTATIONS,
     "pallas_gpu",
-    dataclasses.replace(targets.TARGETS["pallas_gpu"], schedule_tiles=4),
+    dataclasses.replace(_implementations.PALLAS_IMPLEMENTATIONS["pallas_gpu"], schedule_tiles=4),
   )
   groups = []
   tiles_per_block = common.Schedule.tiles_per_block
@@ -227,16 +227,16 @@ def test_tpu_kernels_split_a_table_too_long_for_smem_into_pieces(monkeypatch):
 
 
 @pytest.mark.parametrize(
-  "target, shape",
+  "implementation, shape",
   [
     ("pallas_gpu", dict(cp=4, kind="load_balanced", s=128, pad_from=64, block_q=16, block_kv=16)),
     ("pallas_tpu", dict(cp=2, kind="load_balanced", s=512, pad_from=256)),
   ],
 )
-def test_rows_with_nothing_allowed_are_zero_with_zero_gradient(target, shape):
+def test_rows_with_nothing_allowed_are_zero_with_zero_gradient(implementation, shape):
   """A fully padded second half: its queries see nothing and its keys are never
   seen, so out, dq, dk and dv are exactly 0 there (not merely within 1e-5)."""
-  out, ref, (dq, dk, dv) = check(target, docs=True, **shape)
+  out, ref, (dq, dk, dv) = check(implementation, docs=True, **shape)
   half = shape["pad_from"]
   np.testing.assert_array_equal(ref[:, half:], 0.0)
   for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -255,19 +255,19 @@ def test_context_parallel_attention_passes_the_backend_through():
     xr,
     mesh=mesh,
     layout=lay,
-    segment_ids=dr,
+    document_ids=dr,
     implementation="pallas_gpu",
     interpret=True,
     block_q=16,
     block_kv=16,
   )
   chex.assert_trees_all_close(
-    cpjax.from_rank_order(out, lay), cpjax.reference_attention(x, x, x, segment_ids=docs), **F32
+    cpjax.from_rank_order(out, lay), cpjax.reference_attention(x, x, x, document_ids=docs), **F32
   )
 
 
 @pytest.mark.parametrize("layout", ["load_balanced", "document_balanced"])
-def test_any_length_runs_on_the_pallas_targets(layout):
+def test_any_length_runs_on_the_pallas_implementations(layout):
   """56 tokens at cp = 2 used to stop with "cannot tile layout.chunk_len=28"
   on the GPU kernels: the sharder now pads every chunk to 16 tokens (64 in
   all), masked, and the logits equal the single-device model's."""
@@ -301,7 +301,7 @@ def test_flax_attention_fn_passes_the_backend_through():
 
   x = np.random.default_rng(2).standard_normal((1, 64, 32), np.float32)
   docs = np.repeat([[1, 2]], 32, axis=1)
-  mask = cpjax.AttentionMask.create(segment_ids=docs)
+  mask = cpjax.AttentionMask.create(document_ids=docs)
   kernels = nnx.MultiHeadAttention(
     2,
     32,
@@ -365,7 +365,7 @@ def test_schedule_lists_nonempty_tiles_per_row_and_column():
 
 # --------------------------------------------------------------- lowering
 def _lowered_ring(
-  target, platform, *, kind="load_balanced", cp=4, s=4096, hq=8, hkv=2, d=128, **mask
+  implementation, platform, *, kind="load_balanced", cp=4, s=4096, hq=8, hkv=2, d=128, **mask
 ):
   """StableHLO text of the ring's forward and backward, lowered for ``platform``."""
   lay = cpjax.ShardLayout(s, s, cp, kind)
@@ -375,16 +375,23 @@ def _lowered_ring(
   def sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
-  def loss(q, k, v, seg, vg):
+  def loss(q, k, v, doc_ids, vg):
     ring = jax.shard_map(
-      lambda q, k, v, seg, vg: cpjax.ring_attention(
-        q, k, v, layout=lay, segment_ids=seg, vision_group_ids=vg, implementation=target, **mask
+      lambda q, k, v, doc_ids, vg: cpjax.ring_attention(
+        q,
+        k,
+        v,
+        layout=lay,
+        document_ids=doc_ids,
+        vision_group_ids=vg,
+        implementation=implementation,
+        **mask,
       ),
       mesh=mesh,
       in_specs=spec,
       out_specs=spec,
     )
-    return jnp.sum(ring(q, k, v, seg, vg).astype(jnp.float32))
+    return jnp.sum(ring(q, k, v, doc_ids, vg).astype(jnp.float32))
 
   args = (
     sds((1, s, hq, d), jnp.bfloat16),
@@ -398,17 +405,17 @@ def _lowered_ring(
 
 
 @pytest.mark.parametrize(
-  "target, platform, custom_call",
+  "implementation, platform, custom_call",
   [
     ("pallas_tpu", "tpu", "tpu_custom_call"),
     ("pallas_gpu", "cuda", "__gpu$xla.gpu.triton"),
   ],
 )
 @pytest.mark.parametrize("kind, window", [("load_balanced", None), ("contiguous", 512)])
-def test_ring_lowers_with_kernels(target, platform, custom_call, kind, window):
+def test_ring_lowers_with_kernels(implementation, platform, custom_call, kind, window):
   """Forward and backward lower to the three kernels plus collective permutes;
   a silent fallback to the XLA tile loop would show no kernel calls."""
-  text = _lowered_ring(target, platform, kind=kind, sliding_window=window)
+  text = _lowered_ring(implementation, platform, kind=kind, sliding_window=window)
   calls = collections.Counter(re.findall(r"custom_call @([\w$.]+)", text))
   names = collections.Counter(re.findall(r"cpjax_ring_(forward|dq|dkdv)", text))
   # The ring's loop body calls each kernel once per chunk visited in a step,
@@ -433,14 +440,14 @@ def _ring_call(**kw):
   return jax.jit(lambda x: cpjax.ring_attention(x, x, x, layout=lay, **kw))(x)
 
 
-@pytest.mark.parametrize("target", ["pallas_tpu", "pallas_gpu"])
-def test_pallas_target_on_the_wrong_backend_is_a_value_error(target):
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_implementation_on_the_wrong_backend_is_a_value_error(implementation):
   with pytest.raises(
     ValueError,
-    match=rf"implementation='{target}' compiles for .*lowered for "
+    match=rf"implementation='{implementation}' compiles for .*lowered for "
     r"the 'cpu' backend.*interpret=True",
   ):
-    _ring_call(implementation=target)
+    _ring_call(implementation=implementation)
 
 
 def test_mismatched_platform_when_lowering_for_another_accelerator():
@@ -498,7 +505,7 @@ def test_default_implementation_follows_the_backend(monkeypatch):
     assert resolve_implementation(None) == want
 
 
-def test_default_tiles_come_from_the_target_record():
+def test_default_tiles_come_from_the_tile_record():
   """Gemma 4's head dims: the record's tile, cut to divide the chunk."""
   from cpjax.attention.ring._schedule import block_sizes
 
@@ -528,7 +535,7 @@ def test_tpu_kernels_under_the_tpu_interpreter_without_races():
   q, k, v, w = H.make_inputs(rng, b=1, s=s, hq=2, hkv=1, d=128)
   meta = H.packed_metadata(rng, 1, s, pad_from=240, n_docs=4)
   lay = cpjax.ShardLayout(s, s, 1, "document_balanced", stripes=2)
-  order = cpjax.balance_documents(meta["segment_ids"], lay)[0][cpjax.rank_order(lay)]
+  order = cpjax.balance_documents(meta["document_ids"], lay)[0][cpjax.rank_order(lay)]
   params = pltpu.InterpretParams(detect_races=True)
 
   def ring(q, k, v):
@@ -539,7 +546,7 @@ def test_tpu_kernels_under_the_tpu_interpreter_without_races():
       layout=lay,
       causal=True,
       sliding_window=40,
-      segment_ids=meta["segment_ids"][:, order],
+      document_ids=meta["document_ids"][:, order],
       padding_mask=meta["padding_mask"][:, order],
       implementation="pallas_tpu",
       interpret=params,

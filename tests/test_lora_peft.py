@@ -182,7 +182,7 @@ def test_readme_lora_commands_run_and_peft_loads_the_adapter(
   assert args[0] == ".venv/bin/cpjax"
   if kind == "dense":
     # The dense step's parity with one device under LoRA, a bfloat16 base and
-    # CP: test_lora_job.py's test_bfloat16_base_keeps_float32_adapters (and
+    # CP: test_lora_training.py's test_bfloat16_base_keeps_float32_adapters (and
     # with remat, its MoE test); the MoE command here keeps its check.
     args.append("--no-parity-check")
   assert cli.main(args[1:]) == 0

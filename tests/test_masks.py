@@ -14,9 +14,9 @@ from cpjax.masks import Tokens
 KINDS = ("contiguous", "load_balanced")
 
 
-def np_standard_mask(s, *, causal=True, window=None, seg=None, pad=None, vg=None):
+def np_standard_mask(s, *, causal=True, window=None, doc_ids=None, pad=None, vg=None):
   """bool[B, S, S] of the standard rule, one pair at a time."""
-  rows = next((x.shape[0] for x in (seg, pad, vg) if x is not None), 1)
+  rows = next((x.shape[0] for x in (doc_ids, pad, vg) if x is not None), 1)
   out = np.zeros((rows, s, s), bool)
   for b in range(rows):
     for i in range(s):
@@ -26,8 +26,8 @@ def np_standard_mask(s, *, causal=True, window=None, seg=None, pad=None, vg=None
           ok = ok and ((i - j) < window if causal else abs(i - j) < window)
         if vg is not None:
           ok = ok or (vg[b, i] == vg[b, j] and vg[b, i] >= 0)
-        if seg is not None:
-          ok = ok and seg[b, i] == seg[b, j] and seg[b, i] > 0
+        if doc_ids is not None:
+          ok = ok and doc_ids[b, i] == doc_ids[b, j] and doc_ids[b, i] > 0
         if pad is not None:
           ok = ok and not pad[b, j]
         out[b, i, j] = ok
@@ -38,7 +38,7 @@ def random_arrays(rng, b, s, *, docs=True, pad=True, vision=True):
   arrays = {}
   if docs:
     cuts = np.sort(rng.integers(0, s, (b, 3)), axis=1)
-    arrays["segment_ids"] = (1 + (np.arange(s)[None, :, None] >= cuts[:, None, :]).sum(-1)).astype(
+    arrays["document_ids"] = (1 + (np.arange(s)[None, :, None] >= cuts[:, None, :]).sum(-1)).astype(
       np.int32
     )
   if pad:
@@ -48,7 +48,7 @@ def random_arrays(rng, b, s, *, docs=True, pad=True, vision=True):
     p |= rng.random((b, s)) < 0.1  # stray pads too: the classifier must not care
     arrays["padding_mask"] = p
     if docs:
-      arrays["segment_ids"] = np.where(p, 0, arrays["segment_ids"]).astype(np.int32)
+      arrays["document_ids"] = np.where(p, 0, arrays["document_ids"]).astype(np.int32)
   if vision:
     types = (rng.random((b, s)) < 0.3).astype(np.int32)
     arrays["vision_group_ids"] = np.asarray(cpjax.vision_group_ids(types))
@@ -65,7 +65,7 @@ def test_standard_mask_matches_numpy(causal, window, with_arrays):
     s,
     causal=causal,
     window=window,
-    seg=arrays.get("segment_ids"),
+    doc_ids=arrays.get("document_ids"),
     pad=arrays.get("padding_mask"),
     vg=arrays.get("vision_group_ids"),
   )
@@ -78,19 +78,19 @@ def test_rule_tree_of_the_standard_mask():
   mask = cpjax.AttentionMask.create(sliding_window=4, **arrays)
   assert mask.rule == cpjax.AllOf(
     cpjax.AnyOf(cpjax.LocalWindow(3, 0), cpjax.SameVisionGroup()),
-    cpjax.SameSegment(),
+    cpjax.SameDocument(),
     cpjax.KeyNotPadding(),
   )
   assert hash(mask.rule) == hash(
     (cpjax.LocalWindow(3, 0) | cpjax.SameVisionGroup())
-    & cpjax.SameSegment()
+    & cpjax.SameDocument()
     & cpjax.KeyNotPadding()
   )
-  assert sorted(mask.arrays) == ["padding_mask", "segment_ids", "vision_group_ids"]
+  assert sorted(mask.arrays) == ["document_ids", "padding_mask", "vision_group_ids"]
 
 
 def test_mask_is_a_pytree_with_a_static_rule():
-  mask = cpjax.AttentionMask.create(segment_ids=np.array([[1, 1, 2, 2]]))
+  mask = cpjax.AttentionMask.create(document_ids=np.array([[1, 1, 2, 2]]))
   leaves, treedef = jax.tree.flatten(mask)
   assert len(leaves) == 1 and leaves[0].shape == (1, 4)
   back = jax.tree.unflatten(treedef, leaves)
@@ -125,15 +125,15 @@ RULES = {
   "bidirectional_window": cpjax.LocalWindow(2, 2),
   "standard": (
     (cpjax.LocalWindow(5, 0) | cpjax.SameVisionGroup())
-    & cpjax.SameSegment()
+    & cpjax.SameDocument()
     & cpjax.KeyNotPadding()
   ),
   "gemma4_vision": (
     cpjax.LocalWindow(3, None)
     & (cpjax.LocalWindow(None, 0) | cpjax.SameVisionGroup())
-    & cpjax.SameSegment()
+    & cpjax.SameDocument()
   ),
-  "documents_or_images": cpjax.SameSegment() | cpjax.SameVisionGroup(),
+  "documents_or_images": cpjax.SameDocument() | cpjax.SameVisionGroup(),
 }
 
 
@@ -198,16 +198,16 @@ def test_classifier_is_exact_on_consecutive_positions():
 def test_bad_masks():
   with pytest.raises(
     KeyError,
-    match=r"reads per-token arrays \['segment_ids'\], got arrays "
-    r"\[\] \(missing \['segment_ids'\]",
+    match=r"reads per-token arrays \['document_ids'\], got arrays "
+    r"\[\] \(missing \['document_ids'\]",
   ):
-    cpjax.AttentionMask(cpjax.SameSegment())
+    cpjax.AttentionMask(cpjax.SameDocument())
   with pytest.raises(KeyError, match=r"unused \['padding_mask'\]"):
     cpjax.AttentionMask(cpjax.LocalWindow(), {"padding_mask": np.zeros((1, 4), bool)})
   with pytest.raises(TypeError, match="rule must be a MaskRule, got str"):
     cpjax.AttentionMask("causal")
 
-  class FloatRule(cpjax.SameSegment):
+  class FloatRule(cpjax.SameDocument):
     arrays = {"weights": "float"}
 
   with pytest.raises(ValueError, match=r"kinds must be one of \('int', 'bool'\), got \{'weights'"):
@@ -216,17 +216,17 @@ def test_bad_masks():
     cpjax.LocalWindow(-1, 0)
   with pytest.raises(TypeError, match="AllOf takes MaskRule objects, got int"):
     cpjax.AllOf(cpjax.LocalWindow(), 3)
-  mask = cpjax.AttentionMask.create(segment_ids=np.zeros((2, 5), np.int32))
+  mask = cpjax.AttentionMask.create(document_ids=np.zeros((2, 5), np.int32))
   with pytest.raises(
     ValueError,
-    match=r"mask array segment_ids must have shape \[B, S\] = "
+    match=r"mask array document_ids must have shape \[B, S\] = "
     r"\[2, 6\], got \[2, 5\]",
   ):
     mask.validate(2, 6)
   with pytest.raises(
-    TypeError, match="mask array segment_ids must have an integer dtype, got float32"
+    TypeError, match="mask array document_ids must have an integer dtype, got float32"
   ):
-    cpjax.AttentionMask.create(segment_ids=np.zeros((2, 5), np.float32)).validate(2, 5)
+    cpjax.AttentionMask.create(document_ids=np.zeros((2, 5), np.float32)).validate(2, 5)
   with pytest.raises(
     TypeError,
     match=r"mask array padding_mask must be bool \(True = pad\), "

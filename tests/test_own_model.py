@@ -48,7 +48,7 @@ class TinyLM(nnx.Module):
 def cp_forward(model, batch, cp):
   """The user's forward: the same code on one device (cp=None) and under CP."""
   mask = cpjax.AttentionMask.create(
-    segment_ids=batch["_packed_seq_ids"], padding_mask=batch["padding_mask"]
+    document_ids=batch["_packed_seq_ids"], padding_mask=batch["padding_mask"]
   )
   with cpjax.use_cp(cp):
     return model(batch["input_ids"], batch["position_ids"], mask)
@@ -57,12 +57,12 @@ def cp_forward(model, batch, cp):
 def dense_forward(model, batch, cp):
   """flax's dense attention with the causal, per-document, key-padding mask."""
   assert cp is None
-  seg, pad = batch["_packed_seq_ids"], batch["padding_mask"]
-  i = jnp.arange(seg.shape[1])
+  doc_ids, pad = batch["_packed_seq_ids"], batch["padding_mask"]
+  i = jnp.arange(doc_ids.shape[1])
   allowed = (
     (i[None, :] <= i[:, None])[None]
-    & (seg[:, :, None] == seg[:, None, :])
-    & (seg[:, :, None] > 0)
+    & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    & (doc_ids[:, :, None] > 0)
     & ~pad[:, None, :]
   )
   return model(batch["input_ids"], batch["position_ids"], allowed[:, None])

@@ -31,12 +31,12 @@ def test_collective_permutes_carry_only_kv_heads(hkv, kind):
   spec = P(None, "cp")
   sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
   ring = jax.shard_map(
-    lambda q, k, v, seg: cpjax.ring_attention(q, k, v, layout=lay, segment_ids=seg),
+    lambda q, k, v, doc_ids: cpjax.ring_attention(q, k, v, layout=lay, document_ids=doc_ids),
     mesh=mesh,
     in_specs=spec,
     out_specs=spec,
   )
-  loss = lambda q, k, v, seg: jnp.sum(ring(q, k, v, seg))  # noqa: E731
+  loss = lambda q, k, v, doc_ids: jnp.sum(ring(q, k, v, doc_ids))  # noqa: E731
   args = (
     sds((b, s, hq, d), jnp.float32),
     sds((b, s, hkv, d), jnp.float32),
@@ -50,7 +50,7 @@ def test_collective_permutes_carry_only_kv_heads(hkv, kind):
   kv = [sh for sh, _ in shapes if len(sh) == 4]
   assert kv, "no K/V collective permute found"
   assert all(sh == (b, hkv, local, d) for sh in kv), shapes  # head-major [B, Hkv, L, D]
-  # The mask's arrays travel stacked, [n, B, L]: here the segment ids alone.
+  # The mask's arrays travel stacked, [n, B, L]: here the document ids alone.
   assert all(sh == (1, b, local) for sh, _ in shapes if len(sh) != 4), shapes
   # Forward K, V; backward K, V, dK, dV in the loop and dK, dV sent home: 8 (one direction).
   assert len(kv) >= 6, shapes

@@ -131,11 +131,11 @@ def _eval_loss_is_the_saved_models(tmp_path, base, eval_loss):
     "chat_template.jinja",
   ):  # what the checkpoint had besides its weights
     assert (tmp_path / "saved" / name).read_bytes() == (Path(base) / name).read_bytes(), name
-  job = with_values(
+  run = with_values(
     RunConfig(),
     {"checkpoint": base, "dataset.seq_len": 256, "eval.data": "cpjax/examples/chat/eval.jsonl"},
   )
-  rows = eval_rows(job, type("T", (), {"rows": 2, "cfg": saved.cfg})(), lambda *_: None)
+  rows = eval_rows(run, saved.cfg, 2, lambda *_: None)
   graphdef, params, rest = nnx.split(saved, nnx.Param, ...)
   single = jax.jit(training.make_loss_fn(graphdef, frozen=rest))
   sums = [single(params, gemma4.prepare_batch(b, saved.cfg)) for b in rows]

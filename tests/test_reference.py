@@ -48,14 +48,14 @@ def test_hand_worked_softmax_weights():
 def test_hand_worked_masks():
   """A 6-token row: documents [1,1,1,2,2,0], window 2, an image at tokens 1-2."""
   s = 6
-  seg = np.array([[1, 1, 1, 2, 2, 0]], np.int32)
+  doc_ids = np.array([[1, 1, 1, 2, 2, 0]], np.int32)
   vg = np.array([[-1, 0, 0, -1, -1, -1]], np.int32)
   # Probe the mask through v = one-hot of the key position and equal logits:
   # out[q] is the uniform distribution over allowed keys.
   q = k = np.zeros((1, s, 1, s), np.float32)
   v = np.eye(s, dtype=np.float32)[None, :, None, :]
   out = np.asarray(
-    cpjax.reference_attention(q, k, v, sliding_window=2, segment_ids=seg, vision_group_ids=vg)
+    cpjax.reference_attention(q, k, v, sliding_window=2, document_ids=doc_ids, vision_group_ids=vg)
   )[0, :, 0]
   allowed = (out > 0).astype(int).tolist()
   assert allowed == [
@@ -87,15 +87,15 @@ def test_matches_numpy(causal, window, cap, g):
   q = rng.standard_normal((b, s, hkv * g, d)).astype(np.float32)
   k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
   v = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
-  seg = np.array([[1] * 5 + [2] * 5 + [0] * 2, [3] * 12], np.int32)
+  doc_ids = np.array([[1] * 5 + [2] * 5 + [0] * 2, [3] * 12], np.int32)
   i, j = np.arange(s)[:, None], np.arange(s)[None]
   allowed = (j <= i) if causal else np.ones((s, s), bool)
   if window:
     allowed = allowed & (((i - j) if causal else np.abs(i - j)) < window)
-  allowed = allowed[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+  allowed = allowed[None] & (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] > 0)
   want = np_attention(q, k, v, allowed, cap=cap)
   got = cpjax.reference_attention(
-    q, k, v, causal=causal, sliding_window=window, segment_ids=seg, logits_soft_cap=cap
+    q, k, v, causal=causal, sliding_window=window, document_ids=doc_ids, logits_soft_cap=cap
   )
   chex.assert_trees_all_close(got, want.astype(np.float32), rtol=1e-5, atol=1e-6)
 
@@ -103,8 +103,8 @@ def test_matches_numpy(causal, window, cap, g):
 def test_fully_masked_rows_are_zero_with_zero_gradient():
   rng = np.random.default_rng(1)
   q, k, v = (jnp.asarray(rng.standard_normal((1, 4, 1, 2)), jnp.float32) for _ in range(3))
-  seg = np.array([[1, 1, 0, 0]], np.int32)
-  f = lambda q: cpjax.reference_attention(q, k, v, segment_ids=seg)
+  doc_ids = np.array([[1, 1, 0, 0]], np.int32)
+  f = lambda q: cpjax.reference_attention(q, k, v, document_ids=doc_ids)
   out = f(q)
   chex.assert_trees_all_equal(out[0, 2:], jnp.zeros((2, 1, 2)))
   grad = jax.grad(lambda q: jnp.sum(f(q)))(q)
@@ -118,7 +118,7 @@ def test_mask_object_equals_the_keywords():
   rng = np.random.default_rng(2)
   q, k, v = (rng.standard_normal((2, 10, 2, 4)).astype(np.float32) for _ in range(3))
   meta = {
-    "segment_ids": np.array([[1] * 6 + [2] * 3 + [0], [1] * 10], np.int32),
+    "document_ids": np.array([[1] * 6 + [2] * 3 + [0], [1] * 10], np.int32),
     "padding_mask": np.array([[False] * 9 + [True], [False] * 8 + [True] * 2]),
     "vision_group_ids": np.array([[-1, 0, 0, 0, -1, -1, 1, 1, -1, -1], [-1] * 10], np.int32),
   }

@@ -156,7 +156,7 @@ def test_fully_padded_ranks_are_finite_and_zero(inputs, kind):
 
 def test_everything_masked_is_zero_not_nan(inputs):
   q, k, v, w = inputs
-  meta = {"segment_ids": np.zeros((2, 64), np.int32)}
+  meta = {"document_ids": np.zeros((2, 64), np.int32)}
   out, grads = H.ring(q, k, v, w, cp=4, kind="load_balanced", meta=meta)
   chex.assert_trees_all_equal(
     (out, grads), (np.zeros_like(out), tuple(np.zeros_like(g) for g in grads))
@@ -192,7 +192,7 @@ def test_random_combinations(
   inputs = H.make_inputs(rng, hq=2 * gqa, hkv=2)
   meta = H.packed_metadata(rng, 2, 64, pad_from=pad_from, vision=vision)
   if not docs:
-    meta.pop("segment_ids")
+    meta.pop("document_ids")
   if pad_from is None:
     meta.pop("padding_mask")
   check(
@@ -321,9 +321,9 @@ KV = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)
     ((Q, KV, KV), {"sliding_window": 0}, ValueError, "sliding_window must be an int >= 1"),
     (
       (Q, KV, KV),
-      {"segment_ids": np.zeros((1, 6), np.int32)},
+      {"document_ids": np.zeros((1, 6), np.int32)},
       ValueError,
-      r"mask array segment_ids must have shape \[B, L\] \(q's first two dimensions\) = "
+      r"mask array document_ids must have shape \[B, L\] \(q's first two dimensions\) = "
       r"\[1, 8\], got \[1, 6\]",
     ),
     (
@@ -360,9 +360,9 @@ def test_bad_input(args, kw, err, match):
 
 def test_bad_metadata_dtypes():
   with pytest.raises(
-    TypeError, match="mask array segment_ids must have an integer dtype, got float32"
+    TypeError, match="mask array document_ids must have an integer dtype, got float32"
   ):
-    _call(Q, KV, KV, segment_ids=np.zeros((1, 8), np.float32))
+    _call(Q, KV, KV, document_ids=np.zeros((1, 8), np.float32))
   with pytest.raises(
     TypeError, match=r"mask array padding_mask must be bool \(True = pad\), got int32"
   ):

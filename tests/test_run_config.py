@@ -12,9 +12,9 @@ from cpjax.cli.parser import train_parser
 from cpjax.training import plan, targets
 from cpjax.training.run_config import (
   DatasetConfig,
-  JobError,
   OptimizerConfig,
   RunConfig,
+  RunError,
   check,
   devices_needed,
   settings,
@@ -107,7 +107,7 @@ def test_cpjax_train_reads_files_first_so_every_key_beats_them(monkeypatch, tmp_
   path.write_text("optimizer:\n  lr: 0.5\n")
   started = []
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda run, **k: started.append(run))
+  monkeypatch.setattr(cpjax.training.trainer, "train", lambda run, **k: started.append(run))
   for argv in (
     ["--optimizer.lr", "0.25", "--recipe", "tiny", "--config", str(path)],
     ["--recipe=tiny", "--optimizer.lr=0.25", f"--config={path}"],
@@ -267,7 +267,7 @@ def test_the_command_line_replaces_what_a_file_trains_and_its_mesh(monkeypatch):
   ckpt = os.path.join(here, "fixtures", "gemma4", "ple_kv_sharing")
   started = []
   monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
-  monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda run, **k: started.append(run))
+  monkeypatch.setattr(cpjax.training.trainer, "train", lambda run, **k: started.append(run))
   assert (
     cli.main(
       [
@@ -453,10 +453,10 @@ def test_plan_takes_dotted_keys_with_a_transformers_checkpoint(
 
 def test_python_users_get_dotted_keys():
   with pytest.raises(
-    JobError, match=r"^dataset\.microbatches 3 must divide dataset\.batch_size 4$"
+    RunError, match=r"^dataset\.microbatches 3 must divide dataset\.batch_size 4$"
   ):
     check(RunConfig(dataset=DatasetConfig(batch_size=4, microbatches=3)))
-  with pytest.raises(JobError, match=r"^optimizer\.schedule must be one of"):
+  with pytest.raises(RunError, match=r"^optimizer\.schedule must be one of"):
     check(RunConfig(optimizer=OptimizerConfig(schedule="step")))
   run = with_values(
     RunConfig(),
@@ -490,19 +490,19 @@ def test_lora_targets_may_be_module_names_in_yaml(tmp_path):
   assert "  targets:\n  - q_proj\n  - v_proj\n" in text
   assert read_run_config(write_run_config(run, tmp_path)) == run
   with pytest.raises(
-    JobError,
+    RunError,
     match=r"^lora\.targets must be a regex string or a non-empty "
     r"tuple of module names, got \(\)$",
   ):
     check(with_values(run, {"lora.targets": ()}), files=False)
-  with pytest.raises(JobError, match=r"^lora\.targets '\(' is not a regular expression"):
+  with pytest.raises(RunError, match=r"^lora\.targets '\(' is not a regular expression"):
     check(with_values(run, {"lora.targets": "("}), files=False)
 
 
 def test_a_bad_file_read_in_python_is_a_job_error(tmp_path):
   path = tmp_path / "bad.yaml"
   path.write_text("dataset:\n  seq_len: long\n")
-  with pytest.raises(JobError, match=r"bad\.yaml: --dataset\.seq_len: expected int, got 'long'"):
+  with pytest.raises(RunError, match=r"bad\.yaml: --dataset\.seq_len: expected int, got 'long'"):
     read_run_config(path)
 
 
@@ -532,7 +532,7 @@ def test_the_readme_python_example_runs(tmp_path, monkeypatch):
   section = text.split("### Run configs and recipes\n", 1)[1].split("\n### ", 1)[0]
   code = "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
   started = []  # the job itself is tested above; here, what the example hands it
-  monkeypatch.setattr(cpjax.training.trainer, "run_train_job", lambda run: started.append(run))
+  monkeypatch.setattr(cpjax.training.trainer, "train", lambda run: started.append(run))
   monkeypatch.chdir(tmp_path)
   exec(compile(code, "README.md", "exec"), {})  # noqa: S102
   assert started[0].dataset.seq_len == 64 and started[0].parallel.cp == 2

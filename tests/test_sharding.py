@@ -1,5 +1,7 @@
 """shard_batch / unshard_batch / shard_sequence against a numpy re-derivation."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -154,20 +156,20 @@ def test_extra_keys_with_pad_minus_one():
   batch = {
     "input_ids": np.zeros((1, 3), np.int32),
     "labels": np.zeros((1, 3), np.int32),
-    "segment_marks": np.array([[4, 5, 6]], np.int32),
+    "token_marks": np.array([[4, 5, 6]], np.int32),
     "untouched": "metadata",
   }
   out, lay = cpjax.shard_batch(
     batch,
     mesh,
     layout="contiguous",
-    extra_seq_keys={"segment_marks": 1},
-    extra_pad_values={"segment_marks": -1},
+    extra_seq_keys={"token_marks": 1},
+    extra_pad_values={"token_marks": -1},
   )
-  assert np.asarray(out["segment_marks"]).tolist() == [[4, 5, 6, -1]]
+  assert np.asarray(out["token_marks"]).tolist() == [[4, 5, 6, -1]]
   assert out["untouched"] == "metadata"
-  back = cpjax.unshard_batch(out, lay, extra_seq_keys={"segment_marks": 1})
-  assert np.asarray(back["segment_marks"]).tolist() == [[4, 5, 6]]
+  back = cpjax.unshard_batch(out, lay, extra_seq_keys={"token_marks": 1})
+  assert np.asarray(back["token_marks"]).tolist() == [[4, 5, 6]]
 
 
 def test_gemma4_aux_only_contiguous():
@@ -508,3 +510,65 @@ def test_unshard_an_aux_only_batch(kind, seq_len):
   np.testing.assert_array_equal(np.asarray(back["input_ids"]), ids)
   np.testing.assert_array_equal(np.asarray(back["labels"]), ids + 1)
   np.testing.assert_array_equal(np.asarray(back["position_ids"]), np.arange(seq_len)[None])
+
+
+# ------------------------------------------------------- a layout given whole
+def _packed_rows(seed: int) -> dict:
+  """Two rows of 70 tokens, each packed with documents of random lengths."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, 100, (2, 70)).astype(np.int32)
+  cuts = np.sort(rng.choice(np.arange(1, 70), (2, 3), replace=False), axis=1)
+  docs = 1 + (np.arange(70)[None, :, None] >= cuts[:, None, :]).sum(-1)
+  return {"input_ids": ids, "labels": ids, "_packed_seq_ids": docs.astype(np.int32)}
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "load_balanced", "document_balanced"])
+def test_a_layout_given_back_shards_rows_of_that_shape_the_same_way(kind):
+  """The layout an earlier call returned, given back: rows of the same shape
+  get that very layout (its stripes and padding, here neither the defaults'),
+  and the arrays that naming its kind with the same settings gives."""
+  mesh = cp_mesh(4)
+  settings = dict(layout=kind, min_stripe_len=4, pad_multiple=5)
+  _, lay = cpjax.shard_batch(_packed_rows(0), mesh, **settings)
+  want, by_name = cpjax.shard_batch(_packed_rows(1), mesh, **settings)
+  got, again = cpjax.shard_batch(_packed_rows(1), mesh, layout=lay)
+  assert again == lay == by_name
+  stripes = {"contiguous": 1, "load_balanced": 2, "document_balanced": 4}[kind]
+  assert (again.padded_seq_len, again.stripes) == (80, stripes)
+  assert cpjax.shard_batch(_packed_rows(1), mesh, layout=kind)[1] != lay  # the defaults differ
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
+
+
+def test_a_layout_of_another_mesh_or_row_is_a_value_error():
+  batch = {"input_ids": np.ones((1, 6), np.int32), "labels": np.ones((1, 6), np.int32)}
+  mesh = cp_mesh(2)
+  for fields, got in (
+    ((6, 8, 4), "{'cp_size': 4, 'original_seq_len': 6}"),
+    ((7, 8, 2), "{'cp_size': 2, 'original_seq_len': 7}"),
+  ):
+    with pytest.raises(
+      ValueError,
+      match=r"layout must fit the mesh's cp axis and the batch's length: expected "
+      r"\{'cp_size': 2, 'original_seq_len': 6\}, got a ShardLayout with " + re.escape(got),
+    ):
+      cpjax.shard_batch(batch, mesh, layout=cpjax.ShardLayout(*fields))
+  with pytest.raises(
+    ValueError,
+    match="layout's chunks must hold a multiple of 16 tokens .* got a ShardLayout with chunk_len 4",
+  ):
+    cpjax.shard_batch(batch, mesh, layout=cpjax.ShardLayout(6, 8, 2), implementation="pallas_gpu")
+  with pytest.raises(
+    TypeError,
+    match=r"layout must be a layout kind \(contiguous, .*\) or a "
+    "ShardLayout, got int",
+  ):
+    cpjax.shard_batch(batch, mesh, layout=2)
+
+
+def test_gemma4s_sharder_shards_in_a_given_layout():
+  """The model's aux-only sharder passes a ShardLayout through to shard_batch."""
+  mesh = cp_mesh(4)
+  settings = dict(layout="document_balanced", min_stripe_len=4)
+  _, lay = gemma4.shard_aux_only_cp_batch(mesh, _packed_rows(0), **settings)
+  _, again = gemma4.shard_aux_only_cp_batch(mesh, _packed_rows(1), layout=lay)
+  assert again == lay and again.stripes == 4 and again.replicated_keys == ("input_ids",)

@@ -84,7 +84,7 @@ def test_cpjax_train_places_the_state_as_shard_state_says(shard_state, lora_rank
   )
   trainer = build(run)
   over_cp = shard_state == "fsdp+cp"
-  trees = {"params": trainer.params, "moments": trainer.opt_state}
+  trees = {"params": trainer.state.params, "moments": trainer.state.opt_state}
   if lora_rank is not None:
     trees["frozen base"] = trainer.frozen
   for name, tree in trees.items():

@@ -18,7 +18,7 @@ S, B = 128, 2
 
 # ------------------------------------------------ the numpy reference (no cpjax)
 def np_allowed(
-  *, causal=True, sliding_window=None, segment_ids=None, padding_mask=None, vision_group_ids=None
+  *, causal=True, sliding_window=None, document_ids=None, padding_mask=None, vision_group_ids=None
 ):
   """bool[B, S, S] over global positions, straight from the README's rule:
   (window | same image) & same document & key not padding."""
@@ -30,8 +30,8 @@ def np_allowed(
   if vision_group_ids is not None:
     g = vision_group_ids
     ok = ok | ((g[:, :, None] == g[:, None, :]) & (g[:, :, None] >= 0))
-  if segment_ids is not None:
-    d = segment_ids
+  if document_ids is not None:
+    d = document_ids
     ok = ok & (d[:, :, None] == d[:, None, :]) & (d[:, :, None] > 0)
   if padding_mask is not None:
     ok = ok & ~padding_mask[:, None, :]
@@ -47,12 +47,12 @@ def np_tiles(allowed, q_pos, k_pos, bq, bk):
 
 # ------------------------------------------------------------- the masks
 def _docs(cuts_per_row, pad_from=None):
-  seg = np.zeros((B, S), np.int32)
+  doc_ids = np.zeros((B, S), np.int32)
   for b, cuts in enumerate(cuts_per_row):
-    seg[b] = 1 + np.searchsorted(np.asarray(cuts), np.arange(S), side="right")
+    doc_ids[b] = 1 + np.searchsorted(np.asarray(cuts), np.arange(S), side="right")
     if pad_from is not None:
-      seg[b, pad_from[b] :] = 0
-  return seg
+      doc_ids[b, pad_from[b] :] = 0
+  return doc_ids
 
 
 DOCS = _docs([[37, 90], [13, 64, 100]])
@@ -66,10 +66,10 @@ CASES = {
   "causal": dict(),
   "window": dict(sliding_window=40),
   "bidirectional_window": dict(causal=False, sliding_window=30),
-  "documents": dict(segment_ids=DOCS),
+  "documents": dict(document_ids=DOCS),
   "padding": dict(padding_mask=PAD),
-  "documents_padding": dict(segment_ids=DOCS_PADDED, padding_mask=PAD),
-  "vision_documents": dict(vision_group_ids=VG, segment_ids=DOCS),
+  "documents_padding": dict(document_ids=DOCS_PADDED, padding_mask=PAD),
+  "vision_documents": dict(vision_group_ids=VG, document_ids=DOCS),
   "vision_window": dict(sliding_window=28, vision_group_ids=VG),
 }
 

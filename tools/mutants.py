@@ -337,7 +337,7 @@ MUTANTS = (
   ),
   Mutant(
     "GPU schedule: never grouped however many tiles",
-    "cpjax/attention/ring/kernels/_targets.py",
+    "cpjax/attention/ring/kernels/_implementations.py",
     "    schedule_tiles=1 << 20,\n",
     "",
     (
@@ -570,9 +570,9 @@ MUTANTS = (
     ("tests/test_experts.py::test_ep_step_equals_the_single_device_step",),
   ),
   Mutant(
-    "job: --shard-state fsdp ignored",
-    "cpjax/training/trainer.py",
-    "  state_axes = job.parallel.state_axes()",
+    "trainer: --shard-state fsdp ignored",
+    "cpjax/training/trainer/builder.py",
+    "  state_axes = run.parallel.state_axes()",
     "  state_axes = parallel.STATE_AXES",
     ("tests/test_state_sharding.py::test_cpjax_train_places_the_state_as_shard_state_says",),
   ),
@@ -589,8 +589,8 @@ MUTANTS = (
   ),
   Mutant(
     "run config: no run.yaml in the state directory",
-    "cpjax/training/trainer.py",
-    "  if job.checkpointing.state_dir and jax.process_index() == 0:",
+    "cpjax/training/trainer/loop.py",
+    "  if run.checkpointing.state_dir and jax.process_index() == 0:",
     "  if False:",
     ("tests/test_run_config.py::test_run_yaml_reruns_bit_for_bit_and_resume_reads_it",),
   ),
@@ -647,6 +647,20 @@ MUTANTS = (
     "if getattr(args, key) is None and named(*keys):",
     ("tests/test_plan.py::test_cli_plan_and_train_agree_without_a_recipe",),
   ),
+  Mutant(
+    "names: a ShardLayout given to shard_batch keeps its kind, not its stripes",
+    "cpjax/batch/sharding.py",
+    "    stripes, padded = layout.stripes, layout.padded_seq_len\n",
+    "    stripes, padded = None, layout.padded_seq_len\n",
+    ("tests/test_sharding.py::test_a_layout_given_back_shards_rows_of_that_shape_the_same_way",),
+  ),
+  Mutant(
+    "names: an old keyword is dropped, not renamed",
+    "cpjax/_deprecations.py",
+    "  return {(new if k == old else k): v for k, v in given.items()}\n",
+    "  return {k: v for k, v in given.items() if k != old}\n",
+    ("tests/test_deprecations.py::test_an_old_keyword_warns_and_gives_what_the_new_one_gives",),
+  ),
   # --- the package's layers (issue 35)
   Mutant(
     "layers: the data layer imports the training layer",
@@ -700,11 +714,18 @@ MUTANTS = (
     ("tests/test_gemma4_checkpoint.py::test_sharded_save_with_index_and_placement_on_a_mesh",),
   ),
   Mutant(
-    "job: a failing hook ends the run unsaved",
-    "cpjax/training/trainer.py",
-    "      saved = _save_after_failure(job, trainer, data, checkpointer, failure, summary, log)",
+    "trainer: a resumed state restarts its step count",
+    "cpjax/training/trainer/loop.py",
+    '      trainer.state = TrainState(restored["params"], restored["opt_state"], step=step)',
+    '      trainer.state = TrainState(restored["params"], restored["opt_state"])',
+    ("tests/test_checkpointing.py::test_resume_continues_with_bit_identical_losses",),
+  ),
+  Mutant(
+    "trainer: a failing hook ends the run unsaved",
+    "cpjax/training/trainer/loop.py",
+    "      saved = _save_after_failure(trainer, data, checkpointer, failure, summary)",
     '      saved = "nothing was saved"',
-    ("tests/test_train_job.py::test_a_failing_hook_saves_the_run_and_names_itself",),
+    ("tests/test_trainer.py::test_a_failing_hook_saves_the_run_and_names_itself",),
   ),
   Mutant(
     "lora: the creation pass runs on the Explicit mesh",
@@ -895,14 +916,14 @@ MUTANTS = (
     "cpjax/training/run_config.py",
     "    lr, warm, rest = self.lr, self.warmup_steps, max(self.steps - self.warmup_steps, 1)",
     "    lr, warm, rest = self.lr, self.warmup_steps, max(self.steps, 1)",
-    ("tests/test_train_job.py::test_schedules_equal_transformers",),
+    ("tests/test_trainer.py::test_schedules_equal_transformers",),
   ),
   Mutant(
-    "train job: validation counts one token too many",
-    "cpjax/training/trainer.py",
+    "trainer: validation counts one token too many",
+    "cpjax/training/trainer/hooks.py",
     '    record["eval_loss"] = ce_sum / max(count, 1.0)',
     '    record["eval_loss"] = ce_sum / max(count + 1.0, 1.0)',
-    ("tests/test_train_job.py::test_validation_loss_is_the_single_device_loss_of_the_fixed_rows",),
+    ("tests/test_trainer.py::test_validation_loss_is_the_single_device_loss_of_the_fixed_rows",),
   ),
   # --- document_balanced (issue 20)
   Mutant(
@@ -984,7 +1005,7 @@ MUTANTS = (
     (TILES,),
   ),
   Mutant(
-    "masks: SameSegment.classify calls no block empty or full",
+    "masks: SameDocument.classify calls no block empty or full",
     "cpjax/masks/_rules.py",
     "    return _group_blocks(qs, qs > 0, ks, ks > 0)",
     "    blocks = _group_blocks(qs, qs > 0, ks, ks > 0)\n"
@@ -1197,7 +1218,7 @@ MUTANTS = (
     '  if saved.get("lora") != current.get("lora"):  # what the saved parameters are',
     "  if False:",
     (
-      "tests/test_lora_job.py::test_adapters_train_resume_bit_identically_and_merge_into_the_froz"
+      "tests/test_lora_training.py::test_adapters_train_resume_bit_identically_and_merge_into_the_froz"
       "en_bas"
       "e",
     ),

@@ -19,7 +19,7 @@ vocabulary.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -138,7 +138,9 @@ class CPContext:
         f"capacity_factor must be None or a positive number, got {self.capacity_factor!r}"
       )
 
-  def gather(self, state, prefix: tuple[str, ...] = (), *, skip=()):
+  def gather(
+    self, state: Any, prefix: tuple[str, ...] = (), *, skip: Iterable[tuple[str, ...]] = ()
+  ) -> Any:
     """Gather whole every leaf of ``state`` stored split over ``axis_name``.
 
     The gather is an ``all_gather``, whose transpose reduce-scatters the gradient.
@@ -181,7 +183,7 @@ class CPContext:
     dim = self.split_dim(path)
     return x if dim is None else jax.lax.all_gather(x, self.axis_name, axis=dim, tiled=True)
 
-  def lookup(self, table, ids, path: tuple[str, ...]):
+  def lookup(self, table: jax.Array, ids: jax.Array, path: tuple[str, ...]) -> jax.Array:
     """Look up ``table[ids]`` of this rank's token ids [B, L].
 
     A :func:`cpjax.parallel.ring_lookup` when the table at ``path`` is stored
@@ -200,7 +202,7 @@ class CPContext:
       return ring_lookup(table, ids, self.axis_name)
     return lookup(self._gathered(table, path), ids)
 
-  def head(self, head, path: tuple[str, ...]) -> tuple:
+  def head(self, head: jax.Array, path: tuple[str, ...]) -> tuple:
     """Return ``(head, head_axis)`` for :class:`HiddenStates`.
 
     A head stored split over its rows stays split (the loss is
@@ -251,20 +253,23 @@ class CPContext:
       "strategy": strategy,
     }
 
-  def check_layer_kinds(self, kinds) -> None:
+  def check_layer_kinds(self, kinds: Collection[str]) -> None:
     """Raise a ``ValueError`` if the per-kind strategy names a kind not in ``kinds``.
 
     Args:
       kinds: the layer kinds of the model this context runs.
     """
-    for kind, strategy in unknown_layer_kinds(self.strategy, kinds):
+    # (self.strategy is parsed already; parsing again, a no-op, gives its type.)
+    for kind, strategy in unknown_layer_kinds(parse_strategy(self.strategy), kinds):
       raise ValueError(
         f"strategy names layer kind {kind!r} ({kind}={strategy}), which this model "
         f"lacks: its layer kinds are {sorted(set(kinds))}"
       )
 
 
-def unknown_layer_kinds(strategy, kinds) -> list[tuple[str, str]]:
+def unknown_layer_kinds(
+  strategy: str | tuple[tuple[str, str], ...], kinds: Collection[str]
+) -> list[tuple[str, str]]:
   """Return the ``(kind, name)`` pairs of a parsed strategy naming a kind not in ``kinds``.
 
   Args:
@@ -280,7 +285,7 @@ def unknown_layer_kinds(strategy, kinds) -> list[tuple[str, str]]:
   return [] if isinstance(strategy, str) else [p for p in strategy if p[0] not in kinds]
 
 
-def parse_strategy(strategy) -> str | tuple[tuple[str, str], ...]:
+def parse_strategy(strategy: Any) -> str | tuple[tuple[str, str], ...]:
   """Check a CP attention strategy: one name, or one per layer kind.
 
   Args:
@@ -412,7 +417,7 @@ def _leaf_path(keys) -> tuple[str, ...]:
 
 
 def split_over(
-  specs, axis_name: str, *, skip: Callable[[tuple[str, ...]], bool] = lambda k: False
+  specs: Any, axis_name: str, *, skip: Callable[[tuple[str, ...]], bool] = lambda k: False
 ) -> tuple:
   """List the leaves whose ``PartitionSpec`` splits a dimension over ``axis_name``.
 
@@ -436,7 +441,7 @@ def split_over(
   return tuple(sorted(split.items()))
 
 
-def state_specs(state, axes) -> Any:
+def state_specs(state: Any, axes: Collection[str]) -> Any:
   """Return the ``shard_map`` in_specs of parameters (or frozen state).
 
   For a ``shard_map`` manual over ``axes``: ``P()`` for every leaf but those

@@ -102,9 +102,9 @@ def ring_attention_fn(
     ...                               attention_fn=cpjax.ring_attention_fn())
     >>> x = np.random.default_rng(0).standard_normal((1, 6, 8), np.float32)
     >>> docs = np.array([[1, 1, 1, 2, 2, 2]])
-    >>> out = attn(x, mask=cpjax.AttentionMask.create(segment_ids=docs))   # one device
+    >>> out = attn(x, mask=cpjax.AttentionMask.create(document_ids=docs))   # one device
     >>> plain = nnx.MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0))
-    >>> dense = cpjax.AttentionMask.create(segment_ids=docs).allowed()[:, None]
+    >>> dense = cpjax.AttentionMask.create(document_ids=docs).allowed()[:, None]
     >>> bool(np.allclose(out, plain(x, mask=dense), atol=1e-5))
     True
   """

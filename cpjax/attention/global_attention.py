@@ -18,13 +18,15 @@ and key/value heads, ``D`` head dim.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from cpjax import checks
+from cpjax import _deprecations, checks
 from cpjax.attention.ring import ring_attention
 from cpjax.batch.layout import ShardLayout
 from cpjax.masks import AttentionMask, resolve_mask
@@ -33,10 +35,11 @@ from cpjax.parallel import mesh_platform, place, required_axis_size, resolve_imp
 __all__ = ["context_parallel_attention"]
 
 
+@_deprecations.renamed_keywords("cpjax.context_parallel_attention", segment_ids="document_ids")
 def context_parallel_attention(
-  q,
-  k,
-  v,
+  q: jax.Array | np.ndarray,
+  k: jax.Array | np.ndarray,
+  v: jax.Array | np.ndarray,
   *,
   mesh: Mesh,
   layout: ShardLayout,
@@ -51,8 +54,8 @@ def context_parallel_attention(
   implementation: str | None = None,
   interpret: bool = False,
   strategy: str = "ring",
-  **mask_keywords,
-):
+  **mask_keywords: Any,
+) -> jax.Array:
   """Compute ring attention of global, rank-ordered arrays; calls ``shard_map`` itself.
 
   Equals :func:`cpjax.reference_attention` of the same arrays in natural
@@ -74,7 +77,7 @@ def context_parallel_attention(
       parallelism; Hkv divisible by its size).
     mask: a :class:`cpjax.AttentionMask` whose arrays are [B, S] in rank
       order; or, instead of it, the keywords ``causal``, ``sliding_window``,
-      ``segment_ids``, ``padding_mask``, ``vision_group_ids`` of
+      ``document_ids``, ``padding_mask``, ``vision_group_ids`` of
       :meth:`cpjax.AttentionMask.create` (arrays [B, S] in rank order).
     scale, logits_soft_cap, block_q, block_kv, implementation, interpret,
       strategy: as :func:`cpjax.ring_attention`.
@@ -90,8 +93,8 @@ def context_parallel_attention(
     >>> x = np.random.default_rng(0).standard_normal((1, 32, 2, 8), np.float32)
     >>> docs = np.repeat([[1, 2]], 16, axis=1)                  # two documents
     >>> xr, dr = cpjax.to_rank_order(x, lay), cpjax.to_rank_order(docs, lay)
-    >>> out = cpjax.context_parallel_attention(xr, xr, xr, mesh=mesh, layout=lay, segment_ids=dr)
-    >>> ref = cpjax.reference_attention(x, x, x, segment_ids=docs)
+    >>> out = cpjax.context_parallel_attention(xr, xr, xr, mesh=mesh, layout=lay, document_ids=dr)
+    >>> ref = cpjax.reference_attention(x, x, x, document_ids=docs)
     >>> bool(np.allclose(cpjax.from_rank_order(out, lay), ref, atol=1e-5))
     True
   """

@@ -12,27 +12,30 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
 
-from cpjax import checks
+from cpjax import _deprecations, checks
 from cpjax.masks import AttentionMask, resolve_mask
 
 __all__ = ["reference_attention"]
 
 
+@_deprecations.renamed_keywords("cpjax.reference_attention", segment_ids="document_ids")
 def reference_attention(
-  q,
-  k,
-  v,
+  q: jax.Array | np.ndarray,
+  k: jax.Array | np.ndarray,
+  v: jax.Array | np.ndarray,
   *,
   mask: AttentionMask | None = None,
   causal: bool | None = None,
   sliding_window: int | None = None,
-  segment_ids=None,
-  padding_mask=None,
-  vision_group_ids=None,
+  document_ids: ArrayLike | None = None,
+  padding_mask: ArrayLike | None = None,
+  vision_group_ids: ArrayLike | None = None,
   scale: float | None = None,
   logits_soft_cap: float | None = None,
-):
+) -> jax.Array:
   """Compute masked softmax attention over full, unsharded sequences, in float32.
 
   Args:
@@ -40,7 +43,7 @@ def reference_attention(
       head h reads KV head ``h // (Hq // Hkv)``).
     mask: a :class:`cpjax.AttentionMask` with [B, S] arrays in natural
       order; or, instead of it, the keywords:
-    causal (default True), sliding_window, segment_ids [B, S], padding_mask
+    causal (default True), sliding_window, document_ids [B, S], padding_mask
       [B, S] (True = pad), vision_group_ids [B, S]: the standard mask (see
       :mod:`cpjax.masks`).
     scale: logit scale, default ``1 / sqrt(D)``.
@@ -64,7 +67,7 @@ def reference_attention(
     mask,
     causal=causal,
     sliding_window=sliding_window,
-    segment_ids=segment_ids,
+    document_ids=document_ids,
     padding_mask=padding_mask,
     vision_group_ids=vision_group_ids,
   ).validate(b, s, where="[B, S] (q's first two dimensions)")
@@ -86,7 +89,7 @@ def reference_attention(
       s,
       causal=True if causal is None else causal,
       sliding_window=sliding_window,
-      segment_ids=segment_ids,
+      document_ids=document_ids,
       padding_mask=padding_mask,
       vision_group_ids=vision_group_ids,
     )
@@ -101,7 +104,7 @@ def reference_attention(
   return out.astype(q.dtype)
 
 
-def _standard_mask(b, s, *, causal, sliding_window, segment_ids, padding_mask, vision_group_ids):
+def _standard_mask(b, s, *, causal, sliding_window, document_ids, padding_mask, vision_group_ids):
   """bool[B, S, S], the standard mask written out from its formula."""
   i = jnp.arange(s)[:, None]
   j = jnp.arange(s)[None, :]
@@ -112,9 +115,9 @@ def _standard_mask(b, s, *, causal, sliding_window, segment_ids, padding_mask, v
   if vision_group_ids is not None:
     vg = jnp.asarray(vision_group_ids)
     allowed = allowed | ((vg[:, :, None] == vg[:, None, :]) & (vg[:, :, None] >= 0))
-  if segment_ids is not None:
-    seg = jnp.asarray(segment_ids)
-    allowed = allowed & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+  if document_ids is not None:
+    doc = jnp.asarray(document_ids)
+    allowed = allowed & (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] > 0)
   if padding_mask is not None:
     allowed = allowed & ~jnp.asarray(padding_mask, bool)[:, None, :]
   return allowed

@@ -25,7 +25,7 @@ Example:
 """
 
 from cpjax.batch.balance import rank_work, renumber_documents, token_work
-from cpjax.batch.layout import LAYOUT_KINDS, take_rows
+from cpjax.batch.layout import LAYOUT_KINDS, LayoutKind, layout_kind, take_rows
 from cpjax.batch.normalize import (
   DOCUMENT_IDS_KEY,
   IGNORE_INDEX,
@@ -41,9 +41,11 @@ __all__ = [
   "DOCUMENT_IDS_KEY",
   "IGNORE_INDEX",
   "LAYOUT_KINDS",
+  "LayoutKind",
   "SOURCE_DOCUMENT_IDS_KEY",
   "SOURCE_INDEX_KEY",
   "primary_key",
+  "layout_kind",
   "primary_length",
   "rank_work",
   "renumber_documents",

@@ -13,10 +13,12 @@ Shape letters: ``B`` batch, ``S`` original length, ``Sp`` padded length,
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from cpjax.batch import normalize as batch_lib
 
@@ -48,7 +50,9 @@ def stream_spec(
   return P(*parts)
 
 
-def pad_stream(key: str, x, seq_dim: int, pad_len: int, pad_value):
+def pad_stream(
+  key: str, x: jax.Array, seq_dim: int, pad_len: int, pad_value: ArrayLike | None
+) -> jax.Array:
   if pad_len == 0:
     return x
   if key == "position_ids":
@@ -63,7 +67,11 @@ def pad_stream(key: str, x, seq_dim: int, pad_len: int, pad_value):
   return jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
 
 
-def check_extra_keys(batch: Mapping, extra_seq_keys, extra_pad_values):
+def check_extra_keys(
+  batch: Mapping,
+  extra_seq_keys: Mapping[str, int] | None,
+  extra_pad_values: Mapping[str, Any] | None,
+) -> dict[str, int]:
   extra = dict(extra_seq_keys or {})
   for key, dim in extra.items():
     if key not in batch:
@@ -105,7 +113,7 @@ def batch_dims(
   return dims
 
 
-def sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int]):
+def sequence_streams(batch: Mapping, *, aux_only: bool, extra: Mapping[str, int]) -> dict[str, int]:
   """{key: seq_dim} of every stream that is padded and sharded."""
   streams = {}
   for key in (*AUX_PAD_VALUES, "position_ids"):

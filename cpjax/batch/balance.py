@@ -17,7 +17,10 @@ Shape letters: ``B`` batch, ``S`` padded row length, ``n`` documents of a row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+from jax.typing import ArrayLike
 
 from cpjax import checks
 from cpjax.batch.layout import ShardLayout, rank_order
@@ -31,7 +34,9 @@ _ROUNDS = 64
 _GOOD_ENOUGH = 1.01
 
 
-def token_work(document_ids, layer_windows=None) -> np.ndarray:
+def token_work(
+  document_ids: ArrayLike, layer_windows: Sequence[int | None] | None = None
+) -> np.ndarray:
   """Return each token's attention work, summed over the model's layers.
 
   A token's work is ``min(p + 1, W)`` keys at position ``p`` of its document (a
@@ -98,7 +103,7 @@ def _prefix_work(n, windows) -> np.ndarray:
   return out
 
 
-def rank_work(work, layout: ShardLayout) -> np.ndarray:
+def rank_work(work: ArrayLike, layout: ShardLayout) -> np.ndarray:
   """Return the work each rank holds, from per-token work in **rank order**.
 
   Rank order is as :func:`cpjax.shard_batch` returns its streams: rank r holds
@@ -124,7 +129,11 @@ def rank_work(work, layout: ShardLayout) -> np.ndarray:
 
 
 def balance_documents(
-  document_ids, layout: ShardLayout, *, seed: int = 0, layer_windows=None
+  document_ids: ArrayLike,
+  layout: ShardLayout,
+  *,
+  seed: int = 0,
+  layer_windows: Sequence[int | None] | None = None,
 ) -> np.ndarray:
   """Return, for each slot of the reordered row, the index it takes its token from.
 
@@ -140,7 +149,8 @@ def balance_documents(
   Deterministic for a given ``seed``.
 
   Args:
-    document_ids: int[B, S] (``_packed_seq_ids`` of the padded row, 0 = pad).
+    document_ids: int[B, S] of the padded row (its ``_packed_seq_ids``, NeMo's
+      name for the document ids; 0 = pad).
     layout: the ``"document_balanced"`` layout the row will be sharded with.
     seed: the local search's random seed.
     layer_windows: the window of each of the model's attention layers, None
@@ -185,7 +195,7 @@ def balance_documents(
   return out
 
 
-def renumber_documents(document_ids) -> np.ndarray:
+def renumber_documents(document_ids: ArrayLike) -> np.ndarray:
   """Rename each row's non-zero ids 1, 2, ... in the order they first appear.
 
   0 (padding) stays 0. Same ids stay equal, different ones different, so every

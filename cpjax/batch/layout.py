@@ -17,6 +17,11 @@ A sequence of ``original_seq_len`` tokens is padded on the right to
   attention work. Neighbouring stripes sit on the same or neighbouring
   ranks, so a window no longer than a stripe still needs one hop each way.
 
+A ``layout`` parameter that picks how a batch is split takes the kind's name
+(a :data:`LayoutKind`) or a whole :class:`ShardLayout` (its kind, and where
+the sharder reads it, exactly its stripes and padding); :func:`layout_kind`
+reads either.
+
 Everything else in cpjax (batch sharding, masks, ring attention) is written in
 terms of *global* token indices, so it works for any layout unchanged. Under
 ``"document_balanced"`` a global index is a token's place in the reordered
@@ -30,27 +35,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from cpjax import checks
 from cpjax.parallel import gather_dim
 
 __all__ = [
   "LAYOUT_KINDS",
+  "LayoutKind",
   "ShardLayout",
   "local_token_indices",
   "default_stripes",
   "from_rank_order",
+  "layout_kind",
   "padded_length",
   "rank_order",
   "take_rows",
   "to_rank_order",
 ]
 
-LAYOUT_KINDS = ("contiguous", "load_balanced", "document_balanced")
+# A layout's kind, by name: the values of ShardLayout.kind.
+LayoutKind = Literal["contiguous", "load_balanced", "document_balanced"]
+LAYOUT_KINDS: tuple[LayoutKind, ...] = typing.get_args(LayoutKind)
 # document_balanced: stripes of at least this many tokens (Gemma 4's longest
 # sliding window), so windowed layers keep the one-hop ring; at most this
 # many stripes per rank (more buys little balance, see benchmarks/document_balance.py).
@@ -89,7 +101,7 @@ class ShardLayout:
   original_seq_len: int
   padded_seq_len: int
   cp_size: int
-  kind: str = "contiguous"
+  kind: LayoutKind = "contiguous"
   replicated_keys: tuple[str, ...] = dataclasses.field(default=(), compare=False)
   stripes: int | None = None
 
@@ -161,6 +173,38 @@ class ShardLayout:
     return tuple(k * cp + (rank if k % 2 == 0 else cp - 1 - rank) for k in range(self.stripes))
 
 
+def layout_kind(layout: LayoutKind | ShardLayout) -> LayoutKind:
+  """Return the kind of ``layout``: a :data:`LayoutKind` as it is, or a
+  :class:`ShardLayout`'s ``kind``.
+
+  The one place a ``layout`` parameter is read in either form.
+
+  Args:
+    layout: a :data:`LayoutKind` or a :class:`ShardLayout`.
+
+  Returns:
+    The :data:`LayoutKind`.
+
+  >>> layout_kind("contiguous"), layout_kind(ShardLayout(6, 8, 2, "load_balanced"))
+  ('contiguous', 'load_balanced')
+  >>> layout_kind("zigzag")
+  Traceback (most recent call last):
+  ...
+  ValueError: layout must be one of ('contiguous', ..., 'document_balanced') or a ShardLayout,
+  got 'zigzag'
+  """
+  if isinstance(layout, ShardLayout):
+    return layout.kind
+  if not isinstance(layout, str):
+    raise TypeError(
+      f"layout must be a layout kind ({', '.join(LAYOUT_KINDS)}) or a ShardLayout, "
+      f"got {type(layout).__name__}"
+    )
+  if layout not in LAYOUT_KINDS:
+    raise ValueError(f"layout must be one of {LAYOUT_KINDS} or a ShardLayout, got {layout!r}")
+  return layout
+
+
 def default_stripes(seq_len: int, cp_size: int, *, min_stripe_len: int = MIN_STRIPE_LEN) -> int:
   """Return the stripes per rank of a ``"document_balanced"`` layout of a row this long.
 
@@ -201,7 +245,7 @@ def padded_length(
   seq_len: int,
   cp_size: int,
   *,
-  kind: str = "contiguous",
+  kind: LayoutKind = "contiguous",
   pad_multiple: int = 1,
   chunk_multiple: int = 1,
   stripes: int | None = None,
@@ -214,7 +258,7 @@ def padded_length(
   ``"document_balanced"`` also of ``R * cp_size``, ``R`` = ``stripes`` (None:
   what :func:`default_stripes` gives a row of ``seq_len`` tokens). With
   ``chunk_multiple``, every chunk of the layout also holds a multiple of
-  that many tokens (what a Pallas target's tiles need).
+  that many tokens (what a Pallas implementation's tiles need).
 
   Args:
     seq_len: the number of tokens.
@@ -249,7 +293,7 @@ def padded_length(
   return -(-seq_len // multiple) * multiple
 
 
-def local_token_indices(layout: ShardLayout, rank) -> jax.Array:
+def local_token_indices(layout: ShardLayout, rank: int | jax.Array) -> jax.Array:
   """Return the global (padded) token index of each local position of ``rank``.
 
   Args:
@@ -313,7 +357,7 @@ def rank_order(layout: ShardLayout) -> np.ndarray:
 # -- Moving arrays between natural and rank order ------------------------------
 
 
-def take_rows(x, index, *, seq_dim: int, batch_dim: int | None):
+def take_rows(x: jax.Array, index: jax.Array, *, seq_dim: int, batch_dim: int | None) -> jax.Array:
   """Gather ``x`` along ``seq_dim`` with a per-row index int[B, T].
 
   Row b of the result takes positions ``index[b]`` (``batch_dim`` None: x has
@@ -360,7 +404,12 @@ def _rows_index(x, layout: ShardLayout, axis: int, source_index, inverse: bool):
 
 
 def to_rank_order(
-  x, layout: ShardLayout, *, axis: int = 1, pad_value=0, source_index=None
+  x: ArrayLike,
+  layout: ShardLayout,
+  *,
+  axis: int = 1,
+  pad_value: ArrayLike = 0,
+  source_index: ArrayLike | None = None,
 ) -> jax.Array:
   """Reorder tokens from natural order to rank order, along ``axis``.
 
@@ -411,7 +460,9 @@ def to_rank_order(
   return jnp.take(gather_dim(x, axis), jnp.asarray(rank_order(layout), jnp.int32), axis=axis)
 
 
-def from_rank_order(x, layout: ShardLayout, *, axis: int = 1, source_index=None) -> jax.Array:
+def from_rank_order(
+  x: ArrayLike, layout: ShardLayout, *, axis: int = 1, source_index: ArrayLike | None = None
+) -> jax.Array:
   """Reorder tokens from rank order to natural order, along ``axis``; padding is kept.
 
   The inverse of :func:`to_rank_order`: slice ``[:layout.original_seq_len]``

@@ -1,7 +1,8 @@
 """Pure batch normalisation: masks, document ids, vision groups, labels.
 
 Every function returns a new dict and never mutates its input; all of them
-trace under ``jax.jit``. Batch conventions follow Hugging Face:
+trace under ``jax.jit``. Batch conventions follow Hugging Face, and for
+the document ids NeMo AutoModel, whose key ``_packed_seq_ids`` cpjax keeps:
 
 ==========================  ==================  =====================================
 key                         shape               meaning
@@ -32,6 +33,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from cpjax import checks
 
@@ -150,7 +152,7 @@ def attention_mask_to_padding_mask(batch: Mapping) -> dict:
 
 
 def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
-  """Add the trivial single-document ``_packed_seq_ids`` map when absent.
+  """Add the trivial single-document ids ``_packed_seq_ids`` (NeMo's name) when absent.
 
   As the original's ``_synthesize_single_document_seq_ids``: a no-op when
   ``_packed_seq_ids`` exists; else 1 where real and 0 where pad when
@@ -184,7 +186,7 @@ def synthesize_document_ids(batch: Mapping, seq_len: int) -> dict:
   return out
 
 
-def vision_group_ids(mm_token_type_ids) -> jax.Array:
+def vision_group_ids(mm_token_type_ids: ArrayLike) -> jax.Array:
   """Return the id of the contiguous vision span each token belongs to; -1 for text.
 
   A token is vision when its type is 1 (image) or 2 (video); a group
@@ -213,7 +215,9 @@ def vision_group_ids(mm_token_type_ids) -> jax.Array:
   return jnp.where(vision, groups, -1).astype(jnp.int32)
 
 
-def next_token_labels(input_ids, document_ids=None, ignore_index: int = IGNORE_INDEX):
+def next_token_labels(
+  input_ids: ArrayLike, document_ids: ArrayLike | None = None, ignore_index: int = IGNORE_INDEX
+) -> jax.Array:
   """Make shifted next-token labels, *before* sharding.
 
   ``labels[t] = input_ids[t + 1]`` when tokens t and t + 1 belong to the same
@@ -223,7 +227,8 @@ def next_token_labels(input_ids, document_ids=None, ignore_index: int = IGNORE_I
 
   Args:
     input_ids: int[B, S].
-    document_ids: optional int[B, S], ``_packed_seq_ids`` (0 = pad).
+    document_ids: optional int[B, S], a batch's ``_packed_seq_ids`` (NeMo's
+      name for the document ids; 0 = pad).
     ignore_index: label of positions that do not count.
 
   Returns:
@@ -259,7 +264,9 @@ def _seq_dim(key: str, x) -> int:
   return 2 if key == "position_ids" and jnp.ndim(x) == 3 else 1
 
 
-def normalize_batch(batch: Mapping, *, loss_mask=None, require_labels: bool = True) -> dict:
+def normalize_batch(
+  batch: Mapping, *, loss_mask: ArrayLike | None = None, require_labels: bool = True
+) -> dict:
   """Bring a batch to the canonical form every cpjax sharder works on.
 
   * exactly one primary stream (``input_ids`` or ``inputs_embeds``);

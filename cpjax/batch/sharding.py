@@ -10,7 +10,8 @@
   host) and records the order as the ``_source_index`` stream; everything
   that cuts or restores a row (:func:`shard_sequence`,
   :func:`unshard_batch`, :func:`cpjax.to_rank_order`) reads it. It also
-  renumbers ``_packed_seq_ids`` 1..n in the reordered row's order, so that
+  renumbers the document ids (``_packed_seq_ids``, NeMo's name for them)
+  1..n in the reordered row's order, so that
   the ring's id-range tile skipping stays as sharp as on the original row,
   and keeps the batch's own ids as ``_source_packed_seq_ids`` for
   :func:`unshard_batch`.
@@ -32,15 +33,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.typing import ArrayLike
 
 from cpjax import checks
 from cpjax.batch import _streams, balance
 from cpjax.batch import normalize as batch_lib
 from cpjax.batch.layout import (
-  LAYOUT_KINDS,
   MIN_STRIPE_LEN,
+  LayoutKind,
   ShardLayout,
   default_stripes,
+  layout_kind,
   local_token_indices,
   padded_length,
   rank_order,
@@ -73,9 +76,9 @@ def _pad_and_shard(
 
   ``order`` is None, or ``{_source_index: int32[B, Sp]}`` in slot order
   (each slot's index in the padded row), plus the renumbered document ids
-  under ``_packed_seq_ids`` when the batch has them: each row is reordered
-  before the cut, ``_source_index`` comes back as a stream, and the batch's
-  own ids come back as ``_source_packed_seq_ids``."""
+  under ``_packed_seq_ids`` (NeMo's name for them) when the batch has them:
+  each row is reordered before the cut, ``_source_index`` comes back as a
+  stream, and the batch's own ids come back as ``_source_packed_seq_ids``."""
   dims, batch_dims, pad_values = dict(dims), dict(batch_dims), dict(pad_values)
   padded = {
     k: _streams.pad_stream(k, x, dims[k], layout.pad_len, pad_values[k]) for k, x in streams.items()
@@ -128,9 +131,9 @@ def shard_batch(
   mesh: Mesh,
   *,
   axis_name: str = "cp",
-  layout: str = "load_balanced",
+  layout: LayoutKind | ShardLayout = "load_balanced",
   aux_only: bool = False,
-  loss_mask=None,
+  loss_mask: ArrayLike | None = None,
   padding_token_id: int = 0,
   extra_seq_keys: Mapping[str, int] | None = None,
   extra_pad_values: Mapping[str, Any] | None = None,
@@ -145,7 +148,7 @@ def shard_batch(
   The batch is normalised (:func:`cpjax.normalize_batch`), every sequence
   stream is right-padded to a multiple of ``cp * max(pad_multiple, 2)`` with
   its pad value (``labels`` -100, ``loss_mask`` 0, ``padding_mask`` True,
-  ``_packed_seq_ids`` 0, ``input_ids`` ``padding_token_id``,
+  the document ids ``_packed_seq_ids`` (NeMo's name) 0, ``input_ids`` ``padding_token_id``,
   ``inputs_embeds`` / ``mm_token_type_ids`` 0, extra keys
   ``extra_pad_values.get(key, 0)``; ``position_ids`` continue counting) and
   sharded on its sequence dimension (dim 2 for mRoPE [3, B, S] positions).
@@ -154,13 +157,18 @@ def shard_batch(
     batch: dict of [B, S, ...] arrays (see :mod:`cpjax.batch`).
     mesh: a mesh with an ``axis_name`` axis (other axes are allowed).
     axis_name: the context-parallel mesh axis.
-    layout: ``"load_balanced"`` (default), ``"contiguous"`` or
-      ``"document_balanced"`` (reorders each row's whole documents so that
-      every rank gets the same attention work, and adds ``_source_index``;
-      renumbers ``_packed_seq_ids`` 1..n in the new order and keeps the
-      batch's own as ``_source_packed_seq_ids``; needs concrete, not traced,
-      document ids; the attention must mask by ``_packed_seq_ids``, as every
-      cpjax mask built from the batch does).
+    layout: a :data:`~cpjax.batch.LayoutKind`, ``"load_balanced"``
+      (default), ``"contiguous"`` or ``"document_balanced"`` (reorders each
+      row's whole documents so that every rank gets the same attention work,
+      and adds ``_source_index``; renumbers ``_packed_seq_ids`` 1..n in the
+      new order and keeps the batch's own as ``_source_packed_seq_ids``;
+      needs concrete, not traced, document ids; the attention must mask by
+      ``_packed_seq_ids``, as every cpjax mask built from the batch does);
+      or a :class:`cpjax.ShardLayout` (one an earlier call returned, say):
+      shard exactly that way, its kind, stripes and padded length
+      (``pad_multiple`` and ``min_stripe_len`` then play no part). Its
+      ``cp_size`` and ``original_seq_len`` must be the mesh's and the
+      batch's, and its chunks a multiple of what ``implementation`` tiles.
     aux_only: shard only the auxiliary streams; ``input_ids`` /
       ``inputs_embeds``, ``mm_token_type_ids`` and ``pixel_values`` are
       returned full length, unpadded and replicated, for a model that slices
@@ -180,7 +188,7 @@ def shard_batch(
     implementation: the ring's per-hop backend the batch is for (as
       :func:`cpjax.ring_attention`; None: the mesh's platform's default).
       With the default ``pad_multiple``, rows are padded so that every layout
-      chunk is a multiple of what a Pallas target tiles (128 tokens on TPU,
+      chunk is a multiple of what a Pallas implementation tiles (128 tokens on TPU,
       16 on GPU), so any length runs; padding stays masked.
     min_stripe_len: a ``"document_balanced"`` layout's stripes hold at least
       this many tokens (and at least a Pallas tile), as many per rank as
@@ -211,8 +219,7 @@ def shard_batch(
     if batch_axis == axis_name:
       raise ValueError(f"batch_axis must differ from axis_name, both are {axis_name!r}")
     dp_size = required_axis_size(mesh, batch_axis, "batch_axis")
-  if layout not in LAYOUT_KINDS:
-    raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
+  kind = layout_kind(layout)
   if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
     raise ValueError(f"pad_multiple must be an int >= 1, got {pad_multiple!r}")
   checks.integer("padding_token_id", padding_token_id)
@@ -242,17 +249,23 @@ def shard_batch(
       resolve_implementation(implementation, platform=mesh_platform(mesh))
     )
   checks.integer("min_stripe_len", min_stripe_len, minimum=1)
-  stripes = None
-  if layout == "document_balanced":
-    stripes = default_stripes(seq_len, cp_size, min_stripe_len=max(min_stripe_len, chunk_multiple))
-  padded = padded_length(
-    seq_len,
-    cp_size,
-    kind=layout,
-    pad_multiple=pad_multiple,
-    chunk_multiple=chunk_multiple,
-    stripes=stripes,
-  )
+  if isinstance(layout, ShardLayout):
+    _check_given_layout(layout, cp_size=cp_size, seq_len=seq_len, chunk_multiple=chunk_multiple)
+    stripes, padded = layout.stripes, layout.padded_seq_len
+  else:
+    stripes = None
+    if kind == "document_balanced":
+      stripes = default_stripes(
+        seq_len, cp_size, min_stripe_len=max(min_stripe_len, chunk_multiple)
+      )
+    padded = padded_length(
+      seq_len,
+      cp_size,
+      kind=kind,
+      pad_multiple=pad_multiple,
+      chunk_multiple=chunk_multiple,
+      stripes=stripes,
+    )
   streams = _streams.sequence_streams(norm, aux_only=aux_only, extra=extra)
   replicated = tuple(
     k
@@ -260,7 +273,7 @@ def shard_batch(
     if k in norm and k not in streams
   )
   shard_layout = ShardLayout(
-    seq_len, padded, cp_size, layout, replicated_keys=replicated, stripes=stripes
+    seq_len, padded, cp_size, kind, replicated_keys=replicated, stripes=stripes
   )
 
   pad_values = {
@@ -273,7 +286,7 @@ def shard_batch(
   pad_values.update({k: (extra_pad_values or {}).get(k, 0) for k in extra})
   batch_dims = _streams.batch_dims(norm, streams, extra, batch_size)
   order = None
-  if layout == "document_balanced":
+  if kind == "document_balanced":
     order = _document_order(
       norm,
       shard_layout,
@@ -308,12 +321,32 @@ def shard_batch(
   return out, shard_layout
 
 
+def _check_given_layout(
+  layout: ShardLayout, *, cp_size: int, seq_len: int, chunk_multiple: int
+) -> None:
+  """Check that a :class:`ShardLayout` given to :func:`shard_batch` fits the
+  batch and mesh it shards."""
+  expected = {"cp_size": cp_size, "original_seq_len": seq_len}
+  given = {"cp_size": layout.cp_size, "original_seq_len": layout.original_seq_len}
+  if given != expected:
+    raise ValueError(
+      f"layout must fit the mesh's cp axis and the batch's length: expected {expected}, "
+      f"got a ShardLayout with {given}"
+    )
+  if layout.chunk_len % chunk_multiple:
+    raise ValueError(
+      f"layout's chunks must hold a multiple of {chunk_multiple} tokens (what the "
+      f"implementation's tiles need), got a ShardLayout with chunk_len {layout.chunk_len}"
+    )
+
+
 def _document_order(
   norm: Mapping, layout: ShardLayout, batch_dims: Mapping, *, layer_windows, renumber: bool
 ) -> dict:
   """Each row's balanced document order, computed on the host:
   ``{_source_index: int32[B, Sp]}`` in slot order, and with ``renumber`` the
-  reordered row's ids renumbered in slot order under ``_packed_seq_ids``."""
+  reordered row's document ids renumbered in slot order under
+  ``_packed_seq_ids`` (NeMo's name for them)."""
   ids = batch_lib.synthesize_document_ids(norm, layout.original_seq_len)[batch_lib.DOCUMENT_IDS_KEY]
   if isinstance(ids, jax.core.Tracer):
     raise TypeError(
@@ -413,7 +446,7 @@ def unshard_batch(
   return out
 
 
-def source_index(batch: Mapping[str, Any], layout: ShardLayout):
+def source_index(batch: Mapping[str, Any], layout: ShardLayout) -> jax.Array | None:
   """Return the ``_source_index`` stream a ``"document_balanced"`` layout needs.
 
   Args:
@@ -461,14 +494,14 @@ def _restore_order(streams, source, *, layout, dims, batch_dims):
 
 
 def shard_sequence(
-  x,
+  x: ArrayLike,
   layout: ShardLayout,
   *,
   axis_name: str = "cp",
   seq_axis: int = 1,
-  pad_value=0,
-  source_index=None,
-):
+  pad_value: ArrayLike = 0,
+  source_index: ArrayLike | None = None,
+) -> jax.Array:
   """Return this rank's part of a full-length stream, called inside ``shard_map``.
 
   Pads ``x`` on the right along ``seq_axis`` to ``layout.padded_seq_len`` with

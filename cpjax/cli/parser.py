@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import typing
+from typing import TYPE_CHECKING
 
 from cpjax.training.run_config import MODEL_FLAGS, ShardState
 from cpjax.training.run_file import positive_float as _positive_float
 from cpjax.training.run_file import positive_int as _positive
+
+if TYPE_CHECKING:
+  import jsonargparse
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,7 +56,7 @@ TRAIN_DESCRIPTION = (
 )
 
 
-def train_parser():
+def train_parser() -> jsonargparse.ArgumentParser:
   """Build ``cpjax train``'s parser.
 
   It takes the run config's settings (see

@@ -6,11 +6,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import TYPE_CHECKING
 
 from cpjax.cli import machine
 
+if TYPE_CHECKING:
+  from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.training.plan import StepShape
 
-def plan_config(parser: argparse.ArgumentParser, args: argparse.Namespace):
+
+def plan_config(
+  parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[Gemma4Config, str]:
   """Return the (config, display name) of --model or --checkpoint.
 
   A bad config.json is a usage error.
@@ -52,7 +59,7 @@ def _run_of(parser: argparse.ArgumentParser, args: argparse.Namespace):
       f"(a run's settings are dotted keys, --section.key VALUE)\n",
     )
   from cpjax import recipes
-  from cpjax.training.run_config import JobError
+  from cpjax.training.run_config import RunError
   from cpjax.training.run_file import run_from_namespace, run_parser
 
   try:
@@ -62,7 +69,7 @@ def _run_of(parser: argparse.ArgumentParser, args: argparse.Namespace):
   argv = (["--config", path] if path is not None else []) + list(keys)
   try:
     return run_from_namespace(run_parser(aliases=False, exit_on_error=False).parse_args(argv))
-  except (OSError, JobError) as e:
+  except (OSError, RunError) as e:
     what = "--recipe" if args.recipe is not None else "--config" if path else "a dotted key"
     parser.exit(2, f"cpjax plan: error: {what}: {e}\n")
 
@@ -133,7 +140,7 @@ def _from_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     args.dtype = run.dtype if run is not None and named("dtype") else default.dtype
 
 
-def step_shape(args: argparse.Namespace, mesh: dict | None):
+def step_shape(args: argparse.Namespace, mesh: dict | None) -> StepShape:
   """Return the :class:`~cpjax.training.plan.StepShape` this plan is of, on ``mesh``.
 
   The one place ``cpjax plan`` turns its flags (filled from the run config

@@ -1,14 +1,20 @@
 """``cpjax train``: the run config from files and flags, its checks, the devices, the
-memory check, then the job."""
+memory check, then the trainer (:func:`cpjax.training.trainer.train`)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import os
+from typing import TYPE_CHECKING
 
 from cpjax.cli import machine
 from cpjax.cli.plan import plan_config
+
+if TYPE_CHECKING:  # the command line reads the run config only once it runs
+  import jsonargparse
+
+  from cpjax.training.run_config import RunConfig
 
 # Pairs of settings that name the same thing; one given on the command line
 # replaces the other's value from a file (a recipe's `model: e2b` gives way
@@ -16,11 +22,11 @@ from cpjax.cli.plan import plan_config
 _ONE_OF = (("model", "checkpoint"), ("parallel.mesh", "parallel.cp"))
 
 
-def train(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+def train(parser: jsonargparse.ArgumentParser, argv: list[str]) -> int:
   """Run ``cpjax train``.
 
   Read the run config (:func:`read_run`), start JAX on the devices it names,
-  run the job.
+  train.
 
   Args:
     parser: ``cpjax train``'s parser.
@@ -32,10 +38,12 @@ def train(parser: argparse.ArgumentParser, argv: list[str]) -> int:
   from cpjax.training.run_config import devices_needed
 
   run, args = read_run(parser, argv)
-  return _run_job(parser, args, run, devices_needed(run))
+  return _train_on_devices(parser, args, run, devices_needed(run))
 
 
-def read_run(parser: argparse.ArgumentParser, argv: list[str]):
+def read_run(
+  parser: jsonargparse.ArgumentParser, argv: list[str]
+) -> tuple[RunConfig, jsonargparse.Namespace]:
   """Read ``cpjax train``'s run config and check it, before JAX starts.
 
   A recipe, files, dotted keys and their short flags, a resumed run's
@@ -48,7 +56,7 @@ def read_run(parser: argparse.ArgumentParser, argv: list[str]):
   Returns:
     ``(the RunConfig, the parsed namespace)``.
   """
-  from cpjax.training.run_config import JobError, check, get, settings, with_values
+  from cpjax.training.run_config import RunError, check, get, settings, with_values
   from cpjax.training.run_file import RUN_FILE, alias_flag, given_keys, run_from_namespace
 
   def fail(message):
@@ -92,14 +100,19 @@ def read_run(parser: argparse.ArgumentParser, argv: list[str]):
     fail(f"{name('checkpointing.save_every')} needs --state-dir (or --resume)")
   try:
     check(run, name=name)
-  except JobError as e:
+  except RunError as e:
     fail(e)
   return run, args
 
 
-def _run_job(parser: argparse.ArgumentParser, args: argparse.Namespace, run, devices: int) -> int:
-  """Start JAX on the run's devices, check its memory, run the job."""
-  from cpjax.training.run_config import JobError
+def _train_on_devices(
+  parser: jsonargparse.ArgumentParser,
+  args: jsonargparse.Namespace,
+  run: RunConfig,
+  devices: int,
+) -> int:
+  """Start JAX on the run's devices, check its memory, train."""
+  from cpjax.training.run_config import RunError
 
   def fail(message):
     parser.exit(2, f"cpjax train: error: {message}\n")
@@ -117,16 +130,16 @@ def _run_job(parser: argparse.ArgumentParser, args: argparse.Namespace, run, dev
 
   if not args.skip_memory_check:
     _check_memory(parser, run)
-  # A JobError is a usage error found before any training compute; anything
+  # A RunError is a usage error found before any training compute; anything
   # else raised from here on is a crash: it propagates with its traceback.
   try:
-    trainer.run_train_job(run)
-  except JobError as e:
+    trainer.train(run)
+  except RunError as e:
     fail(e)
   return 0
 
 
-def _files_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+def _files_first(parser: jsonargparse.ArgumentParser, argv: list[str]) -> list[str]:
   """``argv`` with its files first: each ``--recipe NAME`` (as ``--config``
   of the shipped file) and ``--config FILE`` in the order given, then every
   other argument, so that a key on the command line beats every file
@@ -153,7 +166,7 @@ def _files_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
 
 
 def _start_jax(
-  parser: argparse.ArgumentParser, args: argparse.Namespace, devices_needed: int
+  parser: jsonargparse.ArgumentParser, args: jsonargparse.Namespace, devices_needed: int
 ) -> None:
   """Join the cluster the flags name, or emulate enough CPU devices."""
   explicit = [

@@ -1,10 +1,11 @@
 """The data layer: what becomes a batch of token streams before it is sharded.
 
-It may import the core (``cpjax/*.py``, ``cpjax/kernels``) and nothing above
+It may import the core (:mod:`cpjax.parallel`, :mod:`cpjax.masks`,
+:mod:`cpjax.batch`, :mod:`cpjax.attention`) and nothing above
 it: the models, the training layer and the command line import it.
 
 * :mod:`~cpjax.data.synthetic`: packed, padded, multimodal rows with a
-  learnable signal, for the job's default run and the tests
+  learnable signal, for ``cpjax train``'s default run and the tests
   (:func:`synthetic_batch`, re-exported here).
 * :mod:`~cpjax.data.tokenizer`: a checkpoint's ``tokenizer.json`` and chat
   template, in transformers' sandbox.

@@ -20,10 +20,11 @@ The pipeline (:func:`packed_rows`):
 2. cut documents longer than ``seq_len`` into ``seq_len``-token pieces, each
    its own document;
 3. pack pieces into rows of ``seq_len`` tokens (grain's first-fit packing);
-4. emit the cpjax batch keys: ``input_ids``, ``_packed_seq_ids`` (1, 2, ...
-   per document, 0 on padding), ``position_ids`` (restarting in every
-   document), ``labels`` (the next token of the same document where the
-   loss mask holds it, else -100) and ``attention_mask``; with images, each
+4. emit the cpjax batch keys: ``input_ids``, ``_packed_seq_ids`` (the
+   document ids under NeMo's name: 1, 2, ... per document, 0 on padding),
+   ``position_ids`` (restarting in every document), ``labels`` (the next
+   token of the same document where the loss mask holds it, else -100) and
+   ``attention_mask``; with images, each
    row has ``images_per_row`` image slots (``pixel_values`` float32[I, P,
    F], ``image_position_ids`` int32[I, P, 2], the unused ones all padding)
    and ``mm_token_type_ids``: packing keeps every document's images with it
@@ -45,10 +46,14 @@ import io
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cpjax.batch import IGNORE_INDEX
+
+if TYPE_CHECKING:
+  import grain
 
 __all__ = [
   "corpus_images",
@@ -59,6 +64,8 @@ __all__ = [
 ]
 
 
+# A corpus: an ArrayRecord file, a directory of them, or a list of files.
+_Corpus = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 _TOKEN = np.dtype("<i4")
 _NPZ_MAGIC = b"PK\x03\x04"  # never the first id of a raw record: 67324752 > any vocabulary
 # np.load parses each array's header with ast.literal_eval, whose AST
@@ -124,7 +131,7 @@ def _record(doc, number: int) -> bytes:
   return out.getvalue()
 
 
-def corpus_images(path) -> dict | None:
+def corpus_images(path: _Corpus) -> dict | None:
   """Return the image processor of a corpus directory with images, or None.
 
   Args:
@@ -175,7 +182,7 @@ def write_documents(path: str | os.PathLike, documents: Iterable) -> int:
   return count
 
 
-def _files(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
+def _files(path: _Corpus) -> list[str]:
   """The ArrayRecord files of a file, a directory, or a list of files."""
   if isinstance(path, (str, os.PathLike)):
     path = os.fspath(path)
@@ -269,6 +276,7 @@ class _ToBatchKeys:
 
   def __call__(self, row: dict) -> dict:
     ids = row["input_ids"].astype(np.int32)
+    # (grain names a packed feature's document ids "<feature>_segment_ids".)
     docs = row["input_ids_segment_ids"].astype(np.int32)
     nxt, nxt_doc = np.roll(ids, -1), np.roll(docs, -1)
     # The next token is a target when it is of the same document and its loss
@@ -310,7 +318,7 @@ class _ToBatchKeys:
 
 
 def packed_rows(
-  path,
+  path: _Corpus,
   *,
   seq_len: int,
   seed: int = 0,
@@ -321,7 +329,7 @@ def packed_rows(
   num_packing_bins: int = 16,
   max_document_pieces: int = 4096,
   images_per_row: int | None = None,
-):
+) -> grain.IterDataset:
   """Build a grain ``IterDataset`` of packed rows (dicts of int32 [S] arrays).
 
   Args:
@@ -346,7 +354,7 @@ def packed_rows(
     >>> _ = write_documents(path, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
     >>> row = next(iter(packed_rows(path, seq_len=8, shuffle=False, num_epochs=1,
     ...                             process_index=0, process_count=1)))
-    >>> row["input_ids"].tolist(), row["_packed_seq_ids"].tolist()
+    >>> row["input_ids"].tolist(), row["_packed_seq_ids"].tolist()  # document ids, NeMo's key
     ([5, 6, 7, 8, 9, 0, 0, 0], [1, 1, 1, 2, 2, 0, 0, 0])
     >>> row["labels"].tolist(), row["position_ids"].tolist()
     ([6, 7, -100, 9, -100, -100, -100, -100], [0, 1, 2, 0, 1, 0, 0, 0])
@@ -403,7 +411,9 @@ def packed_rows(
   return ds.map(_ToBatchKeys(images, images_per_row or 0))
 
 
-def packed_batches(path, *, batch_size: int, seq_len: int, **kwargs):
+def packed_batches(
+  path: _Corpus, *, batch_size: int, seq_len: int, **kwargs: Any
+) -> grain.IterDataset:
   """Stack :func:`packed_rows` into batches.
 
   Args:
@@ -413,7 +423,8 @@ def packed_batches(path, *, batch_size: int, seq_len: int, **kwargs):
     **kwargs: the other keywords of :func:`packed_rows`.
 
   Returns:
-    A dataset of dicts of int32 [B, S] arrays (and, with images,
+    A dataset of dicts of int32 [B, S] arrays (the keys of :func:`packed_rows`:
+    the document ids are ``_packed_seq_ids``, NeMo's name; and, with images,
     ``pixel_values`` [B * I, P, F] and ``image_position_ids`` [B * I, P, 2]:
     the rows' image slots in row order, as the model numbers soft tokens).
 

@@ -29,15 +29,19 @@ import dataclasses
 import json
 import math
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+  from PIL import Image
 
 __all__ = ["ImageProcessor", "SUPPORTED_SOFT_TOKENS", "load_image", "pixel_values"]
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 
 
-def load_image(path: str | os.PathLike):
+def load_image(path: str | os.PathLike) -> Image.Image:
   """Load a PIL RGB image from a file, upright (its EXIF orientation applied).
 
   Args:
@@ -166,7 +170,7 @@ class ImageProcessor:
       )
     return h, w
 
-  def patches(self, image) -> tuple[np.ndarray, np.ndarray]:
+  def patches(self, image: Image.Image) -> tuple[np.ndarray, np.ndarray]:
     """Cut a PIL image (converted to RGB) into patches after the resize.
 
     Args:

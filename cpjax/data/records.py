@@ -152,7 +152,7 @@ def _load_images(paths: list[str], images: ImageProcessor) -> dict:
 
 
 def encode_record(
-  record,
+  record: object,
   tokenizer: CheckpointTokenizer,
   *,
   images: ImageProcessor | None = None,

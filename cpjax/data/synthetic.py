@@ -1,4 +1,4 @@
-"""Synthetic packed, padded, multimodal batches for the training job and tests.
+"""Synthetic packed, padded, multimodal batches for ``cpjax train``'s default run and tests.
 
 Each row packs documents of random lengths; every document is an arithmetic
 sequence of token ids (a learnable signal: the next token is the previous one
@@ -7,6 +7,8 @@ the vision tower's soft tokens replace, and the row ends in padding.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,14 +30,15 @@ def synthetic_batch(
   images_per_row: int = 1,
   max_docs: int = 4,
   pad_fraction: float = 0.1,
-  reserved_ids=(0,),
+  reserved_ids: Sequence[int] = (0,),
 ) -> dict:
   """Make a dict of numpy arrays as Gemma 4's processor and a packing collator make them.
 
   Keys: ``input_ids`` (image placeholders are ``image_token_id``),
   ``labels`` (next token within a document, -100 on the last token of each
   document, on image tokens and on padding), ``position_ids`` (restarting
-  in every document), ``_packed_seq_ids``, ``attention_mask``,
+  in every document), ``_packed_seq_ids`` (the document ids, under NeMo's
+  name), ``attention_mask``,
   ``mm_token_type_ids`` (1 on image tokens), ``pixel_values`` [N, P, 3 p^2]
   and ``image_position_ids`` int[N, P, 2] with ``N = batch_size *
   images_per_row`` images of ``image_grid = (columns, rows)`` patches, each

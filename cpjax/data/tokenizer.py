@@ -299,7 +299,11 @@ class CheckpointTokenizer:
     )
 
   def render(
-    self, messages: Sequence[Mapping], *, add_generation_prompt: bool = False, **template_kwargs
+    self,
+    messages: Sequence[Mapping],
+    *,
+    add_generation_prompt: bool = False,
+    **template_kwargs: Any,
   ) -> str:
     """Render the conversation as the chat template writes it (a string).
 
@@ -322,7 +326,7 @@ class CheckpointTokenizer:
     *,
     soft_tokens: Sequence[int] = (),
     add_generation_prompt: bool = False,
-    **template_kwargs,
+    **template_kwargs: Any,
   ) -> tuple[np.ndarray, np.ndarray]:
     """Encode the rendered conversation's tokens and which of them the assistant wrote.
 
@@ -419,7 +423,7 @@ class CheckpointTokenizer:
     return "".join(out), [(moved(a), moved(b)) for a, b in spans]
 
 
-def check_messages(messages) -> None:
+def check_messages(messages: object) -> None:
   """Check a conversation: a non-empty list of ``{"role", "content"}`` dicts.
 
   Each has a known role and string or list content (``ValueError`` /

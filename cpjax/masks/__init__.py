@@ -14,12 +14,12 @@ Rules compose with ``&`` (both allow) and ``|`` (either allows), and every
 question composes with them. The standard cpjax mask (:meth:`AttentionMask.create`)
 is, for query token q and key token k::
 
-    (LocalWindow | SameVisionGroup) & SameSegment & KeyNotPadding
+    (LocalWindow | SameVisionGroup) & SameDocument & KeyNotPadding
 
     LocalWindow(left, right):  q - left <= k <= q + right   (None: unbounded)
         causal = (None, 0); causal window W = (W-1, 0); bidirectional W = (W-1, W-1)
     SameVisionGroup:  vg[q] == vg[k] and vg[q] >= 0          (images attend both ways)
-    SameSegment:      doc[q] == doc[k] and doc[q] > 0         (documents; 0 = pad)
+    SameDocument:     doc[q] == doc[k] and doc[q] > 0         (documents; 0 = pad)
     KeyNotPadding:    not pad[k]
 
 Rules only see global indices and per-token arrays, so any layout
@@ -46,7 +46,7 @@ from cpjax.masks._rules import KeyNotPadding as KeyNotPadding
 from cpjax.masks._rules import LocalWindow as LocalWindow
 from cpjax.masks._rules import MaskRule as MaskRule
 from cpjax.masks._rules import Reach as Reach
-from cpjax.masks._rules import SameSegment as SameSegment
+from cpjax.masks._rules import SameDocument as SameDocument
 from cpjax.masks._rules import SameVisionGroup as SameVisionGroup
 from cpjax.masks._rules import Tokens as Tokens
 
@@ -60,10 +60,18 @@ __all__ = [
   "MaskRule",
   "MaskSpec",
   "Reach",
-  "SameSegment",
+  "SameDocument",
   "SameVisionGroup",
   "Tokens",
   "resolve_mask",
   "ARRAY_KINDS",
   "MASK_KEYWORDS",
 ]
+
+
+def __getattr__(name: str) -> object:
+  # SameSegment, the documents' rule's name in 0.1, resolves for one release
+  # with a warning.
+  from cpjax import _deprecations
+
+  return _deprecations.moved_attribute(__name__, name)

@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
-from cpjax import checks
+from cpjax import _deprecations, checks
 from cpjax.masks._rules import (
   ARRAY_KINDS,
   KeyNotPadding,
   LocalWindow,
   MaskRule,
   Reach,
-  SameSegment,
+  SameDocument,
   SameVisionGroup,
   Tokens,
 )
@@ -77,9 +79,9 @@ class AttentionMask:
     arrays: ``{name: [B, T] array}``, exactly the arrays ``rule`` reads.
 
   Example:
-    >>> m = AttentionMask.create(sliding_window=2, segment_ids=np.array([[1, 1, 1, 2]]))
+    >>> m = AttentionMask.create(sliding_window=2, document_ids=np.array([[1, 1, 1, 2]]))
     >>> m.rule
-    AllOf(LocalWindow(left=1, right=0), SameSegment())
+    AllOf(LocalWindow(left=1, right=0), SameDocument())
     >>> np.asarray(m.allowed()[0]).astype(int).tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]]
     >>> [x.shape for x in jax.tree.leaves(m)]
@@ -97,6 +99,13 @@ class AttentionMask:
         f"arrays must be a mapping of name to array, got {type(self.arrays).__name__}"
       )
     kinds = self.rule.array_kinds()
+    # The documents' array was "segment_ids" in 0.1: still taken, with a warning
+    # that points at the caller (stacklevel 4: past this and the dataclass' __init__).
+    if "document_ids" in kinds and "segment_ids" not in kinds:
+      arrays = _deprecations.rename_keyword(
+        "cpjax.AttentionMask.arrays", self.arrays, "segment_ids", "document_ids", stacklevel=4
+      )
+      object.__setattr__(self, "arrays", arrays)
     bad = {name: kind for name, kind in kinds.items() if kind not in ARRAY_KINDS}
     if bad:
       raise ValueError(f"per-token array kinds must be one of {ARRAY_KINDS}, got {bad}")
@@ -116,14 +125,15 @@ class AttentionMask:
     object.__setattr__(self, "arrays", dict(sorted(self.arrays.items())))
 
   @classmethod
+  @_deprecations.renamed_keywords("cpjax.AttentionMask.create", segment_ids="document_ids")
   def create(
     cls,
     *,
     causal: bool = True,
     sliding_window: int | None = None,
-    segment_ids=None,
-    padding_mask=None,
-    vision_group_ids=None,
+    document_ids: ArrayLike | None = None,
+    padding_mask: ArrayLike | None = None,
+    vision_group_ids: ArrayLike | None = None,
   ) -> "AttentionMask":
     """The standard mask ``(window | vision groups) & documents & key padding``.
 
@@ -131,19 +141,19 @@ class AttentionMask:
       causal: mask keys after the query.
       sliding_window: W >= 1, keys with ``q - k < W`` (``|q - k| < W`` when
         not causal).
-      segment_ids: int[B, T] document ids; 0 = pad, attends to nothing.
+      document_ids: int[B, T] document ids; 0 = pad, attends to nothing.
       padding_mask: bool[B, T], True = pad key.
       vision_group_ids: int[B, T]; tokens of one group (>= 0) attend to each
         other both ways, overriding causal and window.
     """
     rule: MaskRule = MaskSpec(causal=causal, sliding_window=sliding_window).rule()
-    arrays = {}
+    arrays: dict[str, Any] = {}  # as given: validate() makes them arrays
     if vision_group_ids is not None:
       rule = rule | SameVisionGroup()
       arrays["vision_group_ids"] = vision_group_ids
-    if segment_ids is not None:
-      rule = rule & SameSegment()
-      arrays["segment_ids"] = segment_ids
+    if document_ids is not None:
+      rule = rule & SameDocument()
+      arrays["document_ids"] = document_ids
     if padding_mask is not None:
       rule = rule & KeyNotPadding()
       arrays["padding_mask"] = padding_mask
@@ -169,11 +179,11 @@ class AttentionMask:
       out[name] = jnp.asarray(x)
     return AttentionMask(self.rule, out)
 
-  def tokens(self, positions) -> Tokens:
+  def tokens(self, positions: ArrayLike) -> Tokens:
     """The :class:`Tokens` of these arrays at global ``positions`` int[T]."""
     return Tokens(jnp.asarray(positions, jnp.int32), dict(self.arrays))
 
-  def allowed(self, positions=None) -> jax.Array:
+  def allowed(self, positions: ArrayLike | None = None) -> jax.Array:
     """bool[B', T, T], the dense mask of tokens at ``positions`` (default ``arange(T)``)."""
     if positions is None:
       lengths = {jnp.shape(x)[1] for x in self.arrays.values()}
@@ -204,10 +214,10 @@ def _check_array_kind(name: str, x, kind: str) -> None:
 
 jax.tree_util.register_dataclass(AttentionMask, data_fields=["arrays"], meta_fields=["rule"])
 
-MASK_KEYWORDS = ("causal", "sliding_window", "segment_ids", "padding_mask", "vision_group_ids")
+MASK_KEYWORDS = ("causal", "sliding_window", "document_ids", "padding_mask", "vision_group_ids")
 
 
-def resolve_mask(mask: AttentionMask | None = None, **keywords) -> AttentionMask:
+def resolve_mask(mask: AttentionMask | None = None, **keywords: Any) -> AttentionMask:
   """``mask``, or the standard mask the keywords of :meth:`AttentionMask.create` describe.
 
   Keywords left at None take :meth:`AttentionMask.create`'s defaults; giving

@@ -27,7 +27,7 @@ __all__ = [
   "LocalWindow",
   "MaskRule",
   "Reach",
-  "SameSegment",
+  "SameDocument",
   "SameVisionGroup",
   "Tokens",
 ]
@@ -48,7 +48,7 @@ class Tokens(NamedTuple):
   positions: jax.Array
   arrays: Mapping[str, jax.Array]
 
-  def slice(self, start, size: int) -> "Tokens":
+  def slice(self, start: int | jax.Array, size: int) -> "Tokens":
     """Tokens ``[start, start + size)`` (``start`` may be traced)."""
     cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, size, axis)  # noqa: E731
     return Tokens(cut(self.positions, 0), {n: cut(x, 1) for n, x in self.arrays.items()})
@@ -190,7 +190,7 @@ class LocalWindow(MaskRule):
     _check_reach("left", self.left)
     _check_reach("right", self.right)
 
-  def allowed(self, q, k):
+  def allowed(self, q: Tokens, k: Tokens) -> jax.Array:
     d = jnp.asarray(q.positions)[:, None] - jnp.asarray(k.positions)[None, :]  # q - k
     ok = jnp.ones(d.shape, bool)
     if self.left is not None:
@@ -199,7 +199,7 @@ class LocalWindow(MaskRule):
       ok &= -d <= self.right
     return ok[None]
 
-  def classify(self, q, k, block_q, block_kv):
+  def classify(self, q: Tokens, k: Tokens, block_q: int, block_kv: int) -> BlockMap:
     qb, kb = q.blocks(block_q), k.blocks(block_kv)
     q_lo, q_hi = qb.min(-1)[:, None], qb.max(-1)[:, None]
     k_lo, k_hi = kb.min(-1)[None, :], kb.max(-1)[None, :]
@@ -211,30 +211,30 @@ class LocalWindow(MaskRule):
       some, every = some & (k_lo - q_hi <= self.right), every & (k_hi - q_lo <= self.right)
     return BlockMap(some[None], every[None])
 
-  def reach(self):
+  def reach(self) -> Reach:
     return Reach(self.left, self.right)
 
 
 @dataclasses.dataclass(frozen=True)
-class SameSegment(MaskRule):
-  """Tokens of one packed document: ``segment_ids[q] == segment_ids[k] > 0`` (0 = pad).
+class SameDocument(MaskRule):
+  """Tokens of one packed document: ``document_ids[q] == document_ids[k] > 0`` (0 = pad).
 
-  >>> t = Tokens(np.arange(3), {"segment_ids": np.array([[1, 1, 2]])})
-  >>> np.asarray(SameSegment().allowed(t, t)[0]).astype(int).tolist()
+  >>> t = Tokens(np.arange(3), {"document_ids": np.array([[1, 1, 2]])})
+  >>> np.asarray(SameDocument().allowed(t, t)[0]).astype(int).tolist()
   [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
   """
 
-  arrays: ClassVar[Mapping[str, str]] = {"segment_ids": "int"}
+  arrays: ClassVar[Mapping[str, str]] = {"document_ids": "int"}
 
-  def allowed(self, q, k):
-    sq, sk = q.arrays["segment_ids"][:, :, None], k.arrays["segment_ids"][:, None, :]
-    return (sq == sk) & (sq > 0)
+  def allowed(self, q: Tokens, k: Tokens) -> jax.Array:
+    dq, dk = q.arrays["document_ids"][:, :, None], k.arrays["document_ids"][:, None, :]
+    return (dq == dk) & (dq > 0)
 
-  def classify(self, q, k, block_q, block_kv):
-    qs, ks = q.array_blocks("segment_ids", block_q), k.array_blocks("segment_ids", block_kv)
+  def classify(self, q: Tokens, k: Tokens, block_q: int, block_kv: int) -> BlockMap:
+    qs, ks = q.array_blocks("document_ids", block_q), k.array_blocks("document_ids", block_kv)
     return _group_blocks(qs, qs > 0, ks, ks > 0)
 
-  def reach(self):
+  def reach(self) -> Reach:
     return Reach(None, None)
 
 
@@ -249,14 +249,14 @@ class KeyNotPadding(MaskRule):
 
   arrays: ClassVar[Mapping[str, str]] = {"padding_mask": "bool"}
 
-  def allowed(self, q, k):
+  def allowed(self, q: Tokens, k: Tokens) -> jax.Array:
     return ~k.arrays["padding_mask"][:, None, :]
 
-  def classify(self, q, k, block_q, block_kv):
+  def classify(self, q: Tokens, k: Tokens, block_q: int, block_kv: int) -> BlockMap:
     pad = k.array_blocks("padding_mask", block_kv)
     return BlockMap(jnp.any(~pad, axis=-1)[:, None, :], ~jnp.any(pad, axis=-1)[:, None, :])
 
-  def reach(self):
+  def reach(self) -> Reach:
     return Reach(None, None)
 
 
@@ -273,16 +273,16 @@ class SameVisionGroup(MaskRule):
 
   arrays: ClassVar[Mapping[str, str]] = {"vision_group_ids": "int"}
 
-  def allowed(self, q, k):
+  def allowed(self, q: Tokens, k: Tokens) -> jax.Array:
     gq, gk = q.arrays["vision_group_ids"][:, :, None], k.arrays["vision_group_ids"][:, None, :]
     return (gq == gk) & (gq >= 0)
 
-  def classify(self, q, k, block_q, block_kv):
+  def classify(self, q: Tokens, k: Tokens, block_q: int, block_kv: int) -> BlockMap:
     qg = q.array_blocks("vision_group_ids", block_q)
     kg = k.array_blocks("vision_group_ids", block_kv)
     return _group_blocks(qg, qg >= 0, kg, kg >= 0)
 
-  def reach(self):
+  def reach(self) -> Reach:
     return Reach(None, None)
 
 
@@ -318,10 +318,10 @@ class _Combination(MaskRule):
   def __repr__(self):
     return f"{type(self).__name__}({', '.join(map(repr, self.rules))})"
 
-  def allowed(self, q, k):
+  def allowed(self, q: Tokens, k: Tokens) -> jax.Array:
     return functools.reduce(self._join, (r.allowed(q, k) for r in self.rules))
 
-  def classify(self, q, k, block_q, block_kv):
+  def classify(self, q: Tokens, k: Tokens, block_q: int, block_kv: int) -> BlockMap:
     # Both fields combine with the rule's own connective: it is exact for
     # "allowed" and stays conservative for "any" and "all".
     maps = [r.classify(q, k, block_q, block_kv) for r in self.rules]
@@ -330,7 +330,7 @@ class _Combination(MaskRule):
       functools.reduce(self._join, (m.all for m in maps)),
     )
 
-  def reach(self):
+  def reach(self) -> Reach:
     reaches = [r.reach() for r in self.rules]
     return Reach(
       functools.reduce(self._reach, (r.behind for r in reaches)),

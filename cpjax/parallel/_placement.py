@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
@@ -14,13 +14,15 @@ from cpjax.parallel._mesh import axis_size
 
 # rule(path, shape) -> PartitionSpec naming "tp" (or an expert's axes, or nothing) per dimension.
 PartitionRule = Callable[[tuple[str, ...], tuple[int, ...]], P]
+# A pytree that placing keeps (its leaves move, its structure and type stay).
+_Tree = TypeVar("_Tree")
 
 # The token axes that split the training state by default (issue: state over
 # every device that shares the model, as FSDP over dp_shard x cp).
 STATE_AXES = ("fsdp", "cp")
 
 
-def key_names(path) -> tuple[str, ...]:
+def key_names(path: jax.tree_util.KeyPath) -> tuple[str, ...]:
   """Return a pytree key path as strings, as a :data:`PartitionRule` receives it.
 
   Args:
@@ -36,12 +38,12 @@ def key_names(path) -> tuple[str, ...]:
 
 
 def param_specs(
-  params,
+  params: Any,
   mesh: Mesh | AbstractMesh,
   *,
   rule: PartitionRule | None = None,
   state_axes: Sequence[str] = STATE_AXES,
-):
+) -> Any:
   """Return a ``PartitionSpec`` per parameter leaf (same tree as ``params``).
 
   ``rule(path, shape)`` gives the tensor-parallel part (``"tp"`` on the
@@ -134,7 +136,7 @@ def param_specs(
   return jax.tree.map_with_path(spec, params)
 
 
-def shard_params(params, mesh: Mesh, specs):
+def shard_params(params: _Tree, mesh: Mesh, specs: Any) -> _Tree:
   """Place ``params`` on ``mesh`` per ``specs`` (from :func:`param_specs`).
 
   Args:
@@ -155,7 +157,7 @@ def shard_params(params, mesh: Mesh, specs):
   return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
 
 
-def shard_like_params(tree, params):
+def shard_like_params(tree: _Tree, params: Any) -> _Tree:
   """Place ``tree`` (an optimizer state) like ``params``: every leaf whose key
   path ends in a parameter's key path, with that parameter's shape, takes the
   parameter's sharding (Adam's ``mu``/``nu``); the rest (step counts) is
@@ -195,7 +197,7 @@ def shard_like_params(tree, params):
   return jax.tree_util.tree_map_with_path(place, tree)
 
 
-def bytes_per_device(tree) -> int:
+def bytes_per_device(tree: Any) -> int:
   """Count the bytes one device holds of the arrays in ``tree`` (its largest shard per leaf).
 
   Args:
@@ -211,7 +213,7 @@ def bytes_per_device(tree) -> int:
   return total
 
 
-def place(x, mesh: Mesh, spec: P):
+def place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
   """Give ``x`` the sharding ``spec`` names, on Explicit and Auto meshes alike.
 
   Args:
@@ -232,7 +234,7 @@ def place(x, mesh: Mesh, spec: P):
   return jax.reshard(x, sharding)
 
 
-def gather_dim(x, dim: int):
+def gather_dim(x: jax.Array, dim: int) -> jax.Array:
   """Un-shard dimension ``dim`` of ``x`` (other dimensions keep their sharding).
 
   On an Explicit mesh a permuting gather along a sharded dimension has no

@@ -32,7 +32,7 @@ def chunk_multiple(implementation: str) -> int:
   return {"pallas_tpu": 128, "pallas_gpu": 16}.get(resolve_implementation(implementation), 1)
 
 
-def mesh_platform(mesh) -> str | None:
+def mesh_platform(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> str | None:
   """The platform of a concrete mesh's devices ("tpu" for compile-only TPU
   devices too); None for an abstract mesh (then the default backend's)."""
   devices = getattr(mesh, "devices", None)
@@ -42,7 +42,7 @@ def mesh_platform(mesh) -> str | None:
 def resolve_implementation(implementation: str | None, *, platform: str | None = None) -> str:
   """The backend name ``implementation`` stands for.
 
-  None means the Pallas target of ``platform`` ("tpu", "gpu" or "cuda"; "xla"
+  None means the Pallas implementation of ``platform`` ("tpu", "gpu" or "cuda"; "xla"
   for anything else), by default the platform of ``jax.default_backend()``.
   A program whose mesh is on other devices than the default backend's (CPU
   devices on a TPU host) passes that platform, or names the implementation.

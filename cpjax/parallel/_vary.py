@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 
-def varying_axes(x) -> frozenset:
+def varying_axes(x: jax.Array) -> frozenset:
   """Return the mesh axes ``x`` varies over inside ``shard_map`` (empty outside).
 
   Args:
@@ -20,7 +21,7 @@ def varying_axes(x) -> frozenset:
   return getattr(mat, "varying", frozenset())
 
 
-def vary_like(x, ref):
+def vary_like(x: jax.Array, ref: jax.Array) -> jax.Array:
   """Make ``x`` varying over the mesh axes ``ref`` varies over (check_vma).
 
   Args:
@@ -34,7 +35,7 @@ def vary_like(x, ref):
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def vary_over(x, axes: frozenset):
+def vary_over(x: jax.Array, axes: frozenset) -> jax.Array:
   """Make ``x`` varying over ``axes`` too (check_vma).
 
   Args:
@@ -48,7 +49,9 @@ def vary_over(x, axes: frozenset):
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def filled_after(ref, shape, fill=0.0, dtype=jnp.float32):
+def filled_after(
+  ref: jax.Array, shape: tuple[int, ...], fill: float = 0.0, dtype: DTypeLike = jnp.float32
+) -> jax.Array:
   """Return ``fill`` everywhere in ``shape``, varying as ``ref`` does, and computed from ``ref``.
 
   It is an accumulator's initial value that no schedule can build before

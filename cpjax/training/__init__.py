@@ -1,4 +1,4 @@
-"""The training layer: the step and its loss, LoRA, checkpoints, the plan and the job.
+"""The training layer: the step and its loss, LoRA, checkpoints, the plan and the trainer.
 
 It may import the core (:mod:`cpjax.parallel`, :mod:`cpjax.masks`,
 :mod:`cpjax.batch`, :mod:`cpjax.attention`), the data pipeline
@@ -15,7 +15,7 @@ line (:mod:`cpjax.cli`) imports it.
   of a run's :class:`~cpjax.training.plan.StepShape`.
 * :mod:`~cpjax.training.run_config` (with its YAML file and command line,
   :mod:`~cpjax.training.run_file`): a run's one config;
-  :mod:`~cpjax.training.trainer`: the ``cpjax train`` job that runs it.
+  :mod:`~cpjax.training.trainer`: the trainer that runs it (``cpjax train``).
 
 >>> from cpjax import training
 >>> training.make_train_step is training.step.make_train_step

@@ -116,8 +116,8 @@ class TrainCheckpointer:
     self,
     step: int,
     *,
-    params,
-    opt_state,
+    params: Any,
+    opt_state: Any,
     data_state: Mapping[str, Any],
     run: Mapping[str, Any],
     force: bool = False,
@@ -153,7 +153,9 @@ class TrainCheckpointer:
     out: Any = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))
     return dict(out.run)
 
-  def restore(self, step: int | None = None, *, params_like, opt_state_like) -> tuple[int, dict]:
+  def restore(
+    self, step: int | None = None, *, params_like: Any, opt_state_like: Any
+  ) -> tuple[int, dict]:
     """Restore the checkpoint of ``step`` (default: the latest complete one).
 
     The arrays take the shardings of ``params_like`` / ``opt_state_like``

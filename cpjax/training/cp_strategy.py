@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cpjax.attention.ring import (
   STRATEGIES,
@@ -54,8 +55,12 @@ from cpjax.attention.ring import (
   ring_plan,
   ulysses_kv_repeats,
 )
-from cpjax.batch.layout import ShardLayout
+from cpjax.batch.layout import LayoutKind, ShardLayout, layout_kind
 from cpjax.masks import MaskSpec
+
+if TYPE_CHECKING:
+  from cpjax.models.gemma4.text_config import Gemma4TextConfig
+  from cpjax.training.run_config import RunConfig
 
 __all__ = [
   "DEFAULT_DEVICE_MEMORY",
@@ -97,13 +102,13 @@ def _kind_shapes(text, kind: str, tp: int) -> tuple[int, int, int, int | None]:
 
 
 def choose(
-  text,
+  text: Gemma4TextConfig,
   *,
   seq_len: int,
   cp: int,
   tp: int = 1,
   device_memory: int | None = None,
-  layout: str = "load_balanced",
+  layout: LayoutKind | ShardLayout = "load_balanced",
 ) -> dict[str, Choice]:
   """Pick the CP strategy of each of a model's attention layer kinds.
 
@@ -114,13 +119,16 @@ def choose(
     tp: the tp size (heads a rank holds: ``H / tp``).
     device_memory: one device's memory in bytes (default
       :data:`DEFAULT_DEVICE_MEMORY`).
-    layout: the :class:`cpjax.ShardLayout` kind the rows are split with.
+    layout: the kind of layout the rows are split with, a
+      :data:`~cpjax.batch.LayoutKind` or a :class:`cpjax.ShardLayout` (its
+      ``kind``).
 
   Returns:
     ``{layer kind: Choice}``, sorted by kind.
   """
   budget = (DEFAULT_DEVICE_MEMORY if device_memory is None else device_memory) // _ROW_SHARE
   out = {}
+  assert text.layer_types is not None  # Gemma4TextConfig.__post_init__ fills it
   for kind in sorted(set(text.layer_types)):
     hq, hkv, d, window = _kind_shapes(text, kind, tp)
     if cp == 1:
@@ -177,7 +185,7 @@ def bytes_sent(
   kv_heads: int,
   head_dim: int,
   window: int | None = None,
-  layout: str = "load_balanced",
+  layout: LayoutKind | ShardLayout = "load_balanced",
 ) -> tuple[int, int]:
   """Return (bytes each rank sends in one forward + backward, ring hops a pass).
 
@@ -239,7 +247,7 @@ def _key_block(lay: ShardLayout) -> int:
 
 
 def row_buffer(
-  text,
+  text: Gemma4TextConfig,
   kind: str,
   strategy: str,
   *,
@@ -247,7 +255,7 @@ def row_buffer(
   cp: int,
   tp: int = 1,
   itemsize: int = 2,
-  layout: str = "load_balanced",
+  layout: LayoutKind | ShardLayout = "load_balanced",
 ) -> int:
   """Return the bytes of whole-row K/V that ``strategy`` holds in one layer of ``kind``.
 
@@ -278,7 +286,7 @@ def row_buffer(
   return tokens * per_token * hkv
 
 
-def for_run(run, text, *, device_memory: int | None = None) -> dict:
+def for_run(run: RunConfig, text: Gemma4TextConfig, *, device_memory: int | None = None) -> dict:
   """Return the CP strategies a run config's step takes, as keywords of
   :func:`cpjax.training.make_train_step` and :func:`cpjax.training.plan.estimate`.
 
@@ -305,12 +313,12 @@ def for_run(run, text, *, device_memory: int | None = None) -> dict:
 
 
 def for_step(
-  text,
+  text: Gemma4TextConfig,
   *,
   seq_len: int,
   mesh: dict,
-  strategy="auto",
-  layout: str = "load_balanced",
+  strategy: str | Mapping[str, str] | tuple[tuple[str, str], ...] = "auto",
+  layout: LayoutKind | ShardLayout = "load_balanced",
   device_memory: int | None = None,
 ) -> dict:
   """Return the CP strategies of a step, as :func:`for_run` does for a run.
@@ -321,7 +329,8 @@ def for_step(
     mesh: ``{axis: size}``.
     strategy: ``"auto"`` (the rule's choice per layer kind and the loss's
       ``auto``) or a strategy to take as it is (with the loss's ring).
-    layout: the batch's layout.
+    layout: the batch's layout: a :data:`~cpjax.batch.LayoutKind` or a
+      :class:`cpjax.ShardLayout` (its ``kind``).
     device_memory: the device's bytes the rule budgets for (default:
       :data:`DEFAULT_DEVICE_MEMORY`).
 
@@ -348,7 +357,9 @@ def for_step(
   return {"strategy": as_strategy(choices), "loss_strategy": "auto"}
 
 
-def run_choices(run, text, *, device_memory: int | None = None) -> dict[str, Choice]:
+def run_choices(
+  run: RunConfig, text: Gemma4TextConfig, *, device_memory: int | None = None
+) -> dict[str, Choice]:
   """Return :func:`choose`'s choices for a run config's row length, mesh and
   layout on devices of ``device_memory`` bytes (as :func:`for_run`'s)."""
   sizes = run.parallel.mesh_sizes()
@@ -383,8 +394,10 @@ def describe(choices: dict[str, Choice]) -> str:
   return ",".join(f"{kind}={c.strategy}" for kind, c in sorted(choices.items()))
 
 
-def _padded_layout(seq_len: int, cp: int, kind: str) -> ShardLayout:
-  """The layout of a row of ``seq_len`` tokens, right-padded as the batch is."""
+def _padded_layout(seq_len: int, cp: int, layout: LayoutKind | ShardLayout) -> ShardLayout:
+  """The layout of a row of ``seq_len`` tokens, right-padded as the batch is,
+  of ``layout``'s kind (the rule reads only the kind)."""
+  kind = layout_kind(layout)
   chunks = ShardLayout(16 * cp, 16 * cp, cp, kind).num_chunks
   padded = -(-seq_len // chunks) * chunks
   return ShardLayout(seq_len, padded, cp, kind)

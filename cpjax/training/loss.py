@@ -56,6 +56,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from cpjax.attention.cp_context import HiddenStates
 from cpjax.batch import IGNORE_INDEX
@@ -86,7 +87,13 @@ LOSS_CHUNK_LOGITS = 1 << 26
 LOSS_STRATEGIES = ("ring", "all_gather", "auto")
 
 
-def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX, strategy: str = "ring"):
+def cross_entropy(
+  output: ArrayLike | HiddenStates,
+  labels: ArrayLike,
+  *,
+  ignore_index: int = IGNORE_INDEX,
+  strategy: str = "ring",
+) -> tuple[jax.Array, jax.Array]:
   """Compute the (CE sum, count) of a forward's output.
 
   :func:`token_cross_entropy` of logits [B, L, V], or
@@ -140,7 +147,9 @@ def cross_entropy(output, labels, *, ignore_index: int = IGNORE_INDEX, strategy:
   return token_cross_entropy(output, labels, ignore_index=ignore_index)
 
 
-def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
+def token_cross_entropy(
+  logits: ArrayLike, labels: ArrayLike, *, ignore_index: int = IGNORE_INDEX
+) -> tuple[jax.Array, jax.Array]:
   """Compute the sum of per-token cross-entropies and the number of counted tokens.
 
   Args:
@@ -170,13 +179,13 @@ def token_cross_entropy(logits, labels, *, ignore_index: int = IGNORE_INDEX):
 
 
 def cross_entropy_sums(
-  logits,
-  labels,
+  logits: ArrayLike | HiddenStates,
+  labels: ArrayLike,
   *,
   axis_names: tuple[str, ...] = ("cp",),
   ignore_index: int = IGNORE_INDEX,
   strategy: str = "ring",
-):
+) -> tuple[jax.Array, jax.Array]:
   """Reduce the CP loss: (CE sum, token count) over every rank of ``axis_names``.
 
   Call it inside ``shard_map`` on this rank's logits [B, L, V] (or
@@ -215,16 +224,16 @@ def cross_entropy_sums(
 
 
 def linear_cross_entropy(
-  hidden,
-  head,
-  labels,
+  hidden: ArrayLike,
+  head: ArrayLike,
+  labels: ArrayLike,
   *,
   chunk_size: int = 1024,
   logits_soft_cap: float | None = None,
   ignore_index: int = IGNORE_INDEX,
   vocab_axis: str | None = None,
   strategy: str = "ring",
-):
+) -> tuple[jax.Array, jax.Array]:
   """Compute :func:`token_cross_entropy` of ``cap(hidden @ head.T)``.
 
   Args:

@@ -21,29 +21,33 @@ settings by their dotted keys.
 >>> check(RunConfig(dataset=DatasetConfig(seq_len=16)))
 Traceback (most recent call last):
 ...
-cpjax.training.run_config.JobError: dataset.seq_len must be >= 32, got 16
+cpjax.training.run_config.RunError: dataset.seq_len must be >= 32, got 16
 """
 
 import dataclasses
 import math
 import os
 import typing
-from typing import Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 from cpjax.attention.cp_context import parse_strategy, unknown_layer_kinds
+from cpjax.batch.layout import LayoutKind
 from cpjax.training.lora.adapters import LoraConfig, check_lora_config
+
+if TYPE_CHECKING:
+  import optax
 
 __all__ = [
   "CheckpointingConfig",
   "DatasetConfig",
   "EvalConfig",
   "ExpertsConfig",
-  "JobError",
   "LR_SCHEDULES",
   "LoggingConfig",
   "OptimizerConfig",
   "ParallelConfig",
   "RunConfig",
+  "RunError",
   "check",
   "get",
   "settings",
@@ -52,7 +56,6 @@ __all__ = [
 
 Dtype = Literal["float32", "bfloat16"]
 Remat = Literal["none", "full", "save_attention_out"]
-Layout = Literal["contiguous", "load_balanced", "document_balanced"]
 Schedule = Literal["constant", "cosine", "linear"]
 ShardState = Literal["fsdp+cp", "fsdp"]
 
@@ -69,8 +72,8 @@ def state_axes(shard_state: str) -> tuple[str, ...]:
   return tuple(shard_state.split("+"))
 
 
-class JobError(ValueError):
-  """A job that cannot run as asked, found before any training compute
+class RunError(ValueError):
+  """A run that cannot run as asked, found before any training compute
   (``cpjax train`` prints it as a one-line usage error, exit status 2)."""
 
 
@@ -126,7 +129,7 @@ class OptimizerConfig:
   steps: int = _setting(20, positive=True)
   """optimizer steps"""
 
-  def lr_schedule(self):
+  def lr_schedule(self) -> "optax.Schedule":
     """Build the optax schedule: step -> learning rate (step 0 is the first update).
 
     As transformers' ``get_{constant,cosine,linear}_schedule_with_warmup``:
@@ -143,11 +146,11 @@ class OptimizerConfig:
     import optax
 
     if self.schedule not in LR_SCHEDULES:
-      raise JobError(
+      raise RunError(
         f"optimizer.schedule must be one of {list(LR_SCHEDULES)}, got {self.schedule!r}"
       )
     if self.warmup_steps < 0 or (self.schedule != "constant" and self.warmup_steps >= self.steps):
-      raise JobError(
+      raise RunError(
         f"optimizer.warmup_steps {self.warmup_steps} must be >= 0, and below "
         f"optimizer.steps {self.steps} for a {self.schedule} schedule (it decays "
         f"after the warmup)"
@@ -162,7 +165,7 @@ class OptimizerConfig:
       return after
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
 
-  def build(self):
+  def build(self) -> "optax.GradientTransformation":
     """Build the optax transform: AdamW (weight decay 0.01) on
     :meth:`lr_schedule`, after clipping the global gradient norm to
     ``max_grad_norm`` when set.
@@ -188,7 +191,7 @@ class ParallelConfig:
   axis"""
   cp: Optional[int] = _setting(positive=True)
   """a cp-only mesh of this size, instead of mesh (default: 8)"""
-  layout: Layout = _setting("load_balanced")
+  layout: LayoutKind = _setting("load_balanced")
   """how the sequence is split over the cp ranks (document_balanced evens out
   packed rows)"""
   shard_state: ShardState = _setting("fsdp+cp")
@@ -305,7 +308,7 @@ class Setting:
   positive: bool = False
 
 
-def settings(cls=RunConfig, prefix: str = "") -> list[Setting]:
+def settings(cls: type = RunConfig, prefix: str = "") -> list[Setting]:
   """List every leaf setting of ``cls`` in declaration order.
 
   >>> [s.key for s in settings()][:6]
@@ -361,14 +364,14 @@ def _dotted(key: str) -> str:
 
 
 def check(run: RunConfig, *, name: Callable[[str], str] = _dotted, files: bool = True) -> None:
-  """Raise :class:`JobError` for the first setting that cannot run, before
+  """Raise :class:`RunError` for the first setting that cannot run, before
   any compute. ``name(key)`` names a dotted key in the message (the command
   line names the flag the user typed); ``files``: also check that the paths
   given exist."""
   from cpjax.models.gemma4 import PRESETS
 
   def fail(message):
-    raise JobError(message)
+    raise RunError(message)
 
   for s in settings():
     value = get(run, s.key)
@@ -517,3 +520,10 @@ def devices_needed(run: RunConfig) -> int:
     The number of devices.
   """
   return math.prod(v for k, v in run.parallel.mesh_sizes().items() if k != "ep")
+
+
+def __getattr__(name: str):
+  # Names that left this module in 0.2, for one release (cpjax/_deprecations.py).
+  from cpjax import _deprecations
+
+  return _deprecations.moved_attribute(__name__, name)

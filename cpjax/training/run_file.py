@@ -27,15 +27,19 @@ import functools
 import os
 import re
 import typing
+from typing import TYPE_CHECKING
 
 from cpjax.training.run_config import (
   MODEL_FLAGS,
-  JobError,
   RunConfig,
+  RunError,
   Setting,
   settings,
   with_values,
 )
+
+if TYPE_CHECKING:
+  import jsonargparse
 
 __all__ = [
   "FLAGS",
@@ -185,11 +189,11 @@ def _alias_kwargs(s: Setting) -> dict:
 
 class _RunParser(argparse.ArgumentParser):
   """Mixed into jsonargparse's parser (an ``argparse.ArgumentParser``): a usage
-  error is one line, exit 2 (or, reading a file from Python, a :class:`JobError`)."""
+  error is one line, exit 2 (or, reading a file from Python, a :class:`RunError`)."""
 
   def error(self, message, ex=None):  # noqa: D401 -- argparse's hook
     if not self.exit_on_error:
-      raise JobError(one_line(message))
+      raise RunError(one_line(message))
     self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
 
@@ -225,7 +229,7 @@ def run_parser(
   *,
   aliases: bool = True,
   exit_on_error: bool = True,
-):
+) -> jsonargparse.ArgumentParser:
   """Build jsonargparse's parser of a :class:`RunConfig`: ``--config FILE``
   and every setting by its dotted key (the top-level ones, ``--model``,
   ``--dtype``, ..., by their name), typed by their annotations, with the
@@ -295,7 +299,7 @@ def _field_docs(cls) -> dict[str, str]:
   }
 
 
-def given_keys(namespace) -> dict[str, str]:
+def given_keys(namespace: jsonargparse.Namespace) -> dict[str, str]:
   """List the aliases the command line gave.
 
   Args:
@@ -313,7 +317,7 @@ def given_keys(namespace) -> dict[str, str]:
   return out
 
 
-def run_from_namespace(namespace) -> RunConfig:
+def run_from_namespace(namespace: jsonargparse.Namespace) -> RunConfig:
   """Return the :class:`RunConfig` a parsed command line (or file) describes.
 
   An alias beats the dotted key's value (the file's, or the command line's).
@@ -382,11 +386,11 @@ def read_run_config(path: str | os.PathLike) -> RunConfig:
     The :class:`RunConfig`.
 
   Raises:
-    JobError: naming the key, for unknown keys and wrong types.
+    RunError: naming the key, for unknown keys and wrong types.
   """
   parser = run_parser(aliases=False, exit_on_error=False)
   try:
     namespace = parser.parse_args(["--config", os.fspath(path)])
-  except JobError as e:
-    raise JobError(f"{path}: {e}") from None
+  except RunError as e:
+    raise RunError(f"{path}: {e}") from None
   return run_from_namespace(namespace)

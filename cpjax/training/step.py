@@ -46,7 +46,9 @@ __all__ = ["TrainStep", "default_forward", "make_loss_fn", "make_train_step", "s
 _own_specs = batch_specs  # make_loss_fn's argument of the same name shadows it
 
 
-def default_forward(model, batch: Mapping[str, Any], cp: CPContext | None):
+def default_forward(
+  model: nnx.Module, batch: Mapping[str, Any], cp: CPContext | None
+) -> HiddenStates | jax.Array:
   """Run the forward the loss reads.
 
   That is ``model.hidden_states(batch, cp=cp)`` (a :class:`HiddenStates`)
@@ -68,7 +70,7 @@ def default_forward(model, batch: Mapping[str, Any], cp: CPContext | None):
 
 
 def make_loss_fn(
-  graphdef,
+  graphdef: nnx.GraphDef,
   *,
   mesh: Mesh | None = None,
   layout: ShardLayout | None = None,
@@ -76,12 +78,12 @@ def make_loss_fn(
   batch_axis: str | None = None,
   forward: Callable = default_forward,
   batch_specs: Mapping[str, P] | Callable | None = None,
-  frozen=None,
+  frozen: nnx.State | None = None,
   implementation: str | None = None,
   interpret: bool = False,
   expert_axes: tuple[str, ...] = (),
   capacity_factor: float | None = None,
-  strategy="ring",
+  strategy: str | Mapping[str, str] | tuple[tuple[str, str], ...] = "ring",
   loss_strategy: str = "ring",
 ) -> Callable:
   """Make ``loss_sums(params, batch, frozen=frozen) -> (ce_sum, count)`` of a split NNX model.
@@ -272,7 +274,7 @@ def _vary(x, axes):
 
 
 def make_train_step(
-  graphdef,
+  graphdef: nnx.GraphDef,
   optimizer: optax.GradientTransformation,
   *,
   mesh: Mesh | None = None,
@@ -281,12 +283,12 @@ def make_train_step(
   batch_axis: str | None = None,
   forward: Callable = default_forward,
   batch_specs: Mapping[str, P] | Callable | None = None,
-  frozen=None,
+  frozen: nnx.State | None = None,
   implementation: str | None = None,
   interpret: bool = False,
   expert_axes: tuple[str, ...] = (),
   capacity_factor: float | None = None,
-  strategy="ring",
+  strategy: str | Mapping[str, str] | tuple[tuple[str, str], ...] = "ring",
   loss_strategy: str = "ring",
 ) -> "TrainStep":
   """Make one compiled step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
@@ -496,7 +498,9 @@ class TrainStep:
         return self._executable(params, opt_state, batch, frozen)
       return self._jit(params, opt_state)(params, opt_state, batch, frozen)
 
-  def lower(self, params, opt_state, batch):
+  def lower(
+    self, params: Any, opt_state: Any, batch: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+  ) -> jax.stages.Lowered:
     """Lower the step.
 
     The arguments (and ``frozen``) may be ``jax.ShapeDtypeStruct`` s with
@@ -519,7 +523,9 @@ class TrainStep:
     with self._context():
       return self._jit(params, opt_state).lower(params, opt_state, batch, frozen)
 
-  def compile(self, params, opt_state, batch) -> "TrainStep":
+  def compile(
+    self, params: Any, opt_state: Any, batch: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+  ) -> "TrainStep":
     """Compile the step ahead of time for these arguments.
 
     They may be ``jax.ShapeDtypeStruct`` s with shardings, as in :meth:`lower`.
@@ -535,7 +541,7 @@ class TrainStep:
     executable = self.lower(params, opt_state, batch).compile()
     return TrainStep(self.step, self.mesh, executable, frozen=self.frozen)
 
-  def memory_analysis(self):
+  def memory_analysis(self) -> Any:
     """Return the compiled program's memory analysis.
 
     Returns:
@@ -543,7 +549,7 @@ class TrainStep:
     """
     return self._compiled().memory_analysis()
 
-  def cost_analysis(self):
+  def cost_analysis(self) -> Any | None:
     """Return the compiled program's cost analysis.
 
     Returns:
@@ -556,12 +562,12 @@ class TrainStep:
     return self._compiled().as_text()
 
   @property
-  def input_shardings(self):
+  def input_shardings(self) -> Any:
     """The compiled program's shardings of ``(params, opt_state, batch, frozen)``."""
     return self._compiled().input_shardings[0]
 
   @property
-  def args_info(self):
+  def args_info(self) -> Any:
     """The compiled program's ``(params, opt_state, batch, frozen)``: leaves' shapes, dtypes."""
     return self._compiled().args_info[0]
 

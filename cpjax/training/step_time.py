@@ -33,8 +33,12 @@ is a chip's total, shared by its links.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from cpjax.training.hlo import Program
+
+if TYPE_CHECKING:
+  from cpjax.training.targets import Chip
 
 __all__ = ["StepTime", "step_time"]
 
@@ -93,7 +97,9 @@ def _seconds(t: float) -> str:
   return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
 
 
-def step_time(program: Program, chip, *, tokens: int, devices: int, cost: dict | None) -> StepTime:
+def step_time(
+  program: Program, chip: Chip, *, tokens: int, devices: int, cost: dict | None
+) -> StepTime:
   """Return the :class:`StepTime` of a compiled program on ``chip``.
 
   Args:
@@ -116,6 +122,13 @@ def step_time(program: Program, chip, *, tokens: int, devices: int, cost: dict |
       f"{chip.name} has no {', '.join(missing)} figure: the step time needs the chip's peak "
       f"FLOP/s, HBM bandwidth and interconnect bandwidth (cpjax.training.targets.CHIPS)"
     )
+  # Every figure is set (none missing, checked above).
+  peak_flops, hbm_bandwidth, link_bandwidth = (
+    chip.peak_flops,
+    chip.hbm_bandwidth,
+    chip.link_bandwidth,
+  )
+  assert peak_flops is not None and hbm_bandwidth is not None and link_bandwidth is not None
   kernels = program.kernel_costs()
   flops = program.matmul_flops() + kernels["flops"]
   hbm = kernels["bytes_accessed"]
@@ -130,13 +143,13 @@ def step_time(program: Program, chip, *, tokens: int, devices: int, cost: dict |
   hidden = exposed = 0.0
   moved: dict[str, float] = {}
   for c in program.async_collectives():
-    seconds = c.bytes * c.executions / chip.link_bandwidth
+    seconds = c.bytes * c.executions / link_bandwidth
     moved[c.kind] = moved.get(c.kind, 0.0) + c.bytes * c.executions
     if c.between:
       hidden += seconds
     else:
       exposed += seconds
-  compute, memory = flops / chip.peak_flops, hbm / chip.hbm_bandwidth
+  compute, memory = flops / peak_flops, hbm / hbm_bandwidth
   return StepTime(
     flops,
     kernels["flops"],

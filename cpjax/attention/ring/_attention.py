@@ -45,12 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import ArrayLike
 
-from cpjax import checks
+from cpjax import _deprecations, checks
 from cpjax.attention.ring._passes import PassConfig, kernel_density, ring_passes
 from cpjax.attention.ring._schedule import block_sizes, halo, ring_plan
 from cpjax.attention.ring.kernels._common import KernelParams
-from cpjax.attention.ring.kernels._targets import resolve_implementation
+from cpjax.attention.ring.kernels._implementations import resolve_implementation
 from cpjax.batch.layout import ShardLayout
 from cpjax.masks import AttentionMask, resolve_mask
 from cpjax.parallel import vary_like as _vary_like
@@ -194,19 +195,20 @@ def _group_order(x, size: int, stripes: int, *, inverse: bool = False):
   return y.reshape(b, t, *rest)
 
 
+@_deprecations.renamed_keywords("cpjax.ring_attention", segment_ids="document_ids")
 def ring_attention(
-  q,
-  k,
-  v,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
   *,
   layout: ShardLayout,
   axis_name: str | tuple[str, str] = "cp",
   mask: AttentionMask | None = None,
   causal: bool | None = None,
   sliding_window: int | None = None,
-  segment_ids=None,
-  padding_mask=None,
-  vision_group_ids=None,
+  document_ids: ArrayLike | None = None,
+  padding_mask: ArrayLike | None = None,
+  vision_group_ids: ArrayLike | None = None,
   scale: float | None = None,
   logits_soft_cap: float | None = None,
   block_q: int | None = None,
@@ -214,7 +216,7 @@ def ring_attention(
   implementation: str | None = None,
   interpret: bool | np.bool_ | pltpu.InterpretParams = False,
   strategy: str = "ring",
-):
+) -> jax.Array:
   """Exact attention over a sequence sharded on ``axis_name``, inside ``shard_map``.
 
   Local position i of rank r is global token ``local_token_indices(layout,
@@ -237,19 +239,19 @@ def ring_attention(
     causal: mask keys after the query (default True).
     sliding_window: W >= 1, keys with ``q - k < W`` (``|q - k| < W`` when not
       causal); shortens the ring (:func:`ring_plan`).
-    segment_ids: int[B, L] document ids; 0 = pad, attends to nothing.
+    document_ids: int[B, L] document ids; 0 = pad, attends to nothing.
     padding_mask: bool[B, L], True = pad key.
     vision_group_ids: int[B, L]; tokens of one group (>= 0) attend to each
       other bidirectionally, overriding causal and window.
     scale: logit scale, default ``1 / sqrt(D)``.
     logits_soft_cap: ``c`` for ``c * tanh(logits / c)``.
     block_q, block_kv: tile sizes in tokens; must divide ``layout.chunk_len``
-      (default: :func:`default_block_size` for XLA, the target's tile record
-      for Pallas; see :mod:`cpjax.attention.ring.kernels`).
+      (default: :func:`default_block_size` for XLA, the implementation's tile
+      record for Pallas; see :mod:`cpjax.attention.ring.kernels`).
     implementation: the per-hop backend: ``"xla"`` (a tile loop, any
       backend), ``"pallas_tpu"`` or ``"pallas_gpu"`` (fused kernels), or
-      None for the default backend's Pallas target (XLA on CPU).
-    interpret: run the Pallas target's kernels in Pallas' HLO interpreter
+      None for the default backend's Pallas implementation (XLA on CPU).
+    interpret: run the Pallas implementation's kernels in Pallas' HLO interpreter
       (any backend; slow, for tests), or, for ``"pallas_tpu"``, a
       ``pltpu.InterpretParams`` for Pallas' TPU interpreter (which simulates
       Mosaic's memory spaces and DMAs and can detect races; much slower).
@@ -313,7 +315,7 @@ def ring_attention(
     mask,
     causal=causal,
     sliding_window=sliding_window,
-    segment_ids=segment_ids,
+    document_ids=document_ids,
     padding_mask=padding_mask,
     vision_group_ids=vision_group_ids,
   )

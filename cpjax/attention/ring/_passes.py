@@ -49,7 +49,10 @@ from cpjax.attention.ring._schedule import Halo, RingPlan
 from cpjax.attention.ring.kernels import _common as kernel_common
 from cpjax.attention.ring.kernels._common import KernelParams
 from cpjax.attention.ring.kernels._cost import visited_pairs
-from cpjax.attention.ring.kernels._targets import TARGETS, platform_guard
+from cpjax.attention.ring.kernels._implementations import (
+  PALLAS_IMPLEMENTATIONS,
+  platform_guard,
+)
 from cpjax.batch.layout import ShardLayout, local_token_indices
 from cpjax.masks import MaskRule, Tokens
 from cpjax.parallel import filled_after
@@ -71,7 +74,7 @@ class PassConfig:
   block_kv: int
   groups: int  # G = Hq // Hkv
   implementation: str = "xla"
-  kernel: KernelParams | None = None  # the Pallas targets' static parameters
+  kernel: KernelParams | None = None  # the Pallas implementations' static parameters
   strategy: str = "ring"  # or "all_gather", "ulysses" (cp_size > 1 only)
   shared_kv: bool = False  # k is v (one array passed for both): one gradient to scatter
   halo: tuple[Halo, ...] | None = None  # all_gather with a bounded reach: the keys it needs
@@ -91,8 +94,9 @@ class PassConfig:
 
   def schedule_blocks(self, key_len: int) -> tuple[int, int]:
     """(query tokens, keys) per block of a kernel hop's schedule over
-    ``key_len`` keys (see :meth:`cpjax.attention.ring.kernels.KernelTarget.schedule_blocks`)."""
-    return TARGETS[self.implementation].schedule_blocks(
+    ``key_len`` keys (see
+    :meth:`cpjax.attention.ring.kernels.PallasImplementation.schedule_blocks`)."""
+    return PALLAS_IMPLEMENTATIONS[self.implementation].schedule_blocks(
       self.block_q,
       self.block_kv,
       chunk_len=self.layout.chunk_len,
@@ -646,7 +650,9 @@ def _backward(cfg: PassConfig, q, k, v, arrays, out, lse, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ring_passes(cfg: PassConfig, q, k, v, arrays):
+def ring_passes(
+  cfg: PassConfig, q: jax.Array, k: jax.Array, v: jax.Array, arrays: dict[str, jax.Array]
+) -> jax.Array:
   return _forward(cfg, q, k, v, arrays)[0]
 
 

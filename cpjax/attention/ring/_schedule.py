@@ -7,7 +7,7 @@ Everything here is decided before tracing, from the layout and the mask:
   reach it, in one direction for a causal contiguous layout and in both
   directions otherwise).
 * :func:`default_block_size` and ``block_sizes``: the ``block_q x
-  block_kv`` tiles of one hop, checked against a Pallas target's tiling rules.
+  block_kv`` tiles of one hop, checked against a Pallas implementation's tiling rules.
 
 The passes that run the schedule are :mod:`cpjax.attention.ring._passes`; the public
 entry point is :func:`cpjax.ring_attention`.
@@ -19,8 +19,9 @@ import functools
 from typing import NamedTuple
 
 import numpy as np
+from jax.typing import DTypeLike
 
-from cpjax.attention.ring.kernels._targets import TARGETS
+from cpjax.attention.ring.kernels._implementations import PALLAS_IMPLEMENTATIONS
 from cpjax.batch.layout import ShardLayout, rank_order
 from cpjax.masks import AttentionMask, MaskRule, MaskSpec, Reach
 
@@ -182,9 +183,9 @@ def block_sizes(
   implementation: str,
   head_dim: int,
   groups: int,
-  block_q,
-  block_kv,
-  dtype=None,
+  block_q: int | None,
+  block_kv: int | None,
+  dtype: DTypeLike | None = None,
   query_len: int | None = None,
   key_len: int | None = None,
 ) -> tuple[int, int]:
@@ -196,8 +197,8 @@ def block_sizes(
   the whole array, which Mosaic requires).
 
   Tiles never straddle a chunk, so both divide ``layout.chunk_len``; a
-  Pallas target adds its tiling rules and takes its defaults from its tile
-  record. Nothing falls back silently: a shape the target cannot tile is a
+  Pallas implementation adds its tiling rules and takes its defaults from its
+  tile record. Nothing falls back silently: a shape it cannot tile is a
   ValueError that says what would work.
   """
   chunk = layout.chunk_len
@@ -213,19 +214,19 @@ def block_sizes(
       default_block_size(chunk) if block_q is None else block_q,
       default_block_size(chunk) if block_kv is None else block_kv,
     )
-  target = TARGETS[implementation]
-  problem = target.head_dim_problem(head_dim)
+  pallas = PALLAS_IMPLEMENTATIONS[implementation]
+  problem = pallas.head_dim_problem(head_dim)
   if problem:
     raise ValueError(
       f"implementation={implementation!r} cannot tile head dim {head_dim}: it "
       f"must be {problem}; pad the head dim or use implementation='xla'"
     )
-  rows, keys = target.default_tile(head_dim, dtype)
+  rows, keys = pallas.default_tile(head_dim, dtype)
   queries = layout.local_seq_len if query_len is None else query_len
   keys_seen = layout.local_seq_len if key_len is None else key_len
 
   def fits(bq, bk):
-    return target.block_problem(bq * groups, bk, local_rows=queries * groups, local_len=keys_seen)
+    return pallas.block_problem(bq * groups, bk, local_rows=queries * groups, local_len=keys_seen)
 
   q_options = [block_q] if block_q is not None else _divisors(chunk, max(rows // groups, 1))
   k_options = [block_kv] if block_kv is not None else _divisors(chunk, keys)

@@ -31,6 +31,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +39,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.models.gemma4.layers import Buffer
 
 __all__ = ["load_pretrained", "save_pretrained", "checkpoint_keys"]
 
+# The model load_pretrained builds: a Gemma4 (whose module imports this one).
+_Model = TypeVar("_Model", bound=nnx.Module)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _AUDIO = re.compile(r"^model\.(audio_tower|embed_audio)\.")
@@ -52,7 +56,7 @@ _SHARED_KV = re.compile(
 )
 
 
-def checkpoint_keys(model) -> dict[str, nnx.Variable]:
+def checkpoint_keys(model: nnx.Module) -> dict[str, nnx.Variable]:
   """Map every parameter and buffer of ``model`` to its checkpoint key.
 
   Args:
@@ -196,14 +200,14 @@ def _load_tensor(file: str, key: str, shape: tuple[int, ...], dtype, sharding) -
 
 
 def load_pretrained(
-  cls,
-  path,
+  cls: Callable[..., _Model],
+  path: str | os.PathLike[str],
   *,
-  dtype=jnp.float32,
+  dtype: DTypeLike = jnp.float32,
   mesh: Mesh | None = None,
-  sharding: Callable[[str, tuple[int, ...]], P] | None = None,
+  sharding: Callable[[str, tuple[int, ...]], P | None] | None = None,
   remat: bool | str = False,
-):
+) -> _Model:
   """Load ``cls`` (a :class:`Gemma4`) with the weights of the checkpoint in ``path``.
 
   ``dtype`` is both the parameter and the activation dtype (transformers'
@@ -254,7 +258,9 @@ def load_pretrained(
   return model
 
 
-def save_pretrained(model, path, *, max_shard_bytes: int = 4 << 30) -> list[str]:
+def save_pretrained(
+  model: nnx.Module, path: str | os.PathLike[str], *, max_shard_bytes: int = 4 << 30
+) -> list[str]:
   """Write ``config.json`` and the weights of ``model`` in Hugging Face's layout.
 
   Tensors keep their dtype. Files hold at most ``max_shard_bytes`` each
@@ -273,7 +279,9 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 4 << 30) -> list[str]
   path = os.fspath(path)
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(model.cfg.to_hf(), f, indent=2, sort_keys=True)
+    # A Gemma4, whose module imports this one (so its class is not named here).
+    cfg: Gemma4Config = model.cfg  # pyrefly: ignore[missing-attribute]
+    json.dump(cfg.to_hf(), f, indent=2, sort_keys=True)
   keys = checkpoint_keys(model)
   groups: list[list[str]] = [[]]
   size = 0

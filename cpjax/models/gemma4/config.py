@@ -94,7 +94,7 @@ class Gemma4Config:
     return tuple(sorted(ids))
 
   @classmethod
-  def preset(cls, name: str, **text_overrides) -> "Gemma4Config":
+  def preset(cls, name: str, **text_overrides: Any) -> "Gemma4Config":
     """Return a published size (``e2b``, ``e4b``, ``a4b``, ``31b``) or a tiny test model.
 
     See :data:`PRESETS`; with optional text-config overrides.

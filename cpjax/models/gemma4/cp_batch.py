@@ -3,10 +3,11 @@
 Gemma4 embeds, splices vision features, builds per-layer inputs and vision
 group ids on the FULL row inside its forward and slices them there with
 :func:`cpjax.shard_sequence`; the dispatch-time sharder therefore touches only
-the auxiliary streams. The one Gemma4-specific piece is the document map
-``_packed_seq_ids``: its pad zeros depend on the global pad tail, which a rank
-holding only its slice cannot reconstruct, so it is synthesized on the full
-pre-pad batch and sharded here.
+the auxiliary streams. The one Gemma4-specific piece is the document ids,
+``_packed_seq_ids`` (NeMo's name for them, which the model reads and
+produces, as the original): their pad zeros depend on the global pad tail,
+which a rank holding only its slice cannot reconstruct, so they are
+synthesized on the full pre-pad batch and sharded here.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from cpjax import checks
 from cpjax.batch import normalize as batch_lib
-from cpjax.batch.layout import MIN_STRIPE_LEN, ShardLayout
+from cpjax.batch.layout import MIN_STRIPE_LEN, LayoutKind, ShardLayout
 from cpjax.batch.sharding import shard_batch
 from cpjax.models.gemma4.config import Gemma4Config
 
@@ -42,7 +44,7 @@ __all__ = [
 IMAGE_OFFSET_KEY = "_image_token_offset"
 
 
-def image_token_offsets(is_image) -> jax.Array:
+def image_token_offsets(is_image: ArrayLike) -> jax.Array:
   """Count the image tokens in the rows before each row.
 
   Args:
@@ -66,7 +68,8 @@ def image_token_offsets(is_image) -> jax.Array:
 def synthesize_single_document_seq_ids(batch: Mapping, seq_len: int) -> dict:
   """Run the original's ``_synthesize_single_document_seq_ids``, returning a new dict.
 
-  See :func:`cpjax.synthesize_document_ids`.
+  The document ids, under NeMo's name ``_packed_seq_ids``, as
+  :func:`cpjax.synthesize_document_ids` makes them.
 
   Args:
     batch: the batch.
@@ -87,9 +90,9 @@ def shard_aux_only_cp_batch(
   mesh: Mesh,
   batch: Mapping[str, Any],
   *,
-  layout: str = "contiguous",
+  layout: LayoutKind | ShardLayout = "contiguous",
   axis_name: str = "cp",
-  loss_mask=None,
+  loss_mask: ArrayLike | None = None,
   padding_token_id: int = 0,
   extra_seq_keys: Mapping[str, int] | None = None,
   extra_pad_values: Mapping[str, Any] | None = None,
@@ -102,7 +105,8 @@ def shard_aux_only_cp_batch(
 ) -> tuple[dict, ShardLayout]:
   """Shard a batch as Gemma4's aux-only CP shard, in any layout.
 
-  Converts ``attention_mask``, synthesizes ``_packed_seq_ids`` from the full
+  Converts ``attention_mask``, synthesizes the document ids
+  ``_packed_seq_ids`` (NeMo's name for them) from the full
   pre-pad ``padding_mask`` (its pad zeros depend on the global pad tail,
   which a rank holding only its slice cannot reconstruct), then shards
   ``labels`` / ``position_ids`` / ``loss_mask`` / ``padding_mask`` /
@@ -117,8 +121,10 @@ def shard_aux_only_cp_batch(
   Args:
     mesh: a mesh with an ``axis_name`` axis.
     batch: dict of [B, S, ...] arrays.
-    layout: ``"contiguous"`` (default), ``"load_balanced"`` or
-      ``"document_balanced"``.
+    layout: a :data:`~cpjax.batch.LayoutKind`, ``"contiguous"`` (default),
+      ``"load_balanced"`` or ``"document_balanced"``, or a
+      :class:`cpjax.ShardLayout` to shard exactly that way (as
+      :func:`cpjax.shard_batch`).
     axis_name, loss_mask, padding_token_id, extra_seq_keys, extra_pad_values,
       pad_multiple, batch_axis, implementation, min_stripe_len, layer_windows:
       as :func:`cpjax.shard_batch`.
@@ -174,7 +180,7 @@ def make_contiguous_aux_only_shard_cp_batch(
   batch: Mapping[str, Any],
   *,
   axis_name: str = "cp",
-  loss_mask=None,
+  loss_mask: ArrayLike | None = None,
   padding_token_id: int = 0,
   extra_seq_keys: Mapping[str, int] | None = None,
   extra_pad_values: Mapping[str, Any] | None = None,
@@ -182,7 +188,8 @@ def make_contiguous_aux_only_shard_cp_batch(
   """Shard a batch aux-only and contiguously for Gemma4's in-forward ("sunk") pre-embed.
 
   The seed's function under its familiar name:
-  :func:`shard_aux_only_cp_batch` with ``layout="contiguous"``.
+  :func:`shard_aux_only_cp_batch` with ``layout="contiguous"`` (the document
+  ids, synthesized where absent, under NeMo's name ``_packed_seq_ids``).
 
   Args:
     mesh, batch, axis_name, loss_mask, padding_token_id, extra_seq_keys,
@@ -212,12 +219,18 @@ def make_contiguous_aux_only_shard_cp_batch(
   )
 
 
-def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> dict:
+def prepare_batch(
+  batch: Mapping[str, Any],
+  config: Gemma4Config | None = None,
+  *,
+  loss_mask: ArrayLike | None = None,
+) -> dict:
   """Turn a batch as users have it into the model's single-device input.
 
   Accepts the Gemma 4 processor's keys (``input_ids``, ``attention_mask``,
   ``position_ids``, ``mm_token_type_ids``, ``pixel_values`` [N, P, 3 p^2],
-  ``image_position_ids`` int[N, P, 2]) and NeMo's (``_packed_seq_ids``,
+  ``image_position_ids`` int[N, P, 2]) and NeMo's (``_packed_seq_ids``, its
+  name for the document ids,
   ``padding_mask``, ``labels``, ``loss_mask``). ``attention_mask`` becomes
   ``padding_mask``. ``_packed_seq_ids`` gives the document boundaries and
   ``position_ids`` the positions (default ``arange(S)``, also under left
@@ -279,7 +292,7 @@ def prepare_batch(batch: Mapping[str, Any], config=None, *, loss_mask=None) -> d
   return out
 
 
-def documents_from_positions(position_ids) -> jax.Array:
+def documents_from_positions(position_ids: ArrayLike) -> jax.Array:
   """Return the document ids (from 1) of a packed row, read off its positions.
 
   A document starts wherever a position is not the previous one plus 1
@@ -372,8 +385,8 @@ def _check_vocabulary(batch: Mapping[str, Any], config) -> None:
 
 
 def synthetic_batch(
-  rng,
-  config,
+  rng: np.random.Generator,
+  config: Gemma4Config,
   *,
   batch_size: int,
   seq_len: int,

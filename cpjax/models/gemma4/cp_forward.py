@@ -8,12 +8,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cpjax.attention.cp_context import CPContext, batch_specs, state_specs
 from cpjax.batch import SOURCE_INDEX_KEY
-from cpjax.batch.layout import from_rank_order
+from cpjax.batch.layout import LayoutKind, ShardLayout, from_rank_order
 from cpjax.models.gemma4.model import Gemma4
 from cpjax.models.gemma4.partitioning import check_expert_axes, partition_rule
 from cpjax.parallel import key_names
@@ -24,15 +24,15 @@ __all__ = ["cp_logits"]
 def cp_logits(
   model: Gemma4,
   batch: Mapping[str, Any],
-  mesh,
+  mesh: Mesh,
   *,
-  layout: str = "load_balanced",
+  layout: LayoutKind | ShardLayout = "load_balanced",
   axis_name: str = "cp",
   batch_axis: str | None = None,
   implementation: str | None = None,
   interpret: bool = False,
   expert_axes: tuple[str, ...] = (),
-  strategy="ring",
+  strategy: str | Mapping[str, str] = "ring",
 ) -> jax.Array:
   """Compute the full logits float32[B, S, V] of a :func:`prepare_batch` batch.
 
@@ -50,7 +50,9 @@ def cp_logits(
     model: the :class:`Gemma4`.
     batch: a :func:`prepare_batch` batch.
     mesh: a mesh with an ``axis_name`` axis.
-    layout: the layout the model's sharder shards with.
+    layout: the layout the model's sharder shards with: a
+      :data:`~cpjax.batch.LayoutKind`, or a :class:`cpjax.ShardLayout` to
+      shard exactly that way (as :func:`cpjax.shard_batch`).
     axis_name: the context-parallel mesh axis.
     batch_axis: optional mesh axis the batch is sharded over.
     implementation, interpret: the ring's per-hop backend.

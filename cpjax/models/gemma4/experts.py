@@ -85,10 +85,10 @@ class ExpertStats(NamedTuple):
 
 
 def routed_experts(
-  x,
-  weights,
-  expert_ids,
-  params,
+  x: jax.Array,
+  weights: jax.Array,
+  expert_ids: jax.Array,
+  params: Any,
   expert_fn: ExpertFn,
   *,
   num_experts: int,
@@ -351,7 +351,9 @@ def _exchange(x, weights, expert_ids, params, expert_fn, e, expert_axes, groups,
   return out.reshape(x.shape), _stats(sizes, keep)
 
 
-def grouped_matmul(rows, weights, sizes, *, tile: int = GROUPED_TILE):
+def grouped_matmul(
+  rows: jax.Array, weights: jax.Array, sizes: jax.Array, *, tile: int = GROUPED_TILE
+) -> jax.Array:
   """Compute ``rows[i] @ weights[g]`` for each row ``i`` of group ``g``.
 
   As ``jax.lax.ragged_dot``: rows [M, K] in group order (``sizes`` int32[G]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 __all__ = ["Buffer", "ClippableLinear", "Linear", "RMSNorm", "apply_rope", "gelu", "rope_angles"]
 
@@ -22,7 +23,7 @@ class Buffer(nnx.Variable):
   """A checkpoint tensor that is not trained (transformers' ``nn.Buffer``)."""
 
 
-def gelu(x):
+def gelu(x: jax.Array) -> jax.Array:
   """Apply GELU, tanh approximation (``gelu_pytorch_tanh``).
 
   Args:
@@ -72,7 +73,7 @@ class ClippableLinear(nnx.Module):
     return y
 
 
-def rms_normalize(x, eps: float):
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
   """Compute ``x * (mean(x^2) + eps)^-0.5`` in float32 (transformers uses a pow, not rsqrt).
 
   Args:
@@ -105,7 +106,9 @@ class RMSNorm(nnx.Module):
     return y.astype(x.dtype)
 
 
-def rope_angles(positions, inv_freq, dtype):
+def rope_angles(
+  positions: jax.Array, inv_freq: ArrayLike, dtype: DTypeLike
+) -> tuple[jax.Array, jax.Array]:
   """Compute (cos, sin) [..., 2F] of ``positions [...] * inv_freq [F]``.
 
   Computed in float32, duplicated ``[f, f]`` and then cast to the
@@ -129,7 +132,7 @@ def _rotate_half(x):
   return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def apply_rope(x, cos, sin):
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """Apply half-split RoPE: ``x * cos + rotate_half(x) * sin``.
 
   Args:

@@ -24,22 +24,25 @@ model width, ``V`` vocabulary, ``N`` images, ``M`` pooled bins per image.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, PartitionSpec
+from jax.typing import ArrayLike, DTypeLike
 
-from cpjax import checks
+from cpjax import _deprecations, checks
 from cpjax.attention.cp_context import ContextParallelSharder, CPContext, HiddenStates
 from cpjax.attention.reference import reference_attention
 from cpjax.attention.ring import ring_attention
-from cpjax.batch.layout import LAYOUT_KINDS
+from cpjax.batch.layout import LayoutKind, ShardLayout, layout_kind
 from cpjax.batch.normalize import DOCUMENT_IDS_KEY, SOURCE_INDEX_KEY, vision_group_ids
 from cpjax.batch.sharding import shard_sequence
-from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameSegment, SameVisionGroup
+from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameDocument, SameVisionGroup
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from cpjax.models.gemma4.cp_batch import (
   IMAGE_OFFSET_KEY,
@@ -98,8 +101,13 @@ class Gemma4Model(nnx.Module):
       )
 
 
+@_deprecations.renamed_keywords("cpjax.models.gemma4.gemma4_masks", segment_ids="document_ids")
 def gemma4_masks(
-  cfg: Gemma4Config, *, segment_ids, padding_mask, vision_group_ids=None
+  cfg: Gemma4Config,
+  *,
+  document_ids: jax.Array,
+  padding_mask: jax.Array,
+  vision_group_ids: jax.Array | None = None,
 ) -> dict[str, AttentionMask]:
   """Build Gemma 4's attention mask of each layer type, as transformers builds them.
 
@@ -110,11 +118,11 @@ def gemma4_masks(
     earlier ones only within the window. Full layers stay causal;
   * ``"all"``: full layers see every key, sliding ``|q - k| <= W // 2 + 1``;
 
-  and always: keys of the same document (``segment_ids``), not padding.
+  and always: keys of the same document (``document_ids``), not padding.
 
   Args:
     cfg: the :class:`Gemma4Config`.
-    segment_ids: [B, S] document ids.
+    document_ids: [B, S] document ids.
     padding_mask: [B, S] (True = pad).
     vision_group_ids: [B, S] vision groups (-1 for text), or None.
 
@@ -124,7 +132,7 @@ def gemma4_masks(
   >>> import numpy as np
   >>> from cpjax.models.gemma4 import Gemma4Config
   >>> cfg = Gemma4Config.preset("tiny-moe")
-  >>> masks = gemma4_masks(cfg, segment_ids=np.ones((1, 4), np.int32),
+  >>> masks = gemma4_masks(cfg, document_ids=np.ones((1, 4), np.int32),
   ...                      padding_mask=np.zeros((1, 4), bool),
   ...                      vision_group_ids=np.array([[-1, 0, 0, -1]]))
   >>> np.asarray(masks["sliding_attention"].allowed(np.arange(4))[0]).astype(int).tolist()
@@ -132,8 +140,8 @@ def gemma4_masks(
   """
   t = cfg.text
   w = t.effective_sliding_window
-  common = SameSegment() & KeyNotPadding()
-  arrays = {"segment_ids": segment_ids, "padding_mask": padding_mask}
+  common = SameDocument() & KeyNotPadding()
+  arrays = {"document_ids": document_ids, "padding_mask": padding_mask}
   if t.use_bidirectional_attention == "all":
     rules = {FULL: LocalWindow(None, None), SLIDING: LocalWindow(w, w)}
   elif vision_group_ids is not None and t.use_bidirectional_attention == "vision":
@@ -219,8 +227,14 @@ class Gemma4(nnx.Module):
   # ------------------------------------------------------------ checkpoints
   @classmethod
   def from_pretrained(
-    cls, path, *, dtype=jnp.float32, mesh=None, sharding=None, remat: bool | str = False
-  ) -> "Gemma4":
+    cls,
+    path: str | os.PathLike[str],
+    *,
+    dtype: DTypeLike = jnp.float32,
+    mesh: Mesh | None = None,
+    sharding: Callable[[str, tuple[int, ...]], PartitionSpec | None] | None = None,
+    remat: bool | str = False,
+  ) -> Gemma4:
     """Load a Hugging Face checkpoint directory (``config.json`` plus
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``).
 
@@ -249,7 +263,9 @@ class Gemma4(nnx.Module):
     ids = np.full((1, 8), self.cfg.text.pad_token_id + 1, np.int32)
     return (prepare_batch({"input_ids": ids}, self.cfg),), {}
 
-  def save_pretrained(self, path, *, max_shard_bytes: int = 4 << 30) -> list[str]:
+  def save_pretrained(
+    self, path: str | os.PathLike[str], *, max_shard_bytes: int = 4 << 30
+  ) -> list[str]:
     """Write a checkpoint transformers' ``Gemma4ForConditionalGeneration.
     from_pretrained`` loads; ``from_pretrained`` reads it back bit for bit."""
     from cpjax.models.gemma4.checkpoint import save_pretrained
@@ -294,7 +310,9 @@ class Gemma4(nnx.Module):
       "vision_groups": groups,
     }
 
-  def embed(self, batch: Mapping[str, Any], cp: CPContext | None = None):
+  def embed(
+    self, batch: Mapping[str, Any], cp: CPContext | None = None
+  ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """Embed this device's tokens.
 
     Only :meth:`token_streams` see the full row; the table lookups, the
@@ -348,7 +366,9 @@ class Gemma4(nnx.Module):
       per_layer = jnp.where(inside[..., None, None], per_layer, 0)
     return x, per_layer, groups
 
-  def image_features(self, pixel_values, image_position_ids):
+  def image_features(
+    self, pixel_values: ArrayLike, image_position_ids: ArrayLike
+  ) -> tuple[jax.Array, jax.Array]:
     """Compute the soft tokens of every image.
 
     Args:
@@ -412,7 +432,8 @@ class Gemma4(nnx.Module):
     ``batch`` holds the full-length primary streams (``input_ids``,
     ``mm_token_type_ids``, ``pixel_values``, ``image_position_ids``) and the
     per-token streams of the tokens computed here (``position_ids``,
-    ``padding_mask``, ``_packed_seq_ids``): local parts under CP, as the
+    ``padding_mask``, the document ids ``_packed_seq_ids`` under NeMo's
+    name): local parts under CP, as the
     model's sharder (:meth:`prepare_model_inputs_for_cp`) produces them.
     """
     out = self.hidden_states(batch, cp=cp)
@@ -448,7 +469,14 @@ class Gemma4(nnx.Module):
     x, per_layer, groups = self.embed(batch, cp)
     return self.decode(x, per_layer, groups, batch, cp)
 
-  def decode(self, x, per_layer, groups, batch, cp: CPContext | None) -> HiddenStates:
+  def decode(
+    self,
+    x: jax.Array,
+    per_layer: jax.Array | None,
+    groups: jax.Array | None,
+    batch: Mapping[str, Any],
+    cp: CPContext | None,
+  ) -> HiddenStates:
     """Run the decoder on this device's tokens: embeddings x [B, L, D] -> :class:`HiddenStates`.
 
     Args:
@@ -468,7 +496,7 @@ class Gemma4(nnx.Module):
     positions = jnp.asarray(batch["position_ids"])
     masks = gemma4_masks(
       self.cfg,
-      segment_ids=jnp.asarray(batch[DOCUMENT_IDS_KEY]),
+      document_ids=jnp.asarray(batch[DOCUMENT_IDS_KEY]),
       padding_mask=jnp.asarray(batch["padding_mask"]),
       vision_group_ids=groups,
     )
@@ -551,7 +579,10 @@ class Gemma4(nnx.Module):
     return HiddenStates(x, head.astype(x.dtype), t.final_logit_softcapping, metrics, head_axis)
 
   def prepare_model_inputs_for_cp(
-    self, batch: Mapping[str, Any] | None = None, *, layout: str = "contiguous"
+    self,
+    batch: Mapping[str, Any] | None = None,
+    *,
+    layout: LayoutKind | ShardLayout = "contiguous",
   ) -> dict:
     """Return the model's :class:`ContextParallelSharder`: the aux-only sharder.
 
@@ -560,16 +591,17 @@ class Gemma4(nnx.Module):
 
     Args:
       batch: unused (the sharder is the same for every batch of this model).
-      layout: ``"contiguous"`` as the original, ``"load_balanced"`` or
-        ``"document_balanced"``, whose stripes are no shorter than the sliding
-        window and whose balance counts the work of each layer, sliding and full.
+      layout: a :data:`~cpjax.batch.LayoutKind`, ``"contiguous"`` as the
+        original, ``"load_balanced"`` or ``"document_balanced"``, whose stripes
+        are no shorter than the sliding window and whose balance counts the
+        work of each layer, sliding and full; or a :class:`cpjax.ShardLayout`
+        to shard exactly that way (as :func:`cpjax.shard_batch`).
 
     Returns:
       ``{"cp_sharder": ContextParallelSharder}``.
     """
     del batch  # the sharder is the same for every batch of this model
-    if layout not in LAYOUT_KINDS:
-      raise ValueError(f"layout must be one of {LAYOUT_KINDS}, got {layout!r}")
+    layout_kind(layout)  # checked now, not at the first batch
     t = self.cfg.text
     assert t.layer_types is not None  # Gemma4TextConfig.__post_init__ fills it
     return {

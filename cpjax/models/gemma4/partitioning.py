@@ -89,7 +89,7 @@ def partition_rule(
   return rule
 
 
-def check_expert_axes(cfg: Gemma4Config, mesh: Mesh, expert_axes) -> None:
+def check_expert_axes(cfg: Gemma4Config, mesh: Mesh, expert_axes: tuple[str, ...]) -> None:
   """Check that ``expert_axes`` of ``mesh`` can split ``cfg``'s experts evenly.
 
   Args:

@@ -9,6 +9,8 @@ tokens whose backward recomputes one tile at a time.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +37,7 @@ def remat_policy(remat: bool | str) -> str:
   return remat
 
 
-def remat_after_cotangent(fn):
+def remat_after_cotangent(fn: Callable[..., Any]) -> Callable[..., Any]:
   """Wrap ``fn`` as a ``jax.checkpoint(fn)`` (save nothing) that recomputes only in the backward.
 
   Its recomputation cannot start before the backward pass reaches it;
@@ -117,7 +119,9 @@ def _tied_remat_bwd(fn, args, g):
 _tied_remat.defvjp(_tied_remat_fwd, _tied_remat_bwd)
 
 
-def remat_tiles(fn, state, tiles):
+def remat_tiles(
+  fn: Callable[[Any, jax.Array], jax.Array], state: Any, tiles: jax.Array
+) -> jax.Array:
   """Compute ``out[i] = fn(state, tiles[i])`` for each tile, in a loop.
 
   The loop's backward recomputes one tile at a time: tiles [N, ...] -> [N, ...]

@@ -18,6 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from cpjax.models.gemma4.experts import ExpertStats, grouped_matmul, routed_experts
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, apply_rope, gelu, rms_normalize
@@ -269,7 +270,7 @@ class DecoderLayer(nnx.Module):
     return x * self.layer_scalar[...].astype(x.dtype), kv, stats
 
 
-def embed_scale(width: int, dtype) -> jax.Array:
+def embed_scale(width: int, dtype: DTypeLike) -> jax.Array:
   """Return ``sqrt(width)`` rounded to ``dtype`` first (bf16: sqrt(1536) -> 39.25).
 
   Args:

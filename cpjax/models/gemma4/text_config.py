@@ -8,6 +8,11 @@ attention kinds are :data:`FULL` and :data:`SLIDING`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  import numpy as np
 
 __all__ = ["FULL", "Gemma4TextConfig", "SLIDING"]
 
@@ -16,7 +21,7 @@ _BIDIRECTIONAL = (None, "vision", "all")
 ACTIVATION = "gelu_pytorch_tanh"
 
 
-def require_positive(obj, names):
+def require_positive(obj: object, names: Iterable[str]) -> None:
   """Raise a ``ValueError`` naming the first of ``obj``'s fields ``names`` that is not positive."""
   for name in names:
     value = getattr(obj, name)
@@ -251,7 +256,7 @@ class Gemma4TextConfig:
       return self.sliding_window // 2 + 1
     return self.sliding_window
 
-  def rope_inv_freq(self, layer: int):
+  def rope_inv_freq(self, layer: int) -> np.ndarray:
     """Return the RoPE inverse frequencies of ``layer``.
 
     Sliding: ``theta^(-2j/d)``. Full, proportional: the first

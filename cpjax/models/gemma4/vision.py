@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
 
 from cpjax.models.gemma4.layers import (
   Buffer,
@@ -36,7 +37,7 @@ from cpjax.parallel import gathered
 __all__ = ["VisionTower", "MultimodalEmbedder", "soft_token_counts"]
 
 
-def soft_token_counts(image_position_ids, pooling_kernel_size: int) -> np.ndarray:
+def soft_token_counts(image_position_ids: ArrayLike, pooling_kernel_size: int) -> np.ndarray:
   """Count the soft tokens each image yields (host-side, to validate a batch).
 
   Mirrors :class:`VisionTower`'s pooling: patch (x, y) falls in bin

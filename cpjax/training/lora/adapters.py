@@ -13,7 +13,8 @@ import contextlib
 import dataclasses
 import math
 import re
-from typing import Any, Literal, Optional, Union
+from collections.abc import Callable
+from typing import Any, Literal, Optional, TypeVar, Union, cast
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,10 @@ DEFAULT_LORA_TARGETS = (
   r".*language_model\.layers\.\d+\."
   r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 )
+
+# A model's own class: adapting and merging keep it (qwix's adapted model is an
+# instance of a subclass of it).
+_Model = TypeVar("_Model", bound=nnx.Module)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +100,9 @@ class LoraConfig:
     return any(path == t or path.endswith("." + t) for t in self.targets)
 
 
-def check_lora_config(config: LoraConfig, *, name=lambda field: f"LoRA {field}") -> None:
+def check_lora_config(
+  config: LoraConfig, *, name: Callable[[str], str] = lambda field: f"LoRA {field}"
+) -> None:
   """Check that :func:`apply_lora` can build ``config``.
 
   Args:
@@ -189,12 +196,12 @@ def _provider(module_path: str, settings: LoraConfig):
   )
 
 
-def module_paths(model) -> dict[str, Any]:
+def module_paths(model: nnx.Module) -> dict[str, Any]:
   """Return {dotted path: module} of every submodule of ``model`` (not the root)."""
   return {".".join(str(p) for p in path): m for path, m in nnx.iter_modules(model) if path}
 
 
-def adapted_modules(model) -> dict[str, nnx.Module]:
+def adapted_modules(model: nnx.Module) -> dict[str, nnx.Module]:
   """Find every module that holds adapters (see :func:`apply_lora`'s example).
 
   Args:
@@ -210,7 +217,7 @@ def adapted_modules(model) -> dict[str, nnx.Module]:
   }
 
 
-def adapter_pairs(module) -> dict[str, tuple[nnx.LoRAParam, nnx.LoRAParam]]:
+def adapter_pairs(module: nnx.Module) -> dict[str, tuple[nnx.LoRAParam, nnx.LoRAParam]]:
   """Return {base parameter name: (A, B)} of one adapted module."""
   pairs = {}
   for name, value in vars(module).items():
@@ -234,13 +241,13 @@ def _example_inputs(model):
 
 
 def apply_lora(
-  model: nnx.Module,
+  model: _Model,
   config: LoraConfig,
-  *example_inputs,
+  *example_inputs: Any,
   seed: int = 0,
   method: str | None = None,
-  **example_kwargs,
-) -> nnx.Module:
+  **example_kwargs: Any,
+) -> _Model:
   """Add LoRA adapters to a copy of ``model`` on ``config.targets``' projections.
 
   qwix runs the model once on ``example_inputs`` (any values of the right
@@ -251,7 +258,7 @@ def apply_lora(
   Args:
     model: a Flax NNX module without adapters.
     config: the rank, alpha, targets and scaling (``base_dtype`` and
-      ``merge`` are the training job's: not read here).
+      ``merge`` are the trainer's: not read here).
     *example_inputs, **example_kwargs: what the model runs on once.
     seed: seeds ``A``.
     method: the model method qwix intercepts: default ``hidden_states``
@@ -341,7 +348,8 @@ def apply_lora(
       f"{' ...' if len(missing) > 6 else ''}"
     )
   setattr(adapted, "lora_config", settings)  # read back by adapter_settings
-  return adapted
+  # qwix types it as any NNX module; it is an instance of a subclass of model's class.
+  return cast(_Model, adapted)
 
 
 def _retyped(model: nnx.Module, retype) -> None:
@@ -392,7 +400,7 @@ def _auto_typed(model: nnx.Module):
     restore(model)
 
 
-def split_lora(model: nnx.Module):
+def split_lora(model: _Model) -> tuple[nnx.GraphDef[_Model], nnx.State, nnx.State]:
   """Split a model into the adapters to train and the rest.
 
   Args:
@@ -405,7 +413,8 @@ def split_lora(model: nnx.Module):
   """
   if not adapted_modules(model):
     raise ValueError("the model has no LoRA adapters (apply_lora or load_adapter first)")
-  return nnx.split(model, nnx.LoRAParam, ...)
+  graphdef, adapters, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  return graphdef, adapters, frozen
 
 
 def lora_param_count(model: nnx.Module) -> int:
@@ -422,7 +431,7 @@ def lora_param_count(model: nnx.Module) -> int:
   )
 
 
-def adapter_settings(model) -> LoraConfig:
+def adapter_settings(model: nnx.Module) -> LoraConfig:
   """Return the :class:`LoraConfig` an adapted ``model`` carries (a ``ValueError`` if none)."""
   settings = getattr(model, "lora_config", None)
   if not isinstance(settings, LoraConfig):
@@ -452,7 +461,7 @@ def _delta(name: str, base: jax.Array, a: jax.Array, b: jax.Array, scale: float)
   return delta
 
 
-def merge_lora(model: nnx.Module) -> nnx.Module:
+def merge_lora(model: _Model) -> _Model:
   """Merge the adapters into the base model (its own class, no adapters).
 
   Every adapted parameter becomes ``W + scale * A B``, computed in float32 and

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import re
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +44,12 @@ __all__ = [
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
+# A model's own class, which loading an adapter keeps (as apply_lora does).
+_Model = TypeVar("_Model", bound=nnx.Module)
 
 
 def save_adapter(
-  model: nnx.Module, path, *, base_model_name_or_path: str | None = None
+  model: nnx.Module, path: str | os.PathLike[str], *, base_model_name_or_path: str | None = None
 ) -> list[str]:
   """Write the adapters as PEFT does: ``adapter_config.json`` and
   ``adapter_model.safetensors`` (float32) in directory ``path``; returns the
@@ -115,7 +118,7 @@ _UNSUPPORTED = {
 }
 
 
-def read_adapter_config(path) -> LoraConfig:
+def read_adapter_config(path: str | os.PathLike[str]) -> LoraConfig:
   """Read the :class:`LoraConfig` of a PEFT adapter directory's ``adapter_config.json``.
 
   ``ValueError`` naming the field for what cpjax does not compute (DoRA,
@@ -149,7 +152,9 @@ def read_adapter_config(path) -> LoraConfig:
   )
 
 
-def load_adapter(model: nnx.Module, path, *example_inputs, **example_kwargs) -> nnx.Module:
+def load_adapter(
+  model: _Model, path: str | os.PathLike[str], *example_inputs: Any, **example_kwargs: Any
+) -> _Model:
   """Load the PEFT adapter in directory ``path`` into ``model`` (a base model).
 
   The adapters of exactly the modules the file names, with its rank, alpha

@@ -93,12 +93,17 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cpjax.attention.cp_context import parse_strategy
 from cpjax.training import cp_strategy
 from cpjax.training.plan.shape import SHARD_STATE, Plan, StepShape
+
+if TYPE_CHECKING:
+  from cpjax.models.gemma4.config import Gemma4Config
+  from cpjax.training.run_config import RunConfig
 
 __all__ = [
   "DISPATCH_GPU",
@@ -184,7 +189,7 @@ def _projections(cfg) -> tuple[tuple[str, int, int], ...]:
   )
 
 
-def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
+def lora_param_count(cfg: Gemma4Config, *, rank: int, targets: str | None = None) -> int:
   """Count the adapter values of rank ``rank`` on the projections ``targets`` matches.
 
   ``r * (in + out)`` each.
@@ -209,13 +214,13 @@ def lora_param_count(cfg, *, rank: int, targets: str | None = None) -> int:
 
 
 def estimate(
-  cfg,
-  shape: StepShape | None = None,
+  cfg: Gemma4Config,
+  shape: StepShape | RunConfig | None = None,
   *,
   model: str,
   platform: str = "tpu",
   device_memory: int | None = None,
-  **settings,
+  **settings: Any,
 ) -> Plan:
   """Estimate the plan with the closed form of the module docstring.
 
@@ -269,7 +274,9 @@ def estimate(
   local = seq_len // cp
   heads, kv, dh = t.num_attention_heads / tp, max(t.num_key_value_heads / tp, 1), t.head_dim
   dense = max(t.mlp_size(i) for i in range(t.num_hidden_layers))
-  routed = t.top_k_experts * t.moe_intermediate_size / tp if t.enable_moe_block else 0
+  # Both are set whenever enable_moe_block is (Gemma4TextConfig checks it).
+  top_k, moe_width = t.top_k_experts or 0, t.moe_intermediate_size or 0
+  routed = top_k * moe_width / tp if t.enable_moe_block else 0
   width = dense / tp + routed
   d, layers, ple = t.hidden_size, t.num_hidden_layers, t.hidden_size_per_layer_input or 0
   base = 2 if base_dtype == "bfloat16" else 4
@@ -294,7 +301,7 @@ def estimate(
     # T * k rows when no token may be dropped, c * T * k rows in all with a
     # capacity factor c.
     blocks = ep if capacity_factor is None else min(ep, capacity_factor)
-    dispatch = blocks * rows * local * t.top_k_experts * d  # values a buffer
+    dispatch = blocks * rows * local * top_k * d  # values a buffer
     # Their transposes in the backward hold more of that size (the 26B-A4B
     # slice's buffer reports): XLA:TPU four in float32, XLA:GPU (each zero
     # fill and copy its own buffer) about DISPATCH_GPU in the activations'.
@@ -395,7 +402,7 @@ def _row_buffers(text, strategy, *, seq_len: int, cp: int, tp: int, itemsize: in
   )
 
 
-def check_ep(cfg, mesh: dict) -> None:
+def check_ep(cfg: Gemma4Config, mesh: dict) -> None:
   """Raise a ``ValueError`` unless ``mesh["ep"]`` folds onto its token axes (as
   :func:`cpjax.parallel.expert_axes`) and divides the experts; sizes only."""
   t, ep = cfg.text, mesh["ep"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,12 +20,19 @@ from cpjax.training import hlo
 from cpjax.training.plan.shape import GiB, Plan, StepShape
 from cpjax.training.run_config import state_axes
 from cpjax.training.step_time import step_time
-from cpjax.training.targets import collective_bytes
+from cpjax.training.targets import Target, collective_bytes
+
+if TYPE_CHECKING:
+  import jax
+
+  from cpjax.models.gemma4.config import Gemma4Config
+  from cpjax.training.run_config import RunConfig
+  from cpjax.training.step import TrainStep
 
 __all__ = ["TooLarge", "compile_step", "compiled_bytes", "compiled_plan"]
 
 
-def compiled_bytes(compiled) -> int:
+def compiled_bytes(compiled: jax.stages.Compiled | TrainStep) -> int:
   """Return a compiled program's memory per device, as its compiler counts it.
 
   Args:
@@ -41,6 +49,7 @@ def compiled_bytes(compiled) -> int:
     True
   """
   memory = compiled.memory_analysis()
+  assert memory is not None  # None where a backend has none; XLA:CPU, TPU and GPU have one
   return (
     memory.argument_size_in_bytes
     + memory.output_size_in_bytes
@@ -50,13 +59,13 @@ def compiled_bytes(compiled) -> int:
 
 
 def compile_step(
-  cfg,
-  shape: StepShape | None = None,
+  cfg: Gemma4Config,
+  shape: StepShape | RunConfig | None = None,
   *,
-  devices=None,
+  devices: Sequence[jax.Device] | None = None,
   device_memory: int | None = None,
-  **settings,
-):
+  **settings: Any,
+) -> tuple[TrainStep, Any, Any, Any | None]:
   """Compile the training step of ``cfg`` abstractly (no array is made) on ``prod(mesh)`` devices.
 
   The batch is laid out on as many CPU devices (its shapes and shardings only).
@@ -160,8 +169,7 @@ def compile_step(
     "input_ids": np.ones((rows, seq_len), np.int32),
     "labels": np.ones((rows, seq_len), np.int32),
   }
-  gemma = cast(Gemma4, abstract)  # apply_lora returns the Gemma4 it adapted, typed nnx.Module
-  sharder = Gemma4.prepare_model_inputs_for_cp(gemma, layout=step_shape.layout)["cp_sharder"]
+  sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout=step_shape.layout)["cp_sharder"]
   kernels = resolve_implementation(None, platform=mesh_platform(grid))
   batch, layout = sharder.shard_batch(text, host, batch_axis=batch_axis, implementation=kernels)
   if host is not grid:
@@ -231,13 +239,13 @@ class TooLarge(RuntimeError):
 
 
 def compiled_plan(
-  cfg,
-  shape: StepShape | None = None,
+  cfg: Gemma4Config,
+  shape: StepShape | RunConfig | None = None,
   *,
   model: str,
-  target=None,
+  target: Target | None = None,
   device_memory: int | None = None,
-  **settings,
+  **settings: Any,
 ) -> Plan:
   """Build the :class:`Plan` of :func:`compile_step`'s program.
 

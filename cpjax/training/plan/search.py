@@ -9,10 +9,17 @@ the smallest; :func:`smallest_mesh` doubles the devices until one fits;
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from cpjax.training.plan.closed_form import estimate
 from cpjax.training.plan.compiled import compiled_plan
 from cpjax.training.plan.shape import Plan, StepShape
+
+if TYPE_CHECKING:
+  from cpjax.models.gemma4.config import Gemma4Config
+  from cpjax.training.run_config import RunConfig
+  from cpjax.training.targets import Chip
 
 __all__ = ["SMALLER_SLICE_SLACK", "best_mesh", "smallest_mesh", "smallest_slice"]
 
@@ -41,15 +48,15 @@ def _meshes(
 
 
 def best_mesh(
-  cfg,
-  shape: StepShape | None = None,
+  cfg: Gemma4Config,
+  shape: StepShape | RunConfig | None = None,
   *,
   model: str,
   devices: int,
   expert_parallel: bool = False,
   platform: str = "tpu",
   device_memory: int | None = None,
-  **settings,
+  **settings: Any,
 ) -> Plan | None:
   """Find the fsdp x cp mesh of ``devices`` devices with the smallest estimate.
 
@@ -91,15 +98,15 @@ def best_mesh(
 
 
 def smallest_mesh(
-  cfg,
-  shape: StepShape | None = None,
+  cfg: Gemma4Config,
+  shape: StepShape | RunConfig | None = None,
   *,
   model: str,
   device_memory: int,
   max_devices: int = 4096,
   expert_parallel: bool = False,
   platform: str = "tpu",
-  **settings,
+  **settings: Any,
 ) -> Plan | None:
   """Find the fewest-device (fsdp, cp) mesh whose estimate fits ``device_memory``.
 
@@ -141,16 +148,16 @@ SMALLER_SLICE_SLACK = 1.1
 
 
 def smallest_slice(
-  cfg,
-  shape: StepShape | None = None,
+  cfg: Gemma4Config,
+  shape: StepShape | RunConfig | None = None,
   *,
-  chip,
+  chip: Chip,
   model: str,
   max_devices: int = 4096,
   expert_parallel: bool = False,
   device_memory: int | None = None,
-  report=None,
-  **settings,
+  report: Callable[[Plan], object] | None = None,
+  **settings: Any,
 ) -> tuple[Plan | None, list[Plan]]:
   """Find the smallest slice of ``chip`` whose compiler fits the training step.
 

@@ -20,10 +20,14 @@ import math
 import re
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from cpjax.batch.layout import LayoutKind, ShardLayout, layout_kind
 from cpjax.training.run_config import RunConfig, ShardState
 from cpjax.training.step_time import StepTime
+
+if TYPE_CHECKING:
+  from cpjax.models.gemma4.text_config import Gemma4TextConfig
 
 __all__ = ["GiB", "Plan", "SHARD_STATE", "StepShape", "format_bytes", "parse_bytes", "run_shape"]
 
@@ -160,7 +164,9 @@ class StepShape:
     lora_targets: the projections LoRA adapts (None: the default targets).
     capacity_factor: the expert dispatch's (:mod:`cpjax.models.gemma4.experts`).
     shard_state: the state over ``fsdp x cp`` or whole over ``cp``.
-    layout: the batch's layout (the strategy rule and the sharder read it).
+    layout: the batch's layout kind (the strategy rule and the sharder read
+      it): a :data:`~cpjax.batch.LayoutKind`, or a :class:`cpjax.ShardLayout`
+      whose ``kind`` the shape keeps.
     strategy: the CP strategy, ``"auto"`` (the rule's choice per layer
       kind), one strategy, or one per layer kind.
     loss_strategy: the loss's CP strategy; None: as the run takes it (the
@@ -177,12 +183,16 @@ class StepShape:
   lora_targets: Any = None
   capacity_factor: float | None = None
   shard_state: str = "fsdp+cp"
-  layout: str = "load_balanced"
+  layout: LayoutKind | ShardLayout = "load_balanced"
   strategy: Any = "auto"
   loss_strategy: str | None = None
 
+  def __post_init__(self):
+    # A step's shape is of rows of seq_len: a ShardLayout's kind is all it keeps.
+    object.__setattr__(self, "layout", layout_kind(self.layout))
+
   @classmethod
-  def of(cls, run) -> StepShape:
+  def of(cls, run: RunConfig) -> StepShape:
     """Return the step of a run config: one microbatch's rows.
 
     Args:
@@ -215,7 +225,9 @@ class StepShape:
     )
 
   @classmethod
-  def take(cls, shape=None, settings: Mapping[str, Any] | None = None) -> StepShape:
+  def take(
+    cls, shape: StepShape | RunConfig | None = None, settings: Mapping[str, Any] | None = None
+  ) -> StepShape:
     """Return ``shape`` (a :class:`StepShape`, a run config, or None) with ``settings`` over it.
 
     The plan's entry points take a shape, a run config or the shape's fields
@@ -243,7 +255,7 @@ class StepShape:
       raise TypeError(f"shape must be a StepShape or a RunConfig, got {type(shape).__name__}")
     return dataclasses.replace(shape, **settings)
 
-  def strategies(self, text, *, device_memory: int | None = None) -> dict:
+  def strategies(self, text: Gemma4TextConfig, *, device_memory: int | None = None) -> dict:
     """Return the step's ``{"strategy": ..., "loss_strategy": ...}`` as the run takes them.
 
     ``"auto"``: the rule's choice on this mesh
@@ -270,7 +282,7 @@ class StepShape:
     return chosen
 
 
-def run_shape(run) -> dict:
+def run_shape(run: RunConfig) -> dict:
   """Return :meth:`StepShape.of`'s fields as a dict (0.1's name; removed in 0.3).
 
   >>> import warnings

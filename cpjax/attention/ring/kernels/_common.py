@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 
-def f32_like(shape, ref) -> jax.ShapeDtypeStruct:
+def f32_like(shape: tuple[int, ...], ref: jax.Array) -> jax.ShapeDtypeStruct:
   """A float32 kernel output of ``shape`` that varies over the mesh axes ``ref`` does."""
   return jax.ShapeDtypeStruct(
     shape, jnp.float32, manual_axis_type=getattr(jax.typeof(ref), "manual_axis_type", None)
@@ -92,7 +93,13 @@ class Metadata(NamedTuple):
   arrays: tuple[jax.Array, ...]
 
 
-def metadata(params: KernelParams, positions, arrays, *, repeat: int = 1) -> Metadata:
+def metadata(
+  params: KernelParams,
+  positions: jax.Array,
+  arrays: Mapping[str, jax.Array],
+  *,
+  repeat: int = 1,
+) -> Metadata:
   """Kernel metadata of tokens at ``positions`` int[T] with ``arrays`` {name: [B, T]},
   each token repeated ``repeat`` times (G for query rows)."""
   rep = (lambda x: jnp.repeat(x, repeat, axis=-1)) if repeat > 1 else (lambda x: x)  # noqa: E731
@@ -101,7 +108,7 @@ def metadata(params: KernelParams, positions, arrays, *, repeat: int = 1) -> Met
   return Metadata(pos, arrs)
 
 
-def tokens(params: KernelParams, positions, arrays) -> Tokens:
+def tokens(params: KernelParams, positions: jax.Array, arrays: Sequence[jax.Array]) -> Tokens:
   """The :class:`Tokens` of one tile, from kernel blocks int32[1, T] and [1, T] each."""
   kinds = params.rule.array_kinds()
   named = {n: (x != 0 if kinds[n] == "bool" else x) for n, x in zip(params.array_names, arrays)}
@@ -117,8 +124,8 @@ def tile_mask(params: KernelParams, q: Tokens, k: Tokens) -> jax.Array:
 class Schedule(NamedTuple):
   """The blocks of one hop worth computing, per batch row, in both orders.
 
-  A block is a whole number of tiles: one tile, unless the target groups
-  them to keep the schedule small (``KernelTarget.schedule_blocks``; the
+  A block is a whole number of tiles: one tile, unless the implementation groups
+  them to keep the schedule small (``PallasImplementation.schedule_blocks``; the
   kernels read the grouping off the shapes, :meth:`tiles_per_block`).
 
   Fields (int32):
@@ -155,7 +162,7 @@ def _compact(visit):
   return jnp.take_along_axis(order, idx, axis=-1), count
 
 
-def schedule(blocks: BlockMap, batch: int, active) -> Schedule:
+def schedule(blocks: BlockMap, batch: int, active: bool | jax.Array) -> Schedule:
   """The :class:`Schedule` of a hop from its block map (``active`` False: skip all).
 
   >>> import numpy as np
@@ -191,7 +198,7 @@ def _split_of(mesh, free: tuple[str, ...], batch: int, heads: int):
   return tuple(over_b) or None, tuple(over_h) or None
 
 
-def manual_over_mesh(kernel):
+def manual_over_mesh(kernel: Callable[..., Any]) -> Callable[..., Any]:
   """``kernel(params, *operands)`` run where no mesh axis is left to XLA's partitioner.
 
   Mosaic (and Triton) calls cannot be partitioned automatically: inside the
@@ -242,7 +249,7 @@ def manual_over_mesh(kernel):
   return run
 
 
-def cost(params: KernelParams, kernel: str, q, keys) -> pl.CostEstimate:
+def cost(params: KernelParams, kernel: str, q: jax.Array, keys: jax.Array) -> pl.CostEstimate:
   """The cost estimate of one ``kernel`` call ("forward", "dq", "dkdv") of
   queries ``q`` [B, Hkv, N, D] against ``keys`` [B, Hkv, Lk, D]."""
   return _cost.estimate(
@@ -256,9 +263,9 @@ def cost(params: KernelParams, kernel: str, q, keys) -> pl.CostEstimate:
   )
 
 
-def launch(params: KernelParams, make_call, *args):
+def launch(params: KernelParams, make_call: functools.partial, *args: jax.Array) -> Any:
   """Run ``make_call(interpret=...)`` (a partial ``pl.pallas_call``) on ``args``:
-  compiled for its target, or in Pallas' HLO interpreter when
+  compiled for its platform, or in Pallas' HLO interpreter when
   ``params.interpret`` (see :mod:`cpjax.attention.ring.kernels._interpret`)."""
   if not params.interpret:
     return make_call(interpret=False)(*args)
@@ -287,7 +294,7 @@ def _dot(a, b):
   return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def scores(params: KernelParams, q, k):
+def scores(params: KernelParams, q: jax.Array, k: jax.Array) -> jax.Array:
   """f32[R, K] logits of pre-scaled q [R, D] against k [K, D], soft-capped."""
   s = _dot_nt(q, k)
   if params.soft_cap is not None:
@@ -295,7 +302,16 @@ def scores(params: KernelParams, q, k):
   return s
 
 
-def fold_tile(params: KernelParams, q, k, v, mask, m, l, acc):
+def fold_tile(
+  params: KernelParams,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array | None,
+  m: jax.Array,
+  l: jax.Array,
+  acc: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One online-softmax step: fold tile (q [R, D], k/v [K, D]) into
   (m, l f32[R, 1], acc f32[R, D]); ``mask`` bool[R, K] or None (full tile)."""
   s = scores(params, q, k)
@@ -314,7 +330,7 @@ def fold_tile(params: KernelParams, q, k, v, mask, m, l, acc):
   return m_new, l, acc
 
 
-def finish(m, l, acc):
+def finish(m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(out f32[R, D], lse f32[R, 1]) of the folded state; rows with nothing
   allowed give out 0 and lse -inf."""
   seen = l > 0
@@ -323,7 +339,16 @@ def finish(m, l, acc):
   return out, jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
 
-def grad_tile(params: KernelParams, q, k, v, do, lse, delta, mask):
+def grad_tile(
+  params: KernelParams,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  do: jax.Array,
+  lse: jax.Array,
+  delta: jax.Array,
+  mask: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(dq f32[R, D], dk f32[K, D], dv f32[K, D]) of one tile.
 
   ``lse`` is the global log-sum-exp (+inf for rows with nothing allowed, so

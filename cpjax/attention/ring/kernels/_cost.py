@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 from jax.experimental import pallas as pl
 
@@ -73,7 +74,14 @@ def visited_pairs(layout: ShardLayout, reach: Reach, block_q: int, block_kv: int
 
 
 def estimate(
-  kernel: str, q, keys, *, density: float, soft_cap: bool, rows: int, block_kv: int
+  kernel: str,
+  q: jax.Array,
+  keys: jax.Array,
+  *,
+  density: float,
+  soft_cap: bool,
+  rows: int,
+  block_kv: int,
 ) -> pl.CostEstimate:
   """The :class:`pl.CostEstimate` of one kernel call.
 

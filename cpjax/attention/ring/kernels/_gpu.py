@@ -15,7 +15,7 @@ hop's :class:`cpjax.attention.ring.kernels._common.Schedule` list in the kernel 
 dynamic trip count: empty blocks cost nothing. Full blocks skip the mask.
 Triton's tiles are small (16 x 16 at head dim 512), so past a million tiles a
 hop the schedule lists blocks of several tiles
-(``KernelTarget.schedule_blocks``), and a program walks each listed block's
+(``PallasImplementation.schedule_blocks``), and a program walks each listed block's
 tiles in turn.
 
 Shape letters as in :mod:`cpjax.attention.ring.kernels._common`.
@@ -24,7 +24,9 @@ Shape letters as in :mod:`cpjax.attention.ring.kernels._common`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -140,7 +142,15 @@ def _forward_kernel(
 
 
 @common.manual_over_mesh
-def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata, sched: Schedule):
+def forward(
+  params: KernelParams,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  q_meta: Metadata,
+  k_meta: Metadata,
+  sched: Schedule,
+) -> Sequence[jax.Array]:
   """(out f32[B, Hkv, N, D], lse f32[B, Hkv, N, 1]) of q against one K/V chunk."""
   b, h, n, d = q.shape
   r = params.rows
@@ -263,8 +273,17 @@ def _dkdv_kernel(
 
 @common.manual_over_mesh
 def backward(
-  params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta: Metadata, sched: Schedule
-):
+  params: KernelParams,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  do: jax.Array,
+  lse: jax.Array,
+  delta: jax.Array,
+  q_meta: Metadata,
+  k_meta: Metadata,
+  sched: Schedule,
+) -> Sequence[jax.Array]:
   """(dq f32[B, Hkv, N, D], dk f32[B, Hkv, L, D], dv f32[B, Hkv, L, D]) of one chunk;
   ``lse``/``delta`` f32[B, Hkv, N, 1]."""
   b, h, n, d = q.shape

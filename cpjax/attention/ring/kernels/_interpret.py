@@ -14,7 +14,10 @@ sound here: a kernel never communicates across the mesh.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
+from typing import Any
 
+import jax
 from jax._src import config, dispatch
 from jax._src import core as jax_core
 from jax._src.interpreters import mlir
@@ -47,7 +50,11 @@ def _lowering(ctx, *args, call, out_shapes):
 mlir.register_lowering(_interpreted_p, _lowering)
 
 
-def run(call, *args, out_shapes):
+def run(
+  call: Callable[..., list[jax.Array]],
+  *args: jax.Array,
+  out_shapes: Iterable[tuple[tuple[int, ...], Any]],
+) -> list[jax.Array]:
   """``call(*args)``, a list of arrays of ``out_shapes`` ((shape, dtype), ...),
   evaluated by the interpreter as one operation (see the module docstring)."""
   return _interpreted_p.bind(*args, call=call, out_shapes=tuple(out_shapes))

@@ -28,7 +28,9 @@ Shape letters as in :mod:`cpjax.attention.ring.kernels._common`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -172,7 +174,15 @@ def _forward_kernel(cols_ref, ncols_ref, q_ref, k_ref, v_ref, *refs, params: Ker
 
 
 @common.manual_over_mesh
-def forward(params: KernelParams, q, k, v, q_meta: Metadata, k_meta: Metadata, sched: Schedule):
+def forward(
+  params: KernelParams,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  q_meta: Metadata,
+  k_meta: Metadata,
+  sched: Schedule,
+) -> Sequence[jax.Array]:
   """(out f32[B, Hkv, N, D], lse f32[B, Hkv, N, 1]) of q against one K/V chunk."""
   r, nk = params.rows, k.shape[2] // params.block_kv
   return _joined(
@@ -301,8 +311,17 @@ def _dkdv_kernel(
 
 @common.manual_over_mesh
 def backward(
-  params: KernelParams, q, k, v, do, lse, delta, q_meta: Metadata, k_meta: Metadata, sched: Schedule
-):
+  params: KernelParams,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  do: jax.Array,
+  lse: jax.Array,
+  delta: jax.Array,
+  q_meta: Metadata,
+  k_meta: Metadata,
+  sched: Schedule,
+) -> Sequence[jax.Array]:
   """(dq f32[B, Hkv, N, D], dk f32[B, Hkv, L, D], dv f32[B, Hkv, L, D]) of one chunk;
   ``lse``/``delta`` f32[B, Hkv, N, 1]."""
   b, r, kb = q.shape[0], params.rows, params.block_kv

@@ -26,6 +26,8 @@ import subprocess
 import tempfile
 from typing import NamedTuple
 
+import jax
+
 __all__ = ["Usage", "kernel_usage", "parse_usage", "ptxas"]
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
@@ -81,7 +83,7 @@ def parse_usage(report: str, prefix: str = "cpjax_") -> dict[str, Usage]:
   return out
 
 
-def kernel_usage(lowered, *, arch: str = "sm_90a") -> dict[str, Usage]:
+def kernel_usage(lowered: jax.stages.Lowered, *, arch: str = "sm_90a") -> dict[str, Usage]:
   """Return the ``{kernel: Usage}`` of every cpjax kernel in ``lowered``.
 
   Compiles ``lowered`` again with XLA's PTX dumped to a scratch folder.

@@ -12,13 +12,13 @@ import safetensors.numpy
 
 from cpjax import cli
 from cpjax.training import lora
-from cpjax.training.run_config import JobError, RunConfig, with_values
-from cpjax.training.trainer import run_train_job
+from cpjax.training.run_config import RunConfig, RunError, with_values
+from cpjax.training.trainer import train
 
 HERE = os.path.dirname(__file__)
 BASE = os.path.join(HERE, "fixtures", "gemma4", "ple_kv_sharing")
 QUIET = {"log": lambda *_: None}
-JOB = with_values(
+RUN = with_values(
   RunConfig(),
   {
     "checkpoint": BASE,
@@ -35,9 +35,9 @@ JOB = with_values(
 
 
 def test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base(tmp_path):
-  whole = run_train_job(
+  whole = train(
     with_values(
-      JOB,
+      RUN,
       {
         "checkpointing.save": str(tmp_path / "adapter"),
         "checkpointing.state_dir": str(tmp_path / "a"),
@@ -46,13 +46,13 @@ def test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base(tm
     ),
     **QUIET,
   )
-  first = run_train_job(
-    with_values(JOB, {"optimizer.steps": 2, "checkpointing.state_dir": str(tmp_path / "b")}),
+  first = train(
+    with_values(RUN, {"optimizer.steps": 2, "checkpointing.state_dir": str(tmp_path / "b")}),
     **QUIET,
   )
-  second = run_train_job(
+  second = train(
     with_values(
-      JOB,
+      RUN,
       {
         "checkpointing.state_dir": str(tmp_path / "b"),
         "checkpointing.resume": True,
@@ -70,9 +70,9 @@ def test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base(tm
     match=r"the checkpoint trained LoRA rank=4, .* this run trains "
     r"LoRA rank=8",
   ):
-    run_train_job(
+    train(
       with_values(
-        JOB,
+        RUN,
         {
           "lora.rank": 8,
           "checkpointing.state_dir": str(tmp_path / "a"),
@@ -109,9 +109,9 @@ def test_adapters_train_resume_bit_identically_and_merge_into_the_frozen_base(tm
 
 def test_bfloat16_base_keeps_float32_adapters(tmp_path):
   lines = []
-  run_train_job(
+  train(
     with_values(
-      JOB,
+      RUN,
       {
         "optimizer.steps": 2,
         "lora.base_dtype": "bfloat16",
@@ -131,13 +131,13 @@ def test_bfloat16_base_keeps_float32_adapters(tmp_path):
 
 
 def test_targets_that_match_nothing_or_no_projection_are_job_errors():
-  with pytest.raises(JobError, match=r"LoRA: LoRA targets 'nothing' match no module"):
-    run_train_job(with_values(JOB, {"lora.targets": "nothing"}), **QUIET)
+  with pytest.raises(RunError, match=r"LoRA: LoRA targets 'nothing' match no module"):
+    train(with_values(RUN, {"lora.targets": "nothing"}), **QUIET)
   # The clipped vision linears' wrapper holds no weight (its .linear does).
-  with pytest.raises(JobError, match=r"cannot carry adapters .*vision_tower"):
-    run_train_job(with_values(JOB, {"lora.targets": r".*vision_tower.*\.q_proj"}), **QUIET)
-  with pytest.raises(JobError, match=r"lora\.alpha, lora\.base_dtype needs lora\.rank"):
-    run_train_job(with_values(JOB, {"lora.rank": None, "lora.base_dtype": "bfloat16"}), **QUIET)
+  with pytest.raises(RunError, match=r"cannot carry adapters .*vision_tower"):
+    train(with_values(RUN, {"lora.targets": r".*vision_tower.*\.q_proj"}), **QUIET)
+  with pytest.raises(RunError, match=r"lora\.alpha, lora\.base_dtype needs lora\.rank"):
+    train(with_values(RUN, {"lora.rank": None, "lora.base_dtype": "bfloat16"}), **QUIET)
 
 
 @pytest.mark.parametrize(
@@ -175,7 +175,7 @@ def test_lora_on_an_moe_checkpoint_with_ep_accumulation_remat_and_resume(tmp_pat
   single-device LoRA step passes inside the run; it resumes from its state
   and the saved adapter leaves the experts out (they stay frozen). (Resume
   bit for bit: the dense test above; it does not depend on the model.)"""
-  job = with_values(
+  run = with_values(
     RunConfig(),
     {
       "checkpoint": hf_checkpoint("moe"),
@@ -191,11 +191,11 @@ def test_lora_on_an_moe_checkpoint_with_ep_accumulation_remat_and_resume(tmp_pat
       "checkpointing.state_dir": str(tmp_path / "a"),
     },
   )
-  first = run_train_job(job, **QUIET)
+  first = train(run, **QUIET)
   assert first["parity"]["rel_loss"] <= 1e-4 and first["parity"]["rel_grad_norm"] <= 1e-4
-  second = run_train_job(
+  second = train(
     with_values(
-      job,
+      run,
       {
         "optimizer.steps": 2,
         "checkpointing.resume": True,

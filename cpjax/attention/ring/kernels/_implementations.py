@@ -6,9 +6,9 @@
   any backend);
 * ``"pallas_tpu"``: Mosaic kernels (:mod:`cpjax.attention.ring.kernels._tpu`);
 * ``"pallas_gpu"``: Triton kernels (:mod:`cpjax.attention.ring.kernels._gpu`);
-* ``None``: the Pallas target of the default backend, XLA on CPU.
+* ``None``: the Pallas implementation of the default backend, XLA on CPU.
 
-A Pallas target compiled for another platform fails when the program is
+A Pallas implementation compiled for another platform fails when the program is
 lowered, before anything runs, with a ``ValueError`` that names the
 platform; ``interpret=True`` runs the kernels in Pallas' interpreter on any
 backend (how the CPU tests check them). Lowering for a named platform from a
@@ -21,10 +21,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import numpy as np
 from jax._src import core as jax_core
 from jax._src import dispatch
 from jax._src.interpreters import mlir
+from jax.typing import DTypeLike
 
 from cpjax.parallel import (
   IMPLEMENTATIONS,
@@ -33,7 +35,13 @@ from cpjax.parallel import (
   resolve_implementation,
 )
 
-__all__ = ["IMPLEMENTATIONS", "KernelTarget", "TARGETS", "mesh_platform", "resolve_implementation"]
+__all__ = [
+  "IMPLEMENTATIONS",
+  "PALLAS_IMPLEMENTATIONS",
+  "PallasImplementation",
+  "mesh_platform",
+  "resolve_implementation",
+]
 
 
 def _pow2(n: int) -> bool:
@@ -41,9 +49,9 @@ def _pow2(n: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelTarget:
-  """One Pallas target: the platforms it compiles for, its tiling rules and
-  its default tile shapes.
+class PallasImplementation:
+  """One Pallas implementation of a ring hop: the platforms it compiles for,
+  its tiling rules and its default tile shapes.
 
   Attributes:
     name: the ``implementation`` string.
@@ -66,12 +74,12 @@ class KernelTarget:
 
   @property
   def chunk_multiple(self) -> int:
-    """Tokens a layout chunk must be a multiple of for this target's tiles to
+    """Tokens a layout chunk must be a multiple of for this implementation's tiles to
     divide it (``shard_batch`` pads rows to it): Mosaic's 128 lanes, Triton's
     smallest power-of-two tile."""
     return chunk_multiple(self.name)
 
-  def default_tile(self, head_dim: int, dtype=None) -> tuple[int, int]:
+  def default_tile(self, head_dim: int, dtype: DTypeLike | None = None) -> tuple[int, int]:
     """(rows, keys) of the tile record for ``head_dim`` and the inputs' ``dtype``."""
     table = (
       self.f32_tiles
@@ -98,7 +106,7 @@ class KernelTarget:
     and a block never straddles a chunk. The kernels walk every tile inside
     a scheduled block; a block the mask leaves empty is still skipped whole.
 
-    >>> gpu = TARGETS["pallas_gpu"]
+    >>> gpu = PALLAS_IMPLEMENTATIONS["pallas_gpu"]
     >>> gpu.schedule_blocks(2, 16, chunk_len=131072, local_len=262144)
     (256, 256)
     >>> gpu.schedule_blocks(2, 16, chunk_len=1024, local_len=2048)   # 131072 blocks: as is
@@ -151,14 +159,14 @@ class KernelTarget:
 # only the GPU groups its schedule's tiles (schedule_tiles); the TPU's are 256
 # to 1024 rows, and their tables go to SMEM in pieces (cpjax.attention.ring.kernels._tpu).
 # Neither is tuned for speed on hardware yet: see benchmarks/accelerator.py.
-TARGETS = {
-  "pallas_tpu": KernelTarget(
+PALLAS_IMPLEMENTATIONS = {
+  "pallas_tpu": PallasImplementation(
     "pallas_tpu",
     ("tpu",),
     ((128, 1024, 512), (256, 512, 512), (512, 256, 512)),
     chosen_on="Mosaic for TPU v5e (compile-only, libtpu 0.0.42)",
   ),
-  "pallas_gpu": KernelTarget(
+  "pallas_gpu": PallasImplementation(
     "pallas_gpu",
     ("cuda",),
     ((64, 128, 128), (128, 128, 64), (256, 32, 32), (512, 16, 16)),
@@ -170,23 +178,23 @@ TARGETS = {
 
 
 # --------------------------------------------------- the platform guard
-# An identity whose lowering checks the platform, so a Pallas target compiled
+# An identity whose lowering checks the platform, so a Pallas implementation compiled
 # for the wrong backend is a clear error at lowering time (before anything
 # runs), while lowering for the right platform from any machine still works.
 _guard_p = jax_core.Primitive("cpjax_kernel_platform_guard")
 _guard_p.def_impl(functools.partial(dispatch.apply_primitive, _guard_p))  # eager: lower too
-_guard_p.def_abstract_eval(lambda aval, *, target: aval)
+_guard_p.def_abstract_eval(lambda aval, *, implementation: aval)
 
 
-def _guard_lowering(ctx, x, *, target: str):
-  allowed = TARGETS[target].platforms
+def _guard_lowering(ctx, x, *, implementation: str):
+  allowed = PALLAS_IMPLEMENTATIONS[implementation].platforms
   wrong = [p for p in ctx.module_context.platforms if p not in allowed]
   if wrong:
     raise ValueError(
-      f"implementation={target!r} compiles for {'/'.join(allowed)}, but this program is "
-      f"lowered for the {wrong[0]!r} backend. Pass implementation=None (the default: the "
+      f"implementation={implementation!r} compiles for {'/'.join(allowed)}, but this program "
+      f"is lowered for the {wrong[0]!r} backend. Pass implementation=None (the default: the "
       f"backend's own kernels, XLA on CPU) or 'xla', or interpret=True to run the "
-      f"{target} kernels in Pallas' interpreter."
+      f"{implementation} kernels in Pallas' interpreter."
     )
   return [x]
 
@@ -194,6 +202,6 @@ def _guard_lowering(ctx, x, *, target: str):
 mlir.register_lowering(_guard_p, _guard_lowering)
 
 
-def platform_guard(x, target: str):
-  """``x`` unchanged; lowering fails unless it is for ``target``'s platforms."""
-  return _guard_p.bind(x, target=target)
+def platform_guard(x: jax.Array, implementation: str) -> jax.Array:
+  """``x`` unchanged; lowering fails unless it is for ``implementation``'s platforms."""
+  return _guard_p.bind(x, implementation=implementation)

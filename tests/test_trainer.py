@@ -1,7 +1,9 @@
-"""The main job's pieces against independent references: the learning-rate
+"""The trainer's pieces against independent references: the learning-rate
 schedules against transformers' own, gradient clipping against a numpy
-re-derivation, and the validation loss against the single-device model."""
+re-derivation, and the validation loss against the single-device model;
+the trainer's types."""
 
+import dataclasses
 import os
 
 import numpy as np
@@ -40,13 +42,13 @@ def test_schedules_equal_transformers(kind, warmup):
 
 
 def test_bad_schedules_are_job_errors():
-  from cpjax.training.run_config import JobError
+  from cpjax.training.run_config import RunError
 
   with pytest.raises(
-    JobError, match="optimizer.warmup_steps 5 must be >= 0, and below optimizer.steps 5"
+    RunError, match="optimizer.warmup_steps 5 must be >= 0, and below optimizer.steps 5"
   ):
     OptimizerConfig(steps=5, warmup_steps=5, schedule="cosine").lr_schedule()
-  with pytest.raises(JobError, match="optimizer.schedule must be one of"):
+  with pytest.raises(RunError, match="optimizer.schedule must be one of"):
     OptimizerConfig(schedule="step").lr_schedule()
 
 
@@ -76,9 +78,10 @@ def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
 
   from cpjax import training
   from cpjax.models import gemma4
-  from cpjax.training.trainer import build, eval_hook, eval_rows
+  from cpjax.training.trainer import build, eval_rows
+  from cpjax.training.trainer.hooks import Validation
 
-  job = with_values(
+  run = with_values(
     RunConfig(),
     {
       "dataset.seq_len": 128,
@@ -93,22 +96,22 @@ def test_validation_loss_is_the_single_device_loss_of_the_fixed_rows():
       "eval.data": os.path.join(EXAMPLE, "eval.jsonl"),
     },
   )
-  trainer = build(job)
-  host = eval_rows(job, trainer, QUIET)
+  trainer = build(run, log=QUIET)
+  host = eval_rows(run, trainer.cfg, trainer.rows, QUIET)
   # 3 rows, filled up to whole batches of the step's 2 rows with an empty one
   assert len(host) == 2 and host[1]["attention_mask"][0].any()
   assert not host[1]["attention_mask"][1].any() and (host[1]["labels"][1] == -100).all()
-  _, layout = trainer.sharder.shard_batch(host[0], trainer.mesh, batch_axis=trainer.batch_axis)
+  _, layout = trainer.shard(host[0])
   summary = {}
-  hook = eval_hook(job, trainer, layout, summary, QUIET)
+  hook = Validation(trainer, layout, summary)
   record = {}
   hook(0, {}, record)
   assert "eval_loss" not in record  # step 1: not a validation step
   hook(1, {}, record)
-  # The single-device reference reads host copies (the job keeps its frozen
+  # The single-device reference reads host copies (the run keeps its frozen
   # state on the mesh, where a one-device jit cannot take it).
   single = jax.jit(training.make_loss_fn(trainer.graphdef, frozen=jax.device_get(trainer.frozen)))
-  params = jax.device_get(trainer.params)
+  params = jax.device_get(trainer.state.params)
   sums = [single(params, gemma4.prepare_batch(b, trainer.cfg)) for b in host]
   reference = sum(float(s) for s, _ in sums) / sum(float(n) for _, n in sums)
   assert summary["eval_rows"] == 3
@@ -127,23 +130,18 @@ def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch, wh
   from cpjax.models import gemma4
   from cpjax.training import trainer
   from cpjax.training.checkpointing import TrainCheckpointer
+  from cpjax.training.trainer import hooks
 
-  name = {"validation": "eval_hook", "checkpoint": "save_hook"}[which]
-  real = getattr(trainer, name)
+  hook = {"validation": hooks.Validation, "checkpoint": hooks.Checkpoints}[which]
+  real = hook.__call__
 
-  def failing(*args, **kwargs):
-    hook = real(*args, **kwargs)
+  def failing(self, i, metrics, record):
+    if i == 1:
+      raise OSError("the disk is full")
+    real(self, i, metrics, record)
 
-    def wrapped(i, metrics, record):
-      if i == 1:
-        raise OSError("the disk is full")
-      hook(i, metrics, record)
-
-    wrapped.close = getattr(hook, "close", lambda: None)
-    return wrapped
-
-  monkeypatch.setattr(trainer, name, failing)
-  job = with_values(
+  monkeypatch.setattr(hook, "__call__", failing)
+  run = with_values(
     RunConfig(),
     {
       "dataset.seq_len": 64,
@@ -166,13 +164,39 @@ def test_a_failing_hook_saves_the_run_and_names_itself(tmp_path, monkeypatch, wh
     rf"the disk is full \({state}the weights after step 2 "
     rf"are in .*out\)",
   ):
-    trainer.run_train_job(job, log=QUIET)
-  assert TrainCheckpointer(job.checkpointing.state_dir).latest_step() == (
+    trainer.train(run, log=QUIET)
+  assert TrainCheckpointer(run.checkpointing.state_dir).latest_step() == (
     2 if which == "validation" else None
   )
-  saved = gemma4.Gemma4.from_pretrained(job.checkpointing.save)  # a whole checkpoint, trained
-  initial = gemma4.Gemma4(saved.cfg, rngs=nnx.Rngs(job.seed))
+  saved = gemma4.Gemma4.from_pretrained(run.checkpointing.save)  # a whole checkpoint, trained
+  initial = gemma4.Gemma4(saved.cfg, rngs=nnx.Rngs(run.seed))
   assert not np.array_equal(
     saved.model.language_model.embed_tokens.weight[...],
     initial.model.language_model.embed_tokens.weight[...],
   )
+
+
+def test_the_trainer_and_its_state_are_typed_and_the_state_is_a_pytree():
+  """Every field of the Trainer and its TrainState has a type (none Any); the
+  state is a pytree whose step rides along static."""
+  import jax
+
+  from cpjax.training.trainer import Trainer, TrainState
+
+  for cls in (Trainer, TrainState):
+    hints = cls.__annotations__  # as written (the modules postpone evaluation)
+    assert sorted(hints) == sorted(f.name for f in dataclasses.fields(cls)), cls
+    assert not [name for name, hint in hints.items() if "Any" in str(hint)], cls
+  state = TrainState({"w": np.ones(2, np.float32)}, (np.zeros(3, np.float32),), step=5)
+  assert len(jax.tree.leaves(state)) == 2
+  doubled = jax.tree.map(lambda x: 2 * x, state)
+  assert isinstance(doubled, TrainState) and doubled.step == 5
+  np.testing.assert_array_equal(doubled.params["w"], [2.0, 2.0])
+  assert jax.device_get(state).step == 5
+
+
+def test_train_takes_a_run_config():
+  from cpjax.training.trainer import train
+
+  with pytest.raises(TypeError, match="train takes a RunConfig, got dict"):
+    train({"model": "tiny"})
