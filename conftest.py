@@ -12,7 +12,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # One persistent XLA compilation cache per test run, shared by the xdist
 # workers and every subprocess (the CLI, notebook kernels) through the
-# environment: many tests compile the same program (a job and its resume,
+# environment: many tests compile the same program (a run and its resume,
 # the same tiny model in several files), and a cache hit loads the very
 # executable the first compile produced. The process that makes it removes it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -3,7 +3,7 @@
 Reads the shipped corpus (tests/data/tiny_corpus.array_record) with
 ``cpjax.data.corpus.packed_batches`` at the demo size (B=2, S=1024), repeating
 epochs, and counts real tokens per second. In the same run it trains the
-demo (``cpjax train --data``'s job: tiny Gemma 4, cp=8) for a few steps and
+demo (what ``cpjax train --data`` runs: tiny Gemma 4, cp=8) for a few steps and
 reads its real tokens per second. Target: the loader is at least 10x faster.
 
     python benchmarks/data_pipeline.py [--batches 2000]

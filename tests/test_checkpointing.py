@@ -204,17 +204,17 @@ def test_every_setting_resume_compares_refuses_a_change(change, message, forced)
   from cpjax.models import gemma4
   from cpjax.training.trainer import run_identity
 
-  saved_job = with_values(
+  saved_run = with_values(
     RunConfig(model="tiny"),
     {"dataset.seq_len": 64, "dataset.batch_size": 2, "lora.rank": 4, "lora.alpha": 16.0},
   )
-  now = with_values(saved_job, change)
+  now = with_values(saved_run, change)
   identity = lambda run: run_identity(run, gemma4.Gemma4Config.preset(run.model))
-  check_run_matches(identity(saved_job), identity(saved_job))
+  check_run_matches(identity(saved_run), identity(saved_run))
   with pytest.raises(ValueError, match=message):
-    check_run_matches(identity(saved_job), identity(now))
+    check_run_matches(identity(saved_run), identity(now))
   if forced:
     with pytest.raises(ValueError, match=message):
-      check_run_matches(identity(saved_job), identity(now), force=True)
+      check_run_matches(identity(saved_run), identity(now), force=True)
   else:
-    check_run_matches(identity(saved_job), identity(now), force=True)
+    check_run_matches(identity(saved_run), identity(now), force=True)

@@ -156,6 +156,7 @@ RENAMED = {
   "cpjax.ring_attention": _ring,
   "cpjax.context_parallel_attention": _global,
   "cpjax.models.gemma4.gemma4_masks": lambda **kw: _masks(**kw).allowed(),
+  "cpjax.masks.resolve_mask": lambda **kw: cpjax.masks.resolve_mask(**kw).allowed(),
 }
 
 

@@ -130,7 +130,7 @@ def test_bfloat16_base_keeps_float32_adapters(tmp_path):
   assert str(q.dtype) == "bfloat16"
 
 
-def test_targets_that_match_nothing_or_no_projection_are_job_errors():
+def test_targets_that_match_nothing_or_no_projection_are_run_errors():
   with pytest.raises(RunError, match=r"LoRA: LoRA targets 'nothing' match no module"):
     train(with_values(RUN, {"lora.targets": "nothing"}), **QUIET)
   # The clipped vision linears' wrapper holds no weight (its .linear does).

@@ -499,7 +499,7 @@ def test_lora_targets_may_be_module_names_in_yaml(tmp_path):
     check(with_values(run, {"lora.targets": "("}), files=False)
 
 
-def test_a_bad_file_read_in_python_is_a_job_error(tmp_path):
+def test_a_bad_file_read_in_python_is_a_run_error(tmp_path):
   path = tmp_path / "bad.yaml"
   path.write_text("dataset:\n  seq_len: long\n")
   with pytest.raises(RunError, match=r"bad\.yaml: --dataset\.seq_len: expected int, got 'long'"):
@@ -531,7 +531,7 @@ def test_the_readme_python_example_runs(tmp_path, monkeypatch):
   text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
   section = text.split("### Run configs and recipes\n", 1)[1].split("\n### ", 1)[0]
   code = "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
-  started = []  # the job itself is tested above; here, what the example hands it
+  started = []  # training itself is tested above; here, what the example hands it
   monkeypatch.setattr(cpjax.training.trainer, "train", lambda run: started.append(run))
   monkeypatch.chdir(tmp_path)
   exec(compile(code, "README.md", "exec"), {})  # noqa: S102

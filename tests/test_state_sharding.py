@@ -70,7 +70,7 @@ def test_state_axes_must_name_the_token_axes(state_axes):
   "shard_state,lora_rank", [("fsdp+cp", None), ("fsdp", None), ("fsdp+cp", 4)]
 )
 def test_cpjax_train_places_the_state_as_shard_state_says(shard_state, lora_rank):
-  """`cpjax train --shard-state` (parallel.shard_state): the job's trained
+  """`cpjax train --shard-state` (parallel.shard_state): the trainer's trained
   state and its Adam moments, and under LoRA the frozen base, split over cp
   or whole over it; per device, 1/8 of the state or all of it on cp=8."""
   from cpjax.training.run_config import LoraConfig, ParallelConfig, RunConfig

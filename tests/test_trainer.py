@@ -41,7 +41,7 @@ def test_schedules_equal_transformers(kind, warmup):
   )
 
 
-def test_bad_schedules_are_job_errors():
+def test_bad_schedules_are_run_errors():
   from cpjax.training.run_config import RunError
 
   with pytest.raises(
@@ -195,8 +195,20 @@ def test_the_trainer_and_its_state_are_typed_and_the_state_is_a_pytree():
   assert jax.device_get(state).step == 5
 
 
-def test_train_takes_a_run_config():
-  from cpjax.training.trainer import train
+def test_train_takes_a_run_config_and_fit_a_fresh_trainer():
+  """Bad input is refused before any compute: a dict for a run, a run that
+  does not check, a trainer that has trained already."""
+  from cpjax.training.run_config import RunError
+  from cpjax.training.trainer import TrainState, build, fit, train
 
   with pytest.raises(TypeError, match="train takes a RunConfig, got dict"):
     train({"model": "tiny"})
+  with pytest.raises(TypeError, match="build takes a RunConfig, got dict"):
+    build({"model": "tiny"})
+  with pytest.raises(RunError, match="dataset.seq_len must be >= 32, got 16"):
+    build(with_values(RunConfig(), {"dataset.seq_len": 16}))
+  run = with_values(RunConfig(), {"parallel.cp": 2, "dataset.seq_len": 64, "parity_check": False})
+  trainer = build(run, log=QUIET)
+  trainer.state = TrainState(trainer.state.params, trainer.state.opt_state, step=1)
+  with pytest.raises(RunError, match="fit starts from a trainer at step 0 .* after step 1"):
+    fit(trainer)

@@ -912,7 +912,7 @@ MUTANTS = (
     ("tests/test_gemma4.py::test_all_padding_image_slots_yield_no_soft_tokens",),
   ),
   Mutant(
-    "train job: the linear schedule decays over all steps, warmup included",
+    "run config: the linear schedule decays over all steps, warmup included",
     "cpjax/training/run_config.py",
     "    lr, warm, rest = self.lr, self.warmup_steps, max(self.steps - self.warmup_steps, 1)",
     "    lr, warm, rest = self.lr, self.warmup_steps, max(self.steps, 1)",

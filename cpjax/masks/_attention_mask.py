@@ -217,6 +217,7 @@ jax.tree_util.register_dataclass(AttentionMask, data_fields=["arrays"], meta_fie
 MASK_KEYWORDS = ("causal", "sliding_window", "document_ids", "padding_mask", "vision_group_ids")
 
 
+@_deprecations.renamed_keywords("cpjax.masks.resolve_mask", segment_ids="document_ids")
 def resolve_mask(mask: AttentionMask | None = None, **keywords: Any) -> AttentionMask:
   """``mask``, or the standard mask the keywords of :meth:`AttentionMask.create` describe.
 

@@ -4,8 +4,8 @@
 :class:`Trainer` (the mesh, the model split for the step, the optimizer and
 its :class:`TrainState`); :func:`fit` trains it (open the data, resume,
 compile the step, run the loop with the :mod:`~cpjax.training.trainer.hooks`
-after each step, save, report); :func:`train` is both, the ``cpjax train``
-``cpjax train``. Each is its own module:
+after each step, save, report); :func:`train` is both (what ``cpjax train``
+runs). Each is its own module:
 
 * :mod:`~cpjax.training.trainer.state`: ``Trainer``, ``TrainState``;
 * :mod:`~cpjax.training.trainer.builder`: ``build`` (mesh, model, LoRA, state);
@@ -31,9 +31,16 @@ Example:
 
 from cpjax import _deprecations
 from cpjax.training.trainer.builder import build
-from cpjax.training.trainer.data import Data, check_vocabulary, corpus_path, eval_rows, open_data
-from cpjax.training.trainer.hooks import Hook, make_hooks
-from cpjax.training.trainer.loop import fit, train
+from cpjax.training.trainer.data import (
+  Data,
+  check_vocabulary,
+  corpus_path,
+  eval_rows,
+  open_data,
+  step_batches,
+)
+from cpjax.training.trainer.hooks import Hook, external_write, make_hooks
+from cpjax.training.trainer.loop import describe, fit, resume, train
 from cpjax.training.trainer.state import Trainer, TrainState, host_value, run_identity
 
 __all__ = [
@@ -44,12 +51,16 @@ __all__ = [
   "build",
   "check_vocabulary",
   "corpus_path",
+  "describe",
   "eval_rows",
+  "external_write",
   "fit",
   "host_value",
   "make_hooks",
   "open_data",
+  "resume",
   "run_identity",
+  "step_batches",
   "train",
 ]
 

@@ -11,13 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
+from jax.typing import DTypeLike
 
 from cpjax import parallel
 from cpjax.models import gemma4
 from cpjax.models.gemma4.checkpoint import checkpoint_keys
 from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 from cpjax.training import lora
-from cpjax.training.run_config import RunConfig, RunError
+from cpjax.training.run_config import RunConfig, RunError, check
 from cpjax.training.trainer.state import Log, Trainer, TrainState
 
 __all__ = ["add_lora", "build", "checkpoint_sharding", "compute_dtype"]
@@ -25,7 +26,7 @@ __all__ = ["add_lora", "build", "checkpoint_sharding", "compute_dtype"]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def compute_dtype(name: str) -> type[jnp.floating]:
+def compute_dtype(name: str) -> DTypeLike:
   """Return the jnp dtype named ``name``.
 
   Args:
@@ -45,15 +46,23 @@ def build(run: RunConfig, *, log: Log = print) -> Trainer:
   """Build the mesh, the model, the optimizer, and the sharded training state.
 
   Args:
-    run: the :class:`RunConfig` (checked: :func:`~cpjax.training.run_config.check`).
-    log: prints a line.
+    run: the :class:`RunConfig`; checked first
+      (:func:`~cpjax.training.run_config.check`).
+    log: prints a line; on processes other than 0 the trainer logs nothing.
 
   Returns:
     The :class:`Trainer`, its state at step 0.
 
   Raises:
-    RunError: the mesh, the batch or LoRA do not fit the model.
+    TypeError: ``run`` is not a :class:`RunConfig`.
+    RunError: a setting cannot run, or the mesh, the batch or LoRA do not
+      fit the model (before any training compute).
   """
+  if not isinstance(run, RunConfig):
+    raise TypeError(f"build takes a RunConfig, got {type(run).__name__}")
+  check(run)
+  if jax.process_index() != 0:
+    log = _quiet
   mesh, expert_axes = _mesh(run)
   devices = list(mesh.devices.flat)
   sizes = dict(mesh.shape)
@@ -124,6 +133,10 @@ def build(run: RunConfig, *, log: Log = print) -> Trainer:
     expert_axes=expert_axes,
     log=log,
   )
+
+
+def _quiet(line: str) -> None:
+  """Log nothing (processes other than 0)."""
 
 
 def _mesh(run: RunConfig) -> tuple[Mesh, tuple[str, ...]]:

@@ -47,7 +47,7 @@ Metrics = Mapping[str, jax.Array]
 class Hook:
   """Periodic work after each step; ``name`` says which, in errors."""
 
-  name: ClassVar[str]
+  name: ClassVar[str] = "hook"
 
   def __call__(self, i: int, metrics: Metrics, record: dict[str, Any]) -> None:
     """Run after step ``i + 1``; may add to ``record`` for later hooks."""

@@ -19,7 +19,7 @@ from cpjax import training
 from cpjax.batch.layout import ShardLayout
 from cpjax.training.checkpointing import TrainCheckpointer, check_run_matches
 from cpjax.training.cp_strategy import run_choices
-from cpjax.training.run_config import RunConfig, RunError, check
+from cpjax.training.run_config import RunConfig, RunError
 from cpjax.training.run_file import write_run_config
 from cpjax.training.step import TrainStep
 from cpjax.training.trainer.builder import build
@@ -34,8 +34,8 @@ __all__ = ["describe", "fit", "resume", "train"]
 def train(run: RunConfig, *, log: Log = print) -> dict[str, Any]:
   """Train as ``run`` says and return a summary dict (what the closing lines print).
 
-  ``run`` is checked first (:func:`~cpjax.training.run_config.check`); then
-  :func:`~cpjax.training.trainer.build` and :func:`fit`. In a
+  :func:`~cpjax.training.trainer.build` (which checks ``run`` first:
+  :func:`~cpjax.training.run_config.check`), then :func:`fit`. In a
   multi-process cluster every process runs this with the same run; only
   process 0 logs.
 
@@ -55,9 +55,6 @@ def train(run: RunConfig, *, log: Log = print) -> dict[str, Any]:
   """
   if not isinstance(run, RunConfig):
     raise TypeError(f"train takes a RunConfig, got {type(run).__name__}")
-  check(run)
-  if jax.process_index() != 0:
-    log = lambda *_: None  # noqa: E731
   return fit(build(run, log=log))
 
 
@@ -71,12 +68,22 @@ def fit(trainer: Trainer) -> dict[str, Any]:
   ``checkpointing.state_dir`` when the run starts.
 
   Args:
-    trainer: the built :class:`Trainer`; its state moves to the last step.
+    trainer: a :class:`Trainer` as :func:`~cpjax.training.trainer.build`
+      made it (at step 0); its state moves to the last step.
 
   Returns:
     The summary, as :func:`train` returns it.
+
+  Raises:
+    RunError: ``trainer`` has trained already (a fit starts at step 0, or
+      at a checkpoint's with ``checkpointing.resume``), or resuming fails.
   """
   run = trainer.run
+  if trainer.state.step != 0:
+    raise RunError(
+      f"fit starts from a trainer at step 0 (or resumes from a checkpoint with "
+      f"checkpointing.resume); this one is after step {trainer.state.step}: build another"
+    )
   data = open_data(run, trainer.cfg, trainer.rows, trainer.log)
   checkpointer = resume(trainer, data)
   if run.checkpointing.state_dir and jax.process_index() == 0:
