@@ -1,5 +1,6 @@
 """Small helpers for the tests."""
 
+import ast
 import os
 
 import jax
@@ -96,3 +97,17 @@ def fake_slice_compiler(monkeypatch, totals: dict) -> list:
 
   monkeypatch.setattr(plan.search, "compiled_plan", compiled_plan)
   return calls
+
+
+def public_members(tree: ast.Module) -> list[tuple[ast.stmt, str]]:
+  """``(node, owner)`` of a module's top-level statements (owner ``""``) and
+  of the bodies of its public classes (owner ``"Class."``): where its public
+  functions and methods are defined."""
+  members = [(node, "") for node in tree.body]
+  members += [
+    (m, node.name + ".")
+    for node in tree.body
+    if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+    for m in node.body
+  ]
+  return members

@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+from tests.helpers import public_members
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "cpjax"
 
 
@@ -21,14 +23,7 @@ def unannotated(source: str, path: str) -> list[str]:
   """``path:line name(param)`` for each unannotated parameter and
   ``path:line name -> return`` for each unannotated return of the public
   signatures in ``source``."""
-  tree = ast.parse(source)
-  members = [(node, "") for node in tree.body]
-  members += [
-    (m, node.name + ".")
-    for node in tree.body
-    if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
-    for m in node.body
-  ]
+  members = public_members(ast.parse(source))
   found = []
   for node, owner in members:
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

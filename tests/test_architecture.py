@@ -30,6 +30,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+from tests.helpers import public_members
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "cpjax"
 LAYERS = ("base", "masks", "batch", "attention", "data", "models", "training", "top")
 
@@ -346,14 +348,7 @@ def public_functions():
   of the public modules (properties aside: their docstrings name a value)."""
   found = []
   for name in public_modules():
-    tree = ast.parse(MODULES[name].read_text())
-    members = [(node, "") for node in tree.body]
-    members += [
-      (m, node.name + ".")
-      for node in tree.body
-      if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
-      for m in node.body
-    ]
+    members = public_members(ast.parse(MODULES[name].read_text()))
     for node, owner in members:
       if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
         continue
