@@ -44,7 +44,11 @@ from jax.typing import DTypeLike
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.models.gemma4.layers import Buffer
 
-__all__ = ["load_pretrained", "save_pretrained", "checkpoint_keys"]
+__all__ = ["KeySharding", "checkpoint_keys", "load_pretrained", "save_pretrained"]
+
+# Where a checkpoint tensor goes: sharding(key, shape) gives its PartitionSpec
+# on the mesh, or None to replicate it (a buffer).
+KeySharding = Callable[[str, tuple[int, ...]], P | None]
 
 # The model load_pretrained builds: a Gemma4 (whose module imports this one).
 _Model = TypeVar("_Model", bound=nnx.Module)
@@ -205,7 +209,7 @@ def load_pretrained(
   *,
   dtype: DTypeLike = jnp.float32,
   mesh: Mesh | None = None,
-  sharding: Callable[[str, tuple[int, ...]], P | None] | None = None,
+  sharding: KeySharding | None = None,
   remat: bool | str = False,
 ) -> _Model:
   """Load ``cls`` (a :class:`Gemma4`) with the weights of the checkpoint in ``path``.

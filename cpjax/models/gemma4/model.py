@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 from jax.typing import ArrayLike, DTypeLike
 
 from cpjax import _deprecations, checks
@@ -43,6 +43,7 @@ from cpjax.batch.layout import LayoutKind, ShardLayout, layout_kind
 from cpjax.batch.normalize import DOCUMENT_IDS_KEY, SOURCE_INDEX_KEY, vision_group_ids
 from cpjax.batch.sharding import shard_sequence
 from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameDocument, SameVisionGroup
+from cpjax.models.gemma4.checkpoint import KeySharding
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from cpjax.models.gemma4.cp_batch import (
   IMAGE_OFFSET_KEY,
@@ -232,7 +233,7 @@ class Gemma4(nnx.Module):
     *,
     dtype: DTypeLike = jnp.float32,
     mesh: Mesh | None = None,
-    sharding: Callable[[str, tuple[int, ...]], PartitionSpec | None] | None = None,
+    sharding: KeySharding | None = None,
     remat: bool | str = False,
   ) -> Gemma4:
     """Load a Hugging Face checkpoint directory (``config.json`` plus

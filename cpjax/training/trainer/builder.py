@@ -15,7 +15,7 @@ from jax.typing import DTypeLike
 
 from cpjax import parallel
 from cpjax.models import gemma4
-from cpjax.models.gemma4.checkpoint import checkpoint_keys
+from cpjax.models.gemma4.checkpoint import KeySharding, checkpoint_keys
 from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 from cpjax.training import lora
 from cpjax.training.run_config import RunConfig, RunError, check
@@ -182,7 +182,7 @@ def _model(
 
 def checkpoint_sharding(
   cfg: gemma4.Gemma4Config, mesh: Mesh, rule: Callable, state_axes: tuple[str, ...] = ("fsdp",)
-) -> Callable[[str, tuple[int, ...]], PartitionSpec | None]:
+) -> KeySharding:
   """Make the ``sharding(key, shape)`` for ``Gemma4.from_pretrained``.
 
   Each parameter as the training step keeps it
