@@ -288,12 +288,11 @@ def test_help_documents_every_flag(capsys):
     assert flag in text
 
 
-def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
-  """``python -m cpjax train`` end to end: --checkpoint + --data + --remat +
-  --dtype bfloat16 + --save; the saved model loads."""
+def test_a_corpus_outside_the_vocabulary_is_refused_before_any_compute():
+  """The fixture model's vocabulary is 256 and the shipped corpus uses ids up
+  to 511: a ValueError naming the id, before the model runs."""
   import os
 
-  from cpjax.models import gemma4
   from cpjax.training.run_config import RunConfig, with_values
   from cpjax.training.trainer import train
 
@@ -319,6 +318,22 @@ def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
       ),
       log=lambda *a: None,
     )
+
+
+# `make soak`: every part of it runs in CI elsewhere (the corpus: test_checkpointing's
+# resume; --remat --dtype bfloat16 with cp: test_lora_peft's README commands;
+# --save then from_pretrained: test_readme's own-data commands; python -m
+# cpjax: test_plan's), and the vocabulary check just above.
+@pytest.mark.slow
+def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):
+  """``python -m cpjax train`` end to end: --checkpoint + --data + --remat +
+  --dtype bfloat16 + --save; the saved model loads."""
+  import os
+
+  from cpjax.models import gemma4
+
+  here = os.path.dirname(__file__)
+  corpus = os.path.join(here, "data", "tiny_corpus.array_record")
   proc = _run(
     "train",
     "--model",

@@ -55,10 +55,10 @@ def single_device(remat="none", name=NAME):
 
 
 @BOTH
-def test_default_targets_are_the_decoder_projections(name):
-  """The attention and dense MLP projections; never the MoE experts (3-D
-  tensors run by ragged_dot, which PEFT reaches only through
-  target_parameters)."""
+def test_default_targets_are_the_decoder_projections_and_the_experts(name):
+  """The attention and dense MLP projections, and on the MoE each expert
+  tensor (gate_up_proj, down_proj: PEFT's target_parameters) with rank-r
+  factors per expert."""
   model, _ = adapted(name=name)
   cfg = model.cfg.text
   want = set()
@@ -71,15 +71,31 @@ def test_default_targets_are_the_decoder_projections(name):
       # k_eq_v: full-attention layers have no v projection (V is K).
       if not (cfg.attention_k_eq_v and cfg.layer_types[i] == "full_attention"):
         want |= {prefix + "self_attn.v_proj"}
+    if cfg.enable_moe_block:
+      want |= {prefix + "experts"}
   assert set(lora.adapted_modules(model)) == want
   a = model.model.language_model.layers[0].self_attn.q_proj.weight_lora_a
   b = model.model.language_model.layers[0].self_attn.q_proj.weight_lora_b
   chex.assert_shape(
     (a, b), [(cfg.hidden_size, RANK), (RANK, cfg.num_attention_heads * cfg.layer_head_dim(0))]
   )
-  assert lora.lora_param_count(model) == sum(
-    RANK * sum(w.weight.shape) for w in lora.adapted_modules(model).values()
+  projections = sum(
+    RANK * sum(m.weight.shape) for p, m in lora.adapted_modules(model).items() if "experts" not in p
   )
+  if not cfg.enable_moe_block:
+    assert lora.lora_param_count(model) == projections
+    return
+  e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+  experts = model.model.language_model.layers[0].experts
+  chex.assert_shape(
+    [experts.gate_up_proj_lora_a, experts.gate_up_proj_lora_b],
+    [(e, d, RANK), (e, RANK, 2 * i)],
+  )
+  chex.assert_shape(
+    [experts.down_proj_lora_a, experts.down_proj_lora_b], [(e, i, RANK), (e, RANK, d)]
+  )
+  per_layer = e * RANK * ((d + 2 * i) + (i + d))
+  assert lora.lora_param_count(model) == projections + cfg.num_hidden_layers * per_layer
 
 
 @BOTH
@@ -94,22 +110,27 @@ def test_fresh_adapters_leave_the_logits_exactly_unchanged(name):
 
 
 def dense_reference(model, batch, name=NAME):
-  """Loss and {module: (dA, dB)} of the plain base model (no qwix) whose
-  targeted weights are ``W + scale * (A B).T``."""
+  """Loss and {adapted tensor: (dA, dB)} of the plain base model (no qwix)
+  whose targeted weights are ``W + scale * (A B).T`` and whose expert
+  tensors are ``W[e] + scale * (A[e] B[e]).T``."""
   scale = model.lora_config.scale
   plain = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name))
   graphdef, params, buffers = nnx.split(plain, nnx.Param, ...)
   pairs = {
-    p: (m.weight_lora_a[...], m.weight_lora_b[...]) for p, m in lora.adapted_modules(model).items()
+    f"{p}.{n}": (a[...], b[...])
+    for p, m in lora.adapted_modules(model).items()
+    for n, (a, b) in lora.adapters.adapter_pairs(m).items()
   }
 
   def objective(pairs, params):
     weights = nnx.to_pure_dict(params)
     for p, (a, b) in pairs.items():
       node = weights
-      for part in p.split("."):
+      *path, tensor = p.split(".")
+      for part in path:
         node = node[int(part) if part.isdigit() else part]
-      node["weight"] = node["weight"] + scale * (a @ b).T
+      delta = jnp.einsum("...ir,...ro->...oi", a, b, precision=jax.lax.Precision.HIGHEST)
+      node[tensor] = node[tensor] + scale * delta
     nnx.replace_by_pure_dict(params, weights)
     s, n = training.cross_entropy(
       nnx.merge(graphdef, params, buffers).hidden_states(batch), batch["labels"]
@@ -126,12 +147,12 @@ def get_module(model, path):
 
 
 def as_pairs(grads):
-  """{module path: (dA, dB)} of an adapters' State."""
+  """{adapted tensor path: (dA, dB)} of an adapters' State."""
   flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(grads)}
   return {
-    p[: -len(".weight_lora_a")]: (flat[p][...], flat[p[:-1] + "b"][...])
+    p[: -len("_lora_a")]: (flat[p][...], flat[p[:-1] + "b"][...])
     for p in flat
-    if p.endswith("weight_lora_a")
+    if p.endswith("_lora_a")
   }
 
 
@@ -315,7 +336,7 @@ def test_merged_model_equals_the_adapted_model_for_every_option(alpha, rslora, t
     (
       lora.LoraConfig(rank=2, targets=("q_proj", "")),
       TypeError,
-      "LoRA targets must be a regex string or a non-empty tuple of module names",
+      "LoRA targets must be a regex string or a tuple of names ((): none)",
     ),
   ],
 )
@@ -336,3 +357,66 @@ def test_peft_list_targets_become_a_tuple():
   assert config.matches("model.language_model.layers.1.mlp.down_proj")
   assert not config.matches("model.language_model.layers.0.self_attn.k_proj")
   assert not config.matches("model.language_model.layers.0.self_attn.xq_proj")
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_expert_adapters_equal_experts_with_the_merged_tensors(capacity_factor):
+  """The experts' forward with per-expert adapters is the plain experts'
+  forward on ``W_e + scale * (A_e B_e).T``, with or without a capacity
+  factor dropping pairs (0.5: half of them), and so are the gradients."""
+  model, _ = adapted(name=MOE)
+  experts = model.model.language_model.layers[1].experts
+  cfg = model.cfg.text
+  key = jax.random.key(7)
+  x = jax.random.normal(key, (24, cfg.hidden_size))
+  ids = jax.random.randint(jax.random.fold_in(key, 1), (24, 2), 0, cfg.num_experts)
+  w = jax.random.uniform(jax.random.fold_in(key, 2), (24, 2))
+  scale = model.lora_config.scale
+  graphdef, factors, base = nnx.split(experts, nnx.LoRAParam, ...)
+  assert sorted(lora.adapters.adapter_pairs(experts)) == ["down_proj", "gate_up_proj"]
+  plain_def, plain_state = nnx.split(gemma4.text.Experts(cfg, rngs=None))
+
+  def merged(factors, x):
+    f, tensors = nnx.to_pure_dict(factors), nnx.to_pure_dict(plain_state)
+    for name in ("gate_up_proj", "down_proj"):
+      delta = jnp.einsum(
+        "eir,ero->eoi",
+        f[name + "_lora_a"],
+        f[name + "_lora_b"],
+        precision=jax.lax.Precision.HIGHEST,
+      )
+      tensors[name] = getattr(experts, name)[...] + scale * delta
+    state = nnx.clone(plain_state)
+    nnx.replace_by_pure_dict(state, tensors)
+    return nnx.merge(plain_def, state)(x, w, ids, capacity_factor=capacity_factor)
+
+  def ours(factors, x):
+    return nnx.merge(graphdef, factors, base)(x, w, ids, capacity_factor=capacity_factor)
+
+  probe = jax.random.normal(jax.random.fold_in(key, 3), x.shape)
+  want, want_stats = merged(factors, x)
+  got, stats = ours(factors, x)
+  assert (float(stats.dropped) > 0) == (capacity_factor is not None)
+  chex.assert_trees_all_equal(stats, want_stats)
+  chex.assert_trees_all_close(got, want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
+  objective = lambda run: lambda f, x: jnp.sum(run(f, x)[0] * probe)
+  want_grads = jax.grad(objective(merged), argnums=(0, 1))(factors, x)
+  got_grads = jax.grad(objective(ours), argnums=(0, 1))(factors, x)
+  assert_grads_close(got_grads, want_grads)
+
+
+@pytest.mark.parametrize(
+  "tensors,message",
+  [
+    (("router.scale",), "name tensors cpjax cannot adapt: ['model.language_model.layers.0.router"),
+    (("experts.up_proj",), "match no tensor of the Gemma4 (those it can adapt: ['model."),
+    (r".*\.experts\.down", "match no tensor of the Gemma4"),
+  ],
+)
+def test_target_parameters_naming_what_cannot_be_adapted_are_refused(tensors, message):
+  """PEFT's target_parameters naming a tensor no module adapts (the router's
+  scale), or, given by the user, nothing at all: a ValueError naming them,
+  before the model runs."""
+  base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, MOE))
+  with pytest.raises(ValueError, match=re.escape(message)):
+    lora.apply_lora(base, lora.LoraConfig(rank=RANK, target_parameters=tensors))

@@ -148,6 +148,154 @@ def test_cpjax_loads_what_peft_saves(tmp_path, targets, rslora):
   assert_as_close_as_transformers(got, theirs[torch.float32], theirs[torch.float64], inputs)
 
 
+# 26B-A4B-like, saved by transformers: 4 experts (top 2) beside the dense MLP.
+MOE = os.path.join(FIXTURES, "moe_k_eq_v_vision")
+EXPERT_TENSORS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def moe_logits(adapter, inputs):
+  """transformers + PEFT's float64 and float32 logits of the MoE fixture (its
+  eager experts: the grouped kernel has no float64)."""
+  mf = fixtures_module()
+  out = {}
+  for dtype in (torch.float64, torch.float32):
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(
+      MOE, dtype=dtype, experts_implementation="eager"
+    ).eval()
+    if adapter is not None:
+      model = peft.PeftModel.from_pretrained(model, adapter).eval()
+    out[dtype] = mf.hf_logits(model, inputs, dtype)
+  return out
+
+
+def test_peft_loads_cpjax_expert_adapters_and_merging_equals_its_merge(tmp_path):
+  """Per-expert adapters (the default on an MoE) saved by cpjax are PEFT's
+  ParamWrapper factors: PEFT's logits with them are cpjax's, and
+  merge_lora's expert tensors are PEFT's merge_and_unload."""
+  inputs = fixtures_module().batch("images", 5)
+  model = lora.apply_lora(gemma4.Gemma4.from_pretrained(MOE), lora.LoraConfig(rank=4, alpha=16.0))
+  randomize_adapters(model, seed=5, scale=0.1)
+  lora.save_adapter(model, tmp_path / "adapter", base_model_name_or_path=MOE)
+  theirs = moe_logits(str(tmp_path / "adapter"), inputs)
+  base = moe_logits(None, inputs)[torch.float64]
+  real = inputs["attention_mask"].astype(bool)
+  assert np.abs(theirs[torch.float64] - base)[real].max() > 0.1  # the adapters matter
+  got = np.asarray(model(gemma4.prepare_batch(inputs, model.cfg)))
+  assert_as_close_as_transformers(got, theirs[torch.float32], theirs[torch.float64], inputs)
+
+  # Merged: each expert tensor is PEFT's float64 W + scale * B_e A_e to
+  # float32 rounding of its largest term (as the dense test bounds it).
+  terms = {
+    f"model.language_model.layers.{i}.experts.{name}": np.einsum(
+      "eir,ero->eoi", np.abs(np.asarray(a[...])), np.abs(np.asarray(b[...]))
+    )
+    * model.lora_config.scale
+    for i, layer in enumerate(model.model.language_model.layers)
+    for name, (a, b) in lora.adapters.adapter_pairs(layer.experts).items()
+  }
+  merged = lora.merge_lora(model)
+  assert type(merged) is gemma4.Gemma4 and not lora.adapted_modules(merged)
+  merged.save_pretrained(tmp_path / "merged")
+  ours = safetensors.numpy.load_file(tmp_path / "merged" / "model.safetensors")
+  reference = (
+    peft.PeftModel.from_pretrained(
+      transformers.Gemma4ForConditionalGeneration.from_pretrained(
+        MOE, dtype=torch.float64, experts_implementation="eager"
+      ),
+      str(tmp_path / "adapter"),
+    )
+    .merge_and_unload()
+    .state_dict()
+  )
+  checked = 0
+  for key, want in reference.items():
+    if ".experts." not in key:
+      continue
+    want, got_w = want.numpy(), ours[key]
+    assert not np.allclose(want, hf_moe_weight(key)), key  # the merge moved it
+    size = np.maximum(np.abs(hf_moe_weight(key)), terms[key])
+    assert np.all(np.abs(got_w - want) <= 3 * np.spacing(size.astype(np.float32))), key
+    checked += 1
+  assert checked == 2 * model.cfg.text.num_hidden_layers
+
+
+def hf_moe_weight(key, cache={}):
+  if not cache:
+    hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(MOE, dtype=torch.float64)
+    cache.update({k: v.numpy() for k, v in hf.state_dict().items()})
+  return cache[key]
+
+
+@pytest.fixture(scope="module")
+def peft_moe_adapter(tmp_path_factory):
+  """An adapter PEFT made and saved on the MoE fixture: attention and dense MLP
+  projections and both expert tensors (random B: init_lora_weights=False),
+  with transformers + PEFT's logits of a batch."""
+  path = tmp_path_factory.mktemp("peft_moe")
+  torch.manual_seed(1)
+  config = peft.LoraConfig(
+    r=4,
+    lora_alpha=8,
+    target_modules=r".*language_model.*\.(q_proj|o_proj|down_proj)",
+    target_parameters=EXPERT_TENSORS,
+    init_lora_weights=False,
+    task_type="CAUSAL_LM",
+  )
+  made = peft.get_peft_model(
+    transformers.Gemma4ForConditionalGeneration.from_pretrained(
+      MOE, dtype=torch.float32, experts_implementation="eager"
+    ),
+    config,
+  )
+  made.save_pretrained(path)
+  inputs = fixtures_module().batch("images", 9)
+  return path, inputs, moe_logits(str(path), inputs)
+
+
+# One device, cp, expert parallelism over cp (ep = 2 and 4), and fsdp x cp
+# with the experts over cp (ep = 2; the rows whole over parallel.make_mesh's
+# Auto fsdp axis). cp_logits does not fold ep onto fsdp: the training step's
+# fsdp x cp, ep = 4 case is test_lora.py's test_lora_cp_gradients_equal_single_device.
+@pytest.mark.parametrize(
+  "mesh_sizes",
+  [
+    {},
+    {"cp": 4},
+    {"cp": 2, "ep": 2},
+    {"cp": 4, "ep": 4},
+    {"fsdp": 2, "cp": 2, "ep": 2},
+  ],
+  ids=["one-device", "cp4", "cp2-ep2", "cp4-ep4", "fsdp2-cp2-ep2"],
+)
+def test_cpjax_loads_peft_expert_adapters_on_every_mesh(peft_moe_adapter, mesh_sizes):
+  from cpjax import parallel
+
+  path, inputs, theirs = peft_moe_adapter
+  model = lora.load_adapter(gemma4.Gemma4.from_pretrained(MOE), path)
+  experts = model.model.language_model.layers[0].experts
+  assert lora.lora_param_count(experts) == 4 * 4 * (
+    (64 + 2 * 24) + (24 + 64)
+  )  # E r (D + 2I + I + D)
+  assert model.lora_config.target_parameters == tuple(EXPERT_TENSORS)
+  batch = gemma4.prepare_batch(inputs, model.cfg)
+  if not mesh_sizes:
+    got = np.asarray(model(batch))
+  else:
+    sizes = dict(mesh_sizes)
+    ep = sizes.pop("ep", 1)
+    mesh = parallel.make_mesh(**sizes)
+    got = np.asarray(
+      gemma4.cp_logits(
+        model,
+        batch,
+        mesh,
+        batch_axis=parallel.batch_axis_of(mesh),
+        expert_axes=parallel.expert_axes(mesh, ep),
+      )
+    )
+  assert_as_close_as_transformers(got, theirs[torch.float32], theirs[torch.float64], inputs)
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_readme_lora_commands_run_and_peft_loads_the_adapter(
   tmp_path, monkeypatch, hf_checkpoint, kind
@@ -200,3 +348,7 @@ def test_readme_lora_commands_run_and_peft_loads_the_adapter(
   # rounding (measured max 5e-5 on fixture batches), far below any wrong factor.
   assert np.abs(got - theirs)[real].max() < 1e-3
   assert np.abs(ours.model.language_model.layers[0].mlp.up_proj.weight_lora_b[...]).max() > 0
+  if kind == "moe":  # the experts' own adapters trained too (the default), and PEFT applied them
+    experts = ours.model.language_model.layers[0].experts
+    assert np.abs(experts.gate_up_proj_lora_b[...]).max() > 0
+    assert np.abs(experts.down_proj_lora_b[...]).max() > 0

@@ -172,9 +172,11 @@ def test_lora_on_an_moe_checkpoint_with_ep_accumulation_remat_and_resume(tmp_pat
   """``cpjax train --lora-rank`` on a 26B-A4B-like checkpoint transformers
   saved, experts split over cp (ep=2) beside fsdp, 2 accumulated
   microbatches, full remat: the step-1 parity check against the
-  single-device LoRA step passes inside the run; it resumes from its state
-  and the saved adapter leaves the experts out (they stay frozen). (Resume
-  bit for bit: the dense test above; it does not depend on the model.)"""
+  single-device LoRA step passes inside the run (per-expert adapters
+  included: the default adapts the experts); it resumes from its state and
+  the saved adapter holds trained factors of every expert tensor, in PEFT's
+  layout. (Resume bit for bit: the dense test above; it does not depend on
+  the model.)"""
   run = with_values(
     RunConfig(),
     {
@@ -206,5 +208,8 @@ def test_lora_on_an_moe_checkpoint_with_ep_accumulation_remat_and_resume(tmp_pat
   )
   assert second["first_step"] == 1 and len(second["losses"]) == 1
   factors = safetensors.numpy.load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-  assert factors and not any("experts" in k for k in factors)
-  assert any(np.abs(v).max() > 0 for k, v in factors.items() if "lora_B" in k)
+  experts = {k: v for k, v in factors.items() if ".experts." in k}
+  # Two tensors a layer (gate_up_proj wrapped inside down_proj's wrapper), two factors each.
+  assert len(experts) == 4 * 4 and sum(".base_layer." in k for k in experts) == 4 * 2
+  assert all(np.abs(v).max() > 0 for k, v in experts.items() if "lora_B" in k)
+  assert any(np.abs(v).max() > 0 for k, v in factors.items() if "lora_B" in k and k not in experts)

@@ -427,6 +427,29 @@ def test_lora_compiled_plan_state_equals_the_closed_form():
   assert closed.training == "LoRA r=4 (bfloat16 base)"
 
 
+def test_expert_lora_compiled_plan_state_equals_the_closed_form():
+  """Per-expert adapters (the MoE default) are stored as their experts are:
+  with the state whole over cp, the rest over fsdp (2) and the experts and
+  their adapters over ep x fsdp (4); compiled = closed form, exactly, and
+  leaving them out takes off E r (in + out) a tensor."""
+  cfg = gemma4.Gemma4Config.preset("tiny-moe")
+  mesh = {"fsdp": 2, "cp": 2, "ep": 2}
+  shape = {"model": "tiny-moe", "seq_len": 256, "mesh": mesh, "shard_state": "fsdp"}
+  lora = {"lora_rank": 4, "base_dtype": "bfloat16"}
+  compiled = plan.compiled_plan(cfg, **shape, **lora)
+  closed = plan.estimate(cfg, **shape, dtype="float32", **lora)
+  assert compiled.params == closed.params and compiled.optimizer == closed.optimizer
+  alone = plan.estimate(cfg, **shape, dtype="float32", **lora, lora_target_parameters=())
+  t = cfg.text
+  d, i = t.hidden_size, t.moe_intermediate_size
+  on_experts = t.num_hidden_layers * t.num_experts * 4 * ((d + 2 * i) + (i + d))
+  assert (
+    plan.lora_param_count(cfg, rank=4) - plan.lora_param_count(cfg, rank=4, target_parameters=())
+    == on_experts
+  )
+  assert closed.optimizer - alone.optimizer == 8 * on_experts / 4  # over ep x fsdp
+
+
 # {"cp": 4, "ep": 4} runs in `make soak`: CI's {"fsdp": 2, "cp": 2, "ep": 2}
 # folds ep onto cp alone as it does (and beside fsdp), {"fsdp": 2, "cp": 2,
 # "ep": 4} onto cp and fsdp together.

@@ -10,6 +10,7 @@ import pytest
 from cpjax import cli, recipes
 from cpjax.cli.parser import train_parser
 from cpjax.training import plan, targets
+from cpjax.training.lora import DEFAULT_LORA_PARAMETERS, DEFAULT_LORA_TARGETS
 from cpjax.training.run_config import (
   DatasetConfig,
   OptimizerConfig,
@@ -481,22 +482,64 @@ def test_python_users_get_dotted_keys():
 
 
 def test_lora_targets_may_be_module_names_in_yaml(tmp_path):
-  """lora.targets is PEFT's target_modules: a regex or a list of module
-  names; a list round-trips through run.yaml as a list, and each entry must
-  be a name."""
-  run = with_values(RunConfig(), {"lora.rank": 4, "lora.targets": ("q_proj", "v_proj")})
+  """lora.targets and lora.target_parameters are PEFT's target_modules and
+  target_parameters: a regex or a list of names; a list round-trips through
+  run.yaml as a list, each entry must be a name, and one of the two must
+  name something."""
+  run = with_values(
+    RunConfig(),
+    {
+      "lora.rank": 4,
+      "lora.targets": ("q_proj", "v_proj"),
+      "lora.target_parameters": ("experts.down_proj",),
+    },
+  )
   check(run, files=False)
   text = to_yaml(run)
   assert "  targets:\n  - q_proj\n  - v_proj\n" in text
+  assert "  target_parameters:\n  - experts.down_proj\n" in text
   assert read_run_config(write_run_config(run, tmp_path)) == run
+  check(with_values(run, {"lora.targets": ()}), files=False)  # the experts alone
   with pytest.raises(
     RunError,
-    match=r"^lora\.targets must be a regex string or a non-empty "
-    r"tuple of module names, got \(\)$",
+    match=r"^lora\.targets and lora\.target_parameters are both empty: nothing to adapt$",
   ):
-    check(with_values(run, {"lora.targets": ()}), files=False)
+    check(with_values(run, {"lora.targets": (), "lora.target_parameters": ()}), files=False)
+  with pytest.raises(
+    RunError,
+    match=r"^lora\.target_parameters must be a regex string or a tuple of names "
+    r"\(\(\): none\), got \('experts\.down_proj', ''\)$",
+  ):
+    check(with_values(run, {"lora.target_parameters": ("experts.down_proj", "")}), files=False)
   with pytest.raises(RunError, match=r"^lora\.targets '\(' is not a regular expression"):
     check(with_values(run, {"lora.targets": "("}), files=False)
+
+
+@pytest.mark.parametrize(
+  "flags,targets,tensors",
+  [
+    (["--lora.target_parameters", "[]"], DEFAULT_LORA_TARGETS, ()),  # the experts frozen
+    (["--lora.targets", "[]"], (), DEFAULT_LORA_PARAMETERS),  # the experts alone
+    (
+      ["--lora.target_parameters", "[experts.down_proj]"],
+      DEFAULT_LORA_TARGETS,
+      ("experts.down_proj",),
+    ),
+    (
+      ["--lora.target_parameters", r".*experts\.down_proj"],
+      DEFAULT_LORA_TARGETS,
+      r".*experts\.down_proj",
+    ),
+  ],
+)
+def test_the_readme_lora_target_flags_read_as_peft_would(flags, targets, tensors):
+  """The README's `--lora.target_parameters '[]'` and `--lora.targets '[]'`:
+  an empty list is no target (not a regex), a list is names, a string a regex."""
+  from cpjax.training.run_file import run_from_namespace, run_parser
+
+  run = run_from_namespace(run_parser().parse_args(["--lora.rank", "4", *flags]))
+  assert (run.lora.targets, run.lora.target_parameters) == (targets, tensors)
+  check(run, files=False)
 
 
 def test_a_bad_file_read_in_python_is_a_run_error(tmp_path):

@@ -138,8 +138,12 @@ def test_tiles_sum_a_weight_shared_by_the_ranks_once():
 @pytest.mark.parametrize(
   "shape,state_axes",
   [
-    # weights gathered in the layer's remat (in CI); the same on every cp rank
-    ({"fsdp": 2, "cp": 2, "tp": 2}, parallel.STATE_AXES),
+    # weights gathered in the layer's remat; the same on every cp rank. Both
+    # in `make soak`: CI has the tiles against the whole row
+    # (test_the_mlp_in_tiles_equals_the_whole_row), a weight shared by the
+    # ranks summed once (test_tiles_sum_a_weight_shared_by_the_ranks_once),
+    # and the remat-gathered step on cp = 8 (test_state_sharding).
+    pytest.param({"fsdp": 2, "cp": 2, "tp": 2}, parallel.STATE_AXES, marks=pytest.mark.slow),
     pytest.param({"cp": 4}, ("fsdp",), marks=pytest.mark.slow),
   ],
   ids=["fsdp2xcp2xtp2", "cp4-state-over-fsdp"],

@@ -131,6 +131,11 @@ def _from_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
   args.remat = args.remat or default.remat
   args.shard_state = args.shard_state or default.shard_state
   args.lora_targets = ran.lora_targets if named("lora.targets") else default.lora_targets
+  args.lora_target_parameters = (
+    ran.lora_target_parameters
+    if named("lora.target_parameters")
+    else default.lora_target_parameters
+  )
   args.layout = ran.layout if named("parallel.layout") else default.layout
   # The compiled step's activations: the run's dtype, float32 by default
   # (XLA:CPU's partitioner aborts on bfloat16 weight gradients over fsdp/tp).
@@ -161,6 +166,7 @@ def step_shape(args: argparse.Namespace, mesh: dict | None) -> StepShape:
     lora_rank=args.lora_rank,
     base_dtype=args.base_dtype or "float32",
     lora_targets=args.lora_targets,
+    lora_target_parameters=args.lora_target_parameters,
     capacity_factor=args.capacity_factor,
     shard_state=args.shard_state,
     layout=args.layout,

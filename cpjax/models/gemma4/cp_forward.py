@@ -87,6 +87,11 @@ def cp_logits(
     shard_layout, axis_name, implementation, interpret, tuple(expert_axes), strategy=strategy
   )
   specs = batch_specs(sharded)
+  # The rows are split over batch_axis only where the sharder split them: it
+  # leaves them whole over an Auto axis (parallel.make_mesh's fsdp), and
+  # every such device then computes every row.
+  labels = specs["labels"]
+  rows = batch_axis if len(labels) and labels[0] == batch_axis else None
 
   def local(state, local_batch):
     return nnx.merge(graphdef, state)(local_batch, cp=context)
@@ -96,7 +101,7 @@ def cp_logits(
       local,
       mesh=mesh,
       in_specs=(state_specs(state, set(mesh.axis_names)), specs),
-      out_specs=P(batch_axis, axis_name),
+      out_specs=P(rows, axis_name),
     )(state, sharded)
 
   # Experts split over the expert axes (as training stores them), the rest whole.

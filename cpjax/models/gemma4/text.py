@@ -150,7 +150,23 @@ class Experts(nnx.Module):
   gate then up). Tokens are grouped by expert and run through
   :func:`cpjax.models.gemma4.experts.grouped_matmul`: each token costs its k experts, not
   all E (on TPU; elsewhere each of the G experts here computes every row,
-  masked, as JAX's own lowering of ``ragged_dot`` does)."""
+  masked, as JAX's own lowering of ``ragged_dot`` does).
+
+  LoRA (PEFT's ``target_parameters``, made by
+  :func:`cpjax.training.lora.apply_lora`): a tensor named in
+  ``lora_parameters`` gains per-expert factors ``<name>_lora_a`` [E, in, r]
+  and ``<name>_lora_b`` [E, r, out] (float32) and the module a
+  ``lora_scale``; expert ``e`` then computes ``x W_e.T + scale * x A_e
+  B_e`` with its own rows, on every path the experts run (one device,
+  expert parallelism with or without a capacity factor, TPU's grouped
+  matmul), and the factors travel with their experts over ``ep``. As
+  PEFT's ``ParamWrapper`` computes it: the factors in the weights' compute
+  dtype, each product accumulated in float32, the sum formed in float32.
+  """
+
+  # The tensors that can carry LoRA factors, in the order the Hugging Face
+  # module defines them (PEFT nests its wrappers in that order).
+  lora_parameters = ("gate_up_proj", "down_proj")
 
   def __init__(self, cfg: Gemma4TextConfig, *, rngs):
     e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -164,6 +180,14 @@ class Experts(nnx.Module):
     self.gate_up_proj = nnx.Param(normal((e, 2 * i, d), d).astype(jnp.float32))
     self.down_proj = nnx.Param(normal((e, d, i), i).astype(jnp.float32))
     self.num_experts, self.hidden = e, i
+
+  def _adapters(self) -> dict:
+    """{tensor name: (A [E, in, r], B [E, r, out])} of the adapted tensors."""
+    return {
+      name: (getattr(self, name + "_lora_a")[...], getattr(self, name + "_lora_b")[...])
+      for name in self.lora_parameters
+      if hasattr(self, name + "_lora_a")
+    }
 
   def __call__(
     self,
@@ -179,20 +203,30 @@ class Experts(nnx.Module):
     With ``expert_axes`` the experts are split over those mesh axes and
     tokens travel to them (:func:`cpjax.models.gemma4.experts.routed_experts`)."""
     hidden = self.hidden
+    scale = getattr(self, "lora_scale", None)
+
+    def project(rows, weight, sizes, adapter):
+      """rows [R, in] by each row's expert's weight [E, out, in] (and adapter)."""
+      dt = rows.dtype
+      y = grouped_matmul(rows, jnp.swapaxes(weight, 1, 2).astype(dt), sizes)
+      if adapter is None:
+        return y
+      a, b = adapter
+      assert scale is not None  # apply_lora sets it beside the factors
+      low = grouped_matmul(rows, a.astype(dt), sizes)  # [R, r]
+      term = grouped_matmul(low, b.astype(dt), sizes).astype(jnp.float32)
+      return (y.astype(jnp.float32) + scale * term).astype(dt)
 
     def run(rows, sizes, params):
-      gate_up, down = params  # [E, 2I, D], [E, D, I] (those here)
-      dt = rows.dtype
-      gu = grouped_matmul(rows, jnp.swapaxes(gate_up, 1, 2).astype(dt), sizes)
-      return grouped_matmul(
-        gelu(gu[:, :hidden]) * gu[:, hidden:], jnp.swapaxes(down, 1, 2).astype(dt), sizes
-      )
+      gate_up, down, adapters = params  # [E, 2I, D], [E, D, I] (those here)
+      gu = project(rows, gate_up, sizes, adapters.get("gate_up_proj"))
+      return project(gelu(gu[:, :hidden]) * gu[:, hidden:], down, sizes, adapters.get("down_proj"))
 
     return routed_experts(
       x,
       weights,
       idx,
-      (self.gate_up_proj[...], self.down_proj[...]),
+      (self.gate_up_proj[...], self.down_proj[...], self._adapters()),
       run,
       num_experts=self.num_experts,
       expert_axes=expert_axes,

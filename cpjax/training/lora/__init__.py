@@ -34,16 +34,26 @@ against each module's dotted path, or a list of names (a module matches
 when its path is the name or ends with ``.name``). Only modules that run an
 intercepted product on a parameter of their own can carry adapters; a
 target that matches anything else is an error, never silently skipped.
-Gemma 4's MoE experts (``lax.ragged_dot`` on 3-D tensors, which PEFT
-reaches only through ``target_parameters``) are never targets.
+
+Tensors a module runs itself are PEFT's ``target_parameters`` (a regex or
+names, matched the same way against ``<module path>.<tensor name>``): Gemma
+4's MoE experts, [E, out, in] tensors run by a grouped matmul, which list
+them in ``lora_parameters``. Each expert ``e`` gains its own factors ``A_e``
+[I, r] and ``B_e`` [r, O], stored as ``<tensor>_lora_a`` [E, I, r] and
+``<tensor>_lora_b`` [E, r, O] and applied by the experts on every path,
+placed with their experts over ``ep``; PEFT's files hold them as its
+``ParamWrapper`` does (:mod:`~cpjax.training.lora.peft_format`). By default
+both expert tensors of an MoE are adapted; ``target_parameters=()`` leaves
+them frozen.
 
 Shape letters: ``I`` a projection's input width, ``O`` its output width,
-``r`` the rank.
+``r`` the rank, ``E`` experts.
 
 The adapters are :mod:`~cpjax.training.lora.adapters`, PEFT's files
 :mod:`~cpjax.training.lora.peft_format`; their names are re-exported here.
 """
 
+from cpjax.training.lora.adapters import DEFAULT_LORA_PARAMETERS as DEFAULT_LORA_PARAMETERS
 from cpjax.training.lora.adapters import DEFAULT_LORA_TARGETS as DEFAULT_LORA_TARGETS
 from cpjax.training.lora.adapters import LoraConfig as LoraConfig
 from cpjax.training.lora.adapters import adapted_modules as adapted_modules
@@ -61,6 +71,7 @@ from cpjax.training.lora.peft_format import save_adapter as save_adapter
 __all__ = [
   "ADAPTER_CONFIG_FILE",
   "ADAPTER_WEIGHTS_FILE",
+  "DEFAULT_LORA_PARAMETERS",
   "DEFAULT_LORA_TARGETS",
   "LoraConfig",
   "adapted_modules",

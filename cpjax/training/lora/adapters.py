@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 __all__ = [
+  "DEFAULT_LORA_PARAMETERS",
   "DEFAULT_LORA_TARGETS",
   "LoraConfig",
   "adapted_modules",
@@ -40,6 +41,10 @@ DEFAULT_LORA_TARGETS = (
   r".*language_model\.layers\.\d+\."
   r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 )
+
+# The MoE experts' tensors (PEFT's target_parameters): most of an MoE's
+# weights, adapted per expert. A model without experts has none to match.
+DEFAULT_LORA_PARAMETERS = r".*language_model\.layers\.\d+\.experts\.(gate_up_proj|down_proj)"
 
 # A model's own class: adapting and merging keep it (qwix's adapted model is an
 # instance of a subclass of it).
@@ -66,7 +71,13 @@ class LoraConfig:
   """modules to adapt: a regex matched in full against paths such as
   model.language_model.layers.0.self_attn.q_proj, or a list of module names
   (PEFT's target_modules; default: the decoder's q/k/v/o and gate/up/down
-  projections)"""
+  projections; () for none)"""
+  target_parameters: Union[str, tuple[str, ...]] = DEFAULT_LORA_PARAMETERS
+  """tensors to adapt inside the module that runs them, per expert (PEFT's
+  target_parameters): a regex matched in full against paths such as
+  model.language_model.layers.0.experts.gate_up_proj, or a list of
+  parameter names; () for none (default: the MoE experts' gate_up_proj and
+  down_proj, where the model has experts)"""
   use_rslora: bool = False
   """rank-stabilised LoRA: scale by alpha / sqrt(rank) instead"""
   base_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -76,8 +87,9 @@ class LoraConfig:
   instead of the adapter"""
 
   def __post_init__(self):
-    if isinstance(self.targets, list):  # PEFT's JSON list of module names
-      object.__setattr__(self, "targets", tuple(self.targets))
+    for field in ("targets", "target_parameters"):  # PEFT's JSON lists of names
+      if isinstance(getattr(self, field), list):
+        object.__setattr__(self, field, tuple(getattr(self, field)))
 
   @property
   def scale(self) -> float:
@@ -95,9 +107,25 @@ class LoraConfig:
     Returns:
       Whether the module is a target.
     """
-    if isinstance(self.targets, str):
-      return re.fullmatch(self.targets, path) is not None
-    return any(path == t or path.endswith("." + t) for t in self.targets)
+    return _matches(self.targets, path)
+
+  def matches_parameter(self, path: str) -> bool:
+    """Check whether the parameter at dotted ``path`` is a target (PEFT's rule).
+
+    Args:
+      path: the parameter's dotted path (its module's, then its name).
+
+    Returns:
+      Whether ``target_parameters`` names it.
+    """
+    return _matches(self.target_parameters, path)
+
+
+def _matches(targets: Union[str, tuple[str, ...]], path: str) -> bool:
+  """PEFT's rule: a regex matched in full, or names that are the path or end it."""
+  if isinstance(targets, str):
+    return re.fullmatch(targets, path) is not None
+  return any(path == t or path.endswith("." + t) for t in targets)
 
 
 def check_lora_config(
@@ -111,9 +139,9 @@ def check_lora_config(
 
   Raises:
     ValueError: a rank that is not an integer >= 1, an alpha that is not a
-      positive number, or targets that are not a regular expression.
-    TypeError: targets that are neither a string nor a non-empty tuple of
-      module names.
+      positive number, targets that are not a regular expression, or no
+      targets at all.
+    TypeError: targets that are neither a string nor a tuple of names.
 
   >>> check_lora_config(LoraConfig(rank=0))
   Traceback (most recent call last):
@@ -122,7 +150,7 @@ def check_lora_config(
   """
   if not isinstance(config, LoraConfig):
     raise TypeError(f"expected a LoraConfig, got {type(config).__name__}")
-  rank, alpha, targets = config.rank, config.alpha, config.targets
+  rank, alpha = config.rank, config.alpha
   if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
     raise ValueError(f"{name('rank')} must be an integer >= 1, got {rank!r}")
   if (
@@ -131,17 +159,20 @@ def check_lora_config(
     or not (math.isfinite(alpha) and alpha > 0)
   ):
     raise ValueError(f"{name('alpha')} must be a positive number, got {alpha!r}")
-  if isinstance(targets, str):
-    try:
-      re.compile(targets)
-    except re.error as e:
-      raise ValueError(f"{name('targets')} {targets!r} is not a regular expression: {e}") from None
-  elif not (
-    isinstance(targets, tuple) and targets and all(isinstance(t, str) and t for t in targets)
-  ):
-    raise TypeError(
-      f"{name('targets')} must be a regex string or a non-empty tuple of module "
-      f"names, got {targets!r}"
+  for field in ("targets", "target_parameters"):
+    value = getattr(config, field)
+    if isinstance(value, str):
+      try:
+        re.compile(value)
+      except re.error as e:
+        raise ValueError(f"{name(field)} {value!r} is not a regular expression: {e}") from None
+    elif not (isinstance(value, tuple) and all(isinstance(t, str) and t for t in value)):
+      raise TypeError(
+        f"{name(field)} must be a regex string or a tuple of names ((): none), got {value!r}"
+      )
+  if config.targets == () and config.target_parameters == ():
+    raise ValueError(
+      f"{name('targets')} and {name('target_parameters')} are both empty: nothing to adapt"
     )
 
 
@@ -248,12 +279,17 @@ def apply_lora(
   method: str | None = None,
   **example_kwargs: Any,
 ) -> _Model:
-  """Add LoRA adapters to a copy of ``model`` on ``config.targets``' projections.
+  """Add LoRA adapters to a copy of ``model`` on ``config.targets``' projections
+  and ``config.target_parameters``' expert tensors.
 
   qwix runs the model once on ``example_inputs`` (any values of the right
   structure; without them, the model's own ``example_inputs()`` method's
   ``(args, kwargs)``: a Gemma 4 makes an 8-token batch) to create the adapters.
   Adapters are float32, ``A`` seeded by ``seed``; the base keeps its dtype.
+  A tensor of ``target_parameters`` ([E, out, in], in a module that lists
+  it in ``lora_parameters``: Gemma 4's experts) gains per-expert factors
+  ``<name>_lora_a`` [E, in, r] and ``<name>_lora_b`` [E, r, out], which
+  the module applies itself.
 
   Args:
     model: a Flax NNX module without adapters.
@@ -268,9 +304,11 @@ def apply_lora(
   Returns:
     The adapted model; its ``lora_config`` is ``config``.
 
-  Raises ``ValueError`` when a target matches no module, or matches a
+  Raises ``ValueError`` when the targets match nothing, a target matches a
   module that runs no intercepted product on a parameter of its own (an
-  MoE expert tensor, a container module, a weight applied with ``@``).
+  MoE expert tensor, a container module, a weight applied with ``@``), or
+  ``target_parameters`` names a tensor its module cannot adapt (or, set
+  by the user, none at all).
 
   Example (any NNX model):
     >>> class Tiny(nnx.Module):
@@ -290,8 +328,6 @@ def apply_lora(
     >>> lora_param_count(model)                          # (4 + 8) * 2 + (8 + 2) * 2
     44
   """
-  import qwix
-
   if not isinstance(config, LoraConfig):
     raise TypeError(
       f"apply_lora's config must be a LoraConfig (LoraConfig(rank=...)), got "
@@ -307,15 +343,30 @@ def apply_lora(
     )
   paths = module_paths(model)
   matched = sorted(p for p in paths if settings.matches(p))
-  if not matched:
+  tensors = parameter_targets(model, settings)
+  if not matched and not tensors:
     raise ValueError(
       f"LoRA targets {settings.targets!r} match no module of the "
       f"{type(model).__name__}; its modules are e.g. {sorted(paths)[:8]}"
     )
+  if matched:
+    adapted = _adapt_modules(model, settings, matched, method, seed, example_inputs, example_kwargs)
+  else:
+    adapted = nnx.clone(model)
+  _adapt_parameters(adapted, settings, tensors, seed)
+  setattr(adapted, "lora_config", settings)  # read back by adapter_settings
+  # qwix types it as any NNX module; it is an instance of a subclass of model's class.
+  return cast(_Model, adapted)
+
+
+def _adapt_modules(model, settings: LoraConfig, matched: list[str], method, seed, args, kwargs):
+  """qwix's adapters on the ``matched`` modules' projections (a copy of ``model``)."""
+  import qwix
+
   if method is None:
     method = "hidden_states" if callable(getattr(model, "hidden_states", None)) else "__call__"
-  if not example_inputs and not example_kwargs:
-    example_inputs, example_kwargs = _example_inputs(model)
+  if not args and not kwargs:
+    args, kwargs = _example_inputs(model)
   module_path = "|".join(re.escape(p.replace(".", "/")) for p in matched)
   # The creation pass must run the layers in place: a rematerialised layer
   # runs on a copy of its state, and the adapters made there would be lost.
@@ -327,10 +378,10 @@ def apply_lora(
       adapted = qwix.apply_lora_to_model(
         model,
         _provider(module_path, settings),
-        *example_inputs,
+        *args,
         rngs=nnx.Rngs(seed),
         methods=(method,),
-        **example_kwargs,
+        **kwargs,
       )
       restore(adapted)
   finally:
@@ -347,9 +398,82 @@ def apply_lora(
       f"their own while {method} runs): {missing[:6]}"
       f"{' ...' if len(missing) > 6 else ''}"
     )
-  setattr(adapted, "lora_config", settings)  # read back by adapter_settings
-  # qwix types it as any NNX module; it is an instance of a subclass of model's class.
-  return cast(_Model, adapted)
+  return adapted
+
+
+def parameter_paths(model: nnx.Module) -> dict[str, tuple[nnx.Module, str]]:
+  """Return {dotted parameter path: (its module, its name)} of every parameter held
+  directly by a submodule of ``model``."""
+  out = {}
+  for path, module in module_paths(model).items():
+    for name, value in vars(module).items():
+      if isinstance(value, nnx.Param) and not isinstance(value, nnx.LoRAParam):
+        out[f"{path}.{name}"] = (module, name)
+  return out
+
+
+def parameter_targets(model: nnx.Module, settings: LoraConfig) -> list[str]:
+  """Find the parameter paths ``target_parameters`` names, each one its module
+  can adapt (named in the module's ``lora_parameters``): a ``ValueError``
+  names any other, and a setting of the user's that names nothing."""
+  found = parameter_paths(model)
+  matched = sorted(p for p in found if settings.matches_parameter(p))
+  refused = [p for p in matched if found[p][1] not in getattr(found[p][0], "lora_parameters", ())]
+  if refused:
+    raise ValueError(
+      f"LoRA target_parameters {settings.target_parameters!r} name tensors cpjax "
+      f"cannot adapt: {refused[:6]}{' ...' if len(refused) > 6 else ''} (it adapts "
+      f"the tensors a module lists in lora_parameters, such as an MoE's "
+      f"experts.gate_up_proj and experts.down_proj)"
+    )
+  # The default adapts the experts where there are some; a setting the user
+  # wrote must name something.
+  if not matched and settings.target_parameters not in ((), DEFAULT_LORA_PARAMETERS):
+    adaptable = sorted(p for p, (m, n) in found.items() if n in getattr(m, "lora_parameters", ()))
+    raise ValueError(
+      f"LoRA target_parameters {settings.target_parameters!r} match no tensor of "
+      f"the {type(model).__name__} (those it can adapt: {adaptable[:4] or 'none'})"
+    )
+  return matched
+
+
+def _adapt_parameters(model: nnx.Module, settings: LoraConfig, paths: list[str], seed: int):
+  """Per-expert factors on each tensor of ``paths`` ([E, out, in]): ``A`` [E, in, r]
+  as PEFT draws it (uniform in ``±1/sqrt(in)``), ``B`` [E, r, out] zero, both
+  float32 and split over the mesh as their tensor's leading dimension is."""
+  assert settings.rank is not None  # check_lora_config passed it
+  found = parameter_paths(model)
+  key = jax.random.key(seed)
+  for i, path in enumerate(paths):
+    module, name = found[path]
+    weight = getattr(module, name)[...]
+    if weight.ndim != 3:
+      raise ValueError(
+        f"LoRA target_parameters: {path} is {weight.shape}; per-expert adapters "
+        f"need an [experts, out, in] tensor"
+      )
+    e, out, fan_in = weight.shape
+    bound = 1.0 / math.sqrt(fan_in)
+    a = jax.random.uniform(
+      jax.random.fold_in(key, i), (e, fan_in, settings.rank), jnp.float32, -bound, bound
+    )
+    b = jnp.zeros((e, settings.rank, out), jnp.float32)
+    a, b = _placed_like(a, weight), _placed_like(b, weight)
+    setattr(module, name + "_lora_a", nnx.LoRAParam(a))
+    setattr(module, name + "_lora_b", nnx.LoRAParam(b))
+    setattr(module, "lora_scale", settings.scale)
+
+
+def _placed_like(x: jax.Array, weight: jax.Array) -> jax.Array:
+  """``x`` [E, ...] split over the mesh axes that split ``weight``'s leading dimension."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  sharding = getattr(weight, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return x
+  lead = sharding.spec[0] if len(sharding.spec) else None
+  return jax.device_put(x, NamedSharding(sharding.mesh, P(lead, *([None] * (x.ndim - 1)))))
 
 
 def _retyped(model: nnx.Module, retype) -> None:
@@ -439,21 +563,27 @@ def adapter_settings(model: nnx.Module) -> LoraConfig:
   return settings
 
 
-def _delta(name: str, base: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+def _delta(
+  name: str, base: jax.Array, a: jax.Array, b: jax.Array, scale: float, *, per_expert: bool
+) -> jax.Array:
   """``scale * A B`` in the base parameter's layout: ``weight`` [O, I] (the
-  PyTorch / Hugging Face layout, cpjax's Gemma 4) or ``kernel`` [I, O] (Flax)."""
-  delta = (
-    jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    * scale
-  )
-  if base.ndim != 2 or a.ndim != 2 or b.ndim != 2:
-    raise ValueError(f"only 2-D projections can be merged; {name} is {base.shape}")
-  if name == "weight":
-    delta = delta.T
-  elif name != "kernel":
-    raise ValueError(
-      f"merge_lora knows 'weight' [out, in] and 'kernel' [in, out] parameters, got {name!r}"
-    )
+  PyTorch / Hugging Face layout, cpjax's Gemma 4), ``kernel`` [I, O] (Flax),
+  or, per expert, a tensor [E, O, I] with ``A`` [E, I, r] and ``B`` [E, r, O]."""
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  if per_expert:
+    if base.ndim != 3 or a.ndim != 3 or b.ndim != 3:
+      raise ValueError(f"per-expert adapters need [E, out, in] tensors; {name} is {base.shape}")
+    delta = jnp.einsum("eir,ero->eoi", a, b, precision=jax.lax.Precision.HIGHEST) * scale
+  else:
+    if base.ndim != 2 or a.ndim != 2 or b.ndim != 2:
+      raise ValueError(f"only 2-D projections can be merged; {name} is {base.shape}")
+    delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST) * scale
+    if name == "weight":
+      delta = delta.T
+    elif name != "kernel":
+      raise ValueError(
+        f"merge_lora knows 'weight' [out, in] and 'kernel' [in, out] parameters, got {name!r}"
+      )
   if delta.shape != base.shape:
     raise ValueError(
       f"the adapters of {name} give a {delta.shape} update for a {base.shape} parameter"
@@ -492,18 +622,20 @@ def merge_lora(model: _Model) -> _Model:
   for path, module in adapted_modules(model).items():
     for name, (a, b) in adapter_pairs(module).items():
       base = getattr(module, name)
+      per_expert = name in getattr(module, "lora_parameters", ())
       merged = base[...].astype(jnp.float32) + _delta(
-        name, base[...], a[...], b[...], settings.scale
+        name, base[...], a[...], b[...], settings.scale, per_expert=per_expert
       )
       base.set_value(merged.astype(base[...].dtype))
       for suffix in ("_lora_a", "_lora_b", "_lora_einsum_str"):
         if hasattr(module, name + suffix):
           delattr(module, name + suffix)
   for _, module in nnx.iter_modules(model):
-    for attr in ("qwix_path", "qwix_rngs", "disable_quant_stats_update"):
+    for attr in ("qwix_path", "qwix_rngs", "disable_quant_stats_update", "lora_scale"):
       if attr in vars(module):
         delattr(module, attr)
   del model.lora_config
-  # qwix's subclass of the model's class names that class; pyrefly sees only nnx.Module.
-  model.__class__ = model.__class__._unquantized_type  # pyrefly: ignore[missing-attribute]
+  # qwix's subclass of the model's class names that class (a model whose
+  # adapters are all per-expert was never qwix's); pyrefly sees only nnx.Module.
+  model.__class__ = getattr(model.__class__, "_unquantized_type", model.__class__)
   return model

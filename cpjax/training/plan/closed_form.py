@@ -48,7 +48,8 @@ remat's recompute) and attention ``4 * S_q * S_k_visible * H * Dh`` per
 layer forward, three times that with the backward.
 
 LoRA (``lora_rank``, :mod:`cpjax.training.lora`): ``N_a`` adapter values (``r * (in +
-out)`` per targeted projection). The frozen base takes ``b N / s`` (``b``:
+out)`` per targeted projection, ``E * r * (in + out)`` per targeted expert
+tensor, stored as its experts are). The frozen base takes ``b N / s`` (``b``:
 ``base_dtype``'s bytes) and only the adapters have gradients and Adam
 moments: parameters ``b N / s + 4 N_a / s``, moments ``8 N_a / s``,
 gradients ``4 N_a / s`` (twice with ``cp > 1``); a gathered layer takes
@@ -189,16 +190,24 @@ def _projections(cfg) -> tuple[tuple[str, int, int], ...]:
   )
 
 
-def lora_param_count(cfg: Gemma4Config, *, rank: int, targets: str | None = None) -> int:
-  """Count the adapter values of rank ``rank`` on the projections ``targets`` matches.
+def lora_param_count(
+  cfg: Gemma4Config,
+  *,
+  rank: int,
+  targets: str | tuple[str, ...] | None = None,
+  target_parameters: str | tuple[str, ...] | None = None,
+) -> int:
+  """Count the adapter values of rank ``rank`` on what ``targets`` and ``target_parameters`` match.
 
-  ``r * (in + out)`` each.
+  ``r * (in + out)`` a projection, ``E * r * (in + out)`` an expert tensor.
 
   Args:
     cfg: the :class:`Gemma4Config`.
     rank: the adapters' rank.
     targets: the projections to adapt (default
       :data:`cpjax.training.lora.DEFAULT_LORA_TARGETS`).
+    target_parameters: the expert tensors to adapt (default
+      :data:`cpjax.training.lora.DEFAULT_LORA_PARAMETERS`).
 
   Returns:
     The number of adapter values.
@@ -207,10 +216,32 @@ def lora_param_count(cfg: Gemma4Config, *, rank: int, targets: str | None = None
   >>> lora_param_count(Gemma4Config.preset("tiny"), rank=4)
   24320
   """
-  from cpjax.training.lora import DEFAULT_LORA_TARGETS, LoraConfig
+  return sum(_lora_counts(cfg, rank, targets, target_parameters))
 
-  settings = LoraConfig(rank=rank, targets=targets or DEFAULT_LORA_TARGETS)
-  return sum(rank * (out + inp) for path, out, inp in _projections(cfg) if settings.matches(path))
+
+def _lora_counts(cfg: Gemma4Config, rank: int, targets, target_parameters) -> tuple[int, int]:
+  """Adapter values on the projections and on the expert tensors."""
+  from cpjax.training.lora import DEFAULT_LORA_PARAMETERS, DEFAULT_LORA_TARGETS, LoraConfig
+
+  settings = LoraConfig(
+    rank=rank,
+    targets=DEFAULT_LORA_TARGETS if targets is None else targets,
+    target_parameters=DEFAULT_LORA_PARAMETERS if target_parameters is None else target_parameters,
+  )
+  on_projections = sum(
+    rank * (out + inp) for path, out, inp in _projections(cfg) if settings.matches(path)
+  )
+  t = cfg.text
+  on_experts = 0
+  if t.enable_moe_block:
+    assert t.num_experts is not None and t.moe_intermediate_size is not None
+    e, d, i = t.num_experts, t.hidden_size, t.moe_intermediate_size
+    for layer in range(t.num_hidden_layers):
+      prefix = f"model.language_model.layers.{layer}.experts."
+      for name, out, inp in (("gate_up_proj", 2 * i, d), ("down_proj", d, i)):
+        if settings.matches_parameter(prefix + name):
+          on_experts += e * rank * (out + inp)
+  return on_projections, on_experts
 
 
 def estimate(
@@ -286,9 +317,14 @@ def estimate(
     params = 4 * stored
     optimizer, grads = 8 * stored + 4, 4 * stored  # + step count
   else:
-    trained = lora_param_count(cfg, rank=lora_rank, targets=lora_targets)
-    params = base * stored + 4 * trained / shards
-    optimizer, grads = 8 * trained / shards + 4, 4 * trained / shards
+    on_projections, on_experts = _lora_counts(
+      cfg, lora_rank, lora_targets, step.lora_target_parameters
+    )
+    trained = on_projections + on_experts
+    # Expert adapters are stored as their experts are.
+    adapters_here = on_projections / shards + on_experts / (expert_shards if ep > 1 else shards)
+    params = base * stored + 4 * adapters_here
+    optimizer, grads = 8 * adapters_here + 4, 4 * adapters_here
   if cp > 1 and not over_cp:
     grads *= 2  # the sum over the cp ranks is a second buffer
   # A gathered weight in its stored dtype, and its cast copy for compute.

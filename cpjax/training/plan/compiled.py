@@ -148,7 +148,15 @@ def compile_step(
     abstract = nnx.eval_shape(
       lambda: lora.apply_lora(
         Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat, param_dtype=storage),
-        lora.LoraConfig(rank=lora_rank, targets=lora_targets or lora.DEFAULT_LORA_TARGETS),
+        lora.LoraConfig(
+          rank=lora_rank,
+          targets=lora.DEFAULT_LORA_TARGETS if lora_targets is None else lora_targets,
+          target_parameters=(
+            lora.DEFAULT_LORA_PARAMETERS
+            if step_shape.lora_target_parameters is None
+            else step_shape.lora_target_parameters
+          ),
+        ),
       )
     )
     graphdef, params, frozen = lora.split_lora(abstract)

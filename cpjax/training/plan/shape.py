@@ -162,6 +162,8 @@ class StepShape:
     lora_rank: LoRA's rank; None: every weight trained.
     base_dtype: the frozen base's storage under LoRA.
     lora_targets: the projections LoRA adapts (None: the default targets).
+    lora_target_parameters: the expert tensors LoRA adapts (None: the
+      default, every expert tensor of an MoE).
     capacity_factor: the expert dispatch's (:mod:`cpjax.models.gemma4.experts`).
     shard_state: the state over ``fsdp x cp`` or whole over ``cp``.
     layout: the batch's layout kind (the strategy rule and the sharder read
@@ -181,6 +183,7 @@ class StepShape:
   lora_rank: int | None = None
   base_dtype: str = "float32"
   lora_targets: Any = None
+  lora_target_parameters: Any = None
   capacity_factor: float | None = None
   shard_state: str = "fsdp+cp"
   layout: LayoutKind | ShardLayout = "load_balanced"
@@ -206,9 +209,9 @@ class StepShape:
     >>> StepShape.of(run).batch_size
     2
     """
-    from cpjax.training.lora import DEFAULT_LORA_TARGETS
+    from cpjax.training.lora import DEFAULT_LORA_PARAMETERS, DEFAULT_LORA_TARGETS
 
-    targets = run.lora.targets
+    targets, tensors = run.lora.targets, run.lora.target_parameters
     return cls(
       seq_len=run.dataset.seq_len,
       mesh=run.parallel.mesh_sizes(),
@@ -218,6 +221,7 @@ class StepShape:
       lora_rank=run.lora.rank,
       base_dtype=run.lora.base_dtype,
       lora_targets=None if targets == DEFAULT_LORA_TARGETS else targets,
+      lora_target_parameters=None if tensors == DEFAULT_LORA_PARAMETERS else tensors,
       capacity_factor=run.experts.capacity_factor,
       shard_state=run.parallel.shard_state,
       layout=run.parallel.layout,
