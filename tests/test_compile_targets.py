@@ -270,6 +270,36 @@ def test_the_training_step_compiles_for_the_chip(target, preset, mesh, record):
     assert total <= 1.1 * record, (total, record)
 
 
+# `make soak` (a compile of 31 s): the experts' LoRA factors through XLA:TPU's
+# grouped matmul. CI checks their numerics on the CPU's loop (test_lora.py).
+@needs["v5e-8"]
+@pytest.mark.slow
+def test_the_expert_lora_step_compiles_for_the_tpu():
+  """Per-expert adapters (the MoE default under LoRA) inside ragged_dot's
+  grouped matmul, bfloat16, the experts and their factors over ep = 4 on
+  fsdp x cp: XLA:TPU accepts the step, and its state is the closed form's
+  (71960 bytes of parameters a device)."""
+  from cpjax.models.gemma4 import Gemma4Config
+
+  cfg = Gemma4Config.preset("tiny-moe")
+  shape = plan.StepShape(
+    1024,
+    {"fsdp": 2, "cp": 4, "ep": 4},
+    dtype="bfloat16",
+    lora_rank=4,
+    base_dtype="bfloat16",
+  )
+  compiled = plan.compiled_plan(cfg, shape, model="tiny-moe", target=targets.parse_target("v5e-8"))
+  closed = plan.estimate(cfg, shape, model="tiny-moe")
+  assert not compiled.refused
+  # XLA:TPU's parameters hold 4 bytes more than the closed form's, with or
+  # without the experts' adapters (65560 and 65556 without them).
+  assert compiled.optimizer == closed.optimizer and abs(compiled.params - closed.params) <= 4
+  assert plan.lora_param_count(cfg, rank=4) > plan.lora_param_count(
+    cfg, rank=4, target_parameters=()
+  )
+
+
 # ptxas's spills (bytes stored, per kernel) with the default GPU tiles: none
 # in bfloat16 at any of Gemma 4's head dims, nor in float32 up to 128; float32
 # at 256 and 512 spills in dK/dV (and dq at 512) even at 16 x 16 tiles, by at
