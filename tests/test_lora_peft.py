@@ -296,7 +296,10 @@ def test_cpjax_loads_peft_expert_adapters_on_every_mesh(peft_moe_adapter, mesh_s
   assert_as_close_as_transformers(got, theirs[torch.float32], theirs[torch.float64], inputs)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+# The README's command runs in CI on the MoE checkpoint (with its parity
+# check, expert adapters and PEFT); the dense one in `make soak` (its LoRA runs
+# in CI in test_lora_training.py).
+@pytest.mark.parametrize("kind", [pytest.param("dense", marks=pytest.mark.slow), "moe"])
 def test_readme_lora_commands_run_and_peft_loads_the_adapter(
   tmp_path, monkeypatch, hf_checkpoint, kind
 ):

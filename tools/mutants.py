@@ -1204,6 +1204,70 @@ MUTANTS = (
     ("tests/test_lora_peft.py::test_cpjax_loads_peft_expert_adapters_on_every_mesh",),
   ),
   Mutant(
+    "qlora: the experts run on the quantized values unscaled",
+    "cpjax/models/gemma4/text.py",
+    "        dense = qwix.dequantize(jax.lax.stop_gradient(weight))\n",
+    "        dense = weight.qvalue.astype(jnp.float32)\n",
+    ("tests/test_qlora.py::test_a_quantized_base_is_the_numpy_scheme_and_its_logits_transformers",),
+  ),
+  Mutant(
+    "qlora: the experts' gradient reaches their frozen quantized tensors",
+    "cpjax/models/gemma4/text.py",
+    "        dense = qwix.dequantize(jax.lax.stop_gradient(weight))\n",
+    "        dense = qwix.dequantize(weight)\n",
+    ("tests/test_qlora.py::test_the_quantized_cp_step_equals_the_single_device_step",),
+  ),
+  Mutant(
+    "qlora: one scale an expert, not an output channel",
+    "cpjax/training/lora/quantize.py",
+    "channelwise_axes=(0, 1), tiled_axes=tiles)",
+    "channelwise_axes=(0,), tiled_axes=tiles)",
+    ("tests/test_qlora.py::test_a_quantized_base_is_the_numpy_scheme_and_its_logits_transformers",),
+  ),
+  Mutant(
+    "qlora: projections without adapters stay unquantized",
+    "cpjax/training/lora/adapters.py",
+    "    if quantized and re.fullmatch(QUANTIZED_MODULES, p) and p not in matched\n",
+    "    if False\n",
+    ("tests/test_qlora.py::test_a_quantized_base_is_the_numpy_scheme_and_its_logits_transformers",),
+  ),
+  Mutant(
+    "qlora: the plan counts a 4-bit value as a byte",
+    "cpjax/training/plan/closed_form.py",
+    '  q = 1.0 if base_dtype == "int8" else 0.5\n',
+    "  q = 1.0\n",
+    ("tests/test_qlora.py::test_a_quantized_base_compiles_to_the_closed_form_state",),
+  ),
+  Mutant(
+    "qlora: a 4-bit base runs the program compiled ahead of time",
+    "cpjax/training/step.py",
+    "      if self._executable is not None and not _has_sub_byte(frozen):\n",
+    "      if self._executable is not None:\n",
+    (
+      "tests/test_qlora.py::"
+      "test_cli_trains_a_4bit_moe_checkpoint_with_cp_and_ep_resumes_and_peft_loads_it",
+    ),
+  ),
+  Mutant(
+    "qlora: merging keeps the quantized weights",
+    "cpjax/training/lora/adapters.py",
+    "  _dequantize(model)\n",
+    "",
+    (
+      "tests/test_qlora.py::"
+      "test_merging_into_a_quantized_base_gives_a_plain_checkpoint_transformers_loads",
+    ),
+  ),
+  Mutant(
+    "qlora: a quantized weight's scales split like the weight over tp",
+    "cpjax/models/gemma4/partitioning.py",
+    "    if \"scale\" in path[7:]:  # a quantized weight's scales [out, groups] (qwix's QArray)\n",
+    "    if False:\n",
+    (
+      "tests/test_qlora.py::test_a_quantized_weights_scales_split_with_its_rows_or_divisible_groups",
+    ),
+  ),
+  Mutant(
     "lora: the adapters' scale ignores alpha",
     "cpjax/training/lora/adapters.py",
     "  alpha = settings.alpha * (math.sqrt(settings.rank) if settings.use_rslora else 1.0)",

@@ -234,9 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
   )
   plan.add_argument(
     "--base-dtype",
-    choices=("float32", "bfloat16"),
+    choices=("float32", "bfloat16", "int8", "int4", "nf4"),
     default=None,
-    help="storage dtype of the frozen LoRA base (default float32)",
+    help="storage of the frozen LoRA base (default float32; int8, int4, nf4: quantized)",
+  )
+  plan.add_argument(
+    "--group-size",
+    type=_positive,
+    default=None,
+    metavar="N",
+    help="a quantized base's input values a scale (default: one scale per output channel)",
   )
   plan.add_argument(
     "--expert-parallel",

@@ -108,6 +108,7 @@ def _from_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         run.lora.base_dtype if run.lora.rank is not None else None,
         ("lora.base_dtype", "lora.rank"),
       ),
+      "group_size": (run.lora.group_size, ("lora.group_size",)),
     }
     for key, (value, keys) in given.items():
       # A run's rows are its own even when no key names them: cpjax train
@@ -165,6 +166,7 @@ def step_shape(args: argparse.Namespace, mesh: dict | None) -> StepShape:
     remat=args.remat,
     lora_rank=args.lora_rank,
     base_dtype=args.base_dtype or "float32",
+    group_size=args.group_size,
     lora_targets=args.lora_targets,
     lora_target_parameters=args.lora_target_parameters,
     capacity_factor=args.capacity_factor,
@@ -242,6 +244,10 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
   if args.base_dtype is not None and args.lora_rank is None:
     parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
+  if args.group_size is not None and args.base_dtype not in ("int8", "int4", "nf4"):
+    parser.exit(
+      2, "cpjax plan: error: --group-size needs a quantized --base-dtype (int8, int4, nf4)\n"
+    )
   if args.expert_parallel and args.mesh is not None and not args.mesh_of_target:
     parser.exit(
       2,
@@ -392,6 +398,10 @@ def _search(parser: argparse.ArgumentParser, args: argparse.Namespace, chip) -> 
     parser.exit(2, "cpjax plan: error: --target compiles; it does not go with --estimate-only\n")
   if args.base_dtype is not None and args.lora_rank is None:
     parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
+  if args.group_size is not None and args.base_dtype not in ("int8", "int4", "nf4"):
+    parser.exit(
+      2, "cpjax plan: error: --group-size needs a quantized --base-dtype (int8, int4, nf4)\n"
+    )
   cfg, name = plan_config(parser, args)
   # A run with ep keeps expert parallelism: each searched mesh folds the
   # largest ep dividing the experts onto its token axes.
@@ -511,6 +521,7 @@ def _write_config(
       "parallel.shard_state": args.shard_state,
       "lora.rank": args.lora_rank,
       "lora.base_dtype": args.base_dtype or "float32",
+      "lora.group_size": args.group_size,
       "experts.capacity_factor": args.capacity_factor,
     },
   )

@@ -436,6 +436,15 @@ def stack_microbatches(batches: Sequence[Mapping[str, Any]]) -> dict:
   return {key: jnp.stack([jnp.asarray(b[key]) for b in batches]) for key in first}
 
 
+def _has_sub_byte(tree: Any) -> bool:
+  """Whether any array of ``tree`` has an integer dtype of fewer than 8 bits."""
+  return any(
+    jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits < 8
+    for x in jax.tree.leaves(tree)
+    if hasattr(x, "dtype")
+  )
+
+
 class TrainStep:
   """A jit-compiled training step that places fresh parameters on its mesh.
 
@@ -494,7 +503,10 @@ class TrainStep:
     params, opt_state, frozen = self._place(params, opt_state, self.frozen)
     self.frozen = frozen  # placed once; later steps reuse it
     with self._context():
-      if self._executable is not None:
+      # A sub-byte frozen array (a 4-bit base) goes through jit: the runtime
+      # makes int4 arrays unpacked, and a program compiled ahead of time
+      # refuses all but the packed layout it chose (XLA:CPU).
+      if self._executable is not None and not _has_sub_byte(frozen):
         return self._executable(params, opt_state, batch, frozen)
       return self._jit(params, opt_state)(params, opt_state, batch, frozen)
 

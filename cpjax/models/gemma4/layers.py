@@ -48,7 +48,10 @@ class Linear(nnx.Module):
     self.weight = nnx.Param(_init(rngs, (d_out, d_in), d_in**-0.5))
 
   def __call__(self, x):
-    return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+    weight = self.weight[...]
+    if isinstance(weight, jax.Array):  # (a quantized base's weight is qwix's to compute with)
+      weight = weight.astype(x.dtype)
+    return jnp.einsum("...i,oi->...o", x, weight)
 
 
 class ClippableLinear(nnx.Module):

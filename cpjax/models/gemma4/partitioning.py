@@ -6,7 +6,9 @@ hidden units), the output and down projections by input columns, so each
 ``tp`` rank computes whole heads and whole hidden units and one all-reduce
 closes each block (LoRA adapters follow: ``A`` of a column-split
 projection splits by its input rows, ``B`` of a row-split one by its output
-columns). MoE experts split over ``tp`` by expert, or, with expert
+columns; a quantized base's scales follow their weight's output rows, and
+its input columns where ``tp`` divides the groups, else stay whole). MoE
+experts split over ``tp`` by expert, or, with expert
 parallelism, over the ``expert_axes`` their tokens travel over
 (:func:`cpjax.parallel.expert_axes`). Key/value
 projections whose head count ``tp`` does not divide (Gemma 4's full layers
@@ -84,6 +86,10 @@ def partition_rule(
       return P("tp", None) if split == "columns" else P()
     if leaf.endswith("_lora_b"):
       return P(None, "tp") if split == "rows" else P()
+    if "scale" in path[7:]:  # a quantized weight's scales [out, groups] (qwix's QArray)
+      if split == "rows":
+        return P("tp", None)
+      return P(None, "tp") if shape[1] % tp == 0 else P()
     return P("tp", None) if split == "rows" else P(None, "tp")
 
   return rule

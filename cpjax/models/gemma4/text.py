@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import qwix
 from flax import nnx
 from jax.typing import DTypeLike
 
@@ -208,7 +209,13 @@ class Experts(nnx.Module):
     def project(rows, weight, sizes, adapter):
       """rows [R, in] by each row's expert's weight [E, out, in] (and adapter)."""
       dt = rows.dtype
-      y = grouped_matmul(rows, jnp.swapaxes(weight, 1, 2).astype(dt), sizes)
+      # A quantized base (QLoRA) stores qwix's QArray: the experts run on q *
+      # scale. It is frozen (a quantized base is LoRA's only): no gradient.
+      if isinstance(weight, qwix.QArray):
+        dense = qwix.dequantize(jax.lax.stop_gradient(weight))
+      else:
+        dense = weight
+      y = grouped_matmul(rows, jnp.swapaxes(dense, 1, 2).astype(dt), sizes)
       if adapter is None:
         return y
       a, b = adapter

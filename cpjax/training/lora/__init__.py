@@ -46,11 +46,17 @@ placed with their experts over ``ep``; PEFT's files hold them as its
 both expert tensors of an MoE are adapted; ``target_parameters=()`` leaves
 them frozen.
 
+A quantized frozen base (QLoRA: ``base_dtype`` int8, int4 or nf4, with
+``group_size``) is :mod:`~cpjax.training.lora.quantize`: qwix quantizes the
+decoder's projections as they run in the creation pass, and the experts'
+tensors are quantized beside them; the adapters stay float32.
+
 Shape letters: ``I`` a projection's input width, ``O`` its output width,
 ``r`` the rank, ``E`` experts.
 
 The adapters are :mod:`~cpjax.training.lora.adapters`, PEFT's files
-:mod:`~cpjax.training.lora.peft_format`; their names are re-exported here.
+:mod:`~cpjax.training.lora.peft_format`, a quantized base
+:mod:`~cpjax.training.lora.quantize`; their names are re-exported here.
 """
 
 from cpjax.training.lora.adapters import DEFAULT_LORA_PARAMETERS as DEFAULT_LORA_PARAMETERS
@@ -67,6 +73,7 @@ from cpjax.training.lora.peft_format import ADAPTER_WEIGHTS_FILE as ADAPTER_WEIG
 from cpjax.training.lora.peft_format import load_adapter as load_adapter
 from cpjax.training.lora.peft_format import read_adapter_config as read_adapter_config
 from cpjax.training.lora.peft_format import save_adapter as save_adapter
+from cpjax.training.lora.quantize import QUANTIZED_DTYPES as QUANTIZED_DTYPES
 
 __all__ = [
   "ADAPTER_CONFIG_FILE",
@@ -74,6 +81,7 @@ __all__ = [
   "DEFAULT_LORA_PARAMETERS",
   "DEFAULT_LORA_TARGETS",
   "LoraConfig",
+  "QUANTIZED_DTYPES",
   "adapted_modules",
   "apply_lora",
   "check_lora_config",

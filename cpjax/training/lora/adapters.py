@@ -19,7 +19,15 @@ from typing import Any, Literal, Optional, TypeVar, Union, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 from flax import nnx
+
+from cpjax.training.lora.quantize import (
+  QUANTIZED_DTYPES,
+  QUANTIZED_MODULES,
+  qtype,
+  quantize_experts,
+)
 
 __all__ = [
   "DEFAULT_LORA_PARAMETERS",
@@ -80,8 +88,13 @@ class LoraConfig:
   down_proj, where the model has experts)"""
   use_rslora: bool = False
   """rank-stabilised LoRA: scale by alpha / sqrt(rank) instead"""
-  base_dtype: Literal["float32", "bfloat16"] = "float32"
-  """the frozen base's storage dtype (cpjax train casts the base to it)"""
+  base_dtype: Literal["float32", "bfloat16", "int8", "int4", "nf4"] = "float32"
+  """the frozen base's storage: float32 or bfloat16 (cpjax train casts the
+  base to it), or quantized (QLoRA: the decoder's projections and the
+  experts in int8, int4 or nf4, through qwix; the rest in bfloat16)"""
+  group_size: Optional[int] = dataclasses.field(default=None, metadata={"positive": True})
+  """with a quantized base: one scale per this many input values of each
+  output channel (default: one scale per output channel)"""
   merge: bool = False
   """with checkpointing.save: write the base with the adapter merged in,
   instead of the adapter"""
@@ -170,6 +183,20 @@ def check_lora_config(
       raise TypeError(
         f"{name(field)} must be a regex string or a tuple of names ((): none), got {value!r}"
       )
+  if config.base_dtype not in ("float32", "bfloat16", *QUANTIZED_DTYPES):
+    raise ValueError(
+      f"{name('base_dtype')} must be one of float32, bfloat16, {', '.join(QUANTIZED_DTYPES)}; "
+      f"got {config.base_dtype!r}"
+    )
+  group = config.group_size
+  if group is not None:
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+      raise ValueError(f"{name('group_size')} must be an integer >= 1, got {group!r}")
+    if config.base_dtype not in QUANTIZED_DTYPES:
+      raise ValueError(
+        f"{name('group_size')} sets a quantized base's scales; {name('base_dtype')} "
+        f"{config.base_dtype} is not quantized ({', '.join(QUANTIZED_DTYPES)} are)"
+      )
   if config.targets == () and config.target_parameters == ():
     raise ValueError(
       f"{name('targets')} and {name('target_parameters')} are both empty: nothing to adapt"
@@ -189,10 +216,11 @@ def _zeros(key, shape, dtype=jnp.float32):
   return jnp.zeros(shape, jnp.float32)
 
 
-def _provider(module_path: str, settings: LoraConfig):
+def _provider(adapted: list[str], frozen: list[str], settings: LoraConfig):
   """qwix's LoRA provider, with PEFT's numerics: float32 adapters whose sum
-  with the base projection is cast back to the base output's dtype."""
-  import qwix
+  with the base projection is cast back to the base output's dtype; under a
+  quantized base, the ``adapted`` and ``frozen`` projections that
+  :data:`QUANTIZED_MODULES` names are quantized too."""
 
   class PeftNumerics(qwix.LoraProvider):
     def einsum(self, einsum_str, *operands, **kwargs):
@@ -218,13 +246,40 @@ def _provider(module_path: str, settings: LoraConfig):
   # qwix divides alpha by the rank; rsLoRA divides by its square root.
   assert settings.rank is not None  # check_lora_config passed it
   alpha = settings.alpha * (math.sqrt(settings.rank) if settings.use_rslora else 1.0)
-  return PeftNumerics(
-    module_path=module_path,
-    rank=settings.rank,
-    alpha=alpha,
-    lora_a_initializer=_peft_init,
-    lora_b_initializer=_zeros,
-  )
+  quantized = settings.base_dtype in QUANTIZED_DTYPES
+  weight_qtype = qtype(settings.base_dtype) if quantized else None
+  tile_size = settings.group_size if quantized else None
+
+  def adapters(paths: list[str], quantize: bool) -> qwix.LoraRule:
+    return qwix.LoraRule(
+      module_path=_paths(paths),
+      rank=settings.rank,
+      alpha=alpha,
+      lora_a_initializer=_peft_init,
+      lora_b_initializer=_zeros,
+      weight_qtype=weight_qtype if quantize else None,
+      tile_size=tile_size if quantize else None,
+    )
+
+  in_base = [p for p in adapted if quantized and re.fullmatch(QUANTIZED_MODULES, p)]
+  plain = sorted(set(adapted) - set(in_base))
+  rules: list[qwix.QuantizationRule] = []
+  if in_base:
+    rules.append(adapters(in_base, quantize=True))
+  if plain:
+    rules.append(adapters(plain, quantize=False))
+  if frozen:
+    rules.append(
+      qwix.QuantizationRule(
+        module_path=_paths(frozen), weight_qtype=weight_qtype, tile_size=tile_size
+      )
+    )
+  return PeftNumerics(rules)
+
+
+def _paths(paths: list[str]) -> str:
+  """qwix's module_path regex of exactly these dotted module paths."""
+  return "|".join(re.escape(p.replace(".", "/")) for p in paths)
 
 
 def module_paths(model: nnx.Module) -> dict[str, Any]:
@@ -349,25 +404,38 @@ def apply_lora(
       f"LoRA targets {settings.targets!r} match no module of the "
       f"{type(model).__name__}; its modules are e.g. {sorted(paths)[:8]}"
     )
-  if matched:
-    adapted = _adapt_modules(model, settings, matched, method, seed, example_inputs, example_kwargs)
+  quantized = settings.base_dtype in QUANTIZED_DTYPES
+  frozen = [
+    p
+    for p in sorted(paths)
+    if quantized and re.fullmatch(QUANTIZED_MODULES, p) and p not in matched
+  ]
+  if quantized:
+    _check_group_size(model, settings)
+  if matched or frozen:
+    adapted = _adapt_modules(
+      model, settings, matched, frozen, method, seed, example_inputs, example_kwargs
+    )
   else:
     adapted = nnx.clone(model)
   _adapt_parameters(adapted, settings, tensors, seed)
+  if quantized:
+    assert settings.base_dtype is not None
+    quantize_experts(adapted, settings.base_dtype, settings.group_size)
   setattr(adapted, "lora_config", settings)  # read back by adapter_settings
   # qwix types it as any NNX module; it is an instance of a subclass of model's class.
   return cast(_Model, adapted)
 
 
-def _adapt_modules(model, settings: LoraConfig, matched: list[str], method, seed, args, kwargs):
-  """qwix's adapters on the ``matched`` modules' projections (a copy of ``model``)."""
-  import qwix
-
+def _adapt_modules(
+  model, settings: LoraConfig, matched: list[str], frozen: list[str], method, seed, args, kwargs
+):
+  """qwix's adapters on the ``matched`` modules' projections, and a quantized
+  base's ``frozen`` ones quantized (a copy of ``model``)."""
   if method is None:
     method = "hidden_states" if callable(getattr(model, "hidden_states", None)) else "__call__"
   if not args and not kwargs:
     args, kwargs = _example_inputs(model)
-  module_path = "|".join(re.escape(p.replace(".", "/")) for p in matched)
   # The creation pass must run the layers in place: a rematerialised layer
   # runs on a copy of its state, and the adapters made there would be lost.
   remat = getattr(model, "remat", None)
@@ -377,7 +445,7 @@ def _adapt_modules(model, settings: LoraConfig, matched: list[str], method, seed
     with _auto_typed(model) as restore:
       adapted = qwix.apply_lora_to_model(
         model,
-        _provider(module_path, settings),
+        _provider(matched, frozen, settings),
         *args,
         rngs=nnx.Rngs(seed),
         methods=(method,),
@@ -399,6 +467,35 @@ def _adapt_modules(model, settings: LoraConfig, matched: list[str], method, seed
       f"{' ...' if len(missing) > 6 else ''}"
     )
   return adapted
+
+
+def _check_group_size(model: nnx.Module, settings: LoraConfig) -> None:
+  """A ``ValueError`` naming ``group_size`` and the first weight whose input
+  width it does not divide (a quantized projection's, or an expert tensor's)."""
+  group = settings.group_size
+  if group is None:
+    return
+  widths = {
+    f"{p}.weight": m.weight.shape[-1]
+    for p, m in module_paths(model).items()
+    if re.fullmatch(QUANTIZED_MODULES, p) and hasattr(m, "weight")
+  }
+  widths.update({p: getattr(m, n).shape[-1] for p, (m, n) in _expert_tensors(model).items()})
+  for path, width in widths.items():
+    if width % group:
+      raise ValueError(
+        f"LoRA group_size {group} does not divide {path}'s input width {width}: "
+        f"give a divisor of every quantized weight's input width, or none (per-channel scales)"
+      )
+
+
+def _expert_tensors(model: nnx.Module) -> dict[str, tuple[nnx.Module, str]]:
+  """{path: (module, name)} of every tensor a module lists in ``lora_parameters``."""
+  return {
+    p: (m, n)
+    for p, (m, n) in parameter_paths(model).items()
+    if n in getattr(m, "lora_parameters", ())
+  }
 
 
 def parameter_paths(model: nnx.Module) -> dict[str, tuple[nnx.Module, str]]:
@@ -591,11 +688,25 @@ def _delta(
   return delta
 
 
+def _dequantize(model: nnx.Module) -> None:
+  """Every weight of a quantized base (qwix's, on a projection or an expert
+  tensor) back to a plain parameter of its scale's dtype, in place."""
+  for _, module in nnx.iter_modules(model):
+    for name, value in list(vars(module).items()):
+      # A projection's weight as qwix's PTQ keeps it: its QArray beside how it was made.
+      if isinstance(getattr(value, "array", None), qwix.QArray):
+        setattr(module, name, nnx.Param(qwix.dequantize(value.array)))
+      elif isinstance(value, nnx.Param) and isinstance(value.get_value(), qwix.QArray):
+        value.set_value(qwix.dequantize(value.get_value()))
+
+
 def merge_lora(model: _Model) -> _Model:
   """Merge the adapters into the base model (its own class, no adapters).
 
   Every adapted parameter becomes ``W + scale * A B``, computed in float32 and
-  stored in ``W``'s dtype: what PEFT's ``merge_and_unload`` gives.
+  stored in ``W``'s dtype: what PEFT's ``merge_and_unload`` gives. A quantized
+  base's weights are dequantized first (``q * scale``, in the dtype the base
+  was quantized from), so the merged model is a plain one transformers loads.
 
   Args:
     model: a model with LoRA adapters.
@@ -619,6 +730,7 @@ def merge_lora(model: _Model) -> _Model:
   """
   settings = adapter_settings(model)
   model = nnx.clone(model)
+  _dequantize(model)
   for path, module in adapted_modules(model).items():
     for name, (a, b) in adapter_pairs(module).items():
       base = getattr(module, name)

@@ -100,6 +100,7 @@ import numpy as np
 
 from cpjax.attention.cp_context import parse_strategy
 from cpjax.training import cp_strategy
+from cpjax.training.lora.quantize import QUANTIZED_DTYPES, QUANTIZED_MODULES
 from cpjax.training.plan.shape import SHARD_STATE, Plan, StepShape
 
 if TYPE_CHECKING:
@@ -219,6 +220,38 @@ def lora_param_count(
   return sum(_lora_counts(cfg, rank, targets, target_parameters))
 
 
+def _quantized_base(
+  cfg: Gemma4Config, base_dtype: str, group_size: int | None, a: int, shards: tuple[int, int]
+) -> tuple[float, float]:
+  """A quantized base's bytes a quantized value, and its bytes a device.
+
+  The decoder's projections and the experts at ``q`` bytes a value (1 for
+  int8, 1/2 for 4 bits, as TPUs and GPUs pack them; XLA:CPU keeps a byte) and
+  one scale a group (an output channel without ``group_size``): a
+  projection's in the activations' dtype (``a`` bytes: qwix quantizes the
+  weight as the projection casts it), an expert's in bfloat16, as the rest;
+  split over ``shards`` (the state's, the experts').
+  """
+  q = 1.0 if base_dtype == "int8" else 0.5
+  weights = [
+    (1, out, inp) for path, out, inp in _projections(cfg) if re.fullmatch(QUANTIZED_MODULES, path)
+  ]
+  t = cfg.text
+  experts: list[tuple[int, int, int]] = []
+  if t.enable_moe_block:
+    assert t.num_experts is not None and t.moe_intermediate_size is not None
+    e, d, i = t.num_experts, t.hidden_size, t.moe_intermediate_size
+    experts = [(e, 2 * i, d), (e, d, i)] * t.num_hidden_layers
+
+  def nbytes(e: int, out: int, inp: int, scale: int) -> float:
+    return e * out * (inp * q + scale * (inp // (group_size or inp)))
+
+  rest = _count(cfg)[0] - sum(e * o * i for e, o, i in weights + experts)
+  here = (2 * rest + sum(nbytes(e, o, i, a) for e, o, i in weights)) / shards[0]
+  # The experts are quantized as stored (bfloat16), not as a projection casts them.
+  return q, here + sum(nbytes(e, o, i, 2) for e, o, i in experts) / shards[1]
+
+
 def _lora_counts(cfg: Gemma4Config, rank: int, targets, target_parameters) -> tuple[int, int]:
   """Adapter values on the projections and on the expert tensors."""
   from cpjax.training.lora import DEFAULT_LORA_PARAMETERS, DEFAULT_LORA_TARGETS, LoraConfig
@@ -323,7 +356,13 @@ def estimate(
     trained = on_projections + on_experts
     # Expert adapters are stored as their experts are.
     adapters_here = on_projections / shards + on_experts / (expert_shards if ep > 1 else shards)
-    params = base * stored + 4 * adapters_here
+    if base_dtype in QUANTIZED_DTYPES:
+      base, frozen_here = _quantized_base(
+        cfg, base_dtype, step.group_size, a, (shards, expert_shards if ep > 1 else shards)
+      )
+    else:
+      frozen_here = base * stored
+    params = frozen_here + 4 * adapters_here
     optimizer, grads = 8 * adapters_here + 4, 4 * adapters_here
   if cp > 1 and not over_cp:
     grads *= 2  # the sum over the cp ranks is a second buffer

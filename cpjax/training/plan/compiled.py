@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -137,7 +137,8 @@ def compile_step(
   rows = batch_size or (grid.shape[batch_axis] if batch_axis else 1)
   check_mesh(cfg, grid, seq_len=seq_len, batch_size=rows, ep=ep)
   compute = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
-  storage = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[base_dtype]
+  # A quantized base is loaded in bfloat16 and quantized by apply_lora.
+  storage = {"float32": jnp.float32}.get(base_dtype, jnp.bfloat16)
   if lora_rank is None:
     abstract = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat))
     graphdef, params, frozen = nnx.split(abstract, nnx.Param, ...)
@@ -156,6 +157,8 @@ def compile_step(
             if step_shape.lora_target_parameters is None
             else step_shape.lora_target_parameters
           ),
+          base_dtype=cast(Any, base_dtype),  # a StepShape's is a str; LoraConfig checks it
+          group_size=step_shape.group_size,
         ),
       )
     )

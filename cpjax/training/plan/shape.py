@@ -164,6 +164,7 @@ class StepShape:
     lora_targets: the projections LoRA adapts (None: the default targets).
     lora_target_parameters: the expert tensors LoRA adapts (None: the
       default, every expert tensor of an MoE).
+    group_size: a quantized base's input values a scale (None: per channel).
     capacity_factor: the expert dispatch's (:mod:`cpjax.models.gemma4.experts`).
     shard_state: the state over ``fsdp x cp`` or whole over ``cp``.
     layout: the batch's layout kind (the strategy rule and the sharder read
@@ -184,6 +185,7 @@ class StepShape:
   base_dtype: str = "float32"
   lora_targets: Any = None
   lora_target_parameters: Any = None
+  group_size: int | None = None
   capacity_factor: float | None = None
   shard_state: str = "fsdp+cp"
   layout: LayoutKind | ShardLayout = "load_balanced"
@@ -222,6 +224,7 @@ class StepShape:
       base_dtype=run.lora.base_dtype,
       lora_targets=None if targets == DEFAULT_LORA_TARGETS else targets,
       lora_target_parameters=None if tensors == DEFAULT_LORA_PARAMETERS else tensors,
+      group_size=run.lora.group_size,
       capacity_factor=run.experts.capacity_factor,
       shard_state=run.parallel.shard_state,
       layout=run.parallel.layout,

@@ -165,8 +165,11 @@ def _model(
 ) -> tuple[gemma4.Gemma4, str]:
   """The model (a random init, or the checkpoint read shard by shard) and its description."""
   # Full fine-tuning keeps float32 parameters for the optimizer; a frozen
-  # LoRA base is stored in --base-dtype. Activations in run.dtype.
-  compute, storage = compute_dtype(run.dtype), compute_dtype(run.lora.base_dtype)
+  # LoRA base is stored in --base-dtype (a quantized one is loaded in
+  # bfloat16, and apply_lora quantizes it). Activations in run.dtype.
+  base = run.lora.base_dtype
+  compute = compute_dtype(run.dtype)
+  storage = compute_dtype("bfloat16" if base in lora.QUANTIZED_DTYPES else base)
   if run.checkpoint:
     sharding = checkpoint_sharding(cfg, mesh, rule, run.parallel.state_axes())
     model = gemma4.Gemma4.from_pretrained(
