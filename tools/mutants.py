@@ -1215,7 +1215,8 @@ MUTANTS = (
     "cpjax/models/gemma4/text.py",
     "        dense = qwix.dequantize(jax.lax.stop_gradient(weight))\n",
     "        dense = qwix.dequantize(weight)\n",
-    ("tests/test_qlora.py::test_the_quantized_cp_step_equals_the_single_device_step",),
+    # ep beside fsdp: the dispatch's own custom VJP (its cotangent's type).
+    ("tests/test_qlora.py::test_a_quantized_base_compiles_to_the_closed_form_state",),
   ),
   Mutant(
     "qlora: one scale an expert, not an output channel",
