@@ -373,8 +373,8 @@ def test_adapters_on_a_4bit_base_train_along_the_bfloat16_base_run():
 def test_a_quantized_base_compiles_to_the_closed_form_state():
   """The plan's bytes of a 4-bit base with per-expert adapters (tiny MoE,
   ep = 2 beside fsdp x cp): XLA:CPU keeps a 4-bit value in a byte, so its
-  compiled state is the closed form's with int8 at the same group size
-  (TPUs and GPUs pack two a byte: the closed form's int4 is 1/2 byte a value).
+  compiled state is the closed form's with int8 at the same group size (the
+  closed form counts a 4-bit value as the half byte it is).
   Its step differentiates through ep's own dispatch beside fsdp, where the
   frozen quantized experts must take no gradient."""
   from cpjax.training import plan
