@@ -420,3 +420,30 @@ def test_target_parameters_naming_what_cannot_be_adapted_are_refused(tensors, me
   base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, MOE))
   with pytest.raises(ValueError, match=re.escape(message)):
     lora.apply_lora(base, lora.LoraConfig(rank=RANK, target_parameters=tensors))
+
+
+def test_empty_targets_adapt_the_experts_alone():
+  """``targets=()`` (the README's ``--lora.targets '[]'``): per-expert
+  adapters and no projection's; the model keeps its class, and merging
+  folds them into the expert tensors alone."""
+  from cpjax.models.gemma4.checkpoint import checkpoint_keys
+
+  base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, MOE))
+  model = lora.apply_lora(base, lora.LoraConfig(rank=RANK, targets=()))
+  layers = base.cfg.text.num_hidden_layers
+  assert sorted(lora.adapted_modules(model)) == [
+    f"model.language_model.layers.{i}.experts" for i in range(layers)
+  ]
+  randomize_adapters(model, scale=0.2)
+  merged = lora.merge_lora(model)
+  assert type(merged) is gemma4.Gemma4
+  moved = {
+    k
+    for k, v in checkpoint_keys(merged).items()
+    if not jnp.array_equal(v.get_value(), checkpoint_keys(base)[k].get_value())
+  }
+  assert moved == {
+    f"model.language_model.layers.{i}.experts.{n}"
+    for i in range(layers)
+    for n in ("gate_up_proj", "down_proj")
+  }
