@@ -197,15 +197,15 @@ def quantized(name, base_dtype, group, **config):
   return model, gemma4.prepare_batch(batch, model.cfg)
 
 
-# The MoE with its quantized experts over ep = 4 on fsdp x cp; the dense
-# model with tp (scales split with their weight's rows, or whole where tp does
-# not divide a column-split weight's groups: per channel) in `make soak`, the
-# rule itself in CI (test_a_quantized_weights_scales_split_with_...).
+# Both in `make soak`: in CI the CLI run below checks its quantized MoE step
+# (cp = 4, ep = 4) against the single-device step's loss and gradient norm,
+# the plan test compiles one with ep beside fsdp, and the tp rule for scales
+# has its own test (test_a_quantized_weights_scales_split_with_...).
 @pytest.mark.parametrize(
   "name,mesh_sizes,base_dtype,group",
   [
     pytest.param(NAME, {"fsdp": 2, "cp": 2, "tp": 2}, "int8", None, marks=SOAK),
-    (MOE, {"fsdp": 2, "cp": 2, "ep": 4}, "int4", 8),
+    pytest.param(MOE, {"fsdp": 2, "cp": 2, "ep": 4}, "int4", 8, marks=SOAK),
   ],
   ids=["dense-fsdp2-cp2-tp2-int8", "moe-fsdp2-cp2-ep4-int4"],
 )
