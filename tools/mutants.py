@@ -1242,7 +1242,7 @@ MUTANTS = (
   Mutant(
     "qlora: a 4-bit base runs the program compiled ahead of time",
     "cpjax/training/step.py",
-    "      if self._executable is not None and not _has_sub_byte(frozen):\n",
+    "      if self._executable is not None and not self._sub_byte:\n",
     "      if self._executable is not None:\n",
     (
       "tests/test_qlora.py::"

@@ -468,6 +468,7 @@ class TrainStep:
     self.frozen = frozen
     self._executable = executable
     self._jitted: dict = {}
+    self._sub_byte: bool | None = None
 
   def _place(self, params, opt_state, frozen=None):
     if self.mesh is None:
@@ -506,7 +507,9 @@ class TrainStep:
       # A sub-byte frozen array (a 4-bit base) goes through jit: the runtime
       # makes int4 arrays unpacked, and a program compiled ahead of time
       # refuses all but the packed layout it chose (XLA:CPU).
-      if self._executable is not None and not _has_sub_byte(frozen):
+      if self._sub_byte is None:  # (the frozen state is placed once: checked once)
+        self._sub_byte = _has_sub_byte(frozen)
+      if self._executable is not None and not self._sub_byte:
         return self._executable(params, opt_state, batch, frozen)
       return self._jit(params, opt_state)(params, opt_state, batch, frozen)
 
