@@ -11,6 +11,7 @@ import re
 import chex
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import qwix
@@ -59,7 +60,7 @@ def numpy_scheme(w: np.ndarray, base_dtype: str, group: int | None, nudge: float
   g = group or w.shape[-1]
   tiles = w.reshape(*w.shape[:-1], w.shape[-1] // g, g)
   absmax = np.abs(tiles).max(-1, keepdims=True)
-  bound = {"int8": 127.5, "int4": 7.5, "nf4": 1.0}[base_dtype]
+  bound = {"int8": 127.5, "int4": 7.5, "nf4": 1.0, "float8_e4m3fn": 448.0}[base_dtype]
   # absmax / bound as XLA computes a division by a constant: times its reciprocal.
   scale = (absmax * np.float32(1 / bound)).astype(np.float32)
   scale = np.where(scale < np.sqrt(np.finfo(np.float32).tiny), np.float32(1), scale)
@@ -67,6 +68,9 @@ def numpy_scheme(w: np.ndarray, base_dtype: str, group: int | None, nudge: float
   if base_dtype == "nf4":
     q = np.abs(x[..., None] - NF4).argmin(-1)
     values = NF4[q].astype(np.float64)
+  elif base_dtype == "float8_e4m3fn":  # round to nearest even, saturated to ±448
+    q = np.clip(x, -bound, bound).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    values = q.astype(np.float64)
   else:
     top = int(bound - 0.5)  # round half to even, saturated to the int type's range
     q = np.clip(np.round(x), -top - 1, top)
@@ -106,6 +110,7 @@ SOAK = pytest.mark.slow
     (MOE, "nf4", 8, lora.DEFAULT_LORA_TARGETS),
     # Adapters on q_proj alone: the projections without them are quantized too.
     (MOE, "int8", None, r".*language_model.*\.q_proj"),
+    (MOE, "float8_e4m3fn", None, lora.DEFAULT_LORA_TARGETS),
     pytest.param(NAME, "int8", None, lora.DEFAULT_LORA_TARGETS, marks=SOAK),
     pytest.param(NAME, "nf4", 8, lora.DEFAULT_LORA_TARGETS, marks=SOAK),
     pytest.param(MOE, "int4", 8, lora.DEFAULT_LORA_TARGETS, marks=SOAK),
@@ -114,6 +119,7 @@ SOAK = pytest.mark.slow
     "dense-int4-g8",
     "moe-nf4-g8",
     "moe-int8-channel-q-only",
+    "moe-float8-channel",
     "dense-int8-channel",
     "dense-nf4-g8",
     "moe-int4-g8",
@@ -153,10 +159,13 @@ def test_a_quantized_base_is_the_numpy_scheme_and_its_logits_transformers(
   for key, q in quantized.items():
     _, want_scale, _ = numpy_scheme(weights[key], base_dtype, group)
     np.testing.assert_array_equal(np.asarray(q.scale), want_scale)
-    got_q = np.asarray(q.qvalue).astype(np.int32)
+    floating = base_dtype.startswith("float")
+    got_q = np.asarray(q.qvalue).astype(np.float64 if floating else np.int32)
     # Numpy's q, where a value within 1e-6 of a rounding boundary (8 float32
     # ulps: XLA divides by the scale through its reciprocal) may go either way.
-    lo, hi = (numpy_scheme(weights[key], base_dtype, group, n)[0] for n in (-1e-6, 1e-6))
+    lo, hi = (
+      numpy_scheme(weights[key], base_dtype, group, n)[0].astype(got_q.dtype) for n in (-1e-6, 1e-6)
+    )
     assert np.all((got_q == lo) | (got_q == hi)), key
     scale = np.repeat(want_scale.astype(np.float64), (group or got_q.shape[-1]), axis=-1)
     values = NF4[got_q].astype(np.float64) if base_dtype == "nf4" else got_q.astype(np.float64)
@@ -185,6 +194,80 @@ def test_a_quantized_base_is_the_numpy_scheme_and_its_logits_transformers(
     torch.float64,
   )
   assert np.abs(plain - theirs[torch.float64])[real].max() > 100 * own.max()
+
+
+@pytest.mark.parametrize(
+  "name,base_dtype,group,mesh_sizes",
+  [
+    (MOE, "nf4", 8, {"fsdp": 2, "cp": 2, "ep": 4}),
+    # In `make soak`: in CI the dense CLI run reads its base so at cp = 4.
+    pytest.param(NAME, "int4", 8, {"fsdp": 2, "tp": 2}, marks=SOAK),
+  ],
+  ids=["moe-nf4-g8-fsdp2-cp2-ep4", "dense-int4-g8-fsdp2-tp2"],
+)
+def test_a_checkpoint_is_quantized_tensor_by_tensor_as_it_is_read(
+  name, base_dtype, group, mesh_sizes, monkeypatch
+):
+  """The adapted model built abstractly (``apply_lora_lazily``) and filled
+  from the checkpoint (``load_weights``), each weight placed on the training
+  mesh as the step keeps it: every tensor read for quantizing is gone before
+  the next is read; the quantized weights are the numpy scheme's and what
+  ``apply_lora`` makes of the whole loaded model, the other weights the
+  checkpoint's, the adapters ``apply_lora``'s bit for bit."""
+  import weakref
+
+  from cpjax import parallel
+  from cpjax.models.gemma4 import checkpoint
+  from cpjax.models.gemma4.partitioning import partition_rule
+  from cpjax.training.trainer.builder import checkpoint_sharding
+
+  path = os.path.join(FIXTURES, name)
+  cfg = gemma4.Gemma4Config.from_hf(path)
+  settings = lora.LoraConfig(rank=2, base_dtype=base_dtype, group_size=group)
+  sizes = dict(mesh_sizes)
+  ep = sizes.pop("ep", 1)
+  mesh = parallel.make_mesh(**sizes)
+  rule = partition_rule(cfg, tp=sizes.get("tp", 1), expert_axes=parallel.expert_axes(mesh, ep))
+  read, quantize, load = [], checkpoint._quantize_as, checkpoint._load_tensor
+
+  def quantized_once(weight, like, shardings):
+    read.append(weakref.ref(weight))
+    return quantize(weight, like, shardings)
+
+  def one_at_a_time(*args):
+    assert all(tensor() is None for tensor in read), "a tensor read before is still held"
+    return load(*args)
+
+  monkeypatch.setattr(checkpoint, "_quantize_as", quantized_once)
+  monkeypatch.setattr(checkpoint, "_load_tensor", one_at_a_time)
+  model = lora.apply_lora_lazily(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)), settings)
+  sharding = checkpoint_sharding(cfg, mesh, rule, ("fsdp", "cp"), model=model)
+  checkpoint.load_weights(model, path, mesh=mesh, sharding=sharding)
+  eager = lora.apply_lora(gemma4.Gemma4.from_pretrained(path), settings)
+  assert len(read) == len(stored(eager)) >= 5 * cfg.text.num_hidden_layers
+  # Placed as the step keeps the state (the adapters: wherever build puts them).
+  state = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+  specs = parallel.param_specs(state, mesh, rule=rule, state_axes=("fsdp", "cp"))
+  placed = jax.tree.map(lambda x: x.sharding.spec, state)
+  assert jax.tree.leaves(placed) == jax.tree.leaves(specs)
+  assert any(len(spec) for spec in jax.tree.leaves(specs))  # something is split
+  # Quantized as the numpy scheme says, and as apply_lora quantizes.
+  from safetensors.numpy import load_file
+
+  weights = load_file(os.path.join(path, "model.safetensors"))
+  ours, theirs = stored(model), stored(eager)
+  assert set(ours) == set(theirs)
+  for key, q in ours.items():
+    _, want_scale, _ = numpy_scheme(weights[key], base_dtype, group)
+    np.testing.assert_array_equal(np.asarray(q.scale), want_scale)
+    np.testing.assert_array_equal(np.asarray(q.qvalue), np.asarray(theirs[key].qvalue))
+  # The rest: the checkpoint's weights and apply_lora's adapters.
+  for (path_, ours_), (_, theirs_) in zip(
+    nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(eager)), strict=True
+  ):
+    got, want = ours_.get_value(), theirs_.get_value()
+    if not isinstance(got, qwix.QArray) and "array" not in path_:
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path_))
 
 
 def quantized(name, base_dtype, group, **config):
@@ -272,7 +355,10 @@ def test_merging_into_a_quantized_base_gives_a_plain_checkpoint_transformers_loa
   [
     ({"base_dtype": "int4", "group_size": 7}, "LoRA group_size 7 does not divide"),
     ({"base_dtype": "bfloat16", "group_size": 8}, "LoRA group_size sets a quantized base's scales"),
-    ({"base_dtype": "int2"}, "LoRA base_dtype must be one of float32, bfloat16, int8, int4, nf4"),
+    (
+      {"base_dtype": "int2"},
+      "LoRA base_dtype must be one of float32, bfloat16, int8, int4, nf4, float8_e4m3fn",
+    ),
     ({"base_dtype": "nf4", "group_size": 0}, "LoRA group_size must be an integer >= 1, got 0"),
   ],
 )
@@ -282,20 +368,29 @@ def test_a_quantization_the_model_cannot_take_is_refused_before_it_runs(config, 
     lora.apply_lora(base, lora.LoraConfig(rank=4, **config))
 
 
-def test_cli_trains_a_4bit_moe_checkpoint_with_cp_and_ep_resumes_and_peft_loads_it(
-  tmp_path, hf_checkpoint, capsys
+@pytest.mark.parametrize(
+  "kind,mesh", [("moe", "cp=4,ep=4"), ("dense", "cp=4")], ids=["moe-cp4-ep4", "dense-cp4"]
+)
+def test_cli_trains_a_4bit_checkpoint_with_cp_resumes_and_peft_loads_it(
+  tmp_path, hf_checkpoint, capsys, kind, mesh, monkeypatch
 ):
   """``cpjax train --checkpoint DIR --lora.rank 4 --lora.base_dtype int4`` on
-  a 26B-A4B-like checkpoint transformers saved (tokenizer and template
-  included), cp = 4 with the experts over it (ep = 4): the step-1 parity
-  check against the single-device step on the same quantized base passes
-  inside the run; it resumes from its state directory and saves an adapter
-  (attention, MLP and per-expert factors) that PEFT loads onto the base."""
+  checkpoints transformers saved (tokenizer and template included): the
+  26B-A4B-like one at cp = 4 with the experts over it (ep = 4), the
+  E2B-like one at cp = 4. The base is quantized as it is read; the step-1
+  parity check against the single-device step on the same quantized base
+  passes inside the run; it resumes from its state directory and saves an
+  adapter (attention, MLP, and the MoE's per-expert factors) that PEFT loads
+  onto the base, trained. The whole model is never loaded in bfloat16."""
   peft = pytest.importorskip("peft")
   transformers = pytest.importorskip("transformers")
   from cpjax import cli
 
-  checkpoint = hf_checkpoint("moe")
+  def whole(*args, **kwargs):
+    raise AssertionError("the whole base was loaded before it was quantized")
+
+  monkeypatch.setattr(gemma4.Gemma4, "from_pretrained", whole)
+  checkpoint = hf_checkpoint(kind)
   chat = os.path.join(os.path.dirname(__file__), "..", "cpjax", "examples", "chat", "train.jsonl")
   common = [
     "train",
@@ -306,7 +401,7 @@ def test_cli_trains_a_4bit_moe_checkpoint_with_cp_and_ep_resumes_and_peft_loads_
     "--seq-len",
     "128",
     "--mesh",
-    "cp=4,ep=4",
+    mesh,
     "--lora.rank",
     "4",
     "--lora.base_dtype",
@@ -334,8 +429,10 @@ def test_cli_trains_a_4bit_moe_checkpoint_with_cp_and_ep_resumes_and_peft_loads_
     assert [json.loads(line)["step"] for line in f] == [1, 2]
   base = transformers.Gemma4ForConditionalGeneration.from_pretrained(checkpoint)
   model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
-  experts = model.base_model.model.model.language_model.layers[0].experts
-  assert experts.lora_B["default"].weight.abs().max() > 0  # down_proj's, trained
+  layer = model.base_model.model.model.language_model.layers[0]
+  assert layer.self_attn.q_proj.lora_B["default"].weight.abs().max() > 0  # trained
+  if kind == "moe":
+    assert layer.experts.lora_B["default"].weight.abs().max() > 0  # down_proj's, trained
 
 
 def test_adapters_on_a_4bit_base_train_along_the_bfloat16_base_run():

@@ -709,8 +709,8 @@ MUTANTS = (
   Mutant(
     "checkpoint: buffers stay on one device",
     "cpjax/models/gemma4/checkpoint.py",
-    "    target = default if mesh is None else NamedSharding(mesh, P() if spec is None else spec)",
-    "    target = default if mesh is None or spec is None else NamedSharding(mesh, spec)",
+    "    return NamedSharding(on, P() if spec is None else spec)\n",
+    "    return default if spec is None else NamedSharding(on, spec)\n",
     ("tests/test_gemma4_checkpoint.py::test_sharded_save_with_index_and_placement_on_a_mesh",),
   ),
   Mutant(
@@ -1235,7 +1235,7 @@ MUTANTS = (
   Mutant(
     "qlora: the plan counts a 4-bit value as a byte",
     "cpjax/training/plan/closed_form.py",
-    '  q = 1.0 if base_dtype == "int8" else 0.5\n',
+    '  q = 0.5 if base_dtype in ("int4", "nf4") else 1.0\n',
     "  q = 1.0\n",
     ("tests/test_qlora.py::test_a_quantized_base_compiles_to_the_closed_form_state",),
   ),
@@ -1246,7 +1246,67 @@ MUTANTS = (
     "      if self._executable is not None:\n",
     (
       "tests/test_qlora.py::"
-      "test_cli_trains_a_4bit_moe_checkpoint_with_cp_and_ep_resumes_and_peft_loads_it",
+      "test_cli_trains_a_4bit_checkpoint_with_cp_resumes_and_peft_loads_it[moe-cp4-ep4]",
+    ),
+  ),
+  Mutant(
+    "qlora: a weight read for quantizing lives on while the next is read",
+    "cpjax/models/gemma4/checkpoint.py",
+    "    del weight  # the tensor in the checkpoint's dtype lives no longer than this\n",
+    "",
+    (
+      "tests/test_qlora.py::"
+      "test_a_checkpoint_is_quantized_tensor_by_tensor_as_it_is_read[moe-nf4-g8-fsdp2-cp2-ep4]",
+    ),
+  ),
+  Mutant(
+    "qlora: a weight read for quantizing is quantized per channel, not in its groups",
+    "cpjax/models/gemma4/checkpoint.py",
+    "      tiled.append((axis, n // groups))\n",
+    "      pass\n",
+    (
+      "tests/test_qlora.py::"
+      "test_a_checkpoint_is_quantized_tensor_by_tensor_as_it_is_read[moe-nf4-g8-fsdp2-cp2-ep4]",
+    ),
+  ),
+  Mutant(
+    "qlora: a quantized projection's values and scales are read replicated",
+    "cpjax/training/trainer/builder.py",
+    'if n not in ("value", "array")): spec',
+    'if n != "value"): spec',
+    (
+      "tests/test_qlora.py::"
+      "test_a_checkpoint_is_quantized_tensor_by_tensor_as_it_is_read[moe-nf4-g8-fsdp2-cp2-ep4]",
+    ),
+  ),
+  Mutant(
+    "qlora: the trainer loads the whole base before quantizing it",
+    "cpjax/training/trainer/builder.py",
+    "  if run.checkpoint and run.lora.rank is not None and base in lora.QUANTIZED_DTYPES:\n",
+    "  if False:\n",
+    (
+      "tests/test_qlora.py::"
+      "test_cli_trains_a_4bit_checkpoint_with_cp_resumes_and_peft_loads_it[dense-cp4]",
+    ),
+  ),
+  Mutant(
+    "qlora: a lazily adapted model keeps abstract adapters",
+    "cpjax/training/lora/adapters.py",
+    "    nnx.update(model, jax.jit(lambda: nnx.state(adapt(), nnx.LoRAParam))())\n",
+    "",
+    (
+      "tests/test_qlora.py::"
+      "test_a_checkpoint_is_quantized_tensor_by_tensor_as_it_is_read[moe-nf4-g8-fsdp2-cp2-ep4]",
+    ),
+  ),
+  Mutant(
+    "qlora: a float8 base is stored in e5m2",
+    "cpjax/training/lora/quantize.py",
+    '    "float8_e4m3fn": jnp.float8_e4m3fn,\n',
+    '    "float8_e4m3fn": jnp.float8_e5m2,\n',
+    (
+      "tests/test_qlora.py::"
+      "test_a_quantized_base_is_the_numpy_scheme_and_its_logits_transformers[moe-float8-channel]",
     ),
   ),
   Mutant(

@@ -234,9 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
   )
   plan.add_argument(
     "--base-dtype",
-    choices=("float32", "bfloat16", "int8", "int4", "nf4"),
+    choices=("float32", "bfloat16", "int8", "int4", "nf4", "float8_e4m3fn"),
     default=None,
-    help="storage of the frozen LoRA base (default float32; int8, int4, nf4: quantized)",
+    help="storage of the frozen LoRA base (default float32; int8, int4, nf4, float8_e4m3fn: "
+    "quantized)",
   )
   plan.add_argument(
     "--group-size",

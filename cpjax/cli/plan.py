@@ -244,9 +244,13 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     parser.exit(2, "cpjax plan: error: give --mesh, or --device-memory to search for one\n")
   if args.base_dtype is not None and args.lora_rank is None:
     parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
-  if args.group_size is not None and args.base_dtype not in ("int8", "int4", "nf4"):
+  from cpjax.training.lora.quantize import QUANTIZED_DTYPES
+
+  if args.group_size is not None and args.base_dtype not in QUANTIZED_DTYPES:
     parser.exit(
-      2, "cpjax plan: error: --group-size needs a quantized --base-dtype (int8, int4, nf4)\n"
+      2,
+      "cpjax plan: error: --group-size needs a quantized --base-dtype "
+      f"({', '.join(QUANTIZED_DTYPES)})\n",
     )
   if args.expert_parallel and args.mesh is not None and not args.mesh_of_target:
     parser.exit(
@@ -398,9 +402,13 @@ def _search(parser: argparse.ArgumentParser, args: argparse.Namespace, chip) -> 
     parser.exit(2, "cpjax plan: error: --target compiles; it does not go with --estimate-only\n")
   if args.base_dtype is not None and args.lora_rank is None:
     parser.exit(2, "cpjax plan: error: --base-dtype needs --lora-rank\n")
-  if args.group_size is not None and args.base_dtype not in ("int8", "int4", "nf4"):
+  from cpjax.training.lora.quantize import QUANTIZED_DTYPES
+
+  if args.group_size is not None and args.base_dtype not in QUANTIZED_DTYPES:
     parser.exit(
-      2, "cpjax plan: error: --group-size needs a quantized --base-dtype (int8, int4, nf4)\n"
+      2,
+      "cpjax plan: error: --group-size needs a quantized --base-dtype "
+      f"({', '.join(QUANTIZED_DTYPES)})\n",
     )
   cfg, name = plan_config(parser, args)
   # A run with ep keeps expert parallelism: each searched mesh folds the

@@ -19,6 +19,11 @@ files side by side:
   reopened per chunk, so no mapping of it stays resident. The model is built
   abstractly first, so no random initialisation is ever materialised. Peak
   host memory is the loaded parameters plus about two chunks;
+* quantizing: :func:`load_weights` fills a model built abstractly that may
+  hold weights quantized by qwix (a LoRA model on an int8 / int4 / nf4
+  base): each such tensor is read in bfloat16 onto its devices and
+  quantized there before the next is read, so the model never exists whole
+  in the checkpoint's dtype;
 * saving writes ``config.json`` and safetensors shards (with an index when
   there is more than one) that transformers' ``from_pretrained`` loads.
 """
@@ -26,16 +31,18 @@ files side by side:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import json
 import os
 import re
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -44,7 +51,7 @@ from jax.typing import DTypeLike
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.models.gemma4.layers import Buffer
 
-__all__ = ["KeySharding", "checkpoint_keys", "load_pretrained", "save_pretrained"]
+__all__ = ["KeySharding", "checkpoint_keys", "load_pretrained", "load_weights", "save_pretrained"]
 
 # Where a checkpoint tensor goes: sharding(key, shape) gives its PartitionSpec
 # on the mesh, or None to replicate it (a buffer).
@@ -230,12 +237,109 @@ def load_pretrained(
   Returns:
     The model, with the checkpoint's weights.
   """
-  path = os.fspath(path)
-  cfg = Gemma4Config.from_hf(path)
+  cfg = Gemma4Config.from_hf(os.fspath(path))
   model = nnx.eval_shape(
     lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, remat=remat)
   )
-  wanted = checkpoint_keys(model)
+  return load_weights(model, path, mesh=mesh, sharding=sharding)
+
+
+def _quantized(value: object) -> qwix.QArray | None:
+  """The QArray a weight slot holds when qwix keeps it quantized, else None:
+  a projection under qwix's PTQ holds ``WithAux(array=QArray, how)`` in
+  place of its Param; an expert tensor, a Param whose value is a QArray."""
+  array = getattr(value, "array", None)  # qwix's WithAux (not public API: its shape)
+  if isinstance(array, qwix.QArray):
+    boxed = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return jax.tree.map(lambda v: v.get_value() if boxed(v) else v, array, is_leaf=boxed)
+  if isinstance(value, nnx.Param) and isinstance(value.get_value(), qwix.QArray):
+    return value.get_value()
+  return None
+
+
+def _weight_slots(model: nnx.Module) -> dict[str, Any]:
+  """{checkpoint key: what ``model`` holds there}: a Param or Buffer, or a
+  quantized weight (see :func:`_quantized`). LoRA adapters are not the
+  checkpoint's, and a quantized weight's own Params (``key.array.qvalue``)
+  are reached through it."""
+  slots = {}
+  for path, value in nnx.iter_graph(model):
+    if _quantized(value) is not None or (
+      isinstance(value, (nnx.Param, Buffer)) and not isinstance(value, nnx.LoRAParam)
+    ):
+      slots[".".join(str(p) for p in path)] = value
+  inner = tuple(f"{key}." for key, value in slots.items() if _quantized(value) is not None)
+  return {k: v for k, v in slots.items() if not k.startswith(inner)}
+
+
+def _scheme(q: qwix.QArray) -> tuple:
+  """``qwix.quantize``'s arguments that made ``q``, read off its shapes: an
+  axis the scales keep whole is per-channel, one they collapse is reduced
+  whole, one they split into groups is tiled. Hashable: (qtype, channelwise
+  axes, ((axis, tile), ...), scale dtype)."""
+  channelwise, tiled = [], []
+  for axis, (n, groups) in enumerate(zip(q.qvalue.shape, q.scale.shape)):
+    if groups == n:
+      channelwise.append(axis)
+    elif groups > 1:
+      tiled.append((axis, n // groups))
+  qtype = q.qvalue.dtype if q.qtype is None else q.qtype
+  return qtype, tuple(channelwise), tuple(tiled), q.scale.dtype
+
+
+@functools.lru_cache(maxsize=64)
+def _quantizer(scheme: tuple, shardings) -> Callable:
+  """The jitted quantization of one scheme onto ``(values, scales)``
+  shardings: compiled once per weight shape, not once per layer."""
+  qtype, channelwise, tiled, scale_dtype = scheme
+
+  def quantize(w):
+    q = qwix.quantize(
+      w, qtype, channelwise_axes=channelwise, tiled_axes=dict(tiled), scale_dtype=scale_dtype
+    )
+    return q.qvalue, q.scale
+
+  return jax.jit(quantize, out_shardings=shardings)
+
+
+def _quantize_as(weight: jax.Array, like: qwix.QArray, shardings) -> tuple[jax.Array, jax.Array]:
+  """``weight`` quantized as ``like`` was, as (values, scales) placed per ``shardings``."""
+  return _quantizer(_scheme(like), shardings)(weight)
+
+
+def load_weights(
+  model: _Model,
+  path: str | os.PathLike[str],
+  *,
+  mesh: Mesh | None = None,
+  sharding: KeySharding | None = None,
+) -> _Model:
+  """Read the checkpoint in ``path`` into ``model``, built abstractly, in place.
+
+  ``model`` comes from ``nnx.eval_shape`` (no weight materialised): a
+  :class:`Gemma4`, or one that qwix adapted and quantized abstractly
+  (:func:`cpjax.training.lora.apply_lora_lazily`). Each checkpoint tensor is
+  read as the module doc says, in the dtype its slot holds; a weight the
+  model holds quantized (qwix's QArray) is read in its scales' dtype and
+  quantized as its abstract QArray was made, one tensor at a time on its
+  own devices: the model never exists whole in the checkpoint's dtype, and
+  peak memory is the quantized model plus about one tensor. Variables the
+  checkpoint does not hold (LoRA adapters) are left as they are.
+
+  Args:
+    model: the abstract model.
+    path: the checkpoint's directory.
+    mesh: the mesh to place the tensors on, or None.
+    sharding: ``sharding(key, shape)``, each tensor's ``PartitionSpec``
+      (a quantized weight's values and scales are asked for as
+      ``key.qvalue`` and ``key.scale``).
+
+  Returns:
+    ``model``, filled.
+  """
+  path = os.fspath(path)
+  cfg: Gemma4Config = model.cfg  # pyrefly: ignore[missing-attribute]
+  wanted = _weight_slots(model)
   weight_map = _weight_map(path)
   shapes = _shapes(weight_map)
   missing = sorted(set(wanted) - set(shapes))
@@ -247,18 +351,42 @@ def load_pretrained(
       f"({len(missing)}), unexpected keys {unexpected[:8]}"
       f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
     )
-  for key, var in wanted.items():
-    if shapes[key] != tuple(var.get_value().shape):
+  for key, slot in wanted.items():
+    q = _quantized(slot)
+    expected = tuple((q.qvalue if q is not None else slot.get_value()).shape)
+    if shapes[key] != expected:
       raise ValueError(
         f"checkpoint tensor {key!r} has shape {list(shapes[key])}, the model "
-        f"expects {list(var.get_value().shape)}"
+        f"expects {list(expected)}"
       )
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  for key, var in wanted.items():
-    spec = None if sharding is None or mesh is None else sharding(key, shapes[key])
-    target = default if mesh is None else NamedSharding(mesh, P() if spec is None else spec)
-    abstract = var.get_value()
-    var.set_value(_load_tensor(weight_map[key], key, shapes[key], abstract.dtype, target))
+  # A weight to quantize is read onto an all-Auto view of the mesh (the same
+  # devices and split): qwix's NormalFloat flattens it, which Explicit
+  # sharding has no typing rule for. Its quantized form goes on the mesh.
+  auto = None if mesh is None else Mesh(mesh.devices, mesh.axis_names)
+
+  def target(key: str, shape: tuple[int, ...], on: Mesh | None = mesh):
+    if on is None:
+      return default
+    spec = None if sharding is None else sharding(key, shape)
+    return NamedSharding(on, P() if spec is None else spec)
+
+  for key, slot in wanted.items():
+    file, shape = weight_map[key], shapes[key]
+    q = _quantized(slot)
+    if q is None:
+      slot.set_value(_load_tensor(file, key, shape, slot.get_value().dtype, target(key, shape)))
+      continue
+    weight = _load_tensor(file, key, shape, q.scale.dtype, target(f"{key}.qvalue", shape, auto))
+    values, scales = _quantize_as(
+      weight, q, (target(f"{key}.qvalue", shape), target(f"{key}.scale", q.scale.shape))
+    )
+    del weight  # the tensor in the checkpoint's dtype lives no longer than this
+    if isinstance(slot, nnx.Param):  # an expert tensor
+      slot.set_value(dataclasses.replace(q, qvalue=values, scale=scales))
+    else:  # qwix's WithAux: its QArray's fields are Params
+      slot.array.qvalue.set_value(values)
+      slot.array.scale.set_value(scales)
   return model
 
 

@@ -46,10 +46,13 @@ placed with their experts over ``ep``; PEFT's files hold them as its
 both expert tensors of an MoE are adapted; ``target_parameters=()`` leaves
 them frozen.
 
-A quantized frozen base (QLoRA: ``base_dtype`` int8, int4 or nf4, with
+A quantized frozen base (QLoRA: ``base_dtype`` int8, int4, nf4 or float8_e4m3fn, with
 ``group_size``) is :mod:`~cpjax.training.lora.quantize`: qwix quantizes the
 decoder's projections as they run in the creation pass, and the experts'
-tensors are quantized beside them; the adapters stay float32.
+tensors are quantized beside them; the adapters stay float32. A base read
+from a checkpoint is quantized as it is read, tensor by tensor
+(:func:`apply_lora_lazily`, then the checkpoint's ``load_weights``), so its
+bfloat16 is never whole in memory.
 
 Shape letters: ``I`` a projection's input width, ``O`` its output width,
 ``r`` the rank, ``E`` experts.
@@ -64,6 +67,7 @@ from cpjax.training.lora.adapters import DEFAULT_LORA_TARGETS as DEFAULT_LORA_TA
 from cpjax.training.lora.adapters import LoraConfig as LoraConfig
 from cpjax.training.lora.adapters import adapted_modules as adapted_modules
 from cpjax.training.lora.adapters import apply_lora as apply_lora
+from cpjax.training.lora.adapters import apply_lora_lazily as apply_lora_lazily
 from cpjax.training.lora.adapters import check_lora_config as check_lora_config
 from cpjax.training.lora.adapters import lora_param_count as lora_param_count
 from cpjax.training.lora.adapters import merge_lora as merge_lora
@@ -84,6 +88,7 @@ __all__ = [
   "QUANTIZED_DTYPES",
   "adapted_modules",
   "apply_lora",
+  "apply_lora_lazily",
   "check_lora_config",
   "load_adapter",
   "lora_param_count",

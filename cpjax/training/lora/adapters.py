@@ -88,10 +88,11 @@ class LoraConfig:
   down_proj, where the model has experts)"""
   use_rslora: bool = False
   """rank-stabilised LoRA: scale by alpha / sqrt(rank) instead"""
-  base_dtype: Literal["float32", "bfloat16", "int8", "int4", "nf4"] = "float32"
+  base_dtype: Literal["float32", "bfloat16", "int8", "int4", "nf4", "float8_e4m3fn"] = "float32"
   """the frozen base's storage: float32 or bfloat16 (cpjax train casts the
   base to it), or quantized (QLoRA: the decoder's projections and the
-  experts in int8, int4 or nf4, through qwix; the rest in bfloat16)"""
+  experts in int8, int4, nf4 or float8_e4m3fn, through qwix; the rest in
+  bfloat16)"""
   group_size: Optional[int] = dataclasses.field(default=None, metadata={"positive": True})
   """with a quantized base: one scale per this many input values of each
   output channel (default: one scale per output channel)"""
@@ -425,6 +426,86 @@ def apply_lora(
   setattr(adapted, "lora_config", settings)  # read back by adapter_settings
   # qwix types it as any NNX module; it is an instance of a subclass of model's class.
   return cast(_Model, adapted)
+
+
+def apply_lora_lazily(
+  make: Callable[[], _Model],
+  config: LoraConfig,
+  *example_inputs: Any,
+  seed: int = 0,
+  method: str | None = None,
+  **example_kwargs: Any,
+) -> _Model:
+  """Add LoRA adapters, as :func:`apply_lora` does, to ``make()``'s model, its base left abstract.
+
+  For a base too large to hold in its checkpoint's dtype beside its
+  quantized copy (26B-A4B's bfloat16 is 52 GB): the adapted model is built
+  with ``nnx.eval_shape``, so every base weight is a ``jax.ShapeDtypeStruct``
+  (a QArray of them where ``config`` quantizes it), for a loader to fill
+  (:func:`cpjax.models.gemma4.checkpoint.load_weights` reads a checkpoint
+  into it, quantizing tensor by tensor). The adapters are made for real: an
+  adapter's first value never depends on its base's (``A`` is random,
+  ``B`` zero), so they are those of ``apply_lora(make(), config, seed=seed)``,
+  computed by one jitted program whose random base is dead code that XLA
+  drops.
+
+  Args:
+    make: builds the base model (a random init is fine: it is never made).
+    config, *example_inputs, seed, method, **example_kwargs: as
+      :func:`apply_lora`.
+
+  Returns:
+    The adapted model: adapters concrete, base abstract.
+
+  Example:
+    >>> class Tiny(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.up = nnx.Linear(4, 8, rngs=rngs)
+    ...   def __call__(self, x):
+    ...     return self.up(x)
+    >>> settings = LoraConfig(rank=2, alpha=4.0, targets=("up",))
+    >>> x = np.ones((3, 4), np.float32)
+    >>> lazy = apply_lora_lazily(lambda: Tiny(nnx.Rngs(0)), settings, x, seed=1)
+    >>> type(lazy.up.kernel.get_value()).__name__          # the base: abstract
+    'ShapeDtypeStruct'
+    >>> eager = apply_lora(Tiny(nnx.Rngs(0)), settings, x, seed=1)
+    >>> bool(jnp.array_equal(lazy.up.kernel_lora_a.get_value(), eager.up.kernel_lora_a.get_value()))
+    True
+  """
+
+  def adapt():
+    return apply_lora(make(), config, *example_inputs, seed=seed, method=method, **example_kwargs)
+
+  with _terse_tracer_errors():
+    model = nnx.eval_shape(adapt)
+    nnx.update(model, jax.jit(lambda: nnx.state(adapt(), nnx.LoRAParam))())
+  return model
+
+
+@contextlib.contextmanager
+def _terse_tracer_errors():
+  """Tracing the creation pass in time linear in the model.
+
+  Each key an nnx rng stream hands out is stored with
+  ``getattr(key, "sharding", None)``; on a tracer that raises an
+  AttributeError whose message jax builds by walking the trace back to the
+  key's origin, so a whole model's creation pass costs time quadratic in its
+  size: more than 4 minutes for 26B-A4B, 5 s once the message is left
+  empty. ``getattr`` swallows it unread, so it is left empty while the pass
+  is traced (jax's private hook; where it is gone, nothing is changed).
+  """
+  from jax._src.interpreters import partial_eval
+
+  tracer = partial_eval.DynamicJaxprTracer
+  original = tracer.__dict__.get("_origin_msg")
+  if original is None:
+    yield
+    return
+  tracer._origin_msg = lambda self: ""
+  try:
+    yield
+  finally:
+    tracer._origin_msg = original
 
 
 def _adapt_modules(

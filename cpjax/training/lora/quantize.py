@@ -12,12 +12,16 @@ The scheme is qwix's weight-only quantization, symmetric, with no zero point:
   the top bucket is used in full), ``q = clip(round(w / scale), -qmax - 1, qmax)``;
 * ``nf4`` (QLoRA's NormalFloat): ``scale = absmax``, ``q`` the nearest of the
   16 NF4 values to ``w / scale``;
+* ``float8_e4m3fn``: ``scale = absmax / 448`` (its largest value), ``q`` =
+  ``w / scale`` rounded to the nearest float8 (ties to even);
 
 with ``absmax`` over each output channel's whole input (``group_size`` None:
 per-channel scales) or over each run of ``group_size`` input values
 (per-group scales). The forward computes with ``q * scale``: qwix's own
 product for the projections, the experts' grouped matmul on the tensor
 dequantized to the compute dtype (:class:`cpjax.models.gemma4.text.Experts`).
+Every chip computes it so, in the activations' dtype: a quantized base is a
+storage format (a float8 base does not need a chip with float8 matmuls).
 
 Shape letters: ``E`` experts, ``O`` a weight's output width, ``I`` its input
 width, ``G`` its groups (``I / group_size``, 1 per channel).
@@ -33,7 +37,7 @@ from flax import nnx
 
 __all__ = ["QUANTIZED_DTYPES", "QUANTIZED_MODULES", "quantize_experts", "quantize_tensor"]
 
-QUANTIZED_DTYPES = ("int8", "int4", "nf4")
+QUANTIZED_DTYPES = ("int8", "int4", "nf4", "float8_e4m3fn")
 
 # The decoder's projections: most of a dense model's weights. (Not the router:
 # its logits pick the experts, and it is tiny.)
@@ -46,7 +50,12 @@ def qtype(base_dtype: str) -> Any:
   """Return qwix's qtype of a quantized ``base_dtype`` (``"int4"`` -> ``jnp.int4``)."""
   import jax.numpy as jnp
 
-  return {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}[base_dtype]
+  return {
+    "int8": jnp.int8,
+    "int4": jnp.int4,
+    "nf4": "nf4",
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+  }[base_dtype]
 
 
 def quantize_tensor(weight: jax.Array, base_dtype: str, group_size: int | None) -> qwix.QArray:

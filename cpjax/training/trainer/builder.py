@@ -15,7 +15,7 @@ from jax.typing import DTypeLike
 
 from cpjax import parallel
 from cpjax.models import gemma4
-from cpjax.models.gemma4.checkpoint import KeySharding, checkpoint_keys
+from cpjax.models.gemma4.checkpoint import KeySharding, load_weights
 from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 from cpjax.training import lora
 from cpjax.training.run_config import RunConfig, RunError, check
@@ -90,7 +90,10 @@ def build(run: RunConfig, *, log: Log = print) -> Trainer:
     # Buffers (layer_scalar, clip bounds) ride along untrained, as in transformers.
     graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
   else:
-    model, graphdef, params, frozen = add_lora(run, model)
+    if _has_adapters(model):  # a quantized base, adapted before it was read
+      graphdef, params, frozen = lora.split_lora(model)
+    else:
+      model, graphdef, params, frozen = add_lora(run, model)
     description += (
       f", LoRA r={run.lora.rank} alpha={run.lora.alpha:g} on "
       f"{len(lora.adapted_modules(model))} projections "
@@ -135,6 +138,12 @@ def build(run: RunConfig, *, log: Log = print) -> Trainer:
   )
 
 
+def _has_adapters(model: nnx.Module) -> bool:
+  """Whether ``model`` already holds LoRA adapters (a quantized base read
+  from a checkpoint comes adapted: :func:`_quantized_checkpoint`)."""
+  return any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model))
+
+
 def _quiet(line: str) -> None:
   """Log nothing (processes other than 0)."""
 
@@ -170,6 +179,10 @@ def _model(
   base = run.lora.base_dtype
   compute = compute_dtype(run.dtype)
   storage = compute_dtype("bfloat16" if base in lora.QUANTIZED_DTYPES else base)
+  if run.checkpoint and run.lora.rank is not None and base in lora.QUANTIZED_DTYPES:
+    return _quantized_checkpoint(run, cfg, mesh, rule, storage, compute), (
+      f"Gemma 4 from {run.checkpoint} (quantized to {base} as it was read)"
+    )
   if run.checkpoint:
     sharding = checkpoint_sharding(cfg, mesh, rule, run.parallel.state_axes())
     model = gemma4.Gemma4.from_pretrained(
@@ -183,8 +196,41 @@ def _model(
   return model, f"Gemma 4 {run.model or 'tiny'!r} (random init)"
 
 
+def _quantized_checkpoint(
+  run: RunConfig,
+  cfg: gemma4.Gemma4Config,
+  mesh: Mesh,
+  rule: Callable,
+  storage: DTypeLike,
+  compute: DTypeLike,
+) -> gemma4.Gemma4:
+  """The adapted model, its base read from the checkpoint and quantized tensor
+  by tensor on its own devices: never whole in the checkpoint's dtype
+  (26B-A4B's bfloat16 is 52 GB; int4 is a quarter of it)."""
+
+  def make() -> gemma4.Gemma4:
+    model = gemma4.Gemma4(
+      cfg, rngs=nnx.Rngs(0), dtype=storage, remat=run.remat, param_dtype=storage
+    )
+    model.dtype = compute  # as a checkpoint loaded in `storage` is then run
+    return model
+
+  try:
+    model = lora.apply_lora_lazily(make, run.lora, seed=run.seed)
+  except (ValueError, TypeError) as e:
+    raise RunError(f"LoRA: {e}") from None
+  sharding = checkpoint_sharding(cfg, mesh, rule, run.parallel.state_axes(), model=model)
+  assert run.checkpoint is not None  # the caller's condition
+  return load_weights(model, run.checkpoint, mesh=mesh, sharding=sharding)
+
+
 def checkpoint_sharding(
-  cfg: gemma4.Gemma4Config, mesh: Mesh, rule: Callable, state_axes: tuple[str, ...] = ("fsdp",)
+  cfg: gemma4.Gemma4Config,
+  mesh: Mesh,
+  rule: Callable,
+  state_axes: tuple[str, ...] = ("fsdp",),
+  *,
+  model: nnx.Module | None = None,
 ) -> KeySharding:
   """Make the ``sharding(key, shape)`` for ``Gemma4.from_pretrained``.
 
@@ -197,28 +243,29 @@ def checkpoint_sharding(
     mesh: the training mesh.
     rule: the partition rule, as :func:`cpjax.parallel.param_specs` takes it.
     state_axes: as :func:`cpjax.parallel.param_specs`.
+    model: the abstract model being filled (default: the plain Gemma 4 of
+      ``cfg``); a quantized one's values and scales are asked for as
+      ``key.qvalue`` and ``key.scale`` (:func:`load_weights`).
 
   Returns:
     ``sharding(key, shape)``: a parameter's sharding, None for a buffer.
   """
-  abstract = nnx.eval_shape(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)))
-  nested: dict = {}
-  for key, var in checkpoint_keys(abstract).items():
-    if isinstance(var, nnx.Param):  # nested by path, as param_specs' rule reads it
-      *parents, leaf = key.split(".")
-      node = nested
-      for name in parents:
-        node = node.setdefault(name, {})
-      node[leaf] = var.get_value()
-  specs = parallel.param_specs(nested, mesh, rule=rule, state_axes=state_axes)
+  if model is None:
+    model = nnx.eval_shape(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)))
+  params = nnx.state(model, nnx.Param)
+  specs = parallel.param_specs(params, mesh, rule=rule, state_axes=state_axes)
+  # Keyed by the checkpoint key (+ ".qvalue" / ".scale"): the path without
+  # the fields of nnx's Variable (".value") and of qwix's quantized
+  # projection weight (".array").
+  by_key = {
+    ".".join(n for n in parallel.key_names(path) if n not in ("value", "array")): spec
+    for path, spec in jax.tree_util.tree_flatten_with_path(
+      specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )[0]
+  }
 
   def sharding(key: str, shape: tuple[int, ...]) -> PartitionSpec | None:
-    node = specs
-    for name in key.split("."):
-      if not isinstance(node, dict) or name not in node:
-        return None  # a buffer (layer_scalar, clip bounds): replicated
-      node = node[name]
-    return node
+    return by_key.get(key)  # None: a buffer (layer_scalar, clip bounds), replicated
 
   return sharding
 
