@@ -146,21 +146,20 @@ def compile_step(
     # The adapters are made by running the model: abstractly here too.
     from cpjax.training import lora
 
-    abstract = nnx.eval_shape(
-      lambda: lora.apply_lora(
-        Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat, param_dtype=storage),
-        lora.LoraConfig(
-          rank=lora_rank,
-          targets=lora.DEFAULT_LORA_TARGETS if lora_targets is None else lora_targets,
-          target_parameters=(
-            lora.DEFAULT_LORA_PARAMETERS
-            if step_shape.lora_target_parameters is None
-            else step_shape.lora_target_parameters
-          ),
-          base_dtype=cast(Any, base_dtype),  # a StepShape's is a str; LoraConfig checks it
-          group_size=step_shape.group_size,
+    abstract = lora.apply_lora_lazily(
+      lambda: Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat, param_dtype=storage),
+      lora.LoraConfig(
+        rank=lora_rank,
+        targets=lora.DEFAULT_LORA_TARGETS if lora_targets is None else lora_targets,
+        target_parameters=(
+          lora.DEFAULT_LORA_PARAMETERS
+          if step_shape.lora_target_parameters is None
+          else step_shape.lora_target_parameters
         ),
-      )
+        base_dtype=cast(Any, base_dtype),  # a StepShape's is a str; LoraConfig checks it
+        group_size=step_shape.group_size,
+      ),
+      materialize_adapters=False,
     )
     graphdef, params, frozen = lora.split_lora(abstract)
   rule = partition_rule(cfg, tp=mesh.get("tp", 1), expert_axes=expert_axes)
