@@ -200,16 +200,25 @@ def shard_like_params(tree: _Tree, params: Any) -> _Tree:
 def bytes_per_device(tree: Any) -> int:
   """Count the bytes one device holds of the arrays in ``tree`` (its largest shard per leaf).
 
+  A 4-bit leaf (int4, a QLoRA base's values) takes half a byte a value, as
+  XLA:TPU, XLA:GPU and XLA:CPU hold it (numpy's ``itemsize`` says 1).
+
   Args:
     tree: a pytree of arrays.
 
   Returns:
     The bytes.
+
+  >>> bytes_per_device({"q": jax.ShapeDtypeStruct((4, 1024), jax.numpy.int4)})
+  2048
   """
   total = 0
   for x in jax.tree.leaves(tree):
-    shape = x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else np.shape(x)
-    total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+    sharding = getattr(x, "sharding", None)  # (None: an unplaced ShapeDtypeStruct)
+    shape = sharding.shard_shape(x.shape) if sharding is not None else np.shape(x)
+    if x.dtype == jax.dtypes.float0:  # an integer's gradient: no data
+      continue
+    total += -(-int(np.prod(shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8)
   return total
 
 

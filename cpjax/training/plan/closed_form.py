@@ -226,8 +226,8 @@ def _quantized_base(
   """A quantized base's bytes a quantized value, and its bytes a device.
 
   The decoder's projections and the experts at ``q`` bytes a value (1 for
-  int8 and float8, 1/2 for 4 bits: the values' own size; the programs XLA:CPU and
-  XLA:TPU compile today keep a byte a 4-bit value, see the README's limits) and
+  int8 and float8, 1/2 for 4 bits: the values' own size, as the chips'
+  compilers hold them) and
   one scale a group (an output channel without ``group_size``): a
   projection's in the activations' dtype (``a`` bytes: qwix quantizes the
   weight as the projection casts it), an expert's in bfloat16, as the rest;
