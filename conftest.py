@@ -73,7 +73,7 @@ HEAVY_FIRST = (
   "test_parallel.py",
   "test_checkpointing.py",
   "test_notebooks.py",
-  "test_readme.py",
+  "test_docs.py",
   "test_plan.py",
   "test_compile_targets.py",
   "test_accelerator_suite.py",

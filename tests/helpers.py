@@ -111,3 +111,38 @@ def public_members(tree: ast.Module) -> list[tuple[ast.stmt, str]]:
     for m in node.body
   ]
   return members
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def doc(page: str, section: str | None = None) -> str:
+  """The text of a page of the docs (``docs/PAGE``, or ``README.md``), or of
+  its section: from the heading ``section`` (any level) to the next heading
+  of that level or above (a ``#`` inside a code block is no heading)."""
+  path = os.path.join(ROOT, page if page == "README.md" else os.path.join("docs", page))
+  with open(path) as f:
+    lines = f.read().splitlines(keepends=True)
+  if section is None:
+    return "".join(lines)
+  fenced, level, out = False, None, []
+  for line in lines:
+    heading = not fenced and line.startswith("#")
+    fenced ^= line.startswith("```")
+    depth = len(line) - len(line.lstrip("#"))
+    if level is None:
+      if heading and line[depth:].strip() == section:
+        level = depth
+    elif heading and line[depth : depth + 1] == " " and depth <= level:
+      break
+    else:
+      out.append(line)
+  assert level is not None, f"{page} has no section {section!r}"
+  return "".join(out)
+
+
+def code_blocks(text: str, language: str) -> list[str]:
+  """The fenced code blocks of ``language`` in markdown ``text``."""
+  import re
+
+  return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)

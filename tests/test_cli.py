@@ -322,7 +322,7 @@ def test_a_corpus_outside_the_vocabulary_is_refused_before_any_compute():
 
 # `make soak`: every part of it runs in CI elsewhere (the corpus: test_checkpointing's
 # resume; --remat --dtype bfloat16 with cp: test_lora_peft's README commands;
-# --save then from_pretrained: test_readme's own-data commands; python -m
+# --save then from_pretrained: test_docs' own-data commands; python -m
 # cpjax: test_plan's), and the vocabulary check just above.
 @pytest.mark.slow
 def test_fine_tune_a_checkpoint_on_the_shipped_corpus_and_save_it(tmp_path):

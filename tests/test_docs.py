@@ -1,24 +1,22 @@
-"""The README's own-model example runs as written, and trains with CP."""
+"""The README and the docs: their commands and snippets run as written (at a
+small size), and the pages made from the code say what the code does."""
 
-import re
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import cpjax
+from tests.helpers import ROOT, code_blocks, doc
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 
-
-def section_code(title: str) -> str:
-  text = README.read_text()
-  section = text.split(f"### {title}\n", 1)[1].split("\n### ", 1)[0]
-  return "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
+def section_code(page: str, title: str) -> str:
+  return "\n".join(code_blocks(doc(page, title), "python"))
 
 
 def test_own_model_example_runs_and_is_short():
-  code = section_code("Your own model")
+  code = section_code("guides/own-model.md", "Your own model")
   assert len(code.strip().splitlines()) < 30
   rng = np.random.default_rng(0)
   docs = np.repeat([[1] * 40 + [2] * 20 + [0] * 4], 2, axis=0).astype(np.int32)
@@ -30,7 +28,7 @@ def test_own_model_example_runs_and_is_short():
     "labels": np.asarray(cpjax.next_token_labels(ids, docs)),
   }
   scope = {"batch": batch}
-  exec(compile(code, str(README), "exec"), scope)  # noqa: S102
+  exec(compile(code, "docs/guides/own-model.md", "exec"), scope)  # noqa: S102
   metrics = scope["metrics"]
   assert np.isfinite(float(metrics["loss"])) and float(metrics["tokens"]) == 2 * (
     39 + 19
@@ -54,11 +52,10 @@ def test_your_own_data_commands_run_at_a_small_size(
   from cpjax import cli
   from cpjax.training.run_config import OptimizerConfig
 
-  section = README.read_text().split("### Your own data\n", 1)[1].split("\n## ", 1)[0]
-  commands = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip().splitlines()
+  commands = code_blocks(doc("guides/own-data.md"), "bash")[0].strip().splitlines()
   assert len(commands) == 2
   monkeypatch.chdir(tmp_path)
-  (tmp_path / "cpjax").symlink_to(README.parent / "cpjax")  # the README's relative paths
+  (tmp_path / "cpjax").symlink_to(Path(ROOT) / "cpjax")  # the page's relative paths
   if checkpoint:
     base = hf_checkpoint(checkpoint)
     assert "--checkpoint cpjax/examples/chat" in commands[0]
@@ -150,9 +147,158 @@ def test_planning_a_run_from_python_is_the_plan_of_the_run(capsys):
   from cpjax.training import plan
   from cpjax.training.run_config import RunConfig, with_values
 
-  exec(compile(section_code("Planning a run"), str(README), "exec"), {})  # noqa: S102
+  exec(compile(section_code("guides/planning.md", "Planning a run"), "planning.md", "exec"), {})  # noqa: S102
   printed = capsys.readouterr().out.strip()
   run = with_values(RunConfig(), {"dataset.seq_len": 4096, "parallel.cp": 2, "remat": "full"})
   want = plan.estimate(Gemma4Config.preset("tiny"), plan.StepShape.of(run), model="tiny")
   assert printed == want.row()
   assert want.remat == "full" and want.mesh == {"cp": 2}
+
+
+def test_readme_fine_tune_commands_run_at_a_small_size(tmp_path, monkeypatch, hf_checkpoint):
+  """The README's three commands for your own data, as written but small: the
+  download's options are `hf download`'s own; the corpus is prepared with a
+  checkpoint transformers saved (26B-A4B-like), and the recipe trains it with
+  its own LoRA settings at a small size (S = 256, cp = 4 with ep = 4, one
+  step, no cluster) and saves an adapter in PEFT's format."""
+  import json
+  import shlex
+  import subprocess
+  import sys
+
+  from cpjax import cli, recipes
+  from cpjax.training.run_file import read_run_config
+
+  download, prepare, train = (
+    shlex.split(c)
+    for c in code_blocks(doc("README.md", "Fine-tune your own data"), "bash")[0]
+    .strip()
+    .splitlines()
+  )
+  base = hf_checkpoint("moe")  # (skips without transformers, and its hf command)
+  # 1: hf download REPO --local-dir DIR, DIR the checkpoint the others read.
+  assert download[:2] == ["hf", "download"] and download[3] == "--local-dir"
+  checkpoint = download[4]
+  hf = os.path.join(os.path.dirname(sys.executable), "hf")
+  usage = subprocess.run([hf, "download", "--help"], capture_output=True, text=True, check=True)
+  assert "--local-dir" in usage.stdout
+  monkeypatch.chdir(tmp_path)
+  chat = os.path.join(ROOT, "cpjax", "examples", "chat", "train.jsonl")
+
+  def small(args: list[str], changes: dict[str, str]) -> list[str]:
+    text = " ".join(args[1:]).replace(f"--checkpoint {checkpoint}", f"--checkpoint {base}")
+    for big, little in changes.items():
+      assert big in text, big
+      text = text.replace(big, little)
+    return shlex.split(text)
+
+  assert prepare[0] == train[0] == "cpjax"
+  seq_len = read_run_config(recipes.path(train[train.index("--recipe") + 1])).dataset.seq_len
+  assert f"--seq-len {seq_len}" in " ".join(prepare)  # rows the recipe trains
+  assert (
+    cli.main(small(prepare, {"chat.jsonl": chat, f"--seq-len {seq_len}": "--seq-len 256"})) == 0
+  )
+  # 3: on every host of a slice (--auto-cluster); here one process, small.
+  args = small(train, {" --auto-cluster": ""})
+  args += ["--seq-len", "256", "--mesh", "cp=4,ep=4", "--steps", "1", "--warmup-steps", "0"]
+  args += ["--state-dir", "state"]
+  assert cli.main(args) == 0
+  config = json.loads((tmp_path / "my-adapter" / "adapter_config.json").read_text())
+  assert config["r"] == 16, config
+
+
+def test_generated_reference_pages_cover_the_code():
+  """`make docs`'s reference pages: every command's --help, every run-config
+  key with its docstring, every recipe with its notes."""
+  import importlib.util
+
+  from cpjax import recipes
+  from cpjax.training.run_config import settings
+
+  spec = importlib.util.spec_from_file_location(
+    "docs_hooks", os.path.join(ROOT, "tools", "docs_hooks.py")
+  )
+  hooks = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(hooks)
+  cli_page = hooks.cli_page()
+  for command in ("cpjax train", "cpjax plan", "cpjax prepare-data", "cpjax demo"):
+    assert f"## `{command}`" in cli_page and f"usage: {command}" in cli_page, command
+  keys = hooks.run_config_page()
+  for setting in settings():
+    assert f"| `{setting.key}` |" in keys, setting.key
+  assert (
+    "| `dataset.seq_len` | `--seq-len` | `int` | `1024` | tokens per row before padding |" in keys
+  )
+  page = hooks.recipes_page()
+  for name in recipes.RECIPES:
+    assert f"| [`{name}`](#{name}) |" in page and f"## {name}\n" in page, name
+  assert "* compiled by XLA:TPU" in page.split("## a4b-lora-128k-v5e\n")[1].split("\n## ")[0]
+
+
+def run_page(page: str, replace: dict[str, str] | None = None) -> dict:
+  """Run a docs page's python blocks top to bottom in one namespace, as a
+  reader pastes them (``replace``: a checkpoint's name by a local one)."""
+  scope = {}
+  for i, code in enumerate(code_blocks(doc(page), "python")):
+    for name, local in (replace or {}).items():
+      code = code.replace(name, local)
+    exec(compile(code, f"docs/{page}, block {i}", "exec"), scope)  # noqa: S102
+  return scope
+
+
+def test_the_batches_page_runs_and_its_layouts_invert():
+  scope = run_page("concepts/batches.md")
+  np.testing.assert_array_equal(
+    np.asarray(scope["restored"]["labels"]), np.asarray(scope["batch"]["labels"])
+  )
+  layout, source = scope["layout"], scope["source"]
+  assert layout.kind == "document_balanced"
+  back = cpjax.from_rank_order(scope["q_r"], layout, source_index=source)  # padded
+  np.testing.assert_array_equal(np.asarray(back)[:, : layout.original_seq_len], scope["q"])
+
+
+def test_the_attention_page_runs_and_equals_dense_attention():
+  scope = run_page("concepts/attention.md")
+  q, k, v, docs = scope["q"], scope["k"], scope["v"], scope["docs"]
+  want = cpjax.reference_attention(q, k, v, document_ids=docs, sliding_window=128)
+  np.testing.assert_allclose(np.asarray(scope["out"]), np.asarray(want), atol=2e-6)
+  rule = "AllOf(LocalWindow(left=127, right=0), SameDocument(), KeyNotPadding())"
+  made = cpjax.AttentionMask.create(sliding_window=128, document_ids=docs, padding_mask=docs == 0)
+  assert repr(made.rule) == rule and f"mask.rule  # {rule}" in doc("concepts/attention.md")
+
+
+def test_the_meshes_page_trains_a_step_on_fsdp_cp_tp():
+  """The step on a 3-D mesh runs, and "same shardings out" (its parity with
+  one device: test_parallel.py's test_mesh_step_equals_single_device_step)."""
+  import jax
+
+  line = "params, opt_state, metrics = step(params, opt_state, sharded)"
+  scope = run_page("concepts/meshes.md", {line: "given = params\n" + line})
+  assert np.isfinite(float(scope["metrics"]["loss"]))
+  assert dict(scope["mesh"].shape) == {"fsdp": 2, "cp": 2, "tp": 2}
+  before, after = (jax.tree.leaves(scope[k]) for k in ("given", "params"))
+  assert [x.sharding for x in after] == [x.sharding for x in before]
+  assert any(x.sharding.spec != jax.P() for x in after)  # split, not replicated
+
+
+def test_the_gemma4_page_runs_on_a_checkpoint_transformers_saved(
+  tmp_path, monkeypatch, hf_checkpoint
+):
+  """Loading, one device, cp = 8 and saving, on an E2B-like checkpoint; the
+  cp logits equal one device's in float32, and the step is built."""
+  base = hf_checkpoint("dense")
+  monkeypatch.chdir(tmp_path)
+  scope = run_page("concepts/gemma4.md", {'"gemma-4-E2B-it/"': repr(base)})
+  logits, split = np.asarray(scope["logits"]), np.asarray(scope["split"])
+  np.testing.assert_allclose(split, logits, atol=1e-4 * np.abs(logits).max())
+  assert (tmp_path / "out" / "model.safetensors").is_file()
+  assert callable(scope["step"])
+
+
+def test_the_readme_python_example_is_dense_attention():
+  (code,) = code_blocks(doc("README.md", "In Python"), "python")
+  scope = {}
+  exec(compile(code, "README.md", "exec"), scope)  # noqa: S102
+  q, k, v = scope["q"], scope["k"], scope["v"]
+  want = cpjax.reference_attention(q, k, v, causal=True)
+  np.testing.assert_allclose(np.asarray(scope["out"]), np.asarray(want), atol=2e-6)

@@ -22,6 +22,7 @@ from cpjax.models import gemma4
 from cpjax.models.gemma4.experts import routed_experts
 from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 from tests import test_parallel as tp
+from tests.helpers import code_blocks, doc
 from tests.test_gemma4 import F32_TOL, fixture, max_error
 
 E, K, D, H = 8, 2, 6, 5
@@ -407,20 +408,18 @@ def test_bad_expert_parallel_input(call, match):
 # (--model tiny-moe, the tiny-moe-ep recipe's run) it is in `make soak`.
 @pytest.mark.parametrize("checkpoint", [pytest.param(None, marks=pytest.mark.slow), "moe"])
 def test_readme_ep_command_runs_and_reports_the_routing(tmp_path, checkpoint, hf_checkpoint):
-  """The README's expert-parallel command, as written (plus a metrics file),
+  """The docs' expert-parallel command (concepts/meshes.md), as written (plus a metrics file),
   and on a 26B-A4B-like checkpoint transformers saved (``--checkpoint`` for
   ``--model tiny-moe``): the step-1 parity check passes inside it, and every
   MoE layer's counts add up to batch x seq_len x k (pairs per position,
   padding included), none dropped."""
   import json
   import shlex
-  from pathlib import Path
 
   from cpjax import cli
 
-  readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-  section = readme.split("**Expert parallelism** (Gemma 4's MoE)", 1)[1]
-  command = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip()
+  section = doc("concepts/meshes.md").split("**Expert parallelism** (Gemma 4's MoE)", 1)[1]
+  command = code_blocks(section, "bash")[0].strip()
   cfg = gemma4.Gemma4Config.preset("tiny-moe").text
   if checkpoint:
     base = hf_checkpoint(checkpoint)

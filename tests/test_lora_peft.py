@@ -13,6 +13,7 @@ import safetensors.numpy
 
 from cpjax.models import gemma4
 from cpjax.training import lora
+from tests.helpers import code_blocks, doc
 from tests.test_gemma4 import FIXTURES
 from tests.test_lora import randomize_adapters
 
@@ -296,28 +297,25 @@ def test_cpjax_loads_peft_expert_adapters_on_every_mesh(peft_moe_adapter, mesh_s
   assert_as_close_as_transformers(got, theirs[torch.float32], theirs[torch.float64], inputs)
 
 
-# The README's command runs in CI on the MoE checkpoint (with its parity
+# The LoRA guide's command runs in CI on the MoE checkpoint (with its parity
 # check, expert adapters and PEFT); the dense one in `make soak` (its LoRA runs
 # in CI in test_lora_training.py).
 @pytest.mark.parametrize("kind", [pytest.param("dense", marks=pytest.mark.slow), "moe"])
 def test_readme_lora_commands_run_and_peft_loads_the_adapter(
   tmp_path, monkeypatch, hf_checkpoint, kind
 ):
-  """README's LoRA section as written, at a small size, on checkpoints
+  """The LoRA guide (guides/lora.md) as written, at a small size, on checkpoints
   transformers saved with their tokenizer and template (E2B-like and
   26B-A4B-like), trained on the shipped chat JSONL; then its Python lines:
   PEFT's model gives the logits of cpjax's model with the same adapter."""
-  import re
   import shlex
-  from pathlib import Path
 
   from cpjax import cli
 
   base = hf_checkpoint(kind)
-  readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-  section = readme.split("### LoRA: adapters on a frozen base\n", 1)[1].split("\n## ", 1)[0]
-  (command,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-  (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+  section = doc("guides/lora.md", "LoRA: adapters on a frozen base")
+  (command,) = code_blocks(section, "bash")
+  (code,) = code_blocks(section, "python")
   monkeypatch.chdir(tmp_path)
   small = command.strip().replace("gemma-4-E2B-it", base)
   chat = os.path.join(os.path.dirname(__file__), "..", "cpjax", "examples", "chat", "train.jsonl")
@@ -338,7 +336,7 @@ def test_readme_lora_commands_run_and_peft_loads_the_adapter(
     args.append("--no-parity-check")
   assert cli.main(args[1:]) == 0
   scope = {}
-  exec(compile(code.replace('"gemma-4-E2B-it"', repr(base)), "README", "exec"), scope)  # noqa: S102
+  exec(compile(code.replace('"gemma-4-E2B-it"', repr(base)), "lora.md", "exec"), scope)  # noqa: S102
   inputs = fixtures_module().batch("text", 7)
   # The fixtures' words are ids 5..255; the tokenizer's image markers are
   # among them here, and text rows hold none.

@@ -28,6 +28,7 @@ from cpjax.training.run_file import (
   to_yaml,
   write_run_config,
 )
+from tests.helpers import code_blocks, doc
 
 PARSER = train_parser()
 
@@ -45,19 +46,14 @@ def test_every_recipe_round_trips_through_yaml(tmp_path):
   # Every file here is listed, and every listed recipe has its file.
   files = {f[:-5] for f in os.listdir(os.path.dirname(recipes.__file__)) if f.endswith(".yaml")}
   assert files == set(recipes.RECIPES)
-  # The README's table of recipes has a row for each, and none for another;
-  # its closed form and compiler columns are the recipe file's notes.
-  readme = os.path.join(os.path.dirname(os.path.dirname(recipes.__file__)), "..", "README.md")
-  with open(readme) as f:
-    rows = re.findall(r"^\| `([a-z0-9-]+)` \| .* \| .* \| (.*) \| (.*) \|$", f.read(), re.MULTILINE)
-  assert sorted(name for name, *_ in rows) == sorted(recipes.RECIPES)
-  for name, closed, compiled in rows:
-    with open(recipes.path(name)) as f:
-      notes = f.read()
-    planned = re.search(r"^# planned by .* total ([0-9.]+ [KMG]iB) ", notes, re.MULTILINE)
-    assert closed == (planned.group(1) if planned else "—"), (name, closed)
-    by = re.search(r"^# compiled by (XLA:\w+) .*?: ([0-9.]+ GiB) per device", notes, re.MULTILINE)
-    assert compiled == (f"{by.group(2)} ({by.group(1)})" if by else "—"), (name, compiled)
+  # The README's grid names each published-size recipe once, and no other,
+  # with the chips it was planned for.
+  grid = re.findall(r"`([a-z0-9-]+)` \(([^)]*)\)", doc("README.md", "Which recipe"))
+  assert sorted(name for name, _ in grid) == sorted(
+    n for n, r in recipes.RECIPES.items() if r.devices
+  )
+  for name, chips in grid:
+    assert chips == recipes.RECIPES[name].target, name
 
 
 @pytest.mark.parametrize("name", [n for n, r in recipes.RECIPES.items() if r.devices])
@@ -209,6 +205,11 @@ def test_every_short_flag_sets_its_dotted_key():
       ["--recipe", "tiny", "--parallel.mesh", "fsdp=2", "--cp", "2"],
       "--parallel.mesh sets the cp size; do not add --cp",
     ),
+    (
+      ["--recipe", "tiny-moe-ep", "--cp", "4"],
+      "--cp 4 would replace the run's mesh fsdp=2,cp=2,ep=4 and drop its fsdp=2,ep=4; give "
+      "the whole mesh instead, e.g. --mesh fsdp=2,cp=4,ep=4",
+    ),
     # A value from a file is named by its dotted key; a null where a value must be.
     (
       ["--config", "FILE:dataset:\n  seq_len: 16\n"],
@@ -288,9 +289,11 @@ def test_the_command_line_replaces_what_a_file_trains_and_its_mesh(monkeypatch):
   assert run.model is None and run.checkpoint == ckpt and run.dataset.seq_len == 64
   assert run.lora == read_run_config(recipes.path("e2b-lora-128k")).lora
   assert run.parallel.mesh == "cp=8" and run.dtype == "bfloat16"
-  assert cli.main(["train", "--recipe", "tiny-moe-ep", "--cp", "2", "--skip-memory-check"]) == 0
+  assert cli.main(["train", "--recipe", "tiny", "--cp", "2", "--skip-memory-check"]) == 0
   assert started[1].parallel.mesh is None and started[1].parallel.cp == 2
-  assert started[1].model == "tiny-moe"
+  # A mesh with more than cp (expert parallelism here) is not dropped by --cp.
+  assert cli.main(["train", "--recipe", "tiny-moe-ep", "--mesh", "cp=4,ep=4"]) == 0
+  assert started[2].parallel.mesh == "cp=4,ep=4" and started[2].model == "tiny-moe"
 
 
 def _losses(directory) -> list[float]:
@@ -550,33 +553,26 @@ def test_a_bad_file_read_in_python_is_a_run_error(tmp_path):
 
 
 def test_the_tiny_moe_recipe_is_the_readme_expert_parallel_command():
-  """The README's expert-parallel command trains in CI on a checkpoint
+  """The docs' expert-parallel command (concepts/meshes.md) trains in CI on a checkpoint
   transformers saved, and as written in `make soak`
   (tests/test_experts.py::test_readme_ep_command_runs_and_reports_the_routing,
   its first step checked against the single-device model); the recipe is
   that run, setting for setting."""
-  import re
   import shlex
-  from pathlib import Path
 
-  readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-  section = readme.split("**Expert parallelism** (Gemma 4's MoE)", 1)[1]
-  command = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0].strip()
+  section = doc("concepts/meshes.md").split("**Expert parallelism** (Gemma 4's MoE)", 1)[1]
+  command = code_blocks(section, "bash")[0].strip()
   assert parse(*shlex.split(command)[2:]) == read_run_config(recipes.path("tiny-moe-ep"))
 
 
 def test_the_readme_python_example_runs(tmp_path, monkeypatch):
-  import re
-  from pathlib import Path
 
   import cpjax.training.trainer
 
-  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-  section = text.split("### Run configs and recipes\n", 1)[1].split("\n### ", 1)[0]
-  code = "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
+  code = "\n".join(code_blocks(doc("guides/run-configs.md"), "python"))
   started = []  # training itself is tested above; here, what the example hands it
   monkeypatch.setattr(cpjax.training.trainer, "train", lambda run: started.append(run))
   monkeypatch.chdir(tmp_path)
-  exec(compile(code, "README.md", "exec"), {})  # noqa: S102
+  exec(compile(code, "run-configs.md", "exec"), {})  # noqa: S102
   assert started[0].dataset.seq_len == 64 and started[0].parallel.cp == 2
   assert (tmp_path / "runs" / "mine" / "run.yaml").is_file()

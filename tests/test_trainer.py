@@ -212,3 +212,32 @@ def test_train_takes_a_run_config_and_fit_a_fresh_trainer():
   trainer.state = TrainState(trainer.state.params, trainer.state.opt_state, step=1)
   with pytest.raises(RunError, match="fit starts from a trainer at step 0 .* after step 1"):
     fit(trainer)
+
+
+@pytest.mark.parametrize("data", [None, "chat.jsonl"])
+def test_a_checkpoint_trained_without_data_is_said_loudly(data):
+  """`cpjax train --checkpoint DIR` without --data trains on synthetic rows: the
+  opening lines say so in a WARNING line naming --data; with data, no warning."""
+  import types
+
+  import jax
+
+  from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.training.trainer.loop import describe
+
+  run = with_values(
+    RunConfig(),
+    {"checkpoint": "gemma-4-E2B-it", "dataset.path": data, "parallel.strategy": "ring"},
+  )
+  lines = []
+  describe(
+    types.SimpleNamespace(
+      run=run,
+      log=lines.append,
+      mesh=jax.make_mesh((8,), ("cp",)),
+      cfg=Gemma4Config.preset("tiny"),
+      description="Gemma 4 checkpoint gemma-4-E2B-it",
+    )
+  )
+  warned = [line for line in lines if line.startswith("WARNING: no --data: gemma-4-E2B-it")]
+  assert len(warned) == (data is None), lines

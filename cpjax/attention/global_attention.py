@@ -79,8 +79,8 @@ def context_parallel_attention(
       order; or, instead of it, the keywords ``causal``, ``sliding_window``,
       ``document_ids``, ``padding_mask``, ``vision_group_ids`` of
       :meth:`cpjax.AttentionMask.create` (arrays [B, S] in rank order).
-    scale, logits_soft_cap, block_q, block_kv, implementation, interpret,
-      strategy: as :func:`cpjax.ring_attention`.
+    scale, logits_soft_cap, block_q, block_kv, implementation, interpret, strategy: as
+      :func:`cpjax.ring_attention`.
 
   Returns:
     [B, S, H, D] in q's dtype and rank order, sharded like q's in_spec

@@ -42,10 +42,10 @@ def reference_attention(
     q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] with Hq a multiple of Hkv (query
       head h reads KV head ``h // (Hq // Hkv)``).
     mask: a :class:`cpjax.AttentionMask` with [B, S] arrays in natural
-      order; or, instead of it, the keywords:
-    causal (default True), sliding_window, document_ids [B, S], padding_mask
-      [B, S] (True = pad), vision_group_ids [B, S]: the standard mask (see
-      :mod:`cpjax.masks`).
+      order; or, instead of it, the keywords below.
+    causal, sliding_window, document_ids, padding_mask, vision_group_ids: the
+      standard mask (see :mod:`cpjax.masks`): causal by default, arrays
+      [B, S] (``padding_mask``: True = pad).
     scale: logit scale, default ``1 / sqrt(D)``.
     logits_soft_cap: ``c`` for ``c * tanh(logits / c)``.
 

@@ -86,6 +86,7 @@ def read_run(
     return key if get(run, key) != defaults[key] else flags[key]
 
   run = run_from_namespace(args)
+  _keeps_the_files_axes(run, given, fail)
   for pair in _ONE_OF:
     for key, other in (pair, pair[::-1]):
       if given(key) and not given(other):
@@ -103,6 +104,28 @@ def read_run(
   except RunError as e:
     fail(e)
   return run, args
+
+
+def _keeps_the_files_axes(run: "RunConfig", given, fail) -> None:
+  """Refuse a command line ``--cp N`` that would drop axes of a file's mesh.
+
+  ``--cp`` replaces a file's (a recipe's) mesh whole; where that mesh has more
+  than cp (expert parallelism above all: ``a4b-lora-128k-v5e``'s ep=16, without
+  which the run does not fit), dropping them silently would start another run
+  than the recipe's.
+  """
+  from cpjax.parallel import parse_mesh
+
+  if not given("parallel.cp") or given("parallel.mesh") or run.parallel.mesh is None:
+    return
+  sizes = parse_mesh(run.parallel.mesh)
+  others = ",".join(f"{k}={v}" for k, v in sizes.items() if k != "cp")
+  if others:
+    whole = ",".join(f"{k}={run.parallel.cp if k == 'cp' else v}" for k, v in sizes.items())
+    fail(
+      f"--cp {run.parallel.cp} would replace the run's mesh {run.parallel.mesh} and drop "
+      f"its {others}; give the whole mesh instead, e.g. --mesh {whole}"
+    )
 
 
 def _train_on_devices(

@@ -305,9 +305,9 @@ def make_train_step(
   Args:
     graphdef: from ``nnx.split(model)``.
     optimizer: the optax optimizer.
-    mesh, layout, axis_name, batch_axis, forward, batch_specs, frozen,
-      implementation, interpret, expert_axes, capacity_factor, strategy,
-      loss_strategy: as :func:`make_loss_fn`.
+    mesh, layout, axis_name, batch_axis, forward, batch_specs, frozen: as
+      :func:`make_loss_fn`, and so are ``implementation``, ``interpret``,
+      ``expert_axes``, ``capacity_factor``, ``strategy`` and ``loss_strategy``.
 
   Returns:
     The :class:`TrainStep`.

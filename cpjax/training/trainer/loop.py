@@ -190,6 +190,13 @@ def describe(trainer: Trainer) -> None:
     f"mesh {mesh_text} ({run.parallel.layout}) on "
     f"{len(devices)} {devices[0].platform.upper()} devices{procs}, {run.dtype}"
   )
+  if run.checkpoint and not run.dataset.path:
+    # Fine-tuning real weights on random rows is a smoke test, never what a
+    # user who forgot --data meant: say it where it cannot be missed.
+    log(
+      f"WARNING: no --data: {run.checkpoint} trains on synthetic random rows, which "
+      "teach it nothing (a smoke test); give --data FILE to fine-tune on your data"
+    )
   if run.parallel.strategy == "auto":
     for kind, choice in run_choices(run, t, device_memory=device_memory()).items():
       log(f"  cp strategy for {kind}: {choice.strategy} ({choice.why})")
