@@ -1399,6 +1399,31 @@ MUTANTS = (
     '    _check_rope(rope, "vision_config.rope_parameters", ("default", "axial", "linear"))',
     ("tests/test_gemma4_published.py",),
   ),
+  # --- the docs' traps and the plan's 4-bit bytes (issues 63, 65)
+  Mutant(
+    "train: a bare --cp drops a recipe's other mesh axes again",
+    "cpjax/cli/train.py",
+    '  others = ",".join(f"{k}={v}" for k, v in sizes.items() if k != "cp")',
+    '  others = ""',
+    ("tests/test_run_config.py::test_unknown_keys_and_wrong_types_are_one_line_exit_two",),
+  ),
+  Mutant(
+    "train: a checkpoint trained on synthetic rows says nothing",
+    "cpjax/training/trainer/loop.py",
+    "  if run.checkpoint and not run.dataset.path:",
+    "  if run.checkpoint and not run.checkpoint:",
+    ("tests/test_trainer.py::test_a_checkpoint_trained_without_data_is_said_loudly",),
+  ),
+  Mutant(
+    "plan: a 4-bit value counted as a byte again",
+    "cpjax/parallel/_placement.py",
+    "    total += -(-int(np.prod(shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8)",
+    "    total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize",
+    (
+      "cpjax/parallel/_placement.py::cpjax.parallel._placement.bytes_per_device",
+      "tests/test_qlora.py::test_a_quantized_base_compiles_to_the_closed_form_state",
+    ),
+  ),
 )
 
 
