@@ -567,3 +567,23 @@ def test_cli_plan_and_train_agree_without_a_recipe():
     "auto",
     4,
   )
+
+
+def test_a_4bit_value_is_half_a_byte_and_a_shard_counts_once():
+  """bytes_per_device: int4 at half a byte a value (as XLA holds it), a
+  sharded leaf by its shard, float0 (an integer's gradient) as nothing."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from cpjax import parallel
+
+  mesh = jax.make_mesh((8,), ("cp",))
+  split = jax.ShapeDtypeStruct((8, 1024), jnp.int4, sharding=jax.NamedSharding(mesh, jax.P("cp")))
+  tree = {
+    "q": jax.ShapeDtypeStruct((3, 1024), jnp.int4),
+    "w": jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),
+    "split": split,
+    "none": np.zeros((5,), jax.dtypes.float0),
+  }
+  assert parallel.bytes_per_device(tree) == 3 * 1024 // 2 + 2 * 3 * 2 + 1024 // 2

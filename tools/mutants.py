@@ -1420,7 +1420,7 @@ MUTANTS = (
     "    total += -(-int(np.prod(shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8)",
     "    total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize",
     (
-      "cpjax/parallel/_placement.py::cpjax.parallel._placement.bytes_per_device",
+      "tests/test_plan.py::test_a_4bit_value_is_half_a_byte_and_a_shard_counts_once",
       "tests/test_qlora.py::test_a_quantized_base_compiles_to_the_closed_form_state",
     ),
   ),
