@@ -587,3 +587,26 @@ def test_a_4bit_value_is_half_a_byte_and_a_shard_counts_once():
     "none": np.zeros((5,), jax.dtypes.float0),
   }
   assert parallel.bytes_per_device(tree) == 3 * 1024 // 2 + 2 * 3 * 2 + 1024 // 2
+
+
+def test_linear_tracing_leaves_the_unread_origin_message_unbuilt():
+  """The fast path of every abstract model (plan, checkpoint loading, lazy
+  LoRA): inside linear_tracing a tracer's origin message, which jax builds by
+  walking the trace and nnx's rng streams trigger unread, is empty; outside
+  it, jax builds it. Should jax drop that hook, this fails."""
+  import jax
+
+  from cpjax import parallel
+
+  seen = []
+
+  def f(x):
+    y = x * 2
+    seen.append(y._origin_msg())
+    with parallel.linear_tracing():
+      seen.append(y._origin_msg())
+    seen.append(y._origin_msg())
+    return y
+
+  jax.make_jaxpr(f)(1.0)
+  assert "while tracing the function f" in seen[0] and seen[1] == "" and seen[2] == seen[0]

@@ -1415,6 +1415,13 @@ MUTANTS = (
     ("tests/test_trainer.py::test_a_checkpoint_trained_without_data_is_said_loudly",),
   ),
   Mutant(
+    "abstract models: traced in quadratic time again",
+    "cpjax/parallel/_abstract.py",
+    '  tracer._origin_msg = lambda self: ""',
+    "  tracer._origin_msg = original",
+    ("tests/test_plan.py::test_linear_tracing_leaves_the_unread_origin_message_unbuilt",),
+  ),
+  Mutant(
     "plan: a 4-bit value counted as a byte again",
     "cpjax/parallel/_placement.py",
     "    total += -(-int(np.prod(shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8)",

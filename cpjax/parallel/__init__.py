@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P  # noqa: F401 (the example above uses it)
 
+from cpjax.parallel._abstract import abstract_model, linear_tracing
 from cpjax.parallel._lookup import (
   RowPlacement,
   gather_safe,
@@ -95,6 +96,7 @@ __all__ = [
   "PartitionRule",
   "RowPlacement",
   "STATE_AXES",
+  "abstract_model",
   "axis_size",
   "batch_axis_of",
   "bytes_per_device",
@@ -105,6 +107,7 @@ __all__ = [
   "gather_dim",
   "gathered",
   "key_names",
+  "linear_tracing",
   "lookup",
   "make_mesh",
   "mesh_platform",

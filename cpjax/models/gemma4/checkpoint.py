@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
+from cpjax import parallel
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.models.gemma4.layers import Buffer
 
@@ -238,7 +239,7 @@ def load_pretrained(
     The model, with the checkpoint's weights.
   """
   cfg = Gemma4Config.from_hf(os.fspath(path))
-  model = nnx.eval_shape(
+  model = parallel.abstract_model(
     lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, remat=remat)
   )
   return load_weights(model, path, mesh=mesh, sharding=sharding)

@@ -22,6 +22,7 @@ import numpy as np
 import qwix
 from flax import nnx
 
+from cpjax.parallel import linear_tracing
 from cpjax.training.lora.quantize import (
   QUANTIZED_DTYPES,
   QUANTIZED_MODULES,
@@ -479,37 +480,11 @@ def apply_lora_lazily(
   def adapt():
     return apply_lora(make(), config, *example_inputs, seed=seed, method=method, **example_kwargs)
 
-  with _terse_tracer_errors():
+  with linear_tracing():
     model = nnx.eval_shape(adapt)
     if materialize_adapters:
       nnx.update(model, jax.jit(lambda: nnx.state(adapt(), nnx.LoRAParam))())
   return model
-
-
-@contextlib.contextmanager
-def _terse_tracer_errors():
-  """Tracing the creation pass in time linear in the model.
-
-  Each key an nnx rng stream hands out is stored with
-  ``getattr(key, "sharding", None)``; on a tracer that raises an
-  AttributeError whose message jax builds by walking the trace back to the
-  key's origin, so a whole model's creation pass costs time quadratic in its
-  size: more than 4 minutes for 26B-A4B, 5 s once the message is left
-  empty. ``getattr`` swallows it unread, so it is left empty while the pass
-  is traced (jax's private hook; where it is gone, nothing is changed).
-  """
-  from jax._src.interpreters import partial_eval
-
-  tracer = partial_eval.DynamicJaxprTracer
-  original = tracer.__dict__.get("_origin_msg")
-  if original is None:
-    yield
-    return
-  tracer._origin_msg = lambda self: ""
-  try:
-    yield
-  finally:
-    tracer._origin_msg = original
 
 
 def _adapt_modules(

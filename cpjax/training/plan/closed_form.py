@@ -140,8 +140,9 @@ def _abstract_model(cfg):
   from flax import nnx
 
   from cpjax.models.gemma4 import Gemma4
+  from cpjax.parallel import abstract_model
 
-  return nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
+  return abstract_model(lambda: Gemma4(cfg, rngs=nnx.Rngs(0)))
 
 
 @functools.lru_cache(maxsize=8)

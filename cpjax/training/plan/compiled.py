@@ -140,7 +140,9 @@ def compile_step(
   # A quantized base is loaded in bfloat16 and quantized by apply_lora.
   storage = {"float32": jnp.float32}.get(base_dtype, jnp.bfloat16)
   if lora_rank is None:
-    abstract = nnx.eval_shape(lambda: Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat))
+    abstract = parallel.abstract_model(
+      lambda: Gemma4(cfg, rngs=nnx.Rngs(0), dtype=compute, remat=remat)
+    )
     graphdef, params, frozen = nnx.split(abstract, nnx.Param, ...)
   else:
     # The adapters are made by running the model: abstractly here too.

@@ -251,7 +251,7 @@ def checkpoint_sharding(
     ``sharding(key, shape)``: a parameter's sharding, None for a buffer.
   """
   if model is None:
-    model = nnx.eval_shape(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)))
+    model = parallel.abstract_model(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
   specs = parallel.param_specs(params, mesh, rule=rule, state_axes=state_axes)
   # Keyed by the checkpoint key (+ ".qvalue" / ".scale"): the path without
