@@ -160,7 +160,8 @@ def test_readme_fine_tune_commands_run_at_a_small_size(tmp_path, monkeypatch, hf
   download's options are `hf download`'s own; the corpus is prepared with a
   checkpoint transformers saved (26B-A4B-like), and the recipe trains it with
   its own LoRA settings at a small size (S = 256, cp = 4 with ep = 4, one
-  step, no cluster) and saves an adapter in PEFT's format."""
+  step, no cluster) on a 4-bit base and saves an adapter in PEFT's format
+  that adapts the experts too."""
   import json
   import shlex
   import subprocess
@@ -201,10 +202,12 @@ def test_readme_fine_tune_commands_run_at_a_small_size(tmp_path, monkeypatch, hf
   # 3: on every host of a slice (--auto-cluster); here one process, small.
   args = small(train, {" --auto-cluster": ""})
   args += ["--seq-len", "256", "--mesh", "cp=4,ep=4", "--steps", "1", "--warmup-steps", "0"]
+  args += ["--lora.group_size", "8"]  # (the tiny model's widths: 48, 96, ...)
   args += ["--state-dir", "state"]
   assert cli.main(args) == 0
   config = json.loads((tmp_path / "my-adapter" / "adapter_config.json").read_text())
-  assert config["r"] == 16, config
+  # The recipe's targets: every projection and both expert tensors, per expert.
+  assert config["r"] == 16 and config["target_parameters"], config
 
 
 def test_generated_reference_pages_cover_the_code():

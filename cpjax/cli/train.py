@@ -110,7 +110,7 @@ def _keeps_the_files_axes(run: "RunConfig", given, fail) -> None:
   """Refuse a command line ``--cp N`` that would drop axes of a file's mesh.
 
   ``--cp`` replaces a file's (a recipe's) mesh whole; where that mesh has more
-  than cp (expert parallelism above all: ``a4b-lora-128k-v5e``'s ep=16, without
+  than cp (expert parallelism above all: ``a4b-qlora-128k-v5e``'s ep=16, without
   which the run does not fit), dropping them silently would start another run
   than the recipe's.
   """
