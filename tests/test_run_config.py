@@ -75,7 +75,9 @@ def test_each_published_size_recipe_fits_its_device(name):
   )
   memory = plan.parse_bytes(target.device_memory)
   assert est.fits(memory), est.row()
-  assert run.dataset.seq_len >= 131072 and not run.parity_check
+  # Long rows over a slice; on one chip, the longest row its compiler fits.
+  assert run.dataset.seq_len >= (131072 if target.devices > 1 else 32768)
+  assert not run.parity_check
   # The file's note of its plan is the closed form's answer today.
   note = (
     f"# planned by cpjax plan: {' '.join(est.row().split())} [{run.dtype} activations] "

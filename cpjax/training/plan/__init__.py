@@ -26,6 +26,7 @@ keywords, with the run config's defaults.
 from cpjax.training.plan.closed_form import (
   DISPATCH_GPU,
   GPU_LAYER_VALUES,
+  GPU_LAYER_VALUES_LORA,
   LOSS_CHUNK_LOGITS,
   MLP_TILE_VALUES,
   PLATFORMS,
@@ -49,6 +50,7 @@ from cpjax.training.targets import collective_bytes
 __all__ = [
   "DISPATCH_GPU",
   "GPU_LAYER_VALUES",
+  "GPU_LAYER_VALUES_LORA",
   "GiB",
   "LOSS_CHUNK_LOGITS",
   "MLP_TILE_VALUES",

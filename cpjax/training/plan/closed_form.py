@@ -79,7 +79,8 @@ and its sum): 0.924x to 1.53x of it on the E2B slice (benchmarks/compile_targets
 For a GPU (``platform="cuda"``) XLA:GPU's live-range report adds about
 :data:`GPU_LAYER_VALUES` float32 ``B * L * D`` a layer instead (norm outputs
 and the MLP loop's, which XLA:TPU fuses into their consumers): 0.908x to
-1.32x of XLA:GPU for 8 H200s on the same rows.
+1.32x of XLA:GPU for 8 H200s on the same rows; under LoRA
+:data:`GPU_LAYER_VALUES_LORA` (one-chip QLoRA steps of E2B and E4B).
 
 Where CPU compilation differs from TPU / GPU: XLA:CPU has no
 memory-space assignment or latency-hiding scheduler, so its temporaries are
@@ -110,6 +111,7 @@ if TYPE_CHECKING:
 __all__ = [
   "DISPATCH_GPU",
   "GPU_LAYER_VALUES",
+  "GPU_LAYER_VALUES_LORA",
   "LOSS_CHUNK_LOGITS",
   "MLP_TILE_VALUES",
   "PLATFORMS",
@@ -129,6 +131,10 @@ TPU_PEAK_VALUES = 2
 # XLA:GPU's float32 [B, L, D] values a layer beyond XLA:TPU's, fitted to the
 # H200 column of benchmarks/compile_targets.py (within 10% of it, or above).
 GPU_LAYER_VALUES = 4.5
+# ... and under LoRA (no weight gradients), fitted to one-chip compiles with a
+# 4-bit base and remat full: E2B at S = 65536 on an H100 (59.9 GiB) and 131072
+# on an H200 (109), E4B at 32768 on an H100 (58.4); 2.8 puts each within 2%.
+GPU_LAYER_VALUES_LORA = 2.8
 # XLA:GPU's buffers of the expert dispatch's size beyond the four it sends,
 # receives, computes and returns, fitted to the 26B-A4B slice's H200 rows.
 DISPATCH_GPU = 23
@@ -430,7 +436,8 @@ def estimate(
   # that XLA:TPU fuses away: its norms' multi-output fusions and the MLP
   # loop's output and copies (its live-range report at the peak).
   if platform == "cuda":
-    peak = GPU_LAYER_VALUES * 4 * layers * rows * local * d
+    values = GPU_LAYER_VALUES if lora_rank is None else GPU_LAYER_VALUES_LORA
+    peak = values * 4 * layers * rows * local * d
   else:
     peak = TPU_PEAK_VALUES * 4 * rows * local * d
   activations = grads + gathered + ring + tables_grad + full_row + saved + working + logits + peak
