@@ -8,6 +8,8 @@ Made here, never written by hand, so they cannot drift from the code:
   key, with its type, default, short flag and docstring;
 * ``reference/recipes.md``: each shipped recipe, what it runs and what its
   chips' compiler said (the first comments of its file);
+* ``figures/*.png``: the pictures tools/docs_figures.py draws from the code
+  (the layouts of a packed row, a ring step's tiles), on 8 CPU devices;
 * ``benchmarks.md``, ``changelog.md`` and the benchmark figures: the files
   under ``benchmarks/`` and ``CHANGELOG.md`` as they are in the repository.
 """
@@ -20,13 +22,15 @@ import os
 import re
 import typing
 
-from mkdocs.structure.files import File
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def on_files(files, config):
-  """Add the generated pages and the repository's reports to the site."""
+  """Add the generated pages, the pictures and the repository's reports to the site."""
+  from mkdocs.structure.files import File  # (the page makers below need no MkDocs)
+
+  for uri, data in pictures().items():
+    files.append(File.generated(config, uri, content=data))
   pages = {
     "reference/cli.md": cli_page(),
     "reference/run-config.md": run_config_page(),
@@ -45,6 +49,23 @@ def on_files(files, config):
         )
       )
   return files
+
+
+def pictures() -> dict[str, bytes]:
+  """tools/docs_figures.py's pictures, drawn on 8 CPU devices."""
+  import importlib.util
+
+  import jax
+
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", 8)
+  spec = importlib.util.spec_from_file_location(
+    "docs_figures", os.path.join(ROOT, "tools", "docs_figures.py")
+  )
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return {uri: draw() for uri, draw in module.FIGURES.items()}
 
 
 def _read(path: str) -> str:

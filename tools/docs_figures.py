@@ -1,0 +1,119 @@
+"""The docs' pictures, drawn from the code itself at each build (``make docs``,
+through tools/docs_hooks.py): what they show is what cpjax does today.
+
+* ``layouts.png``: which rank holds which tokens of one packed row, in each
+  layout (``shard_batch`` on 8 CPU devices; lines are document boundaries);
+* ``ring-step.png``: one ring step's tile map on each rank (queries x keys):
+  allowed pairs, pairs computed but masked, and tiles skipped without work,
+  from the mask rule's token predicate and block classifier.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+
+def _png(fig) -> bytes:
+  out = io.BytesIO()
+  fig.savefig(out, format="png", dpi=110, bbox_inches="tight")
+  return out.getvalue()
+
+
+def _row(cp: int, tokens_per_rank: int):
+  import jax
+
+  import cpjax
+  from cpjax.models import gemma4
+
+  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices("cpu")[:cp])
+  batch = gemma4.synthetic_batch(
+    np.random.default_rng(0),
+    gemma4.Gemma4Config.preset("tiny"),
+    batch_size=1,
+    seq_len=tokens_per_rank * cp,
+    max_docs=4,
+  )
+  return cpjax, mesh, batch
+
+
+def layouts(cp: int = 8, tokens_per_rank: int = 64) -> bytes:
+  """One packed row over ``cp`` ranks in each layout: colour = owning rank."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  cpjax, mesh, batch = _row(cp, tokens_per_rank)
+  kinds = cpjax.batch.LAYOUT_KINDS
+  fig, axes = plt.subplots(len(kinds), 1, figsize=(10, 1.1 * len(kinds)), sharex=True)
+  for ax, kind in zip(axes, kinds):
+    sharded, layout = cpjax.shard_batch(batch, mesh, layout=kind)
+    source = np.asarray(sharded.get("_source_index", cpjax.rank_order(layout)[None]))[0]
+    owner = np.zeros(layout.padded_seq_len, int)
+    owner[source] = np.arange(layout.padded_seq_len) // layout.local_seq_len
+    ax.imshow(owner[None], aspect="auto", cmap="tab10", interpolation="nearest")
+    docs = np.zeros(layout.padded_seq_len, int)
+    docs[source] = np.asarray(sharded["_packed_seq_ids"])[0]
+    for t in np.flatnonzero(np.diff(docs)) + 0.5:
+      ax.axvline(t, color="k", lw=0.8)
+    ax.set_yticks([])
+    ax.set_ylabel(kind, rotation=0, ha="right")
+  axes[-1].set_xlabel("token of the row (colour: the rank that holds it; lines: documents)")
+  fig.tight_layout()
+  data = _png(fig)
+  plt.close(fig)
+  return data
+
+
+def ring_step(cp: int = 8, tokens_per_rank: int = 64, step: int = 1) -> bytes:
+  """Ring step ``step`` of a causal, document-masked row in the load-balanced layout."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from cpjax.masks import Tokens
+
+  cpjax, mesh, batch = _row(cp, tokens_per_rank)
+  sharded, layout = cpjax.shard_batch(batch, mesh, layout="load_balanced")
+  docs = np.asarray(sharded["_packed_seq_ids"])  # rank r at [r*L, (r+1)*L)
+  rule = cpjax.AttentionMask.create(causal=True, document_ids=docs).rule
+  colours = matplotlib.colors.ListedColormap(["#dddddd", "#30307a", "#f5c400"])
+  block = layout.chunk_len // 2
+  size = layout.local_seq_len
+  fig, axes = plt.subplots(1, cp, figsize=(2 * cp, 2.4))
+  for r, ax in enumerate(axes):
+    src = (r - step) % cp
+    q = Tokens(
+      cpjax.local_token_indices(layout, r), {"document_ids": docs[:, r * size : (r + 1) * size]}
+    )
+    k = Tokens(
+      cpjax.local_token_indices(layout, src),
+      {"document_ids": docs[:, src * size : (src + 1) * size]},
+    )
+    allowed = np.asarray(rule.allowed(q, k))[0]
+    visit = np.asarray(rule.classify(q, k, block, block).any)[0]
+    skipped = np.kron(~visit, np.ones((block, block), bool))
+    ax.imshow(
+      np.where(skipped, 0, np.where(allowed, 2, 1)),
+      cmap=colours,
+      vmin=0,
+      vmax=2,
+      interpolation="nearest",
+    )
+    ax.set_title(f"rank {r} <- rank {src}", fontsize=8)
+    ax.set_xticks([])
+    ax.set_yticks([])
+  fig.suptitle(
+    f"ring step {step}: queries (rows) x keys (columns): allowed (gold), computed but "
+    "masked (navy), tiles skipped without work (grey)",
+    fontsize=9,
+  )
+  data = _png(fig)
+  plt.close(fig)
+  return data
+
+
+FIGURES = {"figures/layouts.png": layouts, "figures/ring-step.png": ring_step}
