@@ -40,7 +40,7 @@ RECIPES = {
   "e2b-lora-128k-v5p": Recipe("95GiB", 4, "v5p-8"),
   "e2b-full-128k-v5p": Recipe("95GiB", 4, "v5p-8"),
   "a4b-lora-128k-v5p": Recipe("95GiB", 4, "v5p-8"),
-  "a4b-lora-128k-v5e": Recipe("16GiB", 16, "v5e-16"),
+  "a4b-lora-128k-v5e": Recipe("16GiB", 32, "v5e-32"),
   "a4b-qlora-128k-v5e": Recipe("16GiB", 16, "v5e-16"),
   "e2b-lora-256k-v5p": Recipe("95GiB", 4, "v5p-8"),
   "e2b-full-256k-v5p": Recipe("95GiB", 4, "v5p-8"),
