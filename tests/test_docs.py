@@ -305,3 +305,34 @@ def test_the_readme_python_example_is_dense_attention():
   q, k, v = scope["q"], scope["k"], scope["v"]
   want = cpjax.reference_attention(q, k, v, causal=True)
   np.testing.assert_allclose(np.asarray(scope["out"]), np.asarray(want), atol=2e-6)
+
+
+def test_the_one_gpu_recipe_command_runs_at_a_small_size(tmp_path, monkeypatch, hf_checkpoint):
+  """The one-GPU guide's command, on an E2B-like checkpoint transformers saved
+  and the shipped chat data, small (S = 256, one step; groups of 8 for the
+  tiny widths): the recipe's one device, its int4 base and its adapter, which
+  PEFT's config reads."""
+  import json
+  import shlex
+
+  from cpjax import cli
+
+  (command,) = code_blocks(doc("guides/one-gpu.md", "The recipes"), "bash")
+  args = shlex.split(command.strip())
+  assert args[:2] == ["cpjax", "train"]
+  base = hf_checkpoint("dense")
+  chat = os.path.join(ROOT, "cpjax", "examples", "chat", "train.jsonl")
+  text = " ".join(args[2:])
+  for big, little in (
+    ("--checkpoint gemma-4-E2B-it", f"--checkpoint {base}"),
+    ("chat-corpus", chat),
+  ):
+    assert big in text, big
+    text = text.replace(big, little)
+  monkeypatch.chdir(tmp_path)
+  small = ["--seq-len", "256", "--steps", "1", "--warmup-steps", "0", "--lora.group_size", "8"]
+  assert cli.main(["train", *shlex.split(text), *small, "--state-dir", "state"]) == 0
+  config = json.loads((tmp_path / "my-adapter" / "adapter_config.json").read_text())
+  assert config["r"] == 16
+  run = (tmp_path / "state" / "run.yaml").read_text()
+  assert "base_dtype: int4" in run and "mesh: cp=1" in run
