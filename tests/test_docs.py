@@ -336,3 +336,69 @@ def test_the_one_gpu_recipe_command_runs_at_a_small_size(tmp_path, monkeypatch, 
   assert config["r"] == 16
   run = (tmp_path / "state" / "run.yaml").read_text()
   assert "base_dtype: int4" in run and "mesh: cp=1" in run
+
+
+def test_every_plan_command_of_the_docs_plans_as_written(tmp_path, monkeypatch, capsys):
+  """Each `cpjax plan` command of the docs, as written: its flags, recipe,
+  dotted keys, checkpoint (the published E4B config.json) and written config
+  are taken, and the closed form is computed; the compile itself is replaced
+  by a stand-in that fits (the real compilers: tests/test_compile_targets.py
+  in CI, each recipe at full size in `make soak`)."""
+  import dataclasses
+  import glob
+  import shlex
+
+  from cpjax import cli
+  from cpjax.training import plan
+
+  compiled = []
+
+  def fake(cfg, shape, *, model, target=None, mesh=None, device_memory=None, **_):
+    shape = plan.StepShape.take(shape, {"mesh": mesh} if mesh else {})
+    compiled.append((model, shape.seq_len, getattr(target, "name", None)))
+    est = plan.estimate(cfg, shape, model=model)
+    return dataclasses.replace(est, source=target.name if target else "XLA:CPU")
+
+  monkeypatch.setattr(plan, "compiled_plan", fake)
+  monkeypatch.setattr(plan.search, "compiled_plan", fake)
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.chdir(tmp_path)
+  published = os.path.join(ROOT, "tests", "fixtures", "gemma4", "published", "e4b")
+  (tmp_path / "gemma-4-E4B-it").symlink_to(published)
+  commands = []
+  for page in sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)):
+    for block in code_blocks(open(page).read(), "bash"):
+      for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:2] == ["cpjax", "plan"]:
+          commands.append(words[2:])
+  assert len(commands) >= 10, commands
+  for args in commands:
+    assert cli.main(["plan", *args]) == 0, args  # (each fits what it names)
+    out = capsys.readouterr().out
+    assert out.startswith("cpjax plan: Gemma 4 "), (args, out)
+    if "--write-config" in args:
+      assert (tmp_path / args[args.index("--write-config") + 1]).is_file(), (args, out)
+  assert compiled, "the commands that compile reach the compiler"
+
+
+def test_the_resuming_guides_commands_run_at_a_small_size(tmp_path, monkeypatch):
+  """guides/resuming.md's two commands, small (2 then 4 steps, saving every
+  step, S = 64 on cp = 2): the second continues the first from its last
+  save, with the settings its run.yaml kept."""
+  import json
+  import shlex
+
+  from cpjax import cli
+
+  (block,) = code_blocks(doc("guides/resuming.md"), "bash")
+  first, second = (shlex.split(line, comments=True) for line in block.strip().splitlines())
+  assert first[:2] == second[:2] == ["cpjax", "train"]
+  small = {"1000": "2", "2000": "4", "100": "1"}
+  first, second = ([small.get(w, w) for w in words[2:]] for words in (first, second))
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(["train", *first, "--seq-len", "64", "--cp", "2", "--no-parity-check"]) == 0
+  assert cli.main(["train", *second]) == 0  # no other flag: run.yaml has them
+  lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  steps = [json.loads(x)["step"] for x in lines]
+  assert steps == [1, 2, 3, 4]
