@@ -402,3 +402,39 @@ def test_the_resuming_guides_commands_run_at_a_small_size(tmp_path, monkeypatch)
   lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
   steps = [json.loads(x)["step"] for x in lines]
   assert steps == [1, 2, 3, 4]
+
+
+def test_the_run_configs_guides_commands_read_as_it_says(tmp_path, monkeypatch):
+  """guides/run-configs.md's three commands, read by cpjax train (training
+  itself replaced: the runs are tested elsewhere): a file under overrides, a
+  recipe whose model gives way to --checkpoint, and --resume reading the
+  run.yaml a run wrote into its state directory."""
+  import shlex
+
+  import cpjax.training.trainer
+  from cpjax import cli, recipes
+  from cpjax.training.run_config import with_values
+  from cpjax.training.run_file import read_run_config, write_run_config
+
+  (block,) = code_blocks(doc("guides/run-configs.md", "Run configs and recipes"), "bash")
+  lines = [shlex.split(line, comments=True) for line in block.strip().splitlines()]
+  started = []
+  monkeypatch.setattr(cli.machine, "use_cpu_devices", lambda *a, **k: None)
+  monkeypatch.setattr(cpjax.training.trainer, "train", lambda run, **k: started.append(run))
+  monkeypatch.chdir(tmp_path)
+  tiny = read_run_config(recipes.path("tiny"))
+  write_run_config(tiny, tmp_path)  # run.yaml
+  published = os.path.join(ROOT, "tests", "fixtures", "gemma4", "published", "e2b")
+  (tmp_path / "gemma-4-E2B-it").symlink_to(published)
+  (tmp_path / "chat.jsonl").write_text('{"text": "hello"}\n')
+  recipe = read_run_config(recipes.path("e2b-lora-128k"))
+  write_run_config(recipe, tmp_path / "runs" / "e2b-lora-128k")
+  for words in lines:
+    assert words[:2] == ["cpjax", "train"]
+    assert cli.main([*words[1:], "--skip-memory-check"]) == 0, words
+  file_run, recipe_run, resumed = started
+  assert file_run == with_values(tiny, {"optimizer.lr": 1e-4, "optimizer.steps": 500})
+  assert recipe_run.model is None and recipe_run.checkpoint == "gemma-4-E2B-it"
+  assert recipe_run.lora == recipe.lora and recipe_run.dataset.path == "chat.jsonl"
+  assert resumed.checkpointing.resume and resumed.optimizer.steps == 1000
+  assert resumed.lora == recipe.lora and resumed.parallel.mesh == recipe.parallel.mesh
