@@ -5,7 +5,10 @@ through tools/docs_hooks.py): what they show is what cpjax does today.
   layout (``shard_batch`` on 8 CPU devices; lines are document boundaries);
 * ``ring-step.png``: one ring step's tile map on each rank (queries x keys):
   allowed pairs, pairs computed but masked, and tiles skipped without work,
-  from the mask rule's token predicate and block classifier.
+  from the mask rule's token predicate and block classifier;
+* ``strategies.png``: the bytes each rank sends in one attention layer's
+  forward and backward, per CP strategy and cp size, for Gemma 4's layer
+  kinds (``cpjax.training.cp_strategy.bytes_sent``), and the one the rule picks.
 """
 
 from __future__ import annotations
@@ -116,4 +119,50 @@ def ring_step(cp: int = 8, tokens_per_rank: int = 64, step: int = 1) -> bytes:
   return data
 
 
-FIGURES = {"figures/layouts.png": layouts, "figures/ring-step.png": ring_step}
+def strategies(seq_len: int = 131072) -> bytes:
+  """Bytes a rank sends per strategy and cp, for E2B's and 26B-A4B's layer kinds."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.training import cp_strategy
+
+  cps = (2, 4, 8, 16, 32)
+  panels = [(m, kind) for m in ("e2b", "a4b") for kind in ("sliding_attention", "full_attention")]
+  fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), sharey=True)
+  for ax, (model, kind) in zip(axes, panels):
+    text = Gemma4Config.preset(model).text
+    hq, hkv, dh, window = cp_strategy._kind_shapes(text, kind, 1)
+    for strategy, colour in zip(cp_strategy.STRATEGIES, ("C0", "C1", "C2", "C3")):
+      xs, ys = [], []
+      for cp in cps:
+        try:
+          sent, _ = cp_strategy.bytes_sent(
+            strategy, seq_len=seq_len, cp=cp, q_heads=hq, kv_heads=hkv, head_dim=dh, window=window
+          )
+        except ValueError:  # the heads do not allow it at this cp
+          continue
+        xs.append(cp)
+        ys.append(sent / 2**20)
+      ax.plot(xs, ys, "o-", color=colour, label=strategy)
+    picked = [cp_strategy.choose(text, seq_len=seq_len, cp=cp)[kind].strategy for cp in cps]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(cps, [f"{c}\n{p}" for c, p in zip(cps, picked)], fontsize=7)
+    ax.set_title(f"{model} {kind.split('_')[0]} (Hq {hq}, Hkv {hkv}, D {dh})", fontsize=9)
+    ax.set_xlabel("cp, and the rule's pick", fontsize=8)
+  axes[0].set_ylabel(f"MiB a rank sends, S = {seq_len}")
+  axes[-1].legend(fontsize=8)
+  fig.tight_layout()
+  data = _png(fig)
+  plt.close(fig)
+  return data
+
+
+FIGURES = {
+  "figures/layouts.png": layouts,
+  "figures/ring-step.png": ring_step,
+  "figures/strategies.png": strategies,
+}
