@@ -8,7 +8,10 @@ through tools/docs_hooks.py): what they show is what cpjax does today.
   from the mask rule's token predicate and block classifier;
 * ``strategies.png``: the bytes each rank sends in one attention layer's
   forward and backward, per CP strategy and cp size, for Gemma 4's layer
-  kinds (``cpjax.training.cp_strategy.bytes_sent``), and the one the rule picks.
+  kinds (``cpjax.training.cp_strategy.bytes_sent``), and the one the rule picks;
+* ``recipes-memory.png``: each published-size recipe's memory a chip, by the
+  plan's closed form and by its chips' compiler (the recipe file's notes),
+  as a share of the chip's memory.
 """
 
 from __future__ import annotations
@@ -161,8 +164,47 @@ def strategies(seq_len: int = 131072) -> bytes:
   return data
 
 
+def recipes_memory() -> bytes:
+  """Closed form and compiler, a chip, against its memory, for every recipe."""
+  import re
+
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from cpjax import recipes
+  from cpjax.training import plan
+
+  rows = []
+  for name, recipe in sorted(recipes.RECIPES.items()):
+    if recipe.device_memory is None:
+      continue
+    with open(recipes.path(name)) as f:
+      notes = f.read()
+    form = re.search(r"^# planned by .* total ([0-9.]+ [KMG]iB) ", notes, re.M)
+    by = re.search(r"^# compiled by XLA:\w+ .*?: ([0-9.]+ GiB) per device", notes, re.M)
+    memory = plan.parse_bytes(recipe.device_memory)
+    share = lambda m: plan.parse_bytes(m.group(1).replace(" ", "")) / memory if m else None
+    rows.append((f"{name} ({recipe.target})", share(form), share(by)))
+  fig, ax = plt.subplots(figsize=(8, 0.28 * len(rows) + 1))
+  y = np.arange(len(rows))
+  ax.barh(y - 0.2, [r[1] or 0 for r in rows], 0.4, label="closed form", color="C7")
+  ax.barh(y + 0.2, [r[2] or 0 for r in rows], 0.4, label="the chip's compiler", color="C0")
+  ax.axvline(1.0, color="C3", lw=1)
+  ax.set_yticks(y, [r[0] for r in rows], fontsize=7)
+  ax.invert_yaxis()
+  ax.set_xlabel("memory a chip, as a share of the chip's (red: all of it)")
+  ax.legend(fontsize=8, loc="lower right")
+  fig.tight_layout()
+  data = _png(fig)
+  plt.close(fig)
+  return data
+
+
 FIGURES = {
   "figures/layouts.png": layouts,
   "figures/ring-step.png": ring_step,
   "figures/strategies.png": strategies,
+  "figures/recipes-memory.png": recipes_memory,
 }

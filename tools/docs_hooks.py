@@ -152,6 +152,10 @@ def recipes_page() -> str:
     "compiles it for its chips. Each was written by `cpjax plan --write-config` and "
     "checked by its chips' own compiler; the notes below are its file's first comments. "
     "Generated from `cpjax/recipes/` at each build.\n",
+    "![Each recipe's memory a chip by the closed form and by its compiler]"
+    "(../figures/recipes-memory.png)\n",
+    "*Each published-size recipe's memory a chip, by the plan's closed form and by "
+    "its chips' own compiler, as a share of the chip's memory (the notes below).*\n",
     "| recipe | chips | what |",
     "|---|---|---|",
   ]
