@@ -1422,6 +1422,20 @@ MUTANTS = (
     ("tests/test_plan.py::test_linear_tracing_leaves_the_unread_origin_message_unbuilt",),
   ),
   Mutant(
+    "closed form: no dispatch buffers for an MoE without ep",
+    "cpjax/training/plan/closed_form.py",
+    "    blocks = 1 if ep == 1 else ep if capacity_factor is None else min(ep, capacity_factor)",
+    "    blocks = 0 if ep == 1 else ep if capacity_factor is None else min(ep, capacity_factor)",
+    ("tests/test_run_config.py::test_each_published_size_recipe_fits_its_device",),
+  ),
+  Mutant(
+    "closed form: LoRA on GPUs keeps full fine-tuning's values a layer",
+    "cpjax/training/plan/closed_form.py",
+    "    values = GPU_LAYER_VALUES if lora_rank is None else GPU_LAYER_VALUES_LORA",
+    "    values = GPU_LAYER_VALUES",
+    ("tests/test_run_config.py::test_each_published_size_recipe_fits_its_device",),
+  ),
+  Mutant(
     "plan: a 4-bit value counted as a byte again",
     "cpjax/parallel/_placement.py",
     "    total += -(-int(np.prod(shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8)",
