@@ -363,7 +363,7 @@ MUTANTS = (
   Mutant(
     "plan: a GPU's closed form is the TPU's",
     "cpjax/training/plan/closed_form.py",
-    "    peak = GPU_LAYER_VALUES * 4 * layers * rows * local * d",
+    "    peak = values * 4 * layers * rows * local * d",
     "    peak = TPU_PEAK_VALUES * 4 * rows * local * d",
     (
       "tests/test_plan.py::test_the_closed_form_is_at_most_a_tenth_below_the_accelerators",
