@@ -200,10 +200,9 @@ def test_readme_fine_tune_commands_run_at_a_small_size(tmp_path, monkeypatch, hf
     cli.main(small(prepare, {"chat.jsonl": chat, f"--seq-len {seq_len}": "--seq-len 256"})) == 0
   )
   # 3: on every host of a slice (--auto-cluster); here one process, small.
-  args = small(train, {" --auto-cluster": ""})
+  args = small(train, {" --auto-cluster": "", "--state-dir /shared/run": "--state-dir state"})
   args += ["--seq-len", "256", "--mesh", "cp=4,ep=4", "--steps", "1", "--warmup-steps", "0"]
   args += ["--lora.group_size", "8"]  # (the tiny model's widths: 48, 96, ...)
-  args += ["--state-dir", "state"]
   assert cli.main(args) == 0
   config = json.loads((tmp_path / "my-adapter" / "adapter_config.json").read_text())
   # The recipe's targets: every projection and both expert tensors, per expert.
