@@ -297,9 +297,10 @@ def test_cpjax_loads_peft_expert_adapters_on_every_mesh(peft_moe_adapter, mesh_s
   assert_as_close_as_transformers(got, theirs[torch.float32], theirs[torch.float64], inputs)
 
 
-# The LoRA guide's command runs in CI on the MoE checkpoint (with its parity
-# check, expert adapters and PEFT); the dense one in `make soak` (its LoRA runs
-# in CI in test_lora_training.py).
+# The LoRA guide's command runs in CI on the MoE checkpoint (expert adapters and
+# PEFT); the dense one in `make soak` (its LoRA runs in CI in
+# test_lora_training.py). The step-1 parity check of an MoE LoRA run from the
+# command line: test_qlora.py's CLI run at cp = 4, ep = 4 (suite budget).
 @pytest.mark.parametrize("kind", [pytest.param("dense", marks=pytest.mark.slow), "moe"])
 def test_readme_lora_commands_run_and_peft_loads_the_adapter(
   tmp_path, monkeypatch, hf_checkpoint, kind
@@ -329,11 +330,10 @@ def test_readme_lora_commands_run_and_peft_loads_the_adapter(
     small = small.replace(big, little)
   args = shlex.split(small)
   assert args[0] == ".venv/bin/cpjax"
-  if kind == "dense":
-    # The dense step's parity with one device under LoRA, a bfloat16 base and
-    # CP: test_lora_training.py's test_bfloat16_base_keeps_float32_adapters (and
-    # with remat, its MoE test); the MoE command here keeps its check.
-    args.append("--no-parity-check")
+  # The step's parity with one device under LoRA, a bfloat16 base and CP:
+  # test_lora_training.py's test_bfloat16_base_keeps_float32_adapters (and with
+  # remat, its MoE test), and from the command line test_qlora.py's CLI run.
+  args.append("--no-parity-check")
   assert cli.main(args[1:]) == 0
   scope = {}
   exec(compile(code.replace('"gemma-4-E2B-it"', repr(base)), "lora.md", "exec"), scope)  # noqa: S102
