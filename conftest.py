@@ -74,6 +74,7 @@ HEAVY_FIRST = (
   "test_checkpointing.py",
   "test_notebooks.py",
   "test_docs.py",
+  "test_docs_commands.py",
   "test_plan.py",
   "test_compile_targets.py",
   "test_accelerator_suite.py",
