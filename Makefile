@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint docs soak mutants bench clean
+.PHONY: run test lint docs docs-check soak mutants bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet
+
+# The built site in headless Chromium, page by page, as a reader sees it:
+# script and console errors, missing files, requests to other hosts, images
+# that do not render, Markdown left unrendered, and the search box
+# (tools/docs_check.py). Needs Chromium (Debian's chromium; .ci/run installs it).
+docs-check: docs
+	$(BIN)/python tools/docs_check.py site
 
 # Every property test with 200 examples each, the slow-marked cases and the
 # mutation check (not in CI: hours on 2 cores, the recipes' full-size compiles
