@@ -35,8 +35,9 @@ lint: $(STAMP)
 # The documentation site into site/ (mkdocs.yml), strict: a broken link,
 # anchor or API reference fails it. The reference pages are made from the code
 # at each build (tools/docs_hooks.py).
+# libtpu (the tpu extra) lays out the slices the multi-host figure draws.
 docs: $(STAMP)
-	$(BIN)/pip install --quiet -e ".[docs]"
+	$(BIN)/pip install --quiet -e ".[docs,tpu]"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet
 
 # The built site in headless Chromium, page by page, as a reader sees it:

@@ -1,6 +1,7 @@
 """Target names: Cloud TPU's accelerator types and GPU slices, as a user rents them."""
 
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -89,6 +90,31 @@ def test_a_target_without_its_compiler_names_the_extra_that_installs_it(
   )
   with pytest.raises(ImportError, match=f"{name} needs {module}: pip install .*{re.escape(extra)}"):
     parse_target(name).devices()
+
+
+# Hosts a slice is rented as (Cloud TPU's TPU VM pages): v5e and v6e slices
+# of up to 8 chips are one host (ct5lp-hightpu-8t, ct6e-standard-8t), larger
+# ones hosts of 4 chips; v5p hosts hold 4 chips (v5p-8 is 4 chips, one host).
+HOSTS = {
+  "v5e-4": 1,
+  "v5e-8": 1,
+  "v5e-16": 4,
+  "v5e-64": 16,
+  "v6e-8": 1,
+  "v6e-32": 8,
+  "v5p-8": 1,
+  "v5p-16": 2,
+  "v5p-64": 8,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTS))
+def test_a_slice_is_the_hosts_cloud_tpu_rents(name):
+  target = parse_target(name)
+  chips_a_host = math.prod(target.host_bounds)
+  assert target.num_devices // chips_a_host == HOSTS[name]
+  if importlib.util.find_spec("libtpu") is not None:  # libtpu lays its processes out so too
+    assert len({d.process_index for d in target.devices()}) == HOSTS[name]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")

@@ -11,7 +11,11 @@ through tools/docs_hooks.py): what they show is what cpjax does today.
   kinds (``cpjax.training.cp_strategy.bytes_sent``), and the one the rule picks;
 * ``recipes-memory.png``: each published-size recipe's memory a chip, by the
   plan's closed form and by its chips' compiler (the recipe file's notes),
-  as a share of the chip's memory.
+  as a share of the chip's memory;
+* ``slice-hosts.png``: TPU slices drawn as hosts x chips at their torus
+  coordinates, each chip labelled with its place in the run's mesh and the
+  ring's hops drawn between them (libtpu's compile-only devices of the
+  target, ``cpjax.make_mesh`` on them, as ``cpjax plan --target`` lays them out).
 """
 
 from __future__ import annotations
@@ -202,9 +206,80 @@ def recipes_memory() -> bytes:
   return data
 
 
+# The slices drawn: the README's multi-host run, a 3-D v5p slice, and a mesh
+# of three axes on the same v5e slice as the first.
+SLICES = (
+  ("a4b-qlora-128k-v5e", "v5e-16", "cp=16,ep=16"),
+  ("a4b-lora-256k-v5p", "v5p-16", "cp=8"),
+  ("a mesh of three axes", "v5e-16", "fsdp=2,cp=4,tp=2"),
+)
+
+
+def slice_hosts(slices=SLICES) -> bytes:
+  """Each of ``slices`` (title, target, mesh) as hosts x chips with its mesh and ring."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from cpjax import parallel
+  from cpjax.training.targets import parse_target
+
+  fig, axes = plt.subplots(1, len(slices), figsize=(5.2 * len(slices), 5.4))
+  for ax, (title, name, mesh_text) in zip(axes, slices):
+    target = parse_target(name)
+    sizes = {k: v for k, v in parallel.parse_mesh(mesh_text).items() if k != "ep"}
+    mesh = parallel.make_mesh(**sizes, devices=target.devices())
+    # A 3-D slice's z planes side by side, one column apart.
+    nx = max(d.coords[0] for d in mesh.devices.flat) + 1
+    at = {d.id: (d.coords[0] + d.coords[2] * (nx + 1), d.coords[1]) for d in mesh.devices.flat}
+    for index, d in np.ndenumerate(mesh.devices):
+      x, y = at[d.id]
+      ax.add_patch(
+        plt.Rectangle(
+          (x - 0.42, y - 0.42), 0.84, 0.84, color=plt.cm.Pastel1(d.process_index), ec="k"
+        )
+      )
+      label = "\n".join(f"{axis} {i}" for axis, i in zip(mesh.axis_names, index))
+      ax.text(x, y, label, ha="center", va="center", fontsize=7)
+    # The ring: cp rank r sends its K/V to rank r + 1 (the last to the first),
+    # in every group of the other axes; drawn for the first group.
+    cp_axis = mesh.axis_names.index("cp")
+    ring = np.moveaxis(mesh.devices, cp_axis, -1).reshape(-1, mesh.shape["cp"])[0]
+    for a, b in zip(ring, np.roll(ring, -1)):
+      # A hop between z planes (dashed) is one link of the torus's third dimension.
+      style = "--" if a.coords[2] != b.coords[2] else "-"
+      arrow = dict(arrowstyle="->", color="C3", lw=1.2, ls=style, shrinkA=11, shrinkB=11)
+      ax.annotate("", at[b.id], at[a.id], arrowprops=dict(arrow, connectionstyle="arc3,rad=0.25"))
+    hosts = len({d.process_index for d in mesh.devices.flat})
+    planes = " (z planes side by side)" if len(target.shape) == 3 else ""
+    ax.set_title(
+      f"{title}\n{name}: topology {target.topology.split(':')[-1]}{planes}, "
+      f"{hosts} hosts of {len(at) // hosts} chips\nmesh {mesh_text}",
+      fontsize=9,
+    )
+    xs, ys = zip(*at.values())
+    ax.set_xlim(min(xs) - 0.6, max(xs) + 0.6)
+    ax.set_ylim(max(ys) + 0.6, min(ys) - 0.6)
+    ax.set_aspect("equal")
+    ax.axis("off")
+  fig.text(
+    0.5,
+    0.02,
+    "colour: the host (one cpjax process each); text: the chip's place in the mesh; "
+    "red arrows: the ring's hops along cp (first group of the other axes; dashed: a z link)",
+    ha="center",
+    fontsize=9,
+  )
+  data = _png(fig)
+  plt.close(fig)
+  return data
+
+
 FIGURES = {
   "figures/layouts.png": layouts,
   "figures/ring-step.png": ring_step,
   "figures/strategies.png": strategies,
   "figures/recipes-memory.png": recipes_memory,
+  "figures/slice-hosts.png": slice_hosts,
 }

@@ -9,7 +9,9 @@ Made here, never written by hand, so they cannot drift from the code:
 * ``reference/recipes.md``: each shipped recipe, what it runs and what its
   chips' compiler said (the first comments of its file);
 * ``figures/*.png``: the pictures tools/docs_figures.py draws from the code
-  (the layouts of a packed row, a ring step's tiles), on 8 CPU devices;
+  (the layouts of a packed row, a ring step's tiles, the strategies' bytes,
+  the recipes' memory, slices as hosts x chips), on 8 CPU devices and
+  libtpu's compile-only devices (the ``tpu`` extra);
 * ``benchmarks.md``, ``changelog.md`` and the benchmark figures: the files
   under ``benchmarks/`` and ``CHANGELOG.md`` as they are in the repository.
 """

@@ -193,6 +193,13 @@ MUTANTS = (
     ),
   ),
   Mutant(
+    "targets: a v5e-8 split over hosts of 4 chips",
+    "cpjax/training/targets.py",
+    "    if self.num_devices <= self.chip.single_host:",
+    "    if self.num_devices < self.chip.single_host:",
+    ("tests/test_targets.py::test_a_slice_is_the_hosts_cloud_tpu_rents",),
+  ),
+  Mutant(
     "plan: a compile refused past the chip's memory is a traceback",
     "cpjax/training/plan/compiled.py",
     "    refusal = _hbm_refusal(str(e))",

@@ -85,7 +85,10 @@ class Chip:
       name (``v4-8``: 8 cores, 4 chips); 1 where the name counts chips.
     mesh_dims: 2 (v5e, v6e: a 2-D torus) or 3 (v4, v5p); 0 for GPUs.
     chip_config: libtpu's chip configuration (``"megacore"``: one device a chip).
-    host: chips one host holds along each topology dimension.
+    host: chips one host holds along each topology dimension, in a slice of
+      more than one host.
+    single_host: the most chips a slice of one host holds (v5e-8 and v6e-8
+      are one host of 2 x 4 chips; their larger slices are hosts of 2 x 2).
     gpu: for GPUs, ``(SMs, compute capability major, minor, shared memory per
       block opt-in, per SM)``: what XLA:GPU and ptxas need of the chip.
     first_slices: the devices of the smallest slices it is rented in; from
@@ -106,6 +109,7 @@ class Chip:
   mesh_dims: int = 0
   chip_config: str = "default"
   host: tuple[int, ...] = ()
+  single_host: int = 0
   gpu: tuple[int, ...] = ()
   first_slices: tuple[int, ...] = (1, 2)
   peak_flops: float | None = None
@@ -222,7 +226,8 @@ CHIPS = {
     16 * GiB,
     "TPU v5 lite",
     mesh_dims=2,
-    host=(2, 4, 1),
+    host=(2, 2, 1),
+    single_host=8,
     first_slices=(1, 4),
     peak_flops=197e12,
     hbm_bandwidth=819e9,
@@ -249,7 +254,8 @@ CHIPS = {
     32 * GiB,
     "TPU v6 lite",
     mesh_dims=2,
-    host=(2, 4, 1),
+    host=(2, 2, 1),
+    single_host=8,
     first_slices=(1, 4),
     peak_flops=918e12,
     hbm_bandwidth=1638e9,
@@ -313,6 +319,20 @@ class Target:
   def shape(self) -> tuple[int, ...]:
     return tuple(int(n) for n in self.topology.split(":")[-1].split("x"))
 
+  @property
+  def host_bounds(self) -> tuple[int, ...]:
+    """The chips one host of this TPU slice holds along each topology dimension.
+
+    >>> parse_target("v5e-8").host_bounds, parse_target("v5e-16").host_bounds
+    ((2, 4, 1), (2, 2, 1))
+    >>> parse_target("v5p-16").host_bounds
+    (2, 2, 1)
+    """
+    shape = self.shape + (1,) * (3 - len(self.shape))
+    if self.num_devices <= self.chip.single_host:
+      return shape
+    return tuple(min(h, s) for h, s in zip(self.chip.host, shape))
+
   def devices(self) -> list:
     """Return the target's compile-only JAX devices (libtpu or the CUDA plugin needed)."""
     module, extra = _EXTRAS[self.chip.platform]
@@ -327,12 +347,11 @@ class Target:
       if not has_device_nodes("tpu"):
         for key, value in _NO_TPU_HOST.items():
           os.environ.setdefault(key, value)
-      host = tuple(min(h, s) for h, s in zip(self.chip.host, self.shape + (1,)))
       topo = topologies.get_topology_desc(
         platform="tpu",
         topology_name=self.topology,
         chip_config_name=self.chip.chip_config,
-        chips_per_host_bounds=host,
+        chips_per_host_bounds=self.host_bounds,
         num_slices=1,
       )
     else:
