@@ -35,7 +35,7 @@ from cpjax.batch.normalize import (
   synthesize_document_ids,
   vision_group_ids,
 )
-from cpjax.batch.sharding import shard_batch, shard_sequence, unshard_batch
+from cpjax.batch.sharding import shard_batch, shard_sequence, token_ranks, unshard_batch
 from cpjax.masks import (
   AllOf,
   AnyOf,
@@ -87,6 +87,7 @@ __all__ = [
   "ring_plan",
   "shard_batch",
   "shard_sequence",
+  "token_ranks",
   "unshard_batch",
 ]
 

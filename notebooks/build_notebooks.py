@@ -5,6 +5,7 @@
 Editing the cells here and rebuilding keeps the .ipynb files reviewable.
 """
 
+import hashlib
 from pathlib import Path
 
 import nbformat
@@ -88,13 +89,11 @@ print({k: v.shape for k, v in batch.items()})""",
 fig, axes = plt.subplots(len(kinds), 1, figsize=(10, 1.1 * len(kinds)), sharex=True)
 for ax, kind in zip(axes, kinds):
     sharded, layout = cpjax.shard_batch(batch, mesh, layout=kind)
-    # The row index each rank-ordered token came from.
-    source = np.asarray(sharded.get("_source_index", cpjax.rank_order(layout)[None]))[0]
-    owner = np.zeros(layout.padded_seq_len, int)
-    owner[source] = np.arange(layout.padded_seq_len) // layout.local_seq_len
-    ax.imshow(owner[None], aspect="auto", cmap="tab10", interpolation="nearest")
-    docs = np.zeros(layout.padded_seq_len, int)
-    docs[source] = np.asarray(sharded["_packed_seq_ids"])[0]
+    # The rank that holds each token of the row (natural order, padding at the end).
+    ranks = cpjax.token_ranks(sharded, layout)
+    ax.imshow(ranks, aspect="auto", cmap="tab10", interpolation="nearest")
+    docs = np.asarray(batch["_packed_seq_ids"])[0]  # (and 0 for the padding)
+    docs = np.pad(docs, (0, layout.padded_seq_len - docs.size))
     for t in np.flatnonzero(np.diff(docs)) + 0.5:
         ax.axvline(t, color="k", lw=0.8)
     ax.set_yticks([]); ax.set_ylabel(kind, rotation=0, ha="right")
@@ -298,6 +297,10 @@ def build(cells, name):
     nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
     for kind, src in cells
   ]
+  # Cell ids from the cell's place and source, so a rebuild changes only
+  # the cells that changed (nbformat draws them at random).
+  for i, cell in enumerate(nb.cells):
+    cell.id = hashlib.sha1(f"{name}:{i}:{cell.source}".encode()).hexdigest()[:8]
   nbformat.write(nb, HERE / name)
 
 

@@ -15,23 +15,15 @@ def section_code(page: str, title: str) -> str:
 
 
 def test_own_model_example_runs_and_is_short():
+  """The snippet builds its own packed rows (two documents and padding) and
+  trains one step on cp = 8: every next-token label within a document counts."""
   code = section_code("guides/own-model.md", "Your own model")
-  assert len(code.strip().splitlines()) < 30
-  rng = np.random.default_rng(0)
-  docs = np.repeat([[1] * 40 + [2] * 20 + [0] * 4], 2, axis=0).astype(np.int32)
-  ids = np.where(docs > 0, rng.integers(1, 1000, docs.shape), 0).astype(np.int32)
-  batch = {
-    "input_ids": ids,
-    "_packed_seq_ids": docs,
-    "padding_mask": docs == 0,
-    "labels": np.asarray(cpjax.next_token_labels(ids, docs)),
-  }
-  scope = {"batch": batch}
+  assert len(code.strip().splitlines()) < 40
+  scope = {}
   exec(compile(code, "docs/guides/own-model.md", "exec"), scope)  # noqa: S102
   metrics = scope["metrics"]
-  assert np.isfinite(float(metrics["loss"])) and float(metrics["tokens"]) == 2 * (
-    39 + 19
-  )  # next-token labels per document
+  assert np.isfinite(float(metrics["loss"]))
+  assert float(metrics["tokens"]) == 2 * (39 + 19)  # next-token labels per document
 
 
 def test_planning_a_run_from_python_is_the_plan_of_the_run(capsys):
@@ -92,6 +84,11 @@ def test_the_batches_page_runs_and_its_layouts_invert():
   scope = run_page("concepts/batches.md")
   np.testing.assert_array_equal(
     np.asarray(scope["restored"]["labels"]), np.asarray(scope["batch"]["labels"])
+  )
+  ranks, cp = scope["ranks"], 8  # load-balanced: chunk c of 2 cp on rank min(c, 2 cp - 1 - c)
+  chunk = np.arange(ranks.shape[1]) // (ranks.shape[1] // (2 * cp))
+  np.testing.assert_array_equal(
+    ranks, np.broadcast_to(np.minimum(chunk, 2 * cp - 1 - chunk), ranks.shape)
   )
   layout, source = scope["layout"], scope["source"]
   assert layout.kind == "document_balanced"

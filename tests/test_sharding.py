@@ -572,3 +572,42 @@ def test_gemma4s_sharder_shards_in_a_given_layout():
   _, lay = gemma4.shard_aux_only_cp_batch(mesh, _packed_rows(0), **settings)
   _, again = gemma4.shard_aux_only_cp_batch(mesh, _packed_rows(1), layout=lay)
   assert again == lay and again.stripes == 4 and again.replicated_keys == ("input_ids",)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_ranks_are_the_chunks_each_rank_owns(cp, kind):
+  s = 20 * cp + 3  # padded to a multiple of the chunks
+  ids = np.arange(2 * s).reshape(2, s)
+  batch = {"input_ids": ids, "labels": cpjax.next_token_labels(ids)}
+  sharded, layout = cpjax.shard_batch(batch, cp_mesh(cp), layout=kind)
+  expected = np.empty(layout.padded_seq_len, np.int32)
+  for rank in range(cp):
+    expected[np_owned(layout.padded_seq_len, cp, kind, rank)] = rank
+  chex.assert_trees_all_equal(cpjax.token_ranks(sharded, layout), np.stack([expected] * 2))
+
+
+def test_token_ranks_follow_each_rows_documents_in_a_document_balanced_layout():
+  """Each rank tags its own tokens with its rank (in rank order); unshard_batch
+  brings the tags back to natural order, which token_ranks must equal."""
+  cp, rng = 4, np.random.default_rng(3)
+  docs = np.stack(
+    [np.repeat([1, 2, 3, 4, 5], n) for n in ([60, 30, 20, 10, 8], [8, 10, 20, 30, 60])]
+  )
+  ids = rng.integers(1, 100, docs.shape)
+  batch = {"input_ids": ids, "_packed_seq_ids": docs, "labels": cpjax.next_token_labels(ids, docs)}
+  sharded, layout = cpjax.shard_batch(batch, cp_mesh(cp), layout="document_balanced")
+  assert layout.kind == "document_balanced"
+  ranks = cpjax.token_ranks(sharded, layout)
+  tags = np.broadcast_to(
+    np.arange(layout.padded_seq_len) // layout.local_seq_len,
+    docs.shape[:1] + (layout.padded_seq_len,),
+  )
+  back = cpjax.unshard_batch({**sharded, "tags": tags}, layout, extra_seq_keys={"tags": 1})["tags"]
+  chex.assert_trees_all_equal(ranks[:, : docs.shape[1]], np.asarray(back).astype(np.int32))
+  assert not np.array_equal(ranks[0], ranks[1])  # the two rows were balanced differently
+
+
+def test_token_ranks_need_a_sharded_batchs_layout():
+  with pytest.raises(TypeError, match="layout must be a ShardLayout, got str"):
+    cpjax.token_ranks({"input_ids": np.zeros((1, 8))}, "contiguous")

@@ -60,12 +60,11 @@ def layouts(cp: int = 8, tokens_per_rank: int = 64) -> bytes:
   fig, axes = plt.subplots(len(kinds), 1, figsize=(10, 1.1 * len(kinds)), sharex=True)
   for ax, kind in zip(axes, kinds):
     sharded, layout = cpjax.shard_batch(batch, mesh, layout=kind)
-    source = np.asarray(sharded.get("_source_index", cpjax.rank_order(layout)[None]))[0]
-    owner = np.zeros(layout.padded_seq_len, int)
-    owner[source] = np.arange(layout.padded_seq_len) // layout.local_seq_len
-    ax.imshow(owner[None], aspect="auto", cmap="tab10", interpolation="nearest")
-    docs = np.zeros(layout.padded_seq_len, int)
-    docs[source] = np.asarray(sharded["_packed_seq_ids"])[0]
+    ax.imshow(
+      cpjax.token_ranks(sharded, layout), aspect="auto", cmap="tab10", interpolation="nearest"
+    )
+    docs = np.asarray(batch["_packed_seq_ids"])[0]  # (and 0 for the padding)
+    docs = np.pad(docs, (0, layout.padded_seq_len - docs.size))
     for t in np.flatnonzero(np.diff(docs)) + 0.5:
       ax.axvline(t, color="k", lw=0.8)
     ax.set_yticks([])

@@ -193,6 +193,13 @@ MUTANTS = (
     ),
   ),
   Mutant(
+    "token_ranks: the layout's rank order read backwards",
+    "cpjax/batch/sharding.py",
+    "    source = np.broadcast_to(rank_order(layout), (rows, padded))",
+    "    source = np.broadcast_to(np.argsort(rank_order(layout)), (rows, padded))",
+    ("tests/test_sharding.py::test_token_ranks_are_the_chunks_each_rank_owns",),
+  ),
+  Mutant(
     "targets: a v5e-8 split over hosts of 4 chips",
     "cpjax/training/targets.py",
     "    if self.num_devices <= self.chip.single_host:",

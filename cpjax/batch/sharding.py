@@ -61,6 +61,7 @@ from cpjax.parallel import (
 __all__ = [
   "shard_batch",
   "shard_sequence",
+  "token_ranks",
   "unshard_batch",
 ]
 
@@ -444,6 +445,47 @@ def unshard_batch(
     )
   )
   return out
+
+
+def token_ranks(batch: Mapping[str, Any], layout: ShardLayout) -> np.ndarray:
+  """Return the ``cp`` rank that holds each token of a sharded batch, in natural order.
+
+  What a layout means, token by token: rank r holds natural token t of row b
+  where ``ranks[b, t] == r`` (padding included, at the end of the padded
+  row). A ``"document_balanced"`` layout answers per row, from the
+  ``_source_index`` stream :func:`shard_batch` wrote; the other kinds lay out
+  every row alike. Reads the arrays to the host (a debugging and drawing aid,
+  not for a jitted step).
+
+  Args:
+    batch: the sharded batch :func:`shard_batch` returned.
+    layout: the :class:`ShardLayout` returned with it.
+
+  Returns:
+    [B, layout.padded_seq_len] int32 ranks.
+
+  Example:
+    >>> import jax, numpy as np, cpjax
+    >>> mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    >>> ids = np.arange(8)[None]
+    >>> rows = {"input_ids": ids, "labels": cpjax.next_token_labels(ids)}
+    >>> sharded, layout = cpjax.shard_batch(rows, mesh)
+    >>> cpjax.token_ranks(sharded, layout).tolist()   # load-balanced: chunks 0, 3 | 1, 2
+    [[0, 0, 1, 1, 1, 1, 0, 0]]
+  """
+  batch = checks.mapping("batch", batch)
+  if not isinstance(layout, ShardLayout):
+    raise TypeError(f"layout must be a ShardLayout, got {type(layout).__name__}")
+  source = source_index(batch, layout)
+  padded = layout.padded_seq_len
+  rows = np.shape(batch[batch_lib.primary_key(batch)])[0]
+  # Position j of the rank-ordered row holds natural token source[b, j], and
+  # belongs to rank j // L.
+  if source is None:
+    source = np.broadcast_to(rank_order(layout), (rows, padded))
+  ranks = np.empty((rows, padded), np.int32)
+  np.put_along_axis(ranks, np.asarray(source), np.arange(padded) // layout.local_seq_len, axis=1)
+  return ranks
 
 
 def source_index(batch: Mapping[str, Any], layout: ShardLayout) -> jax.Array | None:
