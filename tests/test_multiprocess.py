@@ -129,3 +129,62 @@ def test_two_processes_equal_one(tmp_path):
       chex.assert_trees_all_close(
         cluster[key], single[key], rtol=1e-5, atol=1e-6, custom_message=key
       )
+
+
+def test_the_multi_host_guides_two_local_processes_train_as_one(tmp_path, monkeypatch):
+  """The multi-host guide's two local processes, as written but for 2 steps of
+  256 tokens: `cpjax train`'s own cluster flags (4 CPU devices a process, Gloo
+  over loopback) train the losses one process of 8 devices trains."""
+  import json
+  import re
+  import shlex
+
+  from cpjax import cli
+  from tests.helpers import code_blocks, doc
+
+  (block,) = code_blocks(doc("guides/multi-host.md", "Two processes on one machine"), "bash")
+  assert block.startswith("for i in 0 1; do") and block.rstrip().endswith("done; wait")
+  (line,) = re.findall(r"\.venv/bin/cpjax (train .*?) &\n", block.replace("\\\n", " "))
+  args = shlex.split(line)
+  small = ["--steps", "2", "--seq-len", "256", "--no-parity-check"]
+  assert args[:3] == ["train", "--cp", "8"] and "127.0.0.1:12355" in args
+  args[args.index("127.0.0.1:12355")] = f"127.0.0.1:{_free_port()}"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+  env["XLA_FLAGS"] = " ".join(
+    f
+    for f in os.environ.get("XLA_FLAGS", "").split()
+    if f.startswith("--xla_backend_optimization_level")
+  )
+  for attempt in range(2):  # once more after jaxlib's Gloo abort only (above)
+    run = [
+      [a.replace("$i", str(i)) for a in args] + small + ["--metrics", f"m{attempt}-{i}.jsonl"]
+      for i in (0, 1)
+    ]
+    procs = [
+      subprocess.Popen(
+        [sys.executable, "-m", "cpjax", *a],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+      for a in run
+    ]
+    try:
+      logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    finally:
+      for p in procs:
+        p.kill()
+    codes = [p.returncode for p in procs]
+    if not (-signal.SIGABRT in codes and any(GLOO_ABORT in log for log in logs)):
+      break
+  assert codes == [0, 0], "\n----\n".join(log[-3000:] for log in logs)
+  cluster = [
+    json.loads(x)["loss"] for x in (tmp_path / f"m{attempt}-0.jsonl").read_text().splitlines()
+  ]
+  monkeypatch.chdir(tmp_path)  # (the run's state directory is relative)
+  assert cli.main(["train", "--cp", "8", *small, "--metrics", str(tmp_path / "one.jsonl")]) == 0
+  one = [json.loads(x)["loss"] for x in (tmp_path / "one.jsonl").read_text().splitlines()]
+  assert len(cluster) == len(one) == 2
+  np.testing.assert_allclose(cluster, one, rtol=1e-5)

@@ -193,6 +193,13 @@ MUTANTS = (
     ),
   ),
   Mutant(
+    "cli: a cluster's processes each take the whole mesh's devices",
+    "cpjax/cli/train.py",
+    '    machine.use_cpu_devices(devices_needed // num_processes, collectives="gloo")',
+    '    machine.use_cpu_devices(devices_needed, collectives="gloo")',
+    ("tests/test_multiprocess.py::test_the_multi_host_guides_two_local_processes_train_as_one",),
+  ),
+  Mutant(
     "token_ranks: the layout's rank order read backwards",
     "cpjax/batch/sharding.py",
     "    source = np.broadcast_to(rank_order(layout), (rows, padded))",
