@@ -193,6 +193,27 @@ MUTANTS = (
     ),
   ),
   Mutant(
+    "unified model: image groups seen only by the sliding layers",
+    "cpjax/models/gemma4/model.py",
+    "      FULL: LocalWindow(None, 0) | SameVisionGroup(),",
+    "      FULL: LocalWindow(None, 0),",
+    ("tests/test_gemma4_unified.py::test_logits_equal_transformers_on_one_device",),
+  ),
+  Mutant(
+    "unified model: a patch's row looked up in the column's table",
+    "cpjax/models/gemma4/embedders.py",
+    "      for a in (0, 1)",
+    "      for a in (0, 0)",
+    ("tests/test_gemma4_unified.py::test_logits_equal_transformers_on_one_device",),
+  ),
+  Mutant(
+    "unified model: padded audio frames taken for soft tokens",
+    "cpjax/models/gemma4/model.py",
+    "    source = _slot_sources(real.reshape(a * t), slot)",
+    "    source = _slot_sources(jnp.ones((a * t,), bool), slot)",
+    ("tests/test_gemma4_unified.py::test_logits_equal_transformers_on_one_device",),
+  ),
+  Mutant(
     "cli: a cluster's processes each take the whole mesh's devices",
     "cpjax/cli/train.py",
     '    machine.use_cpu_devices(devices_needed // num_processes, collectives="gloo")',

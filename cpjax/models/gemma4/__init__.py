@@ -1,12 +1,14 @@
-"""Gemma 4 (transformers' ``Gemma4ForConditionalGeneration``) with the
+"""Gemma 4 (transformers' ``Gemma4ForConditionalGeneration``, and the 12B
+``Gemma4UnifiedForConditionalGeneration``) with the
 in-forward context-parallel path, Hugging Face checkpoints and CP evaluation.
 
 The models layer: a model may import the core and :mod:`cpjax.data`, never
 the training layer or the command line.
 
-* ``config`` (with ``text_config``, ``vision_config``, ``hf_config``): the
-  configuration, its presets and ``config.json``;
-* ``layers``, ``text``, ``vision``, ``model``, ``remat``: the network;
+* ``config`` (with ``text_config``, ``vision_config``, ``unified_config``,
+  ``hf_config``): the configuration, its presets and ``config.json``;
+* ``layers``, ``text``, ``vision``, ``embedders``, ``model``, ``remat``: the
+  network (``embedders``: the unified model's image embedder);
 * ``cp_batch``: its batches and their sharder; ``cp_forward``: CP logits;
 * ``checkpoint``: safetensors in and out; ``partitioning``: its mesh rules.
 """
@@ -30,4 +32,8 @@ from cpjax.models.gemma4.partitioning import check_mesh as check_mesh
 from cpjax.models.gemma4.partitioning import partition_rule as partition_rule
 from cpjax.models.gemma4.remat import REMAT_POLICIES as REMAT_POLICIES
 from cpjax.models.gemma4.text_config import Gemma4TextConfig as Gemma4TextConfig
+from cpjax.models.gemma4.unified_config import Gemma4UnifiedAudioConfig as Gemma4UnifiedAudioConfig
+from cpjax.models.gemma4.unified_config import (
+  Gemma4UnifiedVisionConfig as Gemma4UnifiedVisionConfig,
+)
 from cpjax.models.gemma4.vision_config import Gemma4VisionConfig as Gemma4VisionConfig

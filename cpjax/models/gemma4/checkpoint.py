@@ -86,8 +86,8 @@ def checkpoint_keys(model: nnx.Module) -> dict[str, nnx.Variable]:
 
 def _ignored(key: str, cfg: Gemma4Config) -> bool:
   """Keys a checkpoint may carry that the model does not use (see module doc)."""
-  if _AUDIO.match(key):
-    return True
+  if _AUDIO.match(key):  # the audio tower cpjax does not port; the unified embedder it does
+    return not (cfg.audio is not None and key.startswith("model.embed_audio."))
   if key == "lm_head.weight" and cfg.text.tie_word_embeddings:
     return True
   shared = _SHARED_KV.match(key)

@@ -1,5 +1,10 @@
 """Gemma 4's configuration: text decoder, vision tower, and the model around them.
 
+The 12B unified model (transformers' ``Gemma4UnifiedForConditionalGeneration``)
+is a :class:`Gemma4Config` with ``unified=True``: the same decoder (no
+per-layer inputs, no MoE), and in place of the towers the encoder-free image
+and audio embedders of :mod:`~cpjax.models.gemma4.unified_config`.
+
 Field names are Hugging Face's (``transformers`` 5.24 ``Gemma4TextConfig``,
 ``Gemma4VisionConfig``, ``Gemma4Config``) so that a ``config.json`` maps onto
 them one to one. :meth:`Gemma4Config.from_hf` reads both spellings of the
@@ -7,9 +12,9 @@ full-attention overrides (the Hub's ``global_head_dim`` /
 ``num_global_key_value_heads``, or a re-saved ``per_layer_config``);
 :meth:`Gemma4Config.to_hf` writes what transformers 5.24 writes.
 
-Presets: :data:`PRESETS` holds the four published sizes (``e2b``, ``e4b``,
-``a4b`` for 26B-A4B, ``31b``) and ``tiny`` ones of the same architecture for
-tests and the demo.
+Presets: :data:`PRESETS` holds the five published sizes (``e2b``, ``e4b``,
+``a4b`` for 26B-A4B, ``31b`` and the unified ``12b``) and ``tiny`` ones of the
+same architectures for tests and the demo.
 
 The text decoder's configuration is :mod:`~cpjax.models.gemma4.text_config`,
 the vision tower's :mod:`~cpjax.models.gemma4.vision_config`, and reading
@@ -32,6 +37,13 @@ from cpjax.models.gemma4.hf_config import (
   vision_from_hf,
 )
 from cpjax.models.gemma4.text_config import ACTIVATION, FULL, SLIDING, Gemma4TextConfig
+from cpjax.models.gemma4.unified_config import (
+  UNIFIED_TEXT_DEFAULTS,
+  Gemma4UnifiedAudioConfig,
+  Gemma4UnifiedVisionConfig,
+  unified_audio_from_hf,
+  unified_vision_from_hf,
+)
 from cpjax.models.gemma4.vision_config import Gemma4VisionConfig
 
 __all__ = ["FULL", "Gemma4Config", "IGNORED_CONFIG_KEYS", "PRESETS", "SLIDING"]
@@ -45,6 +57,10 @@ class Gemma4Config:
   checkpoint had an audio tower; cpjax does not port it (audio inputs are
   rejected, its weights are not loaded).
 
+  ``unified`` is the 12B unified model (``Gemma4UnifiedConfig``): ``vision`` is
+  then a :class:`Gemma4UnifiedVisionConfig` (or None) and ``audio`` a
+  :class:`Gemma4UnifiedAudioConfig` (or None), both encoder-free embedders.
+
   Example:
     >>> cfg = Gemma4Config.preset("e2b")
     >>> cfg.text.hidden_size, cfg.text.kv_sharing_modes[13:16], cfg.vision.use_clipped_linears
@@ -52,7 +68,9 @@ class Gemma4Config:
   """
 
   text: Gemma4TextConfig = dataclasses.field(default_factory=Gemma4TextConfig)
-  vision: Gemma4VisionConfig | None = dataclasses.field(default_factory=Gemma4VisionConfig)
+  vision: Gemma4VisionConfig | Gemma4UnifiedVisionConfig | None = dataclasses.field(
+    default_factory=Gemma4VisionConfig
+  )
   image_token_id: int = 258880
   boi_token_id: int = 255999
   eoi_token_id: int = 258882
@@ -61,13 +79,31 @@ class Gemma4Config:
   boa_token_id: int = 256000
   eoa_token_index: int = 258883
   has_audio: bool = False
+  unified: bool = False
+  audio: Gemma4UnifiedAudioConfig | None = None
 
   def __post_init__(self):
     if not isinstance(self.text, Gemma4TextConfig):
       raise TypeError(f"text must be a Gemma4TextConfig, got {type(self.text).__name__}")
-    if self.vision is not None and not isinstance(self.vision, Gemma4VisionConfig):
+    vision = Gemma4UnifiedVisionConfig if self.unified else Gemma4VisionConfig
+    if self.vision is not None and not isinstance(self.vision, vision):
       raise TypeError(
-        f"vision must be a Gemma4VisionConfig or None, got {type(self.vision).__name__}"
+        f"vision must be a {vision.__name__} or None"
+        f"{' (unified=True)' if self.unified else ''}, got {type(self.vision).__name__}"
+      )
+    if self.audio is not None and not (
+      self.unified and isinstance(self.audio, Gemma4UnifiedAudioConfig)
+    ):
+      raise TypeError(
+        f"audio must be None, or a Gemma4UnifiedAudioConfig with unified=True; got "
+        f"{type(self.audio).__name__} with unified={self.unified}"
+      )
+    t = self.text
+    if self.unified and (t.hidden_size_per_layer_input or t.enable_moe_block):
+      raise ValueError(
+        "the unified model's decoder has no per-layer inputs and no MoE: got "
+        f"hidden_size_per_layer_input={t.hidden_size_per_layer_input}, "
+        f"enable_moe_block={t.enable_moe_block}"
       )
 
   @property
@@ -139,12 +175,14 @@ class Gemma4Config:
         source = json.load(f)
     raw: dict[str, Any] = dict(source)
     model_type = raw.get("model_type", "gemma4")
-    if model_type == "gemma4_text":
-      raw = {"text_config": raw, "vision_config": None}
-    elif model_type != "gemma4":
+    if model_type in ("gemma4_text", "gemma4_unified_text"):
+      raw = {"text_config": raw, "vision_config": None, "model_type": model_type[: -len("_text")]}
+    elif model_type not in ("gemma4", "gemma4_unified"):
       raise ValueError(
-        f"config.json model_type must be 'gemma4' or 'gemma4_text', got {model_type!r}"
+        "config.json model_type must be 'gemma4', 'gemma4_text', 'gemma4_unified' or "
+        f"'gemma4_unified_text', got {model_type!r}"
       )
+    unified = raw.get("model_type") == "gemma4_unified"
     if "text_config" not in raw:
       raise KeyError("config.json has no 'text_config'")
     check_keys(
@@ -169,17 +207,26 @@ class Gemma4Config:
       )
     if "eoa_token_index" not in raw and "eoa_token_id" in raw:
       raw["eoa_token_index"] = raw["eoa_token_id"]
-    text = text_from_hf(dict(raw["text_config"]))
+    # A unified text_config that leaves a key out means the unified default.
+    defaults = UNIFIED_TEXT_DEFAULTS if unified else {}
+    text = text_from_hf({**defaults, **raw["text_config"]})
     if raw.get("tie_word_embeddings", text.tie_word_embeddings) != text.tie_word_embeddings:
       raise ValueError(
         f"config.json tie_word_embeddings ({raw['tie_word_embeddings']}) and "
         f"text_config.tie_word_embeddings ({text.tie_word_embeddings}) disagree"
       )
-    vision = (
-      None if raw.get("vision_config") is None else vision_from_hf(dict(raw["vision_config"]))
-    )
-    ids = {k: int(raw.get(k, v)) for k, v in _TOKEN_IDS.items()}
-    return cls(text=text, vision=vision, has_audio=raw.get("audio_config") is not None, **ids)
+    ids: dict[str, Any] = {k: int(raw.get(k, v)) for k, v in _TOKEN_IDS.items()}
+    vision, audio = raw.get("vision_config"), raw.get("audio_config")
+    if unified:
+      return cls(
+        text=text,
+        vision=None if vision is None else unified_vision_from_hf(dict(vision)),
+        audio=None if audio is None else unified_audio_from_hf(dict(audio)),
+        unified=True,
+        **ids,
+      )
+    vision = None if vision is None else vision_from_hf(dict(vision))
+    return cls(text=text, vision=vision, has_audio=audio is not None, **ids)
 
   def to_hf(self) -> dict:
     """Return the ``config.json`` dict transformers 5.24 writes for this model.
@@ -200,7 +247,7 @@ class Gemma4Config:
     if t.full_rope_type == "proportional":
       full_rope["partial_rotary_factor"] = t.full_partial_rotary_factor
     text = {
-      "model_type": "gemma4_text",
+      "model_type": "gemma4_unified_text" if self.unified else "gemma4_text",
       "vocab_size": t.vocab_size,
       "hidden_size": t.hidden_size,
       "intermediate_size": t.intermediate_size,
@@ -240,10 +287,12 @@ class Gemma4Config:
       "tie_word_embeddings": t.tie_word_embeddings,
       **{k: getattr(self, k) for k in _TOKEN_IDS},
     }
+    if self.unified:
+      return self._unified_to_hf(out)
     v = self.vision
     out["vision_config"] = (
       None
-      if v is None
+      if not isinstance(v, Gemma4VisionConfig)
       else {
         "model_type": "gemma4_vision",
         "hidden_size": v.hidden_size,
@@ -264,6 +313,26 @@ class Gemma4Config:
       }
     )
     return out
+
+  def _unified_to_hf(self, out: dict) -> dict:
+    """:meth:`to_hf` of the unified model: its names and its embedders' configs."""
+    v, a = self.vision, self.audio
+    vision = None
+    if isinstance(v, Gemma4UnifiedVisionConfig):
+      vision = {
+        "model_type": "gemma4_unified_vision",
+        **{f.name: getattr(v, f.name) for f in dataclasses.fields(v)},
+      }
+    audio = None
+    if a is not None:
+      audio = {"model_type": "gemma4_unified_audio", **dataclasses.asdict(a)}
+    return {
+      **out,
+      "architectures": ["Gemma4UnifiedForConditionalGeneration"],
+      "model_type": "gemma4_unified",
+      "vision_config": vision,
+      "audio_config": audio,
+    }
 
 
 # The multimodal token ids, as transformers' Gemma4Config defaults them.
@@ -400,6 +469,24 @@ PRESETS: dict[str, Gemma4Config] = {
     ),
     vision=_LARGE_VISION,
   ),
+  # The unified model: the 31B's decoder design at 3840 wide, 48 layers,
+  # encoder-free image and audio embedders (google/gemma-4-12B's config.json).
+  "12b": Gemma4Config(
+    text=Gemma4TextConfig(
+      **_PUBLISHED,
+      hidden_size=3840,
+      num_hidden_layers=48,
+      num_attention_heads=16,
+      num_key_value_heads=8,
+      num_global_key_value_heads=1,
+      attention_k_eq_v=True,
+      intermediate_size=15360,
+      **UNIFIED_TEXT_DEFAULTS,
+    ),
+    vision=Gemma4UnifiedVisionConfig(),
+    audio=Gemma4UnifiedAudioConfig(),
+    unified=True,
+  ),
   # --- tiny models of the same architecture (tests, `cpjax train --model tiny`)
   # E2B-like: per-layer inputs, K/V sharing with a double-wide MLP in the
   # reuse layers, 4:1 pattern, clipped vision linears.
@@ -431,6 +518,22 @@ PRESETS: dict[str, Gemma4Config] = {
       use_bidirectional_attention="vision",
     ),
     vision=dataclasses.replace(_TINY_VISION, standardize=True),
+  ),
+  # 12B-like: the unified model's embedders (48-pixel patches of 4 x 2 px:
+  # 48 features), k_eq_v, vision groups bidirectional on every layer.
+  "tiny-unified": Gemma4Config(
+    text=Gemma4TextConfig(
+      **{**_TINY, **UNIFIED_TEXT_DEFAULTS, "sliding_window": 8, "max_position_embeddings": 1 << 20},
+      num_hidden_layers=4,
+      layer_types=_pattern(4, 2),
+      num_global_key_value_heads=1,
+      attention_k_eq_v=True,
+    ),
+    vision=Gemma4UnifiedVisionConfig(
+      patch_size=2, pooling_kernel_size=2, mm_embed_dim=24, mm_posemb_size=16, output_proj_dims=24
+    ),
+    audio=Gemma4UnifiedAudioConfig(audio_embed_dim=8),
+    unified=True,
   ),
   # use_bidirectional_attention="all" (every token sees both ways; no
   # published model uses it), default RoPE on full layers, untied head.

@@ -27,8 +27,10 @@ from cpjax.batch import normalize as batch_lib
 from cpjax.batch.layout import MIN_STRIPE_LEN, LayoutKind, ShardLayout
 from cpjax.batch.sharding import shard_batch
 from cpjax.models.gemma4.config import Gemma4Config
+from cpjax.models.gemma4.unified_config import Gemma4UnifiedVisionConfig
 
 __all__ = [
+  "AUDIO_OFFSET_KEY",
   "IMAGE_OFFSET_KEY",
   "documents_from_positions",
   "synthetic_batch",
@@ -42,6 +44,8 @@ __all__ = [
 # Per-row count of image tokens in the global rows before it (see
 # image_token_offsets): how a data-parallel shard finds its images.
 IMAGE_OFFSET_KEY = "_image_token_offset"
+# The same for the unified model's audio tokens.
+AUDIO_OFFSET_KEY = "_audio_token_offset"
 
 
 def image_token_offsets(is_image: ArrayLike) -> jax.Array:
@@ -102,6 +106,7 @@ def shard_aux_only_cp_batch(
   implementation: str | None = None,
   min_stripe_len: int = MIN_STRIPE_LEN,
   layer_windows: Sequence[int | None] | None = None,
+  audio_token_id: int | None = None,
 ) -> tuple[dict, ShardLayout]:
   """Shard a batch as Gemma4's aux-only CP shard, in any layout.
 
@@ -130,6 +135,9 @@ def shard_aux_only_cp_batch(
       as :func:`cpjax.shard_batch`.
     image_token_id: the image placeholder id (None: placeholders are
       ``mm_token_type_ids == 1``).
+    audio_token_id: the audio placeholder id: with ``input_features`` (the
+      unified model's audio frames, kept whole like the images) each row's
+      count of earlier audio placeholders is added as ``AUDIO_OFFSET_KEY``.
 
   Returns:
     ``(sharded_batch, layout)`` as :func:`cpjax.shard_batch`.
@@ -172,6 +180,9 @@ def shard_aux_only_cp_batch(
     # theirs: record each row's first image-token slot over the global batch.
     offsets = image_token_offsets(is_image)
     out[IMAGE_OFFSET_KEY] = jax.device_put(offsets, NamedSharding(mesh, P(batch_axis)))
+  if audio_token_id is not None and batch.get("input_features") is not None:
+    offsets = image_token_offsets(jnp.asarray(batch["input_ids"]) == audio_token_id)
+    out[AUDIO_OFFSET_KEY] = jax.device_put(offsets, NamedSharding(mesh, P(batch_axis)))
   return out, shard_layout
 
 
@@ -268,14 +279,17 @@ def prepare_batch(
   batch = checks.mapping("batch", batch)
   if config is not None and not isinstance(config, Gemma4Config):
     raise TypeError(f"config must be a Gemma4Config or None, got {type(config).__name__}")
+  audio = config is not None and config.audio is not None
   for key in ("input_features", "input_features_mask", "pixel_values_videos"):
-    if batch.get(key) is not None:
+    if batch.get(key) is not None and not (audio and key != "pixel_values_videos"):
       raise ValueError(
         f"batch key {key!r} is not supported: cpjax ports Gemma 4's text decoder "
-        f"and vision tower (no audio tower; pass video frames as images)"
+        f"and vision tower, and the 12B unified model's audio embedder (pass its "
+        f"config to prepare_batch); pass video frames as images"
       )
   if config is not None:
     _check_images(batch, config)
+    _check_audio(batch, config)
     _check_vocabulary(batch, config)
   out = batch_lib.attention_mask_to_padding_mask(batch)
   if (
@@ -289,6 +303,10 @@ def prepare_batch(
   if out.get("pixel_values") is not None:
     out["pixel_values"] = jnp.asarray(out["pixel_values"], jnp.float32)
     out["image_position_ids"] = jnp.asarray(out["image_position_ids"], jnp.int32)
+  if out.get("input_features") is not None:
+    out["input_features"] = jnp.asarray(out["input_features"], jnp.float32)
+    if out.get("input_features_mask") is not None:
+      out["input_features_mask"] = jnp.asarray(out["input_features_mask"], bool)
   return out
 
 
@@ -353,17 +371,54 @@ def _check_images(batch: Mapping[str, Any], config) -> None:
       f"image_position_ids must have shape {pix_shape[:2] + (2,)} (that of "
       f"pixel_values [N, P] plus 2), got {pos.shape}"
     )
-  k2 = v.pooling_kernel_size**2
-  if pix_shape[1] % k2:
-    raise ValueError(
-      f"patches per image ({pix_shape[1]}) must be a multiple of pooling_kernel_size**2 = {k2}"
-    )
-  soft = int(np.sum(soft_token_counts(pos, v.pooling_kernel_size)))
+  if config.unified:  # every real patch is a soft token
+    soft = int(np.sum(~np.all(pos == -1, axis=-1)))
+  else:
+    k2 = v.pooling_kernel_size**2
+    if pix_shape[1] % k2:
+      raise ValueError(
+        f"patches per image ({pix_shape[1]}) must be a multiple of pooling_kernel_size**2 = {k2}"
+      )
+    soft = int(np.sum(soft_token_counts(pos, v.pooling_kernel_size)))
   if soft != placeholders:
     raise ValueError(
       f"image placeholders and soft tokens disagree: input_ids hold "
       f"{placeholders} image tokens (id {config.image_token_id}) but the "
       f"{pix_shape[0]} images in pixel_values yield {soft} soft tokens"
+    )
+
+
+def _check_audio(batch: Mapping[str, Any], config) -> None:
+  """The unified model's audio frames: their shape, and one real frame a placeholder."""
+  ids = np.asarray(batch["input_ids"])
+  placeholders = int(np.sum(ids == config.audio_token_id))
+  frames = batch.get("input_features")
+  if frames is None:
+    if placeholders:
+      raise ValueError(
+        f"input_ids hold {placeholders} audio placeholder tokens (id "
+        f"{config.audio_token_id}) but the batch has no input_features"
+      )
+    return
+  width = config.audio.audio_embed_dim
+  shape = tuple(np.shape(frames))
+  if len(shape) != 3 or shape[2] != width:
+    raise ValueError(
+      f"input_features must be [A, T, {width}] frames of {width} waveform samples, "
+      f"got shape {shape}"
+    )
+  mask = batch.get("input_features_mask")
+  real = np.ones(shape[:2], bool) if mask is None else np.asarray(mask)
+  if real.shape != shape[:2]:
+    raise ValueError(
+      f"input_features_mask must have shape {shape[:2]} (that of input_features [A, T]), "
+      f"got {real.shape}"
+    )
+  if int(real.sum()) != placeholders:
+    raise ValueError(
+      f"audio placeholders and frames disagree: input_ids hold {placeholders} audio "
+      f"tokens (id {config.audio_token_id}) but input_features_mask marks "
+      f"{int(real.sum())} real frames"
     )
 
 
@@ -435,13 +490,17 @@ def synthetic_batch(
   if v is None:
     images_per_row = 0
   k = v.pooling_kernel_size if v else 3
+  patch = v.patch_size if v else 1
+  if isinstance(v, Gemma4UnifiedVisionConfig):
+    # One soft token a patch of model_patch_size pixels, as its processor cuts them.
+    k, patch = 1, v.model_patch_size
   out = generic(
     rng,
     batch_size=batch_size,
     seq_len=seq_len,
     vocab_size=config.text.vocab_size,
     image_token_id=config.image_token_id,
-    patch_size=v.patch_size if v else 1,
+    patch_size=patch,
     pooling_kernel_size=k,
     image_grid=image_grid or (2 * k, 2 * k),
     images_per_row=images_per_row,

@@ -16,7 +16,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 
-__all__ = ["Buffer", "ClippableLinear", "Linear", "RMSNorm", "apply_rope", "gelu", "rope_angles"]
+__all__ = [
+  "Buffer",
+  "ClippableLinear",
+  "LayerNorm",
+  "Linear",
+  "RMSNorm",
+  "apply_rope",
+  "gelu",
+  "rope_angles",
+]
 
 
 class Buffer(nnx.Variable):
@@ -42,16 +51,22 @@ def _init(rngs: nnx.Rngs | None, shape, scale: float, value: float | None = None
 
 
 class Linear(nnx.Module):
-  """A bias-free ``y = x @ W.T`` with ``W`` [out, in], computed in ``x``'s dtype."""
+  """``y = x @ W.T`` with ``W`` [out, in], computed in ``x``'s dtype; bias-free
+  unless ``bias`` (the unified model's image embedder)."""
 
-  def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs | None):
+  def __init__(self, d_in: int, d_out: int, *, bias: bool = False, rngs: nnx.Rngs | None):
     self.weight = nnx.Param(_init(rngs, (d_out, d_in), d_in**-0.5))
+    if bias:
+      self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32))
 
   def __call__(self, x):
     weight = self.weight[...]
     if isinstance(weight, jax.Array):  # (a quantized base's weight is qwix's to compute with)
       weight = weight.astype(x.dtype)
-    return jnp.einsum("...i,oi->...o", x, weight)
+    y = jnp.einsum("...i,oi->...o", x, weight)
+    if hasattr(self, "bias"):
+      y = y + self.bias[...].astype(y.dtype)
+    return y
 
 
 class ClippableLinear(nnx.Module):
@@ -106,6 +121,25 @@ class RMSNorm(nnx.Module):
     y = rms_normalize(x, self.eps)
     if self.with_scale:
       y = y * self.weight[...].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+  """torch's ``nn.LayerNorm`` (weight and bias, biased variance) in float32,
+  cast back to ``x``'s dtype."""
+
+  def __init__(self, dim: int, *, eps: float):
+    self.eps = eps
+    self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    centred = xf - mean
+    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
+    y = centred * jax.lax.rsqrt(var + self.eps)
+    y = y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
     return y.astype(x.dtype)
 
 

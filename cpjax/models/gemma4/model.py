@@ -46,14 +46,18 @@ from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameDocument,
 from cpjax.models.gemma4.checkpoint import KeySharding
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from cpjax.models.gemma4.cp_batch import (
+  AUDIO_OFFSET_KEY,
   IMAGE_OFFSET_KEY,
   image_token_offsets,
   shard_aux_only_cp_batch,
 )
+from cpjax.models.gemma4.embedders import UnifiedVisionEmbedder
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles
 from cpjax.models.gemma4.remat import remat_after_cotangent, remat_policy
 from cpjax.models.gemma4.text import DecoderLayer, embed_scale
+from cpjax.models.gemma4.unified_config import Gemma4UnifiedVisionConfig
 from cpjax.models.gemma4.vision import MultimodalEmbedder, VisionTower
+from cpjax.models.gemma4.vision_config import Gemma4VisionConfig
 from cpjax.parallel import gathered, lookup
 
 __all__ = ["Gemma4", "gemma4_masks"]
@@ -91,11 +95,20 @@ class LanguageModel(nnx.Module):
 
 
 class Gemma4Model(nnx.Module):
-  """``model``: language model, vision tower and ``embed_vision``."""
+  """``model``: language model, vision tower and ``embed_vision``; the unified
+  model's ``vision_embedder``, ``embed_vision`` and ``embed_audio`` in their place."""
 
   def __init__(self, cfg: Gemma4Config, *, rngs):
     self.language_model = LanguageModel(cfg, rngs=rngs)
-    if cfg.vision is not None:
+    d = cfg.text.hidden_size
+    if cfg.unified:
+      v, a = cfg.vision, cfg.audio
+      if isinstance(v, Gemma4UnifiedVisionConfig):
+        self.vision_embedder = UnifiedVisionEmbedder(v, rngs=rngs)
+        self.embed_vision = MultimodalEmbedder(v.mm_embed_dim, d, eps=v.rms_norm_eps, rngs=rngs)
+      if a is not None:
+        self.embed_audio = MultimodalEmbedder(a.audio_embed_dim, d, eps=a.rms_norm_eps, rngs=rngs)
+    elif isinstance(cfg.vision, Gemma4VisionConfig):
       self.vision_tower = VisionTower(cfg.vision, rngs=rngs)
       self.embed_vision = MultimodalEmbedder(
         cfg.vision.hidden_size, cfg.text.hidden_size, eps=cfg.vision.rms_norm_eps, rngs=rngs
@@ -117,6 +130,8 @@ def gemma4_masks(
     and ``mm_token_type_ids`` given): ``k > q - W and (k <= q or same
     group)``: later tokens of the same image are visible without limit,
     earlier ones only within the window. Full layers stay causal;
+  * the unified model (its forward's masks): every layer type ORs the
+    group in, ``k <= q or same group`` and ``q - W < k <= q or same group``;
   * ``"all"``: full layers see every key, sliding ``|q - k| <= W // 2 + 1``;
 
   and always: keys of the same document (``document_ids``), not padding.
@@ -145,6 +160,11 @@ def gemma4_masks(
   arrays = {"document_ids": document_ids, "padding_mask": padding_mask}
   if t.use_bidirectional_attention == "all":
     rules = {FULL: LocalWindow(None, None), SLIDING: LocalWindow(w, w)}
+  elif vision_group_ids is not None and t.use_bidirectional_attention == "vision" and cfg.unified:
+    rules = {
+      FULL: LocalWindow(None, 0) | SameVisionGroup(),
+      SLIDING: LocalWindow(w - 1, 0) | SameVisionGroup(),
+    }
   elif vision_group_ids is not None and t.use_bidirectional_attention == "vision":
     rules = {
       FULL: LocalWindow(None, 0),
@@ -160,6 +180,20 @@ def gemma4_masks(
       extra = {"vision_group_ids": vision_group_ids}
     out[kind] = AttentionMask(rule & common, {**arrays, **extra})
   return out
+
+
+def _slot_sources(valid: jax.Array, slot: jax.Array) -> jax.Array:
+  """Where each token's soft token lives: the flat index of the ``slot``-th
+  True of ``valid`` [K] (the real bins, patches or frames, in order), for
+  slots int[B, L] (-1: none; any index is returned there)."""
+  k = valid.shape[0]
+  rank = jnp.cumsum(valid) - 1
+  where_real = (
+    jnp.zeros((k,), jnp.int32)
+    .at[jnp.where(valid, rank, k)]
+    .set(jnp.arange(k, dtype=jnp.int32), mode="drop")
+  )
+  return where_real[jnp.clip(slot, 0, k - 1)]
 
 
 # What the model reads from every batch (prepare_batch and the sharder add them).
@@ -285,29 +319,34 @@ class Gemma4(nnx.Module):
 
     Returns:
       ``text_ids`` (placeholders replaced by the pad id), ``image_slot`` (each
-      image token's index among the global batch's image tokens, -1 elsewhere)
-      and ``vision_groups`` (or None).
+      image token's index among the global batch's image tokens, -1 elsewhere),
+      ``audio_slot`` (the same for audio tokens; the unified model's) and
+      ``vision_groups`` (or None).
     """
-    for key, why in UNSUPPORTED_INPUTS.items():
-      if batch.get(key) is not None:
-        raise ValueError(f"batch key {key!r} is not supported: {why}")
     cfg, t = self.cfg, self.cfg.text
+    for key, why in UNSUPPORTED_INPUTS.items():
+      if batch.get(key) is not None and not (key == "input_features" and cfg.audio is not None):
+        raise ValueError(f"batch key {key!r} is not supported: {why}")
     ids = jnp.asarray(batch["input_ids"])
     placeholder = jnp.isin(ids, jnp.asarray(cfg.placeholder_token_ids))
-    is_image = ids == cfg.image_token_id
-    # A data-parallel shard holds only some rows: batch[IMAGE_OFFSET_KEY]
-    # int[B] says how many image tokens precede each of its rows.
-    offsets = batch.get(IMAGE_OFFSET_KEY)
-    if offsets is None:
-      offsets = image_token_offsets(is_image)
-    slot = jnp.asarray(offsets)[:, None] + jnp.cumsum(is_image, axis=1, dtype=jnp.int32) - 1
+
+    def slots(is_token, offset_key):
+      # A data-parallel shard holds only some rows: batch[offset_key] int[B]
+      # says how many such tokens precede each of its rows.
+      offsets = batch.get(offset_key)
+      if offsets is None:
+        offsets = image_token_offsets(is_token)
+      slot = jnp.asarray(offsets)[:, None] + jnp.cumsum(is_token, axis=1, dtype=jnp.int32) - 1
+      return jnp.where(is_token, slot, -1).astype(jnp.int32)
+
     groups = None
     types = batch.get("mm_token_type_ids")
     if types is not None and t.use_bidirectional_attention == "vision":
       groups = vision_group_ids(jnp.asarray(types))
     return {
       "text_ids": jnp.where(placeholder, t.pad_token_id, ids),
-      "image_slot": jnp.where(is_image, slot, -1).astype(jnp.int32),
+      "image_slot": slots(ids == cfg.image_token_id, IMAGE_OFFSET_KEY),
+      "audio_slot": slots(ids == cfg.audio_token_id, AUDIO_OFFSET_KEY),
       "vision_groups": groups,
     }
 
@@ -333,6 +372,7 @@ class Gemma4(nnx.Module):
     lm = self.model.language_model
     streams = self.token_streams(batch)
     text_ids, slot, groups = streams["text_ids"], streams["image_slot"], streams["vision_groups"]
+    audio_slot = streams["audio_slot"]
     inside = jnp.ones(text_ids.shape, bool)
     if cp is not None:
       cut = functools.partial(
@@ -342,6 +382,7 @@ class Gemma4(nnx.Module):
         source_index=batch.get(SOURCE_INDEX_KEY),
       )
       text_ids, slot = cut(text_ids, pad_value=t.pad_token_id), cut(slot, pad_value=-1)
+      audio_slot = cut(audio_slot, pad_value=-1)
       groups = None if groups is None else cut(groups, pad_value=-1)
       inside = cut(inside, pad_value=False)
 
@@ -352,6 +393,8 @@ class Gemma4(nnx.Module):
     x = table_lookup("embed_tokens").astype(dt) * embed_scale(t.hidden_size, dt)
     if batch.get("pixel_values") is not None:
       x = self._place_images(x, slot, batch, cp)
+    if batch.get("input_features") is not None:
+      x = self._place_audio(x, audio_slot, batch)
     x = jnp.where(inside[..., None], x, 0)
     per_layer = None
     if t.hidden_size_per_layer_input:
@@ -383,6 +426,11 @@ class Gemma4(nnx.Module):
       raise ValueError(
         "this Gemma 4 has no vision tower (vision_config is null) but the batch has pixel_values"
       )
+    if self.cfg.unified:  # every real patch is a soft token
+      positions = jnp.asarray(image_position_ids)
+      patches = self.model.vision_embedder(pixel_values, positions, self.dtype)
+      soft = self.model.embed_vision(patches).astype(self.dtype)
+      return soft, ~jnp.all(positions == -1, axis=-1)
     pooled, valid = self.model.vision_tower(
       jnp.asarray(pixel_values), jnp.asarray(image_position_ids), self.dtype
     )
@@ -410,18 +458,34 @@ class Gemma4(nnx.Module):
     """Soft tokens, numbered row-major over the GLOBAL batch, replace the
     image tokens: ``slot`` int[B, L] is each image token's number (-1 for
     the rest)."""
+    if self.cfg.unified:
+      # Each soft token is its own patch's: embed only this device's.
+      pixels, positions = (
+        jnp.asarray(batch["pixel_values"]),
+        jnp.asarray(batch["image_position_ids"]),
+      )
+      n, m = positions.shape[:2]
+      source = _slot_sources(~jnp.all(positions == -1, axis=-1).reshape(n * m), slot)
+      patches = pixels.reshape(n * m, -1)[source], positions.reshape(n * m, 2)[source]
+      soft = self.model.embed_vision(self.model.vision_embedder(*patches, self.dtype))
+      return jnp.where((slot >= 0)[..., None], soft.astype(x.dtype), x)
     soft, valid = self._split_image_features(batch["pixel_values"], batch["image_position_ids"], cp)
     n, m, d = soft.shape
-    soft, valid = soft.reshape(n * m, d), valid.reshape(n * m)
-    # Real bins in order: the k-th real bin lives at flat index where_real[k].
-    rank = jnp.cumsum(valid) - 1
-    where_real = (
-      jnp.zeros((n * m,), jnp.int32)
-      .at[jnp.where(valid, rank, n * m)]
-      .set(jnp.arange(n * m, dtype=jnp.int32), mode="drop")
-    )
-    source = where_real[jnp.clip(slot, 0, n * m - 1)]
-    return jnp.where((slot >= 0)[..., None], gathered(soft)[source], x)
+    source = _slot_sources(valid.reshape(n * m), slot)
+    return jnp.where((slot >= 0)[..., None], gathered(soft.reshape(n * m, d))[source], x)
+
+  def _place_audio(self, x, slot, batch):
+    """The unified model's audio: each real frame of ``input_features`` [A, T,
+    samples] (``input_features_mask`` bool[A, T]) is the soft token of the
+    next audio token, row-major over the global batch; only this device's
+    frames are embedded."""
+    frames = jnp.asarray(batch["input_features"])
+    a, t, width = frames.shape
+    real = batch.get("input_features_mask")
+    real = jnp.ones((a, t), bool) if real is None else jnp.asarray(real, bool)
+    source = _slot_sources(real.reshape(a * t), slot)
+    soft = self.model.embed_audio(frames.reshape(a * t, width)[source].astype(self.dtype))
+    return jnp.where((slot >= 0)[..., None], soft.astype(x.dtype), x)
 
   # ---------------------------------------------------------------- forward
   def __call__(self, batch: Mapping[str, Any], *, cp: CPContext | None = None):
@@ -611,6 +675,7 @@ class Gemma4(nnx.Module):
           _sharder_call,
           layout=layout,
           image_token_id=self.cfg.image_token_id,
+          audio_token_id=self.cfg.audio_token_id if self.cfg.audio is not None else None,
           # document_balanced: stripes no shorter than the window keep its ring
           # at one hop, and the balance counts each layer's own work.
           min_stripe_len=t.effective_sliding_window,
