@@ -42,6 +42,7 @@ RECIPES = {
   "a4b-lora-128k-v5p": Recipe("95GiB", 4, "v5p-8"),
   "a4b-lora-128k-v5e": Recipe("16GiB", 32, "v5e-32"),
   "a4b-qlora-128k-v5e": Recipe("16GiB", 16, "v5e-16"),
+  "a4b-qlora-256k-v5e": Recipe("16GiB", 32, "v5e-32"),
   "e2b-lora-256k-v5p": Recipe("95GiB", 4, "v5p-8"),
   "e2b-full-256k-v5p": Recipe("95GiB", 4, "v5p-8"),
   "a4b-full-128k-v5p": Recipe("95GiB", 8, "v5p-16"),
