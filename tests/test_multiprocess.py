@@ -131,6 +131,9 @@ def test_two_processes_equal_one(tmp_path):
       )
 
 
+# Suite budget (98 s in CI): in `make soak`; CI runs the cluster's code paths
+# in test_two_processes_equal_one above.
+@pytest.mark.slow
 def test_the_multi_host_guides_two_local_processes_train_as_one(tmp_path, monkeypatch):
   """The multi-host guide's two local processes, as written but for 2 steps of
   256 tokens: `cpjax train`'s own cluster flags (4 CPU devices a process, Gloo
