@@ -320,7 +320,8 @@ class Gemma4(nnx.Module):
     Returns:
       ``text_ids`` (placeholders replaced by the pad id), ``image_slot`` (each
       image token's index among the global batch's image tokens, -1 elsewhere),
-      ``audio_slot`` (the same for audio tokens; the unified model's) and
+      ``audio_slot`` (the same for audio tokens; None without the unified
+      model's audio embedder) and
       ``vision_groups`` (or None).
     """
     cfg, t = self.cfg, self.cfg.text
@@ -346,7 +347,10 @@ class Gemma4(nnx.Module):
     return {
       "text_ids": jnp.where(placeholder, t.pad_token_id, ids),
       "image_slot": slots(ids == cfg.image_token_id, IMAGE_OFFSET_KEY),
-      "audio_slot": slots(ids == cfg.audio_token_id, AUDIO_OFFSET_KEY),
+      # Only a model with the audio embedder places audio (the others refuse it above).
+      "audio_slot": None
+      if cfg.audio is None
+      else slots(ids == cfg.audio_token_id, AUDIO_OFFSET_KEY),
       "vision_groups": groups,
     }
 
@@ -382,7 +386,7 @@ class Gemma4(nnx.Module):
         source_index=batch.get(SOURCE_INDEX_KEY),
       )
       text_ids, slot = cut(text_ids, pad_value=t.pad_token_id), cut(slot, pad_value=-1)
-      audio_slot = cut(audio_slot, pad_value=-1)
+      audio_slot = None if audio_slot is None else cut(audio_slot, pad_value=-1)
       groups = None if groups is None else cut(groups, pad_value=-1)
       inside = cut(inside, pad_value=False)
 
@@ -393,7 +397,7 @@ class Gemma4(nnx.Module):
     x = table_lookup("embed_tokens").astype(dt) * embed_scale(t.hidden_size, dt)
     if batch.get("pixel_values") is not None:
       x = self._place_images(x, slot, batch, cp)
-    if batch.get("input_features") is not None:
+    if audio_slot is not None and batch.get("input_features") is not None:
       x = self._place_audio(x, audio_slot, batch)
     x = jnp.where(inside[..., None], x, 0)
     per_layer = None
