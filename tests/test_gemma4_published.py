@@ -30,7 +30,8 @@ def test_published_config_reads_as_its_preset(name):
   assert (raw["audio_config"] is not None) == (name in ("e2b", "e4b"))
   cfg = gemma4.Gemma4Config.from_hf(os.path.join(PUBLISHED, name))
   assert cfg == gemma4.Gemma4Config.preset(name)
-  assert cfg.has_audio == (name in ("e2b", "e4b"))
+  assert cfg.has_audio == (cfg.audio is not None) == (name in ("e2b", "e4b"))
+  assert gemma4.Gemma4Config.from_hf(cfg.to_hf()) == cfg
 
 
 def test_published_keys_that_change_the_mathematics_are_errors():
@@ -75,10 +76,10 @@ def test_published_keys_that_change_the_mathematics_are_errors():
 
 @pytest.mark.parametrize("name", SIZES)
 def test_parameter_tree_is_transformers_at_full_size(name):
-  """Keys and shapes of every tensor equal transformers' state dict, except
-  what cpjax skips on purpose: the audio tower (not ported), K/V of the
-  K/V-sharing reuse layers (transformers creates them, never uses them) and
-  the tied head."""
+  """Keys and shapes of every tensor (E2B and E4B's audio tower included)
+  equal transformers' state dict, except what cpjax skips on purpose: K/V of
+  the K/V-sharing reuse layers (transformers creates them, never uses them)
+  and the tied head."""
   torch = pytest.importorskip("torch", reason="needs torch")
   transformers = pytest.importorskip("transformers", reason="needs transformers")
   hf_cfg = transformers.Gemma4Config.from_pretrained(os.path.join(PUBLISHED, name))
@@ -90,14 +91,8 @@ def test_parameter_tree_is_transformers_at_full_size(name):
     r"model\.language_model\.layers\.(%s)\.self_attn\.(k_proj|v_proj|k_norm|"
     r"v_norm)\." % "|".join(map(str, reuse or [-1]))
   )
-  skipped = {
-    k
-    for k in theirs
-    if k.startswith(("model.audio_tower.", "model.embed_audio."))
-    or shared.match(k)
-    or k == "lm_head.weight"
-  }
-  assert any(k.startswith("model.audio_tower.") for k in skipped) == (name in ("e2b", "e4b"))
+  skipped = {k for k in theirs if shared.match(k) or k == "lm_head.weight"}
+  assert any(k.startswith("model.audio_tower.") for k in theirs) == (name in ("e2b", "e4b"))
   assert bool(reuse) == (name in ("e2b", "e4b"))
 
   cfg = gemma4.Gemma4Config.from_hf(os.path.join(PUBLISHED, name))

@@ -214,6 +214,37 @@ MUTANTS = (
     ("tests/test_gemma4_unified.py::test_logits_equal_transformers_on_one_device",),
   ),
   Mutant(
+    "audio tower: the relative position bias not shifted to each query",
+    "cpjax/models/gemma4/audio.py",
+    "    bias = jnp.pad(bias, ((0, 0),) * 4 + ((0, w + 1 - rel.shape[0]),))",
+    "    bias = jnp.pad(bias, ((0, 0),) * 4 + ((0, w - rel.shape[0]),))",
+    ("tests/test_gemma4_audio.py::test_logits_equal_transformers_on_one_device",),
+  ),
+  Mutant(
+    "audio tower: padding frames read as keys",
+    "cpjax/models/gemma4/audio.py",
+    "  return real_key & (window & inside)[None]",
+    "  return (window & inside)[None] | (real_key & False)",
+    ("tests/test_gemma4_audio.py::test_logits_equal_transformers_on_one_device",),
+  ),
+  Mutant(
+    "audio tower: under CP each rank's clips placed as if they were all",
+    "cpjax/models/gemma4/model.py",
+    "  return jax.tree.map(lambda y: gather(y)[:n], out)",
+    "  return jax.tree.map(lambda y: jnp.concatenate([y] * cp.layout.cp_size)[:n], out)",
+    (
+      "tests/test_gemma4_audio.py::test_cp_logits_equal_transformers",
+      "tests/test_gemma4_audio.py::test_the_loss_gradient_reaches_the_audio_tower_under_cp",
+    ),
+  ),
+  Mutant(
+    "audio batch: the placeholders counted against the frames, not the soft tokens",
+    "cpjax/models/gemma4/cp_batch.py",
+    "  soft = real[:, ::2][:, ::2] if tower else real",
+    "  soft = real[:, ::2] if tower else real",
+    ("tests/test_gemma4_audio.py::test_logits_equal_transformers_on_one_device",),
+  ),
+  Mutant(
     "cli: a cluster's processes each take the whole mesh's devices",
     "cpjax/cli/train.py",
     '    machine.use_cpu_devices(devices_needed // num_processes, collectives="gloo")',

@@ -5,14 +5,17 @@ in-forward context-parallel path, Hugging Face checkpoints and CP evaluation.
 The models layer: a model may import the core and :mod:`cpjax.data`, never
 the training layer or the command line.
 
-* ``config`` (with ``text_config``, ``vision_config``, ``unified_config``,
-  ``hf_config``): the configuration, its presets and ``config.json``;
-* ``layers``, ``text``, ``vision``, ``embedders``, ``model``, ``remat``: the
-  network (``embedders``: the unified model's image embedder);
+* ``config`` (with ``text_config``, ``vision_config``, ``audio_config``,
+  ``unified_config``, ``hf_config``): the configuration, its presets and
+  ``config.json``;
+* ``layers``, ``text``, ``vision``, ``audio``, ``embedders``, ``model``,
+  ``remat``: the network (``audio``: E2B and E4B's audio tower;
+  ``embedders``: the unified model's image embedder);
 * ``cp_batch``: its batches and their sharder; ``cp_forward``: CP logits;
 * ``checkpoint``: safetensors in and out; ``partitioning``: its mesh rules.
 """
 
+from cpjax.models.gemma4.audio_config import Gemma4AudioConfig as Gemma4AudioConfig
 from cpjax.models.gemma4.config import PRESETS as PRESETS
 from cpjax.models.gemma4.config import Gemma4Config as Gemma4Config
 from cpjax.models.gemma4.cp_batch import (

@@ -8,8 +8,8 @@ files side by side:
   ``ValueError`` naming the key (and both shapes), raised after reading the
   file headers only, before any tensor is read. The documented exceptions
   are skipped, as transformers skips them: K/V weights stored for K/V-sharing
-  ``reuse`` layers, the audio tower (not ported), and ``lm_head.weight`` of
-  a model with tied embeddings;
+  ``reuse`` layers, the audio tower's and embedder's weights when the config
+  has no audio, and ``lm_head.weight`` of a model with tied embeddings;
 * streaming: each tensor goes straight to its device(s) without a second
   whole host copy. Every device reads only its own shard from the
   safetensors file (a slice, so a sharded table is never read whole), in
@@ -86,8 +86,8 @@ def checkpoint_keys(model: nnx.Module) -> dict[str, nnx.Variable]:
 
 def _ignored(key: str, cfg: Gemma4Config) -> bool:
   """Keys a checkpoint may carry that the model does not use (see module doc)."""
-  if _AUDIO.match(key):  # the audio tower cpjax does not port; the unified embedder it does
-    return not (cfg.audio is not None and key.startswith("model.embed_audio."))
+  if _AUDIO.match(key):  # a config without audio_config (one built by hand) skips them
+    return cfg.audio is None
   if key == "lm_head.weight" and cfg.text.tie_word_embeddings:
     return True
   shared = _SHARED_KV.match(key)

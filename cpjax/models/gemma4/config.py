@@ -3,7 +3,8 @@
 The 12B unified model (transformers' ``Gemma4UnifiedForConditionalGeneration``)
 is a :class:`Gemma4Config` with ``unified=True``: the same decoder (no
 per-layer inputs, no MoE), and in place of the towers the encoder-free image
-and audio embedders of :mod:`~cpjax.models.gemma4.unified_config`.
+and audio embedders of :mod:`~cpjax.models.gemma4.unified_config`. E2B and
+E4B carry an audio tower (:mod:`~cpjax.models.gemma4.audio_config`).
 
 Field names are Hugging Face's (``transformers`` 5.24 ``Gemma4TextConfig``,
 ``Gemma4VisionConfig``, ``Gemma4Config``) so that a ``config.json`` maps onto
@@ -30,6 +31,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from cpjax.models.gemma4.audio_config import Gemma4AudioConfig, audio_from_hf
 from cpjax.models.gemma4.hf_config import (
   IGNORED_CONFIG_KEYS,
   check_keys,
@@ -51,11 +53,12 @@ __all__ = ["FULL", "Gemma4Config", "IGNORED_CONFIG_KEYS", "PRESETS", "SLIDING"]
 
 @dataclasses.dataclass(frozen=True)
 class Gemma4Config:
-  """Gemma 4 (transformers' ``Gemma4Config``): text decoder plus vision tower.
+  """Gemma 4 (transformers' ``Gemma4Config``): text decoder, vision tower and
+  (E2B, E4B) audio tower.
 
-  ``vision`` None is a text-only model. ``has_audio`` records that the source
-  checkpoint had an audio tower; cpjax does not port it (audio inputs are
-  rejected, its weights are not loaded).
+  ``vision`` None is a model without images; ``audio`` None one without audio
+  (a :class:`Gemma4AudioConfig` is the conformer audio tower). ``has_audio``
+  says that the source checkpoint had an audio tower (``from_hf`` sets both).
 
   ``unified`` is the 12B unified model (``Gemma4UnifiedConfig``): ``vision`` is
   then a :class:`Gemma4UnifiedVisionConfig` (or None) and ``audio`` a
@@ -80,7 +83,7 @@ class Gemma4Config:
   eoa_token_index: int = 258883
   has_audio: bool = False
   unified: bool = False
-  audio: Gemma4UnifiedAudioConfig | None = None
+  audio: Gemma4AudioConfig | Gemma4UnifiedAudioConfig | None = None
 
   def __post_init__(self):
     if not isinstance(self.text, Gemma4TextConfig):
@@ -91,12 +94,11 @@ class Gemma4Config:
         f"vision must be a {vision.__name__} or None"
         f"{' (unified=True)' if self.unified else ''}, got {type(self.vision).__name__}"
       )
-    if self.audio is not None and not (
-      self.unified and isinstance(self.audio, Gemma4UnifiedAudioConfig)
-    ):
+    audio = Gemma4UnifiedAudioConfig if self.unified else Gemma4AudioConfig
+    if self.audio is not None and not isinstance(self.audio, audio):
       raise TypeError(
-        f"audio must be None, or a Gemma4UnifiedAudioConfig with unified=True; got "
-        f"{type(self.audio).__name__} with unified={self.unified}"
+        f"audio must be a {audio.__name__} or None"
+        f"{' (unified=True)' if self.unified else ''}, got {type(self.audio).__name__}"
       )
     t = self.text
     if self.unified and (t.hidden_size_per_layer_input or t.enable_moe_block):
@@ -226,12 +228,11 @@ class Gemma4Config:
         **ids,
       )
     vision = None if vision is None else vision_from_hf(dict(vision))
-    return cls(text=text, vision=vision, has_audio=audio is not None, **ids)
+    audio = None if audio is None else audio_from_hf(dict(audio))
+    return cls(text=text, vision=vision, audio=audio, has_audio=audio is not None, **ids)
 
   def to_hf(self) -> dict:
     """Return the ``config.json`` dict transformers 5.24 writes for this model.
-
-    Without an audio tower: cpjax does not carry one.
 
     Returns:
       The ``config.json`` dict.
@@ -312,6 +313,14 @@ class Gemma4Config:
         "attention_bias": False,
       }
     )
+    if isinstance(self.audio, Gemma4AudioConfig):
+      a = self.audio
+      out["audio_config"] = {
+        "model_type": "gemma4_audio",
+        **dataclasses.asdict(a),
+        "subsampling_conv_channels": list(a.subsampling_conv_channels),
+        "hidden_act": "silu",
+      }
     return out
 
   def _unified_to_hf(self, out: dict) -> dict:
@@ -414,6 +423,7 @@ PRESETS: dict[str, Gemma4Config] = {
       num_kv_shared_layers=20,
     ),
     vision=_SMALL_VISION,
+    audio=Gemma4AudioConfig(),
     has_audio=True,
   ),
   "e4b": Gemma4Config(
@@ -429,6 +439,7 @@ PRESETS: dict[str, Gemma4Config] = {
       num_kv_shared_layers=18,
     ),
     vision=_SMALL_VISION,
+    audio=Gemma4AudioConfig(),
     has_audio=True,
   ),
   "a4b": Gemma4Config(

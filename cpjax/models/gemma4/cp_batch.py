@@ -26,6 +26,7 @@ from cpjax import checks
 from cpjax.batch import normalize as batch_lib
 from cpjax.batch.layout import MIN_STRIPE_LEN, LayoutKind, ShardLayout
 from cpjax.batch.sharding import shard_batch
+from cpjax.models.gemma4.audio_config import Gemma4AudioConfig
 from cpjax.models.gemma4.config import Gemma4Config
 from cpjax.models.gemma4.unified_config import Gemma4UnifiedVisionConfig
 
@@ -283,9 +284,9 @@ def prepare_batch(
   for key in ("input_features", "input_features_mask", "pixel_values_videos"):
     if batch.get(key) is not None and not (audio and key != "pixel_values_videos"):
       raise ValueError(
-        f"batch key {key!r} is not supported: cpjax ports Gemma 4's text decoder "
-        f"and vision tower, and the 12B unified model's audio embedder (pass its "
-        f"config to prepare_batch); pass video frames as images"
+        f"batch key {key!r} is not supported here: audio needs the config of a model "
+        f"with an audio tower (E2B, E4B) or the 12B unified model's audio embedder "
+        f"(pass it to prepare_batch); pass video frames as images"
       )
   if config is not None:
     _check_images(batch, config)
@@ -389,7 +390,9 @@ def _check_images(batch: Mapping[str, Any], config) -> None:
 
 
 def _check_audio(batch: Mapping[str, Any], config) -> None:
-  """The unified model's audio frames: their shape, and one real frame a placeholder."""
+  """Audio clips: their shape, and as many placeholders as soft tokens of real
+  frames (the audio tower's: one per four feature frames; the unified
+  model's: one per frame)."""
   ids = np.asarray(batch["input_ids"])
   placeholders = int(np.sum(ids == config.audio_token_id))
   frames = batch.get("input_features")
@@ -400,25 +403,39 @@ def _check_audio(batch: Mapping[str, Any], config) -> None:
         f"{config.audio_token_id}) but the batch has no input_features"
       )
     return
-  width = config.audio.audio_embed_dim
+  tower = isinstance(config.audio, Gemma4AudioConfig)
+  width = config.audio.mel_bins if tower else config.audio.audio_embed_dim
+  what = "log-mel bins" if tower else "waveform samples"
   shape = tuple(np.shape(frames))
   if len(shape) != 3 or shape[2] != width:
     raise ValueError(
-      f"input_features must be [A, T, {width}] frames of {width} waveform samples, "
-      f"got shape {shape}"
+      f"input_features must be [A, T, {width}] frames of {width} {what}, got shape {shape}"
     )
   mask = batch.get("input_features_mask")
+  if mask is None and tower:
+    # transformers' audio tower needs it too (without it, transformers skips the audio).
+    raise ValueError(
+      "input_features_mask is required with input_features for the audio tower "
+      "(bool [A, T], False on padding frames, as the feature extractor returns it)"
+    )
   real = np.ones(shape[:2], bool) if mask is None else np.asarray(mask)
   if real.shape != shape[:2]:
     raise ValueError(
       f"input_features_mask must have shape {shape[:2]} (that of input_features [A, T]), "
       f"got {real.shape}"
     )
-  if int(real.sum()) != placeholders:
+  # The tower's soft tokens: the real frames that survive two stride-2 steps.
+  soft = real[:, ::2][:, ::2] if tower else real
+  if int(soft.sum()) != placeholders:
+    frames_said = (
+      f"{int(real.sum())} real frames, {int(soft.sum())} soft tokens after the "
+      f"audio tower's 4x subsampling"
+      if tower
+      else f"{int(real.sum())} real frames"
+    )
     raise ValueError(
       f"audio placeholders and frames disagree: input_ids hold {placeholders} audio "
-      f"tokens (id {config.audio_token_id}) but input_features_mask marks "
-      f"{int(real.sum())} real frames"
+      f"tokens (id {config.audio_token_id}) but input_features_mask marks {frames_said}"
     )
 
 

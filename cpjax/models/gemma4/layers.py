@@ -125,13 +125,14 @@ class RMSNorm(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-  """torch's ``nn.LayerNorm`` (weight and bias, biased variance) in float32,
-  cast back to ``x``'s dtype."""
+  """torch's ``nn.LayerNorm`` (weight and, unless ``bias=False``, bias; biased
+  variance) in float32, cast back to ``x``'s dtype."""
 
-  def __init__(self, dim: int, *, eps: float):
+  def __init__(self, dim: int, *, eps: float, bias: bool = True):
     self.eps = eps
     self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-    self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
+    if bias:
+      self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
 
   def __call__(self, x):
     xf = x.astype(jnp.float32)
@@ -139,7 +140,9 @@ class LayerNorm(nnx.Module):
     centred = xf - mean
     var = jnp.mean(centred * centred, axis=-1, keepdims=True)
     y = centred * jax.lax.rsqrt(var + self.eps)
-    y = y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+    y = y * self.weight[...].astype(jnp.float32)
+    if hasattr(self, "bias"):
+      y = y + self.bias[...].astype(jnp.float32)
     return y.astype(x.dtype)
 
 

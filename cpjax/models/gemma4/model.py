@@ -43,6 +43,8 @@ from cpjax.batch.layout import LayoutKind, ShardLayout, layout_kind
 from cpjax.batch.normalize import DOCUMENT_IDS_KEY, SOURCE_INDEX_KEY, vision_group_ids
 from cpjax.batch.sharding import shard_sequence
 from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameDocument, SameVisionGroup
+from cpjax.models.gemma4.audio import AudioTower
+from cpjax.models.gemma4.audio_config import Gemma4AudioConfig
 from cpjax.models.gemma4.checkpoint import KeySharding
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from cpjax.models.gemma4.cp_batch import (
@@ -55,7 +57,10 @@ from cpjax.models.gemma4.embedders import UnifiedVisionEmbedder
 from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles
 from cpjax.models.gemma4.remat import remat_after_cotangent, remat_policy
 from cpjax.models.gemma4.text import DecoderLayer, embed_scale
-from cpjax.models.gemma4.unified_config import Gemma4UnifiedVisionConfig
+from cpjax.models.gemma4.unified_config import (
+  Gemma4UnifiedAudioConfig,
+  Gemma4UnifiedVisionConfig,
+)
 from cpjax.models.gemma4.vision import MultimodalEmbedder, VisionTower
 from cpjax.models.gemma4.vision_config import Gemma4VisionConfig
 from cpjax.parallel import gathered, lookup
@@ -63,8 +68,8 @@ from cpjax.parallel import gathered, lookup
 __all__ = ["Gemma4", "gemma4_masks"]
 
 UNSUPPORTED_INPUTS = {
-  "input_features": "audio inputs: cpjax ports Gemma 4's text decoder and vision tower, not "
-  "the audio tower",
+  "input_features": "audio inputs: this Gemma 4 has no audio tower or embedder (audio_config "
+  "is null)",
   "pixel_values_videos": "video inputs: pass video frames as images (pixel_values) instead",
 }
 
@@ -95,8 +100,9 @@ class LanguageModel(nnx.Module):
 
 
 class Gemma4Model(nnx.Module):
-  """``model``: language model, vision tower and ``embed_vision``; the unified
-  model's ``vision_embedder``, ``embed_vision`` and ``embed_audio`` in their place."""
+  """``model``: language model, vision tower and ``embed_vision``, audio tower
+  and ``embed_audio`` (E2B, E4B); the unified model's ``vision_embedder``,
+  ``embed_vision`` and ``embed_audio`` in their place."""
 
   def __init__(self, cfg: Gemma4Config, *, rngs):
     self.language_model = LanguageModel(cfg, rngs=rngs)
@@ -106,12 +112,17 @@ class Gemma4Model(nnx.Module):
       if isinstance(v, Gemma4UnifiedVisionConfig):
         self.vision_embedder = UnifiedVisionEmbedder(v, rngs=rngs)
         self.embed_vision = MultimodalEmbedder(v.mm_embed_dim, d, eps=v.rms_norm_eps, rngs=rngs)
-      if a is not None:
+      if isinstance(a, Gemma4UnifiedAudioConfig):
         self.embed_audio = MultimodalEmbedder(a.audio_embed_dim, d, eps=a.rms_norm_eps, rngs=rngs)
     elif isinstance(cfg.vision, Gemma4VisionConfig):
       self.vision_tower = VisionTower(cfg.vision, rngs=rngs)
       self.embed_vision = MultimodalEmbedder(
         cfg.vision.hidden_size, cfg.text.hidden_size, eps=cfg.vision.rms_norm_eps, rngs=rngs
+      )
+    if isinstance(cfg.audio, Gemma4AudioConfig):
+      self.audio_tower = AudioTower(cfg.audio, rngs=rngs)
+      self.embed_audio = MultimodalEmbedder(
+        cfg.audio.output_proj_dims, d, eps=cfg.audio.rms_norm_eps, rngs=rngs
       )
 
 
@@ -180,6 +191,24 @@ def gemma4_masks(
       extra = {"vision_group_ids": vision_group_ids}
     out[kind] = AttentionMask(rule & common, {**arrays, **extra})
   return out
+
+
+def _once_across_ranks(features, cp: CPContext | None, *inputs):
+  """``features(*inputs)`` (a tower over images or clips, batched on axis 0)
+  with each item computed once across the cp ranks: rank r runs it on items
+  ``r * P ... r * P + P - 1`` (``P = ceil(N / cp)``, wrapping around to real
+  items where ``cp`` does not divide ``N``) and an all-gather gives every
+  rank every result. The tower's work and activations per rank fall by
+  ``cp``; its gradient returns to the rank that computed each item."""
+  inputs = tuple(jnp.asarray(x) for x in inputs)
+  if cp is None or cp.layout.cp_size == 1:
+    return features(*inputs)
+  n = inputs[0].shape[0]
+  per = -(-n // cp.layout.cp_size)
+  mine = (jax.lax.axis_index(cp.axis_name) * per + jnp.arange(per)) % n
+  out = features(*(x[mine] for x in inputs))
+  gather = functools.partial(jax.lax.all_gather, axis_name=cp.axis_name, axis=0, tiled=True)
+  return jax.tree.map(lambda y: gather(y)[:n], out)
 
 
 def _slot_sources(valid: jax.Array, slot: jax.Array) -> jax.Array:
@@ -320,8 +349,8 @@ class Gemma4(nnx.Module):
     Returns:
       ``text_ids`` (placeholders replaced by the pad id), ``image_slot`` (each
       image token's index among the global batch's image tokens, -1 elsewhere),
-      ``audio_slot`` (the same for audio tokens; None without the unified
-      model's audio embedder) and
+      ``audio_slot`` (the same for audio tokens; None for a model without
+      audio) and
       ``vision_groups`` (or None).
     """
     cfg, t = self.cfg, self.cfg.text
@@ -398,7 +427,7 @@ class Gemma4(nnx.Module):
     if batch.get("pixel_values") is not None:
       x = self._place_images(x, slot, batch, cp)
     if audio_slot is not None and batch.get("input_features") is not None:
-      x = self._place_audio(x, audio_slot, batch)
+      x = self._place_audio(x, audio_slot, batch, cp)
     x = jnp.where(inside[..., None], x, 0)
     per_layer = None
     if t.hidden_size_per_layer_input:
@@ -440,23 +469,31 @@ class Gemma4(nnx.Module):
     )
     return self.model.embed_vision(pooled).astype(self.dtype), valid
 
+  def audio_features(
+    self, input_features: ArrayLike, input_features_mask: ArrayLike
+  ) -> tuple[jax.Array, jax.Array]:
+    """Compute the soft tokens of every clip (E2B, E4B's audio tower).
+
+    Args:
+      input_features: [A, T, F] log-mel frames.
+      input_features_mask: bool[A, T], False on padding frames.
+
+    Returns:
+      ([A, U, D] in the activation dtype, bool[A, U] the soft tokens of real
+      frames: ``U = ceil(ceil(T / 2) / 2)``).
+    """
+    if not isinstance(self.cfg.audio, Gemma4AudioConfig):
+      raise ValueError(
+        "this Gemma 4 has no audio tower (audio_config is null, or it is the unified "
+        "model's embedder) but audio_features was called"
+      )
+    soft, real = self.model.audio_tower(input_features, input_features_mask, self.dtype)
+    return self.model.embed_audio(soft).astype(self.dtype), real
+
   def _split_image_features(self, pixel_values, image_position_ids, cp: CPContext | None):
-    """:meth:`image_features` with each image computed once across the cp
-    ranks: rank r runs the tower on images ``r * P ... r * P + P - 1``
-    (``P = ceil(N / cp)``, wrapping around to real images where ``cp`` does
-    not divide ``N``) and an all-gather gives every rank all soft tokens.
-    The tower's work and activations per rank fall by ``cp``; its gradient
-    returns to the rank that computed each image."""
-    pixel_values, positions = jnp.asarray(pixel_values), jnp.asarray(image_position_ids)
-    if cp is None or cp.layout.cp_size == 1:
-      return self.image_features(pixel_values, positions)
-    size = cp.layout.cp_size
-    n = pixel_values.shape[0]
-    per = -(-n // size)
-    mine = (jax.lax.axis_index(cp.axis_name) * per + jnp.arange(per)) % n
-    soft, valid = self.image_features(pixel_values[mine], positions[mine])
-    gather = functools.partial(jax.lax.all_gather, axis_name=cp.axis_name, axis=0, tiled=True)
-    return gather(soft)[:n], gather(valid)[:n]
+    """:meth:`image_features` with each image computed once across the cp ranks
+    (:func:`_once_across_ranks`)."""
+    return _once_across_ranks(self.image_features, cp, pixel_values, image_position_ids)
 
   def _place_images(self, x, slot, batch, cp: CPContext | None):
     """Soft tokens, numbered row-major over the GLOBAL batch, replace the
@@ -478,15 +515,24 @@ class Gemma4(nnx.Module):
     source = _slot_sources(valid.reshape(n * m), slot)
     return jnp.where((slot >= 0)[..., None], gathered(soft.reshape(n * m, d))[source], x)
 
-  def _place_audio(self, x, slot, batch):
-    """The unified model's audio: each real frame of ``input_features`` [A, T,
-    samples] (``input_features_mask`` bool[A, T]) is the soft token of the
-    next audio token, row-major over the global batch; only this device's
-    frames are embedded."""
+  def _place_audio(self, x, slot, batch, cp: CPContext | None):
+    """Audio soft tokens, numbered row-major over the GLOBAL batch, replace the
+    audio tokens (``slot`` as in :meth:`_place_images`).
+
+    E2B, E4B: the audio tower runs on whole clips, each once across the cp
+    ranks, and every soft token of a real frame is placed. The unified
+    model: each real frame of ``input_features`` [A, T, samples]
+    (``input_features_mask`` bool[A, T]) is one soft token, and only this
+    device's frames are embedded."""
     frames = jnp.asarray(batch["input_features"])
     a, t, width = frames.shape
     real = batch.get("input_features_mask")
     real = jnp.ones((a, t), bool) if real is None else jnp.asarray(real, bool)
+    if isinstance(self.cfg.audio, Gemma4AudioConfig):
+      soft, valid = _once_across_ranks(self.audio_features, cp, frames, real)
+      a, u, d = soft.shape
+      source = _slot_sources(valid.reshape(a * u), slot)
+      return jnp.where((slot >= 0)[..., None], gathered(soft.reshape(a * u, d))[source], x)
     source = _slot_sources(real.reshape(a * t), slot)
     soft = self.model.embed_audio(frames.reshape(a * t, width)[source].astype(self.dtype))
     return jnp.where((slot >= 0)[..., None], soft.astype(x.dtype), x)

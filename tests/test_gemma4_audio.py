@@ -1,0 +1,213 @@
+"""E2B and E4B's audio tower (transformers' ``Gemma4AudioModel``; the published
+configs' parameter trees are test_gemma4_published's). On a tiny random
+E2B-like checkpoint transformers saved, with an image and two clips (one
+padded) in the same rows: cpjax's logits on one device and under CP equal
+transformers' float64 logits within 5x transformers' own float32 error; the
+loss's gradient under CP equals one device's and reaches every tensor of the
+tower; cpjax's save loads back into transformers; clips that disagree with
+their placeholders are refused."""
+
+import contextlib
+import os
+import sys
+
+import chex
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from cpjax import parallel, training
+from cpjax.models import gemma4
+from cpjax.models.gemma4.checkpoint import checkpoint_keys
+
+torch = pytest.importorskip("torch", reason="transformers' audio tower needs torch")
+transformers = pytest.importorskip("transformers", reason="the reference is transformers'")
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4")
+sys.path.insert(0, FIXTURES)
+import make_fixtures  # noqa: E402
+
+TIMES_FLOAT32 = 5.0
+AUDIO = 258881
+FRAMES = 30  # feature frames a clip slot holds: 8 soft tokens at most
+
+
+def audio_rows(seed: int = 0) -> dict:
+  """Two rows of 48 tokens as the processor lays them out: row 0 holds an
+  image of 4 soft tokens and a full clip (30 frames: 8 soft tokens); row 1,
+  left-padded by 3, a clip of 19 real frames (5 soft tokens) and text."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(5, 256, (2, 48))
+  types = np.zeros((2, 48), np.int64)
+  pixels, positions, n_image = make_fixtures._image(rng, 6, 6)
+  ids[0, 2] = make_fixtures.BOI
+  ids[0, 3 : 3 + n_image], types[0, 3 : 3 + n_image] = make_fixtures.IMAGE, 1
+  ids[0, 3 + n_image] = make_fixtures.EOI
+  for row, (start, n) in ((0, (20, 8)), (1, (30, 5))):
+    ids[row, start : start + n], types[row, start : start + n] = AUDIO, 3
+  mask = np.ones((2, 48), np.int64)
+  ids[1, :3], mask[1, :3] = 0, 0
+  real = np.arange(FRAMES)[None] < np.array([[FRAMES], [19]])
+  features = rng.normal(size=(2, FRAMES, 16)).astype(np.float32) * real[..., None]
+  return {
+    "input_ids": ids,
+    "attention_mask": mask,
+    "mm_token_type_ids": types,
+    "pixel_values": pixels[None],
+    "image_position_ids": positions[None],
+    "input_features": features,
+    "input_features_mask": real,
+  }
+
+
+@contextlib.contextmanager
+def _float64_audio_tower(model):
+  """transformers' audio tower calls ``.float()`` to compute its attention in
+  float32 whatever the model's dtype, and so cannot run in float64. In the
+  float64 run ``.float()`` of a float64 tensor stays float64 while the tower
+  runs, so that run is the exact value of its formulas."""
+  upcast = torch.Tensor.float
+
+  def keep(t, *a, **k):
+    return t if t.dtype == torch.float64 else upcast(t, *a, **k)
+
+  def enter(*_):
+    torch.Tensor.float = keep
+
+  def leave(*_):
+    torch.Tensor.float = upcast
+
+  tower = model.model.audio_tower
+  hooks = [tower.register_forward_pre_hook(enter), tower.register_forward_hook(leave)]
+  try:
+    yield
+  finally:
+    for h in hooks:
+      h.remove()
+    torch.Tensor.float = upcast
+
+
+@pytest.fixture(scope="module")
+def e2b_audio(tmp_path_factory):
+  """(checkpoint directory, transformers' float64 and float32 logits of the rows)."""
+  path = str(tmp_path_factory.mktemp("e2b-audio"))
+  model = make_fixtures.build_audio(seed=0)
+  model.save_pretrained(path)
+  rows = audio_rows()
+  logits = {}
+  for dtype in (torch.float64, torch.float32):
+    inputs = {
+      k: torch.tensor(v, dtype=dtype if v.dtype == np.float32 else None) for k, v in rows.items()
+    }
+    scope = _float64_audio_tower(model) if dtype == torch.float64 else contextlib.nullcontext()
+    with torch.no_grad(), scope:
+      logits[dtype] = model.to(dtype)(**inputs).logits.double().numpy()
+  return path, logits
+
+
+def assert_near_transformers(got, logits):
+  real = audio_rows()["attention_mask"].astype(bool)
+  theirs = np.abs(logits[torch.float32] - logits[torch.float64])[real].max()
+  ours = np.abs(np.asarray(got, np.float64) - logits[torch.float64])[real].max()
+  assert ours <= TIMES_FLOAT32 * theirs, (ours, theirs)
+
+
+def test_logits_equal_transformers_on_one_device(e2b_audio):
+  path, logits = e2b_audio
+  model = gemma4.Gemma4.from_pretrained(path)
+  assert model.cfg.audio.subsampling_conv_channels == (16, 8)
+  batch = gemma4.prepare_batch(audio_rows(), model.cfg)
+  assert_near_transformers(model(batch), logits)
+
+
+@pytest.mark.parametrize(
+  "mesh_sizes,layout",
+  [({"cp": 4}, "load_balanced"), ({"fsdp": 2, "cp": 4}, "contiguous")],
+)
+def test_cp_logits_equal_transformers(e2b_audio, mesh_sizes, layout):
+  """The tower runs each clip on one rank (two clips over 4 ranks: two ranks
+  repeat one) and every rank places its own tokens' soft tokens."""
+  path, logits = e2b_audio
+  model = gemma4.Gemma4.from_pretrained(path)
+  batch = gemma4.prepare_batch(audio_rows(), model.cfg)
+  mesh = parallel.make_mesh(**mesh_sizes, devices=jax.devices()[: np.prod([*mesh_sizes.values()])])
+  axis = "fsdp" if "fsdp" in mesh_sizes else None
+  got = gemma4.cp_logits(model, batch, mesh, layout=layout, batch_axis=axis)
+  chex.assert_shape(got, logits[torch.float64].shape)
+  assert_near_transformers(got, logits)
+
+
+def test_the_loss_gradient_reaches_the_audio_tower_under_cp(e2b_audio):
+  """The text loss's gradient under CP (cp = 4, load-balanced) equals the
+  one-device gradient on every parameter, and every trainable tensor of the
+  tower and embed_audio gets a finite, nonzero one."""
+  path, _ = e2b_audio
+  model = gemma4.Gemma4.from_pretrained(path)
+  rows = audio_rows()
+  ids = rows["input_ids"]
+  # Next-token labels on real text tokens (soft-token targets are out of the vocabulary).
+  labels = np.where((np.roll(ids, -1, axis=1) < 256) & (rows["attention_mask"] == 1), 0, -100)
+  labels = np.where(labels == 0, np.roll(ids, -1, axis=1), -100)
+  labels[:, -1] = -100
+  batch = gemma4.prepare_batch({**rows, "labels": labels.astype(np.int32)}, model.cfg)
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+
+  def objective(loss):
+    return lambda p, b: (lambda s, n: s / n)(*loss(p, b))
+
+  want = jax.jit(jax.grad(objective(training.make_loss_fn(graphdef, frozen=buffers))))(
+    params, batch
+  )
+  mesh = parallel.make_mesh(cp=4, devices=jax.devices()[:4])
+  sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
+  sharded, layout = sharder.shard_batch(batch, mesh)
+  loss = training.make_loss_fn(graphdef, mesh=mesh, layout=layout, frozen=buffers)
+  with jax.set_mesh(mesh):
+    on_mesh = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
+    got = jax.jit(jax.grad(objective(loss)))(on_mesh, sharded)
+
+  def close(path, a, b):
+    chex.assert_trees_all_close(
+      a, b, rtol=0, atol=1e-4 * float(np.max(np.abs(b))), custom_message=jax.tree_util.keystr(path)
+    )
+
+  jax.tree_util.tree_map_with_path(close, got, want)
+  tower = {
+    k: v
+    for k, v in checkpoint_keys(nnx.merge(graphdef, want, buffers)).items()
+    if k.startswith(("model.audio_tower.", "model.embed_audio.")) and isinstance(v, nnx.Param)
+  }
+  assert len(tower) > 40
+  for key, g in tower.items():
+    g = np.asarray(g.get_value())
+    assert np.all(np.isfinite(g)) and np.any(g != 0), key
+
+
+def test_the_save_loads_back_into_transformers(e2b_audio, tmp_path):
+  path, _ = e2b_audio
+  model = gemma4.Gemma4.from_pretrained(path)
+  model.save_pretrained(tmp_path)
+  theirs = transformers.Gemma4ForConditionalGeneration.from_pretrained(path).state_dict()
+  back = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path).state_dict()
+  audio = [k for k in theirs if k.startswith(("model.audio_tower.", "model.embed_audio."))]
+  assert audio and all(torch.equal(theirs[k], back[k]) for k in audio)
+
+
+def test_clips_that_disagree_with_their_placeholders_are_refused(e2b_audio):
+  cfg = gemma4.Gemma4Config.from_hf(e2b_audio[0])
+  rows = audio_rows()
+  cases = [
+    ({"input_features_mask": None}, "input_features_mask is required"),
+    ({"input_features": rows["input_features"][..., :8]}, r"\[A, T, 16\] frames of 16 log-mel"),
+    (
+      {"input_features_mask": np.ones((2, FRAMES), bool)},
+      "13 audio tokens .* 16 soft tokens after the audio tower's 4x subsampling",
+    ),
+  ]
+  for change, match in cases:
+    with pytest.raises(ValueError, match=match):
+      gemma4.prepare_batch({**rows, **change}, cfg)
+  text_only = gemma4.Gemma4Config.preset("tiny")
+  with pytest.raises(ValueError, match="audio needs the config of a model with an audio tower"):
+    gemma4.prepare_batch({**rows, "input_ids": rows["input_ids"] % 256}, text_only)
