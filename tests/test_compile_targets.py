@@ -486,6 +486,8 @@ def _experts_backward_temp(layers: int, tokens: int, d: int, k: int) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+# Suite budget (79 s): `make soak`, with its mutant.
+@pytest.mark.slow
 @needs["v5e-8"]
 def test_the_experts_weight_gradients_are_made_in_their_layers_backward_on_the_tpu():
   """Expert layers' weight gradients, compiled by XLA:TPU. Each leaves the
@@ -548,6 +550,8 @@ def _whole_row_reads(hlo: str, row: str) -> tuple[int, str]:
   return most
 
 
+# Suite budget (65 s): `make soak`, with its mutant.
+@pytest.mark.slow
 @needs["v5e-8"]
 def test_kv_shared_layers_keep_no_whole_row_gradient_alive_on_the_tpu():
   """Layers that reuse one K/V, on the all-gather strategy, compiled by

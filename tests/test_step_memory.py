@@ -169,6 +169,8 @@ def test_filled_after_is_the_fill_and_follows_its_reference():
   np.testing.assert_array_equal(parallel.filled_after(jnp.zeros((0,)), (2,)), [0.0, 0.0])
 
 
+# Suite budget (62 s: two compiles of the step on cp = 8): `make soak`, with its mutant.
+@pytest.mark.slow
 def test_accumulators_are_made_where_their_loops_run(monkeypatch):
   """The step on cp=8 with every layer rematerialised: with each
   accumulator (the ring's, the loss's, the lookups') made from the values

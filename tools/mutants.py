@@ -1359,7 +1359,7 @@ MUTANTS = (
     "  if False:\n",
     (
       "tests/test_qlora.py::"
-      "test_cli_trains_a_4bit_checkpoint_with_cp_resumes_and_peft_loads_it[dense-cp4]",
+      "test_cli_trains_a_4bit_checkpoint_with_cp_resumes_and_peft_loads_it[moe-cp4-ep4]",
     ),
   ),
   Mutant(
