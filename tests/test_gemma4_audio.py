@@ -121,9 +121,15 @@ def test_logits_equal_transformers_on_one_device(e2b_audio):
   assert_near_transformers(model(batch), logits)
 
 
+# Suite budget: two in CI (both layouts, both meshes), the rest in `make soak`.
 @pytest.mark.parametrize(
   "mesh_sizes,layout",
-  [({"cp": 4}, "load_balanced"), ({"fsdp": 2, "cp": 4}, "contiguous")],
+  [
+    pytest.param({"cp": 4}, "contiguous", marks=pytest.mark.slow),
+    ({"cp": 4}, "load_balanced"),
+    pytest.param({"cp": 4}, "document_balanced", marks=pytest.mark.slow),
+    ({"fsdp": 2, "cp": 4}, "contiguous"),
+  ],
 )
 def test_cp_logits_equal_transformers(e2b_audio, mesh_sizes, layout):
   """The tower runs each clip on one rank (two clips over 4 ranks: two ranks
