@@ -179,3 +179,22 @@ def test_the_cli_fine_tunes_the_unified_checkpoint_with_lora_at_cp4(unified, tmp
   args = ["train", "--checkpoint", unified[0], "--cp", "4", "--steps", "2", "--seq-len", "64"]
   assert cli.main([*args, "--lora.rank", "4", "--save", "adapter"]) == 0
   assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_cpjax_plan_takes_the_12b_preset(capsys):
+  """``cpjax plan --model 12b``: the closed form's parameters are the model's
+  own (counted on its abstract tree), float32 and split over the 8 ranks."""
+  from cpjax import cli
+  from cpjax.training import plan
+
+  assert (
+    cli.main(["plan", "--model", "12b", "--seq-len", "131072", "--mesh", "cp=8", "--estimate-only"])
+    == 0
+  )
+  assert "cpjax plan: Gemma 4 12b, S=131072" in capsys.readouterr().out
+  cfg = gemma4.Gemma4Config.preset("12b")
+  model = parallel.abstract_model(lambda: gemma4.Gemma4(cfg, rngs=nnx.Rngs(0)))
+  n = sum(int(np.prod(v.get_value().shape)) for v in checkpoint_keys(model).values())
+  assert 11.5e9 < n < 12.5e9
+  est = plan.estimate(cfg, model="12b", seq_len=131072, mesh={"cp": 8})
+  assert est.params == pytest.approx(4 * n / 8, rel=1e-3)

@@ -77,7 +77,7 @@ class RunError(ValueError):
   (``cpjax train`` prints it as a one-line usage error, exit status 2)."""
 
 
-MODEL_FLAGS = ("tiny", "tiny-moe", "e2b", "e4b", "a4b", "31b")  # what --model offers
+MODEL_FLAGS = ("tiny", "tiny-moe", "tiny-unified", "e2b", "e4b", "a4b", "31b", "12b")  # --model
 LR_SCHEDULES = typing.get_args(Schedule)
 
 
