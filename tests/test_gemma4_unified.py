@@ -172,13 +172,33 @@ def test_audio_that_does_not_match_its_placeholders_is_refused(unified):
 
 def test_the_cli_fine_tunes_the_unified_checkpoint_with_lora_at_cp4(unified, tmp_path, monkeypatch):
   """Synthetic rows with images (one soft token a 48-feature patch): the
-  run's step-1 parity check (CP against one device) passes, the adapter is saved."""
+  run's step-1 parity check (CP against one device) passes, and the saved
+  adapter is PEFT's: PEFT puts it on transformers' unified model, whose
+  logits on rows with images and audio are cpjax's with the same adapter."""
+  peft = pytest.importorskip("peft")
   from cpjax import cli
+  from cpjax.training import lora
 
   monkeypatch.chdir(tmp_path)
   args = ["train", "--checkpoint", unified[0], "--cp", "4", "--steps", "2", "--seq-len", "64"]
-  assert cli.main([*args, "--lora.rank", "4", "--save", "adapter"]) == 0
-  assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+  assert cli.main([*args, "--lora.rank", "4", "--lr", "1e-2", "--save", "adapter"]) == 0
+  base = transformers.Gemma4UnifiedForConditionalGeneration.from_pretrained(unified[0])
+  theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+  rows = unified_rows()
+  with torch.no_grad():
+    want = theirs(**{k: torch.tensor(v) for k, v in rows.items()}).logits.double().numpy()
+  ours = lora.load_adapter(gemma4.Gemma4.from_pretrained(unified[0]), tmp_path / "adapter")
+  layer = ours.model.language_model.layers[0]
+  assert np.abs(layer.self_attn.q_proj.weight_lora_b[...]).max() > 0  # trained
+  got = np.asarray(ours(gemma4.prepare_batch(rows, ours.cfg)), np.float64)
+  real = rows["attention_mask"].astype(bool)
+  # Both put the trained adapter on the float32 base: equal to float32 rounding,
+  # far below what the adapter moves.
+  assert np.abs(got - want)[real].max() < 1e-3
+  plain = np.asarray(
+    gemma4.Gemma4.from_pretrained(unified[0])(gemma4.prepare_batch(rows, ours.cfg))
+  )
+  assert np.abs(got - plain)[real].max() > 1e-2
 
 
 def test_cpjax_plan_takes_the_12b_preset(capsys):
