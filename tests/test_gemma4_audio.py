@@ -121,7 +121,8 @@ def test_logits_equal_transformers_on_one_device(e2b_audio):
   assert_near_transformers(model(batch), logits)
 
 
-# Suite budget: two in CI (both layouts, both meshes), the rest in `make soak`.
+# Suite budget: three in CI (both tower paths, two layouts, both meshes), the
+# rest in `make soak`.
 @pytest.mark.parametrize(
   "mesh_sizes,layout",
   [
@@ -129,11 +130,15 @@ def test_logits_equal_transformers_on_one_device(e2b_audio):
     ({"cp": 4}, "load_balanced"),
     pytest.param({"cp": 4}, "document_balanced", marks=pytest.mark.slow),
     ({"fsdp": 2, "cp": 4}, "contiguous"),
+    ({"cp": 2}, "load_balanced"),
   ],
+  ids=["cp4-contiguous", "cp4-load_balanced", "cp4-document_balanced", "fsdp2-cp4", "cp2"],
 )
 def test_cp_logits_equal_transformers(e2b_audio, mesh_sizes, layout):
-  """The tower runs each clip on one rank (two clips over 4 ranks: two ranks
-  repeat one) and every rank places its own tokens' soft tokens."""
+  """Two clips over cp = 4: each clip's frames split over the 4 ranks, which
+  pass each other the frames read across their boundaries; over cp = 2: each
+  clip whole on one rank. Either way every rank places its own tokens' soft
+  tokens."""
   path, logits = e2b_audio
   model = gemma4.Gemma4.from_pretrained(path)
   batch = gemma4.prepare_batch(audio_rows(), model.cfg)

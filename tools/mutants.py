@@ -223,8 +223,8 @@ MUTANTS = (
   Mutant(
     "audio tower: padding frames read as keys",
     "cpjax/models/gemma4/audio.py",
-    "  return real_key & (window & inside)[None]",
-    "  return (window & inside)[None] | (real_key & False)",
+    "  return real_key[:, :, None, :] & window[None, None]",
+    "  return (real_key[:, :, None, :] | True) & window[None, None]",
     ("tests/test_gemma4_audio.py::test_logits_equal_transformers_on_one_device",),
   ),
   Mutant(
@@ -232,10 +232,24 @@ MUTANTS = (
     "cpjax/models/gemma4/model.py",
     "  return jax.tree.map(lambda y: gather(y)[:n], out)",
     "  return jax.tree.map(lambda y: jnp.concatenate([y] * cp.layout.cp_size)[:n], out)",
+    ("tests/test_gemma4_audio.py::test_cp_logits_equal_transformers[cp2]",),
+  ),
+  Mutant(
+    "audio tower: a split clip's ranks read zeros for their neighbours' frames",
+    "cpjax/models/gemma4/audio.py",
+    "    return jax.lax.ppermute(x[:, x.shape[1] - n :], self.axis_name, pairs)",
+    "    return jnp.zeros_like(x[:, x.shape[1] - n :])",
     (
-      "tests/test_gemma4_audio.py::test_cp_logits_equal_transformers",
+      "tests/test_gemma4_audio.py::test_cp_logits_equal_transformers[cp4-load_balanced]",
       "tests/test_gemma4_audio.py::test_the_loss_gradient_reaches_the_audio_tower_under_cp",
     ),
+  ),
+  Mutant(
+    "audio tower: a split clip's last block reads zeros for the next rank's frames",
+    "cpjax/models/gemma4/audio.py",
+    "    return jax.lax.ppermute(x[:, :n], self.axis_name, pairs)",
+    "    return jnp.zeros_like(x[:, :n])",
+    ("tests/test_gemma4_audio.py::test_cp_logits_equal_transformers[cp4-load_balanced]",),
   ),
   Mutant(
     "audio batch: the placeholders counted against the frames, not the soft tokens",

@@ -21,6 +21,15 @@ the tower computes at them is never placed. The computation follows
 transformers' blocked formulation step for step (including the logit a
 masked key gets), so that its float64 answer is the reference.
 
+Every operation is local in time, so a long clip can be split over the
+ranks of a mesh axis (:class:`Split`, inside ``shard_map``): each rank holds
+a contiguous run of frames and takes from its neighbours, by
+``lax.ppermute``, the few frames its operations read across the boundary
+(one feature frame before each convolution, ``attention_context_left - 1``
+frames before and ``attention_context_right`` after each attention, the light
+convolution's ``conv_kernel_size - 1`` before). The split result is the
+whole clip's, exactly.
+
 Shape letters: ``A`` clips, ``T`` feature frames, ``F`` mel bins, ``U``
 soft-token frames (``T / 4``), ``H`` width, ``N`` heads, ``D`` head dim,
 ``K`` blocks, ``C`` chunk, ``W`` context window.
@@ -28,6 +37,7 @@ soft-token frames (``T / 4``), ``H`` width, ``N`` heads, ``D`` head dim,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -39,10 +49,50 @@ from jax.typing import ArrayLike, DTypeLike
 from cpjax.models.gemma4.audio_config import Gemma4AudioConfig
 from cpjax.models.gemma4.layers import ClippableLinear, LayerNorm, Linear, RMSNorm
 
-__all__ = ["AudioTower"]
+__all__ = ["AudioTower", "Split"]
 
 # transformers builds these RMS norms without passing the config's epsilon.
 _DEFAULT_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """A clip's frames split in order over the ``size`` ranks of ``axis_name``
+  (each rank's a multiple of :meth:`quantum`)."""
+
+  axis_name: str
+  size: int
+
+  @staticmethod
+  def quantum(cfg: Gemma4AudioConfig) -> int:
+    """Return the feature frames a rank's run must be a multiple of: whole
+    attention blocks after the 4x subsampling."""
+    return 4 * cfg.attention_chunk_size
+
+  def before(self, x: jax.Array, n: int) -> jax.Array:
+    """Return the ``n`` frames (axis 1) before this rank's: the previous
+    rank's last, zeros on the first rank (the clip's edge)."""
+    pairs = [(i, i + 1) for i in range(self.size - 1)]
+    return jax.lax.ppermute(x[:, x.shape[1] - n :], self.axis_name, pairs)
+
+  def after(self, x: jax.Array, n: int) -> jax.Array:
+    """Return the ``n`` frames after this rank's: the next rank's first, zeros on the last."""
+    pairs = [(i + 1, i) for i in range(self.size - 1)]
+    return jax.lax.ppermute(x[:, :n], self.axis_name, pairs)
+
+
+def _with_halo(x: jax.Array, before: int, after: int, split: Split | None) -> jax.Array:
+  """``x`` [A, T, ...] with ``before`` frames in front and ``after`` behind:
+  the neighbours' under a :class:`Split`, zeros at the clip's edges."""
+  parts = []
+  if before:
+    edge = jnp.zeros((x.shape[0], before, *x.shape[2:]), x.dtype)
+    parts.append(edge if split is None else split.before(x, before))
+  parts.append(x)
+  if after:
+    edge = jnp.zeros((x.shape[0], after, *x.shape[2:]), x.dtype)
+    parts.append(edge if split is None else split.after(x, after))
+  return jnp.concatenate(parts, axis=1) if len(parts) > 1 else x
 
 
 def _clamp(x: jax.Array, bound: float) -> jax.Array:
@@ -72,12 +122,17 @@ class SubSampleLayer(nnx.Module):
     self.conv = ConvWeight((c_out, c_in, 3, 3), rngs=rngs)  # torch's [O, I, kh, kw]
     self.norm = LayerNorm(c_out, eps=eps, bias=False)
 
-  def __call__(self, x: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def __call__(
+    self, x: jax.Array, real: jax.Array, split: Split | None
+  ) -> tuple[jax.Array, jax.Array]:
     """x: [A, T, F, C] (channels last), real: bool[A, T] -> halved in T and F."""
     x = jnp.where(real[:, :, None, None], x, 0)
     kernel = self.conv.weight[...].astype(x.dtype).transpose(2, 3, 1, 0)  # HWIO
+    # Output frame i reads frames 2i - 1 ... 2i + 1: one before (a zero at the
+    # clip's start); with an even run the frame after is never read.
+    x = _with_halo(x, 1, 0, split)
     x = jax.lax.conv_general_dilated(
-      x, kernel, (2, 2), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
+      x, kernel, (2, 2), ((0, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
     )
     return jax.nn.relu(self.norm(x)), real[:, ::2]
 
@@ -89,10 +144,12 @@ class SubSampleConvProjection(nnx.Module):
     self.layer1 = SubSampleLayer(c0, c1, eps=cfg.rms_norm_eps, rngs=rngs)
     self.input_proj_linear = Linear((c0 // 4) * c1, cfg.hidden_size, rngs=rngs)
 
-  def __call__(self, features: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def __call__(
+    self, features: jax.Array, real: jax.Array, split: Split | None
+  ) -> tuple[jax.Array, jax.Array]:
     """[A, T, F], bool[A, T] -> [A, U, H], bool[A, U]."""
-    x, real = self.layer0(features[..., None], real)
-    x, real = self.layer1(x, real)
+    x, real = self.layer0(features[..., None], real, split)
+    x, real = self.layer1(x, real, split)
     a, u = x.shape[:2]
     return self.input_proj_linear(x.reshape(a, u, -1)), real
 
@@ -129,14 +186,14 @@ class LightConv1d(nnx.Module):
     self.conv_norm = RMSNorm(h, eps=eps)
     self.clip = cfg.gradient_clipping
 
-  def __call__(self, x):
+  def __call__(self, x, split: Split | None):
     """x: [A, U, H]."""
     y = self.linear_start(self.pre_layer_norm(x))
     half = y.shape[-1] // 2
     y = y[..., :half] * jax.nn.sigmoid(y[..., half:])
     taps = self.depthwise_conv1d.weight[...][:, 0, :].astype(y.dtype)  # [H, k]
     k = taps.shape[-1]
-    padded = jnp.pad(y, ((0, 0), (k - 1, 0), (0, 0)))  # causal: k - 1 frames before
+    padded = _with_halo(y, k - 1, 0, split)  # causal: k - 1 frames before
     u = y.shape[1]
     y = padded[:, :u] * taps[:, 0]
     for i in range(1, k):
@@ -154,24 +211,31 @@ def relative_positions(cfg: Gemma4AudioConfig, dtype: DTypeLike) -> jax.Array:
   return jnp.asarray(np.concatenate([np.sin(scaled), np.cos(scaled)], axis=-1), dtype)
 
 
-def _blocked_mask(cfg: Gemma4AudioConfig, real: jax.Array) -> jax.Array:
-  """bool[A, K, C, W]: query ``c`` of block ``k`` may read window key ``w``.
-
-  Query frame ``q = k C + c`` reads key frame ``q - d`` (``d = c + P - w``,
-  ``P = attention_context_left - 1``) when that frame is a real one of the
-  clip and ``0 <= d < P`` or ``0 < -d < attention_context_right`` (the
-  sliding window transformers ANDs with the clip's padding mask)."""
-  a, u = real.shape
+def _windows(t: jax.Array, cfg: Gemma4AudioConfig, split: Split | None) -> jax.Array:
+  """Each block's window of keys: [A, U, ...] -> [A, K, W, ...], frames ``kC - P
+  ... kC - P + W - 1`` (``P = attention_context_left - 1``): the neighbours'
+  across a split, zeros beyond the clip and in the last block's padding."""
   c, w = cfg.attention_chunk_size, cfg.context_size
   past = cfg.attention_context_left - 1
+  u = t.shape[1]
   blocks = -(-u // c)
-  query = np.arange(blocks)[:, None, None] * c + np.arange(c)[None, :, None]  # [K, C, 1]
-  key = np.arange(blocks)[:, None, None] * c - past + np.arange(w)[None, None, :]  # [K, 1, W]
-  d = query - key
+  t = _with_halo(t, past, blocks * c + w - past - u, split)
+  return t[:, np.arange(blocks)[:, None] * c + np.arange(w)[None, :]]
+
+
+def _blocked_mask(cfg: Gemma4AudioConfig, real: jax.Array, split: Split | None) -> jax.Array:
+  """bool[A, K, C, W]: query ``c`` of block ``k`` may read window key ``w``.
+
+  Query frame ``q = k C + c`` reads key frame ``q - d`` (``d = c + P - w``)
+  when that frame is a real one of the clip and ``0 <= d < P`` or ``0 < -d <
+  attention_context_right`` (the sliding window transformers ANDs with the
+  clip's padding mask)."""
+  c, w = cfg.attention_chunk_size, cfg.context_size
+  past = cfg.attention_context_left - 1
+  d = np.arange(c)[:, None] + past - np.arange(w)[None, :]  # [C, W]
   window = ((d >= 0) & (d < past)) | ((d < 0) & (-d < cfg.attention_context_right))
-  inside = (key >= 0) & (key < u) & (query < u)
-  real_key = jnp.take(real, np.clip(key, 0, u - 1), axis=1)  # [A, K, 1, W]
-  return real_key & (window & inside)[None]
+  real_key = _windows(real, cfg, split)  # [A, K, W]
+  return real_key[:, :, None, :] & window[None, None]
 
 
 class AudioAttention(nnx.Module):
@@ -187,12 +251,13 @@ class AudioAttention(nnx.Module):
     self.per_dim_scale = nnx.Param(jnp.zeros((cfg.head_dim,), jnp.float32))
     self.cfg = cfg
 
-  def __call__(self, x: jax.Array, positions: jax.Array, allowed: jax.Array) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, positions: jax.Array, allowed: jax.Array, split: Split | None
+  ) -> jax.Array:
     """x: [A, U, H]; positions: [W/2 + 1, H]; allowed: bool[A, K, C, W]."""
     cfg = self.cfg
     a, u, _ = x.shape
     n, d, c, w = cfg.num_attention_heads, cfg.head_dim, cfg.attention_chunk_size, cfg.context_size
-    past = cfg.attention_context_left - 1
     blocks = allowed.shape[1]
     f32 = jnp.float32
 
@@ -204,14 +269,7 @@ class AudioAttention(nnx.Module):
     k = heads(self.k_proj) * (math.log(1 + math.e) / math.log(2))
     v = heads(self.v_proj)
     q = jnp.pad(q, ((0, 0), (0, blocks * c - u), (0, 0), (0, 0))).reshape(a, blocks, c, n, d)
-    # Each block's window of keys: frames kC - P ... kC - P + W - 1, zeros outside the clip.
-    window = np.arange(blocks)[:, None] * c + np.arange(w)[None, :]  # into the padded frames
-
-    def windows(t):
-      t = jnp.pad(t, ((0, 0), (past, blocks * c + w - past - u), (0, 0), (0, 0)))
-      return t[:, window]  # [A, K, W, N, D]
-
-    k, v = windows(k), windows(v)
+    k, v = _windows(k, cfg, split), _windows(v, cfg, split)  # [A, K, W, N, D]
     content = jnp.einsum("akcnd,akwnd->ankcw", q, k)
     rel = self.relative_k_proj(positions).astype(f32).reshape(-1, n, d)  # [L, N, D]
     bias = jnp.einsum("akcnd,lnd->ankcl", q, rel)
@@ -238,11 +296,11 @@ class AudioLayer(nnx.Module):
     self.norm_out = RMSNorm(h, eps=_DEFAULT_EPS)
     self.clip = cfg.gradient_clipping
 
-  def __call__(self, x, positions, allowed):
+  def __call__(self, x, positions, allowed, split: Split | None):
     x = self.feed_forward1(x)
-    y = self.self_attn(self.norm_pre_attn(_clamp(x, self.clip)), positions, allowed)
+    y = self.self_attn(self.norm_pre_attn(_clamp(x, self.clip)), positions, allowed, split)
     x = x + self.norm_post_attn(_clamp(y, self.clip))
-    x = self.feed_forward2(self.lconv1d(x))
+    x = self.feed_forward2(self.lconv1d(x, split))
     return self.norm_out(_clamp(x, self.clip))
 
 
@@ -267,12 +325,24 @@ class AudioTower(nnx.Module):
     self.output_proj = Linear(cfg.hidden_size, cfg.output_proj_dims, bias=True, rngs=rngs)
 
   def __call__(
-    self, input_features: ArrayLike, input_features_mask: ArrayLike, dtype: DTypeLike
+    self,
+    input_features: ArrayLike,
+    input_features_mask: ArrayLike,
+    dtype: DTypeLike,
+    split: Split | None = None,
   ) -> tuple[jax.Array, jax.Array]:
+    """With ``split``, the arguments are this rank's run of frames (a multiple
+    of :meth:`Split.quantum` long) and so are the results."""
     features = jnp.asarray(input_features).astype(dtype)
-    x, real = self.subsample_conv_projection(features, jnp.asarray(input_features_mask, bool))
+    if split is not None and features.shape[1] % Split.quantum(self.cfg):
+      raise ValueError(
+        f"a split clip's run of frames must be a multiple of {Split.quantum(self.cfg)} "
+        f"(whole attention blocks), got {features.shape[1]}"
+      )
+    real = jnp.asarray(input_features_mask, bool)
+    x, real = self.subsample_conv_projection(features, real, split)
     positions = relative_positions(self.cfg, dtype)
-    allowed = _blocked_mask(self.cfg, real)
+    allowed = _blocked_mask(self.cfg, real, split)
     for layer in self.layers:
-      x = layer(x, positions, allowed)
+      x = layer(x, positions, allowed, split)
     return self.output_proj(x), real

@@ -43,7 +43,7 @@ from cpjax.batch.layout import LayoutKind, ShardLayout, layout_kind
 from cpjax.batch.normalize import DOCUMENT_IDS_KEY, SOURCE_INDEX_KEY, vision_group_ids
 from cpjax.batch.sharding import shard_sequence
 from cpjax.masks import AttentionMask, KeyNotPadding, LocalWindow, SameDocument, SameVisionGroup
-from cpjax.models.gemma4.audio import AudioTower
+from cpjax.models.gemma4.audio import AudioTower, Split
 from cpjax.models.gemma4.audio_config import Gemma4AudioConfig
 from cpjax.models.gemma4.checkpoint import KeySharding
 from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
@@ -490,6 +490,29 @@ class Gemma4(nnx.Module):
     soft, real = self.model.audio_tower(input_features, input_features_mask, self.dtype)
     return self.model.embed_audio(soft).astype(self.dtype), real
 
+  def _split_audio_features(self, frames, real, cp: CPContext):
+    """:meth:`audio_features` with every clip's frames split in order over the
+    cp ranks (padded, as not real, to whole attention blocks a rank), each
+    rank's soft tokens all-gathered: ([A, U', D], bool[A, U']) with ``U' >=
+    U`` (the padding's are not real)."""
+    cfg, size = self.cfg.audio, cp.layout.cp_size
+    assert isinstance(cfg, Gemma4AudioConfig)
+    quantum = Split.quantum(cfg) * size
+    t = frames.shape[1]
+    padded = -(-t // quantum) * quantum
+    frames = jnp.pad(frames, ((0, 0), (0, padded - t), (0, 0)))
+    real = jnp.pad(real, ((0, 0), (0, padded - t)))
+    run = padded // size
+    start = jax.lax.axis_index(cp.axis_name) * run
+    mine = functools.partial(
+      jax.lax.dynamic_slice_in_dim, start_index=start, slice_size=run, axis=1
+    )
+    split = Split(cp.axis_name, size)
+    soft, valid = self.model.audio_tower(mine(frames), mine(real), self.dtype, split)
+    soft = self.model.embed_audio(soft).astype(self.dtype)
+    gather = functools.partial(jax.lax.all_gather, axis_name=cp.axis_name, axis=1, tiled=True)
+    return gather(soft), gather(valid)
+
   def _split_image_features(self, pixel_values, image_position_ids, cp: CPContext | None):
     """:meth:`image_features` with each image computed once across the cp ranks
     (:func:`_once_across_ranks`)."""
@@ -519,8 +542,11 @@ class Gemma4(nnx.Module):
     """Audio soft tokens, numbered row-major over the GLOBAL batch, replace the
     audio tokens (``slot`` as in :meth:`_place_images`).
 
-    E2B, E4B: the audio tower runs on whole clips, each once across the cp
-    ranks, and every soft token of a real frame is placed. The unified
+    E2B, E4B: every soft token of a real frame is placed. Under CP with
+    fewer clips than ranks (a long clip in a row), each clip's frames are
+    split over the ranks and the tower runs on each rank's run, taking its
+    neighbours' frames where it reads across (:class:`~cpjax.models.gemma4.
+    audio.Split`); otherwise each clip runs whole on one rank. The unified
     model: each real frame of ``input_features`` [A, T, samples]
     (``input_features_mask`` bool[A, T]) is one soft token, and only this
     device's frames are embedded."""
@@ -529,7 +555,10 @@ class Gemma4(nnx.Module):
     real = batch.get("input_features_mask")
     real = jnp.ones((a, t), bool) if real is None else jnp.asarray(real, bool)
     if isinstance(self.cfg.audio, Gemma4AudioConfig):
-      soft, valid = _once_across_ranks(self.audio_features, cp, frames, real)
+      if cp is not None and 1 < cp.layout.cp_size and a < cp.layout.cp_size:
+        soft, valid = self._split_audio_features(frames, real, cp)
+      else:
+        soft, valid = _once_across_ranks(self.audio_features, cp, frames, real)
       a, u, d = soft.shape
       source = _slot_sources(valid.reshape(a * u), slot)
       return jnp.where((slot >= 0)[..., None], gathered(soft.reshape(a * u, d))[source], x)
