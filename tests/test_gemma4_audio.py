@@ -13,6 +13,7 @@ import sys
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -66,7 +67,8 @@ def _float64_audio_tower(model):
   """transformers' audio tower calls ``.float()`` to compute its attention in
   float32 whatever the model's dtype, and so cannot run in float64. In the
   float64 run ``.float()`` of a float64 tensor stays float64 while the tower
-  runs, so that run is the exact value of its formulas."""
+  runs; only the attention's softmax, which transformers asks for in float32
+  (``F.softmax(..., dtype=torch.float32)``), rounds to float32 there."""
   upcast = torch.Tensor.float
 
   def keep(t, *a, **k):
@@ -222,3 +224,65 @@ def test_clips_that_disagree_with_their_placeholders_are_refused(e2b_audio):
   text_only = gemma4.Gemma4Config.preset("tiny")
   with pytest.raises(ValueError, match="audio needs the config of a model with an audio tower"):
     gemma4.prepare_batch({**rows, "input_ids": rows["input_ids"] % 256}, text_only)
+
+
+def test_a_split_clip_is_the_whole_clip_with_halos_longer_than_a_block():
+  """The tower's Split mode (a clip's frames in order over cp = 4) against the
+  same tower on the whole clip, outputs and parameter gradients, where every
+  halo is longer than an attention block (blocks of 2, 5 frames back, 4
+  ahead, a light convolution of 5 taps): each rank's run grows to hold them."""
+  from cpjax.models.gemma4.audio import AudioTower, Split
+  from cpjax.models.gemma4.audio_config import Gemma4AudioConfig
+
+  cfg = Gemma4AudioConfig(
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    subsampling_conv_channels=(8, 4),
+    conv_kernel_size=5,
+    attention_chunk_size=2,
+    attention_context_left=6,
+    attention_context_right=4,
+    output_proj_dims=12,
+  )
+  run = Split.quantum(cfg)  # each rank's frames: the least a rank may hold
+  assert run == 24  # 6 soft tokens: 3 blocks, enough for 5 frames back
+  tower = AudioTower(cfg, rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(tower, nnx.Param, ...)
+  rng = np.random.default_rng(0)
+  feats = rng.normal(size=(2, 4 * run, 8)).astype(np.float32)
+  mask = np.arange(4 * run)[None] < np.array([[4 * run], [41]])
+  weights = rng.normal(size=(2, run, 12)).astype(np.float32)
+  real = mask[:, ::2][:, ::2]
+
+  def whole(p):
+    out, _ = nnx.merge(graphdef, p, rest)(feats, mask, jnp.float32)
+    return out, jnp.sum(jnp.where(real[..., None], out * weights, 0))
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("cp",))
+  spec = jax.P(None, "cp")
+
+  def split(p):
+    def local(f, m, w, r):
+      out, _ = nnx.merge(graphdef, p, rest)(f, m, jnp.float32, split=Split("cp", 4))
+      return out, jax.lax.psum(jnp.sum(jnp.where(r[..., None], out * w, 0)), "cp")
+
+    run = jax.shard_map(
+      local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, jax.P()), check_vma=False
+    )
+    return run(feats, mask, weights, real)
+
+  want_grad = jax.jit(jax.grad(lambda p: whole(p)[1]))(params)
+  got = jax.jit(split)(params)[0]
+  got_grad = jax.jit(jax.grad(lambda p: split(p)[1]))(params)
+  want = jax.jit(whole)(params)[0]
+  chex.assert_trees_all_close(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5)
+  # Each leaf to 1e-4 of its largest entry (the ranks sum in another order).
+  for (path, g), w in zip(
+    jax.tree_util.tree_leaves_with_path(got_grad), jax.tree.leaves(want_grad)
+  ):
+    scale = float(np.max(np.abs(w)))
+    assert scale > 0, jax.tree_util.keystr(path)
+    chex.assert_trees_all_close(
+      g, w, rtol=0, atol=1e-4 * scale, custom_message=jax.tree_util.keystr(path)
+    )

@@ -123,9 +123,10 @@ def test_missing_unexpected_and_misshapen_keys_are_errors(checkpoint_copy):
     gemma4.Gemma4.from_pretrained(checkpoint_copy)
 
 
-def test_audio_tower_weights_are_skipped(checkpoint_copy):
-  """E2B and E4B ship an audio tower that cpjax does not port: its weights load
-  as nothing, and everything else loads as before."""
+def test_audio_weights_are_skipped_where_the_config_has_no_audio(checkpoint_copy):
+  """A checkpoint whose config.json has no audio_config but whose files hold
+  audio tower weights (transformers skips them too): they load as nothing,
+  and everything else loads as before."""
   before = gemma4.Gemma4.from_pretrained(checkpoint_copy)
   _edit(
     checkpoint_copy,

@@ -245,6 +245,16 @@ MUTANTS = (
     ),
   ),
   Mutant(
+    "audio tower: a split clip's runs shorter than the halos they must hand on",
+    "cpjax/models/gemma4/audio.py",
+    "    return 4 * c * max(1, -(-halo // c))",
+    "    return 4 * c",
+    (
+      "tests/test_gemma4_audio.py::"
+      "test_a_split_clip_is_the_whole_clip_with_halos_longer_than_a_block",
+    ),
+  ),
+  Mutant(
     "audio tower: a split clip's last block reads zeros for the next rank's frames",
     "cpjax/models/gemma4/audio.py",
     "    return jax.lax.ppermute(x[:, :n], self.axis_name, pairs)",

@@ -72,7 +72,7 @@ def _mel_filters() -> np.ndarray:
 
 
 def log_mel(
-  samples: np.ndarray, sampling_rate: int = SAMPLING_RATE
+  samples: np.ndarray, *, sampling_rate: int = SAMPLING_RATE
 ) -> tuple[np.ndarray, np.ndarray]:
   """Compute E2B and E4B's ``input_features`` of one clip.
 
@@ -98,8 +98,8 @@ def log_mel(
   wave_ = np.zeros(padded + _FRAME // 2, np.float32)
   wave_[_FRAME // 2 : _FRAME // 2 + n] = samples
   frames = (len(wave_) - (_FRAME + 1)) // _HOP + 1
-  if frames <= 0:
-    raise ValueError(f"samples must hold at least {_FRAME // 2 + 1} samples, got {n}")
+  if frames <= 0:  # (the extractor pads to 128 samples: 129 are the fewest that frame)
+    raise ValueError(f"samples must hold at least {_PAD_TO + 1} samples, got {n}")
   # Each frame's window reads FRAME samples; the extractor tests FRAME + 1 for realness.
   starts = np.arange(frames) * _HOP
   windows = wave_[starts[:, None] + np.arange(_FRAME)[None, :]]
@@ -111,7 +111,7 @@ def log_mel(
 
 
 def waveform_frames(
-  samples: np.ndarray, sampling_rate: int = SAMPLING_RATE, samples_per_token: int = 640
+  samples: np.ndarray, *, sampling_rate: int = SAMPLING_RATE, samples_per_token: int = 640
 ) -> tuple[np.ndarray, np.ndarray]:
   """Compute the 12B unified model's ``input_features`` of one clip.
 

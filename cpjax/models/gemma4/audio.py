@@ -16,8 +16,9 @@ whole clips (before any sequence sharding):
 3. ``output_proj`` to ``output_proj_dims``; ``embed_audio`` (RMS0 and a
    projection) takes the soft tokens into the text width.
 
-Padding frames are zeroed before each convolution and masked as keys; what
-the tower computes at them is never placed. The computation follows
+Padding frames are zeroed before each subsampling convolution and masked as
+keys (the light convolution is causal: they come after the frames that are
+read); what the tower computes at them is never placed. The computation follows
 transformers' blocked formulation step for step (including the logit a
 masked key gets), so that its float64 answer is the reference.
 
@@ -58,16 +59,45 @@ _DEFAULT_EPS = 1e-6
 @dataclasses.dataclass(frozen=True)
 class Split:
   """A clip's frames split in order over the ``size`` ranks of ``axis_name``
-  (each rank's a multiple of :meth:`quantum`)."""
+  (inside ``shard_map``): each rank holds a run of frames, a multiple of
+  :meth:`quantum` long, and :meth:`before` / :meth:`after` bring it the
+  frames its neighbours hold next to it.
+
+  Example:
+    >>> from cpjax.models.gemma4.audio_config import Gemma4AudioConfig
+    >>> cfg = Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+    ...                         subsampling_conv_channels=(8, 4), output_proj_dims=12)
+    >>> tower = AudioTower(cfg, rngs=nnx.Rngs(0))
+    >>> graphdef, state = nnx.split(tower)
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("cp",))
+    >>> run = lambda f: nnx.merge(graphdef, state)(
+    ...   f, f[..., 0] < 9, jnp.float32, split=Split("cp", 2))[0]
+    >>> feats = np.random.default_rng(0).normal(size=(1, 2 * Split.quantum(cfg), 8))
+    >>> split = jax.shard_map(run, mesh=mesh, in_specs=jax.P(None, "cp"),
+    ...                       out_specs=jax.P(None, "cp"), check_vma=False)(feats)
+    >>> whole = tower(feats, feats[..., 0] < 9, jnp.float32)[0]
+    >>> bool(np.allclose(split, whole, atol=1e-5))
+    True
+  """
 
   axis_name: str
   size: int
 
+  def __post_init__(self):
+    if self.size < 2:
+      raise ValueError(f"a Split needs 2 or more ranks, got size={self.size}")
+
   @staticmethod
   def quantum(cfg: Gemma4AudioConfig) -> int:
     """Return the feature frames a rank's run must be a multiple of: whole
-    attention blocks after the 4x subsampling."""
-    return 4 * cfg.attention_chunk_size
+    attention blocks after the 4x subsampling, enough of them to hold every
+    halo a neighbour asks of it (the attention's frames back and ahead, the
+    light convolution's)."""
+    c = cfg.attention_chunk_size
+    halo = max(
+      cfg.attention_context_left - 1, cfg.attention_context_right, cfg.conv_kernel_size - 1
+    )
+    return 4 * c * max(1, -(-halo // c))
 
   def before(self, x: jax.Array, n: int) -> jax.Array:
     """Return the ``n`` frames (axis 1) before this rank's: the previous
@@ -138,6 +168,9 @@ class SubSampleLayer(nnx.Module):
 
 
 class SubSampleConvProjection(nnx.Module):
+  """Two :class:`SubSampleLayer` and a projection: 4 feature frames to one
+  frame of width ``H``."""
+
   def __init__(self, cfg: Gemma4AudioConfig, *, rngs: nnx.Rngs | None):
     c0, c1 = cfg.subsampling_conv_channels
     self.layer0 = SubSampleLayer(1, c0, eps=cfg.rms_norm_eps, rngs=rngs)
@@ -219,7 +252,8 @@ def _windows(t: jax.Array, cfg: Gemma4AudioConfig, split: Split | None) -> jax.A
   past = cfg.attention_context_left - 1
   u = t.shape[1]
   blocks = -(-u // c)
-  t = _with_halo(t, past, blocks * c + w - past - u, split)
+  # The last block's window ends attention_context_right frames past it.
+  t = _with_halo(t, past, blocks * c + cfg.attention_context_right - u, split)
   return t[:, np.arange(blocks)[:, None] * c + np.arange(w)[None, :]]
 
 
@@ -285,6 +319,9 @@ class AudioAttention(nnx.Module):
 
 
 class AudioLayer(nnx.Module):
+  """A conformer layer: ``FF/2 -> attention -> light conv -> FF/2``, norms and
+  clamps around each as transformers places them."""
+
   def __init__(self, cfg: Gemma4AudioConfig, *, rngs: nnx.Rngs | None):
     h = cfg.hidden_size
     self.feed_forward1 = FeedForward(cfg, rngs=rngs)
@@ -329,17 +366,28 @@ class AudioTower(nnx.Module):
     input_features: ArrayLike,
     input_features_mask: ArrayLike,
     dtype: DTypeLike,
+    *,
     split: Split | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """With ``split``, the arguments are this rank's run of frames (a multiple
     of :meth:`Split.quantum` long) and so are the results."""
     features = jnp.asarray(input_features).astype(dtype)
+    real = jnp.asarray(input_features_mask, bool)
+    if features.ndim != 3 or features.shape[2] != self.cfg.mel_bins:
+      raise ValueError(
+        f"input_features must be [A, T, {self.cfg.mel_bins}] log-mel frames, got shape "
+        f"{features.shape}"
+      )
+    if real.shape != features.shape[:2]:
+      raise ValueError(
+        f"input_features_mask must have shape {features.shape[:2]} (that of input_features "
+        f"[A, T]), got {real.shape}"
+      )
     if split is not None and features.shape[1] % Split.quantum(self.cfg):
       raise ValueError(
         f"a split clip's run of frames must be a multiple of {Split.quantum(self.cfg)} "
-        f"(whole attention blocks), got {features.shape[1]}"
+        f"(whole attention blocks holding every halo), got {features.shape[1]}"
       )
-    real = jnp.asarray(input_features_mask, bool)
     x, real = self.subsample_conv_projection(features, real, split)
     positions = relative_positions(self.cfg, dtype)
     allowed = _blocked_mask(self.cfg, real, split)

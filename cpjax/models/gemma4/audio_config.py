@@ -34,8 +34,10 @@ class Gemma4AudioConfig:
     conv_kernel_size: taps of the causal depthwise convolution.
     residual_weight: scale of each feed-forward's output before its residual.
     attention_chunk_size: query frames a block attends as one.
-    attention_context_left: frames a query sees back, itself included, plus one.
-    attention_context_right: frames a query sees ahead.
+    attention_context_left: one more than the frames a query sees back with
+      itself (13: itself and 11 back).
+    attention_context_right: one more than the frames a query sees ahead
+      (0 or 1: none).
     attention_logit_cap: tanh soft cap of the attention logits.
     attention_invalid_logits_value: the logit a masked key gets (after the cap).
     use_clipped_linears: whether projections clamp their inputs and outputs to

@@ -60,7 +60,7 @@ IGNORED_CONFIG_KEYS: dict[str, frozenset[str]] = {
   # its max_position_embeddings is unused by transformers' vision model.
   # default_output_length: the processor's soft tokens per image, as above.
   "vision_config": _BOOKKEEPING | {"max_position_embeddings", "default_output_length"},
-  # The 12B unified model's audio embedder (its vision_config is the entry above).
+  # E2B and E4B's audio tower, and the 12B unified model's audio embedder.
   "audio_config": _BOOKKEEPING,
 }
 # Keys that must hold the one value cpjax implements (transformers' defaults).

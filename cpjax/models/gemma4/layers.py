@@ -70,8 +70,8 @@ class Linear(nnx.Module):
 
 
 class ClippableLinear(nnx.Module):
-  """The vision tower's linear: with ``clipped``, the input and output are
-  clamped to bounds stored in the checkpoint (``input_min`` ... as buffers)."""
+  """The vision and audio towers' linear: with ``clipped``, the input and output
+  are clamped to bounds stored in the checkpoint (``input_min`` ... as buffers)."""
 
   def __init__(self, d_in: int, d_out: int, *, clipped: bool, rngs: nnx.Rngs | None):
     self.linear = Linear(d_in, d_out, rngs=rngs)

@@ -376,7 +376,7 @@ class Gemma4(nnx.Module):
     return {
       "text_ids": jnp.where(placeholder, t.pad_token_id, ids),
       "image_slot": slots(ids == cfg.image_token_id, IMAGE_OFFSET_KEY),
-      # Only a model with the audio embedder places audio (the others refuse it above).
+      # Only a model with audio places it (the others refuse it above).
       "audio_slot": None
       if cfg.audio is None
       else slots(ids == cfg.audio_token_id, AUDIO_OFFSET_KEY),
@@ -508,7 +508,7 @@ class Gemma4(nnx.Module):
       jax.lax.dynamic_slice_in_dim, start_index=start, slice_size=run, axis=1
     )
     split = Split(cp.axis_name, size)
-    soft, valid = self.model.audio_tower(mine(frames), mine(real), self.dtype, split)
+    soft, valid = self.model.audio_tower(mine(frames), mine(real), self.dtype, split=split)
     soft = self.model.embed_audio(soft).astype(self.dtype)
     gather = functools.partial(jax.lax.all_gather, axis_name=cp.axis_name, axis=1, tiled=True)
     return gather(soft), gather(valid)
