@@ -65,6 +65,7 @@ RECIPES = {
   "a4b-ep-128k": Recipe("141GiB", 16, "h200-2x8"),
   "31b-lora-128k": Recipe("141GiB", 8, "h200-8"),
   "12b-lora-128k-v5e": Recipe("16GiB", 16, "v5e-16"),
+  "12b-lora-256k-v5e": Recipe("16GiB", 32, "v5e-32"),
   # One GPU: QLoRA at the longest power-of-two row its compiler fits.
   "e2b-qlora-64k-h100": Recipe("79.1GiB", 1, "h100-1"),
   "e2b-qlora-128k-h200": Recipe("141GiB", 1, "h200-1"),
