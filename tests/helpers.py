@@ -146,3 +146,36 @@ def code_blocks(text: str, language: str) -> list[str]:
   import re
 
   return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+
+
+def transformers_logits(model, rows: dict, float64_scope=None) -> dict:
+  """{torch.float64: ..., torch.float32: ...}: a transformers model's logits
+  of ``rows`` (numpy inputs; float32 arrays cast to the run's dtype) in
+  float64 (inside ``float64_scope(model)`` if given) and in float32."""
+  import contextlib
+
+  import numpy as np
+  import torch
+
+  logits = {}
+  for dtype in (torch.float64, torch.float32):
+    inputs = {
+      k: torch.tensor(v, dtype=dtype if v.dtype == np.float32 else None) for k, v in rows.items()
+    }
+    scope = contextlib.nullcontext()
+    if dtype == torch.float64 and float64_scope is not None:
+      scope = float64_scope(model)
+    with torch.no_grad(), scope:
+      logits[dtype] = model.to(dtype)(**inputs).logits.double().numpy()
+  return logits
+
+
+def assert_within_transformers_error(got, logits: dict, real, times: float = 5.0) -> None:
+  """``got`` within ``times`` transformers' own float32 error of its float64
+  logits, on the ``real`` tokens (the issues' bar for precision)."""
+  import numpy as np
+  import torch
+
+  theirs = np.abs(logits[torch.float32] - logits[torch.float64])[real].max()
+  ours = np.abs(np.asarray(got, np.float64) - logits[torch.float64])[real].max()
+  assert ours <= times * theirs, (ours, theirs)

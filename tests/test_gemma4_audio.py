@@ -29,6 +29,8 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4")
 sys.path.insert(0, FIXTURES)
 import make_fixtures  # noqa: E402
 
+from tests.helpers import assert_within_transformers_error, transformers_logits  # noqa: E402
+
 TIMES_FLOAT32 = 5.0
 AUDIO = 258881
 FRAMES = 30  # feature frames a clip slot holds: 8 soft tokens at most
@@ -96,23 +98,12 @@ def e2b_audio(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("e2b-audio"))
   model = make_fixtures.build_audio(seed=0)
   model.save_pretrained(path)
-  rows = audio_rows()
-  logits = {}
-  for dtype in (torch.float64, torch.float32):
-    inputs = {
-      k: torch.tensor(v, dtype=dtype if v.dtype == np.float32 else None) for k, v in rows.items()
-    }
-    scope = _float64_audio_tower(model) if dtype == torch.float64 else contextlib.nullcontext()
-    with torch.no_grad(), scope:
-      logits[dtype] = model.to(dtype)(**inputs).logits.double().numpy()
-  return path, logits
+  return path, transformers_logits(model, audio_rows(), _float64_audio_tower)
 
 
 def assert_near_transformers(got, logits):
   real = audio_rows()["attention_mask"].astype(bool)
-  theirs = np.abs(logits[torch.float32] - logits[torch.float64])[real].max()
-  ours = np.abs(np.asarray(got, np.float64) - logits[torch.float64])[real].max()
-  assert ours <= TIMES_FLOAT32 * theirs, (ours, theirs)
+  assert_within_transformers_error(got, logits, real, TIMES_FLOAT32)
 
 
 def test_logits_equal_transformers_on_one_device(e2b_audio):

@@ -26,6 +26,8 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "gemma4")
 sys.path.insert(0, FIXTURES)
 import make_fixtures  # noqa: E402
 
+from tests.helpers import assert_within_transformers_error, transformers_logits  # noqa: E402
+
 # How far cpjax may be from transformers' float64 logits, in multiples of
 # transformers' own float32 error (the issue's bar).
 TIMES_FLOAT32 = 5.0
@@ -68,22 +70,12 @@ def unified(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("unified"))
   model = make_fixtures.build_unified(seed=0)
   model.save_pretrained(path)
-  rows = unified_rows()
-  logits = {}
-  for dtype in (torch.float64, torch.float32):
-    inputs = {
-      k: torch.tensor(v, dtype=dtype if v.dtype == np.float32 else None) for k, v in rows.items()
-    }
-    with torch.no_grad():
-      logits[dtype] = model.to(dtype)(**inputs).logits.double().numpy()
-  return path, logits
+  return path, transformers_logits(model, unified_rows())
 
 
 def assert_near_transformers(got, logits):
   real = unified_rows()["attention_mask"].astype(bool)
-  theirs = np.abs(logits[torch.float32] - logits[torch.float64])[real].max()
-  ours = np.abs(np.asarray(got, np.float64) - logits[torch.float64])[real].max()
-  assert ours <= TIMES_FLOAT32 * theirs, (ours, theirs)
+  assert_within_transformers_error(got, logits, real, TIMES_FLOAT32)
 
 
 def test_the_published_12b_config_reads_as_its_preset():
