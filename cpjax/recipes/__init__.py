@@ -5,8 +5,8 @@ Each ``NAME.yaml`` here is a :class:`~cpjax.training.run_config.RunConfig`
 names the devices each was planned to fit with ``cpjax plan --write-config``
 (the closed form; the tests check that it still fits).
 
->>> sorted(RECIPES)[:2]
-['31b-lora-128k', 'a4b-ep-128k']
+>>> RECIPES["12b-lora-128k-v5e"]
+Recipe(device_memory='16GiB', devices=16, target='v5e-16')
 >>> path("tiny").endswith("tiny.yaml")
 True
 """
