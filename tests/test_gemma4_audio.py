@@ -142,6 +142,9 @@ def test_cp_logits_equal_transformers(e2b_audio, mesh_sizes, layout):
   assert_near_transformers(got, logits)
 
 
+# Suite budget (35 s): `make soak`; CI compares the split tower's parameter
+# gradients with the whole clip's below, and the CP logits with transformers'.
+@pytest.mark.slow
 def test_the_loss_gradient_reaches_the_audio_tower_under_cp(e2b_audio):
   """The text loss's gradient under CP (cp = 4, load-balanced) equals the
   one-device gradient on every parameter, and every trainable tensor of the
