@@ -64,6 +64,97 @@ def write_transformers_checkpoint(directory: str, kind: str, *, seed: int = 0) -
   return directory
 
 
+AUDIO_EXAMPLE = os.path.join(
+  os.path.dirname(os.path.dirname(__file__)), "cpjax", "examples", "audio_chat"
+)
+
+
+def write_audio_checkpoint(directory: str, kind: str, *, seed: int = 0) -> str:
+  """A tiny Gemma 4 that takes audio, as a user downloads one, every file
+  written by transformers: the model's ``save_pretrained`` (every persistent
+  tensor random), ``AutoTokenizer.save_pretrained`` of a Gemma-style
+  tokenizer with Gemma 4's image and audio markers (trained on the shipped
+  audio example's words) and its chat template, and ``processor_config.json``
+  naming the feature extractor. ``kind``: ``"e2b"`` (E2B-like: per-layer
+  inputs, K/V sharing, a vision tower and a 2-layer conformer over the
+  extractor's 128 log-mel bins) or ``"unified"`` (12B-like: the encoder-free
+  embedders, 640-sample waveform frames). The vocabulary is the
+  tokenizer's, with its markers' ids."""
+  import json
+  import sys
+
+  import transformers
+
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "gemma4"))
+  import make_fixtures
+  import torch
+
+  from tests.data.make_audio_example import records
+  from tests.data.make_chat_example import MARKERS, SPECIAL_TOKENS, gemma_style_tokenizer
+
+  texts = [
+    part if isinstance(part, str) else part.get("text", "")
+    for r in records()
+    for m in r.get("messages", [])
+    for part in (m["content"] if isinstance(m["content"], list) else [m["content"]])
+  ] + [r["text"] for r in records() if "text" in r]
+  gemma_style_tokenizer(
+    directory,
+    texts + ["system user model"],
+    vocab_size=400,
+    config=MARKERS,
+    special_tokens=(*SPECIAL_TOKENS, "<|audio>", "<|audio|>", "<audio|>"),
+  )
+  tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+  ids = {
+    key: tokenizer.convert_tokens_to_ids(MARKERS[token])
+    for key, token in (
+      ("boi_token_id", "boi_token"),
+      ("image_token_id", "image_token"),
+      ("eoi_token_id", "eoi_token"),
+      ("boa_token_id", "boa_token"),
+      ("audio_token_id", "audio_token"),
+      ("eoa_token_index", "eoa_token"),
+    )
+  }
+  vocab = len(tokenizer)
+  if kind == "e2b":
+    spec = make_fixtures.MODELS["ple_kv_sharing"]
+    cfg = transformers.Gemma4Config(
+      text_config=dict(spec["text"], vocab_size=vocab, vocab_size_per_layer_input=vocab),
+      vision_config=dict(spec["vision"]),
+      # The tower's first convolution has as many channels as mel bins.
+      audio_config=dict(make_fixtures.AUDIO, subsampling_conv_channels=[128, 8]),
+      **ids,
+    )
+    model_class, extractor = (
+      transformers.Gemma4ForConditionalGeneration,
+      "Gemma4AudioFeatureExtractor",
+    )
+  elif kind == "unified":
+    spec = make_fixtures.UNIFIED
+    cfg = transformers.Gemma4UnifiedConfig(
+      text_config=dict(spec["text"], vocab_size=vocab),
+      vision_config=dict(spec["vision"]),
+      audio_config=dict(audio_embed_dim=640),
+      **ids,
+    )
+    model_class = transformers.Gemma4UnifiedForConditionalGeneration
+    extractor = "Gemma4UnifiedAudioFeatureExtractor"
+  else:
+    raise ValueError(f"kind must be 'e2b' or 'unified', got {kind!r}")
+  torch.manual_seed(seed)
+  model = model_class(cfg).eval()
+  make_fixtures.randomize(model, seed)
+  model.save_pretrained(directory)
+  tokenizer.save_pretrained(directory)
+  with open(os.path.join(directory, "processor_config.json"), "w") as f:
+    json.dump(
+      {"feature_extractor": {"feature_extractor_type": extractor, "sampling_rate": 16000}}, f
+    )
+  return directory
+
+
 def fake_slice_compiler(monkeypatch, totals: dict) -> list:
   """Replace the compile of a target by a table of totals per slice; return
   the list its calls are recorded in: (slice, mesh, StepShape, strategies).

@@ -141,6 +141,7 @@ ALIAS_VALUES = {
   "--batch-size": "4",
   "--microbatches": "2",
   "--images-per-row": "3",
+  "--audio-clips-per-row": "2",
   "--lr": "0.5",
   "--lr-schedule": "cosine",
   "--warmup-steps": "3",

@@ -261,6 +261,56 @@ MUTANTS = (
     "    return jnp.zeros_like(x[:, :n])",
     ("tests/test_gemma4_audio.py::test_cp_logits_equal_transformers[cp4-load_balanced]",),
   ),
+  # --- audio in chat JSONL, records and packing (issue 64, item 3)
+  Mutant(
+    "audio records: a clip's placeholder expanded to one token per feature frame",
+    "cpjax/data/records.py",
+    "    soft.append(audio.soft_tokens(r))",
+    "    soft.append(int(r.sum()))",
+    ("tests/test_audio_records.py::test_conversation_with_audio_equals_gemma4_processor",),
+  ),
+  Mutant(
+    "audio records: the log-mel soft tokens counted from every other frame once",
+    "cpjax/data/audio.py",
+    'return int(real[::2][::2].sum() if self.kind == "log_mel" else real.sum())',
+    'return int(real[::2].sum() if self.kind == "log_mel" else real.sum())',
+    ("tests/test_audio_records.py::test_conversation_with_audio_equals_gemma4_processor",),
+  ),
+  Mutant(
+    "audio records: audio tokens count in the loss",
+    "cpjax/data/tokenizer.py",
+    '    for key in ("image_token", "audio_token"):',
+    '    for key in ("image_token",):',
+    ("tests/test_audio_records.py::test_conversation_with_audio_equals_gemma4_processor",),
+  ),
+  Mutant(
+    "audio records: placeholders expanded without the begin / end of audio markers",
+    "cpjax/data/tokenizer.py",
+    "        piece_out = begin + piece * next(left) + end",
+    "        piece_out = piece * next(left)",
+    ("tests/test_audio_records.py::test_conversation_with_audio_equals_gemma4_processor",),
+  ),
+  Mutant(
+    "audio packing: a row's clips put in its slots in reverse order",
+    "cpjax/data/corpus.py",
+    "    sizes = row[\"audio_sizes\"][row[\"audio_sizes_segment_ids\"] > 0]\n    start = 0\n    for i, n in enumerate(sizes):",
+    "    sizes = row[\"audio_sizes\"][row[\"audio_sizes_segment_ids\"] > 0]\n    start = 0\n    for i, n in reversed(list(enumerate(sizes))):",
+    ("tests/test_audio_records.py::test_clips_ride_with_their_documents_through_packing",),
+  ),
+  Mutant(
+    "audio packing: audio tokens not marked in mm_token_type_ids",
+    "cpjax/data/corpus.py",
+    '      out["mm_token_type_ids"] = np.where(ids == self.audio["audio_token_id"], 3, types)',
+    '      out["mm_token_type_ids"] = types',
+    ("tests/test_audio_records.py::test_clips_ride_with_their_documents_through_packing",),
+  ),
+  Mutant(
+    "audio records: a document with audio truncated to the row",
+    "cpjax/data/records.py",
+    "        if cut and media:",
+    "        if cut and media and not truncate:",
+    ("tests/test_audio_records.py::test_bad_clips_are_dropped_and_reported_by_line",),
+  ),
   Mutant(
     "audio batch: the placeholders counted against the frames, not the soft tokens",
     "cpjax/models/gemma4/cp_batch.py",
@@ -942,8 +992,8 @@ MUTANTS = (
   Mutant(
     "tokenizer: image tokens may count in the loss",
     "cpjax/data/tokenizer.py",
-    '      answer &= ids != self.token_id(self.special_tokens["image_token"])',
-    "      answer &= ids != -1",
+    '    for key in ("image_token", "audio_token"):',
+    '    for key in ("audio_token",):',
     ("tests/test_images.py::test_conversation_with_images_equals_gemma4_processor",),
   ),
   Mutant(

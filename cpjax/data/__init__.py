@@ -12,7 +12,7 @@ it: the models, the training layer and the command line import it.
 * :mod:`~cpjax.data.images`: images resized and patched as Gemma 4's processor does.
 * :mod:`~cpjax.data.audio`: audio clips as Gemma 4's feature extractors make
   them (log-mel frames for E2B and E4B, waveform frames for 12B).
-* :mod:`~cpjax.data.records`: JSONL (text, chat, images) to documents.
+* :mod:`~cpjax.data.records`: JSONL (text, chat, images, audio) to documents.
 * :mod:`~cpjax.data.corpus`: documents on disk (array_record) packed into rows with grain.
 
 >>> from cpjax import data

@@ -8,8 +8,11 @@
 * :func:`waveform_frames`: the 12B unified model's (``Gemma4UnifiedAudio
   FeatureExtractor``): the waveform cut into frames of 640 samples (40 ms),
   the last one zero-padded, every frame real.
-* :func:`read_wav`: a PCM WAV file's samples in [-1, 1], its channels
-  averaged.
+* :func:`read_audio`: an audio file's samples (WAV, FLAC, OGG: what
+  libsndfile reads, through ``soundfile``) in [-1, 1], its channels
+  averaged; :func:`read_wav` reads PCM WAV with the standard library alone.
+* :class:`AudioProcessor`: which of the two a checkpoint's audio takes (read
+  from its processor config), and how many soft tokens a clip yields.
 
 Both extractors take 16 kHz mono audio (a clip at another rate is a
 ``ValueError`` naming it: resample it first). Unlike transformers' extractor,
@@ -21,14 +24,23 @@ Shape letters: ``N`` samples, ``T`` frames, ``F`` mel bins.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 import os
 import wave
 
 import numpy as np
 
-__all__ = ["SAMPLING_RATE", "log_mel", "read_wav", "waveform_frames"]
+__all__ = [
+  "SAMPLING_RATE",
+  "AudioProcessor",
+  "log_mel",
+  "read_audio",
+  "read_wav",
+  "waveform_frames",
+]
 
 SAMPLING_RATE = 16_000
 _FRAME, _HOP = 320, 160  # 20 ms windows every 10 ms
@@ -155,3 +167,173 @@ def read_wav(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
   else:
     raise ValueError(f"{path}: {8 * width}-bit WAV samples are not PCM cpjax reads")
   return values.reshape(-1, channels).mean(axis=1), rate
+
+
+def read_audio(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
+  """Read an audio file: WAV (any PCM or float encoding), FLAC, OGG or what
+  else libsndfile reads.
+
+  Args:
+    path: the file.
+
+  Returns:
+    (float32[N] samples in [-1, 1], the channels averaged; the sampling rate).
+
+  >>> import tempfile, soundfile
+  >>> path = os.path.join(tempfile.mkdtemp(), "a.flac")
+  >>> soundfile.write(path, np.full((4, 2), 0.25), 16000)
+  >>> samples, rate = read_audio(path)
+  >>> samples.tolist(), rate
+  ([0.25, 0.25, 0.25, 0.25], 16000)
+  """
+  import soundfile
+
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"audio file {path} does not exist")
+  samples, rate = soundfile.read(path, dtype="float32", always_2d=True)
+  return samples.mean(axis=1), int(rate)
+
+
+# transformers' Gemma4AudioFeatureExtractor settings that log_mel computes; a
+# checkpoint whose processor config sets one otherwise is refused, naming it.
+_LOG_MEL_SETTINGS = {
+  "feature_size": _MEL_BINS,
+  "sampling_rate": SAMPLING_RATE,
+  "frame_length_ms": 1000 * _FRAME / SAMPLING_RATE,
+  "hop_length_ms": 1000 * _HOP / SAMPLING_RATE,
+  "frame_length": _FRAME,
+  "hop_length": _HOP,
+  "fft_length": _FFT,
+  "min_frequency": 0.0,
+  "max_frequency": _TOP_HZ,
+  "mel_floor": _MEL_FLOOR,
+  "preemphasis": 0.0,
+  "fft_overdrive": False,
+  "dither": 0.0,
+  "input_scale_factor": 1.0,
+  "per_bin_mean": None,
+  "per_bin_stddev": None,
+}
+_EXTRACTORS = {
+  "Gemma4AudioFeatureExtractor": "log_mel",
+  "Gemma4UnifiedAudioFeatureExtractor": "waveform",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioProcessor:
+  """The features a checkpoint's audio takes, as its feature extractor makes them.
+
+  Attributes:
+    kind: ``"log_mel"`` (E2B and E4B's tower: :func:`log_mel`) or
+      ``"waveform"`` (the 12B unified model: :func:`waveform_frames`).
+    samples_per_token: the waveform frame (``audio_samples_per_token``).
+
+  >>> proc = AudioProcessor("log_mel")
+  >>> features, real = proc.features(np.zeros(16000), 16000)
+  >>> features.shape, proc.soft_tokens(real), AudioProcessor("waveform").width
+  ((99, 128), 25, 640)
+  """
+
+  kind: str = "log_mel"
+  samples_per_token: int = 640
+
+  def __post_init__(self):
+    if self.kind not in _EXTRACTORS.values():
+      raise ValueError(
+        f"kind must be one of {sorted(set(_EXTRACTORS.values()))}, got {self.kind!r}"
+      )
+    n = self.samples_per_token
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"samples_per_token must be a positive int, got {n!r}")
+
+  @property
+  def width(self) -> int:
+    """Features of one frame (``input_features``' last axis)."""
+    return _MEL_BINS if self.kind == "log_mel" else self.samples_per_token
+
+  def features(self, samples: np.ndarray, sampling_rate: int) -> tuple[np.ndarray, np.ndarray]:
+    """Compute one clip's ``input_features`` float32[T, width] and real frames bool[T].
+
+    Args:
+      samples: float[N], mono.
+      sampling_rate: the clip's rate (16000; another is a ``ValueError``).
+
+    Returns:
+      :func:`log_mel`'s or :func:`waveform_frames`' result.
+    """
+    if self.kind == "log_mel":
+      return log_mel(samples, sampling_rate=sampling_rate)
+    return waveform_frames(
+      samples, sampling_rate=sampling_rate, samples_per_token=self.samples_per_token
+    )
+
+  def soft_tokens(self, real: np.ndarray) -> int:
+    """Soft tokens (placeholders in the text) of a clip with real frames ``real`` bool[T].
+
+    The tower keeps the real frames that survive its two stride-2
+    convolutions (``real[::2][::2]``, as transformers' processor counts
+    them); the unified model makes one of each real frame.
+    """
+    real = np.asarray(real, bool)
+    return int(real[::2][::2].sum() if self.kind == "log_mel" else real.sum())
+
+  @classmethod
+  def from_checkpoint(cls, path: str | os.PathLike) -> "AudioProcessor | None":
+    """Read a checkpoint's audio feature extractor.
+
+    From its processor config's ``feature_extractor`` entry
+    (``processor_config.json``, or ``preprocessor_config.json``); without
+    one, from ``config.json``: a unified model's (waveform frames of its
+    ``audio_embed_dim``) or a model with an ``audio_config`` (log-mel).
+
+    Args:
+      path: the checkpoint directory.
+
+    Returns:
+      The :class:`AudioProcessor`, or None when the checkpoint takes no audio.
+
+    Raises:
+      ValueError: an extractor cpjax does not compute, or settings of
+        transformers' extractor other than those :func:`log_mel` computes
+        (each named).
+    """
+    path = os.fspath(path)
+    for name in ("processor_config.json", "preprocessor_config.json"):
+      raw = _read_json(os.path.join(path, name))
+      if raw is None:
+        continue
+      entry = raw.get("feature_extractor", raw)
+      kind = entry.get("feature_extractor_type") if isinstance(entry, dict) else None
+      if kind is None:
+        continue
+      if kind not in _EXTRACTORS:
+        raise ValueError(
+          f"{name} in {path}: feature_extractor_type {kind!r} is not one cpjax "
+          f"computes (expected one of {sorted(_EXTRACTORS)})"
+        )
+      if _EXTRACTORS[kind] == "waveform":
+        if entry.get("sampling_rate", SAMPLING_RATE) != SAMPLING_RATE:
+          _check_rate(entry["sampling_rate"])
+        return cls("waveform", entry.get("audio_samples_per_token", 640))
+      for key, want in _LOG_MEL_SETTINGS.items():
+        if key in entry and entry[key] != want:
+          raise ValueError(
+            f"{name} in {path}: the feature extractor's {key} is {entry[key]!r}; "
+            f"cpjax computes Gemma 4's log-mel features with {key} = {want!r}"
+          )
+      return cls("log_mel")
+    config = _read_json(os.path.join(path, "config.json")) or {}
+    if config.get("model_type") == "gemma4_unified":
+      return cls("waveform", (config.get("audio_config") or {}).get("audio_embed_dim", 640))
+    if config.get("audio_config"):
+      return cls("log_mel")
+    return None
+
+
+def _read_json(file: str) -> dict | None:
+  if not os.path.isfile(file):
+    return None
+  with open(file, encoding="utf-8") as f:
+    return json.load(f)

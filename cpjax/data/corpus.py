@@ -10,8 +10,12 @@ an ``.npz`` archive of named arrays: ``input_ids`` int32[T] and
 answers of a conversation, see :mod:`cpjax.data.tokenizer`), and for a document
 with images ``image_patches`` uint8[n, F] (the resized images' patches,
 :mod:`cpjax.data.images`), ``image_positions`` int32[n, 2] and ``image_sizes``
-int32[k] (patches per image). A corpus with images is a directory whose
-``summary.json`` (written by :func:`prepare_data`) gives the image processor.
+int32[k] (patches per image); for a document with audio ``audio_features``
+float32[t, W] (every clip's feature frames, :mod:`cpjax.data.audio`),
+``audio_mask`` uint8[t] (real frames) and ``audio_sizes`` int32[a] (frames
+per clip). A corpus with images or audio is a directory whose
+``summary.json`` (written by :func:`prepare_data`) gives the image processor
+and the audio feature extractor.
 
 The pipeline (:func:`packed_rows`):
 
@@ -27,8 +31,11 @@ The pipeline (:func:`packed_rows`):
    ``attention_mask``; with images, each
    row has ``images_per_row`` image slots (``pixel_values`` float32[I, P,
    F], ``image_position_ids`` int32[I, P, 2], the unused ones all padding)
-   and ``mm_token_type_ids``: packing keeps every document's images with it
-   and never puts more than ``images_per_row`` images in a row.
+   and ``mm_token_type_ids`` (1 image, 3 audio, as Gemma 4's processors);
+   with audio, ``audio_clips_per_row`` clip slots (``input_features``
+   float32[C, L, W] and ``input_features_mask`` bool[C, L], L the corpus's
+   longest clip). Packing keeps every document's images and clips with it
+   and never puts more of them in a row than it has slots.
 
 It is deterministic, and resumable: the iterator's ``get_state()`` /
 ``set_state()`` continue exactly where a run stopped.
@@ -37,7 +44,8 @@ Texts and conversations in JSONL become such a corpus with
 :func:`cpjax.data.records.prepare_data` (``cpjax prepare-data``), tokenized with
 the checkpoint's own tokenizer and chat template.
 
-Shape letters: ``B`` rows per batch, ``S`` tokens per row.
+Shape letters: ``B`` rows per batch, ``S`` tokens per row, ``I`` image
+slots and ``C`` audio clip slots per row.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ if TYPE_CHECKING:
   import grain
 
 __all__ = [
+  "corpus_audio",
   "corpus_images",
   "flatten_image_slots",
   "packed_batches",
@@ -77,17 +86,18 @@ _NPZ_LOCK = threading.Lock()
 
 
 _IMAGE_KEYS = ("image_patches", "image_positions", "image_sizes")
+_AUDIO_KEYS = ("audio_features", "audio_mask", "audio_sizes")
 
 
 def _record(doc, number: int) -> bytes:
   """One document's record: raw int32 tokens, or an .npz with its loss mask
-  (and images)."""
+  (and images and audio)."""
   if isinstance(doc, Mapping):
-    unknown = set(doc) - {"input_ids", "loss_mask", *_IMAGE_KEYS}
+    unknown = set(doc) - {"input_ids", "loss_mask", *_IMAGE_KEYS, *_AUDIO_KEYS}
     if unknown or "input_ids" not in doc:
       raise ValueError(
-        f"document {number} must have 'input_ids' and optionally 'loss_mask' "
-        f"and {list(_IMAGE_KEYS)}, got keys {sorted(doc)}"
+        f"document {number} must have 'input_ids' and optionally 'loss_mask', "
+        f"{list(_IMAGE_KEYS)} and {list(_AUDIO_KEYS)}, got keys {sorted(doc)}"
       )
     tokens, mask = np.asarray(doc["input_ids"]), doc.get("loss_mask")
   else:
@@ -97,7 +107,7 @@ def _record(doc, number: int) -> bytes:
       f"document {number} must be a non-empty 1-D sequence of token ids, got "
       f"{tokens.dtype}{list(tokens.shape)}"
     )
-  if mask is None and not any(k in doc for k in _IMAGE_KEYS):
+  if mask is None and not any(k in doc for k in (*_IMAGE_KEYS, *_AUDIO_KEYS)):
     return tokens.astype(_TOKEN).tobytes()
   mask = np.ones(tokens.shape, np.uint8) if mask is None else np.asarray(mask)
   if mask.shape != tokens.shape or not (mask.dtype == bool or np.isin(mask, (0, 1)).all()):
@@ -126,9 +136,42 @@ def _record(doc, number: int) -> bytes:
       image_positions=positions.astype(np.int32),
       image_sizes=sizes.astype(np.int32),
     )
+  if any(k in doc for k in _AUDIO_KEYS):
+    features, real, sizes = (np.asarray(doc.get(k)) for k in _AUDIO_KEYS)
+    if (
+      features.dtype != np.float32
+      or features.ndim != 2
+      or real.shape != (len(features),)
+      or not np.isin(real, (0, 1)).all()
+      or sizes.ndim != 1
+      or sizes.sum() != len(features)
+    ):
+      raise ValueError(
+        f"document {number}: audio_features must be float32 [t, W], audio_mask "
+        f"0/1 [t] and audio_sizes [a] summing to t, got {features.dtype}"
+        f"{list(features.shape)}, {list(real.shape)}, {sizes.tolist()}"
+      )
+    arrays.update(
+      audio_features=features, audio_mask=real.astype(np.uint8), audio_sizes=sizes.astype(np.int32)
+    )
   out = io.BytesIO()
   np.savez(out, **arrays)
   return out.getvalue()
+
+
+def _summary(path: _Corpus) -> dict:
+  """A corpus directory's ``summary.json`` (empty without one)."""
+  if not isinstance(path, (str, os.PathLike)):
+    return {}
+  path = os.fspath(path)
+  directory = path if os.path.isdir(path) else os.path.dirname(path)
+  file = os.path.join(directory, "summary.json")
+  if not os.path.isfile(file):
+    return {}
+  import json
+
+  with open(file, encoding="utf-8") as f:
+    return json.load(f)
 
 
 def corpus_images(path: _Corpus) -> dict | None:
@@ -141,20 +184,31 @@ def corpus_images(path: _Corpus) -> dict | None:
     Its ``summary.json``'s ``image_processor`` (patch_size, max_soft_tokens,
     pooling_kernel_size, image_token_id, and max_images_per_document), or None.
   """
-  if not isinstance(path, (str, os.PathLike)):
-    return None
-  path = os.fspath(path)
-  directory = path if os.path.isdir(path) else os.path.dirname(path)
-  file = os.path.join(directory, "summary.json")
-  if not os.path.isfile(file):
-    return None
-  import json
-
-  with open(file, encoding="utf-8") as f:
-    info = json.load(f)
+  info = _summary(path)
   if "image_processor" not in info:
     return None
   return {**info["image_processor"], "max_images_per_document": info["max_images_per_document"]}
+
+
+def corpus_audio(path: _Corpus) -> dict | None:
+  """Return the audio feature extractor of a corpus directory with audio, or None.
+
+  Args:
+    path: the corpus directory.
+
+  Returns:
+    Its ``summary.json``'s ``audio_processor`` (kind, samples_per_token,
+    width, audio_token_id), max_audio_clips_per_document and
+    max_audio_frames (the longest clip's), or None.
+  """
+  info = _summary(path)
+  if "audio_processor" not in info:
+    return None
+  return {
+    **info["audio_processor"],
+    "max_audio_clips_per_document": info["max_audio_clips_per_document"],
+    "max_audio_frames": info["max_audio_frames"],
+  }
 
 
 def write_documents(path: str | os.PathLike, documents: Iterable) -> int:
@@ -203,11 +257,13 @@ def _files(path: _Corpus) -> list[str]:
 class _Decode:
   """Record bytes -> ``{"input_ids", "loss_mask"}`` int32[T] (and the image
   arrays, empty for a document without images, when ``features`` is the
-  corpus's patch width), naming the file set on a bad record."""
+  corpus's patch width; the audio arrays likewise with ``audio_width``),
+  naming the file set on a bad record."""
 
-  def __init__(self, where: str, features: int | None):
+  def __init__(self, where: str, features: int | None, audio_width: int | None = None):
     self.where = where
     self.features = features
+    self.audio_width = audio_width
 
   def __call__(self, record: bytes) -> dict:
     doc: dict[str, np.ndarray]
@@ -224,6 +280,13 @@ class _Decode:
           )
         if self.features is not None and "image_sizes" in arrays:
           doc.update({k: arrays[k] for k in _IMAGE_KEYS})
+        if "audio_sizes" in arrays and self.audio_width is None:
+          raise ValueError(
+            f"a record in {self.where} holds audio, but no summary.json "
+            f"describes it: read the directory prepare_data wrote"
+          )
+        if self.audio_width is not None and "audio_sizes" in arrays:
+          doc.update({k: arrays[k] for k in _AUDIO_KEYS})
     else:
       if len(record) == 0 or len(record) % _TOKEN.itemsize:
         raise ValueError(
@@ -237,6 +300,12 @@ class _Decode:
         image_patches=np.zeros((0, self.features), np.uint8),
         image_positions=np.zeros((0, 2), np.int32),
         image_sizes=np.zeros((0,), np.int32),
+      )
+    if self.audio_width is not None and "audio_sizes" not in doc:
+      doc.update(
+        audio_features=np.zeros((0, self.audio_width), np.float32),
+        audio_mask=np.zeros((0,), np.uint8),
+        audio_sizes=np.zeros((0,), np.int32),
       )
     return doc
 
@@ -253,11 +322,12 @@ def _pieces(seq_len: int, max_pieces: int):
       n = len(element["input_ids"])
       if n <= seq_len:
         return [element]
-      if len(element.get("image_sizes", ())):
-        raise ValueError(
-          f"a document with images has {n} tokens, more than a row's "
-          f"{seq_len}: it cannot be cut (prepare_data with seq_len drops it)"
-        )
+      for key, what in (("image_sizes", "images"), ("audio_sizes", "audio")):
+        if len(element.get(key, ())):
+          raise ValueError(
+            f"a document with {what} has {n} tokens, more than a row's "
+            f"{seq_len}: it cannot be cut (prepare_data with seq_len drops it)"
+          )
       return [
         {key: value[i : i + seq_len] for key, value in element.items()}
         for i in range(0, n, seq_len)
@@ -267,12 +337,21 @@ def _pieces(seq_len: int, max_pieces: int):
 
 
 class _ToBatchKeys:
-  """grain's packed features -> cpjax's batch keys (one row); with images,
-  the row's image slots laid out as Gemma 4's processor gives them."""
+  """grain's packed features -> cpjax's batch keys (one row); with images
+  and audio, the row's image and clip slots laid out as Gemma 4's processors
+  give them."""
 
-  def __init__(self, images: dict | None, images_per_row: int):
+  def __init__(
+    self,
+    images: dict | None,
+    images_per_row: int,
+    audio: dict | None = None,
+    audio_clips_per_row: int = 0,
+  ):
     self.images = images
     self.images_per_row = images_per_row
+    self.audio = audio
+    self.audio_clips_per_row = audio_clips_per_row
 
   def __call__(self, row: dict) -> dict:
     ids = row["input_ids"].astype(np.int32)
@@ -292,7 +371,25 @@ class _ToBatchKeys:
     }
     if self.images is not None:
       out.update(self._image_slots(row, ids))
+    if self.audio is not None:
+      out.update(self._audio_slots(row))
+      # Gemma 4's processors mark audio tokens 3 (images 1, video 2).
+      types = out.get("mm_token_type_ids", np.zeros_like(ids))
+      out["mm_token_type_ids"] = np.where(ids == self.audio["audio_token_id"], 3, types)
     return out
+
+  def _audio_slots(self, row: dict) -> dict:
+    assert self.audio is not None  # __call__ asks only for a corpus with audio
+    slots, frames = self.audio_clips_per_row, self.audio["max_audio_frames"]
+    features = np.zeros((slots, frames, self.audio["width"]), np.float32)
+    real = np.zeros((slots, frames), bool)
+    sizes = row["audio_sizes"][row["audio_sizes_segment_ids"] > 0]
+    start = 0
+    for i, n in enumerate(sizes):  # packed in document order, as their placeholders
+      features[i, :n] = row["audio_features"][start : start + n]
+      real[i, :n] = row["audio_mask"][start : start + n] > 0
+      start += n
+    return {"input_features": features, "input_features_mask": real}
 
   def _image_slots(self, row: dict, ids) -> dict:
     from cpjax.data.images import pixel_values
@@ -329,6 +426,7 @@ def packed_rows(
   num_packing_bins: int = 16,
   max_document_pieces: int = 4096,
   images_per_row: int | None = None,
+  audio_clips_per_row: int | None = None,
 ) -> grain.IterDataset:
   """Build a grain ``IterDataset`` of packed rows (dicts of int32 [S] arrays).
 
@@ -344,6 +442,8 @@ def packed_rows(
     max_document_pieces: longest document allowed, in ``seq_len`` pieces.
     images_per_row: image slots per row, for a corpus with images (default:
       its largest document's image count).
+    audio_clips_per_row: audio clip slots per row, for a corpus with audio
+      (default: its largest document's clip count).
 
   Returns:
     The grain ``IterDataset`` of packed rows.
@@ -402,13 +502,31 @@ def packed_rows(
     # documents then fit the row's slots (and their patches the slots' patches).
     lengths.update(image_patches=patches, image_positions=patches, image_sizes=images_per_row)
     features = 3 * images["patch_size"] ** 2
-  ds = ds[process_index::process_count].map(_Decode(", ".join(files), features))
+  audio = corpus_audio(path)
+  width = None
+  if audio is not None:
+    most = audio["max_audio_clips_per_document"]
+    audio_clips_per_row = most if audio_clips_per_row is None else audio_clips_per_row
+    if (
+      isinstance(audio_clips_per_row, bool)
+      or not isinstance(audio_clips_per_row, int)
+      or audio_clips_per_row < most
+    ):
+      raise ValueError(
+        f"audio_clips_per_row must be an int >= {most} (the most audio clips of a "
+        f"document of {path}), got {audio_clips_per_row!r}"
+      )
+    frames = audio_clips_per_row * audio["max_audio_frames"]
+    # As images: a row's clips then fit its slots, each at most the longest clip.
+    lengths.update(audio_features=frames, audio_mask=frames, audio_sizes=audio_clips_per_row)
+    width = audio["width"]
+  ds = ds[process_index::process_count].map(_Decode(", ".join(files), features, width))
   ds = ds.repeat(num_epochs).to_iter_dataset()
   ds = grain.experimental.FlatMapIterDataset(ds, _pieces(seq_len, max_document_pieces))
   ds = grain.experimental.FirstFitPackIterDataset(
     ds, length_struct=lengths, num_packing_bins=num_packing_bins, seed=seed, shuffle_bins=shuffle
   )
-  return ds.map(_ToBatchKeys(images, images_per_row or 0))
+  return ds.map(_ToBatchKeys(images, images_per_row or 0, audio, audio_clips_per_row or 0))
 
 
 def packed_batches(
@@ -426,7 +544,9 @@ def packed_batches(
     A dataset of dicts of int32 [B, S] arrays (the keys of :func:`packed_rows`:
     the document ids are ``_packed_seq_ids``, NeMo's name; and, with images,
     ``pixel_values`` [B * I, P, F] and ``image_position_ids`` [B * I, P, 2]:
-    the rows' image slots in row order, as the model numbers soft tokens).
+    the rows' image slots in row order, as the model numbers soft tokens;
+    with audio, ``input_features`` [B * C, L, W] and ``input_features_mask``
+    [B * C, L] likewise).
 
   >>> import tempfile, os
   >>> path = os.path.join(tempfile.mkdtemp(), "docs.array_record")
@@ -443,15 +563,17 @@ def packed_batches(
 
 
 def flatten_image_slots(batch: dict) -> dict:
-  """Flatten stacked rows' image slots [B, I, ...] into the model's images [B * I, ...].
+  """Flatten stacked rows' image and audio slots [B, I, ...] into the model's
+  images and clips [B * I, ...].
 
   Args:
     batch: a batch of stacked rows.
 
   Returns:
-    ``batch``, its ``pixel_values`` and ``image_position_ids`` flattened.
+    ``batch``, its ``pixel_values``, ``image_position_ids``,
+    ``input_features`` and ``input_features_mask`` flattened.
   """
-  for key in ("pixel_values", "image_position_ids"):
+  for key in ("pixel_values", "image_position_ids", "input_features", "input_features_mask"):
     if key in batch:
       batch[key] = batch[key].reshape(-1, *batch[key].shape[2:])
   return batch

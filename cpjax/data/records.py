@@ -8,9 +8,12 @@ conversation::
                   {"role": "assistant", "content": "Hello!"}]}
 
 ``content`` is a string or a list of parts: ``{"type": "text", "text":
-...}`` and ``{"type": "image", "image": "photo.jpg"}`` (a file, relative to
+...}``, ``{"type": "image", "image": "photo.jpg"}`` (a file, relative to
 the JSONL file; ``path`` or ``url`` name it too), preprocessed with the
-checkpoint's image processor (:mod:`cpjax.data.images`). ``id`` and ``metadata``
+checkpoint's image processor (:mod:`cpjax.data.images`), and ``{"type":
+"audio", "audio": "clip.flac"}`` (a 16 kHz file, WAV, FLAC or OGG), made into
+the features of the checkpoint's feature extractor (:mod:`cpjax.data.audio`:
+log-mel frames for E2B and E4B, waveform frames for 12B). ``id`` and ``metadata``
 keys are allowed and ignored; any other key is a bad record (nothing a user
 wrote is silently dropped). A text document
 is tokenized as ``tokenizer(text)`` and counts whole in the loss; a
@@ -19,12 +22,13 @@ assistant turns count (:meth:`cpjax.data.tokenizer.CheckpointTokenizer.encode_ch
 
 A document longer than ``seq_len`` tokens is a bad record unless
 ``truncate`` (then its first ``seq_len`` tokens are kept and counted as
-truncated; never a document with images). Bad records are reported with
+truncated; never a document with images or audio). Bad records are reported with
 their line number and the reason;
 :class:`Summary` counts everything.
 
 Shape letters: ``T`` tokens of one document, ``n`` image patches of one
-document, ``k`` its images, ``F`` = ``3 * patch_size**2``.
+document, ``k`` its images, ``F`` = ``3 * patch_size**2``, ``t`` audio
+frames of one document, ``a`` its clips, ``W`` features a frame.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from cpjax.data.audio import AudioProcessor
 from cpjax.data.images import ImageProcessor
 from cpjax.data.tokenizer import ANSWER_ROLE, CheckpointTokenizer, check_messages
 
@@ -51,8 +56,9 @@ class BadRecord(ValueError):
 @dataclasses.dataclass
 class Summary:
   """What a pass over a JSONL file gave: documents and tokens written, the
-  target (loss) tokens among them, documents truncated, and each dropped
-  record as ``(line, reason)``."""
+  target (loss) tokens among them, images and audio clips (their soft tokens,
+  the most in a document, the longest clip's feature frames), documents
+  truncated, and each dropped record as ``(line, reason)``."""
 
   source: str
   documents: int = 0
@@ -60,6 +66,10 @@ class Summary:
   target_tokens: int = 0
   images: int = 0
   max_images_per_document: int = 0
+  audio_clips: int = 0
+  audio_tokens: int = 0
+  max_audio_clips_per_document: int = 0
+  max_audio_frames: int = 0
   truncated: int = 0
   dropped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
@@ -83,6 +93,8 @@ class Summary:
       The lines.
     """
     images = f", {self.images} images" if self.images else ""
+    if self.audio_clips:
+      images += f", {self.audio_clips} audio clips ({self.audio_tokens} tokens)"
     out = [
       f"{self.source}: {self.documents} documents, {self.tokens} tokens "
       f"({self.target_tokens} in the loss){images}, {self.truncated} truncated, "
@@ -94,39 +106,46 @@ class Summary:
     return out
 
 
-_IMAGE_KEYS = ("image", "path", "url")  # where a part names its image, as transformers reads
+_MEDIA_SIZES = {"image_sizes": "images", "audio_sizes": "audio clips"}
+_SOURCE_KEYS = (
+  "path",
+  "url",
+)  # besides the part's type, where a part names its file, as transformers reads
+_MEDIA = ("image", "audio")
 
 
-def _image_paths(message: dict, i: int, base_dir: str) -> list[str]:
-  """The image files of a message's parts, in order (relative paths are
-  relative to the JSONL file); checks every part."""
+def _media_paths(message: dict, i: int, base_dir: str) -> dict[str, list[str]]:
+  """The image and audio files of a message's parts, each kind in order
+  (relative paths are relative to the JSONL file); checks every part."""
   content = message["content"]
+  found: dict[str, list[str]] = {kind: [] for kind in _MEDIA}
   if isinstance(content, str):
-    return []
-  paths = []
+    return found
   for j, part in enumerate(content):
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
       continue
-    if kind == "image":
-      source = next((part[k] for k in _IMAGE_KEYS if isinstance(part.get(k), str)), None)
+    if kind in _MEDIA:
+      keys = (kind, *_SOURCE_KEYS)
+      source = next((part[k] for k in keys if isinstance(part.get(k), str)), None)
       if source is None:
         raise BadRecord(
-          f"message {i} part {j}: an image part names its file under one of "
-          f"{list(_IMAGE_KEYS)}, got {part!r}"[:200]
+          f"message {i} part {j}: an {kind} part names its file under one of "
+          f"{list(keys)}, got {part!r}"[:200]
         )
       if source.startswith(("http://", "https://")):
-        raise BadRecord(f"message {i} part {j}: {source} is remote; images are read from files")
+        raise BadRecord(f"message {i} part {j}: {source} is remote; {kind} is read from files")
       path = os.path.join(base_dir, source)
       if not os.path.isfile(path):
-        raise BadRecord(f"message {i} part {j}: image {path} does not exist")
-      paths.append(path)
+        raise BadRecord(f"message {i} part {j}: {kind} {path} does not exist")
+      found[kind].append(path)
       continue
     raise BadRecord(
-      f"message {i} part {j}: expected {{'type': 'text', 'text': str}} or "
-      f"{{'type': 'image', 'image': path}}, got {part!r}"[:200]
+      f"message {i} part {j}: expected {{'type': 'text', 'text': str}}, "
+      f"{{'type': 'image', 'image': path}} or {{'type': 'audio', 'audio': path}}, "
+      f"got {part!r}"[:200]
     )
-  return paths
+  return found
 
 
 def _load_images(paths: list[str], images: ImageProcessor) -> dict:
@@ -151,11 +170,39 @@ def _load_images(paths: list[str], images: ImageProcessor) -> dict:
   }
 
 
+def _load_audio(paths: list[str], audio: AudioProcessor) -> tuple[dict, list[int]]:
+  """The document's audio arrays (every clip's frames concatenated, their
+  real-frame mask, each clip's frame count) and each clip's soft tokens."""
+  from cpjax.data.audio import read_audio
+
+  features, real, sizes, soft = [], [], [], []
+  for path in paths:
+    try:
+      samples, rate = read_audio(path)
+    except Exception as e:  # libsndfile's errors for unreadable files vary
+      raise BadRecord(f"audio {path} cannot be read: {type(e).__name__}: {e}") from None
+    try:
+      f, r = audio.features(samples, rate)
+    except ValueError as e:  # another sampling rate, or too short to frame
+      raise BadRecord(f"audio {path}: {e}") from None
+    features.append(f)
+    real.append(r)
+    sizes.append(len(f))
+    soft.append(audio.soft_tokens(r))
+  arrays = {
+    "audio_features": np.concatenate(features),
+    "audio_mask": np.concatenate(real).astype(np.uint8),
+    "audio_sizes": np.asarray(sizes, np.int32),
+  }
+  return arrays, soft
+
+
 def encode_record(
   record: object,
   tokenizer: CheckpointTokenizer,
   *,
   images: ImageProcessor | None = None,
+  audio: AudioProcessor | None = None,
   base_dir: str = ".",
 ) -> dict:
   """Encode one parsed record as ``{"input_ids": int32[T], "loss_mask": uint8[T]}``.
@@ -163,17 +210,21 @@ def encode_record(
   Plus, for a conversation with images (read with ``images``, the
   checkpoint's image processor; relative paths from ``base_dir``),
   ``image_patches`` uint8 [n, F], ``image_positions`` int32 [n, 2] and
-  ``image_sizes`` int32 [k] (patches per image).
+  ``image_sizes`` int32 [k] (patches per image); for one with audio (read
+  with ``audio``, the checkpoint's feature extractor), ``audio_features``
+  float32 [t, W] (every clip's frames, in order), ``audio_mask`` uint8 [t]
+  (real frames) and ``audio_sizes`` int32 [a] (frames per clip).
 
   Args:
     record: one parsed record.
     tokenizer: the checkpoint's tokenizer and chat template.
     images: the checkpoint's image processor, for a conversation with images.
-    base_dir: the directory relative image paths start from.
+    audio: the checkpoint's audio feature extractor, for a conversation with audio.
+    base_dir: the directory relative image and audio paths start from.
 
   Returns:
-    ``{"input_ids": int32[T], "loss_mask": uint8[T]}``, plus the image keys
-    above for a conversation with images.
+    ``{"input_ids": int32[T], "loss_mask": uint8[T]}``, plus the image and
+    audio keys above for a conversation with them.
 
   Raises:
     BadRecord: saying why the record cannot be encoded.
@@ -212,10 +263,12 @@ def encode_record(
     check_messages(messages)
   except (TypeError, ValueError) as e:
     raise BadRecord(str(e)) from None
-  paths = [p for i, message in enumerate(messages) for p in _image_paths(message, i, base_dir)]
+  media = [_media_paths(message, i, base_dir) for i, message in enumerate(messages)]
+  paths = [p for found in media for p in found["image"]]
+  clips = [p for found in media for p in found["audio"]]
   if not any(m["role"] == ANSWER_ROLE for m in messages):
     raise BadRecord(f"no {ANSWER_ROLE!r} message: nothing of it would count in the loss")
-  pixels, soft_tokens = {}, []
+  pixels, soft_tokens, sounds, audio_tokens = {}, [], {}, []
   if paths:
     if images is None:
       raise BadRecord(
@@ -224,8 +277,17 @@ def encode_record(
       )
     pixels = _load_images(paths, images)
     soft_tokens = [n // images.pooling_kernel_size**2 for n in pixels.get("image_sizes", [])]
+  if clips:
+    if audio is None:
+      raise BadRecord(
+        f"{len(clips)} audio clip(s), but the checkpoint takes no audio (no audio "
+        f"feature extractor in its processor config, no audio_config in config.json)"
+      )
+    sounds, audio_tokens = _load_audio(clips, audio)
   try:
-    ids, answer = tokenizer.encode_chat(messages, soft_tokens=soft_tokens)
+    ids, answer = tokenizer.encode_chat(
+      messages, soft_tokens=soft_tokens, audio_tokens=audio_tokens
+    )
   except ValueError as e:
     raise BadRecord(str(e)) from None
   except Exception as e:  # the template's own raise_exception / undefined values
@@ -237,7 +299,7 @@ def encode_record(
       else "the chat template renders no assistant token"
     )
     raise BadRecord(f"{what}: nothing of it would count in the loss")
-  return {"input_ids": ids, "loss_mask": answer.astype(np.uint8), **pixels}
+  return {"input_ids": ids, "loss_mask": answer.astype(np.uint8), **pixels, **sounds}
 
 
 def read_jsonl(
@@ -245,6 +307,7 @@ def read_jsonl(
   tokenizer: CheckpointTokenizer,
   *,
   images: ImageProcessor | None = None,
+  audio: AudioProcessor | None = None,
   seq_len: int | None = None,
   truncate: bool = False,
   strict: bool = False,
@@ -257,10 +320,12 @@ def read_jsonl(
     tokenizer: the checkpoint's tokenizer and chat template.
     images: the checkpoint's image processor (for conversations with images;
       their paths are relative to the JSONL file's directory).
+    audio: the checkpoint's audio feature extractor (for conversations with
+      audio clips, found as images are).
     seq_len: the training row length; a longer document is dropped, or cut
       with ``truncate``. None: no limit.
     truncate: keep the first ``seq_len`` tokens of longer documents (not of
-      documents with images: a cut could split an image's tokens).
+      documents with images or audio: a cut could split a clip's tokens).
     strict: raise :class:`BadRecord` (naming the line) at the first bad
       record instead of dropping and reporting it.
     summary: a :class:`Summary` to count into (its ``dropped`` lists every
@@ -282,17 +347,18 @@ def read_jsonl(
           record = json.loads(line)
         except json.JSONDecodeError as e:
           raise BadRecord(f"not JSON: {e}") from None
-        doc = encode_record(record, tokenizer, images=images, base_dir=base_dir)
+        doc = encode_record(record, tokenizer, images=images, audio=audio, base_dir=base_dir)
         n = doc["input_ids"].size
         cut = seq_len is not None and n > seq_len
+        media = [what for key, what in _MEDIA_SIZES.items() if key in doc]
+        if cut and media:
+          raise BadRecord(
+            f"{n} tokens with {' and '.join(media)}, longer than the row of {seq_len} "
+            f"(never truncated: a cut could split their soft tokens)"
+          )
         if cut and not truncate:
           raise BadRecord(
             f"{n} tokens, longer than the row of {seq_len} (truncation keeps its first {seq_len})"
-          )
-        if cut and "image_sizes" in doc:
-          raise BadRecord(
-            f"{n} tokens with images, longer than the row of {seq_len} (not "
-            f"truncated: the cut could split an image's tokens)"
           )
         if cut:
           doc = {key: value[:seq_len] for key, value in doc.items()}
@@ -308,6 +374,15 @@ def read_jsonl(
       k = len(doc.get("image_sizes", ()))
       summary.images += k
       summary.max_images_per_document = max(summary.max_images_per_document, k)
+      if "audio_sizes" in doc:
+        assert audio is not None  # encode_record refuses clips without it
+        sizes = doc["audio_sizes"]
+        summary.audio_clips += len(sizes)
+        summary.audio_tokens += sum(
+          audio.soft_tokens(real) for real in np.split(doc["audio_mask"], np.cumsum(sizes)[:-1])
+        )
+        summary.max_audio_clips_per_document = max(summary.max_audio_clips_per_document, len(sizes))
+        summary.max_audio_frames = max(summary.max_audio_frames, int(sizes.max()))
       summary.tokens += int(doc["input_ids"].size)
       # The first token is never a target (nothing precedes it).
       summary.target_tokens += int(doc["loss_mask"][1:].sum())
@@ -346,6 +421,7 @@ def prepare_data(
     raise ValueError(f"seq_len must be an int >= 2 or None, got {seq_len!r}")
   tokenizer = CheckpointTokenizer(checkpoint)
   images = ImageProcessor.from_checkpoint(checkpoint)
+  audio = AudioProcessor.from_checkpoint(checkpoint)
   os.makedirs(out, exist_ok=True)
   target = os.path.join(out, "documents.array_record")
   summary = Summary(source)
@@ -356,6 +432,7 @@ def prepare_data(
       source,
       tokenizer,
       images=images,
+      audio=audio,
       seq_len=seq_len,
       truncate=truncate,
       strict=strict,
@@ -380,6 +457,14 @@ def prepare_data(
     info["image_processor"] = {
       **dataclasses.asdict(images),
       "image_token_id": tokenizer.token_id(tokenizer.special_tokens["image_token"]),
+    }
+  if summary.audio_clips:
+    assert audio is not None  # read_jsonl refuses clips without an extractor
+    # What packing needs to lay the clips out (cpjax.data.corpus.corpus_audio).
+    info["audio_processor"] = {
+      **dataclasses.asdict(audio),
+      "width": audio.width,
+      "audio_token_id": tokenizer.token_id(tokenizer.special_tokens["audio_token"]),
     }
   with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(info, f, indent=1)

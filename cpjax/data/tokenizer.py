@@ -325,6 +325,7 @@ class CheckpointTokenizer:
     messages: Sequence[Mapping],
     *,
     soft_tokens: Sequence[int] = (),
+    audio_tokens: Sequence[int] = (),
     add_generation_prompt: bool = False,
     **template_kwargs: Any,
   ) -> tuple[np.ndarray, np.ndarray]:
@@ -338,6 +339,10 @@ class CheckpointTokenizer:
         count, in order. As Gemma 4's processor, the k-th image placeholder the
         template writes (``image_token``) becomes ``boi_token + image_token *
         soft_tokens[k] + eoi_token``; image tokens are never answer tokens.
+      audio_tokens: for a conversation with audio, each clip's soft-token
+        count, in order: the k-th audio placeholder (``audio_token``) becomes
+        ``boa_token + audio_token * audio_tokens[k] + eoa_token``, as Gemma 4's
+        processors expand it; audio tokens are never answer tokens.
       add_generation_prompt: passed to the template.
       **template_kwargs: further template variables, as :meth:`render`.
 
@@ -349,8 +354,8 @@ class CheckpointTokenizer:
       ValueError: naming the message when a template without generation tags
         renders an earlier part of the conversation differently from the whole
         (then the answer spans cannot be read off the rendering), and when the
-        rendering holds a different number of image placeholders than
-        ``soft_tokens``.
+        rendering holds a different number of image (audio) placeholders than
+        ``soft_tokens`` (``audio_tokens``).
     """
     check_messages(messages)
     if self.marks_generation:
@@ -360,15 +365,16 @@ class CheckpointTokenizer:
     else:
       full = self.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
       spans = self._prefix_spans(messages, full, template_kwargs)
-    full, spans = self._expand_images(full, spans, list(soft_tokens))
+    full, spans = self._expand(full, spans, {"image": soft_tokens, "audio": audio_tokens})
     encoding = self.backend.encode(full, add_special_tokens=False)
     answer = np.zeros(len(encoding.ids), bool)
     for t, (lo, hi) in enumerate(encoding.offsets):
       # A token belongs to the answer when it overlaps an answer span.
       answer[t] = any(lo < end and hi > start for start, end in spans)
     ids = np.asarray(encoding.ids, np.int32)
-    if "image_token" in self.special_tokens:
-      answer &= ids != self.token_id(self.special_tokens["image_token"])
+    for key in ("image_token", "audio_token"):
+      if key in self.special_tokens:
+        answer &= ids != self.token_id(self.special_tokens[key])
     return ids, answer
 
   def _prefix_spans(self, messages, full: str, template_kwargs) -> list[tuple[int, int]]:
@@ -391,31 +397,44 @@ class CheckpointTokenizer:
       spans.append((start, len(end)))
     return spans
 
-  def _expand_images(self, text: str, spans, soft_tokens: list[int]):
-    """The text with each image placeholder expanded, and the answer spans
+  def _expand(self, text: str, spans, counts: Mapping[str, Sequence[int]]):
+    """The text with each image and audio placeholder expanded to its run of
+    soft tokens (between its begin and end markers), and the answer spans
     moved with it."""
-    image = self.special_tokens.get("image_token")
-    found = text.count(image) if image else 0
-    if found != len(soft_tokens):
-      raise ValueError(
-        f"the conversation renders {found} image placeholders ({image!r}) for "
-        f"{len(soft_tokens)} images"
+    runs = {}  # placeholder -> (begin, end, counts in order)
+    for kind, (begin, end) in {"image": ("boi", "eoi"), "audio": ("boa", "eoa")}.items():
+      token = self.special_tokens.get(f"{kind}_token")
+      found = text.count(token) if token else 0
+      if found != len(counts[kind]):
+        raise ValueError(
+          f"the conversation renders {found} {kind} placeholders ({token!r}) for "
+          f"{len(counts[kind])} {kind} inputs"
+        )
+      if not found:
+        continue
+      assert token is not None  # it was found, once per input
+      for key in (f"{begin}_token", f"{end}_token"):
+        if key not in self.special_tokens:
+          raise ValueError(f"{self.path}'s tokenizer_config.json names no {key}: {kind} needs it")
+      runs[token] = (
+        self.special_tokens[f"{begin}_token"],
+        self.special_tokens[f"{end}_token"],
+        iter(counts[kind]),
       )
-    if not soft_tokens:
+    if not runs:
       return text, spans
-    assert image is not None  # it was found, once per image
-    for key in ("boi_token", "eoi_token"):
-      if key not in self.special_tokens:
-        raise ValueError(f"{self.path}'s tokenizer_config.json names no {key}: images need it")
-    boi, eoi = self.special_tokens["boi_token"], self.special_tokens["eoi_token"]
-    pieces = text.split(image)
-    out, shifts = [pieces[0]], []  # shifts: (where in the old text, added characters)
-    at = len(pieces[0])
-    for n, piece in zip(soft_tokens, pieces[1:]):
-      run = boi + image * n + eoi
-      shifts.append((at, len(run) - len(image)))
-      out += [run, piece]
-      at += len(image) + len(piece)
+    pieces = re.split("(" + "|".join(map(re.escape, runs)) + ")", text)
+    out, shifts = [], []  # shifts: (where in the old text, added characters)
+    at = 0
+    for i, piece in enumerate(pieces):
+      if i % 2:  # a placeholder (re.split keeps the separators at odd places)
+        begin, end, left = runs[piece]
+        piece_out = begin + piece * next(left) + end
+        shifts.append((at, len(piece_out) - len(piece)))
+        out.append(piece_out)
+      else:
+        out.append(piece)
+      at += len(piece)
 
     def moved(pos):
       return pos + sum(extra for where, extra in shifts if where < pos)

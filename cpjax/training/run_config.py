@@ -112,6 +112,8 @@ class DatasetConfig:
   """gradient accumulation: each step sums K microbatches of batch_size / K rows"""
   images_per_row: Optional[int] = _setting(positive=True)
   """image slots per packed row (default: the most images of one document)"""
+  audio_clips_per_row: Optional[int] = _setting(positive=True)
+  """audio clip slots per packed row (default: the most clips of one document)"""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,6 +127,7 @@ FLAGS: dict[str, tuple[str, dict]] = {
   "dataset.batch_size": ("--batch-size", {}),
   "dataset.microbatches": ("--microbatches", {"metavar": "K"}),
   "dataset.images_per_row": ("--images-per-row", {"metavar": "N"}),
+  "dataset.audio_clips_per_row": ("--audio-clips-per-row", {"metavar": "N"}),
   "optimizer.lr": ("--lr", {}),
   "optimizer.schedule": ("--lr-schedule", {}),
   "optimizer.warmup_steps": ("--warmup-steps", {"metavar": "N"}),

@@ -43,7 +43,8 @@ MARKERS = {
 }
 
 # Gemma 4's conversation format: bos, then `<|turn>ROLE\n...<turn|>\n` per
-# message (the assistant's turns are "model"), images as `<|image|>`.
+# message (the assistant's turns are "model"), images as `<|image|>`, audio
+# clips as `<|audio|>`.
 GEMMA_STYLE_TEMPLATE = """{{ bos_token }}
 {%- for message in messages -%}
 {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
@@ -53,6 +54,7 @@ GEMMA_STYLE_TEMPLATE = """{{ bos_token }}
 {%- else -%}
 {%- for part in message['content'] -%}
 {%- if part['type'] == 'image' -%}{{ '\\n\\n<|image|>\\n\\n' }}
+{%- elif part['type'] == 'audio' -%}{{ '<|audio|>' }}
 {%- elif part['type'] == 'text' -%}{{ part['text'] | trim }}{%- endif -%}
 {%- endfor -%}
 {%- endif -%}

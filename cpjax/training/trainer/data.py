@@ -57,6 +57,7 @@ def open_data(run: RunConfig, cfg: gemma4.Gemma4Config, rows: int, log: Log) -> 
         process_index=0,
         process_count=1,
         images_per_row=run.dataset.images_per_row,
+        audio_clips_per_row=run.dataset.audio_clips_per_row,
       )
     )
 
@@ -177,11 +178,12 @@ def eval_rows(run: RunConfig, cfg: gemma4.Gemma4Config, rows: int, log: Log) -> 
     process_index=0,
     process_count=1,
     images_per_row=run.dataset.images_per_row,
+    audio_clips_per_row=run.dataset.audio_clips_per_row,
   ):
     found.append(check_vocabulary(row, cfg, f"--eval-data {run.eval.data}"))
     if len(found) == run.eval.rows:
       break
-  # An empty row: no token, no label, and image slots that are all padding.
+  # An empty row: no token, no label, and image and clip slots that are all padding.
   fill = {"labels": -100, "image_position_ids": -1}
   empty = {key: np.full_like(value, fill.get(key, 0)) for key, value in found[0].items()}
   found += [empty] * (-len(found) % rows)
