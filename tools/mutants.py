@@ -261,6 +261,21 @@ MUTANTS = (
     "    return jnp.zeros_like(x[:, :n])",
     ("tests/test_gemma4_audio.py::test_cp_logits_equal_transformers[cp4-load_balanced]",),
   ),
+  # --- video frames through the vision tower (issue 64, item 3)
+  Mutant(
+    "video: the frames' soft tokens taken from the images",
+    "cpjax/models/gemma4/model.py",
+    '      x = self._place_vision(x, video_slot, batch, cp, "video")',
+    '      x = self._place_vision(x, video_slot, batch, cp, "image")',
+    ("tests/test_gemma4_video.py::test_logits_with_video_equal_transformers[dense]",),
+  ),
+  Mutant(
+    "video: a data shard numbers its video tokens from the images' offsets",
+    "cpjax/models/gemma4/model.py",
+    "      else slots(ids == cfg.video_token_id, VIDEO_OFFSET_KEY),",
+    "      else slots(ids == cfg.video_token_id, IMAGE_OFFSET_KEY),",
+    ("tests/test_gemma4_video.py::test_logits_with_video_equal_transformers[dense]",),
+  ),
   # --- audio in chat JSONL, records and packing (issue 64, item 3)
   Mutant(
     "audio records: a clip's placeholder expanded to one token per feature frame",

@@ -33,6 +33,8 @@ from cpjax.models.gemma4.unified_config import Gemma4UnifiedVisionConfig
 __all__ = [
   "AUDIO_OFFSET_KEY",
   "IMAGE_OFFSET_KEY",
+  "VIDEO_OFFSET_KEY",
+  "VISION_INPUTS",
   "documents_from_positions",
   "synthetic_batch",
   "image_token_offsets",
@@ -45,8 +47,9 @@ __all__ = [
 # Per-row count of image tokens in the global rows before it (see
 # image_token_offsets): how a data-parallel shard finds its images.
 IMAGE_OFFSET_KEY = "_image_token_offset"
-# The same for the unified model's audio tokens.
+# The same for audio tokens and video tokens.
 AUDIO_OFFSET_KEY = "_audio_token_offset"
+VIDEO_OFFSET_KEY = "_video_token_offset"
 
 
 def image_token_offsets(is_image: ArrayLike) -> jax.Array:
@@ -108,6 +111,7 @@ def shard_aux_only_cp_batch(
   min_stripe_len: int = MIN_STRIPE_LEN,
   layer_windows: Sequence[int | None] | None = None,
   audio_token_id: int | None = None,
+  video_token_id: int | None = None,
 ) -> tuple[dict, ShardLayout]:
   """Shard a batch as Gemma4's aux-only CP shard, in any layout.
 
@@ -117,9 +121,9 @@ def shard_aux_only_cp_batch(
   which a rank holding only its slice cannot reconstruct), then shards
   ``labels`` / ``position_ids`` / ``loss_mask`` / ``padding_mask`` /
   ``_packed_seq_ids`` (padded with 0) and the extra keys over ``axis_name``,
-  leaving ``input_ids`` / ``inputs_embeds``, ``mm_token_type_ids`` and
-  ``pixel_values`` / ``image_position_ids`` full length and replicated for
-  the model to slice. With images, each row's count of earlier image
+  leaving ``input_ids`` / ``inputs_embeds``, ``mm_token_type_ids``,
+  ``pixel_values`` / ``image_position_ids`` and their video counterparts full
+  length and replicated for the model to slice. With images, each row's count of earlier image
   placeholders over the global batch is added as ``IMAGE_OFFSET_KEY``
   (placeholders are ``input_ids == image_token_id``, or
   ``mm_token_type_ids == 1`` without ``image_token_id``).
@@ -137,8 +141,11 @@ def shard_aux_only_cp_batch(
     image_token_id: the image placeholder id (None: placeholders are
       ``mm_token_type_ids == 1``).
     audio_token_id: the audio placeholder id: with ``input_features`` (the
-      unified model's audio frames, kept whole like the images) each row's
-      count of earlier audio placeholders is added as ``AUDIO_OFFSET_KEY``.
+      audio clips, kept whole like the images) each row's count of earlier
+      audio placeholders is added as ``AUDIO_OFFSET_KEY``.
+    video_token_id: the video placeholder id: with ``pixel_values_videos``
+      each row's count of earlier video placeholders is added as
+      ``VIDEO_OFFSET_KEY``.
 
   Returns:
     ``(sharded_batch, layout)`` as :func:`cpjax.shard_batch`.
@@ -184,6 +191,9 @@ def shard_aux_only_cp_batch(
   if audio_token_id is not None and batch.get("input_features") is not None:
     offsets = image_token_offsets(jnp.asarray(batch["input_ids"]) == audio_token_id)
     out[AUDIO_OFFSET_KEY] = jax.device_put(offsets, NamedSharding(mesh, P(batch_axis)))
+  if video_token_id is not None and batch.get("pixel_values_videos") is not None:
+    offsets = image_token_offsets(jnp.asarray(batch["input_ids"]) == video_token_id)
+    out[VIDEO_OFFSET_KEY] = jax.device_put(offsets, NamedSharding(mesh, P(batch_axis)))
   return out, shard_layout
 
 
@@ -241,7 +251,10 @@ def prepare_batch(
 
   Accepts the Gemma 4 processor's keys (``input_ids``, ``attention_mask``,
   ``position_ids``, ``mm_token_type_ids``, ``pixel_values`` [N, P, 3 p^2],
-  ``image_position_ids`` int[N, P, 2]) and NeMo's (``_packed_seq_ids``, its
+  ``image_position_ids`` int[N, P, 2]; a video's frames as
+  ``pixel_values_videos`` [N, P, 3 p^2] and ``video_position_ids``, with
+  ``num_frames_per_video`` [V]; audio as ``input_features`` [A, T, W] and
+  ``input_features_mask`` [A, T]) and NeMo's (``_packed_seq_ids``, its
   name for the document ids,
   ``padding_mask``, ``labels``, ``loss_mask``). ``attention_mask`` becomes
   ``padding_mask``. ``_packed_seq_ids`` gives the document boundaries and
@@ -254,12 +267,13 @@ def prepare_batch(
   has none). Vision groups come only from ``mm_token_type_ids``, as in
   transformers.
 
-  With ``config`` (a :class:`Gemma4Config`) the images are checked before
-  any compute: ``image_position_ids`` present and shaped like
-  ``pixel_values``, the patch width, and the number of image placeholders
-  (``input_ids == image_token_id``) equal to the soft tokens the images
-  yield; a mismatch is a ``ValueError`` giving both counts. So are token
-  ids outside the vocabulary (when ``input_ids`` is concrete).
+  With ``config`` (a :class:`Gemma4Config`) the images, video frames and
+  audio clips are checked before any compute: ``image_position_ids``
+  present and shaped like ``pixel_values``, the patch width, and the number
+  of image placeholders (``input_ids == image_token_id``) equal to the soft
+  tokens the images yield, and the same for video frames and audio clips; a
+  mismatch is a ``ValueError`` giving both counts. So are token ids outside
+  the vocabulary (when ``input_ids`` is concrete).
 
   Args:
     batch: the batch, with the keys above.
@@ -281,15 +295,16 @@ def prepare_batch(
   if config is not None and not isinstance(config, Gemma4Config):
     raise TypeError(f"config must be a Gemma4Config or None, got {type(config).__name__}")
   audio = config is not None and config.audio is not None
-  for key in ("input_features", "input_features_mask", "pixel_values_videos"):
-    if batch.get(key) is not None and not (audio and key != "pixel_values_videos"):
+  for key in ("input_features", "input_features_mask"):
+    if batch.get(key) is not None and not audio:
       raise ValueError(
         f"batch key {key!r} is not supported here: audio needs the config of a model "
         f"with an audio tower (E2B, E4B) or the 12B unified model's audio embedder "
-        f"(pass it to prepare_batch); pass video frames as images"
+        f"(pass it to prepare_batch)"
       )
   if config is not None:
-    _check_images(batch, config)
+    for kind in VISION_INPUTS:
+      _check_vision(batch, config, kind)
     _check_audio(batch, config)
     _check_vocabulary(batch, config)
   out = batch_lib.attention_mask_to_padding_mask(batch)
@@ -301,9 +316,10 @@ def prepare_batch(
     out[batch_lib.DOCUMENT_IDS_KEY] = documents_from_positions(out["position_ids"])
   out = synthesize_single_document_seq_ids(out, batch_lib.primary_length(out))
   out = batch_lib.normalize_batch(out, loss_mask=loss_mask, require_labels=False)
-  if out.get("pixel_values") is not None:
-    out["pixel_values"] = jnp.asarray(out["pixel_values"], jnp.float32)
-    out["image_position_ids"] = jnp.asarray(out["image_position_ids"], jnp.int32)
+  for pixels, positions, _ in VISION_INPUTS.values():
+    if out.get(pixels) is not None:
+      out[pixels] = jnp.asarray(out[pixels], jnp.float32)
+      out[positions] = jnp.asarray(out[positions], jnp.int32)
   if out.get("input_features") is not None:
     out["input_features"] = jnp.asarray(out["input_features"], jnp.float32)
     if out.get("input_features_mask") is not None:
@@ -336,56 +352,77 @@ def documents_from_positions(position_ids: ArrayLike) -> jax.Array:
   return 1 + jnp.cumsum(starts, axis=1, dtype=jnp.int32)  # 0 would mean padding
 
 
-def _check_images(batch: Mapping[str, Any], config) -> None:
-  """Shapes of the image inputs and placeholder/soft-token agreement (host side)."""
+# Images and video frames: both are patches for the vision tower (or the
+# unified model's embedder), in order, into their placeholders (transformers'
+# get_video_features); only their keys and placeholder differ:
+# kind -> (pixels key, patch positions key, the placeholder's config field).
+VISION_INPUTS = {
+  "image": ("pixel_values", "image_position_ids", "image_token_id"),
+  "video": ("pixel_values_videos", "video_position_ids", "video_token_id"),
+}
+
+
+def _check_vision(batch: Mapping[str, Any], config, kind: str) -> None:
+  """Shapes of the image (``kind="image"``) or video frame inputs and
+  placeholder/soft-token agreement (host side)."""
   import numpy as np
 
   from cpjax.models.gemma4.vision import soft_token_counts
 
+  pixels_key, positions_key, token = VISION_INPUTS[kind]
+  what = "images" if kind == "image" else "video frames"
+  token_id = getattr(config, token)
   ids = np.asarray(batch["input_ids"])
-  placeholders = int(np.sum(ids == config.image_token_id))
-  pixels = batch.get("pixel_values")
+  placeholders = int(np.sum(ids == token_id))
+  pixels = batch.get(pixels_key)
   if pixels is None:
     if placeholders:
       raise ValueError(
-        f"input_ids hold {placeholders} image placeholder tokens "
-        f"(id {config.image_token_id}) but the batch has no pixel_values"
+        f"input_ids hold {placeholders} {kind} placeholder tokens "
+        f"(id {token_id}) but the batch has no {pixels_key}"
       )
     return
   if config.vision is None:
-    raise ValueError("the batch has pixel_values but this Gemma 4 has no vision tower")
-  if batch.get("image_position_ids") is None:
+    raise ValueError(f"the batch has {pixels_key} but this Gemma 4 has no vision tower")
+  if batch.get(positions_key) is None:
     raise KeyError(
-      "the batch has pixel_values but no 'image_position_ids' (int[N, P, 2], "
+      f"the batch has {pixels_key} but no '{positions_key}' (int[N, P, 2], "
       "the processor's patch (x, y) positions)"
     )
   v = config.vision
   pix_shape = tuple(np.shape(pixels))
-  pos = np.asarray(batch["image_position_ids"])
+  pos = np.asarray(batch[positions_key])
   if len(pix_shape) != 3 or pix_shape[2] != v.patch_features:
     raise ValueError(
-      f"pixel_values must be [N, P, 3 * patch_size**2 = {v.patch_features}] "
+      f"{pixels_key} must be [N, P, 3 * patch_size**2 = {v.patch_features}] "
       f"patches, got shape {pix_shape}"
     )
   if pos.shape != pix_shape[:2] + (2,):
     raise ValueError(
-      f"image_position_ids must have shape {pix_shape[:2] + (2,)} (that of "
-      f"pixel_values [N, P] plus 2), got {pos.shape}"
+      f"{positions_key} must have shape {pix_shape[:2] + (2,)} (that of "
+      f"{pixels_key} [N, P] plus 2), got {pos.shape}"
     )
+  if kind == "video" and batch.get("num_frames_per_video") is not None:
+    frames = np.asarray(batch["num_frames_per_video"])
+    if frames.ndim != 1 or (frames < 0).any() or int(frames.sum()) != pix_shape[0]:
+      raise ValueError(
+        f"num_frames_per_video must be [V] frame counts summing to the "
+        f"{pix_shape[0]} frames of pixel_values_videos, got {frames.tolist()}"
+      )
   if config.unified:  # every real patch is a soft token
     soft = int(np.sum(~np.all(pos == -1, axis=-1)))
   else:
     k2 = v.pooling_kernel_size**2
     if pix_shape[1] % k2:
       raise ValueError(
-        f"patches per image ({pix_shape[1]}) must be a multiple of pooling_kernel_size**2 = {k2}"
+        f"patches per {kind} ({pix_shape[1]}) must be a multiple of pooling_kernel_size**2 = {k2}"
       )
     soft = int(np.sum(soft_token_counts(pos, v.pooling_kernel_size)))
   if soft != placeholders:
     raise ValueError(
-      f"image placeholders and soft tokens disagree: input_ids hold "
-      f"{placeholders} image tokens (id {config.image_token_id}) but the "
-      f"{pix_shape[0]} images in pixel_values yield {soft} soft tokens"
+      f"{kind} placeholders and soft tokens disagree: input_ids hold "
+      f"{placeholders} {kind} tokens (id {token_id}) but the "
+      f"{pix_shape[0]} {what} in {pixels_key} yield {soft} soft tokens"
     )
 
 

@@ -50,6 +50,8 @@ from cpjax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from cpjax.models.gemma4.cp_batch import (
   AUDIO_OFFSET_KEY,
   IMAGE_OFFSET_KEY,
+  VIDEO_OFFSET_KEY,
+  VISION_INPUTS,
   image_token_offsets,
   shard_aux_only_cp_batch,
 )
@@ -70,7 +72,6 @@ __all__ = ["Gemma4", "gemma4_masks"]
 UNSUPPORTED_INPUTS = {
   "input_features": "audio inputs: this Gemma 4 has no audio tower or embedder (audio_config "
   "is null)",
-  "pixel_values_videos": "video inputs: pass video frames as images (pixel_values) instead",
 }
 
 
@@ -349,9 +350,9 @@ class Gemma4(nnx.Module):
     Returns:
       ``text_ids`` (placeholders replaced by the pad id), ``image_slot`` (each
       image token's index among the global batch's image tokens, -1 elsewhere),
-      ``audio_slot`` (the same for audio tokens; None for a model without
-      audio) and
-      ``vision_groups`` (or None).
+      ``video_slot`` (the same for video tokens; None for a batch without
+      video frames), ``audio_slot`` (the same for audio tokens; None for a
+      model without audio) and ``vision_groups`` (or None).
     """
     cfg, t = self.cfg, self.cfg.text
     for key, why in UNSUPPORTED_INPUTS.items():
@@ -376,6 +377,9 @@ class Gemma4(nnx.Module):
     return {
       "text_ids": jnp.where(placeholder, t.pad_token_id, ids),
       "image_slot": slots(ids == cfg.image_token_id, IMAGE_OFFSET_KEY),
+      "video_slot": None
+      if batch.get("pixel_values_videos") is None
+      else slots(ids == cfg.video_token_id, VIDEO_OFFSET_KEY),
       # Only a model with audio places it (the others refuse it above).
       "audio_slot": None
       if cfg.audio is None
@@ -405,7 +409,7 @@ class Gemma4(nnx.Module):
     lm = self.model.language_model
     streams = self.token_streams(batch)
     text_ids, slot, groups = streams["text_ids"], streams["image_slot"], streams["vision_groups"]
-    audio_slot = streams["audio_slot"]
+    audio_slot, video_slot = streams["audio_slot"], streams["video_slot"]
     inside = jnp.ones(text_ids.shape, bool)
     if cp is not None:
       cut = functools.partial(
@@ -416,6 +420,7 @@ class Gemma4(nnx.Module):
       )
       text_ids, slot = cut(text_ids, pad_value=t.pad_token_id), cut(slot, pad_value=-1)
       audio_slot = None if audio_slot is None else cut(audio_slot, pad_value=-1)
+      video_slot = None if video_slot is None else cut(video_slot, pad_value=-1)
       groups = None if groups is None else cut(groups, pad_value=-1)
       inside = cut(inside, pad_value=False)
 
@@ -425,7 +430,9 @@ class Gemma4(nnx.Module):
 
     x = table_lookup("embed_tokens").astype(dt) * embed_scale(t.hidden_size, dt)
     if batch.get("pixel_values") is not None:
-      x = self._place_images(x, slot, batch, cp)
+      x = self._place_vision(x, slot, batch, cp, "image")
+    if video_slot is not None:
+      x = self._place_vision(x, video_slot, batch, cp, "video")
     if audio_slot is not None and batch.get("input_features") is not None:
       x = self._place_audio(x, audio_slot, batch, cp)
     x = jnp.where(inside[..., None], x, 0)
@@ -518,29 +525,30 @@ class Gemma4(nnx.Module):
     (:func:`_once_across_ranks`)."""
     return _once_across_ranks(self.image_features, cp, pixel_values, image_position_ids)
 
-  def _place_images(self, x, slot, batch, cp: CPContext | None):
+  def _place_vision(self, x, slot, batch, cp: CPContext | None, kind: str):
     """Soft tokens, numbered row-major over the GLOBAL batch, replace the
-    image tokens: ``slot`` int[B, L] is each image token's number (-1 for
-    the rest)."""
+    image (``kind="image"``) or video (``"video"``) tokens: ``slot`` int[B,
+    L] is each such token's number (-1 for the rest)."""
+    pixels_key, positions_key = VISION_INPUTS[kind][:2]
     if self.cfg.unified:
       # Each soft token is its own patch's: embed only this device's.
       pixels, positions = (
-        jnp.asarray(batch["pixel_values"]),
-        jnp.asarray(batch["image_position_ids"]),
+        jnp.asarray(batch[pixels_key]),
+        jnp.asarray(batch[positions_key]),
       )
       n, m = positions.shape[:2]
       source = _slot_sources(~jnp.all(positions == -1, axis=-1).reshape(n * m), slot)
       patches = pixels.reshape(n * m, -1)[source], positions.reshape(n * m, 2)[source]
       soft = self.model.embed_vision(self.model.vision_embedder(*patches, self.dtype))
       return jnp.where((slot >= 0)[..., None], soft.astype(x.dtype), x)
-    soft, valid = self._split_image_features(batch["pixel_values"], batch["image_position_ids"], cp)
+    soft, valid = self._split_image_features(batch[pixels_key], batch[positions_key], cp)
     n, m, d = soft.shape
     source = _slot_sources(valid.reshape(n * m), slot)
     return jnp.where((slot >= 0)[..., None], gathered(soft.reshape(n * m, d))[source], x)
 
   def _place_audio(self, x, slot, batch, cp: CPContext | None):
     """Audio soft tokens, numbered row-major over the GLOBAL batch, replace the
-    audio tokens (``slot`` as in :meth:`_place_images`).
+    audio tokens (``slot`` as in :meth:`_place_vision`).
 
     E2B, E4B: every soft token of a real frame is placed. Under CP with
     fewer clips than ranks (a long clip in a row), each clip's frames are
@@ -755,6 +763,7 @@ class Gemma4(nnx.Module):
           layout=layout,
           image_token_id=self.cfg.image_token_id,
           audio_token_id=self.cfg.audio_token_id if self.cfg.audio is not None else None,
+          video_token_id=self.cfg.video_token_id,
           # document_balanced: stripes no shorter than the window keep its ring
           # at one hop, and the balance counts each layer's own work.
           min_stripe_len=t.effective_sliding_window,
