@@ -308,8 +308,8 @@ MUTANTS = (
   Mutant(
     "audio packing: a row's clips put in its slots in reverse order",
     "cpjax/data/corpus.py",
-    "    sizes = row[\"audio_sizes\"][row[\"audio_sizes_segment_ids\"] > 0]\n    start = 0\n    for i, n in enumerate(sizes):",
-    "    sizes = row[\"audio_sizes\"][row[\"audio_sizes_segment_ids\"] > 0]\n    start = 0\n    for i, n in reversed(list(enumerate(sizes))):",
+    '    sizes = row["audio_sizes"][row["audio_sizes_segment_ids"] > 0]\n    start = 0\n    for i, n in enumerate(sizes):',
+    '    sizes = row["audio_sizes"][row["audio_sizes_segment_ids"] > 0]\n    start = 0\n    for i, n in reversed(list(enumerate(sizes))):',
     ("tests/test_audio_records.py::test_clips_ride_with_their_documents_through_packing",),
   ),
   Mutant(
