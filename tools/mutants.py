@@ -308,8 +308,8 @@ MUTANTS = (
   Mutant(
     "audio packing: a row's clips put in its slots in reverse order",
     "cpjax/data/corpus.py",
-    '    sizes = row["audio_sizes"][row["audio_sizes_segment_ids"] > 0]\n    start = 0\n    for i, n in enumerate(sizes):',
-    '    sizes = row["audio_sizes"][row["audio_sizes_segment_ids"] > 0]\n    start = 0\n    for i, n in reversed(list(enumerate(sizes))):',
+    '      features[i, :n] = row["audio_features"][start : start + n]',
+    '      features[slots - 1 - i, :n] = row["audio_features"][start : start + n]',
     ("tests/test_audio_records.py::test_clips_ride_with_their_documents_through_packing",),
   ),
   Mutant(
