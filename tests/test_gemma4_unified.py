@@ -162,6 +162,9 @@ def test_audio_that_does_not_match_its_placeholders_is_refused(unified):
     gemma4.prepare_batch(rows, gemma4.Gemma4Config.preset("tiny"))
 
 
+# Suite budget: CI fine-tunes the unified checkpoint with LoRA on the audio
+# example through the CLI (tests/test_audio_training.py).
+@pytest.mark.slow
 def test_the_cli_fine_tunes_the_unified_checkpoint_with_lora_at_cp4(unified, tmp_path, monkeypatch):
   """Synthetic rows with images (one soft token a 48-feature patch): the
   run's step-1 parity check (CP against one device) passes, and the saved

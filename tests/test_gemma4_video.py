@@ -92,7 +92,11 @@ BUILD = {
 }
 
 
-@pytest.fixture(scope="module", params=list(BUILD))
+# Suite budget: the 26B-A4B-like and unified checkpoints in make soak.
+@pytest.fixture(
+  scope="module",
+  params=["dense", *(pytest.param(k, marks=pytest.mark.slow) for k in ("moe", "unified"))],
+)
 def checkpoint(request, tmp_path_factory):
   """(kind, directory, transformers' float64 and float32 logits of the rows)."""
   path = str(tmp_path_factory.mktemp(f"video-{request.param}"))
