@@ -610,3 +610,66 @@ def test_linear_tracing_leaves_the_unread_origin_message_unbuilt():
 
   jax.make_jaxpr(f)(1.0)
   assert "while tracing the function f" in seen[0] and seen[1] == "" and seen[2] == seen[0]
+
+
+def _with_tower(layers: int = 1, **tower):
+  """The tiny preset with an audio tower over the extractor's 128 mel bins."""
+  import dataclasses
+
+  from cpjax.models.gemma4.audio_config import Gemma4AudioConfig
+
+  audio = Gemma4AudioConfig(num_hidden_layers=layers, **tower)
+  return dataclasses.replace(gemma4.Gemma4Config.preset("tiny"), audio=audio)
+
+
+@pytest.mark.slow  # (suite budget: two compiles with the tower, 90 s; CI runs the
+# planning guide's --audio-seconds command through the closed form)
+def test_a_plan_with_audio_compiles_the_clip_into_the_step():
+  """``audio_seconds``: each row's clip (100 log-mel frames and 25 soft
+  tokens a second) is in the compiled step's inputs, replicated: its
+  arguments grow by the clip's features and mask exactly, its temporaries
+  by the tower's activations, and the closed form adds the same features; a
+  model without audio, or more soft tokens than the row, is refused."""
+  cfg = _with_tower(hidden_size=64, num_attention_heads=4, output_proj_dims=64)
+  shape = plan.StepShape(512, {"cp": 4}, audio_seconds=4)
+  assert shape.audio(cfg) == (400, 128, 100)
+  compiled = {s: plan.compiled_plan(cfg, shape, model="t", audio_seconds=s) for s in (0, 4)}
+  estimated = {s: plan.estimate(cfg, shape, model="t", audio_seconds=s) for s in (0, 4)}
+  inputs = 400 * (128 * 4 + 1)  # float32 features and a bool mask, one row
+  # (the compiled plan's activations hold the arguments beyond the state)
+  grown = compiled[4].activations - compiled[0].activations
+  assert grown > inputs and compiled[4].params == compiled[0].params
+  assert estimated[4].activations - estimated[0].activations > inputs
+  assert estimated[4].flops > estimated[0].flops
+  with pytest.raises(ValueError, match=r"audio_seconds=4 needs a model that takes audio"):
+    plan.estimate(gemma4.Gemma4Config.preset("tiny"), shape, model="t")
+  with pytest.raises(ValueError, match=r"makes 100 soft tokens, more than the row's seq_len=64"):
+    plan.estimate(cfg, shape, model="t", seq_len=64)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs cpjax[tpu]")
+@pytest.mark.parametrize("lora_rank", [None, 4])
+def test_the_closed_forms_audio_tower_follows_xla_tpu(lora_rank):
+  """E2B's tower at 2 layers (the constants were fitted at 1 and 3) on a
+  tiny decoder, v5e-4 at cp = 4: what 30 more seconds of audio a row add to
+  the step's memory, by the closed form, is within 15% of what XLA:TPU adds
+  when the tower trains (full fine-tuning); frozen (LoRA), whose forward's
+  transient XLA schedules differently at each size, it is never less than
+  0.9x of XLA:TPU's nor more than twice it."""
+  from cpjax.training.targets import parse_target
+
+  cfg = _with_tower(layers=2)
+  target = parse_target("v5e-4")
+  shape = plan.StepShape(8192, {"cp": 4}, dtype="bfloat16", lora_rank=lora_rank)
+  tpu, closed = {}, {}
+  for seconds in (30, 60):
+    tpu[seconds] = plan.compiled_plan(
+      cfg, shape, model="t", target=target, audio_seconds=seconds
+    ).activations
+    closed[seconds] = plan.estimate(cfg, shape, model="t", audio_seconds=seconds).activations
+  theirs, ours = tpu[60] - tpu[30], closed[60] - closed[30]
+  if lora_rank is None:
+    assert abs(ours - theirs) <= 0.15 * theirs, (ours / 2**20, theirs / 2**20)
+  else:
+    assert 0.9 * theirs <= ours <= 2 * theirs, (ours / 2**20, theirs / 2**20)

@@ -219,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
     help="rows per step (default: one per batch shard)",
   )
   plan.add_argument(
+    "--audio-seconds",
+    type=_positive_float,
+    default=None,
+    metavar="S",
+    help="plan rows that each hold a clip of S seconds of audio (E2B, E4B, 12B; "
+    "25 soft tokens a second among the row's): the tower's activations and the "
+    "clips' features count",
+  )
+  plan.add_argument(
     "--device-memory",
     type=_memory,
     default=None,

@@ -173,6 +173,7 @@ def step_shape(args: argparse.Namespace, mesh: dict | None) -> StepShape:
     shard_state=args.shard_state,
     layout=args.layout,
     strategy=args.strategy,
+    audio_seconds=args.audio_seconds or 0.0,
   )
 
 
@@ -340,8 +341,9 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   except ValueError as e:  # a mesh the model cannot use: a usage error, before compiling
     parser.exit(2, f"cpjax plan: error: {e}\n")
   where = "" if target is None else f" ({target.chip.kind}, {target.topology})"
+  audio = f", {args.audio_seconds:g} s of audio a row" if args.audio_seconds else ""
   print(
-    f"cpjax plan: Gemma 4 {name}, S={args.seq_len}, remat {args.remat}, "
+    f"cpjax plan: Gemma 4 {name}, S={args.seq_len}{audio}, remat {args.remat}, "
     f"{rows[0].training} training, {devices} devices{where}; per device:"
   )
   for row in rows:

@@ -74,6 +74,21 @@ XLA:GPU (the 26B-A4B slice, 2 layers, S = 8192 and 32768 on fsdp=2 x cp=4,
 ep=8, judged on a v5p-16 and 8 H200s: benchmarks/compile_targets.py
 --model a4b-slice).
 
+Audio (``audio_seconds``: one clip a row, ``U`` soft tokens of ``T``
+frames of ``W`` features, :meth:`StepShape.audio`): every device holds
+the batch's whole ``input_features`` and mask, ``B * T * (4W + 1)``, and
+every clip's soft tokens after the tower, ``B * U * D * a`` (and their
+float32 gradient when the tower trains). E2B and E4B's tower runs on
+``U_r = B * U / cp`` soft tokens a rank (a clip split over the ranks when
+``B < cp``, else ``ceil(B / cp)`` whole clips): training it keeps
+:data:`AUDIO_CONV_BYTES` bytes a value of its first convolution's output
+(``2 * (W / 2) * C0`` values a soft token, ``C0`` its channels) and
+:data:`AUDIO_LAYER_VALUES` values of ``H`` a conformer layer, per soft
+token; frozen (LoRA) only the forward's :data:`AUDIO_FORWARD_BYTES` a
+convolution value (fitted to XLA:TPU for v5e-4, cp = 4, towers of 1 and 3
+layers at H = 1024, 20 and 60 s a row). FLOPs: ``6`` (frozen: ``2``) times
+the tower's and ``embed_audio``'s parameters per soft token.
+
 The cast copy, table gradient, widest Dh and ring buffers are from XLA:TPU's
 buffer report, and its live-range report at the backward's peak adds
 :data:`TPU_PEAK_VALUES` float32 ``B * L * D`` (the residual stream's gradient
@@ -111,6 +126,9 @@ if TYPE_CHECKING:
   from cpjax.training.run_config import RunConfig
 
 __all__ = [
+  "AUDIO_CONV_BYTES",
+  "AUDIO_FORWARD_BYTES",
+  "AUDIO_LAYER_VALUES",
   "DISPATCH_GPU",
   "GPU_LAYER_VALUES",
   "GPU_LAYER_VALUES_LORA",
@@ -137,9 +155,52 @@ GPU_LAYER_VALUES = 4.5
 # 4-bit base and remat full: E2B at S = 65536 on an H100 (59.9 GiB) and 131072
 # on an H200 (109), E4B at 32768 on an H100 (58.4); 2.8 puts each within 2%.
 GPU_LAYER_VALUES_LORA = 2.8
+# The audio tower's activations per soft token a rank (XLA:TPU, v5e-4, cp = 4,
+# bfloat16 steps of a tiny decoder with E2B's tower at 1 and 3 layers, 20 and
+# 60 s a row: the slopes of the temporaries in the clip's length). Training
+# the tower: bytes a value of the first convolution's output (its activations,
+# norms and their float32 gradients), and values of H a conformer layer keeps.
+AUDIO_CONV_BYTES = 27
+AUDIO_LAYER_VALUES = 40
+# Frozen (LoRA): the forward's working set, bytes a first-convolution value:
+# the largest of the same fits (1, 2 and 3 layers gave 1.9, 2.9 and 1.0; XLA
+# schedules the transient differently each time), so that the plan errs high.
+AUDIO_FORWARD_BYTES = 3
 # XLA:GPU's buffers of the expert dispatch's size beyond the four it sends,
 # receives, computes and returns, fitted to the 26B-A4B slice's H200 rows.
 DISPATCH_GPU = 23
+
+
+@functools.lru_cache(maxsize=8)
+def _audio_params(cfg) -> int:
+  """Parameters of the audio path: the tower (or the unified embedder) and ``embed_audio``."""
+  import jax
+  from flax import nnx
+
+  params = nnx.state(_abstract_model(cfg), nnx.Param)
+  return sum(
+    int(np.prod(x.shape))
+    for p, x in jax.tree_util.tree_leaves_with_path(params)
+    if "audio" in jax.tree_util.keystr(p)
+  )
+
+
+def _audio(cfg, clip, *, rows: int, cp: int, a: int, trained: bool) -> tuple[float, float]:
+  """(bytes a device, FLOPs a device) of each row's clip (the module's docstring)."""
+  from cpjax.models.gemma4.audio_config import Gemma4AudioConfig
+
+  frames, width, soft = clip
+  d = cfg.text.hidden_size
+  local = rows * soft / cp if rows < cp else -(-rows // cp) * soft
+  here = rows * frames * (4 * width + 1) + rows * soft * d * (a + (4 if trained else 0))
+  if isinstance(cfg.audio, Gemma4AudioConfig):
+    conv = 2 * (width // 2) * cfg.audio.subsampling_conv_channels[0]
+    if trained:
+      layer = AUDIO_LAYER_VALUES * cfg.audio.hidden_size * a * cfg.audio.num_hidden_layers
+      here += local * (AUDIO_CONV_BYTES * conv + layer)
+    else:
+      here += local * AUDIO_FORWARD_BYTES * conv
+  return here, (6 if trained else 2) * _audio_params(cfg) * local
 
 
 def _abstract_model(cfg):
@@ -444,6 +505,11 @@ def estimate(
   else:
     peak = TPU_PEAK_VALUES * 4 * rows * local * d
   activations = grads + gathered + ring + tables_grad + full_row + saved + working + logits + peak
+  clip = step.audio(cfg)
+  audio_bytes, audio_flops = 0.0, 0.0
+  if clip is not None:
+    audio_bytes, audio_flops = _audio(cfg, clip, rows=rows, cp=cp, a=a, trained=lora_rank is None)
+  activations += audio_bytes
   tokens = rows * local
   passes = 6 if lora_rank is None else 4  # forward, input and (full) weight gradients
   matmul = (passes + (2 if remat != "none" else 0)) * active * tokens / tp
@@ -453,7 +519,7 @@ def estimate(
   for i in range(layers):
     visible = seq_len / 2 if t.is_full(i) else min(t.effective_sliding_window, seq_len)
     attention += 4 * tokens * visible * t.num_attention_heads / tp * t.layer_head_dim(i)
-  flops = matmul + attention * (4 if remat != "none" else 3)
+  flops = matmul + attention * (4 if remat != "none" else 3) + audio_flops
   return Plan(
     model,
     seq_len,

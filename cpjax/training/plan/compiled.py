@@ -181,9 +181,34 @@ def compile_step(
     "input_ids": np.ones((rows, seq_len), np.int32),
     "labels": np.ones((rows, seq_len), np.int32),
   }
+  clip = step_shape.audio(cfg)
+  if clip is not None:
+    # A one-frame stand-in of each row's clip through the sharder (an hour's
+    # features are 184 MB a row, which it would place on every device), then
+    # the clip's shapes, ids and offsets in its place.
+    text["input_ids"][:, 0] = cfg.audio_token_id
+    width = clip[1]
+    text["input_features"] = np.zeros((rows, 1, width), np.float32)
+    text["input_features_mask"] = np.ones((rows, 1), bool)
   sharder = Gemma4.prepare_model_inputs_for_cp(abstract, layout=step_shape.layout)["cp_sharder"]
   kernels = resolve_implementation(None, platform=mesh_platform(grid))
   batch, layout = sharder.shard_batch(text, host, batch_axis=batch_axis, implementation=kernels)
+  if clip is not None:
+    from cpjax.models.gemma4.cp_batch import AUDIO_OFFSET_KEY, image_token_offsets
+
+    frames, width, soft = clip
+    ids = np.ones((rows, seq_len), np.int32)
+    ids[:, :soft] = cfg.audio_token_id
+    batch["input_ids"] = jax.device_put(ids, batch["input_ids"].sharding)
+    offsets = np.asarray(image_token_offsets(ids == cfg.audio_token_id))
+    batch[AUDIO_OFFSET_KEY] = jax.device_put(offsets, batch[AUDIO_OFFSET_KEY].sharding)
+    # (the sharder passes them through whole, and the step takes them replicated)
+    whole = NamedSharding(host, jax.sharding.PartitionSpec())
+    for key, shape_, dtype_ in (
+      ("input_features", (rows, frames, width), np.float32),
+      ("input_features_mask", (rows, frames), np.bool_),
+    ):
+      batch[key] = jax.ShapeDtypeStruct(shape_, dtype_, sharding=whole)
   if host is not grid:
     batch = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(

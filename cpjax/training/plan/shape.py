@@ -27,6 +27,7 @@ from cpjax.training.run_config import RunConfig, ShardState
 from cpjax.training.step_time import StepTime
 
 if TYPE_CHECKING:
+  from cpjax.models.gemma4.config import Gemma4Config
   from cpjax.models.gemma4.text_config import Gemma4TextConfig
 
 __all__ = ["GiB", "Plan", "SHARD_STATE", "StepShape", "format_bytes", "parse_bytes", "run_shape"]
@@ -174,6 +175,9 @@ class StepShape:
       kind), one strategy, or one per layer kind.
     loss_strategy: the loss's CP strategy; None: as the run takes it (the
       rule's ``"auto"`` with ``strategy="auto"``, else the ring).
+    audio_seconds: seconds of audio in each row, one clip whose soft tokens
+      (25 a second: :func:`audio_shape`) are among the row's ``S``; 0: text
+      only. A model with an audio tower or the 12B's embedder.
   """
 
   seq_len: int
@@ -191,6 +195,7 @@ class StepShape:
   layout: LayoutKind | ShardLayout = "load_balanced"
   strategy: Any = "auto"
   loss_strategy: str | None = None
+  audio_seconds: float = 0.0
 
   def __post_init__(self):
     # A step's shape is of rows of seq_len: a ShardLayout's kind is all it keeps.
@@ -245,7 +250,7 @@ class StepShape:
     >>> StepShape.take(None, {"seq_len": 8, "mesh": {"cp": 2}, "rank": 4})
     Traceback (most recent call last):
     ...
-    TypeError: unknown step settings ['rank']; a StepShape has ['base_dtype', ...]
+    TypeError: unknown step settings ['rank']; a StepShape has ['audio_seconds', ...]
     """
     settings = dict(settings or {})
     fields = sorted(f.name for f in dataclasses.fields(cls))
@@ -261,6 +266,46 @@ class StepShape:
     elif not isinstance(shape, cls):
       raise TypeError(f"shape must be a StepShape or a RunConfig, got {type(shape).__name__}")
     return dataclasses.replace(shape, **settings)
+
+  def audio(self, cfg: Gemma4Config) -> tuple[int, int, int] | None:
+    """Return each row's clip as ``(frames T, features W, soft tokens U)``, or None.
+
+    E2B and E4B: log-mel frames every 10 ms of ``W`` mel bins, ``U =
+    ceil(ceil(T / 2) / 2)`` after the tower's two stride-2 convolutions; the
+    12B: frames of ``W`` waveform samples (640: 40 ms), one soft token each.
+
+    Args:
+      cfg: the model's :class:`~cpjax.models.gemma4.Gemma4Config`.
+
+    Raises:
+      ValueError: audio for a model without audio, or more soft tokens than
+        the row holds.
+
+    >>> from cpjax.models.gemma4 import Gemma4Config
+    >>> StepShape(131072, {"cp": 16}, audio_seconds=3600).audio(Gemma4Config.preset("e4b"))
+    (360000, 128, 90000)
+    """
+    from cpjax.models.gemma4.audio_config import Gemma4AudioConfig
+
+    if not self.audio_seconds:
+      return None
+    if cfg.audio is None:
+      raise ValueError(
+        f"audio_seconds={self.audio_seconds} needs a model that takes audio (E2B, E4B, "
+        f"12B); this Gemma 4 has no audio_config"
+      )
+    if isinstance(cfg.audio, Gemma4AudioConfig):
+      width, frames = cfg.audio.mel_bins, round(100 * self.audio_seconds)
+      soft = -(-(-(-frames // 2)) // 2)
+    else:
+      width = cfg.audio.audio_embed_dim
+      frames = soft = math.ceil(16000 * self.audio_seconds / width)
+    if soft > self.seq_len:
+      raise ValueError(
+        f"audio_seconds={self.audio_seconds} makes {soft} soft tokens, more than the "
+        f"row's seq_len={self.seq_len}"
+      )
+    return frames, width, soft
 
   def strategies(self, text: Gemma4TextConfig, *, device_memory: int | None = None) -> dict:
     """Return the step's ``{"strategy": ..., "loss_strategy": ...}`` as the run takes them.
