@@ -71,7 +71,12 @@ def test_each_published_size_recipe_fits_its_device(name):
   assert abs(chips.chip.memory - plan.parse_bytes(target.device_memory)) < 2**30
   cfg = Gemma4Config.preset(run.model)
   est = plan.estimate(
-    cfg, run, model=run.model, platform=chips.chip.platform, device_memory=chips.chip.memory
+    cfg,
+    run,
+    model=run.model,
+    platform=chips.chip.platform,
+    device_memory=chips.chip.memory,
+    audio_seconds=target.audio_seconds,
   )
   memory = plan.parse_bytes(target.device_memory)
   assert est.fits(memory), est.row()

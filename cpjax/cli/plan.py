@@ -93,6 +93,11 @@ def _from_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     args.model, args.checkpoint = run.model, run.checkpoint
   if args.model is None and args.checkpoint is None:
     args.model = "tiny"
+  if args.recipe is not None and args.audio_seconds is None:
+    from cpjax import recipes
+
+    # A long-audio recipe was planned with its clip.
+    args.audio_seconds = recipes.RECIPES[args.recipe].audio_seconds or None
   if run is not None:
     # A step holds one microbatch at a time.
     rows = run.dataset.batch_size // run.dataset.microbatches

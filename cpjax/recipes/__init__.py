@@ -6,7 +6,7 @@ names the devices each was planned to fit with ``cpjax plan --write-config``
 (the closed form; the tests check that it still fits).
 
 >>> RECIPES["12b-lora-128k-v5e"]
-Recipe(device_memory='16GiB', devices=16, target='v5e-16')
+Recipe(device_memory='16GiB', devices=16, target='v5e-16', audio_seconds=0.0)
 >>> path("tiny").endswith("tiny.yaml")
 True
 """
@@ -24,11 +24,13 @@ class Recipe:
   """The devices a recipe was planned for: ``devices`` of ``device_memory``
   each (None: the tiny ones, which train here on emulated CPU devices), and
   the chips by name (``cpjax plan --recipe NAME --target TARGET`` compiles it
-  for them)."""
+  for them); a long-audio recipe's rows were planned with a clip of
+  ``audio_seconds`` each (``cpjax plan --recipe NAME`` plans them so)."""
 
   device_memory: str | None = None
   devices: int | None = None
   target: str | None = None
+  audio_seconds: float = 0.0
 
 
 # What each recipe is for is in its file's first comments.
@@ -66,6 +68,8 @@ RECIPES = {
   "31b-lora-128k": Recipe("141GiB", 8, "h200-8"),
   "12b-lora-128k-v5e": Recipe("16GiB", 16, "v5e-16"),
   "12b-lora-256k-v5e": Recipe("16GiB", 32, "v5e-32"),
+  # An hour of speech a row (90,000 of its 131,072 tokens are audio).
+  "e4b-lora-128k-audio-v5e": Recipe("16GiB", 16, "v5e-16", audio_seconds=3600),
   # One GPU: QLoRA at the longest power-of-two row its compiler fits.
   "e2b-qlora-64k-h100": Recipe("79.1GiB", 1, "h100-1"),
   "e2b-qlora-128k-h200": Recipe("141GiB", 1, "h200-1"),
