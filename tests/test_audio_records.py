@@ -385,3 +385,21 @@ def test_the_example_clips_are_what_their_answers_say():
       assert abs(centroid[0] - 660) < 5 and abs(centroid[1] - 660) < 5
     else:
       assert abs(centroid[0] - 4000) < 200  # white: the mean of 0 to 8 kHz
+
+
+def test_a_document_with_bad_audio_arrays_is_refused(tmp_path):
+  """write_documents checks a document's audio arrays before writing it."""
+  good = {
+    "input_ids": np.array([1, 2]),
+    "audio_features": np.zeros((3, 4), np.float32),
+    "audio_mask": np.array([1, 1, 0], np.uint8),
+    "audio_sizes": np.array([2, 1]),
+  }
+  assert corpus.write_documents(tmp_path / "ok.array_record", [good]) == 1
+  for bad in (
+    dict(good, audio_features=np.zeros((3, 4))),  # float64
+    dict(good, audio_mask=np.array([1, 2, 0])),
+    dict(good, audio_sizes=np.array([2, 2])),
+  ):
+    with pytest.raises(ValueError, match=r"document 0: audio_features must be float32 \[t, W\]"):
+      corpus.write_documents(tmp_path / "bad.array_record", [bad])
