@@ -2,6 +2,7 @@
 
 import ast
 import os
+import sys
 
 import jax
 import pytest
@@ -69,7 +70,9 @@ AUDIO_EXAMPLE = os.path.join(
 )
 
 
-def write_audio_checkpoint(directory: str, kind: str, *, seed: int = 0) -> str:
+def write_audio_checkpoint(
+  directory: str, kind: str, *, seed: int = 0, video_frames: int | None = None
+) -> str:
   """A tiny Gemma 4 that takes audio, as a user downloads one, every file
   written by transformers: the model's ``save_pretrained`` (every persistent
   tensor random), ``AutoTokenizer.save_pretrained`` of a Gemma-style
@@ -79,7 +82,10 @@ def write_audio_checkpoint(directory: str, kind: str, *, seed: int = 0) -> str:
   inputs, K/V sharing, a vision tower and a 2-layer conformer over the
   extractor's 128 log-mel bins) or ``"unified"`` (12B-like: the encoder-free
   embedders, 640-sample waveform frames). The vocabulary is the
-  tokenizer's, with its markers' ids."""
+  tokenizer's, with its markers' ids. ``video_frames`` (E2B-like only): the
+  tokenizer has Gemma 4's video placeholder too, and the processor config a
+  video processor sampling that many frames a video (its patches the
+  tower's)."""
   import json
   import sys
 
@@ -103,7 +109,13 @@ def write_audio_checkpoint(directory: str, kind: str, *, seed: int = 0) -> str:
     texts + ["system user model"],
     vocab_size=400,
     config=MARKERS,
-    special_tokens=(*SPECIAL_TOKENS, "<|audio>", "<|audio|>", "<audio|>"),
+    special_tokens=(
+      *SPECIAL_TOKENS,
+      "<|audio>",
+      "<|audio|>",
+      "<audio|>",
+      *(("<|video|>",) if video_frames else ()),
+    ),
   )
   tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
   ids = {
@@ -117,6 +129,10 @@ def write_audio_checkpoint(directory: str, kind: str, *, seed: int = 0) -> str:
       ("eoa_token_index", "eoa_token"),
     )
   }
+  if video_frames:
+    if kind != "e2b":
+      raise ValueError(f"video_frames is for the E2B-like checkpoint, got kind {kind!r}")
+    ids["video_token_id"] = tokenizer.convert_tokens_to_ids("<|video|>")
   vocab = len(tokenizer)
   if kind == "e2b":
     spec = make_fixtures.MODELS["ple_kv_sharing"]
@@ -148,11 +164,40 @@ def write_audio_checkpoint(directory: str, kind: str, *, seed: int = 0) -> str:
   make_fixtures.randomize(model, seed)
   model.save_pretrained(directory)
   tokenizer.save_pretrained(directory)
+  processors: dict = {
+    "feature_extractor": {"feature_extractor_type": extractor, "sampling_rate": 16000}
+  }
+  if video_frames:
+    vision = make_fixtures.VISION
+    processors["video_processor"] = {
+      "video_processor_type": "Gemma4VideoProcessor",
+      "patch_size": vision["patch_size"],
+      "pooling_kernel_size": vision["pooling_kernel_size"],
+      "max_soft_tokens": 70,
+      "num_frames": video_frames,
+    }
   with open(os.path.join(directory, "processor_config.json"), "w") as f:
-    json.dump(
-      {"feature_extractor": {"feature_extractor_type": extractor, "sampling_rate": 16000}}, f
-    )
+    json.dump(processors, f)
   return directory
+
+
+# torchvision for transformers' video processor, installed apart from the test
+# environment (``pip install --no-deps --target DIR torchvision==0.28.0``, as
+# .ci/run does): tests/video_reference.py says why.
+TORCHVISION = os.path.join(sys.prefix, "torchvision-cpu")
+
+
+def write_video(path: str, frames, fps: int) -> str:
+  """Encode uint8 [T, H, W, 3] RGB frames as an MP4 (MPEG-4 part 2) at ``fps``."""
+  import av
+
+  with av.open(path, "w") as container:
+    stream = container.add_stream("mpeg4", rate=fps)
+    stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+    for frame in frames:
+      container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+    container.mux(stream.encode())
+  return path
 
 
 def fake_slice_compiler(monkeypatch, totals: dict) -> list:

@@ -148,7 +148,7 @@ def test_bad_records_are_dropped_and_reported_by_line(checkpoint, tmp_path):
     {"text": ""},  # 7 empty
     {
       "messages": [
-        {"role": "user", "content": [{"type": "video"}]},
+        {"role": "user", "content": [{"type": "pdf", "pdf": "paper.pdf"}]},
         {"role": "assistant", "content": "x"},
       ]
     },  # 8 bad part

@@ -147,6 +147,7 @@ ALIAS_VALUES = {
   "--microbatches": "2",
   "--images-per-row": "3",
   "--audio-clips-per-row": "2",
+  "--videos-per-row": "2",
   "--lr": "0.5",
   "--lr-schedule": "cosine",
   "--warmup-steps": "3",

@@ -276,6 +276,56 @@ MUTANTS = (
     "      else slots(ids == cfg.video_token_id, IMAGE_OFFSET_KEY),",
     ("tests/test_gemma4_video.py::test_logits_with_video_equal_transformers[dense]",),
   ),
+  # --- video in chat JSONL, records and packing (issue 64, item 3)
+  Mutant(
+    "video resize: negative weights rounded toward +inf, not away from zero",
+    "cpjax/data/video.py",
+    "  fixed = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5))",
+    "  fixed = np.trunc(scaled + 0.5)",
+    ("tests/test_video_records.py::test_frames_resize_as_torch_does",),
+  ),
+  Mutant(
+    "video resize: fewer fraction bits than torch's weights keep",
+    "cpjax/data/video.py",
+    "_MAX_PRECISION = 22",
+    "_MAX_PRECISION = 12",
+    ("tests/test_video_records.py::test_frames_resize_as_torch_does",),
+  ),
+  Mutant(
+    "video records: frames sampled from first to last, not at i * total // num_frames",
+    "cpjax/data/video.py",
+    "    indices = np.arange(num_frames, dtype=np.int64) * total // num_frames",
+    "    indices = np.linspace(0, total - 1, num_frames).astype(np.int64)",
+    ("tests/test_video_records.py::test_conversation_with_videos_equals_gemma4_processor",),
+  ),
+  Mutant(
+    "video records: a video's frames not separated by spaces in the text",
+    "cpjax/data/video.py",
+    '  return " ".join(',
+    '  return "".join(',
+    ("tests/test_video_records.py::test_conversation_with_videos_equals_gemma4_processor",),
+  ),
+  Mutant(
+    "video records: video tokens count in the loss of an answer",
+    "cpjax/data/tokenizer.py",
+    "      answer &= ids != self.token_id(self.video_token)",
+    "      pass",
+    ("tests/test_video_records.py::test_videos_ride_with_their_documents_through_packing",),
+  ),
+  Mutant(
+    "video packing: video tokens marked as image tokens in mm_token_type_ids",
+    "cpjax/data/corpus.py",
+    '      out["mm_token_type_ids"] = np.where(ids == self.video["video_token_id"], 2, types)',
+    '      out["mm_token_type_ids"] = np.where(ids == self.video["video_token_id"], 1, types)',
+    ("tests/test_video_records.py::test_videos_ride_with_their_documents_through_packing",),
+  ),
+  Mutant(
+    "video packing: a row's frames put in its slots in reverse order",
+    "cpjax/data/corpus.py",
+    '      pixels[i, :n] = pixel_values(row["video_patches"][start : start + n])',
+    '      pixels[slots - 1 - i, :n] = pixel_values(row["video_patches"][start : start + n])',
+    ("tests/test_video_records.py::test_videos_ride_with_their_documents_through_packing",),
+  ),
   # --- audio in chat JSONL, records and packing (issue 64, item 3)
   Mutant(
     "audio records: a clip's placeholder expanded to one token per feature frame",
@@ -294,15 +344,15 @@ MUTANTS = (
   Mutant(
     "audio records: audio tokens count in the loss",
     "cpjax/data/tokenizer.py",
-    '    for key in ("image_token", "audio_token"):',
-    '    for key in ("image_token",):',
+    '    for token in (self.special_tokens.get("image_token"), self.special_tokens.get("audio_token")):',
+    '    for token in (self.special_tokens.get("image_token"),):',
     ("tests/test_audio_records.py::test_conversation_with_audio_equals_gemma4_processor",),
   ),
   Mutant(
     "audio records: placeholders expanded without the begin / end of audio markers",
     "cpjax/data/tokenizer.py",
-    "        piece_out = begin + piece * next(left) + end",
-    "        piece_out = piece * next(left)",
+    "      return token, [b + token * n + e for n in counts]",
+    "      return token, [token * n for n in counts]",
     ("tests/test_audio_records.py::test_conversation_with_audio_equals_gemma4_processor",),
   ),
   Mutant(
@@ -1007,8 +1057,8 @@ MUTANTS = (
   Mutant(
     "tokenizer: image tokens may count in the loss",
     "cpjax/data/tokenizer.py",
-    '    for key in ("image_token", "audio_token"):',
-    '    for key in ("audio_token",):',
+    '    for token in (self.special_tokens.get("image_token"), self.special_tokens.get("audio_token")):',
+    '    for token in (self.special_tokens.get("audio_token"),):',
     ("tests/test_images.py::test_conversation_with_images_equals_gemma4_processor",),
   ),
   Mutant(

@@ -13,9 +13,12 @@ with images ``image_patches`` uint8[n, F] (the resized images' patches,
 int32[k] (patches per image); for a document with audio ``audio_features``
 float32[t, W] (every clip's feature frames, :mod:`cpjax.data.audio`),
 ``audio_mask`` uint8[t] (real frames) and ``audio_sizes`` int32[a] (frames
-per clip). A corpus with images or audio is a directory whose
-``summary.json`` (written by :func:`prepare_data`) gives the image processor
-and the audio feature extractor.
+per clip); for a document with videos ``video_patches`` uint8[m, F] (every
+sampled frame's patches, :mod:`cpjax.data.video`), ``video_positions``
+int32[m, 2] and ``video_sizes`` int32[f] (patches per frame). A corpus with
+images, audio or video is a directory whose ``summary.json`` (written by
+:func:`prepare_data`) gives the image processor, the audio feature
+extractor and the video processor.
 
 The pipeline (:func:`packed_rows`):
 
@@ -34,8 +37,12 @@ The pipeline (:func:`packed_rows`):
    and ``mm_token_type_ids`` (1 image, 3 audio, as Gemma 4's processors);
    with audio, ``audio_clips_per_row`` clip slots (``input_features``
    float32[C, L, W] and ``input_features_mask`` bool[C, L], L the corpus's
-   longest clip). Packing keeps every document's images and clips with it
-   and never puts more of them in a row than it has slots.
+   longest clip); with video, ``videos_per_row`` video slots of the video
+   processor's ``num_frames`` frames each (``pixel_values_videos``
+   float32[V * N, P', F], ``video_position_ids``, ``num_frames_per_video``
+   int32[V]; ``mm_token_type_ids`` 2). Packing keeps every document's images,
+   clips and videos with it and never puts more of them in a row than it has
+   slots.
 
 It is deterministic, and resumable: the iterator's ``get_state()`` /
 ``set_state()`` continue exactly where a run stopped.
@@ -45,7 +52,8 @@ Texts and conversations in JSONL become such a corpus with
 the checkpoint's own tokenizer and chat template.
 
 Shape letters: ``B`` rows per batch, ``S`` tokens per row, ``I`` image
-slots and ``C`` audio clip slots per row.
+slots, ``C`` audio clip slots and ``V`` video slots per row, ``N`` frames a
+video.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = [
   "corpus_audio",
+  "corpus_video",
   "corpus_images",
   "flatten_image_slots",
   "packed_batches",
@@ -87,17 +96,20 @@ _NPZ_LOCK = threading.Lock()
 
 _IMAGE_KEYS = ("image_patches", "image_positions", "image_sizes")
 _AUDIO_KEYS = ("audio_features", "audio_mask", "audio_sizes")
+_VIDEO_KEYS = ("video_patches", "video_positions", "video_sizes")
+_MEDIA_KEYS = (*_IMAGE_KEYS, *_AUDIO_KEYS, *_VIDEO_KEYS)
 
 
 def _record(doc, number: int) -> bytes:
   """One document's record: raw int32 tokens, or an .npz with its loss mask
-  (and images and audio)."""
+  (and images, audio and video)."""
   if isinstance(doc, Mapping):
-    unknown = set(doc) - {"input_ids", "loss_mask", *_IMAGE_KEYS, *_AUDIO_KEYS}
+    unknown = set(doc) - {"input_ids", "loss_mask", *_MEDIA_KEYS}
     if unknown or "input_ids" not in doc:
       raise ValueError(
         f"document {number} must have 'input_ids' and optionally 'loss_mask', "
-        f"{list(_IMAGE_KEYS)} and {list(_AUDIO_KEYS)}, got keys {sorted(doc)}"
+        f"{list(_IMAGE_KEYS)}, {list(_AUDIO_KEYS)} and {list(_VIDEO_KEYS)}, got keys "
+        f"{sorted(doc)}"
       )
     tokens, mask = np.asarray(doc["input_ids"]), doc.get("loss_mask")
   else:
@@ -107,7 +119,7 @@ def _record(doc, number: int) -> bytes:
       f"document {number} must be a non-empty 1-D sequence of token ids, got "
       f"{tokens.dtype}{list(tokens.shape)}"
     )
-  if mask is None and not any(k in doc for k in (*_IMAGE_KEYS, *_AUDIO_KEYS)):
+  if mask is None and not any(k in doc for k in _MEDIA_KEYS):
     return tokens.astype(_TOKEN).tobytes()
   mask = np.ones(tokens.shape, np.uint8) if mask is None else np.asarray(mask)
   if mask.shape != tokens.shape or not (mask.dtype == bool or np.isin(mask, (0, 1)).all()):
@@ -116,26 +128,9 @@ def _record(doc, number: int) -> bytes:
       f"{tokens.shape}, got {mask.dtype}{list(mask.shape)}"
     )
   arrays = {"input_ids": tokens.astype(_TOKEN), "loss_mask": mask.astype(np.uint8)}
-  if any(k in doc for k in _IMAGE_KEYS):
-    patches, positions, sizes = (np.asarray(doc.get(k)) for k in _IMAGE_KEYS)
-    if (
-      patches.dtype != np.uint8
-      or patches.ndim != 2
-      or positions.shape != (len(patches), 2)
-      or sizes.ndim != 1
-      or sizes.sum() != len(patches)
-    ):
-      raise ValueError(
-        f"document {number}: image_patches must be uint8 [n, F], "
-        f"image_positions [n, 2] and image_sizes [k] summing to n, got "
-        f"{patches.dtype}{list(patches.shape)}, {list(positions.shape)}, "
-        f"{sizes.tolist()}"
-      )
-    arrays.update(
-      image_patches=patches,
-      image_positions=positions.astype(np.int32),
-      image_sizes=sizes.astype(np.int32),
-    )
+  for keys, what in ((_IMAGE_KEYS, "k"), (_VIDEO_KEYS, "f")):
+    if any(k in doc for k in keys):
+      arrays.update(_patches(doc, keys, what, number))
   if any(k in doc for k in _AUDIO_KEYS):
     features, real, sizes = (np.asarray(doc.get(k)) for k in _AUDIO_KEYS)
     if (
@@ -157,6 +152,29 @@ def _record(doc, number: int) -> bytes:
   out = io.BytesIO()
   np.savez(out, **arrays)
   return out.getvalue()
+
+
+def _patches(doc: Mapping, keys: Sequence[str], what: str, number: int) -> dict:
+  """A document's image (or video frame) arrays, checked: uint8 patches
+  [n, F], their positions [n, 2] and the patch counts summing to n."""
+  patches, positions, sizes = (np.asarray(doc.get(k)) for k in keys)
+  if (
+    patches.dtype != np.uint8
+    or patches.ndim != 2
+    or positions.shape != (len(patches), 2)
+    or sizes.ndim != 1
+    or sizes.sum() != len(patches)
+  ):
+    raise ValueError(
+      f"document {number}: {keys[0]} must be uint8 [n, F], {keys[1]} [n, 2] and "
+      f"{keys[2]} [{what}] summing to n, got {patches.dtype}{list(patches.shape)}, "
+      f"{list(positions.shape)}, {sizes.tolist()}"
+    )
+  return {
+    keys[0]: patches,
+    keys[1]: positions.astype(np.int32),
+    keys[2]: sizes.astype(np.int32),
+  }
 
 
 def _summary(path: _Corpus) -> dict:
@@ -211,6 +229,23 @@ def corpus_audio(path: _Corpus) -> dict | None:
   }
 
 
+def corpus_video(path: _Corpus) -> dict | None:
+  """Return the video processor of a corpus directory with videos, or None.
+
+  Args:
+    path: the corpus directory.
+
+  Returns:
+    Its ``summary.json``'s ``video_processor`` (patch_size, max_soft_tokens,
+    pooling_kernel_size, num_frames, video_token_id) and
+    max_videos_per_document, or None.
+  """
+  info = _summary(path)
+  if "video_processor" not in info:
+    return None
+  return {**info["video_processor"], "max_videos_per_document": info["max_videos_per_document"]}
+
+
 def write_documents(path: str | os.PathLike, documents: Iterable) -> int:
   """Write documents to an ArrayRecord file; returns how many.
 
@@ -257,13 +292,20 @@ def _files(path: _Corpus) -> list[str]:
 class _Decode:
   """Record bytes -> ``{"input_ids", "loss_mask"}`` int32[T] (and the image
   arrays, empty for a document without images, when ``features`` is the
-  corpus's patch width; the audio arrays likewise with ``audio_width``),
-  naming the file set on a bad record."""
+  corpus's patch width; the audio arrays likewise with ``audio_width``, the
+  video arrays with ``video_features``), naming the file set on a bad record."""
 
-  def __init__(self, where: str, features: int | None, audio_width: int | None = None):
+  def __init__(
+    self,
+    where: str,
+    features: int | None,
+    audio_width: int | None = None,
+    video_features: int | None = None,
+  ):
     self.where = where
     self.features = features
     self.audio_width = audio_width
+    self.video_features = video_features
 
   def __call__(self, record: bytes) -> dict:
     doc: dict[str, np.ndarray]
@@ -287,6 +329,13 @@ class _Decode:
           )
         if self.audio_width is not None and "audio_sizes" in arrays:
           doc.update({k: arrays[k] for k in _AUDIO_KEYS})
+        if "video_sizes" in arrays and self.video_features is None:
+          raise ValueError(
+            f"a record in {self.where} holds videos, but no summary.json "
+            f"describes them: read the directory prepare_data wrote"
+          )
+        if self.video_features is not None and "video_sizes" in arrays:
+          doc.update({k: arrays[k] for k in _VIDEO_KEYS})
     else:
       if len(record) == 0 or len(record) % _TOKEN.itemsize:
         raise ValueError(
@@ -307,6 +356,12 @@ class _Decode:
         audio_mask=np.zeros((0,), np.uint8),
         audio_sizes=np.zeros((0,), np.int32),
       )
+    if self.video_features is not None and "video_sizes" not in doc:
+      doc.update(
+        video_patches=np.zeros((0, self.video_features), np.uint8),
+        video_positions=np.zeros((0, 2), np.int32),
+        video_sizes=np.zeros((0,), np.int32),
+      )
     return doc
 
 
@@ -322,7 +377,11 @@ def _pieces(seq_len: int, max_pieces: int):
       n = len(element["input_ids"])
       if n <= seq_len:
         return [element]
-      for key, what in (("image_sizes", "images"), ("audio_sizes", "audio")):
+      for key, what in (
+        ("image_sizes", "images"),
+        ("audio_sizes", "audio"),
+        ("video_sizes", "videos"),
+      ):
         if len(element.get(key, ())):
           raise ValueError(
             f"a document with {what} has {n} tokens, more than a row's "
@@ -337,9 +396,9 @@ def _pieces(seq_len: int, max_pieces: int):
 
 
 class _ToBatchKeys:
-  """grain's packed features -> cpjax's batch keys (one row); with images
-  and audio, the row's image and clip slots laid out as Gemma 4's processors
-  give them."""
+  """grain's packed features -> cpjax's batch keys (one row); with images,
+  audio and video, the row's image, clip and video slots laid out as Gemma
+  4's processors give them."""
 
   def __init__(
     self,
@@ -347,11 +406,15 @@ class _ToBatchKeys:
     images_per_row: int,
     audio: dict | None = None,
     audio_clips_per_row: int = 0,
+    video: dict | None = None,
+    videos_per_row: int = 0,
   ):
     self.images = images
     self.images_per_row = images_per_row
     self.audio = audio
     self.audio_clips_per_row = audio_clips_per_row
+    self.video = video
+    self.videos_per_row = videos_per_row
 
   def __call__(self, row: dict) -> dict:
     ids = row["input_ids"].astype(np.int32)
@@ -376,7 +439,32 @@ class _ToBatchKeys:
       # Gemma 4's processors mark audio tokens 3 (images 1, video 2).
       types = out.get("mm_token_type_ids", np.zeros_like(ids))
       out["mm_token_type_ids"] = np.where(ids == self.audio["audio_token_id"], 3, types)
+    if self.video is not None:
+      out.update(self._video_slots(row))
+      types = out.get("mm_token_type_ids", np.zeros_like(ids))
+      out["mm_token_type_ids"] = np.where(ids == self.video["video_token_id"], 2, types)
     return out
+
+  def _video_slots(self, row: dict) -> dict:
+    from cpjax.data.images import pixel_values
+
+    assert self.video is not None  # __call__ asks only for a corpus with video
+    k, frames = self.video["pooling_kernel_size"], self.video["num_frames"]
+    slots, max_patches = self.videos_per_row * frames, self.video["max_soft_tokens"] * k * k
+    pixels = np.zeros((slots, max_patches, row["video_patches"].shape[-1]), np.float32)
+    positions = np.full((slots, max_patches, 2), -1, np.int32)
+    sizes = row["video_sizes"][row["video_sizes_segment_ids"] > 0]
+    start = 0
+    for i, n in enumerate(sizes):  # frames in document order, as their placeholders
+      pixels[i, :n] = pixel_values(row["video_patches"][start : start + n])
+      positions[i, :n] = row["video_positions"][start : start + n]
+      start += n
+    return {
+      "pixel_values_videos": pixels,
+      "video_position_ids": positions,
+      # Unused slots are videos too, of frames without patches (no soft token).
+      "num_frames_per_video": np.full((self.videos_per_row,), frames, np.int32),
+    }
 
   def _audio_slots(self, row: dict) -> dict:
     assert self.audio is not None  # __call__ asks only for a corpus with audio
@@ -427,6 +515,7 @@ def packed_rows(
   max_document_pieces: int = 4096,
   images_per_row: int | None = None,
   audio_clips_per_row: int | None = None,
+  videos_per_row: int | None = None,
 ) -> grain.IterDataset:
   """Build a grain ``IterDataset`` of packed rows (dicts of int32 [S] arrays).
 
@@ -444,6 +533,8 @@ def packed_rows(
       its largest document's image count).
     audio_clips_per_row: audio clip slots per row, for a corpus with audio
       (default: its largest document's clip count).
+    videos_per_row: video slots per row, for a corpus with videos (default:
+      its largest document's video count).
 
   Returns:
     The grain ``IterDataset`` of packed rows.
@@ -486,16 +577,7 @@ def packed_rows(
   features = None
   if images is not None:
     most = images["max_images_per_document"]
-    images_per_row = most if images_per_row is None else images_per_row
-    if (
-      isinstance(images_per_row, bool)
-      or not isinstance(images_per_row, int)
-      or (images_per_row < most)
-    ):
-      raise ValueError(
-        f"images_per_row must be an int >= {most} (the most images of a "
-        f"document of {path}), got {images_per_row!r}"
-      )
+    images_per_row = _slots("images_per_row", images_per_row, most, "images", path)
     k = images["pooling_kernel_size"]
     patches = images_per_row * images["max_soft_tokens"] * k * k
     # Packing fills a row only while every feature fits: the images of its
@@ -506,27 +588,47 @@ def packed_rows(
   width = None
   if audio is not None:
     most = audio["max_audio_clips_per_document"]
-    audio_clips_per_row = most if audio_clips_per_row is None else audio_clips_per_row
-    if (
-      isinstance(audio_clips_per_row, bool)
-      or not isinstance(audio_clips_per_row, int)
-      or audio_clips_per_row < most
-    ):
-      raise ValueError(
-        f"audio_clips_per_row must be an int >= {most} (the most audio clips of a "
-        f"document of {path}), got {audio_clips_per_row!r}"
-      )
+    audio_clips_per_row = _slots(
+      "audio_clips_per_row", audio_clips_per_row, most, "audio clips", path
+    )
     frames = audio_clips_per_row * audio["max_audio_frames"]
     # As images: a row's clips then fit its slots, each at most the longest clip.
     lengths.update(audio_features=frames, audio_mask=frames, audio_sizes=audio_clips_per_row)
     width = audio["width"]
-  ds = ds[process_index::process_count].map(_Decode(", ".join(files), features, width))
+  video = corpus_video(path)
+  video_features = None
+  if video is not None:
+    videos_per_row = _slots(
+      "videos_per_row", videos_per_row, video["max_videos_per_document"], "videos", path
+    )
+    k, frames = video["pooling_kernel_size"], videos_per_row * video["num_frames"]
+    patches = frames * video["max_soft_tokens"] * k * k
+    lengths.update(video_patches=patches, video_positions=patches, video_sizes=frames)
+    video_features = 3 * video["patch_size"] ** 2
+  ds = ds[process_index::process_count].map(
+    _Decode(", ".join(files), features, width, video_features)
+  )
   ds = ds.repeat(num_epochs).to_iter_dataset()
   ds = grain.experimental.FlatMapIterDataset(ds, _pieces(seq_len, max_document_pieces))
   ds = grain.experimental.FirstFitPackIterDataset(
     ds, length_struct=lengths, num_packing_bins=num_packing_bins, seed=seed, shuffle_bins=shuffle
   )
-  return ds.map(_ToBatchKeys(images, images_per_row or 0, audio, audio_clips_per_row or 0))
+  return ds.map(
+    _ToBatchKeys(
+      images, images_per_row or 0, audio, audio_clips_per_row or 0, video, videos_per_row or 0
+    )
+  )
+
+
+def _slots(name: str, value: int | None, most: int, what: str, path) -> int:
+  """A row's slot count for one kind of media: ``value``, at least ``most``
+  (the most ``what`` of a document), or ``most`` when None."""
+  value = most if value is None else value
+  if isinstance(value, bool) or not isinstance(value, int) or value < most:
+    raise ValueError(
+      f"{name} must be an int >= {most} (the most {what} of a document of {path}), got {value!r}"
+    )
+  return value
 
 
 def packed_batches(
@@ -546,7 +648,8 @@ def packed_batches(
     ``pixel_values`` [B * I, P, F] and ``image_position_ids`` [B * I, P, 2]:
     the rows' image slots in row order, as the model numbers soft tokens;
     with audio, ``input_features`` [B * C, L, W] and ``input_features_mask``
-    [B * C, L] likewise).
+    [B * C, L] likewise; with video, ``pixel_values_videos`` [B * V * N, P', F],
+    ``video_position_ids`` and ``num_frames_per_video`` [B * V]).
 
   >>> import tempfile, os
   >>> path = os.path.join(tempfile.mkdtemp(), "docs.array_record")
@@ -563,17 +666,26 @@ def packed_batches(
 
 
 def flatten_image_slots(batch: dict) -> dict:
-  """Flatten stacked rows' image and audio slots [B, I, ...] into the model's
-  images and clips [B * I, ...].
+  """Flatten stacked rows' image, audio and video slots [B, I, ...] into the
+  model's images, clips and frames [B * I, ...].
 
   Args:
     batch: a batch of stacked rows.
 
   Returns:
     ``batch``, its ``pixel_values``, ``image_position_ids``,
-    ``input_features`` and ``input_features_mask`` flattened.
+    ``input_features``, ``input_features_mask``, ``pixel_values_videos``,
+    ``video_position_ids`` and ``num_frames_per_video`` flattened.
   """
-  for key in ("pixel_values", "image_position_ids", "input_features", "input_features_mask"):
+  for key in (
+    "pixel_values",
+    "image_position_ids",
+    "input_features",
+    "input_features_mask",
+    "pixel_values_videos",
+    "video_position_ids",
+    "num_frames_per_video",
+  ):
     if key in batch:
       batch[key] = batch[key].reshape(-1, *batch[key].shape[2:])
   return batch

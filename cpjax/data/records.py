@@ -13,7 +13,10 @@ the JSONL file; ``path`` or ``url`` name it too), preprocessed with the
 checkpoint's image processor (:mod:`cpjax.data.images`), and ``{"type":
 "audio", "audio": "clip.flac"}`` (a 16 kHz file, WAV, FLAC or OGG), made into
 the features of the checkpoint's feature extractor (:mod:`cpjax.data.audio`:
-log-mel frames for E2B and E4B, waveform frames for 12B). ``id`` and ``metadata``
+log-mel frames for E2B and E4B, waveform frames for 12B), and ``{"type":
+"video", "video": "clip.mp4"}`` (a file FFmpeg decodes), its frames sampled
+and cut as the checkpoint's video processor does (:mod:`cpjax.data.video`;
+E2B, E4B, 26B-A4B and 31B). ``id`` and ``metadata``
 keys are allowed and ignored; any other key is a bad record (nothing a user
 wrote is silently dropped). A text document
 is tokenized as ``tokenizer(text)`` and counts whole in the loss; a
@@ -22,13 +25,14 @@ assistant turns count (:meth:`cpjax.data.tokenizer.CheckpointTokenizer.encode_ch
 
 A document longer than ``seq_len`` tokens is a bad record unless
 ``truncate`` (then its first ``seq_len`` tokens are kept and counted as
-truncated; never a document with images or audio). Bad records are reported with
+truncated; never a document with images, audio or video). Bad records are reported with
 their line number and the reason;
 :class:`Summary` counts everything.
 
 Shape letters: ``T`` tokens of one document, ``n`` image patches of one
 document, ``k`` its images, ``F`` = ``3 * patch_size**2``, ``t`` audio
-frames of one document, ``a`` its clips, ``W`` features a frame.
+frames of one document, ``a`` its clips, ``W`` features a frame, ``m``
+video patches of one document, ``f`` its video frames.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import numpy as np
 from cpjax.data.audio import AudioProcessor
 from cpjax.data.images import ImageProcessor
 from cpjax.data.tokenizer import ANSWER_ROLE, CheckpointTokenizer, check_messages
+from cpjax.data.video import VideoProcessor
 
 __all__ = ["BadRecord", "Summary", "encode_record", "prepare_data", "read_jsonl"]
 
@@ -56,8 +61,8 @@ class BadRecord(ValueError):
 @dataclasses.dataclass
 class Summary:
   """What a pass over a JSONL file gave: documents and tokens written, the
-  target (loss) tokens among them, images and audio clips (their soft tokens,
-  the most in a document, the longest clip's feature frames), documents
+  target (loss) tokens among them, images, audio clips and videos (their
+  soft tokens, the most in a document, the longest clip's feature frames), documents
   truncated, and each dropped record as ``(line, reason)``."""
 
   source: str
@@ -70,6 +75,9 @@ class Summary:
   audio_tokens: int = 0
   max_audio_clips_per_document: int = 0
   max_audio_frames: int = 0
+  videos: int = 0
+  video_tokens: int = 0
+  max_videos_per_document: int = 0
   truncated: int = 0
   dropped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
@@ -95,6 +103,8 @@ class Summary:
     images = f", {self.images} images" if self.images else ""
     if self.audio_clips:
       images += f", {self.audio_clips} audio clips ({self.audio_tokens} tokens)"
+    if self.videos:
+      images += f", {self.videos} videos ({self.video_tokens} tokens)"
     out = [
       f"{self.source}: {self.documents} documents, {self.tokens} tokens "
       f"({self.target_tokens} in the loss){images}, {self.truncated} truncated, "
@@ -106,16 +116,16 @@ class Summary:
     return out
 
 
-_MEDIA_SIZES = {"image_sizes": "images", "audio_sizes": "audio clips"}
+_MEDIA_SIZES = {"image_sizes": "images", "audio_sizes": "audio clips", "video_sizes": "videos"}
 _SOURCE_KEYS = (
   "path",
   "url",
 )  # besides the part's type, where a part names its file, as transformers reads
-_MEDIA = ("image", "audio")
+_MEDIA = ("image", "audio", "video")
 
 
 def _media_paths(message: dict, i: int, base_dir: str) -> dict[str, list[str]]:
-  """The image and audio files of a message's parts, each kind in order
+  """The image, audio and video files of a message's parts, each kind in order
   (relative paths are relative to the JSONL file); checks every part."""
   content = message["content"]
   found: dict[str, list[str]] = {kind: [] for kind in _MEDIA}
@@ -130,7 +140,8 @@ def _media_paths(message: dict, i: int, base_dir: str) -> dict[str, list[str]]:
       source = next((part[k] for k in keys if isinstance(part.get(k), str)), None)
       if source is None:
         raise BadRecord(
-          f"message {i} part {j}: an {kind} part names its file under one of "
+          f"message {i} part {j}: {'a' if kind == 'video' else 'an'} {kind} part names "
+          f"its file under one of "
           f"{list(keys)}, got {part!r}"[:200]
         )
       if source.startswith(("http://", "https://")):
@@ -142,7 +153,8 @@ def _media_paths(message: dict, i: int, base_dir: str) -> dict[str, list[str]]:
       continue
     raise BadRecord(
       f"message {i} part {j}: expected {{'type': 'text', 'text': str}}, "
-      f"{{'type': 'image', 'image': path}} or {{'type': 'audio', 'audio': path}}, "
+      f"{{'type': 'image', 'image': path}}, {{'type': 'audio', 'audio': path}} or "
+      f"{{'type': 'video', 'video': path}}, "
       f"got {part!r}"[:200]
     )
   return found
@@ -197,12 +209,38 @@ def _load_audio(paths: list[str], audio: AudioProcessor) -> tuple[dict, list[int
   return arrays, soft
 
 
+def _load_videos(paths: list[str], video: VideoProcessor) -> tuple[dict, list]:
+  """The document's video arrays (every sampled frame's patches and their
+  positions, concatenated; each frame's patch count) and each video's
+  (soft tokens per frame, frame timestamps)."""
+  from cpjax.data.video import read_video
+
+  patches, positions, sizes, placeholders = [], [], [], []
+  for path in paths:
+    try:
+      frames, times = read_video(path, video.num_frames)
+    except ValueError as e:  # unreadable, too few frames, no frame count or rate
+      raise BadRecord(str(e)) from None
+    p, pos = video.patches(frames)
+    patches.append(p.reshape(-1, p.shape[-1]))
+    positions.append(np.tile(pos, (len(p), 1)))
+    sizes += [len(pos)] * len(p)
+    placeholders.append((video.soft_tokens(pos), times.tolist()))
+  arrays = {
+    "video_patches": np.concatenate(patches),
+    "video_positions": np.concatenate(positions),
+    "video_sizes": np.asarray(sizes, np.int32),
+  }
+  return arrays, placeholders
+
+
 def encode_record(
   record: object,
   tokenizer: CheckpointTokenizer,
   *,
   images: ImageProcessor | None = None,
   audio: AudioProcessor | None = None,
+  video: VideoProcessor | None = None,
   base_dir: str = ".",
 ) -> dict:
   """Encode one parsed record as ``{"input_ids": int32[T], "loss_mask": uint8[T]}``.
@@ -213,18 +251,23 @@ def encode_record(
   ``image_sizes`` int32 [k] (patches per image); for one with audio (read
   with ``audio``, the checkpoint's feature extractor), ``audio_features``
   float32 [t, W] (every clip's frames, in order), ``audio_mask`` uint8 [t]
-  (real frames) and ``audio_sizes`` int32 [a] (frames per clip).
+  (real frames) and ``audio_sizes`` int32 [a] (frames per clip); for one
+  with videos (read with ``video``, the checkpoint's video processor; each
+  video ``video.num_frames`` frames) ``video_patches`` uint8 [m, F],
+  ``video_positions`` int32 [m, 2] and ``video_sizes`` int32 [f] (patches
+  per frame).
 
   Args:
     record: one parsed record.
     tokenizer: the checkpoint's tokenizer and chat template.
     images: the checkpoint's image processor, for a conversation with images.
     audio: the checkpoint's audio feature extractor, for a conversation with audio.
-    base_dir: the directory relative image and audio paths start from.
+    video: the checkpoint's video processor, for a conversation with videos.
+    base_dir: the directory relative image, audio and video paths start from.
 
   Returns:
-    ``{"input_ids": int32[T], "loss_mask": uint8[T]}``, plus the image and
-    audio keys above for a conversation with them.
+    ``{"input_ids": int32[T], "loss_mask": uint8[T]}``, plus the image,
+    audio and video keys above for a conversation with them.
 
   Raises:
     BadRecord: saying why the record cannot be encoded.
@@ -266,6 +309,7 @@ def encode_record(
   media = [_media_paths(message, i, base_dir) for i, message in enumerate(messages)]
   paths = [p for found in media for p in found["image"]]
   clips = [p for found in media for p in found["audio"]]
+  movies = [p for found in media for p in found["video"]]
   if not any(m["role"] == ANSWER_ROLE for m in messages):
     raise BadRecord(f"no {ANSWER_ROLE!r} message: nothing of it would count in the loss")
   pixels, soft_tokens, sounds, audio_tokens = {}, [], {}, []
@@ -284,9 +328,17 @@ def encode_record(
         f"feature extractor in its processor config, no audio_config in config.json)"
       )
     sounds, audio_tokens = _load_audio(clips, audio)
+  frames, videos = {}, []
+  if movies:
+    if video is None:
+      raise BadRecord(
+        f"{len(movies)} video(s), but the checkpoint has no video processor config "
+        f"(processor_config.json's video_processor or video_preprocessor_config.json)"
+      )
+    frames, videos = _load_videos(movies, video)
   try:
     ids, answer = tokenizer.encode_chat(
-      messages, soft_tokens=soft_tokens, audio_tokens=audio_tokens
+      messages, soft_tokens=soft_tokens, audio_tokens=audio_tokens, videos=videos
     )
   except ValueError as e:
     raise BadRecord(str(e)) from None
@@ -299,7 +351,13 @@ def encode_record(
       else "the chat template renders no assistant token"
     )
     raise BadRecord(f"{what}: nothing of it would count in the loss")
-  return {"input_ids": ids, "loss_mask": answer.astype(np.uint8), **pixels, **sounds}
+  return {
+    "input_ids": ids,
+    "loss_mask": answer.astype(np.uint8),
+    **pixels,
+    **sounds,
+    **frames,
+  }
 
 
 def read_jsonl(
@@ -308,6 +366,7 @@ def read_jsonl(
   *,
   images: ImageProcessor | None = None,
   audio: AudioProcessor | None = None,
+  video: VideoProcessor | None = None,
   seq_len: int | None = None,
   truncate: bool = False,
   strict: bool = False,
@@ -322,10 +381,12 @@ def read_jsonl(
       their paths are relative to the JSONL file's directory).
     audio: the checkpoint's audio feature extractor (for conversations with
       audio clips, found as images are).
+    video: the checkpoint's video processor (for conversations with videos,
+      found as images are).
     seq_len: the training row length; a longer document is dropped, or cut
       with ``truncate``. None: no limit.
     truncate: keep the first ``seq_len`` tokens of longer documents (not of
-      documents with images or audio: a cut could split a clip's tokens).
+      documents with images, audio or video: a cut could split their tokens).
     strict: raise :class:`BadRecord` (naming the line) at the first bad
       record instead of dropping and reporting it.
     summary: a :class:`Summary` to count into (its ``dropped`` lists every
@@ -347,7 +408,9 @@ def read_jsonl(
           record = json.loads(line)
         except json.JSONDecodeError as e:
           raise BadRecord(f"not JSON: {e}") from None
-        doc = encode_record(record, tokenizer, images=images, audio=audio, base_dir=base_dir)
+        doc = encode_record(
+          record, tokenizer, images=images, audio=audio, video=video, base_dir=base_dir
+        )
         n = doc["input_ids"].size
         cut = seq_len is not None and n > seq_len
         media = [what for key, what in _MEDIA_SIZES.items() if key in doc]
@@ -383,6 +446,14 @@ def read_jsonl(
         )
         summary.max_audio_clips_per_document = max(summary.max_audio_clips_per_document, len(sizes))
         summary.max_audio_frames = max(summary.max_audio_frames, int(sizes.max()))
+      if "video_sizes" in doc:
+        assert video is not None  # encode_record refuses videos without it
+        frames = doc["video_sizes"]
+        summary.videos += len(frames) // video.num_frames
+        summary.video_tokens += int(frames.sum()) // video.pooling_kernel_size**2
+        summary.max_videos_per_document = max(
+          summary.max_videos_per_document, len(frames) // video.num_frames
+        )
       summary.tokens += int(doc["input_ids"].size)
       # The first token is never a target (nothing precedes it).
       summary.target_tokens += int(doc["loss_mask"][1:].sum())
@@ -422,6 +493,7 @@ def prepare_data(
   tokenizer = CheckpointTokenizer(checkpoint)
   images = ImageProcessor.from_checkpoint(checkpoint)
   audio = AudioProcessor.from_checkpoint(checkpoint)
+  video = VideoProcessor.from_checkpoint(checkpoint)
   os.makedirs(out, exist_ok=True)
   target = os.path.join(out, "documents.array_record")
   summary = Summary(source)
@@ -433,6 +505,7 @@ def prepare_data(
       tokenizer,
       images=images,
       audio=audio,
+      video=video,
       seq_len=seq_len,
       truncate=truncate,
       strict=strict,
@@ -465,6 +538,13 @@ def prepare_data(
       **dataclasses.asdict(audio),
       "width": audio.width,
       "audio_token_id": tokenizer.token_id(tokenizer.special_tokens["audio_token"]),
+    }
+  if summary.videos:
+    assert video is not None  # read_jsonl refuses videos without a processor
+    # What packing needs to lay the frames out (cpjax.data.corpus.corpus_video).
+    info["video_processor"] = {
+      **dataclasses.asdict(video),
+      "video_token_id": tokenizer.token_id(tokenizer.video_token),
     }
   with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(info, f, indent=1)

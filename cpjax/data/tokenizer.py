@@ -51,6 +51,8 @@ ANSWER_ROLE = "assistant"
 KNOWN_ROLES = ("system", "developer", "user", ANSWER_ROLE, "tool")
 # A template that marks the assistant's text (any whitespace control).
 _GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
+# Gemma 4's video placeholder, which its processors add to the tokenizer.
+VIDEO_TOKEN = "<|video|>"
 
 
 def _token_text(value) -> str | None:
@@ -232,6 +234,13 @@ class CheckpointTokenizer:
     self.backend.add_special_tokens(
       [AddedToken(t, special=True, normalized=False) for t in self.special_tokens.values()]
     )
+    # Gemma 4's processors add their video placeholder as a special token
+    # (tokenizer_config.json does not name it); where the vocabulary has it.
+    self.video_token = self.special_tokens.get("video_token", VIDEO_TOKEN)
+    if self.backend.token_to_id(self.video_token) is not None:
+      self.backend.add_special_tokens(
+        [AddedToken(self.video_token, special=True, normalized=False)]
+      )
     template = config.get("chat_template")
     if os.path.isfile(files["chat_template.jinja"]):
       with open(files["chat_template.jinja"], encoding="utf-8") as f:
@@ -326,6 +335,7 @@ class CheckpointTokenizer:
     *,
     soft_tokens: Sequence[int] = (),
     audio_tokens: Sequence[int] = (),
+    videos: Sequence[tuple[int, Sequence[float]]] = (),
     add_generation_prompt: bool = False,
     **template_kwargs: Any,
   ) -> tuple[np.ndarray, np.ndarray]:
@@ -343,6 +353,12 @@ class CheckpointTokenizer:
         count, in order: the k-th audio placeholder (``audio_token``) becomes
         ``boa_token + audio_token * audio_tokens[k] + eoa_token``, as Gemma 4's
         processors expand it; audio tokens are never answer tokens.
+      videos: for a conversation with videos, each video's (soft tokens per
+        frame, its sampled frames' timestamps in seconds), in order: the k-th
+        video placeholder (``<|video|>``) becomes, frame by frame, ``"mm:ss "
+        + boi_token + <|video|> * n + eoi_token``, joined by spaces
+        (:func:`cpjax.data.video.placeholder_text`); video tokens are never
+        answer tokens.
       add_generation_prompt: passed to the template.
       **template_kwargs: further template variables, as :meth:`render`.
 
@@ -354,8 +370,8 @@ class CheckpointTokenizer:
       ValueError: naming the message when a template without generation tags
         renders an earlier part of the conversation differently from the whole
         (then the answer spans cannot be read off the rendering), and when the
-        rendering holds a different number of image (audio) placeholders than
-        ``soft_tokens`` (``audio_tokens``).
+        rendering holds a different number of image (audio, video)
+        placeholders than ``soft_tokens`` (``audio_tokens``, ``videos``).
     """
     check_messages(messages)
     if self.marks_generation:
@@ -365,17 +381,53 @@ class CheckpointTokenizer:
     else:
       full = self.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
       spans = self._prefix_spans(messages, full, template_kwargs)
-    full, spans = self._expand(full, spans, {"image": soft_tokens, "audio": audio_tokens})
+    full, spans = self._expand(full, spans, self._placeholders(soft_tokens, audio_tokens, videos))
     encoding = self.backend.encode(full, add_special_tokens=False)
     answer = np.zeros(len(encoding.ids), bool)
     for t, (lo, hi) in enumerate(encoding.offsets):
       # A token belongs to the answer when it overlaps an answer span.
       answer[t] = any(lo < end and hi > start for start, end in spans)
     ids = np.asarray(encoding.ids, np.int32)
-    for key in ("image_token", "audio_token"):
-      if key in self.special_tokens:
-        answer &= ids != self.token_id(self.special_tokens[key])
+    for token in (self.special_tokens.get("image_token"), self.special_tokens.get("audio_token")):
+      if token is not None:
+        answer &= ids != self.token_id(token)
+    if videos:
+      answer &= ids != self.token_id(self.video_token)
     return ids, answer
+
+  def _placeholders(
+    self, soft_tokens, audio_tokens, videos
+  ) -> dict[str, tuple[str | None, list[str]]]:
+    """Each kind's placeholder and, in order, the text each of its inputs becomes."""
+    from cpjax.data.video import placeholder_text
+
+    def marker(key, kind):
+      if key not in self.special_tokens:
+        raise ValueError(f"{self.path}'s tokenizer_config.json names no {key}: {kind} needs it")
+      return self.special_tokens[key]
+
+    def framed(kind, begin, end, counts):
+      token = self.special_tokens.get(f"{kind}_token")
+      if token is None or not counts:  # the template renders none: _expand says so
+        return token, [""] * len(counts)
+      b, e = marker(begin, kind), marker(end, kind)
+      return token, [b + token * n + e for n in counts]
+
+    out = {
+      "image": framed("image", "boi_token", "eoi_token", soft_tokens),
+      "audio": framed("audio", "boa_token", "eoa_token", audio_tokens),
+    }
+    texts = []
+    if videos:
+      if self.backend.token_to_id(self.video_token) is None:
+        raise ValueError(f"{self.path}'s tokenizer has no video token {self.video_token!r}")
+      boi, eoi = marker("boi_token", "video"), marker("eoi_token", "video")
+      texts = [
+        placeholder_text(times, n, boi=boi, video_token=self.video_token, eoi=eoi)
+        for n, times in videos
+      ]
+    out["video"] = (self.video_token, texts)
+    return out
 
   def _prefix_spans(self, messages, full: str, template_kwargs) -> list[tuple[int, int]]:
     """The answer spans in ``full`` (the whole rendering) of a template
@@ -397,30 +449,21 @@ class CheckpointTokenizer:
       spans.append((start, len(end)))
     return spans
 
-  def _expand(self, text: str, spans, counts: Mapping[str, Sequence[int]]):
-    """The text with each image and audio placeholder expanded to its run of
-    soft tokens (between its begin and end markers), and the answer spans
-    moved with it."""
-    runs = {}  # placeholder -> (begin, end, counts in order)
-    for kind, (begin, end) in {"image": ("boi", "eoi"), "audio": ("boa", "eoa")}.items():
-      token = self.special_tokens.get(f"{kind}_token")
+  def _expand(self, text: str, spans, inputs: Mapping[str, tuple[str | None, list[str]]]):
+    """The text with the k-th placeholder of each kind replaced by the k-th
+    text of that kind (``inputs``: kind -> (placeholder, texts)), and the
+    answer spans moved with it."""
+    runs = {}  # placeholder -> its texts, in order
+    for kind, (token, texts) in inputs.items():
       found = text.count(token) if token else 0
-      if found != len(counts[kind]):
+      if found != len(texts):
         raise ValueError(
           f"the conversation renders {found} {kind} placeholders ({token!r}) for "
-          f"{len(counts[kind])} {kind} inputs"
+          f"{len(texts)} {kind} inputs"
         )
-      if not found:
-        continue
-      assert token is not None  # it was found, once per input
-      for key in (f"{begin}_token", f"{end}_token"):
-        if key not in self.special_tokens:
-          raise ValueError(f"{self.path}'s tokenizer_config.json names no {key}: {kind} needs it")
-      runs[token] = (
-        self.special_tokens[f"{begin}_token"],
-        self.special_tokens[f"{end}_token"],
-        iter(counts[kind]),
-      )
+      if found:
+        assert token is not None  # it was found, once per input
+        runs[token] = iter(texts)
     if not runs:
       return text, spans
     pieces = re.split("(" + "|".join(map(re.escape, runs)) + ")", text)
@@ -428,8 +471,7 @@ class CheckpointTokenizer:
     at = 0
     for i, piece in enumerate(pieces):
       if i % 2:  # a placeholder (re.split keeps the separators at odd places)
-        begin, end, left = runs[piece]
-        piece_out = begin + piece * next(left) + end
+        piece_out = next(runs[piece])
         shifts.append((at, len(piece_out) - len(piece)))
         out.append(piece_out)
       else:

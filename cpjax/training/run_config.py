@@ -114,6 +114,8 @@ class DatasetConfig:
   """image slots per packed row (default: the most images of one document)"""
   audio_clips_per_row: Optional[int] = _setting(positive=True)
   """audio clip slots per packed row (default: the most clips of one document)"""
+  videos_per_row: Optional[int] = _setting(positive=True)
+  """video slots per packed row (default: the most videos of one document)"""
 
 
 @dataclasses.dataclass(frozen=True)

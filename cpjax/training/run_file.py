@@ -128,6 +128,7 @@ FLAGS: dict[str, tuple[str, dict]] = {
   "dataset.microbatches": ("--microbatches", {"metavar": "K"}),
   "dataset.images_per_row": ("--images-per-row", {"metavar": "N"}),
   "dataset.audio_clips_per_row": ("--audio-clips-per-row", {"metavar": "N"}),
+  "dataset.videos_per_row": ("--videos-per-row", {"metavar": "N"}),
   "optimizer.lr": ("--lr", {}),
   "optimizer.schedule": ("--lr-schedule", {}),
   "optimizer.warmup_steps": ("--warmup-steps", {"metavar": "N"}),

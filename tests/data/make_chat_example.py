@@ -44,7 +44,7 @@ MARKERS = {
 
 # Gemma 4's conversation format: bos, then `<|turn>ROLE\n...<turn|>\n` per
 # message (the assistant's turns are "model"), images as `<|image|>`, audio
-# clips as `<|audio|>`.
+# clips as `<|audio|>`, videos as `<|video|>`.
 GEMMA_STYLE_TEMPLATE = """{{ bos_token }}
 {%- for message in messages -%}
 {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
@@ -55,6 +55,7 @@ GEMMA_STYLE_TEMPLATE = """{{ bos_token }}
 {%- for part in message['content'] -%}
 {%- if part['type'] == 'image' -%}{{ '\\n\\n<|image|>\\n\\n' }}
 {%- elif part['type'] == 'audio' -%}{{ '<|audio|>' }}
+{%- elif part['type'] == 'video' -%}{{ '\\n\\n<|video|>\\n\\n' }}
 {%- elif part['type'] == 'text' -%}{{ part['text'] | trim }}{%- endif -%}
 {%- endfor -%}
 {%- endif -%}

@@ -58,6 +58,7 @@ def open_data(run: RunConfig, cfg: gemma4.Gemma4Config, rows: int, log: Log) -> 
         process_count=1,
         images_per_row=run.dataset.images_per_row,
         audio_clips_per_row=run.dataset.audio_clips_per_row,
+        videos_per_row=run.dataset.videos_per_row,
       )
     )
 
@@ -179,13 +180,18 @@ def eval_rows(run: RunConfig, cfg: gemma4.Gemma4Config, rows: int, log: Log) -> 
     process_count=1,
     images_per_row=run.dataset.images_per_row,
     audio_clips_per_row=run.dataset.audio_clips_per_row,
+    videos_per_row=run.dataset.videos_per_row,
   ):
     found.append(check_vocabulary(row, cfg, f"--eval-data {run.eval.data}"))
     if len(found) == run.eval.rows:
       break
-  # An empty row: no token, no label, and image and clip slots that are all padding.
-  fill = {"labels": -100, "image_position_ids": -1}
-  empty = {key: np.full_like(value, fill.get(key, 0)) for key, value in found[0].items()}
+  # An empty row: no token, no label, and image, clip and video slots that are
+  # all padding (its video slots keep their frame counts).
+  fill = {"labels": -100, "image_position_ids": -1, "video_position_ids": -1}
+  empty = {
+    key: value if key == "num_frames_per_video" else np.full_like(value, fill.get(key, 0))
+    for key, value in found[0].items()
+  }
   found += [empty] * (-len(found) % rows)
   return [
     flatten_image_slots({key: np.stack([r[key] for r in found[i : i + rows]]) for key in found[0]})
