@@ -388,9 +388,9 @@ class CheckpointTokenizer:
       # A token belongs to the answer when it overlaps an answer span.
       answer[t] = any(lo < end and hi > start for start, end in spans)
     ids = np.asarray(encoding.ids, np.int32)
-    for token in (self.special_tokens.get("image_token"), self.special_tokens.get("audio_token")):
-      if token is not None:
-        answer &= ids != self.token_id(token)
+    for key in ("image_token", "audio_token"):
+      if key in self.special_tokens:
+        answer &= ids != self.token_id(self.special_tokens[key])
     if videos:
       answer &= ids != self.token_id(self.video_token)
     return ids, answer
