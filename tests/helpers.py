@@ -82,10 +82,10 @@ def write_audio_checkpoint(
   inputs, K/V sharing, a vision tower and a 2-layer conformer over the
   extractor's 128 log-mel bins) or ``"unified"`` (12B-like: the encoder-free
   embedders, 640-sample waveform frames). The vocabulary is the
-  tokenizer's, with its markers' ids. ``video_frames`` (E2B-like only): the
-  tokenizer has Gemma 4's video placeholder too, and the processor config a
+  tokenizer's, with its markers' ids. ``video_frames``: the tokenizer has
+  Gemma 4's video placeholder too, and the processor config the model's
   video processor sampling that many frames a video (its patches the
-  tower's)."""
+  tower's or the embedder's)."""
   import json
   import sys
 
@@ -130,8 +130,6 @@ def write_audio_checkpoint(
     )
   }
   if video_frames:
-    if kind != "e2b":
-      raise ValueError(f"video_frames is for the E2B-like checkpoint, got kind {kind!r}")
     ids["video_token_id"] = tokenizer.convert_tokens_to_ids("<|video|>")
   vocab = len(tokenizer)
   if kind == "e2b":
@@ -168,11 +166,13 @@ def write_audio_checkpoint(
     "feature_extractor": {"feature_extractor_type": extractor, "sampling_rate": 16000}
   }
   if video_frames:
-    vision = make_fixtures.VISION
+    vision = cfg.vision_config
     processors["video_processor"] = {
-      "video_processor_type": "Gemma4VideoProcessor",
-      "patch_size": vision["patch_size"],
-      "pooling_kernel_size": vision["pooling_kernel_size"],
+      "video_processor_type": "Gemma4UnifiedVideoProcessor"
+      if kind == "unified"
+      else "Gemma4VideoProcessor",
+      "patch_size": vision.patch_size,
+      "pooling_kernel_size": vision.pooling_kernel_size,
       "max_soft_tokens": 70,
       "num_frames": video_frames,
     }

@@ -15,8 +15,9 @@ import pytest
 from cpjax.data import corpus
 from cpjax.data.images import ImageProcessor, pixel_values
 from cpjax.data.records import BadRecord, encode_record, prepare_data
+from cpjax.data.resample import resize_frames
 from cpjax.data.tokenizer import CheckpointTokenizer
-from cpjax.data.video import VideoProcessor, read_video, resize_frames
+from cpjax.data.video import VideoProcessor, read_video
 from tests.helpers import ROOT, TORCHVISION, write_video
 
 pytest.importorskip("av", reason='videos are decoded with PyAV: pip install -e ".[video]"')
@@ -32,9 +33,11 @@ def _frames(rng, count: int, height: int, width: int) -> np.ndarray:
   return np.clip(base + rng.integers(-8, 9, base.shape), 0, 255).astype(np.uint8)
 
 
-def _checkpoint(directory: str, num_frames: int) -> str:
+def _checkpoint(directory: str, num_frames: int, unified: bool = False) -> str:
   """A Gemma-style tokenizer with Gemma 4's image and video markers, and a
-  processor config with Gemma 4's image and video processors."""
+  processor config with Gemma 4's image and video processors (the 12B
+  unified model's with ``unified``)."""
+  kind = "Gemma4Unified" if unified else "Gemma4"
   from tests.data.make_chat_example import MARKERS, SPECIAL_TOKENS, gemma_style_tokenizer
 
   gemma_style_tokenizer(
@@ -47,9 +50,14 @@ def _checkpoint(directory: str, num_frames: int) -> str:
   with open(os.path.join(directory, "processor_config.json"), "w") as f:
     json.dump(
       {
-        "image_processor": {"patch_size": 16, "max_soft_tokens": 70, "pooling_kernel_size": 3},
+        "image_processor": {
+          "image_processor_type": f"{kind}ImageProcessor",
+          "patch_size": 16,
+          "max_soft_tokens": 70,
+          "pooling_kernel_size": 3,
+        },
         "video_processor": {
-          "video_processor_type": "Gemma4VideoProcessor",
+          "video_processor_type": f"{kind}VideoProcessor",
           "patch_size": 16,
           "max_soft_tokens": 70,
           "pooling_kernel_size": 3,
@@ -62,14 +70,16 @@ def _checkpoint(directory: str, num_frames: int) -> str:
   return directory
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-  """The processor's defaults (32 frames a video) and three videos: one to
-  enlarge (40 frames at 10 fps), one to shrink (360 x 640, 70 frames at
-  25 fps), one past a minute (1,550 frames at 24 fps), and a picture."""
+@pytest.fixture(scope="module", params=["gemma4", "unified"])
+def checkpoint(request, tmp_path_factory):
+  """The processors' defaults (32 frames a video; E2B's, or the 12B's, whose
+  patches merge) and three videos: one to enlarge (40 frames at 10 fps),
+  one to shrink (360 x 640, 70 frames at 25 fps), one past a minute (1,550
+  frames at 24 fps), and a picture."""
   from PIL import Image
 
-  d = _checkpoint(str(tmp_path_factory.mktemp("video")), num_frames=32)
+  unified = request.param == "unified"
+  d = _checkpoint(str(tmp_path_factory.mktemp(request.param)), num_frames=32, unified=unified)
   rng = np.random.default_rng(0)
   write_video(os.path.join(d, "walk.mp4"), _frames(rng, 40, 96, 128), fps=10)
   write_video(os.path.join(d, "wide.mp4"), _frames(rng, 70, 360, 640), fps=25)
@@ -129,7 +139,7 @@ def test_frames_resize_as_torch_does():
   assert (pil != resize_frames(frames[1:], 64, 48)[0]).any()
 
 
-def _reference(checkpoint: str, tmp_path, text: str) -> dict:
+def _reference(checkpoint: str, tmp_path, text: str, unified: bool) -> dict:
   if not os.path.isdir(TORCHVISION):
     pytest.skip(
       f"needs torchvision for transformers' video processor: pip install --no-deps "
@@ -145,6 +155,7 @@ def _reference(checkpoint: str, tmp_path, text: str) -> dict:
         "videos": [os.path.join(checkpoint, f) for f in ("walk.mp4", "wide.mp4", "long.mp4")],
         "image_processor": {"max_soft_tokens": 70},
         "video_processor": {"num_frames": 32, "max_soft_tokens": 70},
+        "unified": unified,
       }
     )
   )
@@ -165,16 +176,16 @@ def test_conversation_with_videos_equals_gemma4_processor(checkpoint, tmp_path):
   image, 2 video), each frame's pixels and patch positions are transformers'
   processor's, bit for bit; the loss counts the answers, never a video token."""
   tok = CheckpointTokenizer(checkpoint)
-  video = VideoProcessor.from_checkpoint(checkpoint)
-  assert video == VideoProcessor(num_frames=32)
-  doc = encode_record(
-    {"messages": CONVERSATION},
-    tok,
-    images=ImageProcessor.from_checkpoint(checkpoint),
-    video=video,
-    base_dir=checkpoint,
+  video, images = (
+    VideoProcessor.from_checkpoint(checkpoint),
+    ImageProcessor.from_checkpoint(checkpoint),
   )
-  theirs = _reference(checkpoint, tmp_path, tok.render(CONVERSATION))
+  unified = video.unified
+  assert video == VideoProcessor(num_frames=32, unified=unified) and images.unified == unified
+  doc = encode_record(
+    {"messages": CONVERSATION}, tok, images=images, video=video, base_dir=checkpoint
+  )
+  theirs = _reference(checkpoint, tmp_path, tok.render(CONVERSATION), unified)
   ids = doc["input_ids"]
   np.testing.assert_array_equal(ids, theirs["input_ids"][0])
   image_id, video_id = tok.token_id("<|image|>"), tok.token_id(VIDEO_ID_TEXT)
@@ -188,10 +199,17 @@ def test_conversation_with_videos_equals_gemma4_processor(checkpoint, tmp_path):
   assert times.max() > 60 and "01:02 <|image>" in tok.backend.decode(
     ids.tolist(), skip_special_tokens=False
   )
-  # Every frame's pixels and positions, padded to the processor's 630 patches.
-  sizes = doc["video_sizes"]
+  # The picture's pixels and positions (the 12B's: merged, rescaled in float32).
+  n = doc["image_sizes"][0]
+  np.testing.assert_array_equal(images.pixels(doc["image_patches"]), theirs["pixel_values"][0][:n])
+  np.testing.assert_array_equal(doc["image_positions"], theirs["image_position_ids"][0][:n])
+  # Every frame's pixels and positions, padded to the processor's 630 patches
+  # (70 merged ones on the 12B: each 3 x 3 of them one, 48 pixels across).
+  sizes, per_token = doc["video_sizes"], video.frame_processor.patches_per_token
   np.testing.assert_array_equal(theirs["num_frames_per_video"], [32, 32, 32])
-  assert len(sizes) == 96 and set(sizes[:32]) == {567} and set(sizes[32:64]) == {594}
+  assert theirs["pixel_values_videos"].shape[1:] == ((70, 6912) if unified else (630, 768))
+  assert len(sizes) == 96 and set(sizes[:32] * 9 // per_token) == {567}
+  assert set(sizes[32:64] * 9 // per_token) == {594}
   starts = np.concatenate([[0], np.cumsum(sizes)])
   for f, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
     np.testing.assert_array_equal(
@@ -203,9 +221,7 @@ def test_conversation_with_videos_equals_gemma4_processor(checkpoint, tmp_path):
     assert (theirs["video_position_ids"][f][hi - lo :] == -1).all()
   answer = doc["loss_mask"].astype(bool)
   assert not answer[ids == video_id].any() and answer.sum() > 0
-  expected = CheckpointTokenizer(checkpoint).encode_chat(
-    CONVERSATION[:2], videos=[(63, [0.0] * 32)]
-  )[1]
+  expected = tok.encode_chat(CONVERSATION[:2], videos=[(63, [0.0] * 32)])[1]
   assert answer[: len(expected)][expected].all()
 
 
@@ -340,7 +356,7 @@ def test_bad_videos_are_dropped_and_named(tmp_path):
     ({"fps": 2}, r"video processor's fps is 2; cpjax samples and resizes frames with fps = None"),
     ({"do_sample_frames": False}, "do_sample_frames is False"),
     ({"image_mean": [0.5, 0.5, 0.5]}, "image_mean is"),
-    ({"video_processor_type": "Gemma4UnifiedVideoProcessor"}, "is not one cpjax computes"),
+    ({"video_processor_type": "Qwen2VLVideoProcessor"}, "is not one cpjax computes"),
     ({"max_soft_tokens": 100}, r"max_soft_tokens must be one of \(70, 140"),
   ],
 )
@@ -349,3 +365,10 @@ def test_video_processor_settings_cpjax_does_not_compute_are_refused(tmp_path, e
     json.dump({"video_processor": entry}, f)
   with pytest.raises(ValueError, match=match):
     VideoProcessor.from_checkpoint(tmp_path)
+
+
+def test_image_processors_cpjax_does_not_compute_are_refused(tmp_path):
+  with open(tmp_path / "processor_config.json", "w") as f:
+    json.dump({"image_processor": {"image_processor_type": "SiglipImageProcessor"}}, f)
+  with pytest.raises(ValueError, match="image_processor_type 'SiglipImageProcessor' is not one"):
+    ImageProcessor.from_checkpoint(tmp_path)

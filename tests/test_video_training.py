@@ -1,6 +1,7 @@
 """The "Video" command of guides/own-data.md (``cpjax train --checkpoint DIR
---data videos.jsonl --cp 4 ... --lora-rank 16``) on a tiny E2B-like
-checkpoint that transformers saved: conversations about video files are
+--data videos.jsonl --cp 4 ... --lora-rank 16``) on tiny checkpoints that
+transformers saved (E2B-like; the 12B-like unified model, whose video
+processor merges patches): conversations about video files are
 sampled, resized and cut as transformers' video processor does, packed
 with their frames and trained on; the saved adapter is one PEFT loads onto
 transformers' model, which then gives cpjax's logits on a conversation
@@ -82,7 +83,15 @@ def _rows(checkpoint: str, record: dict, base_dir: str) -> dict:
   }
 
 
-def test_the_cli_fine_tunes_a_lora_adapter_on_videos_at_cp4(tmp_path, monkeypatch):
+MODEL_CLASS = {
+  "e2b": "Gemma4ForConditionalGeneration",
+  "unified": "Gemma4UnifiedForConditionalGeneration",
+}
+
+
+# Suite budget: the E2B-like run in CI (46 s), the unified one in make soak.
+@pytest.mark.parametrize("kind", ["e2b", pytest.param("unified", marks=pytest.mark.slow)])
+def test_the_cli_fine_tunes_a_lora_adapter_on_videos_at_cp4(kind, tmp_path, monkeypatch):
   """Two steps at cp = 4 (the step-1 parity check of CP against one device
   included) on six conversations about videos, two frames each; PEFT's
   transformers model with the saved adapter gives cpjax's logits on one of
@@ -90,7 +99,7 @@ def test_the_cli_fine_tunes_a_lora_adapter_on_videos_at_cp4(tmp_path, monkeypatc
   from cpjax import cli
   from cpjax.training import lora as cpjax_lora
 
-  base = write_audio_checkpoint(str(tmp_path / "base"), "e2b", video_frames=2)
+  base = write_audio_checkpoint(str(tmp_path / "base"), kind, video_frames=2)
   data = tmp_path / "data"
   data.mkdir()
   records = _videos(str(data))
@@ -114,7 +123,7 @@ def test_the_cli_fine_tunes_a_lora_adapter_on_videos_at_cp4(tmp_path, monkeypatc
   assert cli.main(words[1:]) == 0
   rows = _rows(base, records[0], str(data))
   assert (rows["mm_token_type_ids"] == 2).sum() == 2 * 63  # two frames of 63 soft tokens
-  model_class = transformers.Gemma4ForConditionalGeneration
+  model_class = getattr(transformers, MODEL_CLASS[kind])
   theirs = peft.PeftModel.from_pretrained(model_class.from_pretrained(base), tmp_path / "out")
   ours = cpjax_lora.load_adapter(gemma4.Gemma4.from_pretrained(base), tmp_path / "out")
   with torch.no_grad():

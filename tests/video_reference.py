@@ -13,7 +13,8 @@ output to an ``.npz``.
 
 Usage: ``python -m tests.video_reference TORCHVISION_DIR CHECKPOINT SPEC OUT``,
 SPEC a JSON file ``{"text", "images", "videos", "image_processor",
-"video_processor"}`` (the last two: the processors' settings).
+"video_processor", "unified"}`` (the processors' settings; ``unified``: the
+12B unified model's processor).
 """
 
 import json
@@ -31,22 +32,47 @@ def main(torchvision_dir: str, checkpoint: str, spec_file: str, out: str) -> Non
   import torchvision  # noqa: F401 (before transformers looks for it)
   import transformers
   from PIL import Image
-  from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
-  from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-  from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
   from transformers.video_utils import load_video
 
   with open(spec_file) as f:
     spec = json.load(f)
-  videos = Gemma4VideoProcessor(**spec["video_processor"])
+  if spec["unified"]:
+    from transformers.models.gemma4_unified import (
+      feature_extraction_gemma4_unified as audio,
+    )
+    from transformers.models.gemma4_unified import (
+      image_processing_gemma4_unified as image,
+    )
+    from transformers.models.gemma4_unified import (
+      video_processing_gemma4_unified as video,
+    )
+
+    processor_class = transformers.Gemma4UnifiedProcessor
+    extractor = audio.Gemma4UnifiedAudioFeatureExtractor
+    image_class, video_class = image.Gemma4UnifiedImageProcessor, video.Gemma4UnifiedVideoProcessor
+  else:
+    from transformers.models.gemma4 import (
+      feature_extraction_gemma4 as audio,
+    )
+    from transformers.models.gemma4 import (
+      image_processing_pil_gemma4 as image,
+    )
+    from transformers.models.gemma4 import (
+      video_processing_gemma4 as video,
+    )
+
+    processor_class = transformers.Gemma4Processor
+    extractor = audio.Gemma4AudioFeatureExtractor
+    image_class, video_class = image.Gemma4ImageProcessorPil, video.Gemma4VideoProcessor
+  videos = video_class(**spec["video_processor"])
   # The processor's own sampling, through load_video's default backend (PyAV).
   loaded = [
     load_video(p, backend="pyav", sample_indices_fn=videos.sample_frames) for p in spec["videos"]
   ]
   tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-  processor = transformers.Gemma4Processor(
-    feature_extractor=Gemma4AudioFeatureExtractor(),
-    image_processor=Gemma4ImageProcessorPil(**spec["image_processor"]),
+  processor = processor_class(
+    feature_extractor=extractor(),
+    image_processor=image_class(**spec["image_processor"]),
     tokenizer=tokenizer,
     video_processor=videos,
   )

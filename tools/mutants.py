@@ -279,14 +279,14 @@ MUTANTS = (
   # --- video in chat JSONL, records and packing (issue 64, item 3)
   Mutant(
     "video resize: negative weights rounded toward +inf, not away from zero",
-    "cpjax/data/video.py",
+    "cpjax/data/resample.py",
     "  fixed = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5))",
     "  fixed = np.trunc(scaled + 0.5)",
     ("tests/test_video_records.py::test_frames_resize_as_torch_does",),
   ),
   Mutant(
     "video resize: fewer fraction bits than torch's weights keep",
-    "cpjax/data/video.py",
+    "cpjax/data/resample.py",
     "_MAX_PRECISION = 22",
     "_MAX_PRECISION = 12",
     ("tests/test_video_records.py::test_frames_resize_as_torch_does",),
@@ -325,6 +325,27 @@ MUTANTS = (
     '      pixels[i, :n] = pixel_values(row["video_patches"][start : start + n])',
     '      pixels[slots - 1 - i, :n] = pixel_values(row["video_patches"][start : start + n])',
     ("tests/test_video_records.py::test_videos_ride_with_their_documents_through_packing",),
+  ),
+  Mutant(
+    "12B images: pixels rescaled as the other processors' (float64, cast)",
+    "cpjax/data/images.py",
+    "      return np.asarray(patches).astype(np.float32) * np.float32(1 / 255)",
+    "      return pixel_values(patches)",
+    ("tests/test_video_records.py::test_conversation_with_videos_equals_gemma4_processor",),
+  ),
+  Mutant(
+    "12B images and frames: patches not merged",
+    "cpjax/data/images.py",
+    "    return self.patch_size * (self.pooling_kernel_size if self.unified else 1)",
+    "    return self.patch_size",
+    ("tests/test_video_records.py::test_conversation_with_videos_equals_gemma4_processor",),
+  ),
+  Mutant(
+    "12B images: resized with PIL's bicubic, not torchvision's",
+    "cpjax/data/images.py",
+    "    if self.unified:  # torchvision's resize",
+    "    if False:  # torchvision's resize",
+    ("tests/test_video_records.py::test_conversation_with_videos_equals_gemma4_processor",),
   ),
   # --- audio in chat JSONL, records and packing (issue 64, item 3)
   Mutant(

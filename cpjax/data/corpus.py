@@ -447,10 +447,14 @@ class _ToBatchKeys:
 
   def _video_slots(self, row: dict) -> dict:
     from cpjax.data.images import pixel_values
+    from cpjax.data.video import VideoProcessor
 
     assert self.video is not None  # __call__ asks only for a corpus with video
-    k, frames = self.video["pooling_kernel_size"], self.video["num_frames"]
-    slots, max_patches = self.videos_per_row * frames, self.video["max_soft_tokens"] * k * k
+    frames = self.video["num_frames"]
+    slots, max_patches = (
+      self.videos_per_row * frames,
+      _processor(VideoProcessor, self.video).max_patches,
+    )
     pixels = np.zeros((slots, max_patches, row["video_patches"].shape[-1]), np.float32)
     positions = np.full((slots, max_patches, 2), -1, np.int32)
     sizes = row["video_sizes"][row["video_sizes_segment_ids"] > 0]
@@ -480,18 +484,18 @@ class _ToBatchKeys:
     return {"input_features": features, "input_features_mask": real}
 
   def _image_slots(self, row: dict, ids) -> dict:
-    from cpjax.data.images import pixel_values
+    from cpjax.data.images import ImageProcessor
 
     assert self.images is not None  # __call__ asks only for a corpus with images
-    k = self.images["pooling_kernel_size"]
-    slots, max_patches = self.images_per_row, self.images["max_soft_tokens"] * k * k
+    processor = _processor(ImageProcessor, self.images)
+    slots, max_patches = self.images_per_row, processor.max_patches
     features = row["image_patches"].shape[-1]
     pixels = np.zeros((slots, max_patches, features), np.float32)
     positions = np.full((slots, max_patches, 2), -1, np.int32)
     sizes = row["image_sizes"][row["image_sizes_segment_ids"] > 0]
     start = 0
     for i, n in enumerate(sizes):  # packed in document order, as their placeholders
-      pixels[i, :n] = pixel_values(row["image_patches"][start : start + n])
+      pixels[i, :n] = processor.pixels(row["image_patches"][start : start + n])
       positions[i, :n] = row["image_positions"][start : start + n]
       start += n
     image = ids == self.images["image_token_id"]
@@ -552,6 +556,9 @@ def packed_rows(
   """
   import grain
 
+  from cpjax.data.images import ImageProcessor
+  from cpjax.data.video import VideoProcessor
+
   if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
     raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
   if process_index is None or process_count is None:
@@ -578,12 +585,12 @@ def packed_rows(
   if images is not None:
     most = images["max_images_per_document"]
     images_per_row = _slots("images_per_row", images_per_row, most, "images", path)
-    k = images["pooling_kernel_size"]
-    patches = images_per_row * images["max_soft_tokens"] * k * k
+    processor = _processor(ImageProcessor, images)
+    patches = images_per_row * processor.max_patches
     # Packing fills a row only while every feature fits: the images of its
     # documents then fit the row's slots (and their patches the slots' patches).
     lengths.update(image_patches=patches, image_positions=patches, image_sizes=images_per_row)
-    features = 3 * images["patch_size"] ** 2
+    features = processor.patch_features
   audio = corpus_audio(path)
   width = None
   if audio is not None:
@@ -601,10 +608,11 @@ def packed_rows(
     videos_per_row = _slots(
       "videos_per_row", videos_per_row, video["max_videos_per_document"], "videos", path
     )
-    k, frames = video["pooling_kernel_size"], videos_per_row * video["num_frames"]
-    patches = frames * video["max_soft_tokens"] * k * k
+    frame = _processor(VideoProcessor, video)
+    frames = videos_per_row * video["num_frames"]
+    patches = frames * frame.max_patches
     lengths.update(video_patches=patches, video_positions=patches, video_sizes=frames)
-    video_features = 3 * video["patch_size"] ** 2
+    video_features = frame.patch_features
   ds = ds[process_index::process_count].map(
     _Decode(", ".join(files), features, width, video_features)
   )
@@ -618,6 +626,13 @@ def packed_rows(
       images, images_per_row or 0, audio, audio_clips_per_row or 0, video, videos_per_row or 0
     )
   )
+
+
+def _processor(cls, info: Mapping):
+  """The image or video processor a corpus's ``summary.json`` describes."""
+  import dataclasses
+
+  return cls(**{f.name: info[f.name] for f in dataclasses.fields(cls) if f.name in info})
 
 
 def _slots(name: str, value: int | None, most: int, what: str, path) -> int:

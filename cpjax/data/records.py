@@ -320,7 +320,7 @@ def encode_record(
         f"(processor_config.json or preprocessor_config.json)"
       )
     pixels = _load_images(paths, images)
-    soft_tokens = [n // images.pooling_kernel_size**2 for n in pixels.get("image_sizes", [])]
+    soft_tokens = [n // images.patches_per_token for n in pixels.get("image_sizes", [])]
   if clips:
     if audio is None:
       raise BadRecord(
@@ -450,7 +450,7 @@ def read_jsonl(
         assert video is not None  # encode_record refuses videos without it
         frames = doc["video_sizes"]
         summary.videos += len(frames) // video.num_frames
-        summary.video_tokens += int(frames.sum()) // video.pooling_kernel_size**2
+        summary.video_tokens += int(frames.sum()) // video.frame_processor.patches_per_token
         summary.max_videos_per_document = max(
           summary.max_videos_per_document, len(frames) // video.num_frames
         )

@@ -1,7 +1,10 @@
 """Gemma 4's video preprocessing with PyAV and numpy (no torch, no transformers).
 
 The steps of transformers' ``Gemma4VideoProcessor`` (E2B, E4B, 26B-A4B and
-31B), to the same bits:
+31B) and ``Gemma4UnifiedVideoProcessor`` (12B, ``unified=True``: each
+``pooling_kernel_size`` x ``pooling_kernel_size`` block of patches merged
+into one patch, one soft token, as its image processor merges them), to the
+same bits:
 
 1. decode (:func:`read_video`): PyAV, the default backend of transformers'
    ``load_video``; the stream's frame count and average frame rate;
@@ -11,7 +14,8 @@ The steps of transformers' ``Gemma4VideoProcessor`` (E2B, E4B, 26B-A4B and
 3. resize each frame as the image processor sizes an image, to at most
    ``max_soft_tokens`` soft tokens (70 by default, not the images' 280), with
    the resampling torchvision runs for uint8 frames on a CPU
-   (:func:`resize_frames`: torch's antialiased bicubic, not PIL's);
+   (:func:`cpjax.data.resample.resize_frames`: torch's antialiased bicubic,
+   not PIL's);
 4. cut into patches as :mod:`cpjax.data.images` cuts an image; pixels are
    ``x / 255`` in float32 (torchvision's normalize with the rescale fused in,
    which equals the image processor's float64 ``x * (1/255)`` cast, for
@@ -23,7 +27,8 @@ The steps of transformers' ``Gemma4VideoProcessor`` (E2B, E4B, 26B-A4B and
 A corpus stores the patches as uint8, as it stores images'.
 
 Shape letters: ``T`` frames, ``H``, ``W`` a frame's height and width, ``n``
-real patches of a frame, ``P`` = ``max_patches``, ``F`` = ``3 * patch_size**2``.
+real patches of a frame, ``P`` = ``max_patches``, ``F`` = ``3 * side**2``
+(:attr:`cpjax.data.images.ImageProcessor.side`).
 """
 
 from __future__ import annotations
@@ -36,17 +41,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from cpjax.data.images import ImageProcessor, pixel_values
+from cpjax.data.resample import resize_frames
 
 __all__ = [
   "VideoProcessor",
   "placeholder_text",
   "read_video",
-  "resize_frames",
 ]
-
-# torch scales the resampling weights to int16 with as many fraction bits as
-# keep the largest below 2**15, at most 22 (Pillow-SIMD's fixed point).
-_MAX_PRECISION = 22
 
 
 def read_video(path: str | os.PathLike, num_frames: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,91 +116,10 @@ def _decode(av, path: str | os.PathLike, num_frames: int):
   return frames, total, rate, indices
 
 
-def _keys_cubic(x: np.ndarray) -> np.ndarray:
-  """Keys' cubic convolution kernel with a = -0.5 (torch's antialiased bicubic)."""
-  a, x = -0.5, np.abs(x)
-  near = ((a + 2) * x - (a + 3)) * x * x + 1
-  far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-  return np.where(x < 1, near, np.where(x < 2, far, 0.0))
-
-
-def _weights(size: int, out: int) -> tuple[np.ndarray, int]:
-  """(int64 [size, out] fixed-point resampling matrix, its fraction bits):
-  torch's antialiased bicubic weights for one axis, in float64, normalised
-  per output, then rounded half away from zero to int16 at the precision
-  the largest weight allows."""
-  scale = size / out
-  support = 2.0 * scale if scale >= 1.0 else 2.0
-  invscale = 1.0 / scale if scale >= 1.0 else 1.0
-  taps = int(np.ceil(np.float32(support))) * 2 + 1
-  dense = np.zeros((size, out))
-  for i in range(out):
-    center = scale * (i + 0.5)
-    # C's truncating casts, as torch computes each output's first input and count.
-    lo = max(int(center - support + 0.5), 0)
-    count = min(max(min(int(center + support + 0.5), size) - lo, 0), taps)
-    w = _keys_cubic((np.arange(count) + lo - center + 0.5) * invscale)
-    if w.sum() != 0.0:
-      w = w / w.sum()
-    dense[lo : lo + count, i] = w
-  precision = 0
-  while precision < _MAX_PRECISION and int(0.5 + dense.max() * (1 << (precision + 1))) < 1 << 15:
-    precision += 1
-  scaled = dense * (1 << precision)
-  fixed = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5))
-  return fixed.astype(np.int64), precision
-
-
-def _resample_last(x: np.ndarray, out: int) -> np.ndarray:
-  """uint8 [..., size] -> uint8 [..., out] along the last axis, in torch's
-  fixed point: a rounding half, the int16-weighted sum, an arithmetic shift
-  and a clip to [0, 255]."""
-  weights, precision = _weights(x.shape[-1], out)
-  # Integer sums far below 2**53: float64's matmul is exact in any order.
-  acc = np.rint(x.astype(np.float64) @ weights.astype(np.float64)).astype(np.int64)
-  return np.clip((acc + (1 << (precision - 1))) >> precision, 0, 255).astype(np.uint8)
-
-
-def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-  """Resize uint8 frames as torchvision resizes them on a CPU (bicubic, antialiased).
-
-  torch's uint8 kernel: Keys' cubic (a = -0.5) stretched by the scale when
-  shrinking, in 16-bit fixed point, the horizontal pass first, each pass
-  rounded to uint8. PIL's bicubic has the same kernel in another fixed
-  point: the two differ by one level on a few pixels.
-
-  Args:
-    frames: uint8 [T, H, W, 3] frames.
-    height: the height to resize to.
-    width: the width to resize to.
-
-  Returns:
-    uint8 [T, height, width, 3].
-
-  >>> frames = np.zeros((1, 4, 6, 3), np.uint8)
-  >>> frames[..., 3:, :] = 200
-  >>> resize_frames(frames, 2, 3)[0, :, :, 0].tolist()  # the cubic overshoots past an edge
-  [[0, 100, 210], [0, 100, 210]]
-  """
-  frames = np.asarray(frames)
-  if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
-    raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {frames.shape}")
-  out = []
-  for frame in frames:  # one frame at a time: a 1080p frame is 50 MB in float64
-    x = frame.transpose(0, 2, 1)  # [H, 3, W]
-    if width != x.shape[-1]:
-      x = _resample_last(x, width)
-    x = x.transpose(2, 1, 0)  # [W', 3, H]
-    if height != x.shape[-1]:
-      x = _resample_last(x, height)
-    out.append(x.transpose(2, 0, 1))  # [H', W', 3]
-  return np.stack(out)
-
-
 def placeholder_text(
   timestamps: Sequence[float], soft_tokens: int, *, boi: str, video_token: str, eoi: str
 ) -> str:
-  """The text one video placeholder becomes, as Gemma 4's processors write it.
+  """Write the text one video placeholder becomes, as Gemma 4's processors write it.
 
   Args:
     timestamps: each sampled frame's time, in seconds.
@@ -232,6 +152,8 @@ _FIXED_SETTINGS = {
   "fps": None,
   "resample": 3,  # bicubic
 }
+# transformers' video processors cpjax computes -> whether it is the unified model's.
+_PROCESSORS = {"Gemma4VideoProcessor": False, "Gemma4UnifiedVideoProcessor": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +171,7 @@ class VideoProcessor:
   max_soft_tokens: int = 70
   pooling_kernel_size: int = 3
   num_frames: int = 32
+  unified: bool = False
 
   def __post_init__(self):
     self.frame_processor  # checks patch_size, max_soft_tokens and pooling_kernel_size
@@ -270,9 +193,8 @@ class VideoProcessor:
       The :class:`VideoProcessor`, or None when the checkpoint has neither.
 
     Raises:
-      ValueError: a processor other than ``Gemma4VideoProcessor`` (the
-        unified model's merges patches otherwise), or a setting other than
-        those cpjax computes (each named).
+      ValueError: a processor other than Gemma 4's two, or a setting other
+        than those cpjax computes (each named).
     """
     path = os.fspath(path)
     for name, key in (
@@ -288,10 +210,10 @@ class VideoProcessor:
       if not isinstance(entry, dict):
         continue
       kind = entry.get("video_processor_type", "Gemma4VideoProcessor")
-      if kind != "Gemma4VideoProcessor":
+      if kind not in _PROCESSORS:
         raise ValueError(
           f"{name} in {path}: video_processor_type {kind!r} is not one cpjax "
-          f"computes (expected 'Gemma4VideoProcessor')"
+          f"computes (expected one of {sorted(_PROCESSORS)})"
         )
       for setting, want in _FIXED_SETTINGS.items():
         if setting in entry and entry[setting] != want:
@@ -299,13 +221,16 @@ class VideoProcessor:
             f"{name} in {path}: the video processor's {setting} is "
             f"{entry[setting]!r}; cpjax samples and resizes frames with {setting} = {want!r}"
           )
-      return cls(**{f.name: entry[f.name] for f in dataclasses.fields(cls) if f.name in entry})
+      settings = {f.name: entry[f.name] for f in dataclasses.fields(cls) if f.name in entry}
+      return cls(**{**settings, "unified": _PROCESSORS[kind]})
     return None
 
   @property
   def frame_processor(self) -> ImageProcessor:
     """The image processor that sizes and cuts each frame."""
-    return ImageProcessor(self.patch_size, self.max_soft_tokens, self.pooling_kernel_size)
+    return ImageProcessor(
+      self.patch_size, self.max_soft_tokens, self.pooling_kernel_size, unified=self.unified
+    )
 
   @property
   def max_patches(self) -> int:
@@ -331,12 +256,7 @@ class VideoProcessor:
     h, w = self.frame_processor.target_size(*frames.shape[1:3])
     if (h, w) != frames.shape[1:3]:
       frames = resize_frames(frames, h, w)
-    p = self.patch_size
-    rows, cols = h // p, w // p
-    patches = frames.reshape(len(frames), rows, p, cols, p, 3).transpose(0, 1, 3, 2, 4, 5)
-    cx, cy = np.meshgrid(np.arange(cols), np.arange(rows), indexing="xy")
-    positions = np.stack([cx, cy], axis=-1).reshape(rows * cols, 2).astype(np.int32)
-    return patches.reshape(len(frames), rows * cols, self.patch_features), positions
+    return self.frame_processor.cut(frames)
 
   def soft_tokens(self, positions: np.ndarray) -> int:
     """Count the soft tokens a frame of these patch positions yields.
@@ -347,7 +267,7 @@ class VideoProcessor:
     Returns:
       The number of soft tokens per frame.
     """
-    return len(positions) // self.pooling_kernel_size**2
+    return self.frame_processor.soft_tokens(positions)
 
   def __call__(self, videos: Sequence[np.ndarray]) -> dict:
     """The processor's output for already-sampled videos (uint8 [T, H, W, 3]
