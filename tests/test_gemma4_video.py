@@ -28,6 +28,18 @@ import make_fixtures  # noqa: E402
 VIDEO = 258884
 
 
+def _picture(rng, unified: bool, width: int, height: int):
+  """(pixels, positions, soft tokens) of one image or frame of width x
+  height patches, as the model's processor pads them."""
+  if not unified:
+    return make_fixtures._image(rng, width, height)
+  # The unified model: 2-pixel patches, one soft token each (48 features of 4x4 pixels).
+  n, cap = width * height, 12
+  pos = np.full((cap, 2), -1, np.int64)
+  pos[:n] = [(x, y) for y in range(height) for x in range(width)]
+  return rng.random((cap, 48), dtype=np.float32) * (pos[:, :1] >= 0), pos, n
+
+
 def video_rows(kind: str, seed: int = 0) -> dict:
   """Two rows of 64 tokens as Gemma 4's processor lays them out. Row 0: text,
   an image, text, then a 3-frame video (each frame ``<boi>`` + its soft
@@ -38,13 +50,7 @@ def video_rows(kind: str, seed: int = 0) -> dict:
   image_id, boi, eoi = make_fixtures.IMAGE, make_fixtures.BOI, make_fixtures.EOI
 
   def picture(width, height):
-    if not unified:
-      return make_fixtures._image(rng, width, height)
-    # The unified model: 2-pixel patches, one soft token each (48 features of 4x4 pixels).
-    n, cap = width * height, 12
-    pos = np.full((cap, 2), -1, np.int64)
-    pos[:n] = [(x, y) for y in range(height) for x in range(width)]
-    return rng.random((cap, 48), dtype=np.float32) * (pos[:, :1] >= 0), pos, n
+    return _picture(rng, unified, width, height)
 
   s = 64
   ids = rng.integers(5, 256, (2, s))
@@ -152,3 +158,133 @@ def test_video_that_disagrees_with_its_placeholders_is_refused():
     ValueError, match="hold 27 video placeholder tokens .* no pixel_values_videos"
   ):
     gemma4.prepare_batch(without, cfg)
+
+
+def long_video_rows(kind: str, frames: int = 40, seed: int = 1) -> dict:
+  """One row of 512 tokens holding one long video, as the processor lays it
+  out: ``frames`` frames of 4, 6 and 9 soft tokens in turn (the last longer
+  than the window of 8), each after its ``mm:ss`` text, then text."""
+  rng = np.random.default_rng(seed)
+  unified = kind == "unified"
+  sizes = [(2, 2), (3, 2), (3, 3)] if unified else [(6, 6), (9, 6), (9, 9)]
+  shots = [_picture(rng, unified, *sizes[f % 3]) for f in range(frames)]
+  s = 512
+  ids = rng.integers(5, 256, (1, s))
+  types = np.zeros((1, s), np.int64)
+  at = 6
+  for _, _, soft in shots:
+    at += 2  # "mm:ss "
+    ids[0, at] = make_fixtures.BOI
+    ids[0, at + 1 : at + 1 + soft] = VIDEO
+    types[0, at + 1 : at + 1 + soft] = 2
+    ids[0, at + 1 + soft] = make_fixtures.EOI
+    at += soft + 2
+  assert at < s - 8, at
+  return {
+    "input_ids": ids,
+    "attention_mask": np.ones((1, s), np.int64),
+    "mm_token_type_ids": types,
+    "pixel_values_videos": np.stack([p[0] for p in shots]),
+    "video_position_ids": np.stack([p[1] for p in shots]),
+    "num_frames_per_video": np.array([frames]),
+  }
+
+
+@pytest.fixture(scope="module")
+def long_video(checkpoint):
+  """(kind, directory, transformers' float64 and float32 logits of the long row)."""
+  kind, path, _ = checkpoint
+  model = type(BUILD[kind]()).from_pretrained(path, experts_implementation="eager").eval()
+  return kind, path, transformers_logits(model, long_video_rows(kind))
+
+
+# Every layout with the ring, and every strategy on the load-balanced layout
+# (the hybrid on the sliding layers: a full layer's one K/V head has no
+# Ulysses factor). Suite budget: the per-layer mix in CI, the rest in `make soak`.
+MIXED = {"sliding_attention": "hybrid", "full_attention": "all_gather"}
+LONG_CASES = {
+  "contiguous-ring": ("contiguous", "ring"),
+  "load_balanced-ring": ("load_balanced", "ring"),
+  "document_balanced-ring": ("document_balanced", "ring"),
+  "load_balanced-all_gather": ("load_balanced", "all_gather"),
+  "load_balanced-ulysses": ("load_balanced", "ulysses"),
+  "contiguous-hybrid_and_all_gather": ("contiguous", MIXED),
+}
+
+
+@pytest.mark.parametrize(
+  "layout, strategy",
+  [
+    pytest.param(*case, id=name, marks=() if case[1] is MIXED else pytest.mark.slow)
+    for name, case in LONG_CASES.items()
+  ],
+)
+def test_a_long_video_row_equals_transformers_under_every_layout(long_video, layout, strategy):
+  """40 frames (257 soft tokens) in one row of 512 over cp = 4: the frames
+  are spread over every rank, each computed once and its soft tokens placed
+  by the ranks that hold them; the logits are transformers' within 5x its
+  own float32 error, in every layout and CP strategy."""
+  kind, path, logits = long_video
+  rows = long_video_rows(kind)
+  assert (rows["mm_token_type_ids"] == 2).sum() > 128  # more than one rank's share
+  model = gemma4.Gemma4.from_pretrained(path)
+  batch = gemma4.prepare_batch(rows, model.cfg)
+  mesh = parallel.make_mesh(cp=4, devices=jax.devices()[:4])
+  got = gemma4.cp_logits(model, batch, mesh, layout=layout, strategy=strategy)
+  chex.assert_shape(got, logits[torch.float64].shape)
+  assert_within_transformers_error(got, logits, rows["attention_mask"].astype(bool))
+
+
+# Suite budget: `make soak`; CI trains on video at cp = 4 through the CLI
+# (test_video_training.py, whose first step checks CP against one device).
+@pytest.mark.slow
+def test_the_loss_gradient_of_a_long_video_row_under_cp(long_video):
+  """The text loss's gradient on the long row under cp = 4 (load-balanced)
+  equals the one-device gradient on every parameter, and every trainable
+  tensor of the vision path gets a finite, nonzero one."""
+  from flax import nnx
+
+  from cpjax import training
+  from cpjax.models.gemma4.checkpoint import checkpoint_keys
+
+  kind, path, _ = long_video
+  model = gemma4.Gemma4.from_pretrained(path)
+  rows = long_video_rows(kind)
+  ids = rows["input_ids"]
+  # Next-token labels on text tokens (soft tokens are out of the vocabulary).
+  labels = np.where(np.roll(ids, -1, axis=1) < 256, np.roll(ids, -1, axis=1), -100)
+  labels[:, -1] = -100
+  batch = gemma4.prepare_batch({**rows, "labels": labels.astype(np.int32)}, model.cfg)
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+
+  def objective(loss):
+    return lambda p, b: (lambda s, n: s / n)(*loss(p, b))
+
+  want = jax.jit(jax.grad(objective(training.make_loss_fn(graphdef, frozen=buffers))))(
+    params, batch
+  )
+  mesh = parallel.make_mesh(cp=4, devices=jax.devices()[:4])
+  sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
+  sharded, layout = sharder.shard_batch(batch, mesh)
+  loss = training.make_loss_fn(graphdef, mesh=mesh, layout=layout, frozen=buffers)
+  with jax.set_mesh(mesh):
+    on_mesh = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
+    got = jax.jit(jax.grad(objective(loss)))(on_mesh, sharded)
+
+  def close(where, a, b):
+    chex.assert_trees_all_close(
+      a, b, rtol=0, atol=1e-4 * float(np.max(np.abs(b))), custom_message=jax.tree_util.keystr(where)
+    )
+
+  jax.tree_util.tree_map_with_path(close, got, want)
+  vision = {
+    k: v
+    for k, v in checkpoint_keys(nnx.merge(graphdef, want, buffers)).items()
+    # (the tower's, or the 12B's embedder)
+    if k.startswith(("model.vision_tower.", "model.vision_embedder.", "model.embed_vision."))
+    and isinstance(v, nnx.Param)
+  }
+  assert len(vision) >= 6
+  for key, g in vision.items():
+    g = np.asarray(g.get_value())
+    assert np.all(np.isfinite(g)) and np.any(g != 0), key
