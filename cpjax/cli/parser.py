@@ -301,8 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     description='Read IN.jsonl (one {"text": ...} document or {"messages": [...]} '
     "conversation per line), tokenize it with the checkpoint's tokenizer.json and "
     "chat template (only the assistant turns of a conversation count in the "
-    "loss; images and audio clips in a conversation become the checkpoint's "
-    "image patches and audio features), and write the ArrayRecord corpus OUT that "
+    "loss; images, audio clips and videos in a conversation become the "
+    "checkpoint's image patches, audio features and sampled frames), and write "
+    "the ArrayRecord corpus OUT that "
     "cpjax train --data reads. "
     "Bad records are dropped and reported with their line number.",
   )
