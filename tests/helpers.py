@@ -306,6 +306,51 @@ def transformers_logits(model, rows: dict, float64_scope=None) -> dict:
   return logits
 
 
+def assert_cp_gradient_equals_one_device(model, batch, prefixes: tuple, least: int) -> None:
+  """The mean text loss's gradient under cp = 4 (load-balanced) equals the
+  one-device gradient on every parameter (within 1e-4 of each tensor's
+  largest), and the ``least`` or more trainable tensors whose checkpoint
+  keys start with ``prefixes`` each get a finite, nonzero one."""
+  import chex
+  import numpy as np
+  from flax import nnx
+
+  from cpjax import parallel, training
+  from cpjax.models.gemma4.checkpoint import checkpoint_keys
+
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+
+  def objective(loss):
+    return lambda p, b: (lambda s, n: s / n)(*loss(p, b))
+
+  want = jax.jit(jax.grad(objective(training.make_loss_fn(graphdef, frozen=buffers))))(
+    params, batch
+  )
+  mesh = parallel.make_mesh(cp=4, devices=jax.devices()[:4])
+  sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
+  sharded, layout = sharder.shard_batch(batch, mesh)
+  loss = training.make_loss_fn(graphdef, mesh=mesh, layout=layout, frozen=buffers)
+  with jax.set_mesh(mesh):
+    on_mesh = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
+    got = jax.jit(jax.grad(objective(loss)))(on_mesh, sharded)
+
+  def close(where, a, b):
+    chex.assert_trees_all_close(
+      a, b, rtol=0, atol=1e-4 * float(np.max(np.abs(b))), custom_message=jax.tree_util.keystr(where)
+    )
+
+  jax.tree_util.tree_map_with_path(close, got, want)
+  reached = {
+    k: v
+    for k, v in checkpoint_keys(nnx.merge(graphdef, want, buffers)).items()
+    if k.startswith(prefixes) and isinstance(v, nnx.Param)
+  }
+  assert len(reached) >= least, sorted(reached)
+  for key, g in reached.items():
+    g = np.asarray(g.get_value())
+    assert np.all(np.isfinite(g)) and np.any(g != 0), key
+
+
 def assert_within_transformers_error(got, logits: dict, real, times: float = 5.0) -> None:
   """``got`` within ``times`` transformers' own float32 error of its float64
   logits, on the ``real`` tokens (the issues' bar for precision)."""
