@@ -1112,8 +1112,8 @@ MUTANTS = (
   Mutant(
     "corpus: a row's images fill its slots from the last one",
     "cpjax/data/corpus.py",
-    '      pixels[i, :n] = pixel_values(row["image_patches"][start : start + n])',
-    '      pixels[slots - 1 - i, :n] = pixel_values(row["image_patches"][start : start + n])',
+    '      pixels[i, :n] = processor.pixels(row["image_patches"][start : start + n])',
+    '      pixels[slots - 1 - i, :n] = processor.pixels(row["image_patches"][start : start + n])',
     ("tests/test_images.py::test_images_ride_with_their_documents_through_packing",),
   ),
   Mutant(
@@ -1126,8 +1126,8 @@ MUTANTS = (
   Mutant(
     "images: patches flattened channel-first",
     "cpjax/data/images.py",
-    "    patches = pixels.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4)",
-    "    patches = pixels.reshape(rows, p, cols, p, 3).transpose(0, 2, 4, 1, 3)",
+    "    patches = pixels.reshape(t, rows, p, cols, p, 3).transpose(0, 1, 3, 2, 4, 5)",
+    "    patches = pixels.reshape(t, rows, p, cols, p, 3).transpose(0, 1, 3, 5, 2, 4)",
     ("tests/test_images.py::test_pixels_equal_transformers_image_processor",),
   ),
   Mutant(
