@@ -149,7 +149,8 @@ class ImageProcessor:
         with open(file, encoding="utf-8") as f:
           raw = json.load(f)
         raw = raw.get("image_processor", raw)
-        kind = raw.get("image_processor_type", "Gemma4ImageProcessor")
+        # (transformers reads a legacy "...Fast" name as the processor it names)
+        kind = raw.get("image_processor_type", "Gemma4ImageProcessor").removesuffix("Fast")
         if kind not in _PROCESSORS:
           raise ValueError(
             f"{name} in {path}: image_processor_type {kind!r} is not one cpjax "
