@@ -13,6 +13,7 @@ Gemma 4's training step on meshes whose fsdp and tp axes XLA partitions
 """
 
 import collections
+import dataclasses
 import functools
 import importlib.util
 import re
@@ -320,7 +321,6 @@ def test_the_gpu_kernels_fit_the_registers(monkeypatch, d, dtype, grouped):
   K/V head): the default tiles (cpjax.attention.ring.kernels.PALLAS_IMPLEMENTATIONS)
   spill no register, also where the schedule groups tiles into blocks (a
   loop more a kernel)."""
-  import dataclasses
 
   from cpjax.attention.ring.kernels import _implementations, ptxas
 
@@ -564,7 +564,6 @@ def test_kv_shared_layers_keep_no_whole_row_gradient_alive_on_the_tpu():
   [262144, 512] rows (1.5 GiB) at the peak. (XLA's all-reduce combiner may
   still send small rows together, here seven 16 MiB ones; at S = 65536 each
   64 MiB row went alone.)"""
-  import dataclasses
 
   from cpjax.models.gemma4 import Gemma4Config
 
@@ -589,6 +588,47 @@ def test_kv_shared_layers_keep_no_whole_row_gradient_alive_on_the_tpu():
   )
   reads, op = _whole_row_reads(compiled.as_text(), f"[1,1,{seq_len},512]")
   assert reads == 1, f"{op} reads {reads} whole-row all-reduced gradients"
+
+
+# Suite budget: `make soak` (a minute a compile); CI compiles the same step
+# on CPU devices (test_plan.py) and the chips' attention kernels above.
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny", "tiny-unified"])
+@pytest.mark.parametrize("target", [pytest.param(t, marks=needs[t]) for t in ("v5e-8", "h200-8")])
+def test_a_step_with_video_and_audio_compiles_for_the_chip(target, preset):
+  """Rows that each hold a video (``pixel_values_videos``: 8 frames of 16
+  soft tokens) and an audio clip, whole on every device, through the chip's
+  compiler as ``cpjax plan --target`` compiles them, on fsdp = 2 x cp = 4 in
+  bfloat16: a vision tower and E2B's conformer tower (one layer each) on the
+  tiny decoder, or the 12B's patch and waveform embedders on its tiny
+  counterpart. The step takes both rows' frames and clips, and runs the
+  chip's ring kernels."""
+  from cpjax.models.gemma4 import Gemma4Config
+  from cpjax.models.gemma4.audio_config import Gemma4AudioConfig
+
+  cfg = Gemma4Config.preset(preset)
+  if preset == "tiny":
+    tower = Gemma4AudioConfig(
+      num_hidden_layers=1, hidden_size=64, num_attention_heads=4, output_proj_dims=64
+    )
+    cfg = dataclasses.replace(cfg, audio=tower)
+  shape = plan.StepShape(
+    4096,
+    {"fsdp": 2, "cp": 4},
+    dtype="bfloat16",
+    remat="full",
+    strategy="ring",
+    video_frames=8,
+    video_frame_tokens=16,
+    audio_seconds=2.0 if preset == "tiny" else 0.04,
+  )
+  (frames, patches, features, _), clip = shape.video(cfg), shape.audio(cfg)
+  compiled, _, _, _ = plan.compile_step(cfg, shape, devices=devices(target))
+  text = compiled.as_text()
+  assert f"f32[{2 * frames},{patches},{features}]" in text  # both rows' frames
+  assert f"f32[2,{clip[0]},{clip[1]}]" in text  # and clips
+  assert KERNEL[target][0] in text
+  print(f"{target} {preset}: {plan.compiled_bytes(compiled)} bytes per device")
 
 
 # Suite budget: `make soak` (a minute a chip).

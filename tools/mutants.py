@@ -1669,6 +1669,37 @@ MUTANTS = (
     ("tests/test_run_config.py::test_each_published_size_recipe_fits_its_device",),
   ),
   Mutant(
+    "plan: rows planned with video compile a step without the frames",
+    "cpjax/training/plan/compiled.py",
+    "    batch = _with_video(batch, cfg, video, after=0 if clip is None else clip[2], host=host)",
+    "    pass",
+    ("tests/test_plan.py::test_a_plan_with_video_compiles_the_frames_into_the_step",),
+  ),
+  Mutant(
+    "vision tower: every rank runs every image and frame under CP",
+    "cpjax/models/gemma4/model.py",
+    "  if cp is None or cp.layout.cp_size == 1:\n    return features(*inputs)",
+    "  if True:\n    return features(*inputs)",
+    ("tests/test_plan.py::test_a_plan_with_video_compiles_the_frames_into_the_step",),
+  ),
+  Mutant(
+    "closed form: the vision tower's frames counted on every rank",
+    "cpjax/training/plan/closed_form.py",
+    "  mine = -(-n // cp)  # frames a rank (each once across the ranks)",
+    "  mine = n",
+    (
+      "tests/test_plan.py::test_the_closed_forms_vision_tower_follows_xla_tpu[None]",
+      "tests/test_plan.py::test_the_closed_forms_vision_tower_follows_xla_tpu[4]",
+    ),
+  ),
+  Mutant(
+    "closed form: the 12B's patches counted once, not as XLA:TPU lays them out",
+    "cpjax/training/plan/closed_form.py",
+    "    here += UNIFIED_PIXEL_COPIES * pixels",
+    "    here += pixels",
+    ("tests/test_plan.py::test_the_closed_forms_vision_tower_follows_xla_tpu[4]",),
+  ),
+  Mutant(
     "plan: a 4-bit value counted as a byte again",
     "cpjax/parallel/_placement.py",
     "    total += -(-int(np.prod(shape)) * jax.dtypes.itemsize_bits(x.dtype) // 8)",

@@ -228,6 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
     "clips' features count",
   )
   plan.add_argument(
+    "--video-frames",
+    type=_positive,
+    default=None,
+    metavar="N",
+    help="plan rows that each hold a video of N frames (every Gemma 4 with vision; "
+    "--video-frame-tokens soft tokens a frame among the row's): the tower's "
+    "activations and the frames' patches count",
+  )
+  plan.add_argument(
+    "--video-frame-tokens",
+    type=_positive,
+    default=70,
+    metavar="T",
+    help="soft tokens a video frame: the video processor's max_soft_tokens (default: 70)",
+  )
+  plan.add_argument(
     "--device-memory",
     type=_memory,
     default=None,

@@ -179,6 +179,8 @@ def step_shape(args: argparse.Namespace, mesh: dict | None) -> StepShape:
     layout=args.layout,
     strategy=args.strategy,
     audio_seconds=args.audio_seconds or 0.0,
+    video_frames=args.video_frames or 0,
+    video_frame_tokens=args.video_frame_tokens,
   )
 
 
@@ -347,6 +349,8 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     parser.exit(2, f"cpjax plan: error: {e}\n")
   where = "" if target is None else f" ({target.chip.kind}, {target.topology})"
   audio = f", {args.audio_seconds:g} s of audio a row" if args.audio_seconds else ""
+  if args.video_frames:
+    audio += f", a video of {args.video_frames} frames a row"
   print(
     f"cpjax plan: Gemma 4 {name}, S={args.seq_len}{audio}, remat {args.remat}, "
     f"{rows[0].training} training, {devices} devices{where}; per device:"

@@ -76,11 +76,12 @@ ep=8, judged on a v5p-16 and 8 H200s: benchmarks/compile_targets.py
 
 Audio (``audio_seconds``: one clip a row, ``U`` soft tokens of ``T``
 frames of ``W`` features, :meth:`StepShape.audio`): every device holds
-the batch's whole ``input_features`` and mask, ``B * T * (4W + 1)``, and
-every clip's soft tokens after the tower, ``B * U * D * a`` (and their
+the step's whole ``input_features`` and mask, ``B_g * T * (4W + 1)`` (``B_g``
+the step's rows over every batch shard), and
+every clip's soft tokens after the tower, ``B_g * U * D * a`` (and their
 float32 gradient when the tower trains). E2B and E4B's tower runs on
-``U_r = B * U / cp`` soft tokens a rank (a clip split over the ranks when
-``B < cp``, else ``ceil(B / cp)`` whole clips): training it keeps
+``U_r = B_g * U / cp`` soft tokens a rank (a clip split over the ranks when
+``B_g < cp``, else ``ceil(B_g / cp)`` whole clips): training it keeps
 :data:`AUDIO_CONV_BYTES` bytes a value of its first convolution's output
 (``2 * (W / 2) * C0`` values a soft token, ``C0`` its channels) and
 :data:`AUDIO_LAYER_VALUES` values of ``H`` a conformer layer, per soft
@@ -88,6 +89,26 @@ token; frozen (LoRA) only the forward's :data:`AUDIO_FORWARD_BYTES` a
 convolution value (fitted to XLA:TPU for v5e-4, cp = 4, towers of 1 and 3
 layers at H = 1024, 20 and 60 s a row). FLOPs: ``6`` (frozen: ``2``) times
 the tower's and ``embed_audio``'s parameters per soft token.
+
+Video (``video_frames``: one video a row, ``N`` frames of ``P`` patches of
+``F`` features and ``U = N T`` soft tokens, :meth:`StepShape.video`):
+every device holds the step's whole ``pixel_values_videos`` and positions,
+``B_g N P (4F + 8)`` (``B_g`` the step's rows over every batch shard), and
+every frame's soft tokens, ``B_g U D a`` (with their float32 gradient when
+the tower trains). E2B to 31B's tower runs on ``ceil(B_g N / cp)`` frames
+a rank, each frame once across the ranks: a frame's float32 patches and
+:data:`VISION_EMBED_VALUES` values of ``H`` a patch (embedding, pooling),
+and a layer's :data:`VISION_LAYER_VALUES` values of ``H`` a patch and its
+float32 scores and probabilities, ``(4 + a) heads P^2``, kept for every
+layer when the tower trains (with the encoder layers' float32 gradient),
+:data:`VISION_FORWARD_LAYERS` of a layer's when it is frozen (LoRA). The
+12B embeds the patch of each of a rank's ``L`` tokens: a gather of ``B_g L
+F`` float32 from :data:`UNIFIED_PIXEL_COPIES` copies of the patches, and
+:data:`UNIFIED_EMBED_VALUES` (frozen: :data:`UNIFIED_FORWARD_VALUES`)
+values of its width ``E`` a token, with the embedder's float32 gradient
+when it trains. FLOPs: ``6`` (frozen: ``2``) times the tower's parameters a
+patch and its attention's ``4 P^2 heads head_dim`` a layer, per frame; the
+12B's embedder's parameters a token.
 
 The cast copy, table gradient, widest Dh and ring buffers are from XLA:TPU's
 buffer report, and its live-range report at the backward's peak adds
@@ -136,6 +157,12 @@ __all__ = [
   "MLP_TILE_VALUES",
   "PLATFORMS",
   "TPU_PEAK_VALUES",
+  "UNIFIED_EMBED_VALUES",
+  "UNIFIED_FORWARD_VALUES",
+  "UNIFIED_PIXEL_COPIES",
+  "VISION_EMBED_VALUES",
+  "VISION_FORWARD_LAYERS",
+  "VISION_LAYER_VALUES",
   "check_ep",
   "estimate",
   "lora_param_count",
@@ -166,6 +193,25 @@ AUDIO_LAYER_VALUES = 40
 # the largest of the same fits (1, 2 and 3 layers gave 1.9, 2.9 and 1.0; XLA
 # schedules the transient differently each time), so that the plan errs high.
 AUDIO_FORWARD_BYTES = 3
+# The vision tower's activations on a rank's video frames, in values of H a
+# patch (XLA:TPU, v5e-4, cp = 4, bfloat16 steps of a tiny decoder with
+# E2B's tower at 1 and 3 layers, 16 and 32 frames of 630 patches a row: the
+# slopes of the temporaries in the frames and the layers). Training the
+# tower: each layer keeps 11.1 beside its scores, and the patch embedding
+# and pooling 2.3; frozen (LoRA), the forward holds 0.51 of a layer's
+# (0.52 at 3 layers: XLA frees each layer's scores as it goes); each
+# rounded up, so that the plan errs high.
+VISION_LAYER_VALUES = 11
+VISION_EMBED_VALUES = 2.5
+VISION_FORWARD_LAYERS = 0.55
+# The 12B's embedder (XLA:TPU, v5e-4, cp = 4, bfloat16 steps of its tiny
+# decoder with the published embedder, 0, 16 and 32 frames a row): values of
+# its width E a token it keeps to train (4.2 fitted), or holds frozen (0.4);
+# and the copies of the frames' patches, which XLA:TPU lays out again for
+# the gather of each token's patch (1.86 fitted).
+UNIFIED_EMBED_VALUES = 4.5
+UNIFIED_FORWARD_VALUES = 0.5
+UNIFIED_PIXEL_COPIES = 2
 # XLA:GPU's buffers of the expert dispatch's size beyond the four it sends,
 # receives, computes and returns, fitted to the 26B-A4B slice's H200 rows.
 DISPATCH_GPU = 23
@@ -201,6 +247,54 @@ def _audio(cfg, clip, *, rows: int, cp: int, a: int, trained: bool) -> tuple[flo
     else:
       here += local * AUDIO_FORWARD_BYTES * conv
   return here, (6 if trained else 2) * _audio_params(cfg) * local
+
+
+@functools.lru_cache(maxsize=8)
+def _vision_params(cfg) -> tuple[int, int]:
+  """Parameters of the vision path (the tower, or the 12B's embedder, and
+  ``embed_vision``), and of the tower's encoder layers among them."""
+  import jax
+  from flax import nnx
+
+  params = nnx.state(_abstract_model(cfg), nnx.Param)
+  sizes = {
+    jax.tree_util.keystr(p): int(np.prod(x.shape))
+    for p, x in jax.tree_util.tree_leaves_with_path(params)
+  }
+  vision = {p: n for p, n in sizes.items() if "vision" in p}
+  return sum(vision.values()), sum(n for p, n in vision.items() if "['encoder']" in p)
+
+
+def _video(
+  cfg, video, *, rows: int, tokens: int, cp: int, a: int, trained: bool
+) -> tuple[float, float]:
+  """(bytes a device, FLOPs a device) of each row's video (the module's
+  docstring): ``rows`` the step's rows over every batch shard, ``tokens``
+  those a rank holds (its rows' share)."""
+  frames, patches, features, soft = video
+  n = rows * frames
+  pixels = n * patches * (4 * features + 8)
+  here = rows * soft * cfg.text.hidden_size * (a + (4 if trained else 0))
+  passes = 6 if trained else 2
+  params, encoder = _vision_params(cfg)
+  if cfg.unified:
+    # Each rank gathers its tokens' patches (one a token) and embeds them.
+    values = UNIFIED_EMBED_VALUES if trained else UNIFIED_FORWARD_VALUES
+    here += UNIFIED_PIXEL_COPIES * pixels + tokens * (
+      4 * features + values * cfg.vision.mm_embed_dim * a
+    )
+    here += 4 * params if trained else 0  # the embedder's float32 gradient
+    return here, passes * params * tokens
+  v = cfg.vision
+  mine = -(-n // cp)  # frames a rank (each once across the ranks)
+  layer = VISION_LAYER_VALUES * v.hidden_size * patches * a
+  layer += (4 + a) * v.num_attention_heads * patches**2  # float32 scores, probabilities
+  layers = v.num_hidden_layers if trained else VISION_FORWARD_LAYERS
+  frame = 4 * patches * features + VISION_EMBED_VALUES * v.hidden_size * patches * a
+  here += pixels + mine * (frame + layers * layer)
+  here += 4 * encoder if trained else 0  # the encoder layers' float32 gradient
+  attention = 4 * patches**2 * v.num_attention_heads * v.head_dim * v.num_hidden_layers
+  return here, passes * (params * patches + attention) * mine
 
 
 def _abstract_model(cfg):
@@ -508,8 +602,17 @@ def estimate(
   clip = step.audio(cfg)
   audio_bytes, audio_flops = 0.0, 0.0
   if clip is not None:
-    audio_bytes, audio_flops = _audio(cfg, clip, rows=rows, cp=cp, a=a, trained=lora_rank is None)
+    audio_bytes, audio_flops = _audio(
+      cfg, clip, rows=rows * fsdp, cp=cp, a=a, trained=lora_rank is None
+    )
   activations += audio_bytes
+  video = step.video(cfg)
+  video_bytes, video_flops = 0.0, 0.0
+  if video is not None:
+    video_bytes, video_flops = _video(
+      cfg, video, rows=rows * fsdp, tokens=rows * local, cp=cp, a=a, trained=lora_rank is None
+    )
+  activations += video_bytes
   tokens = rows * local
   passes = 6 if lora_rank is None else 4  # forward, input and (full) weight gradients
   matmul = (passes + (2 if remat != "none" else 0)) * active * tokens / tp
@@ -519,7 +622,7 @@ def estimate(
   for i in range(layers):
     visible = seq_len / 2 if t.is_full(i) else min(t.effective_sliding_window, seq_len)
     attention += 4 * tokens * visible * t.num_attention_heads / tp * t.layer_head_dim(i)
-  flops = matmul + attention * (4 if remat != "none" else 3) + audio_flops
+  flops = matmul + attention * (4 if remat != "none" else 3) + audio_flops + video_flops
   return Plan(
     model,
     seq_len,

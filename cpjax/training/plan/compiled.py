@@ -209,6 +209,9 @@ def compile_step(
       ("input_features_mask", (rows, frames), np.bool_),
     ):
       batch[key] = jax.ShapeDtypeStruct(shape_, dtype_, sharding=whole)
+  video = step_shape.video(cfg)
+  if video is not None:
+    batch = _with_video(batch, cfg, video, after=0 if clip is None else clip[2], host=host)
   if host is not grid:
     batch = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(
@@ -238,6 +241,40 @@ def compile_step(
       raise
     raise TooLarge(str(e), *refusal, params, opt_state, base) from e
   return compiled, params, opt_state, base
+
+
+def _with_video(
+  batch: dict, cfg: Gemma4Config, video, *, after: int, host: jax.sharding.Mesh
+) -> dict:
+  """``batch`` (sharded, text or audio) with each row's video in it, as the
+  corpus's rows hold one: ``U`` video tokens after the first ``after``
+  (the audio clip's), typed 2 in ``mm_token_type_ids``, each row's count
+  of earlier ones, and the frames' patches, positions and counts whole on
+  every device (as the sharder passes them through), as shapes only (an
+  hour of frames is gigabytes a row)."""
+  import jax
+  from jax.sharding import NamedSharding
+
+  from cpjax.models.gemma4.cp_batch import IMAGE_OFFSET_KEY, VIDEO_OFFSET_KEY, image_token_offsets
+
+  frames, patches, features, soft = video
+  ids = np.array(batch["input_ids"])  # (a concrete array: the sharder's output)
+  rows = ids.shape[0]
+  ids[:, after : after + soft] = cfg.video_token_id
+  is_video = ids == cfg.video_token_id
+  streams = batch["input_ids"].sharding
+  batch["input_ids"] = jax.device_put(ids, streams)
+  batch["mm_token_type_ids"] = jax.device_put(np.where(is_video, 2, 0).astype(np.int32), streams)
+  offsets = np.asarray(image_token_offsets(is_video))
+  batch[VIDEO_OFFSET_KEY] = jax.device_put(offsets, batch[IMAGE_OFFSET_KEY].sharding)
+  whole = NamedSharding(host, jax.sharding.PartitionSpec())
+  for key, shape_, dtype_ in (
+    ("pixel_values_videos", (rows * frames, patches, features), np.float32),
+    ("video_position_ids", (rows * frames, patches, 2), np.int32),
+    ("num_frames_per_video", (rows,), np.int32),
+  ):
+    batch[key] = jax.ShapeDtypeStruct(shape_, dtype_, sharding=whole)
+  return batch
 
 
 # XLA:TPU refuses a program past the chip's HBM in one of two words: what

@@ -178,6 +178,12 @@ class StepShape:
     audio_seconds: seconds of audio in each row, one clip whose soft tokens
       (25 a second: :func:`audio_shape`) are among the row's ``S``; 0: text
       only. A model with an audio tower or the 12B's embedder.
+    video_frames: frames of one video in each row, each ``video_frame_tokens``
+      soft tokens among the row's ``S`` (:meth:`video`); 0: no video. A
+      model with a vision tower or the 12B's embedder.
+    video_frame_tokens: each frame's soft tokens: the video processor's
+      ``max_soft_tokens`` (70 by default), which the plan takes every frame
+      to fill.
   """
 
   seq_len: int
@@ -196,6 +202,8 @@ class StepShape:
   strategy: Any = "auto"
   loss_strategy: str | None = None
   audio_seconds: float = 0.0
+  video_frames: int = 0
+  video_frame_tokens: int = 70
 
   def __post_init__(self):
     # A step's shape is of rows of seq_len: a ShardLayout's kind is all it keeps.
@@ -306,6 +314,54 @@ class StepShape:
         f"row's seq_len={self.seq_len}"
       )
     return frames, width, soft
+
+  def video(self, cfg: Gemma4Config) -> tuple[int, int, int, int] | None:
+    """Return each row's video as ``(frames N, patches P, features F, soft tokens U)``, or None.
+
+    Each frame is cut as the video processor cuts it at ``max_soft_tokens =
+    video_frame_tokens`` (``T``): E2B to 31B's tower pools ``k x k`` patches
+    of ``p`` pixels into a soft token, so ``P = T k^2`` patches of ``3 p^2``
+    features; the 12B embeds one patch of ``k p`` pixels a soft token, ``P =
+    T`` of ``3 (k p)^2``. ``U = N T`` (the frames' timestamps and delimiters
+    are text among the row's other tokens).
+
+    Args:
+      cfg: the model's :class:`~cpjax.models.gemma4.Gemma4Config`.
+
+    Raises:
+      ValueError: video for a model without vision, or more soft tokens
+        (with the audio clip's) than the row holds.
+
+    >>> from cpjax.models.gemma4 import Gemma4Config
+    >>> StepShape(131072, {"cp": 16}, video_frames=1024).video(Gemma4Config.preset("e4b"))
+    (1024, 630, 768, 71680)
+    >>> StepShape(131072, {"cp": 16}, video_frames=1024).video(Gemma4Config.preset("12b"))
+    (1024, 70, 6912, 71680)
+    """
+    from cpjax import checks
+
+    checks.integer("video_frames", self.video_frames, minimum=0)
+    checks.integer("video_frame_tokens", self.video_frame_tokens, minimum=1)
+    if not self.video_frames:
+      return None
+    v = cfg.vision
+    if v is None:
+      raise ValueError(
+        f"video_frames={self.video_frames} needs a model that takes video (every Gemma 4 "
+        f"with a vision_config); this Gemma 4 has none"
+      )
+    tokens, k = self.video_frame_tokens, v.pooling_kernel_size
+    patches = tokens if cfg.unified else tokens * k * k
+    soft = self.video_frames * tokens
+    clip = self.audio(cfg)
+    heard = 0 if clip is None else clip[2]
+    if soft + heard > self.seq_len:
+      audio = f" and the audio clip's {heard}" if heard else ""
+      raise ValueError(
+        f"video_frames={self.video_frames} of video_frame_tokens={tokens} make {soft} "
+        f"soft tokens{audio}, more than the row's seq_len={self.seq_len}"
+      )
+    return self.video_frames, patches, v.patch_features, soft
 
   def strategies(self, text: Gemma4TextConfig, *, device_memory: int | None = None) -> dict:
     """Return the step's ``{"strategy": ..., "loss_strategy": ...}`` as the run takes them.
