@@ -70,6 +70,7 @@ RECIPES = {
   "12b-lora-256k-v5e": Recipe("16GiB", 32, "v5e-32"),
   "12b-full-128k-v5e": Recipe("16GiB", 32, "v5e-32"),
   "12b-full-128k-v6e": Recipe("32GiB", 32, "v6e-32"),
+  "12b-lora-128k-v6e": Recipe("32GiB", 16, "v6e-16"),
   # An hour of speech a row (90,000 of its 131,072 tokens are audio).
   "e4b-lora-128k-audio-v5e": Recipe("16GiB", 16, "v5e-16", audio_seconds=3600),
   # One GPU: QLoRA at the longest power-of-two row its compiler fits.
