@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
@@ -126,11 +127,14 @@ def _ring(**keywords):
   from tests.helpers import cp_mesh
 
   lay, mesh = cpjax.ShardLayout(4, 4, 2, "contiguous"), cp_mesh(2)
-  ring = jax.shard_map(
-    lambda q, k, v, kw: cpjax.ring_attention(q, k, v, layout=lay, **kw),
-    mesh=mesh,
-    in_specs=P(None, "cp"),
-    out_specs=P(None, "cp"),
+  # Compiled: the ring's many small ops one by one take seconds a call.
+  ring = jax.jit(
+    jax.shard_map(
+      lambda q, k, v, kw: cpjax.ring_attention(q, k, v, layout=lay, **kw),
+      mesh=mesh,
+      in_specs=P(None, "cp"),
+      out_specs=P(None, "cp"),
+    )
   )
   return ring(*jax.device_put((*_qkv(), keywords), jax.NamedSharding(mesh, P(None, "cp"))))
 
@@ -146,7 +150,8 @@ def _global(**keywords):
   from tests.helpers import cp_mesh
 
   lay = cpjax.ShardLayout(4, 4, 2, "contiguous")
-  return cpjax.context_parallel_attention(*_qkv(), mesh=cp_mesh(2), layout=lay, **keywords)
+  attend = functools.partial(cpjax.context_parallel_attention, mesh=cp_mesh(2), layout=lay)
+  return jax.jit(lambda q, k, v, kw: attend(q, k, v, **kw))(*_qkv(), keywords)
 
 
 # Each function that renamed a keyword: {public path: call(**keywords)}.

@@ -1695,8 +1695,8 @@ MUTANTS = (
   Mutant(
     "closed form: the 12B's patches counted once, not as XLA:TPU lays them out",
     "cpjax/training/plan/closed_form.py",
-    "    here += UNIFIED_PIXEL_COPIES * pixels",
-    "    here += pixels",
+    "    here = UNIFIED_PIXEL_COPIES * pixels",
+    "    here = pixels",
     ("tests/test_plan.py::test_the_closed_forms_vision_tower_follows_xla_tpu[4]",),
   ),
   Mutant(

@@ -73,9 +73,10 @@ class Split:
     >>> run = lambda f: nnx.merge(graphdef, state)(
     ...   f, f[..., 0] < 9, jnp.float32, split=Split("cp", 2))[0]
     >>> feats = np.random.default_rng(0).normal(size=(1, 2 * Split.quantum(cfg), 8))
-    >>> split = jax.shard_map(run, mesh=mesh, in_specs=jax.P(None, "cp"),
-    ...                       out_specs=jax.P(None, "cp"), check_vma=False)(feats)
-    >>> whole = tower(feats, feats[..., 0] < 9, jnp.float32)[0]
+    >>> split = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=jax.P(None, "cp"),
+    ...                       out_specs=jax.P(None, "cp"), check_vma=False))(feats)
+    >>> whole = jax.jit(lambda f: nnx.merge(graphdef, state)(
+    ...   f, f[..., 0] < 9, jnp.float32)[0])(feats)
     >>> bool(np.allclose(split, whole, atol=1e-5))
     True
   """

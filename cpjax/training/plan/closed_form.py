@@ -93,22 +93,24 @@ the tower's and ``embed_audio``'s parameters per soft token.
 Video (``video_frames``: one video a row, ``N`` frames of ``P`` patches of
 ``F`` features and ``U = N T`` soft tokens, :meth:`StepShape.video`):
 every device holds the step's whole ``pixel_values_videos`` and positions,
-``B_g N P (4F + 8)`` (``B_g`` the step's rows over every batch shard), and
-every frame's soft tokens, ``B_g U D a`` (with their float32 gradient when
-the tower trains). E2B to 31B's tower runs on ``ceil(B_g N / cp)`` frames
-a rank, each frame once across the ranks: a frame's float32 patches and
-:data:`VISION_EMBED_VALUES` values of ``H`` a patch (embedding, pooling),
-and a layer's :data:`VISION_LAYER_VALUES` values of ``H`` a patch and its
-float32 scores and probabilities, ``(4 + a) heads P^2``, kept for every
-layer when the tower trains (with the encoder layers' float32 gradient),
+``B_g N P (4F + 8)`` (``B_g`` the step's rows over every batch shard).
+E2B to 31B's tower runs on ``ceil(B_g N / cp)`` frames a rank, each frame
+once across the ranks, and every rank gathers every frame's soft tokens,
+``B_g U D a`` (with their float32 gradient when the tower trains). A
+rank's frames hold their float32 patches and :data:`VISION_EMBED_VALUES`
+values of ``H`` a patch (embedding, pooling), and a layer's
+:data:`VISION_LAYER_VALUES` values of ``H`` a patch beside its float32
+scores and probabilities, ``(4 + a) heads P^2``: every layer's when the
+tower trains (with the encoder layers' float32 gradient),
 :data:`VISION_FORWARD_LAYERS` of a layer's when it is frozen (LoRA). The
-12B embeds the patch of each of a rank's ``L`` tokens: a gather of ``B_g L
-F`` float32 from :data:`UNIFIED_PIXEL_COPIES` copies of the patches, and
-:data:`UNIFIED_EMBED_VALUES` (frozen: :data:`UNIFIED_FORWARD_VALUES`)
-values of its width ``E`` a token, with the embedder's float32 gradient
-when it trains. FLOPs: ``6`` (frozen: ``2``) times the tower's parameters a
-patch and its attention's ``4 P^2 heads head_dim`` a layer, per frame; the
-12B's embedder's parameters a token.
+12B embeds the patch of each of a rank's ``L`` tokens and gathers no soft
+token: a gather of ``B L F`` float32 from :data:`UNIFIED_PIXEL_COPIES`
+copies of the patches, and :data:`UNIFIED_EMBED_VALUES` (frozen:
+:data:`UNIFIED_FORWARD_VALUES`) values of its width ``E`` a token, with
+the embedder's float32 gradient when it trains. FLOPs: ``6`` (frozen:
+``2``) times the tower's parameters a patch and its attention's ``4 P^2
+heads head_dim`` a layer, per frame; the 12B's embedder's parameters a
+token.
 
 The cast copy, table gradient, widest Dh and ring buffers are from XLA:TPU's
 buffer report, and its live-range report at the backward's peak adds
@@ -199,8 +201,8 @@ AUDIO_FORWARD_BYTES = 3
 # slopes of the temporaries in the frames and the layers). Training the
 # tower: each layer keeps 11.1 beside its scores, and the patch embedding
 # and pooling 2.3; frozen (LoRA), the forward holds 0.51 of a layer's
-# (0.52 at 3 layers: XLA frees each layer's scores as it goes); each
-# rounded up, so that the plan errs high.
+# (0.52 at 3 layers: XLA frees each layer's scores as it goes). The last
+# two are rounded up, so that the plan errs high there.
 VISION_LAYER_VALUES = 11
 VISION_EMBED_VALUES = 2.5
 VISION_FORWARD_LAYERS = 0.55
@@ -274,17 +276,18 @@ def _video(
   frames, patches, features, soft = video
   n = rows * frames
   pixels = n * patches * (4 * features + 8)
-  here = rows * soft * cfg.text.hidden_size * (a + (4 if trained else 0))
   passes = 6 if trained else 2
   params, encoder = _vision_params(cfg)
   if cfg.unified:
-    # Each rank gathers its tokens' patches (one a token) and embeds them.
+    # Each rank gathers its own tokens' patches (one a token) and embeds
+    # them: no soft token is made for, or gathered from, another rank.
     values = UNIFIED_EMBED_VALUES if trained else UNIFIED_FORWARD_VALUES
-    here += UNIFIED_PIXEL_COPIES * pixels + tokens * (
-      4 * features + values * cfg.vision.mm_embed_dim * a
-    )
+    here = UNIFIED_PIXEL_COPIES * pixels
+    here += tokens * (4 * features + values * cfg.vision.mm_embed_dim * a)
     here += 4 * params if trained else 0  # the embedder's float32 gradient
     return here, passes * params * tokens
+  # Every frame's soft tokens, gathered on every rank.
+  here = rows * soft * cfg.text.hidden_size * (a + (4 if trained else 0))
   v = cfg.vision
   mine = -(-n // cp)  # frames a rank (each once across the ranks)
   layer = VISION_LAYER_VALUES * v.hidden_size * patches * a
