@@ -348,11 +348,11 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
   except ValueError as e:  # a mesh the model cannot use: a usage error, before compiling
     parser.exit(2, f"cpjax plan: error: {e}\n")
   where = "" if target is None else f" ({target.chip.kind}, {target.topology})"
-  audio = f", {args.audio_seconds:g} s of audio a row" if args.audio_seconds else ""
+  inputs = f", {args.audio_seconds:g} s of audio a row" if args.audio_seconds else ""
   if args.video_frames:
-    audio += f", a video of {args.video_frames} frames a row"
+    inputs += f", a video of {args.video_frames} frames a row"
   print(
-    f"cpjax plan: Gemma 4 {name}, S={args.seq_len}{audio}, remat {args.remat}, "
+    f"cpjax plan: Gemma 4 {name}, S={args.seq_len}{inputs}, remat {args.remat}, "
     f"{rows[0].training} training, {devices} devices{where}; per device:"
   )
   for row in rows:

@@ -219,18 +219,9 @@ UNIFIED_PIXEL_COPIES = 2
 DISPATCH_GPU = 23
 
 
-@functools.lru_cache(maxsize=8)
 def _audio_params(cfg) -> int:
   """Parameters of the audio path: the tower (or the unified embedder) and ``embed_audio``."""
-  import jax
-  from flax import nnx
-
-  params = nnx.state(_abstract_model(cfg), nnx.Param)
-  return sum(
-    int(np.prod(x.shape))
-    for p, x in jax.tree_util.tree_leaves_with_path(params)
-    if "audio" in jax.tree_util.keystr(p)
-  )
+  return sum(n for p, n in _param_sizes(cfg).items() if "audio" in p)
 
 
 def _audio(cfg, clip, *, rows: int, cp: int, a: int, trained: bool) -> tuple[float, float]:
@@ -251,19 +242,10 @@ def _audio(cfg, clip, *, rows: int, cp: int, a: int, trained: bool) -> tuple[flo
   return here, (6 if trained else 2) * _audio_params(cfg) * local
 
 
-@functools.lru_cache(maxsize=8)
 def _vision_params(cfg) -> tuple[int, int]:
   """Parameters of the vision path (the tower, or the 12B's embedder, and
   ``embed_vision``), and of the tower's encoder layers among them."""
-  import jax
-  from flax import nnx
-
-  params = nnx.state(_abstract_model(cfg), nnx.Param)
-  sizes = {
-    jax.tree_util.keystr(p): int(np.prod(x.shape))
-    for p, x in jax.tree_util.tree_leaves_with_path(params)
-  }
-  vision = {p: n for p, n in sizes.items() if "vision" in p}
+  vision = {p: n for p, n in _param_sizes(cfg).items() if "vision" in p}
   return sum(vision.values()), sum(n for p, n in vision.items() if "['encoder']" in p)
 
 
@@ -300,9 +282,23 @@ def _video(
   return here, passes * (params * patches + attention) * mine
 
 
+@functools.lru_cache(maxsize=8)
+def _param_sizes(cfg) -> dict[str, int]:
+  """``{path: values}`` of every parameter of the model."""
+  import jax
+  from flax import nnx
+
+  params = nnx.state(_abstract_model(cfg), nnx.Param)
+  return {
+    jax.tree_util.keystr(p): int(np.prod(x.shape))
+    for p, x in jax.tree_util.tree_leaves_with_path(params)
+  }
+
+
+@functools.lru_cache(maxsize=8)
 def _abstract_model(cfg):
   """The model with abstract parameters (shapes only): seconds at a published
-  size, so built once per config."""
+  size, so built once per config (and only read)."""
   from flax import nnx
 
   from cpjax.models.gemma4 import Gemma4
@@ -315,14 +311,7 @@ def _abstract_model(cfg):
 def _count(cfg) -> tuple[int, int, int, int]:
   """(parameters, matmul parameters per text token, largest decoder layer's
   parameters, MoE experts' parameters)."""
-  import jax
-  from flax import nnx
-
-  params = nnx.state(_abstract_model(cfg), nnx.Param)
-  sizes = {
-    jax.tree_util.keystr(p): int(np.prod(x.shape))
-    for p, x in jax.tree_util.tree_leaves_with_path(params)
-  }
+  sizes = _param_sizes(cfg)
   total = sum(sizes.values())
   t = cfg.text
   layer = [0] * t.num_hidden_layers
