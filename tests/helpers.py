@@ -20,9 +20,48 @@ def cp_mesh(cp: int, *leading: tuple[str, int]):
   return jax.make_mesh(shape, names, devices=jax.devices()[:need])
 
 
+def fewest_layers(cfg):
+  """A Gemma 4 config cut to the fewest layers that keep its kinds: a sliding
+  and a full layer, twice where layers share K/V (layers 2 and 3 reuse the
+  K/V of 0 and 1). Compiling a step is about linear in the layers, and what
+  a test of the mesh, the experts or the processes checks is in each kind."""
+  import dataclasses
+
+  from cpjax.models.gemma4 import config
+
+  t = cfg.text
+  types = (config.SLIDING, config.FULL) * (2 if t.num_kv_shared_layers else 1)
+  text = dataclasses.replace(
+    t,
+    num_hidden_layers=len(types),
+    layer_types=types,
+    num_kv_shared_layers=min(t.num_kv_shared_layers, 2),
+  )
+  return dataclasses.replace(cfg, text=text)
+
+
 EXAMPLE_TOKENIZER = os.path.join(
   os.path.dirname(os.path.dirname(__file__)), "cpjax", "examples", "chat"
 )
+
+
+# The layers of the checkpoints below: their fixture models' (make_fixtures.py)
+# cut to the fewest that keep each kind, as fewest_layers cuts a preset, with
+# one vision layer; the CLI runs on them compile each a few times.
+CHECKPOINT_LAYERS = {
+  # Layers 2 and 3 reuse the K/V of layers 0 and 1 (sliding, full).
+  "ple_kv_sharing": dict(
+    layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2
+  ),
+  "moe_k_eq_v_vision": dict(layer_types=["sliding_attention", "full_attention"]),
+  "unified": dict(layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+def _cut(text: dict, name: str) -> dict:
+  """A fixture's text config with the layers of CHECKPOINT_LAYERS[name]."""
+  cut = CHECKPOINT_LAYERS[name]
+  return dict(text, **cut, num_hidden_layers=len(cut["layer_types"]))
 
 
 def write_transformers_checkpoint(directory: str, kind: str, *, seed: int = 0) -> str:
@@ -46,6 +85,7 @@ def write_transformers_checkpoint(directory: str, kind: str, *, seed: int = 0) -
   tokenizer = transformers.AutoTokenizer.from_pretrained(EXAMPLE_TOKENIZER)
   spec = make_fixtures.MODELS[name]
   text = dict(spec["text"], vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer))
+  text = _cut(text, name)
   ids = {
     key: tokenizer.convert_tokens_to_ids(token)
     for key, token in (
@@ -55,7 +95,10 @@ def write_transformers_checkpoint(directory: str, kind: str, *, seed: int = 0) -
     )
   }
   cfg = transformers.Gemma4Config(
-    text_config=text, vision_config=dict(spec["vision"]), audio_config=None, **ids
+    text_config=text,
+    vision_config=dict(spec["vision"], num_hidden_layers=1),
+    audio_config=None,
+    **ids,
   )
   torch.manual_seed(seed)
   model = transformers.Gemma4ForConditionalGeneration(cfg).eval()
@@ -135,8 +178,10 @@ def write_audio_checkpoint(
   if kind == "e2b":
     spec = make_fixtures.MODELS["ple_kv_sharing"]
     cfg = transformers.Gemma4Config(
-      text_config=dict(spec["text"], vocab_size=vocab, vocab_size_per_layer_input=vocab),
-      vision_config=dict(spec["vision"]),
+      text_config=_cut(
+        dict(spec["text"], vocab_size=vocab, vocab_size_per_layer_input=vocab), "ple_kv_sharing"
+      ),
+      vision_config=dict(spec["vision"], num_hidden_layers=1),
       # The tower's first convolution has as many channels as mel bins.
       audio_config=dict(make_fixtures.AUDIO, subsampling_conv_channels=[128, 8]),
       **ids,
@@ -148,7 +193,7 @@ def write_audio_checkpoint(
   elif kind == "unified":
     spec = make_fixtures.UNIFIED
     cfg = transformers.Gemma4UnifiedConfig(
-      text_config=dict(spec["text"], vocab_size=vocab),
+      text_config=_cut(dict(spec["text"], vocab_size=vocab), "unified"),
       vision_config=dict(spec["vision"]),
       audio_config=dict(audio_embed_dim=640),
       **ids,

@@ -1,9 +1,6 @@
 """The computations the multi-process test runs, identically in 1 and 2 processes."""
 
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -13,18 +10,12 @@ from jax.sharding import PartitionSpec as P
 import cpjax
 from cpjax import training
 from cpjax.models import gemma4
-from cpjax.models.gemma4 import config as gemma4_config
+from tests.helpers import fewest_layers
 
 # tiny-moe cut to one sliding and one full layer: every kind of layer it has
 # (MoE beside the MLP, k_eq_v on the full layer, vision groups on the sliding
 # one) at half the compile time of its four layers.
-_MOE = gemma4.Gemma4Config.preset("tiny-moe")
-CFG = dataclasses.replace(
-  _MOE,
-  text=dataclasses.replace(
-    _MOE.text, num_hidden_layers=2, layer_types=(gemma4_config.SLIDING, gemma4_config.FULL)
-  ),
-)
+CFG = fewest_layers(gemma4.Gemma4Config.preset("tiny-moe"))
 
 
 def _global(mesh, x, spec):
@@ -142,15 +133,17 @@ def run_all(mesh) -> dict:
     )
 
   f = jax.shard_map(attend, mesh=mesh, in_specs=spec, out_specs=spec)
+
+  @jax.jit
+  def forward_and_grads(q, k, v, doc_ids, pad):
+    """The output and the gradient of sum(out^2) (one program: a compile)."""
+    out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, doc_ids, pad), q, k, v)
+    return out, vjp(2 * out)
+
+  # Global arrays of a multi-process mesh must be arguments, never closed over.
   doc_ids, pad = sharded["_packed_seq_ids"], sharded["padding_mask"]
   with jax.set_mesh(mesh):
-    out["ring/out"] = jax.jit(f)(q, k, v, doc_ids, pad)
-    # Global arrays of a multi-process mesh must be arguments, never closed over.
-    grads = jax.jit(
-      jax.grad(
-        lambda q, k, v, doc_ids, pad: jnp.sum(f(q, k, v, doc_ids, pad) ** 2), argnums=(0, 1, 2)
-      )
-    )(q, k, v, doc_ids, pad)
+    out["ring/out"], grads = forward_and_grads(q, k, v, doc_ids, pad)
   for name, g in zip("qkv", grads):
     out[f"ring/d{name}"] = g
 

@@ -25,13 +25,23 @@ from cpjax.models import gemma4
 from cpjax.models.gemma4.partitioning import check_mesh, partition_rule
 from cpjax.training import loss as loss_module
 from tests import attention_harness as H
+from tests.helpers import fewest_layers
 
 B, S = 4, 64
 
 
 @functools.lru_cache(maxsize=None)
 def setup(preset):
+  """The preset's config, a model, its split and a batch of B rows of S tokens.
+
+  tiny-moe is cut to its fewest layers (tests.helpers.fewest_layers). The
+  dense tiny keeps its six: on four, its vision projection's update is so
+  small that float32 reordering alone (two microbatches against the whole
+  batch, one device) moves it by 3.2e-4 of itself, past assert_same_update's
+  tolerance."""
   cfg = gemma4.Gemma4Config.preset(preset)
+  if preset == "tiny-moe":
+    cfg = fewest_layers(cfg)
   model = gemma4.Gemma4(cfg, rngs=nnx.Rngs(0))
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   batch = gemma4.synthetic_batch(np.random.default_rng(1), cfg, batch_size=B, seq_len=S, max_docs=3)

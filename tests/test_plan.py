@@ -10,7 +10,7 @@ import pytest
 
 from cpjax.models import gemma4
 from cpjax.training import plan
-from tests.helpers import fake_slice_compiler
+from tests.helpers import fake_slice_compiler, fewest_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -417,7 +417,7 @@ def test_a_compile_refused_past_the_chips_memory_is_a_plan_that_does_not_fit(mon
 def test_lora_compiled_plan_state_equals_the_closed_form():
   """LoRA: the frozen bfloat16 base (2 bytes a parameter) and the adapters
   (4), Adam's moments for the adapters only: compiled = closed form, exactly."""
-  cfg = gemma4.Gemma4Config.preset("tiny")
+  cfg = fewest_layers(gemma4.Gemma4Config.preset("tiny"))
   mesh = {"fsdp": 2, "cp": 2}
   lora = {"lora_rank": 4, "base_dtype": "bfloat16"}
   compiled = plan.compiled_plan(cfg, model="tiny", seq_len=256, mesh=mesh, **lora)
@@ -436,7 +436,7 @@ def test_expert_lora_compiled_plan_state_equals_the_closed_form():
   with the state whole over cp, the rest over fsdp (2) and the experts and
   their adapters over ep x fsdp (4); compiled = closed form, exactly, and
   leaving them out takes off E r (in + out) a tensor."""
-  cfg = gemma4.Gemma4Config.preset("tiny-moe")
+  cfg = fewest_layers(gemma4.Gemma4Config.preset("tiny-moe"))
   mesh = {"fsdp": 2, "cp": 2, "ep": 2}
   shape = {"model": "tiny-moe", "seq_len": 256, "mesh": mesh, "shard_state": "fsdp"}
   lora = {"lora_rank": 4, "base_dtype": "bfloat16"}
@@ -471,7 +471,7 @@ def test_expert_parallel_compiled_plan_state_equals_the_closed_form(mesh):
   exactly; so ep changes no state bytes. Whole over cp, the experts take
   1/ep (or 1/(ep x fsdp) where ep folds onto cp alone) of the whole, the
   rest 1/fsdp."""
-  cfg = gemma4.Gemma4Config.preset("tiny-moe")
+  cfg = fewest_layers(gemma4.Gemma4Config.preset("tiny-moe"))
   compiled = plan.compiled_plan(cfg, model="tiny-moe", seq_len=256, mesh=mesh)
   closed = plan.estimate(cfg, model="tiny-moe", seq_len=256, mesh=mesh, dtype="float32")
   assert compiled.params == closed.params and compiled.optimizer == closed.optimizer
