@@ -138,6 +138,37 @@ def test_output_sharding_and_rank_order():
   assert not np.allclose(np.asarray(out), ref, atol=1e-3)
 
 
+_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+  lambda event, _, **__: (
+    _COMPILES.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+  )
+)
+
+
+def test_an_eager_call_is_one_program_made_once():
+  """Outside jit the attention runs as one jitted program, made once for its
+  settings: not a shard_map run op by op (about 190 compiles for this call),
+  and a second call with other values compiles nothing."""
+  mesh = cp_mesh(4)
+  lay = cpjax.ShardLayout(48, 48, 4, "contiguous")  # a length no other test uses
+  rng = np.random.default_rng(3)
+  x, y = (rng.standard_normal((1, 48, 2, 8)).astype(np.float32) for _ in range(2))
+  docs = np.repeat([[1, 2]], 24, axis=1)
+  call = lambda x: cpjax.context_parallel_attention(  # noqa: E731
+    x, x, x, mesh=mesh, layout=lay, document_ids=docs, sliding_window=9
+  )
+  start = len(_COMPILES)
+  first = call(x)
+  assert len(_COMPILES) - start <= 8, len(_COMPILES) - start
+  start = len(_COMPILES)
+  second = call(y)
+  assert len(_COMPILES) == start
+  want = cpjax.reference_attention(y, y, y, document_ids=docs, sliding_window=9)
+  np.testing.assert_allclose(np.asarray(second), np.asarray(want), **F32)
+  assert not np.allclose(np.asarray(first), np.asarray(second))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_rank_order_helpers(kind):
   lay = cpjax.ShardLayout(13, cpjax.padded_length(13, 4, kind=kind), 4, kind)

@@ -36,6 +36,21 @@ class Mutant:
 TILES = "tests/test_tile_schedule.py"
 
 MUTANTS = (
+  # --- the suite's own speed: an eager call is one program
+  Mutant(
+    "context_parallel_attention: its program made again at each call",
+    "cpjax/attention/global_attention.py",
+    "@functools.lru_cache(maxsize=64)\n",
+    "",
+    ("tests/test_context_parallel.py::test_an_eager_call_is_one_program_made_once",),
+  ),
+  Mutant(
+    "context_parallel_attention: its shard_map run op by op, not jitted",
+    "cpjax/attention/global_attention.py",
+    "  @functools.partial(jax.jit, out_shardings=jax.NamedSharding(mesh, x_spec))\n",
+    "",
+    ("tests/test_context_parallel.py::test_an_eager_call_is_one_program_made_once",),
+  ),
   # --- cost estimates, the step-time plan and the ring's overlap (issue 61)
   Mutant(
     "kernel cost: the dk/dv kernel's recompute left out",

@@ -17,6 +17,7 @@ and key/value heads, ``D`` head dim.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -141,31 +142,45 @@ def context_parallel_attention(
   # The mesh's own backend by default (a TPU mesh compiled from a CPU host too).
   implementation = resolve_implementation(implementation, platform=mesh_platform(mesh))
   x_spec = P(batch_axis, axis_name, head_axis)
-  mask_spec = jax.tree.map(lambda _: P(batch_axis, axis_name), mask)
-
-  def local(q, k, v, mask):
-    return ring_attention(
-      q,
-      k,
-      v,
-      layout=layout,
-      axis_name=axis_name,
-      mask=mask,
-      scale=scale,
-      logits_soft_cap=logits_soft_cap,
-      block_q=block_q,
-      block_kv=block_kv,
-      implementation=implementation,
-      interpret=interpret,
-      strategy=strategy,
-    )
-
-  ring = jax.shard_map(
-    local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, mask_spec), out_specs=x_spec
+  options = dict(
+    layout=layout,
+    axis_name=axis_name,
+    scale=scale,
+    logits_soft_cap=logits_soft_cap,
+    block_q=block_q,
+    block_kv=block_kv,
+    implementation=implementation,
+    interpret=interpret,
+    strategy=strategy,
   )
   q, k, v = (place(jnp.asarray(x), mesh, x_spec) for x in (q, k, v))
   mask = jax.tree.map(lambda x: place(x, mesh, P(batch_axis, axis_name)), mask)
-  return ring(q, k, v, mask)
+  return _program(mesh, x_spec, tuple(sorted(options.items())))(q, k, v, mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _program(mesh: Mesh, x_spec: P, options: tuple) -> Any:
+  """The jitted shard_map of ring_attention for these settings, made once.
+
+  Called eagerly, a shard_map runs op by op (hundreds of small compiles for
+  one call); jitted, it is one program, and under an outer ``jax.jit`` it is
+  inlined. The mask's specs follow its tree, known when it is traced.
+  """
+  mask_axes = (x_spec[0], x_spec[1])
+
+  def local(q, k, v, mask):
+    return ring_attention(q, k, v, mask=mask, **dict(options))
+
+  # (out_shardings: the output's spec is x_spec as written, as shard_map's is.)
+  @functools.partial(jax.jit, out_shardings=jax.NamedSharding(mesh, x_spec))
+  def run(q, k, v, mask):
+    mask_spec = jax.tree.map(lambda _: P(*mask_axes), mask)
+    ring = jax.shard_map(
+      local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, mask_spec), out_specs=x_spec
+    )
+    return ring(q, k, v, mask)
+
+  return run
 
 
 def __getattr__(name: str):

@@ -288,8 +288,9 @@ def ring_attention(
     >>> x = np.random.default_rng(0).standard_normal((1, 32, 2, 8), np.float32)
     >>> order = cpjax.rank_order(lay)   # global arrays in rank order, as shard_batch gives
     >>> xs = jax.device_put(x[:, order], jax.NamedSharding(mesh, P(None, "cp")))
-    >>> ring = jax.shard_map(lambda q, k, v: cpjax.ring_attention(q, k, v, layout=lay),
-    ...                      mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+    >>> ring = jax.jit(jax.shard_map(  # (jitted: one program, not op by op)
+    ...     lambda q, k, v: cpjax.ring_attention(q, k, v, layout=lay),
+    ...     mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp")))
     >>> out = np.asarray(ring(xs, xs, xs))[:, np.argsort(order)]
     >>> bool(np.allclose(out, cpjax.reference_attention(x, x, x), atol=1e-5))
     True
