@@ -88,22 +88,68 @@ def test_all_padding_image_slots_yield_no_soft_tokens():
 # float32 on both sides) has no single right answer: the tolerance is
 # transformers' own bfloat16 error against the float64 logits. cpjax's
 # bfloat16 logits must be as close to float64 as transformers' are: mean
-# |error| within 1.3x of its mean (measured: 0.6x-1.1x), max |error| within
-# 1.5x of its max (measured 0.7x-1.3x; top-k routing flips make the MoE
-# model's max ~6 for both).
+# |error| within 1.3x of its mean (measured: 0.9x-1.1x), max |error| within
+# 1.5x of its max (measured 0.7x-1.3x). The max leaves out the tokens an
+# MoE routes to other experts in bfloat16 than in float32: a top-k near a
+# tie flips either way in any bfloat16 run (here one token of the MoE's
+# image rows flips in cpjax's run and none in transformers': an error of
+# 4.9 where the other tokens' largest is 0.65, transformers' 0.70), and
+# such tokens must stay rare (one in 32 at most).
+#
+# Compiled once, as eagerly: without XLA's excess precision every operation
+# rounds to its bfloat16 result as torch's do (jit's default keeps float32
+# between fused operations). Compiled so, the logits equal the eager run's bit
+# for bit (measured).
 @pytest.mark.parametrize("name", [pytest.param(MODELS[0], marks=pytest.mark.slow), *MODELS[1:]])
-def test_bfloat16_logits_as_accurate_as_transformers_bfloat16(name):
+def test_bfloat16_logits_as_accurate_as_transformers_bfloat16(name, monkeypatch):
   _, batches, logits = fixture(name)
   model = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, name), dtype=jnp.bfloat16)
+  routes = spy_on_routing(monkeypatch)
+  rounded = {"xla_allow_excess_precision": False}
+  bf16 = jax.jit(lambda b: model(b), compiler_options=rounded)
+  f32 = jax.jit(lambda b: fixture(name)[0](b))
   for kind in ("images", "text"):
     inputs = batches[kind]
     real = real_tokens(inputs)
-    got = np.asarray(model(gemma4.prepare_batch(inputs, model.cfg)))
+    batch = gemma4.prepare_batch(inputs, model.cfg)
+    got = np.asarray(bf16(batch))
+    flipped = (
+      routes(lambda: f32(batch), real.shape) != routes(lambda: bf16(batch), real.shape)
+    ).any(-1)
     truth, theirs = logits[f"{kind}/float64"], logits[f"{kind}/bfloat16"]
     ours_err, their_err = np.abs(got - truth)[real], np.abs(theirs - truth)[real]
     assert ours_err.mean() <= 1.3 * their_err.mean(), (kind, ours_err.mean(), their_err.mean())
-    assert ours_err.max() <= 1.5 * their_err.max(), (kind, ours_err.max(), their_err.max())
+    assert flipped[real].sum() <= real.sum() // 32, (kind, flipped[real].sum())
+    kept = np.abs(got - truth)[real & ~flipped]
+    assert kept.max() <= 1.5 * their_err.max(), (kind, kept.max(), their_err.max())
     assert ours_err.mean() > 1e-3  # it really ran in bfloat16
+
+
+def spy_on_routing(monkeypatch):
+  """``routes(run, (B, S))``: each token's top-k experts on every MoE layer
+  while ``run()`` runs, compiled or not: [B, S, layers x k] (no entry on a
+  dense model)."""
+  from cpjax.models.gemma4 import text
+
+  seen = []
+  route = text.Router.__call__
+
+  def spy(self, r):
+    weights, idx = route(self, r)
+    jax.debug.callback(lambda i: seen.append(np.sort(np.asarray(i), -1)), idx, ordered=True)
+    return weights, idx
+
+  monkeypatch.setattr(text.Router, "__call__", spy)
+
+  def routes(run, shape):
+    seen.clear()
+    jax.block_until_ready(run())
+    jax.effects_barrier()
+    return np.concatenate(
+      [np.zeros((*shape, 0), np.int32), *(i.reshape(*shape, -1) for i in seen)], -1
+    )
+
+  return routes
 
 
 # In CI six (model, cp, layout) triples, together every model, cp size and
