@@ -20,6 +20,16 @@ def cp_mesh(cp: int, *leading: tuple[str, int]):
   return jax.make_mesh(shape, names, devices=jax.devices()[:need])
 
 
+def compiled(model, method: str = "__call__"):
+  """``model.<method>`` as one jitted program (``nnx.jit``, the model an
+  argument: a LoRA model's qwix sets attributes as it runs): called eagerly,
+  a Gemma 4 compiles each of its hundreds of operations apart."""
+  from flax import nnx
+
+  run = nnx.jit(lambda m, *args: getattr(m, method)(*args))
+  return lambda *args: run(model, *args)
+
+
 def fewest_layers(cfg):
   """A Gemma 4 config cut to the fewest layers that keep its kinds: a sliding
   and a full layer, twice where layers share K/V (layers 2 and 3 reuse the

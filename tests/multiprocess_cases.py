@@ -18,6 +18,12 @@ from tests.helpers import fewest_layers
 CFG = fewest_layers(gemma4.Gemma4Config.preset("tiny-moe"))
 
 
+def new_model() -> gemma4.Gemma4:
+  """The model at seed 0, initialised by one compiled program (eagerly, each
+  process would compile its initialisers one by one)."""
+  return nnx.jit(lambda: gemma4.Gemma4(CFG, rngs=nnx.Rngs(0)))()
+
+
 def _global(mesh, x, spec):
   """A global array from a host value every process holds in full."""
   x = np.asarray(x)
@@ -46,7 +52,7 @@ def run_fsdp(ckpt_dir) -> dict:
   from cpjax.training.checkpointing import TrainCheckpointer
 
   mesh = parallel.make_mesh(fsdp=2, cp=4, devices=crossing_devices())
-  model = gemma4.Gemma4(CFG, rngs=nnx.Rngs(0))
+  model = new_model()
   sharder = model.prepare_model_inputs_for_cp(layout="load_balanced")["cp_sharder"]
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   specs = parallel.param_specs(params, mesh, rule=gemma4.partition_rule(CFG, tp=1))
@@ -88,7 +94,12 @@ def _lora_step(mesh, specs, sharded) -> dict:
   from cpjax import parallel
   from cpjax.training import lora
 
-  model = lora.apply_lora(gemma4.Gemma4(CFG, rngs=nnx.Rngs(0)), lora.LoraConfig(rank=4, alpha=8.0))
+  # The adapters made by one compiled creation pass (apply_lora's runs the
+  # model op by op), then the base's values: every factor is set below.
+  model = lora.apply_lora_lazily(
+    lambda: gemma4.Gemma4(CFG, rngs=nnx.Rngs(0)), lora.LoraConfig(rank=4, alpha=8.0)
+  )
+  nnx.update(model, nnx.state(new_model()))
   for i, (_, var) in enumerate(nnx.iter_graph(model)):  # B away from zero: A gets gradients
     if isinstance(var, nnx.LoRAParam):
       var.set_value(jax.random.normal(jax.random.key(i), var.shape) * 0.05)

@@ -17,6 +17,7 @@ from cpjax import parallel, training
 from cpjax.models import gemma4
 from cpjax.models.gemma4.partitioning import partition_rule
 from cpjax.training import lora
+from tests.helpers import compiled
 from tests.test_gemma4 import FIXTURES, assert_grads_close, training_batch
 
 # Written by transformers: E2B-like (PLE, K/V sharing, a vision tower) and
@@ -279,9 +280,10 @@ def test_bfloat16_base_keeps_the_activation_dtype():
   proj = model.model.language_model.layers[0].self_attn.q_proj
   assert proj.weight[...].dtype == jnp.bfloat16 and proj.weight_lora_a[...].dtype == jnp.float32
   _, batch = adapted()
-  out = model.hidden_states(batch)
+  out = compiled(model, "hidden_states")(batch)
   assert out.hidden.dtype == jnp.bfloat16
-  assert float(jnp.abs(out.hidden.astype(jnp.float32) - base.hidden_states(batch).hidden).max()) > 0
+  plain = compiled(base, "hidden_states")(batch).hidden
+  assert float(jnp.abs(out.hidden.astype(jnp.float32) - plain).max()) > 0
 
 
 @pytest.mark.parametrize(
@@ -310,9 +312,11 @@ def test_merged_model_equals_the_adapted_model_for_every_option(alpha, rslora, t
   randomize_adapters(model, scale=0.2)
   merged = lora.merge_lora(model)
   assert type(merged) is gemma4.Gemma4 and not lora.adapted_modules(merged)
-  want = model(batch)
-  chex.assert_trees_all_close(merged(batch), want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
-  assert float(jnp.abs(want - base(batch)).max()) > 0.1  # the adapters matter
+  want = compiled(model)(batch)
+  chex.assert_trees_all_close(
+    compiled(merged)(batch), want, rtol=0, atol=2e-5 * float(jnp.abs(want).max())
+  )
+  assert float(jnp.abs(want - compiled(base)(batch)).max()) > 0.1  # the adapters matter
   moved = {
     k
     for k, v in checkpoint_keys(merged).items()
@@ -394,14 +398,14 @@ def test_expert_adapters_equal_experts_with_the_merged_tensors(capacity_factor):
     return nnx.merge(graphdef, factors, base)(x, w, ids, capacity_factor=capacity_factor)
 
   probe = jax.random.normal(jax.random.fold_in(key, 3), x.shape)
-  want, want_stats = merged(factors, x)
-  got, stats = ours(factors, x)
+  want, want_stats = jax.jit(merged)(factors, x)
+  got, stats = jax.jit(ours)(factors, x)
   assert (float(stats.dropped) > 0) == (capacity_factor is not None)
   chex.assert_trees_all_equal(stats, want_stats)
   chex.assert_trees_all_close(got, want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
   objective = lambda run: lambda f, x: jnp.sum(run(f, x)[0] * probe)
-  want_grads = jax.grad(objective(merged), argnums=(0, 1))(factors, x)
-  got_grads = jax.grad(objective(ours), argnums=(0, 1))(factors, x)
+  want_grads = jax.jit(jax.grad(objective(merged), argnums=(0, 1)))(factors, x)
+  got_grads = jax.jit(jax.grad(objective(ours), argnums=(0, 1)))(factors, x)
   assert_grads_close(got_grads, want_grads)
 
 

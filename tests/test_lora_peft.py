@@ -13,7 +13,7 @@ import safetensors.numpy
 
 from cpjax.models import gemma4
 from cpjax.training import lora
-from tests.helpers import code_blocks, doc
+from tests.helpers import code_blocks, compiled, doc
 from tests.test_gemma4 import FIXTURES
 from tests.test_lora import randomize_adapters
 
@@ -74,7 +74,7 @@ def test_peft_loads_what_cpjax_saves_and_merging_equals_it(tmp_path):
     "adapter_model.safetensors",
   ]
   batch = gemma4.prepare_batch(inputs, model.cfg)
-  got = np.asarray(model(batch))
+  got = np.asarray(compiled(model)(batch))
   theirs = hf_logits(str(tmp_path / "adapter"), inputs)
   # The adapters change the logits well beyond float32 noise.
   assert np.abs(theirs[torch.float64] - hf_logits(None, inputs)[torch.float64]).max() > 0.1
@@ -145,7 +145,7 @@ def test_cpjax_loads_what_peft_saves(tmp_path, targets, rslora):
     if isinstance(m, peft.tuners.lora.LoraLayer)
   }
   assert set(lora.adapted_modules(model)) == peft_modules
-  got = np.asarray(model(gemma4.prepare_batch(inputs, model.cfg)))
+  got = np.asarray(compiled(model)(gemma4.prepare_batch(inputs, model.cfg)))
   assert_as_close_as_transformers(got, theirs[torch.float32], theirs[torch.float64], inputs)
 
 
@@ -181,7 +181,7 @@ def test_peft_loads_cpjax_expert_adapters_and_merging_equals_its_merge(tmp_path)
   base = moe_logits(None, inputs)[torch.float64]
   real = inputs["attention_mask"].astype(bool)
   assert np.abs(theirs[torch.float64] - base)[real].max() > 0.1  # the adapters matter
-  got = np.asarray(model(gemma4.prepare_batch(inputs, model.cfg)))
+  got = np.asarray(compiled(model)(gemma4.prepare_batch(inputs, model.cfg)))
   assert_as_close_as_transformers(got, theirs[torch.float32], theirs[torch.float64], inputs)
 
   # Merged: each expert tensor is PEFT's float64 W + scale * B_e A_e to
@@ -280,7 +280,7 @@ def test_cpjax_loads_peft_expert_adapters_on_every_mesh(peft_moe_adapter, mesh_s
   assert model.lora_config.target_parameters == tuple(EXPERT_TENSORS)
   batch = gemma4.prepare_batch(inputs, model.cfg)
   if not mesh_sizes:
-    got = np.asarray(model(batch))
+    got = np.asarray(compiled(model)(batch))
   else:
     sizes = dict(mesh_sizes)
     ep = sizes.pop("ep", 1)
@@ -343,7 +343,7 @@ def test_readme_lora_commands_run_and_peft_loads_the_adapter(
   inputs["input_ids"] = np.where(np.isin(inputs["input_ids"], (7, 8, 9)), 10, inputs["input_ids"])
   theirs = fixtures_module().hf_logits(scope["model"].eval(), inputs, torch.float32)
   ours = lora.load_adapter(gemma4.Gemma4.from_pretrained(base), tmp_path / "my-adapter")
-  got = np.asarray(ours(gemma4.prepare_batch(inputs, ours.cfg)))
+  got = np.asarray(compiled(ours)(gemma4.prepare_batch(inputs, ours.cfg)))
   real = inputs["attention_mask"].astype(bool)
   # Both put the trained adapter on the float32 base: equal to float32
   # rounding (measured max 5e-5 on fixture batches), far below any wrong factor.

@@ -105,7 +105,7 @@ def test_two_processes_equal_one(tmp_path):
     for i in (1, 2):
       assert run[f"resumed/loss{i}"] == run[f"fsdp/loss{i}"], (i, run[f"resumed/loss{i}"])
   assert cluster.keys() == single.keys()
-  _, params, _ = nnx.split(cases.gemma4.Gemma4(cases.CFG, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  _, params, _ = nnx.split(cases.new_model(), nnx.Param, ...)
   initial = {
     "fsdp_params" + jax.tree_util.keystr(p): np.asarray(v)
     for p, v in jax.tree_util.tree_leaves_with_path(params)

@@ -21,6 +21,7 @@ from cpjax import training
 from cpjax.models import gemma4
 from cpjax.training import lora
 from cpjax.training.lora.quantize import QUANTIZED_MODULES
+from tests.helpers import compiled
 from tests.test_gemma4 import FIXTURES, training_batch
 from tests.test_lora import randomize_adapters
 
@@ -178,7 +179,7 @@ def test_a_quantized_base_is_the_numpy_scheme_and_its_logits_transformers(
         state[key].copy_(torch.from_numpy(value))
   inputs = make_fixtures.batch("images", 11)
   theirs = {d: make_fixtures.hf_logits(m, inputs, d) for d, m in hf.items()}
-  got = np.asarray(model(gemma4.prepare_batch(inputs, model.cfg)))
+  got = np.asarray(compiled(model)(gemma4.prepare_batch(inputs, model.cfg)))
   real = inputs["attention_mask"].astype(bool)
   ours = np.abs(got - theirs[torch.float64])[real]
   own = np.abs(theirs[torch.float32] - theirs[torch.float64])[real]
@@ -332,8 +333,10 @@ def test_merging_into_a_quantized_base_gives_a_plain_checkpoint_transformers_loa
   merged = lora.merge_lora(model)
   assert type(merged) is gemma4.Gemma4 and not lora.adapted_modules(merged)
   assert not stored(merged)  # no quantized weight left
-  want = model(batch)
-  chex.assert_trees_all_close(merged(batch), want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
+  want = compiled(model)(batch)
+  chex.assert_trees_all_close(
+    compiled(merged)(batch), want, rtol=0, atol=2e-5 * float(jnp.abs(want).max())
+  )
   merged.save_pretrained(tmp_path)
   import sys
 
