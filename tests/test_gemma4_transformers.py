@@ -55,3 +55,54 @@ def test_transformers_loads_what_cpjax_saves(tmp_path, name):
     ours.mean(),
     theirs.mean(),
   )
+
+
+def test_bfloat16_router_scales_its_input_as_transformers_does():
+  """transformers multiplies the router's bfloat16 input by 1/sqrt(D), a
+  Python number, in float32 and rounds once; at D = 48, where bfloat16
+  cannot hold 1/sqrt(D) (0.14434 rounds to 0.14453), what reaches the
+  router's projection is transformers', bit for bit, and so are its choices."""
+  import dataclasses
+
+  from flax import nnx
+
+  from cpjax.models.gemma4 import text
+
+  cfg = dataclasses.replace(
+    gemma4.Gemma4Config.from_hf(os.path.join(FIXTURES, "moe_k_eq_v_vision")).text,
+    hidden_size=48,
+  )
+  hf_cfg = transformers.Gemma4TextConfig(
+    hidden_size=48, num_experts=cfg.num_experts, top_k_experts=cfg.top_k_experts
+  )
+  torch.manual_seed(0)
+  theirs = transformers.models.gemma4.modeling_gemma4.Gemma4TextRouter(hf_cfg)
+  with torch.no_grad():
+    theirs.proj.weight.normal_(0.0, 48**-0.5)
+    theirs.scale.uniform_(0.5, 1.5)
+    theirs.per_expert_scale.uniform_(0.5, 1.5)
+  theirs = theirs.to(torch.bfloat16).requires_grad_(False)
+  x = (torch.randn(64, 48) * 4).to(torch.bfloat16)
+  seen = {}
+  theirs.proj.register_forward_pre_hook(lambda m, args: seen.update(theirs=args[0]))
+  _, their_weights, their_ids = theirs(x)
+
+  ours = text.Router(cfg, rngs=nnx.Rngs(0))
+  for name in ("scale", "per_expert_scale"):
+    getattr(ours, name).set_value(jnp.asarray(getattr(theirs, name).float().numpy()))
+  ours.proj.weight.set_value(jnp.asarray(theirs.proj.weight.float().numpy()))
+
+  class Spy(nnx.Module):  # what reaches the projection
+    def __init__(self, proj):
+      self.proj = proj
+
+    def __call__(self, z):
+      seen["ours"] = z
+      return self.proj(z)
+
+  ours.proj = Spy(ours.proj)
+  weights, ids = ours(jnp.asarray(x.float().numpy(), jnp.bfloat16))
+  z = np.asarray(seen["ours"].astype(jnp.float32))
+  np.testing.assert_array_equal(z, seen["theirs"].float().numpy())
+  np.testing.assert_array_equal(np.sort(np.asarray(ids), -1), np.sort(their_ids.numpy(), -1))
+  np.testing.assert_allclose(np.asarray(weights), their_weights.float().numpy(), rtol=1e-2)

@@ -36,6 +36,17 @@ class Mutant:
 TILES = "tests/test_tile_schedule.py"
 
 MUTANTS = (
+  # --- bfloat16 as transformers rounds it
+  Mutant(
+    "gemma4: the router's 1/sqrt(D) rounded to bfloat16 before it multiplies",
+    "cpjax/models/gemma4/text.py",
+    "    z = scaled(z * self.scale[...].astype(r.dtype), self.root)",
+    "    z = z * self.scale[...].astype(r.dtype) * jnp.asarray(self.root, r.dtype)",
+    (
+      "tests/test_gemma4_transformers.py::"
+      "test_bfloat16_router_scales_its_input_as_transformers_does",
+    ),
+  ),
   # --- the suite's own speed: an eager call is one program
   Mutant(
     "context_parallel_attention: its program made again at each call",

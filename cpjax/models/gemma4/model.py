@@ -56,7 +56,7 @@ from cpjax.models.gemma4.cp_batch import (
   shard_aux_only_cp_batch,
 )
 from cpjax.models.gemma4.embedders import UnifiedVisionEmbedder
-from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles
+from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, rope_angles, scaled
 from cpjax.models.gemma4.remat import remat_after_cotangent, remat_policy
 from cpjax.models.gemma4.text import DecoderLayer, embed_scale
 from cpjax.models.gemma4.unified_config import (
@@ -444,9 +444,10 @@ class Gemma4(nnx.Module):
       token = (table_lookup("embed_tokens_per_layer").astype(dt) * embed_scale(p, dt)).reshape(
         shape
       )
-      context = lm.per_layer_model_projection(x) * jnp.asarray(t.hidden_size**-0.5, dt)
+      # Both scales are Python numbers in transformers (scaled).
+      context = scaled(lm.per_layer_model_projection(x), t.hidden_size**-0.5)
       context = lm.per_layer_projection_norm(context.reshape(shape))
-      per_layer = (context + token) * jnp.asarray(2**-0.5, dt)
+      per_layer = scaled(context + token, 2**-0.5)
       per_layer = jnp.where(inside[..., None, None], per_layer, 0)
     return x, per_layer, groups
 

@@ -22,7 +22,15 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from cpjax.models.gemma4.experts import ExpertStats, grouped_matmul, routed_experts
-from cpjax.models.gemma4.layers import Buffer, Linear, RMSNorm, apply_rope, gelu, rms_normalize
+from cpjax.models.gemma4.layers import (
+  Buffer,
+  Linear,
+  RMSNorm,
+  apply_rope,
+  gelu,
+  rms_normalize,
+  scaled,
+)
 from cpjax.models.gemma4.remat import remat_tiles
 from cpjax.models.gemma4.text_config import Gemma4TextConfig
 from cpjax.parallel import gather_safe
@@ -139,7 +147,7 @@ class Router(nnx.Module):
   def __call__(self, r):
     """r: [T, D] -> (weights float32[T, k], expert ids int32[T, k])."""
     z = rms_normalize(r, self.eps).astype(r.dtype)
-    z = z * self.scale[...].astype(r.dtype) * jnp.asarray(self.root, r.dtype)
+    z = scaled(z * self.scale[...].astype(r.dtype), self.root)  # (a Python number in torch)
     probs = jax.nn.softmax(self.proj(z).astype(jnp.float32), axis=-1)
     top, idx = jax.lax.top_k(probs, self.top_k)
     top = top / jnp.sum(top, axis=-1, keepdims=True)
