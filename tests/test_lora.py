@@ -252,6 +252,48 @@ def test_adapters_made_on_a_mesh_equal_those_made_on_one_device():
   )
 
 
+def test_the_creation_pass_is_one_cached_program_equal_to_qwixs_eager_pass():
+  """apply_lora runs qwix's creation pass compiled (one program, cached with
+  the model's structure): the adapters, the base and the forward equal the
+  eager pass's bit for bit on the MoE checkpoint; the base arrays are the
+  model's own, not copies; a second call makes no new program; a forward
+  that reads its values in Python falls back to the eager pass."""
+  from cpjax.training.lora import adapters
+
+  settings = lora.LoraConfig(rank=RANK, alpha=ALPHA)
+  base = gemma4.Gemma4.from_pretrained(os.path.join(FIXTURES, MOE))
+  programs = adapters._creation_program._cache_size()
+  fast = lora.apply_lora(base, settings, seed=3)
+  assert adapters._creation_program._cache_size() == programs + 1
+  again = lora.apply_lora(base, settings, seed=3)
+  assert adapters._creation_program._cache_size() == programs + 1  # a cache hit
+  chex.assert_trees_all_equal(nnx.state(again), nnx.state(fast))
+
+  matched = sorted(p for p in adapters.module_paths(base) if settings.matches(p))
+  key = (settings, tuple(matched), (), "hidden_states", 3)
+  eager = adapters._creation_pass(base, key, *base.example_inputs())
+  adapters._adapt_parameters(eager, settings, adapters.parameter_targets(eager, settings), 3)
+  chex.assert_trees_all_equal(nnx.state(fast), nnx.state(eager))
+  ((batch,), _) = base.example_inputs()
+  chex.assert_trees_all_equal(fast.hidden_states(batch), eager.hidden_states(batch))
+  kept = jax.tree.leaves(nnx.state(fast, nnx.Not(nnx.LoRAParam)))
+  assert all(a is b for a, b in zip(kept, jax.tree.leaves(nnx.state(base)), strict=True))
+
+  class ReadsValues(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(4, 8, rngs=rngs)
+
+    def __call__(self, x):
+      return self.up(x) * (2.0 if float(x.sum()) > 0 else 1.0)  # no tracer allowed
+
+  x = jnp.ones((2, 4))
+  tiny = lora.apply_lora(
+    ReadsValues(nnx.Rngs(0)), lora.LoraConfig(rank=2, alpha=2.0, targets=("up",)), x
+  )
+  assert tiny.up.kernel_lora_a.shape == (4, 2)
+  chex.assert_trees_all_equal(tiny(x), ReadsValues(nnx.Rngs(0))(x))
+
+
 def test_lora_partition_rule_follows_the_weight():
   """tp splits A of a column-split projection by its input rows and B of a
   row-split one by its output columns; the other factor stays whole."""

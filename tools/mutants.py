@@ -62,6 +62,20 @@ MUTANTS = (
     "",
     ("tests/test_context_parallel.py::test_an_eager_call_is_one_program_made_once",),
   ),
+  Mutant(
+    "apply_lora: qwix's creation pass run eagerly, op by op",
+    "cpjax/training/lora/adapters.py",
+    "        adapted = _compiled_creation_pass(model, key, args, kwargs)\n",
+    "        adapted = _creation_pass(model, key, args, kwargs)\n",
+    ("tests/test_lora.py::test_the_creation_pass_is_one_cached_program_equal_to_qwixs_eager_pass",),
+  ),
+  Mutant(
+    "apply_lora: the compiled creation pass copies the base it kept",
+    "cpjax/training/lora/adapters.py",
+    "  sources = tuple(index.get(id(x)) for x in leaves)",
+    "  sources = tuple(None for x in leaves)",
+    ("tests/test_lora.py::test_the_creation_pass_is_one_cached_program_equal_to_qwixs_eager_pass",),
+  ),
   # --- cost estimates, the step-time plan and the ring's overlap (issue 61)
   Mutant(
     "kernel cost: the dk/dv kernel's recompute left out",
