@@ -4,7 +4,6 @@ small size), and the pages made from the code say what the code does."""
 import os
 
 import numpy as np
-import pytest
 
 import cpjax
 from tests.helpers import ROOT, code_blocks, doc
@@ -106,11 +105,6 @@ def test_the_attention_page_runs_and_equals_dense_attention():
   assert repr(made.rule) == rule and f"mask.rule  # {rule}" in doc("concepts/attention.md")
 
 
-# Suite budget: three of the docs' runs are `make soak`'s; what they run is in
-# CI elsewhere (the fsdp x cp x tp step's parity: test_parallel.py; the one-GPU
-# recipe's path, a 4-bit base from a transformers checkpoint: test_qlora.py's
-# CLI run; resuming: test_run_config.py's run.yaml rerun and --resume).
-@pytest.mark.slow
 def test_the_meshes_page_trains_a_step_on_fsdp_cp_tp():
   """The step on a 3-D mesh runs, and "same shardings out" (its parity with
   one device: test_parallel.py's test_mesh_step_equals_single_device_step)."""
@@ -148,7 +142,6 @@ def test_the_readme_python_example_is_dense_attention():
   np.testing.assert_allclose(np.asarray(scope["out"]), np.asarray(want), atol=2e-6)
 
 
-@pytest.mark.slow  # (suite budget: see above)
 def test_the_one_gpu_recipe_command_runs_at_a_small_size(tmp_path, monkeypatch, hf_checkpoint):
   """The one-GPU guide's command, on an E2B-like checkpoint transformers saved
   and the shipped chat data, small (S = 256, one step; groups of 8 for the
@@ -224,7 +217,6 @@ def test_every_plan_command_of_the_docs_plans_as_written(tmp_path, monkeypatch, 
   assert compiled, "the commands that compile reach the compiler"
 
 
-@pytest.mark.slow  # (suite budget: see above)
 def test_the_resuming_guides_commands_run_at_a_small_size(tmp_path, monkeypatch):
   """guides/resuming.md's two commands, small (2 then 4 steps, saving every
   step, S = 64 on cp = 2): the second continues the first from its last

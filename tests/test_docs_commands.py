@@ -11,9 +11,8 @@ import pytest
 from tests.helpers import ROOT, code_blocks, doc
 
 
-# As written (the shipped tokenizer) in `make soak`; CI runs the same two
-# commands on a checkpoint transformers saved (suite budget).
-@pytest.mark.parametrize("checkpoint", [pytest.param(None, marks=pytest.mark.slow), "dense"])
+# As written (the shipped tokenizer), and on a checkpoint transformers saved.
+@pytest.mark.parametrize("checkpoint", [None, "dense"])
 def test_your_own_data_commands_run_at_a_small_size(
   tmp_path, monkeypatch, capsys, checkpoint, hf_checkpoint
 ):
