@@ -250,6 +250,10 @@ def test_adapters_made_on_a_mesh_equal_those_made_on_one_device():
   chex.assert_trees_all_equal(
     jax.device_get(nnx.state(on_mesh, nnx.LoRAParam)), jax.device_get(nnx.state(one, nnx.LoRAParam))
   )
+  # The adapters on the base's mesh (the compiled creation pass's too: its
+  # program keeps the base as inputs, though its outputs need none of it).
+  for leaf in jax.tree.leaves(nnx.state(on_mesh, nnx.LoRAParam)):
+    assert leaf.sharding.device_set == set(mesh.devices.flat), leaf.sharding
 
 
 def test_the_creation_pass_is_one_cached_program_equal_to_qwixs_eager_pass():

@@ -76,6 +76,13 @@ MUTANTS = (
     "  sources = tuple(None for x in leaves)",
     ("tests/test_lora.py::test_the_creation_pass_is_one_cached_program_equal_to_qwixs_eager_pass",),
   ),
+  Mutant(
+    "apply_lora: the compiled pass drops the unused base: the adapters on one device",
+    "cpjax/training/lora/adapters.py",
+    "@jax.jit(static_argnums=(0, 2, 4), keep_unused=True)",
+    "@jax.jit(static_argnums=(0, 2, 4))",
+    ("tests/test_lora.py::test_adapters_made_on_a_mesh_equal_those_made_on_one_device",),
+  ),
   # --- cost estimates, the step-time plan and the ring's overlap (issue 61)
   Mutant(
     "kernel cost: the dk/dv kernel's recompute left out",

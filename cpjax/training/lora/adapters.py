@@ -568,11 +568,13 @@ class _Adapted:
 jax.tree_util.register_pytree_node(_Adapted, lambda a: ((), a), lambda a, _: a)
 
 
-@jax.jit(static_argnums=(0, 2, 4))
+@jax.jit(static_argnums=(0, 2, 4), keep_unused=True)
 def _creation_program(graphdef, state, key, arrays, inputs):
   """The creation pass traced on ``nnx.merge(graphdef, state)``: returns the
   :class:`_Adapted` structure and the leaves the pass made. The forward the
-  pass runs feeds no output, so XLA drops it: what runs is the adapters' init."""
+  pass runs feeds no output, so XLA drops it: what runs is the adapters' init.
+  The base stays an input (``keep_unused``), so the program runs on its
+  devices and the adapters come out replicated on its mesh, not on one device."""
   treedef, static = inputs
   fill = iter(arrays)
   args, kwargs = jax.tree.unflatten(treedef, [next(fill) if s is _ARRAY else s for s in static])
