@@ -596,7 +596,7 @@ def _compiled_creation_pass(model: nnx.Module, key: tuple, args: tuple, kwargs: 
   ``model``'s arrays wherever the pass kept them.
 
   Run eagerly, the pass is hundreds of one-operation programs, each
-  compiled the first time its shapes are seen (13 s for a 2-layer MoE on
+  compiled the first time its shapes are seen (10 s for a 2-layer MoE on
   CPU, and a forward run on the chip); compiled, it is one small program,
   cached with the model's structure."""
   graphdef, state = nnx.split(model)
