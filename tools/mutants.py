@@ -1572,8 +1572,8 @@ MUTANTS = (
   Mutant(
     "qlora: a lazily adapted model keeps abstract adapters",
     "cpjax/training/lora/adapters.py",
-    "    nnx.update(model, jax.jit(lambda: nnx.state(adapt(), nnx.LoRAParam))())\n",
-    "",
+    "      nnx.update(model, jax.jit(lambda: nnx.state(adapt(), nnx.LoRAParam))())\n",
+    "      pass\n",
     (
       "tests/test_qlora.py::"
       "test_a_checkpoint_is_quantized_tensor_by_tensor_as_it_is_read[moe-nf4-g8-fsdp2-cp2-ep4]",
