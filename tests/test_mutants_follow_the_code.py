@@ -1,5 +1,7 @@
 """``make mutants`` (tools/mutants.py) stays runnable: every mutant's text
-occurs exactly once in its file and names tests that exist, so a rename or
+occurs exactly once in its file, its mutated Python still compiles (a
+mutant that breaks the syntax is caught by any test, and tests nothing),
+and it names tests that exist, so a rename or
 an edit that moves the code cannot quietly empty the mutation check (running
 the mutants themselves takes an hour: ``make mutants``, part of ``make soak``)."""
 
@@ -30,6 +32,14 @@ def test_every_mutant_applies_once_and_names_real_tests():
     if (ROOT / m.file).read_text().count(m.old) != 1
   ]
   assert stale == []
+  broken = []
+  for m in mutants:
+    if m.file.endswith(".py"):
+      try:
+        compile((ROOT / m.file).read_text().replace(m.old, m.new), m.file, "exec")
+      except SyntaxError as e:
+        broken.append((m.name, str(e)))
+  assert broken == []
   missing = []
   for m in mutants:
     assert m.old != m.new, m.name
