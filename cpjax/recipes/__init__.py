@@ -45,6 +45,7 @@ RECIPES = {
   "a4b-lora-128k-v5e": Recipe("16GiB", 32, "v5e-32"),
   "a4b-qlora-128k-v5e": Recipe("16GiB", 16, "v5e-16"),
   "a4b-qlora-256k-v5e": Recipe("16GiB", 32, "v5e-32"),
+  "a4b-qlora-128k-v5p": Recipe("95GiB", 4, "v5p-8"),
   "e2b-lora-256k-v5p": Recipe("95GiB", 4, "v5p-8"),
   "e2b-full-256k-v5p": Recipe("95GiB", 4, "v5p-8"),
   "a4b-full-128k-v5p": Recipe("95GiB", 8, "v5p-16"),
@@ -69,14 +70,21 @@ RECIPES = {
   "12b-lora-128k-v5e": Recipe("16GiB", 16, "v5e-16"),
   "12b-lora-256k-v5e": Recipe("16GiB", 32, "v5e-32"),
   "12b-full-128k-v5e": Recipe("16GiB", 32, "v5e-32"),
+  "12b-full-256k-v5e": Recipe("16GiB", 32, "v5e-32"),
   "12b-full-128k-v6e": Recipe("32GiB", 32, "v6e-32"),
   "12b-lora-128k-v6e": Recipe("32GiB", 16, "v6e-16"),
+  "12b-lora-128k-v5p": Recipe("95GiB", 4, "v5p-8"),
+  "12b-full-128k-v5p": Recipe("95GiB", 4, "v5p-8"),
+  "12b-lora-128k-h200": Recipe("141GiB", 4, "h200-4"),
+  "12b-lora-256k-h200": Recipe("141GiB", 8, "h200-8"),
+  "12b-full-128k-h200": Recipe("141GiB", 8, "h200-8"),
   # An hour of speech a row (90,000 of its 131,072 tokens are audio).
   "e4b-lora-128k-audio-v5e": Recipe("16GiB", 16, "v5e-16", audio_seconds=3600),
   # One GPU: QLoRA at the longest power-of-two row its compiler fits.
   "e2b-qlora-64k-h100": Recipe("79.1GiB", 1, "h100-1"),
   "e2b-qlora-128k-h200": Recipe("141GiB", 1, "h200-1"),
   "e4b-qlora-32k-h100": Recipe("79.1GiB", 1, "h100-1"),
+  "e4b-qlora-64k-h200": Recipe("141GiB", 1, "h200-1"),
   "a4b-qlora-32k-h200": Recipe("141GiB", 1, "h200-1"),
 }
 
