@@ -78,6 +78,8 @@ RECIPES = {
   "12b-lora-128k-h200": Recipe("141GiB", 4, "h200-4"),
   "12b-lora-256k-h200": Recipe("141GiB", 8, "h200-8"),
   "12b-full-128k-h200": Recipe("141GiB", 8, "h200-8"),
+  "12b-full-256k-h200": Recipe("141GiB", 16, "h200-2x8"),
+  "12b-lora-256k-v6e": Recipe("32GiB", 16, "v6e-16"),
   # An hour of speech a row (90,000 of its 131,072 tokens are audio).
   "e4b-lora-128k-audio-v5e": Recipe("16GiB", 16, "v5e-16", audio_seconds=3600),
   # One GPU: QLoRA at the longest power-of-two row its compiler fits.
